@@ -1,0 +1,18 @@
+"""Checks run in the parent on collected results; each returns CheckResults a person can act on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CheckResult:
+    check: str  # e.g. "equivalence.loss"
+    case_id: str
+    passed: bool
+    message: str  # one line; names the output, the value and the tolerance
+    details: list[str] = field(default_factory=list)  # extra lines (tables) printed under a failure
+
+    @property
+    def status(self) -> str:
+        return "pass" if self.passed else "fail"

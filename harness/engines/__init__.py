@@ -1,0 +1,39 @@
+"""Engines build model chunks + optimizer for a case and run steps; pick one by name or import path."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Callable
+
+from harness.errors import BadInput, MissingDependency
+
+if TYPE_CHECKING:
+    from harness.engines.base import Engine
+    from harness.launch.context import RankContext
+    from harness.spec import Case
+
+BUILTIN = {
+    "mcore": "harness.engines.mcore:McoreEngine",
+}
+
+
+def resolve_factory(name: str) -> Callable[["Case", "RankContext"], "Engine"]:
+    """A built-in engine name or `package.module:factory`; BadInput when it cannot be imported."""
+    target = BUILTIN.get(name, name)
+    if ":" not in target:
+        raise BadInput(f"unknown engine {name!r}; built-in engines: {', '.join(BUILTIN)}, "
+                       "or give an import path package.module:factory")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise MissingDependency(f"engine {name!r}: cannot import {exc.name!r} "
+                                f"(install it, or check PYTHONPATH for {module_name!r})") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise BadInput(f"engine {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def make_engine(case: "Case", ctx: "RankContext") -> "Engine":
+    return resolve_factory(case.engine)(case, ctx)

@@ -1,0 +1,29 @@
+"""Synthetic token batches: one seed gives the same global batch on every layout."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.spec import Case
+
+
+def global_batch(case: Case, step: int) -> torch.Tensor:
+    """[global_batch_size, seq_length + 1] token ids for a training step."""
+    gen = torch.Generator().manual_seed(case.options.seed * 1_000_003 + step)
+    return torch.randint(0, case.model.vocab_size, (case.global_batch_size, case.model.seq_length + 1),
+                         generator=gen)
+
+
+def microbatches(case: Case, step: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
+    """This DP rank's contiguous slice of the global batch, cut into micro-batches."""
+    batch = global_batch(case, step)
+    per_dp = case.global_batch_size // case.layout.dp
+    mine = batch[dp_rank * per_dp:(dp_rank + 1) * per_dp]
+    mbs = case.micro_batch_size
+    seq = case.model.seq_length
+    position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq).contiguous()
+    return [
+        {"tokens": mine[i:i + mbs, :-1].contiguous(), "labels": mine[i:i + mbs, 1:].contiguous(),
+         "position_ids": position_ids}
+        for i in range(0, per_dp, mbs)
+    ]

@@ -1,0 +1,237 @@
+"""The `mcore` engine: GPTModel + megatron DDP + Megatron optimizer, built directly from the case."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from harness.engines import data
+from harness.engines.base import ParamShard, StepOutput, tp_shard
+from harness.launch.context import RankContext
+from harness.platform.parallel import init_parallel_state
+from harness.spec import Case
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def transformer_config(case: Case, on_cpu: bool):
+    """TransformerConfig for the model spec and layout (no dropout: the CPU RNG tracker cannot fork)."""
+    from megatron.core.transformer import TransformerConfig
+
+    m, lay, dtype = case.model, case.layout, _DTYPES[case.options.dtype]
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels, normalization=m.normalization, gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+        virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
+        context_parallel_size=lay.cp, sequence_parallel=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+        use_cpu_initialization=True, perform_initialization=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        # Interleaved PP with batched p2p swaps messages on gloo (MEGATRON_FACTS.md).
+        batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
+    )
+
+
+def layer_spec(on_cpu: bool, normalization: str):
+    """Local spec on CPU ranks; the Transformer Engine spec on GPU when transformer_engine imports."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if not on_cpu:
+        try:
+            import transformer_engine  # noqa: F401
+
+            return specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return specs.get_gpt_layer_local_spec(normalization=normalization)
+
+
+def _full_init(name: str, full_shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Layout-independent initial value of a parameter: a function of its global name only."""
+    gen = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+    return torch.randn(full_shape, generator=gen) * 0.02
+
+
+class McoreEngine:
+    """megatron-core directly: the reference construction path."""
+
+    def __init__(self, case: Case, ctx: RankContext):
+        self.case, self.ctx = case, ctx
+        self.models: list = []
+        self.optimizer = None
+        self.config = None
+
+    # -- build --------------------------------------------------------------------------------
+    def setup_parallel(self) -> None:
+        init_parallel_state(self.case.layout, on_cpu=self.ctx.on_cpu, seed=self.case.options.seed)
+
+    def ddp_config(self):
+        """DDP config from the options the user configured for the case."""
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        o = self.case.options
+        return DistributedDataParallelConfig(
+            grad_reduce_in_fp32=o.grad_reduce_in_fp32, overlap_grad_reduce=o.overlap_grad_reduce,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+        )
+
+    def optimizer_config(self, use_distributed_optimizer: bool):
+        from megatron.core.optimizer import OptimizerConfig
+
+        o = self.case.options
+        return OptimizerConfig(
+            optimizer="adam", lr=o.lr, weight_decay=0.0, clip_grad=1.0,
+            bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=_DTYPES[o.dtype],
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+
+    def build_chunks(self) -> list:
+        """Unwrapped GPTModel chunks of this rank (one per virtual pipeline stage)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.gpt import GPTModel
+
+        self.config = transformer_config(self.case, self.ctx.on_cpu)
+        spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization)
+        vpp = self.case.layout.vpp
+        chunks = []
+        for stage in range(vpp):
+            vp_stage = stage if vpp > 1 else None
+            chunks.append(GPTModel(
+                config=self.config, transformer_layer_spec=spec, vocab_size=self.case.model.vocab_size,
+                max_sequence_length=self.case.model.seq_length,
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=self.case.model.tie_embeddings,
+                position_embedding_type="rope", vp_stage=vp_stage,
+            ))
+        for chunk in chunks:
+            self.reinit(chunk)
+            if not self.ctx.on_cpu:
+                chunk.cuda(torch.cuda.current_device())
+        return chunks
+
+    def wrap(self, chunks: list, ddp_config) -> list:
+        from megatron.core.distributed import DistributedDataParallel
+
+        return [DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c,
+                                        disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+
+    def make_optimizer(self, models: list, use_distributed_optimizer: bool):
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        return get_megatron_optimizer(self.optimizer_config(use_distributed_optimizer), models)
+
+    def build(self) -> None:
+        self.setup_parallel()
+        chunks = self.build_chunks()
+        ddp_config = self.ddp_config()
+        self.models = self.wrap(chunks, ddp_config)
+        self.optimizer = self.make_optimizer(self.models, ddp_config.use_distributed_optimizer)
+        self._wire_config()
+
+    def _wire_config(self) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        cfg = self.config
+        cfg.finalize_model_grads_func = finalize_model_grads
+        no_sync = [m.no_sync for m in self.models]
+        cfg.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if self.models[0].ddp_config.overlap_grad_reduce:
+            grad_sync = [m.start_grad_sync for m in self.models]
+            cfg.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+
+    # -- names and init -----------------------------------------------------------------------
+    @staticmethod
+    def global_names(chunk) -> dict[str, torch.nn.Parameter]:
+        """Parameters of an unwrapped chunk under layout-independent names."""
+        layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
+        out = {}
+        for name, p in chunk.named_parameters():
+            m = _LAYER_RE.match(name)
+            if m:
+                global_idx = layers[int(m.group(1))].layer_number - 1
+                name = f"decoder.layers.{global_idx}." + name[m.end():]
+            if name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
+                name = "embedding.word_embeddings.weight"  # the tied copy on the last stage
+            out[name] = p
+        return out
+
+    def reinit(self, chunk) -> None:
+        """Overwrite every weight matrix from its global name so all layouts start equal."""
+        from megatron.core import parallel_state as ps
+
+        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        with torch.no_grad():
+            for name, p in self.global_names(chunk).items():
+                if p.dim() < 2:
+                    continue  # norms keep their deterministic ones / zeros
+                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                full_shape = list(p.shape)
+                if dim is not None:
+                    full_shape[dim] *= tp
+                full = _full_init(name, tuple(full_shape), self.case.options.seed)
+                if dim is not None:
+                    full = tp_shard(full, dim, tp, tp_rank, self.tp_parts(name))
+                p.copy_(full)
+
+    def tp_parts(self, name: str) -> int:
+        """SwiGLU fc1 holds [gate; up], each block sharded over TP separately."""
+        return 2 if self.case.model.swiglu and name.endswith("mlp.linear_fc1.weight") else 1
+
+    # -- steps --------------------------------------------------------------------------------
+    def forward_step(self, data_iterator, model):
+        mb = next(data_iterator)
+        dev = self.ctx.device
+        output = model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
+        return output, self.loss_func
+
+    @staticmethod
+    def loss_func(output_tensor):
+        """Sum of per-token losses and the token count (megatron normalises by the count)."""
+        loss_sum = output_tensor.float().sum()
+        num_tokens = torch.tensor(output_tensor.numel(), dtype=torch.int, device=output_tensor.device)
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+
+    def train_step(self, step: int) -> StepOutput:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = data.microbatches(self.case, step, ps.get_data_parallel_rank())
+        iters = [iter(mbs) for _ in self.models]
+        for m in self.models:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self.forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.models if len(self.models) > 1 else self.models[0],
+            num_microbatches=len(mbs), seq_length=self.case.model.seq_length,
+            micro_batch_size=self.case.micro_batch_size, forward_only=False,
+        )
+        self.optimizer.step()
+        if not losses:
+            return StepOutput(None, None)
+        total = torch.stack([d["lm loss"] for d in losses]).sum(0)
+        return StepOutput(float(total[0]), int(total[1]))
+
+    # -- outputs ------------------------------------------------------------------------------
+    def param_shards(self) -> list[ParamShard]:
+        from megatron.core import parallel_state as ps
+
+        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        out = []
+        for model in self.models:
+            for name, p in self.global_names(model.module).items():
+                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                out.append(ParamShard(name, p.detach().float().cpu().clone(), dim, tp_rank, tp, self.tp_parts(name)))
+        return out

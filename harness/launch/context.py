@@ -1,0 +1,46 @@
+"""What a rank knows about itself while it runs a case."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.launch.results import RankResult
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str  # gloo | nccl
+    workdir: Path  # per-case scratch directory shared by the ranks of a case on one node
+    result: RankResult = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.result is None:
+            self.result = RankResult(self.rank)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.backend == "gloo"
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Time a phase into result.timings (accumulating) and log its start for hang diagnosis."""
+        self.result.phase = name
+        print(f"[harness] rank {self.rank} phase {name}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.result.timings[name] = self.result.timings.get(name, 0.0) + time.perf_counter() - t0

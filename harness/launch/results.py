@@ -1,0 +1,54 @@
+"""What ranks send back, and what the parent makes of a whole case."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.spec import Case
+
+
+@dataclass
+class RankResult:
+    rank: int
+    ok: bool = True
+    error: str = ""  # traceback text when the rank raised
+    phase: str = ""  # last phase entered
+    timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    data: dict[str, Any] = field(default_factory=dict)  # suite-specific measurements
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    ranks: list[RankResult]
+    status: str  # ok | error | timeout
+    error: str = ""  # one readable paragraph when status != ok
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def timings(self) -> dict[str, float]:
+        """Per-phase seconds, max over ranks (the slowest rank sets the case's pace)."""
+        out: dict[str, float] = {}
+        for r in self.ranks:
+            for k, v in r.timings.items():
+                out[k] = max(out.get(k, 0.0), v)
+        return out
+
+
+def write_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
+
+
+def read(path: Path) -> Any:
+    with open(path, "rb") as f:
+        return pickle.load(f)

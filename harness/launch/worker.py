@@ -1,0 +1,97 @@
+"""Rank entry point: `python -m harness.launch.worker --case-file F --result-dir D` (spawned by the
+runner, or under torchrun with env:// rendezvous). Writes rank<R>.pkl into D and exits."""
+
+import time
+
+_T0 = time.time()  # before the heavy imports: rank start-up = _T0 - spawn time
+
+import argparse  # noqa: E402
+import faulthandler  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from harness.launch.context import RankContext  # noqa: E402
+from harness.launch.results import RankResult, read, write_atomic  # noqa: E402
+from harness.spec import Case  # noqa: E402
+
+
+def init_distributed(ctx: RankContext, timeout_s: float) -> None:
+    """Process group for the rank: a FileStore from the local runner, env:// under torchrun."""
+    import torch
+    import torch.distributed as dist
+
+    if ctx.backend == "nccl":
+        torch.cuda.set_device(ctx.local_rank)
+    else:
+        from harness.platform import cpu_layer
+
+        cpu_layer.activate()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))))
+    timeout = timedelta(seconds=timeout_s)
+    store_path = os.environ.get("HARNESS_STORE")
+    if store_path:
+        store = dist.FileStore(store_path, ctx.world_size)
+        dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(ctx.backend, init_method="env://", rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+
+
+def shutdown_distributed(ctx: RankContext) -> None:
+    import torch.distributed as dist
+
+    from harness.platform import cpu_layer
+    from harness.platform.parallel import teardown_parallel_state
+
+    teardown_parallel_state()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    cpu_layer.deactivate()
+
+
+def run_rank(case: Case, ctx: RankContext) -> RankResult:
+    """Run the case's suite work on this rank; never raises (errors go into the result)."""
+    result = ctx.result
+    try:
+        with ctx.phase("imports"):
+            import torch  # noqa: F401
+            import megatron.core  # noqa: F401
+
+            from harness.suites import get_suite
+        with ctx.phase("init"):
+            init_distributed(ctx, case.timeout_s)
+        suite = get_suite(case.suite)
+        result.data = suite.rank_work(case, ctx) or {}
+        with ctx.phase("teardown"):
+            shutdown_distributed(ctx)
+    except BaseException:  # noqa: BLE001 - a rank reports everything, including SystemExit
+        result.ok = False
+        result.error = traceback.format_exc()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--case-file", required=True, type=Path)
+    parser.add_argument("--result-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the runner asks hung ranks for stacks
+
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    case: Case = read(args.case_file)
+    ctx = RankContext(rank, world_size, int(os.environ.get("LOCAL_RANK", rank)), case.backend, args.result_dir)
+    ctx.result.timings["rank_start"] = max(0.0, _T0 - float(os.environ.get("HARNESS_SPAWN_T", _T0)))
+    result = run_rank(case, ctx)
+    write_atomic(args.result_dir / f"rank{rank}.pkl", result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: atexit hooks of torch / megatron can block once peers are gone.
+    os._exit(0 if result.ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Which TP x PP x CP x DP layouts a model admits on a world size, and why a layout is refused."""
+
+from __future__ import annotations
+
+from harness.errors import BadInput
+from harness.spec import Layout, ModelSpec
+
+
+def violations(layout: Layout, model: ModelSpec, world_size: int | None = None,
+               global_batch_size: int | None = None, micro_batch_size: int | None = None) -> list[str]:
+    """Every constraint the layout breaks for this model (empty: valid)."""
+    out: list[str] = []
+    tp, pp, cp, dp, vpp = layout.tp, layout.pp, layout.cp, layout.dp, layout.vpp
+    if world_size is not None and layout.world_size != world_size:
+        out.append(f"tp*pp*cp*dp = {layout.world_size} != world size {world_size}")
+    checks = [
+        (model.num_attention_heads % tp, f"num_attention_heads={model.num_attention_heads} not divisible by tp={tp}"),
+        (model.num_query_groups % tp, f"num_query_groups={model.num_query_groups} not divisible by tp={tp}"),
+        (model.vocab_size % tp, f"vocab_size={model.vocab_size} not divisible by tp={tp}"),
+        (model.ffn_hidden_size % tp, f"ffn_hidden_size={model.ffn_hidden_size} not divisible by tp={tp}"),
+        (model.num_layers % (pp * vpp),
+         f"num_layers={model.num_layers} not divisible by pp*vpp={pp * vpp}"),
+        (cp > 1 and model.seq_length % (2 * cp),
+         f"seq_length={model.seq_length} not divisible by 2*cp={2 * cp} (zigzag CP split)"),
+        (vpp > 1 and pp == 1, f"vpp={vpp} needs pp > 1 (interleaved pipeline)"),
+    ]
+    out += [msg for bad, msg in checks if bad]
+    gbs = global_batch_size or model.global_batch_size
+    mbs = micro_batch_size or model.micro_batch_size
+    if gbs % (mbs * dp):
+        out.append(f"global_batch_size={gbs} not divisible by micro_batch_size*dp={mbs * dp}")
+    return out
+
+
+def validate(layout: Layout, model: ModelSpec, world_size: int | None = None, **batch) -> Layout:
+    """The layout itself, or BadInput naming every violated constraint."""
+    bad = violations(layout, model, world_size, **batch)
+    if bad:
+        raise BadInput(f"layout {layout.id} is invalid for model {model.name}: " + "; ".join(bad))
+    return layout
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(model: ModelSpec, world_size: int, **batch) -> list[Layout]:
+    """Every valid non-interleaved layout of world_size for the model, ordered by (tp, pp, cp)."""
+    if world_size < 1:
+        raise BadInput(f"world size must be >= 1, got {world_size}")
+    found = []
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            for cp in _divisors(world_size // (tp * pp)):
+                layout = Layout(tp, pp, cp, world_size // (tp * pp * cp))
+                if not violations(layout, model, world_size, **batch):
+                    found.append(layout)
+    return found

@@ -1,0 +1,34 @@
+"""Reference model configs, one TOML data file per model in this folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from functools import cache
+from pathlib import Path
+
+from harness.errors import BadInput
+from harness.spec import ModelSpec
+
+_DIR = Path(__file__).parent
+
+
+def known_models() -> list[str]:
+    return sorted((p.stem for p in _DIR.glob("*.toml")), key=lambda n: (not n.isalpha(), n))
+
+
+@cache
+def load_model(name: str) -> ModelSpec:
+    """The ModelSpec of a known model; BadInput listing the known ones otherwise."""
+    path = _DIR / f"{name}.toml"
+    if not name or "/" in name or not path.is_file():
+        raise BadInput(f"unknown model {name!r}; known models: {', '.join(known_models())}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise BadInput(f"model file {path} is not valid TOML: {exc}") from exc
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = set(data) - fields
+    if unknown:
+        raise BadInput(f"model file {path} has unknown keys {sorted(unknown)}; allowed: {sorted(fields - {'name'})}")
+    return ModelSpec(name=name, **data)

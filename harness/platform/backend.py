@@ -1,0 +1,56 @@
+"""Which collective backend and device a rank uses, and the platform key baselines are filed under."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from harness.errors import BadInput
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class Platform:
+    backend: str  # gloo | nccl
+    device: str  # cpu | cuda
+    device_name: str  # e.g. "cpu", "NVIDIA H100 80GB HBM3"
+
+    @property
+    def key(self) -> str:
+        """Baseline platform key: cpu-gloo, nccl-h100-80gb, ..."""
+        if self.backend == "gloo":
+            return "cpu-gloo"
+        name = self.device_name.lower().replace("nvidia", "")
+        m = re.search(r"([a-z]\d{2,4})\D*?(\d+)\s*gb", name)
+        slug = f"{m.group(1)}-{m.group(2)}gb" if m else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+        return f"nccl-{slug}"
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_backend(requested: str, world_size: int | None = None) -> str:
+    """auto -> nccl when there are GPUs enough for one rank each, else gloo."""
+    if requested not in BACKENDS:
+        raise BadInput(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+    gpus = cuda_device_count()
+    if requested == "auto":
+        return "nccl" if gpus and (world_size is None or world_size <= gpus) else "gloo"
+    if requested == "nccl" and world_size is not None and world_size > gpus:
+        raise BadInput(
+            f"backend nccl needs one GPU per rank: world size {world_size} but {gpus} GPU(s) visible; "
+            "use --backend gloo or a smaller --world-size"
+        )
+    return requested
+
+
+def detect_platform(backend: str) -> Platform:
+    if backend == "nccl":
+        import torch
+
+        return Platform("nccl", "cuda", torch.cuda.get_device_name(0))
+    return Platform("gloo", "cpu", "cpu")

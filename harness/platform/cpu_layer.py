@@ -1,0 +1,173 @@
+"""The CPU layer: what megatron-core assumes about CUDA, provided on CPU tensors for gloo ranks.
+
+Every patched point is listed in PATCHED_POINTS and has a unit test in tests/test_cpu_layer.py.
+It is installed only inside CPU-tier rank processes (never when CUDA is in use) and removed by
+`deactivate()`, so a rank can be reused and tests can check that nothing leaks.
+
+Patched points (see ../shared/design/MEGATRON_FACTS.md):
+- torch.cuda.current_device() -> 0; device ordinals and 'cuda' devices are rewritten to 'cpu'
+  by a TorchFunctionMode, so `device=torch.cuda.current_device()`, `device='cuda'`, `.cuda()`
+  and `.to('cuda')` all land on the CPU.
+- pin_memory=True and Tensor.pin_memory() need a driver -> dropped.
+- Tensor.type() without arguments reports the CUDA type name ('torch.cuda.FloatTensor'), which
+  megatron's optimizers check parameters against.
+- torch.cuda.synchronize, Stream, Event, current_stream, default_stream, stream -> no-ops.
+- RNG: model_parallel_cuda_manual_seed needs CUDA; `seed_rng` installs megatron's inference RNG
+  tracker (its fork is a no-op, so dropout must stay 0) and seeds torch's CPU generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+PATCHED_POINTS = (
+    "torch.cuda.current_device",
+    "torch.cuda.synchronize",
+    "torch.cuda.Stream",
+    "torch.cuda.Event",
+    "torch.cuda.current_stream",
+    "torch.cuda.default_stream",
+    "torch.cuda.stream",
+    "device= keyword (cuda / ordinal -> cpu)",
+    "pin_memory= keyword",
+    "Tensor.cuda",
+    "Tensor.to",
+    "Tensor.pin_memory",
+    "Tensor.type",
+    "megatron RNG tracker (seed_rng)",
+)
+
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(d: Any) -> bool:
+    if isinstance(d, bool):
+        return False
+    if isinstance(d, int):
+        return True  # a bare ordinal means a CUDA device
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    return isinstance(d, torch.device) and d.type == "cuda"
+
+
+class _FakeStream:
+    """Stands in for torch.cuda.Stream / Event: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _FakeStream()
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class CpuDeviceMode(TorchFunctionMode):
+    """Rewrites CUDA placements to the CPU for every torch call made while it is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to:
+            args = tuple(_CPU if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class CpuLayer:
+    """Install / remove the CPU layer in this process; one instance per process."""
+
+    def __init__(self) -> None:
+        self._saved: dict[str, Any] = {}
+        self._mode: CpuDeviceMode | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def activate(self) -> None:
+        if self.active:
+            return
+        if torch.cuda.is_available():
+            raise RuntimeError("the CPU layer must not be installed in a process that uses CUDA")
+        replacements = {
+            "current_device": lambda: 0,
+            "synchronize": lambda *a, **k: None,
+            "Stream": _FakeStream,
+            "Event": _FakeStream,
+            "current_stream": lambda *a, **k: _FakeStream(),
+            "default_stream": lambda *a, **k: _FakeStream(),
+            "stream": lambda *a, **k: contextlib.nullcontext(),
+        }
+        for name, value in replacements.items():
+            self._saved[name] = getattr(torch.cuda, name)
+            setattr(torch.cuda, name, value)
+        self._mode = CpuDeviceMode()
+        self._mode.__enter__()
+
+    def deactivate(self) -> None:
+        if not self.active:
+            return
+        assert self._mode is not None
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+        for name, value in self._saved.items():
+            setattr(torch.cuda, name, value)
+        self._saved.clear()
+
+
+_LAYER = CpuLayer()
+
+
+def activate() -> None:
+    _LAYER.activate()
+
+
+def deactivate() -> None:
+    _LAYER.deactivate()
+
+
+def is_active() -> bool:
+    return _LAYER.active
+
+
+def seed_rng(seed: int, on_cpu: bool) -> None:
+    """Seed torch and megatron's model-parallel RNG tracker (CPU: the no-op inference tracker)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.manual_seed(seed)
+    if on_cpu:
+        mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    else:
+        mp_random.initialize_rng_tracker(force_reset=True)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,139 @@
+"""What a case is: a model spec, a layout, an engine and options."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from harness.errors import BadInput
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-like decoder, as data (see harness/models/*.toml)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    seq_length: int
+    tie_embeddings: bool = True
+    normalization: str = "RMSNorm"
+    swiglu: bool = True
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    tier: str = "cpu"
+    description: str = ""
+
+    @property
+    def kv_channels(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_params(self) -> int:
+        """Parameter count of the whole model (no TP padding)."""
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        kv = self.kv_channels * self.num_query_groups
+        attn = h * (h + 2 * kv) + h * h
+        mlp = h * f * (3 if self.swiglu else 2)
+        norms = 2 * h * (1 if self.normalization == "RMSNorm" else 2)
+        embed = self.vocab_size * h
+        output = 0 if self.tie_embeddings else self.vocab_size * h
+        final_norm = h * (1 if self.normalization == "RMSNorm" else 2)
+        return embed + output + L * (attn + mlp + norms) + final_norm
+
+
+_LAYOUT_RE = re.compile(r"^tp(\d+)-pp(\d+)-cp(\d+)-dp(\d+)(?:-vpp(\d+))?$")
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """A TP x PP x CP x DP factorisation of the world; vpp > 1 means interleaved pipeline stages."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    vpp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def id(self) -> str:
+        base = f"tp{self.tp}-pp{self.pp}-cp{self.cp}-dp{self.dp}"
+        return base + (f"-vpp{self.vpp}" if self.vpp > 1 else "")
+
+    def __str__(self) -> str:
+        return self.id
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        m = _LAYOUT_RE.match(text.strip())
+        if not m:
+            raise BadInput(
+                f"layout {text!r} is not of the form tpT-ppP-cpC-dpD[-vppV] (e.g. tp2-pp1-cp1-dp2)"
+            )
+        tp, pp, cp, dp = (int(g) for g in m.groups()[:4])
+        vpp = int(m.group(5) or 1)
+        if min(tp, pp, cp, dp, vpp) < 1:
+            raise BadInput(f"layout {text!r}: every size must be >= 1")
+        return cls(tp, pp, cp, dp, vpp)
+
+
+@dataclass(frozen=True)
+class CaseOptions:
+    """What the user configures for a case; expected plans are derived from these, never from engine objects."""
+
+    steps: int = 2
+    seed: int = 1234
+    dtype: str = "fp32"
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    grad_reduce_in_fp32: bool = False
+    lr: float = 1e-3
+    global_batch_size: int | None = None  # None: the model spec's
+    micro_batch_size: int | None = None
+
+    def short(self) -> str:
+        """Non-default options as a compact id fragment."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value != f.default:
+                parts.append(f"{f.name}={value}")
+        return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One unit of work: a model on a layout through an engine, run on layout.world_size ranks."""
+
+    suite: str
+    model: ModelSpec
+    layout: Layout
+    engine: str = "mcore"
+    options: CaseOptions = field(default_factory=CaseOptions)
+    backend: str = "gloo"
+    timeout_s: float = 300.0
+
+    @property
+    def id(self) -> str:
+        opts = self.options.short()
+        return f"{self.suite}/{self.engine}/{self.model.name}/{self.layout.id}" + (f"[{opts}]" if opts else "")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.options.global_batch_size or self.model.global_batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.options.micro_batch_size or self.model.micro_batch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.layout.dp)

@@ -1,0 +1,134 @@
+"""`equivalence`: the same training steps on different layouts give the same losses and parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.checks import CheckResult
+from harness.checks.tensors import assemble, max_abs, rel_error
+from harness.engines import make_engine
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.layouts import enumerate_layouts, validate
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
+
+# fp32 on CPU: different reduction orders across layouts differ at ~1e-7; 1e-5 leaves headroom
+# while a skipped reduction or a wrong shard shows up at >= 1e-3.
+LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
+PARAM_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
+# Copies of one shard (DP replicas, tied embedding copies) must stay bit-identical.
+REPLICA_ATOL = 0.0
+
+
+def step_losses(result: CaseResult) -> list[float]:
+    """Global per-token mean loss per step, from the last-stage, TP-rank-0 ranks."""
+    sums: dict[int, list[float]] = {}
+    for r in result.ranks:
+        c = r.data.get("coords", {})
+        if not c.get("last_stage") or c.get("tp") != 0:
+            continue
+        for i, out in enumerate(r.data.get("steps", [])):
+            if out.loss_sum is None:
+                continue
+            acc = sums.setdefault(i, [0.0, 0.0])
+            acc[0] += out.loss_sum
+            acc[1] += out.num_tokens
+    return [s / n for _, (s, n) in sorted(sums.items())]
+
+
+class EquivalenceSuite:
+    name = "equivalence"
+
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+        """The pure-DP reference first, then every other layout (default: all valid CP=1 layouts)."""
+        reference = Layout(dp=world_size)
+        if layouts is None:
+            layouts = [lay for lay in enumerate_layouts(model, world_size) if lay.cp == 1 and lay != reference]
+        batch = dict(global_batch_size=options.global_batch_size, micro_batch_size=options.micro_batch_size)
+        for lay in [reference, *layouts]:
+            validate(lay, model, world_size, **batch)
+        ordered = [reference] + [lay for lay in layouts if lay != reference]
+        return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]
+
+    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+        from harness.suites import layout_coords
+
+        engine = make_engine(case, ctx)
+        with ctx.phase("build"):
+            engine.build()
+        steps = []
+        for step in range(case.options.steps):
+            with ctx.phase("steps"):
+                steps.append(engine.train_step(step))
+        with ctx.phase("collect"):
+            shards = engine.param_shards()
+        return {"coords": layout_coords(), "steps": steps, "params": shards}
+
+    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+        if not results:
+            return []
+        ref = results[0]
+        out: list[CheckResult] = []
+        ref_losses = step_losses(ref) if ref.ok else []
+        ref_params = assemble([r.data["params"] for r in ref.ranks]) if ref.ok else None
+        for res in results:
+            cid = res.case.id
+            if not res.ok:
+                out.append(CheckResult("equivalence.run", cid, False, res.error.splitlines()[0] if res.error else "failed",
+                                       res.error.splitlines()[1:]))
+                continue
+            full = assemble([r.data["params"] for r in res.ranks])
+            out.append(self._check_replicas(cid, full.replica_spread))
+            if res is ref:
+                continue
+            if ref_params is None:
+                out.append(CheckResult("equivalence.loss", cid, False, f"reference {ref.case.layout.id} did not run"))
+                continue
+            dtype = res.case.options.dtype
+            out.append(self._check_losses(res, ref, step_losses(res), ref_losses, LOSS_RTOL[dtype]))
+            out.append(self._check_params(res, ref, full.tensors, ref_params.tensors, PARAM_RTOL[dtype]))
+        return out
+
+    @staticmethod
+    def _check_replicas(cid: str, spread: dict[str, float]) -> CheckResult:
+        bad = {n: s for n, s in spread.items() if s > REPLICA_ATOL}
+        if not bad:
+            return CheckResult("equivalence.replicas", cid, True, f"{len(spread)} params identical across replicas")
+        worst = max(bad, key=bad.get)
+        return CheckResult("equivalence.replicas", cid, False,
+                           f"{len(bad)} params differ across DP/tied replicas; worst {worst}: max abs {bad[worst]:.3g}",
+                           [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())])
+
+    @staticmethod
+    def _check_losses(res, ref, losses, ref_losses, rtol) -> CheckResult:
+        cid, lay, rlay = res.case.id, res.case.layout.id, ref.case.layout.id
+        if len(losses) != len(ref_losses):
+            return CheckResult("equivalence.loss", cid, False,
+                               f"{lay} reported {len(losses)} step losses, {rlay} {len(ref_losses)}")
+        errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
+        rows = [f"  step {i}: {lay} {a:.8f}  {rlay} {b:.8f}  rel {e:.2e}"
+                for i, (a, b, e) in enumerate(zip(losses, ref_losses, errs))]
+        worst = max(range(len(errs)), key=errs.__getitem__)
+        ok = errs[worst] <= rtol
+        msg = (f"loss step {worst}: {lay} {losses[worst]:.8f} vs {rlay} {ref_losses[worst]:.8f}, "
+               f"rel diff {errs[worst]:.2e} {'<=' if ok else '>'} {rtol:.0e}")
+        return CheckResult("equivalence.loss", cid, ok, msg, rows)
+
+    @staticmethod
+    def _check_params(res, ref, params, ref_params, rtol) -> CheckResult:
+        cid, lay, rlay = res.case.id, res.case.layout.id, ref.case.layout.id
+        missing = sorted(set(ref_params) ^ set(params))
+        if missing:
+            return CheckResult("equivalence.params", cid, False,
+                               f"parameter names differ between {lay} and {rlay}: {missing[:5]}")
+        errs = {n: rel_error(params[n], ref_params[n]) for n in ref_params}
+        bad = sorted((n for n in errs if errs[n] > rtol), key=lambda n: -errs[n])
+        worst = max(errs, key=errs.get)
+        if not bad:
+            return CheckResult("equivalence.params", cid, True,
+                               f"{len(errs)} params equal to {rlay}; worst {worst} rel {errs[worst]:.2e} <= {rtol:.0e}")
+        rows = [f"  {n}: rel {errs[n]:.2e}, max abs {max_abs(params[n], ref_params[n]):.3g}" for n in bad]
+        return CheckResult("equivalence.params", cid, False,
+                           f"{len(bad)}/{len(errs)} params differ from {rlay} after {res.case.options.steps} steps; "
+                           f"worst {bad[0]}: rel {errs[bad[0]]:.2e} > {rtol:.0e}", rows)
