@@ -12,6 +12,7 @@ class CheckResult:
     passed: bool
     message: str  # one line; names the output, the value and the tolerance
     details: list[str] = field(default_factory=list)  # extra lines (tables) printed under a failure
+    value: float | None = None  # the figure the check judged (worst error, peak, ...) for tables
 
     @property
     def status(self) -> str:

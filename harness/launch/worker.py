@@ -57,13 +57,17 @@ def run_rank(case: Case, ctx: RankContext) -> RankResult:
     result = ctx.result
     try:
         with ctx.phase("imports"):
+            import importlib
+
             import torch  # noqa: F401
-            import megatron.core  # noqa: F401
 
             from harness.suites import get_suite
+
+            suite = get_suite(case.suite)
+            for module in suite.imports:
+                importlib.import_module(module)
         with ctx.phase("init"):
             init_distributed(ctx, case.timeout_s)
-        suite = get_suite(case.suite)
         result.data = suite.rank_work(case, ctx) or {}
         with ctx.phase("teardown"):
             shutdown_distributed(ctx)

@@ -14,7 +14,8 @@ _DIR = Path(__file__).parent
 
 
 def known_models() -> list[str]:
-    return sorted((p.stem for p in _DIR.glob("*.toml")), key=lambda n: (not n.isalpha(), n))
+    """Model names, smallest first."""
+    return sorted((p.stem for p in _DIR.glob("*.toml")), key=lambda n: load_model(n).num_params())
 
 
 @cache

@@ -22,6 +22,8 @@ PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 
 class Suite(Protocol):
     name: str
+    imports: tuple[str, ...]  # modules a rank imports in its timed "imports" phase
+
 
     def cases(self, model: "ModelSpec", world_size: int, layouts: list["Layout"] | None, *,
               engine: str, backend: str, options: "CaseOptions") -> list["Case"]: ...
@@ -30,14 +32,23 @@ class Suite(Protocol):
 
     def check(self, results: list["CaseResult"]) -> list["CheckResult"]: ...
 
+    def metrics(self, result: "CaseResult") -> dict[str, Any]:
+        """Suite-specific figures of a case for results.json and the printed table."""
+        ...
+
 
 def get_suite(name: str) -> Suite:
+    """A suite by contract name, or by import path `package.module:Class` (tests plant fake suites)."""
     if name in PLANNED and name not in SUITES:
         raise BadInput(f"suite {name!r} is not implemented yet; available: {', '.join(SUITES)}")
-    if name not in SUITES:
+    target = SUITES.get(name, name)
+    if ":" not in target:
         raise BadInput(f"unknown suite {name!r}; available: {', '.join(SUITES)}")
-    module, _, attr = SUITES[name].partition(":")
-    return getattr(importlib.import_module(module), attr)()
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)()
+    except (ImportError, AttributeError) as exc:
+        raise BadInput(f"suite {name!r} cannot be loaded: {exc}") from exc
 
 
 def layout_coords() -> dict[str, int]:

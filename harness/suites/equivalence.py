@@ -38,6 +38,11 @@ def step_losses(result: CaseResult) -> list[float]:
 
 class EquivalenceSuite:
     name = "equivalence"
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+               "megatron.core.optimizer", "megatron.core.pipeline_parallel")
+
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
+        return {"losses": step_losses(result)} if result.ok else {}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
@@ -94,11 +99,12 @@ class EquivalenceSuite:
     def _check_replicas(cid: str, spread: dict[str, float]) -> CheckResult:
         bad = {n: s for n, s in spread.items() if s > REPLICA_ATOL}
         if not bad:
-            return CheckResult("equivalence.replicas", cid, True, f"{len(spread)} params identical across replicas")
+            return CheckResult("equivalence.replicas", cid, True, f"{len(spread)} params identical across replicas",
+                               value=0.0)
         worst = max(bad, key=bad.get)
         return CheckResult("equivalence.replicas", cid, False,
                            f"{len(bad)} params differ across DP/tied replicas; worst {worst}: max abs {bad[worst]:.3g}",
-                           [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())])
+                           [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())], value=bad[worst])
 
     @staticmethod
     def _check_losses(res, ref, losses, ref_losses, rtol) -> CheckResult:
@@ -113,7 +119,7 @@ class EquivalenceSuite:
         ok = errs[worst] <= rtol
         msg = (f"loss step {worst}: {lay} {losses[worst]:.8f} vs {rlay} {ref_losses[worst]:.8f}, "
                f"rel diff {errs[worst]:.2e} {'<=' if ok else '>'} {rtol:.0e}")
-        return CheckResult("equivalence.loss", cid, ok, msg, rows)
+        return CheckResult("equivalence.loss", cid, ok, msg, rows, value=errs[worst])
 
     @staticmethod
     def _check_params(res, ref, params, ref_params, rtol) -> CheckResult:
@@ -127,8 +133,9 @@ class EquivalenceSuite:
         worst = max(errs, key=errs.get)
         if not bad:
             return CheckResult("equivalence.params", cid, True,
-                               f"{len(errs)} params equal to {rlay}; worst {worst} rel {errs[worst]:.2e} <= {rtol:.0e}")
+                               f"{len(errs)} params equal to {rlay}; worst {worst} rel {errs[worst]:.2e} <= {rtol:.0e}",
+                               value=errs[worst])
         rows = [f"  {n}: rel {errs[n]:.2e}, max abs {max_abs(params[n], ref_params[n]):.3g}" for n in bad]
         return CheckResult("equivalence.params", cid, False,
                            f"{len(bad)}/{len(errs)} params differ from {rlay} after {res.case.options.steps} steps; "
-                           f"worst {bad[0]}: rel {errs[bad[0]]:.2e} > {rtol:.0e}", rows)
+                           f"worst {bad[0]}: rel {errs[bad[0]]:.2e} > {rtol:.0e}", rows, value=errs[bad[0]])

@@ -1,0 +1,76 @@
+"""Run a suite: build its cases (validating all input first), run them one by one, judge them."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from harness.checks import CheckResult
+from harness.errors import BadInput
+from harness.launch import CaseResult, run_case
+from harness.layouts import validate
+from harness.models import load_model
+from harness.platform import resolve_backend
+from harness.spec import CaseOptions, Layout
+from harness.suites import Suite, get_suite
+
+
+@dataclass
+class SuiteRun:
+    suite: Suite
+    model: str
+    world_size: int
+    backend: str
+    engine: str
+    results: list[CaseResult] = field(default_factory=list)
+    checks: list[CheckResult] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(r.ok for r in self.results) and all(c.passed for c in self.checks)
+
+
+def plan(suite_name: str, model_name: str, world_size: int, layout_ids: list[str] | None = None, *,
+         engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
+         timeout_s: float | None = None):
+    """(suite, cases) or BadInput, before anything runs or is written."""
+    suite = get_suite(suite_name)
+    model = load_model(model_name)
+    if world_size < 1:
+        raise BadInput(f"--world-size must be >= 1, got {world_size}")
+    backend = resolve_backend(backend, world_size)
+    if engine != "mcore":
+        from harness.engines import resolve_factory
+
+        resolve_factory(engine)  # fail fast in the parent on a bad import path
+    batch = dict(global_batch_size=options.global_batch_size, micro_batch_size=options.micro_batch_size)
+    layouts = None
+    if layout_ids:
+        layouts = [validate(Layout.parse(i), model, world_size, **batch) for i in layout_ids]
+    cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options)
+    if timeout_s is not None:
+        import dataclasses
+
+        cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
+    return suite, cases
+
+
+def run_suite(suite_name: str, model_name: str, world_size: int, layout_ids: list[str] | None = None, *,
+              engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
+              timeout_s: float | None = None, progress: Callable[[str], None] | None = None) -> SuiteRun:
+    suite, cases = plan(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
+                        options=options, timeout_s=timeout_s)
+    say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    run = SuiteRun(suite, model_name, world_size, cases[0].backend if cases else backend, engine)
+    t0 = time.monotonic()
+    for i, case in enumerate(cases, 1):
+        say(f"[{i}/{len(cases)}] {case.id} ...")
+        result = run_case(case)
+        run.results.append(result)
+        say(f"[{i}/{len(cases)}] {case.id} {result.status} in {result.wall_s:.1f}s")
+    run.checks = suite.check(run.results)
+    run.wall_s = time.monotonic() - t0
+    return run

@@ -1,0 +1,142 @@
+"""Turn a SuiteRun into the printed table and DIR/results.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from harness.driver import SuiteRun
+from harness.platform import detect_platform
+
+TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "teardown")
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for dist in ("torch", "megatron-core", "transformer-engine", "megatron-bridge", "mbridge"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    out["harness"] = metadata.version("megatron-regression-harness") if _installed() else "src"
+    commit = _git_commit()
+    if commit:
+        out["harness_commit"] = commit
+    return out
+
+
+def _installed() -> bool:
+    try:
+        metadata.version("megatron-regression-harness")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _fmt_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(header, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def format_run(run: SuiteRun) -> str:
+    """The human report: per-case verdict and suite figures, phase timings, then every failure."""
+    out = [f"== {run.suite.name}: model {run.model}, world size {run.world_size}, backend {run.backend}, "
+           f"engine {run.engine}"]
+    by_case: dict[str, list] = {}
+    for c in run.checks:
+        by_case.setdefault(c.case_id, []).append(c)
+    metric_keys: list[str] = []
+    metrics = {}
+    for r in run.results:
+        m = run.suite.metrics(r) or {}
+        metrics[r.case.id] = m
+        for k in m:
+            if k not in metric_keys:
+                metric_keys.append(k)
+    check_cols: list[str] = []
+    for c in run.checks:
+        col = c.check.split(".", 1)[-1]
+        if c.value is not None and col not in check_cols:
+            check_cols.append(col)
+    rows = []
+    for r in run.results:
+        checks = by_case.get(r.case.id, [])
+        values = {c.check.split(".", 1)[-1]: c.value for c in checks if c.value is not None}
+        verdict = r.status if not r.ok else ("pass" if all(c.passed for c in checks) else "FAIL")
+        row = [r.case.layout.id, r.case.options.short() or "-"]
+        for k in metric_keys:
+            v = metrics[r.case.id].get(k)
+            row.append(" ".join(f"{x:.6f}" for x in v) if isinstance(v, list) else ("-" if v is None else str(v)))
+        row += [f"{values[k]:.2e}" if k in values else "-" for k in check_cols]
+        failing = [c.check.split(".")[-1] for c in checks if not c.passed]
+        row += [verdict, ",".join(failing) or "-"]
+        rows.append(row)
+    out.append(_fmt_table(["layout", "options", *metric_keys, *check_cols, "verdict", "failed checks"], rows))
+    out.append("")
+    out.append("phase timings (s, slowest rank):")
+    trows = []
+    for r in run.results:
+        t = r.timings()
+        trows.append([r.case.layout.id, *(f"{t[p]:.2f}" if p in t else "-" for p in TIMING_PHASES), f"{r.wall_s:.1f}"])
+    out.append(_fmt_table(["layout", *TIMING_PHASES, "wall"], trows))
+    failures = [c for c in run.checks if not c.passed]
+    if failures:
+        out.append("")
+        out.append("failures:")
+        for c in failures:
+            out.append(f"FAIL {c.check} {c.case_id}: {c.message}")
+            out += [f"    {d}" for d in c.details[:20]]
+            if len(c.details) > 20:
+                out.append(f"    ... {len(c.details) - 20} more")
+    n_pass = sum(c.passed for c in run.checks)
+    out.append("")
+    out.append(f"{run.suite.name}: {n_pass} checks passed, {len(run.checks) - n_pass} failed "
+               f"({len(run.results)} cases, {run.wall_s:.1f}s)")
+    return "\n".join(out)
+
+
+def to_json(run: SuiteRun) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {
+        "suite": run.suite.name, "model": run.model, "world_size": run.world_size, "engine": run.engine,
+        "platform": detect_platform(run.backend).key, "versions": versions(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
+        "passed": run.passed,
+        "cases": [
+            {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
+             "status": r.status, "error": r.error, "wall_s": r.wall_s, "timings": r.timings(),
+             "rank_timings": {str(x.rank): x.timings for x in r.ranks},
+             "metrics": run.suite.metrics(r) or {}}
+            for r in run.results
+        ],
+        "checks": [asdict(c) for c in run.checks],
+    }
+
+
+def write_results(run: SuiteRun, out_dir: Path) -> Path:
+    """DIR/results.json, written atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".results.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(to_json(run), f, indent=2, default=str)
+    os.replace(tmp, path)
+    return path
