@@ -1,0 +1,152 @@
+"""Each point the CPU layer patches, checked on its own; and that removing it leaves nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.platform import cpu_layer
+
+
+@pytest.fixture
+def layer():
+    cpu_layer.activate()
+    try:
+        yield
+    finally:
+        cpu_layer.deactivate()
+
+
+# One test per entry of cpu_layer.PATCHED_POINTS (test_every_point_is_tested keeps them in step).
+COVERED = {}
+
+
+def covers(point):
+    def mark(fn):
+        COVERED[point] = fn.__name__
+        return fn
+    return mark
+
+
+@covers("torch.cuda.current_device")
+def test_current_device_places_on_cpu(layer):
+    assert torch.cuda.current_device() == 0
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+@covers("device= keyword (cuda / ordinal -> cpu)")
+def test_cuda_device_keyword_is_rewritten(layer):
+    for dev in ("cuda", "cuda:0", 0, torch.device("cuda", 0)):
+        assert torch.zeros(3, device=dev).device.type == "cpu", dev
+    assert torch.tensor([1.0], device="cuda").device.type == "cpu"
+    assert torch.ones(2).new_zeros(2, device="cuda").device.type == "cpu"
+
+
+@covers("pin_memory= keyword")
+def test_pin_memory_keyword_is_dropped(layer):
+    assert torch.empty(4, pin_memory=True).device.type == "cpu"
+
+
+@covers("Tensor.cuda")
+def test_tensor_cuda_is_identity(layer):
+    t = torch.ones(2)
+    assert t.cuda() is t
+    assert t.cuda(0) is t
+
+
+@covers("Tensor.to")
+def test_tensor_to_cuda_stays_on_cpu(layer):
+    t = torch.ones(2)
+    assert t.to("cuda").device.type == "cpu"
+    assert t.to(0).device.type == "cpu"
+    assert t.to(device="cuda").device.type == "cpu"
+    half = t.to("cuda", torch.float16)
+    assert half.device.type == "cpu" and half.dtype == torch.float16
+    assert t.to(torch.float64).dtype == torch.float64  # non-device uses untouched
+
+
+@covers("Tensor.pin_memory")
+def test_tensor_pin_memory_is_identity(layer):
+    t = torch.ones(2)
+    assert t.pin_memory() is t
+
+
+@covers("Tensor.type")
+def test_tensor_type_reports_cuda_names(layer):
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.nn.Parameter(torch.ones(1).half()).type() == "torch.cuda.HalfTensor"
+    assert torch.ones(1).type(torch.float64).dtype == torch.float64  # conversion still works
+
+
+@covers("torch.cuda.synchronize")
+def test_synchronize_is_noop(layer):
+    assert torch.cuda.synchronize() is None
+
+
+@covers("torch.cuda.Stream")
+def test_stream_objects_are_inert(layer):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    s.synchronize()
+
+
+@covers("torch.cuda.Event")
+def test_event_objects_are_inert(layer):
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    e.synchronize()
+    assert e.query()
+
+
+@covers("torch.cuda.current_stream")
+def test_current_stream(layer):
+    torch.cuda.current_stream().wait_event(torch.cuda.Event())
+
+
+@covers("torch.cuda.default_stream")
+def test_default_stream(layer):
+    torch.cuda.default_stream().synchronize()
+
+
+@covers("torch.cuda.stream")
+def test_stream_context(layer):
+    with torch.cuda.stream(torch.cuda.Stream()):
+        x = torch.ones(1, device="cuda")
+    assert x.device.type == "cpu"
+
+
+@covers("megatron RNG tracker (seed_rng)")
+def test_seed_rng_installs_forkless_tracker(layer):
+    from megatron.core.tensor_parallel import random as mp_random
+
+    cpu_layer.seed_rng(7, on_cpu=True)
+    a = torch.rand(3)
+    with mp_random.get_cuda_rng_tracker().fork():  # no CUDA RNG: a no-op on CPU ranks
+        pass
+    cpu_layer.seed_rng(7, on_cpu=True)
+    assert torch.equal(a, torch.rand(3))
+    mp_random._CUDA_RNG_STATE_TRACKER = None
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
+def test_every_point_is_tested():
+    assert set(cpu_layer.PATCHED_POINTS) == set(COVERED), set(cpu_layer.PATCHED_POINTS) ^ set(COVERED)
+
+
+def test_deactivate_restores_torch():
+    cpu_layer.activate()
+    cpu_layer.deactivate()
+    assert not cpu_layer.is_active()
+    assert torch.ones(1).type() == "torch.FloatTensor"
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()  # the CPU build has no CUDA: the real function raises again
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")
+
+
+def test_refuses_a_process_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="must not be installed"):
+        cpu_layer.activate()
+    assert not cpu_layer.is_active()

@@ -1,0 +1,84 @@
+"""The local runner: results as data, per-case timeout, failing / dying / hanging ranks, no orphans."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from harness.launch import run_case
+from harness.models import load_model
+from harness.spec import Case, CaseOptions, Layout
+from tests import fake_suites as fs
+from tests.conftest import live_worker_pids
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+SUITE = "tests.fake_suites:Misbehave"
+
+
+def case(mode: int, timeout_s: float = 60.0, world: int = 2) -> Case:
+    return Case(SUITE, load_model("tiny"), Layout(dp=world), "mcore", CaseOptions(seed=mode), "gloo", timeout_s)
+
+
+def test_ok_case_returns_rank_data_and_timings():
+    res = run_case(case(fs.OK))
+    assert res.status == "ok", res.error
+    assert [r.data["sum"] for r in res.ranks] == [3.0, 3.0]  # 1 + 2, all-reduced over gloo
+    for phase in ("rank_start", "imports", "init", "work", "teardown"):
+        assert phase in res.timings(), phase
+    assert all(not psutil.pid_exists(r.data["pid"]) for r in res.ranks)
+
+
+def test_raising_rank_is_named_with_its_traceback():
+    t0 = time.monotonic()
+    res = run_case(case(fs.RAISE, timeout_s=120))
+    assert res.status == "error"
+    assert "rank 1 failed in phase 'work'" in res.error
+    assert "RuntimeError: planted failure on rank 1" in res.error
+    assert time.monotonic() - t0 < 60  # the peer blocked in a collective is stopped, not waited for
+
+
+@pytest.mark.parametrize("mode,reason", [(fs.EXIT, "exit code 3"), (fs.SIGKILL, "killed by SIGKILL")])
+def test_dying_rank_is_named(mode, reason):
+    res = run_case(case(mode, timeout_s=120))
+    assert res.status == "error"
+    assert f"rank 1 died ({reason}) in phase 'work'" in res.error, res.error
+
+
+def test_hanging_rank_ends_the_case_within_the_timeout():
+    t0 = time.monotonic()
+    res = run_case(case(fs.HANG_COLLECTIVE, timeout_s=15))
+    wall = time.monotonic() - t0
+    assert res.status == "timeout"
+    assert "timed out after 15s" in res.error
+    assert "rank 1 in 'work'" in res.error
+    assert "time.sleep" in res.error or "fake_suites.py" in res.error  # the hung rank's stack
+    assert wall < 15 + 10
+
+
+def test_consecutive_cases_do_not_collide():
+    results = [run_case(case(fs.OK)) for _ in range(3)]
+    assert [r.status for r in results] == ["ok"] * 3, [r.error for r in results]
+
+
+def test_ranks_die_with_a_killed_parent():
+    code = ("from tests.test_runner import case; from harness.launch import run_case; "
+            "from tests import fake_suites as fs; run_case(case(fs.SLEEP, timeout_s=600))")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            kids = [p for p in psutil.Process(parent.pid).children(recursive=True)]
+            if len(kids) >= 2:
+                break
+            time.sleep(0.2)
+        assert len(kids) >= 2, "the parent did not start its ranks"
+    finally:
+        parent.kill()
+        parent.wait()
+    gone, alive = psutil.wait_procs(kids, timeout=15)
+    assert not alive, f"orphan ranks after the parent died: {[p.pid for p in alive]}"
+    assert not live_worker_pids()
