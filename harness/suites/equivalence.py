@@ -103,7 +103,7 @@ class EquivalenceSuite:
                                value=0.0)
         worst = max(bad, key=bad.get)
         return CheckResult("equivalence.replicas", cid, False,
-                           f"{len(bad)} params differ across DP/tied replicas; worst {worst}: max abs {bad[worst]:.3g}",
+                           f"{len(bad)} params differ between copies that must be identical (DP/CP replicas, TP-replicated params, tied embeddings); worst {worst}: max abs {bad[worst]:.3g}",
                            [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())], value=bad[worst])
 
     @staticmethod

@@ -1,0 +1,71 @@
+"""The equivalence suite: its checks on fabricated results, a real passing run, and a planted TP bug."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.checks.tensors import assemble
+from harness.driver import run_suite
+from harness.engines.base import ParamShard, StepOutput, tp_shard
+from harness.launch.results import CaseResult, RankResult
+from harness.models import load_model
+from harness.spec import Case, Layout
+from harness.suites.equivalence import EquivalenceSuite
+
+
+def test_tp_unshard_inverts_shard_for_glu_blocks():
+    full = torch.arange(24.0).reshape(8, 3)  # [gate(4); up(4)]
+    shards = [tp_shard(full, 0, 2, r, parts=2) for r in range(2)]
+    assert torch.equal(shards[0], torch.cat([full[0:2], full[4:6]]))
+    got = assemble([[ParamShard("w", s, 0, r, 2, 2)] for r, s in enumerate(shards)])
+    assert torch.equal(got.tensors["w"], full)
+
+
+def test_assemble_reports_replica_spread_and_missing_shards():
+    a, b = torch.zeros(2), torch.tensor([0.0, 0.5])
+    got = assemble([[ParamShard("n", a, None, 0, 1)], [ParamShard("n", b, None, 0, 1)]])
+    assert got.replica_spread["n"] == 0.5
+    with pytest.raises(ValueError, match=r"parameter w: no rank reported TP shards \[1\]"):
+        assemble([[ParamShard("w", a, 0, 0, 2)]])
+
+
+def _fake_result(layout: Layout, losses: list[float], w: torch.Tensor) -> CaseResult:
+    case = Case("equivalence", load_model("tiny"), layout)
+    rank = RankResult(0, data={
+        "coords": {"tp": 0, "pp": 0, "cp": 0, "dp": 0, "last_stage": 1},
+        "steps": [StepOutput(l * 64, 64) for l in losses],
+        "params": [ParamShard("w", w, None, 0, 1)],
+    })
+    return CaseResult(case, [rank], "ok")
+
+
+def test_checks_fail_with_the_output_the_value_and_the_tolerance():
+    ref = _fake_result(Layout(dp=2), [4.0, 3.5], torch.ones(4))
+    bad = _fake_result(Layout(tp=2), [4.0, 3.6], torch.ones(4) * 1.01)
+    checks = {c.check: c for c in EquivalenceSuite().check([ref, bad]) if c.case_id == bad.case.id}
+    assert not checks["equivalence.loss"].passed
+    assert "loss step 1: tp2-pp1-cp1-dp1 3.60000000 vs tp1-pp1-cp1-dp2 3.50000000, rel diff 2.86e-02 > 1e-05" \
+        == checks["equivalence.loss"].message
+    assert not checks["equivalence.params"].passed
+    assert "1/1 params differ from tp1-pp1-cp1-dp2 after 2 steps; worst w: rel 1.00e-02 > 1e-05" \
+        == checks["equivalence.params"].message
+
+
+@pytest.mark.slow
+def test_world_size_2_layouts_match():
+    run = run_suite("equivalence", "tiny", 2, backend="gloo")
+    assert [r.case.layout.id for r in run.results] == ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1", "tp2-pp1-cp1-dp1"]
+    assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results]
+
+
+@pytest.mark.slow
+def test_planted_tp_gradient_bug_fails_the_suite():
+    run = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo",
+                    engine="tests.faulty_engines:SkipOneTpGradReduce")
+    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    failed = {c.check: c for c in run.checks if not c.passed}
+    assert "equivalence.params" in failed, [c.message for c in run.checks]
+    msg = failed["equivalence.params"].message
+    assert "params differ from tp1-pp1-cp1-dp2 after 2 steps; worst" in msg and "> 1e-05" in msg
+    assert not run.passed
