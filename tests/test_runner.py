@@ -82,3 +82,16 @@ def test_ranks_die_with_a_killed_parent():
     gone, alive = psutil.wait_procs(kids, timeout=15)
     assert not alive, f"orphan ranks after the parent died: {[p.pid for p in alive]}"
     assert not live_worker_pids()
+
+
+@pytest.mark.slow
+def test_torchrun_entry_runs_a_suite_in_process(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*torchrun, "-m", "harness.launch.torchrun", "--suite", "equivalence", "--model", "tiny",
+         "--layout", "tp2-pp1-cp1-dp1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "equivalence: 4 checks passed, 0 failed" in proc.stdout
+    assert (tmp_path / "results.json").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -38,7 +39,8 @@ class RankContext:
     def phase(self, name: str):
         """Time a phase into result.timings (accumulating) and log its start for hang diagnosis."""
         self.result.phase = name
-        print(f"[harness] rank {self.rank} phase {name}", file=sys.stderr, flush=True)
+        if os.environ.get("HARNESS_PHASE_LOG", "1") != "0":
+            print(f"[harness] rank {self.rank} phase {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
             yield

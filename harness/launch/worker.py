@@ -52,8 +52,14 @@ def shutdown_distributed(ctx: RankContext) -> None:
     cpu_layer.deactivate()
 
 
-def run_rank(case: Case, ctx: RankContext) -> RankResult:
-    """Run the case's suite work on this rank; never raises (errors go into the result)."""
+def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) -> RankResult:
+    """Run the case's suite work on this rank; never raises (errors go into the result).
+
+    With own_process_group=False (torchrun, several cases per process) the process group outlives
+    the case and only megatron's parallel state is torn down.
+    """
+    from harness.platform.parallel import teardown_parallel_state
+
     result = ctx.result
     try:
         with ctx.phase("imports"):
@@ -66,11 +72,15 @@ def run_rank(case: Case, ctx: RankContext) -> RankResult:
             suite = get_suite(case.suite)
             for module in suite.imports:
                 importlib.import_module(module)
-        with ctx.phase("init"):
-            init_distributed(ctx, case.timeout_s)
+        if own_process_group:
+            with ctx.phase("init"):
+                init_distributed(ctx, case.timeout_s)
         result.data = suite.rank_work(case, ctx) or {}
         with ctx.phase("teardown"):
-            shutdown_distributed(ctx)
+            if own_process_group:
+                shutdown_distributed(ctx)
+            else:
+                teardown_parallel_state()
     except BaseException:  # noqa: BLE001 - a rank reports everything, including SystemExit
         result.ok = False
         result.error = traceback.format_exc()

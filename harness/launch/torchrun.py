@@ -1,0 +1,86 @@
+"""Run a suite under torchrun (one or many nodes): every rank runs the cases in turn in-process,
+results are gathered to rank 0 over a gloo group, and rank 0 judges, prints and writes them.
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m harness.launch.torchrun --suite equivalence --model 8b --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+from harness.errors import BadInput
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.launch.worker import init_distributed, run_rank, shutdown_distributed
+from harness.spec import CaseOptions
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.launch.torchrun", description=__doc__)
+    p.add_argument("--suite", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--layout", action="append")
+    p.add_argument("--engine", default="mcore")
+    p.add_argument("--out")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=None, help="process-group timeout per case (s)")
+    p.add_argument("--verbose", action="store_true", help="log every rank's phases to stderr")
+    args = p.parse_args(argv)
+    if not args.verbose:
+        os.environ["HARNESS_PHASE_LOG"] = "0"
+
+    import torch
+    import torch.distributed as dist
+
+    from harness import report
+    from harness.driver import SuiteRun, plan
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    try:
+        suite, cases = plan(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
+                            options=CaseOptions(steps=args.steps), timeout_s=args.timeout)
+    except BadInput as exc:
+        if rank == 0:
+            print(f"harness: error: {exc}", file=sys.stderr)
+        return 2
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    base = RankContext(rank, world, local_rank, backend, Path(os.environ.get("TMPDIR", "/tmp")))
+    init_distributed(base, max(c.timeout_s for c in cases))
+    results_group = dist.new_group(backend="gloo")  # results travel as objects, on the CPU
+    run = SuiteRun(suite, args.model, world, backend, args.engine)
+    t_run = time.monotonic()
+    for case in cases:
+        t_case = time.monotonic()
+        ctx = RankContext(rank, world, local_rank, backend, base.workdir)
+        rank_result = run_rank(case, ctx, own_process_group=False)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(rank_result, gathered, dst=0, group=results_group)
+        if rank == 0:
+            failed = [r for r in gathered if not r.ok]
+            error = f"case {case.id}: rank {failed[0].rank} failed in phase '{failed[0].phase}'\n{failed[0].error}" \
+                if failed else ""
+            run.results.append(CaseResult(case, gathered, "error" if failed else "ok", error,
+                                          time.monotonic() - t_case))
+            print(f"[{len(run.results)}/{len(cases)}] {case.id} {run.results[-1].status}", file=sys.stderr, flush=True)
+    code = 0
+    if rank == 0:
+        run.checks = suite.check(run.results)
+        run.wall_s = time.monotonic() - t_run
+        print(report.format_run(run))
+        if args.out:
+            print(f"results: {report.write_results(run, Path(args.out))}")
+        code = 0 if run.passed else 1
+    dist.barrier(group=results_group)
+    shutdown_distributed(base)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
