@@ -30,3 +30,19 @@ def harness_opts(request: pytest.FixtureRequest) -> dict:
         "model": c.getoption("--model"), "engine": c.getoption("--engine"),
         "results_dir": c.getoption("--results-dir"),
     }
+
+
+_REPORTS = pytest.StashKey[list]()
+
+
+@pytest.fixture(scope="session")
+def publish(request: pytest.FixtureRequest):
+    """Suites hand their formatted tables here; they are printed in pytest's terminal summary."""
+    reports = request.config.stash.setdefault(_REPORTS, [])
+    return reports.append
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    for text in config.stash.get(_REPORTS, []):
+        terminalreporter.write_sep("=", "harness report")
+        terminalreporter.write_line(text)
