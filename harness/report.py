@@ -96,6 +96,12 @@ def format_run(run: SuiteRun) -> str:
         t = r.timings()
         trows.append([r.case.layout.id, *(f"{t[p]:.2f}" if p in t else "-" for p in TIMING_PHASES), f"{r.wall_s:.1f}"])
     out.append(_fmt_table(["layout", *TIMING_PHASES, "wall"], trows))
+    shown = [c for c in run.checks if c.passed and c.show and c.details]
+    if shown:
+        out.append("")
+        for c in shown:
+            out.append(f"{c.check} {c.case_id}: {c.message}")
+            out += [f"    {d}" for d in c.details]
     failures = [c for c in run.checks if not c.passed]
     if failures:
         out.append("")

@@ -13,6 +13,7 @@ class CheckResult:
     message: str  # one line; names the output, the value and the tolerance
     details: list[str] = field(default_factory=list)  # extra lines (tables) printed under a failure
     value: float | None = None  # the figure the check judged (worst error, peak, ...) for tables
+    show: bool = False  # print details even when the check passes (e.g. plan-vs-observed tables)
 
     @property
     def status(self) -> str:

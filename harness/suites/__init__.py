@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # Contract names of ARCHITECTURE.md; the ones not yet implemented are refused with that reason.
 SUITES = {
     "equivalence": "harness.suites.equivalence:EquivalenceSuite",
+    "grad-sync": "harness.suites.grad_sync:GradSyncSuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 

@@ -1,0 +1,200 @@
+"""The grad-sync plan a case's configuration implies, and the comparison with what a rank issued.
+
+The plan is derived from the model spec, the layout and the options the user configured - never
+from the DDP config the engine built, which is exactly what regression R2 gets wrong. Buffer sizes
+follow megatron-core's padding rules (param_and_grad_buffer.py): with the distributed optimizer,
+each parameter starts on a 64-element boundary and each bucket ends on a multiple of
+lcm(dp*cp, 128); a tied embedding shared across pipeline stages gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from harness.probes.collectives import Collective
+from harness.spec import Case, Layout, ModelSpec
+
+DEFAULT_BUCKET_ELEMS = 40_000_000  # megatron DDP: max(40M, 1M * dp) when overlap_grad_reduce
+GRAD_OPS = {"reduce_scatter", "all_reduce", "all_gather"}
+
+
+@dataclass(frozen=True)
+class Coords:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+def coords_of(layout: Layout, rank: int) -> Coords:
+    """megatron's default rank order tp-cp-ep-dp-pp (tp fastest)."""
+    tp, rest = rank % layout.tp, rank // layout.tp
+    cp, rest = rest % layout.cp, rest // layout.cp
+    dp, pp = rest % layout.dp, rest // layout.dp
+    return Coords(tp, cp, dp, pp)
+
+
+def rank_of(layout: Layout, c: Coords) -> int:
+    return c.tp + layout.tp * (c.cp + layout.cp * (c.dp + layout.dp * c.pp))
+
+
+def dp_cp_ranks(layout: Layout, rank: int) -> tuple[int, ...]:
+    """The ranks that hold the same TP/PP shard: megatron reduces gradients over all of them."""
+    c = coords_of(layout, rank)
+    return tuple(sorted(rank_of(layout, Coords(c.tp, cp, dp, c.pp))
+                        for cp in range(layout.cp) for dp in range(layout.dp)))
+
+
+def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int) -> list[tuple[str, int, bool]]:
+    """(name, local numel, shared_embedding) of one model chunk, in registration order."""
+    tp, h, kv = layout.tp, model.hidden_size, model.kv_channels
+    stages = layout.pp * layout.vpp
+    per_stage = model.num_layers // stages
+    first = pp_rank == 0 and vp_stage == 0
+    last = pp_rank == layout.pp - 1 and vp_stage == layout.vpp - 1
+    norm = h * (1 if model.normalization == "RMSNorm" else 2)
+    shared = layout.pp > 1 and model.tie_embeddings
+    out: list[tuple[str, int, bool]] = []
+    if first:
+        out.append(("embedding.word_embeddings.weight", model.vocab_size // tp * h, shared and not last))
+    for _ in range(per_stage):
+        out += [
+            ("input_layernorm.weight", norm, False),
+            ("self_attention.linear_proj.weight", h * (model.num_attention_heads * kv // tp), False),
+            ("self_attention.linear_qkv.weight", (model.num_attention_heads + 2 * model.num_query_groups) * kv // tp * h, False),
+            ("pre_mlp_layernorm.weight", norm, False),
+            ("mlp.linear_fc1.weight", (2 if model.swiglu else 1) * model.ffn_hidden_size // tp * h, False),
+            ("mlp.linear_fc2.weight", h * (model.ffn_hidden_size // tp), False),
+        ]
+    if last:
+        out.append(("decoder.final_layernorm.weight", norm, False))
+        if not model.tie_embeddings or (shared and not first):
+            out.append(("output_layer.weight", model.vocab_size // tp * h, shared and not first))
+    return out
+
+
+def _pad(n: int, divisor: int) -> int:
+    return int(math.ceil(n / divisor) * divisor)
+
+
+def chunk_buckets(params: list[tuple[str, int, bool]], *, distopt: bool, dp_cp: int,
+                  bucket_size: int | None) -> list[int]:
+    """Padded element count of each gradient bucket of one chunk, in communication order."""
+    buckets: list[int] = []
+    start = bucket_start = 0
+    n_in_bucket = 0
+
+    def close(end: int) -> int:
+        nonlocal bucket_start, n_in_bucket
+        padded = _pad(end, math.lcm(dp_cp, 128)) if distopt else end
+        buckets.append(padded - bucket_start)
+        bucket_start, n_in_bucket = padded, 0
+        return padded
+
+    for _, numel, shared in reversed(params):  # megatron fills buffers in reverse (backprop) order
+        if distopt:
+            start = _pad(start, 64)
+        if shared and distopt and n_in_bucket:
+            start = close(start)
+        end = start + numel
+        n_in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or (shared and distopt):
+            start = close(end)
+        else:
+            start = end
+    if n_in_bucket:
+        close(start)
+    return buckets
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One expected collective of a rank over a run: kind, group, size and count."""
+
+    what: str  # e.g. "DP gradient reduction"
+    kind: str
+    ranks: tuple[int, ...]
+    numel: int  # elements per call
+    dtype: str
+    calls: int  # over the whole run
+    phases: frozenset[str]
+
+    def describe(self) -> str:
+        return (f"{self.kind} on dp-cp group {self.ranks}, {self.numel} x {self.dtype}, "
+                f"{self.calls} call{'s' if self.calls != 1 else ''}")
+
+
+def plan(case: Case, rank: int) -> list[Planned]:
+    """Expected DP-group collectives of this rank over case.options.steps steps."""
+    o, lay, m = case.options, case.layout, case.model
+    c = coords_of(lay, rank)
+    dp_cp = lay.dp * lay.cp
+    group = dp_cp_ranks(lay, rank)
+    param_dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[o.dtype]
+    grad_dtype = "fp32" if (o.grad_reduce_in_fp32 or param_dtype == "fp32") else param_dtype
+    reduce_kind = "reduce_scatter" if o.use_distributed_optimizer else "all_reduce"
+    reduce_phases = frozenset({"backward", "grad-finalize"}) if o.overlap_grad_reduce else frozenset({"grad-finalize"})
+    out: list[Planned] = []
+    sizes: Counter[int] = Counter()
+    for vp in range(lay.vpp):
+        bucket_size = None
+        if o.overlap_grad_reduce and c.pp == 0 and vp == 0:
+            bucket_size = max(DEFAULT_BUCKET_ELEMS, 1_000_000 * dp_cp)
+        for numel in chunk_buckets(chunk_params(m, lay, c.pp, vp), distopt=o.use_distributed_optimizer,
+                                   dp_cp=dp_cp, bucket_size=bucket_size):
+            sizes[numel] += o.steps
+    for numel, calls in sorted(sizes.items(), reverse=True):
+        out.append(Planned("DP gradient reduction", reduce_kind, group, numel, grad_dtype, calls, reduce_phases))
+        if o.use_distributed_optimizer:
+            out.append(Planned("DP parameter all-gather", "all_gather", group, numel, param_dtype, calls,
+                               frozenset({"param-gather"})))
+    return out
+
+
+@dataclass
+class Comparison:
+    missing: list[Planned]  # planned, not observed (or observed a different number of times)
+    unexpected: list[tuple[Collective, int]]  # observed on the DP group, not planned: (record, count)
+    wrong_phase: list[tuple[Planned, Counter]]
+    matched: list[tuple[Planned, int]]
+
+
+# Groups whose collectives are not data-parallel gradient sync even when their ranks coincide with
+# the DP x CP ranks (e.g. at TP=PP=1): TP cross-entropy, embedding grads, the grad-norm reduction.
+NOT_DP_ROLES = {"tp", "pp", "cp", "embedding", "position-embedding", "tp-cp", "mp", "tp-dp-cp", "tp-dp",
+                "distopt-instance"}
+
+
+def dp_records(records: list[Collective], group: tuple[int, ...]) -> list[Collective]:
+    """Gradient-sync-kind collectives on a group megatron calls DP, or on other groups over the DP x CP ranks."""
+    return [r for r in records if r.kind in GRAD_OPS
+            and (r.role in ("dp-cp", "dp") or (r.ranks == group and r.role not in NOT_DP_ROLES))]
+
+
+def compare(planned: list[Planned], records: list[Collective]) -> Comparison:
+    """Match planned collectives with observed ones by (kind, ranks, numel, dtype)."""
+    pool = Counter((r.kind, r.ranks, r.numel, r.dtype) for r in records)
+    phases: dict[tuple, Counter] = {}
+    for r in records:
+        phases.setdefault((r.kind, r.ranks, r.numel, r.dtype), Counter())[r.phase] += 1
+    cmp = Comparison([], [], [], [])
+    for p in planned:
+        key = (p.kind, p.ranks, p.numel, p.dtype)
+        seen = pool.get(key, 0)
+        if seen < p.calls:
+            cmp.missing.append(p)
+        else:
+            cmp.matched.append((p, p.calls))
+            if set(phases.get(key, {})) - p.phases:
+                cmp.wrong_phase.append((p, phases[key]))
+        pool[key] = max(0, seen - p.calls)
+    leftovers = {k: n for k, n in pool.items() if n > 0}
+    examples = {}
+    for r in records:
+        k = (r.kind, r.ranks, r.numel, r.dtype)
+        if k in leftovers and k not in examples:
+            examples[k] = r
+    cmp.unexpected = [(examples[k], n) for k, n in leftovers.items()]
+    return cmp

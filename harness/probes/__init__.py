@@ -1,0 +1,1 @@
+"""Probes that measure a rank while it runs: collectives (and, later, memory and timers)."""

@@ -1,0 +1,228 @@
+"""Record every collective a rank issues, at two levels that must agree.
+
+- dispatcher: a TorchDispatchMode that sees every `c10d::*` op (coalesced ones included), whoever
+  called it and however torch.distributed was aliased at import time;
+- megatron's aliases: wrappers around the module-level functions megatron's gradient buffer calls
+  (`dist_reduce_scatter_func`, `dist_all_gather_func`, `torch.distributed.all_reduce`).
+
+Each record names the op, the group (ranks and megatron role), dtype, elements, bytes and the phase
+(forward / backward from autograd's current node, otherwise the phase the caller set).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d op name -> collective kind
+_KINDS = {
+    "allreduce": "all_reduce", "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "allgather": "all_gather", "_allgather_base": "all_gather", "broadcast": "broadcast", "send": "send",
+    "recv": "recv", "barrier": "barrier", "gather": "gather", "scatter": "scatter", "alltoall": "all_to_all",
+    "reduce": "reduce",
+}
+
+
+def kind_of(op: str) -> str:
+    """c10d op name (allreduce_coalesced_, reduce_scatter_tensor_coalesced_, ...) -> collective kind."""
+    name = op.replace("_", "")
+    for prefix in sorted(_KINDS, key=lambda k: len(k.replace("_", "")), reverse=True):
+        if name.startswith(prefix.replace("_", "")):
+            return _KINDS[prefix]
+    return op.strip("_")
+
+
+@dataclass(frozen=True)
+class Collective:
+    op: str  # e.g. reduce_scatter_tensor_coalesced_ (dispatcher) or reduce_scatter_tensor (alias)
+    kind: str  # all_reduce | reduce_scatter | all_gather | broadcast | send | recv | ...
+    ranks: tuple[int, ...]  # global ranks of the group
+    role: str  # megatron role of the group: dp-cp, dp, tp, pp, cp, embedding, world, ...
+    dtype: str
+    numel: int  # elements of the full (unsharded) data the collective moves
+    bytes: int
+    tensors: int  # tensors in the call (buckets of a coalesced call)
+    phase: str
+    source: str  # dispatch | alias
+
+    def describe(self) -> str:
+        return (f"{self.op} on {self.role} group {self.ranks}, {self.numel} x {self.dtype}"
+                f" in {self.phase}")
+
+
+def _tensor_groups(args: Any) -> list[list[torch.Tensor]]:
+    """Tensor arguments, each positional argument a group (lists flattened)."""
+    groups = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            groups.append([a])
+        elif isinstance(a, (list, tuple)):
+            flat = []
+            for x in a:
+                if isinstance(x, torch.Tensor):
+                    flat.append(x)
+                elif isinstance(x, (list, tuple)):
+                    flat += [y for y in x if isinstance(y, torch.Tensor)]
+            if flat:
+                groups.append(flat)
+    return groups
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+            torch.int64: "int64", torch.int32: "int32"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+class GroupRoles:
+    """Names megatron's process groups by role, from parallel_state (call after it is initialised)."""
+
+    # When two roles share a group object (e.g. dp and dp-cp at CP=1) the first listed wins.
+    ORDER = ("dp-cp", "dp", "tp", "pp", "cp", "embedding", "position-embedding", "tp-cp", "mp",
+             "tp-dp-cp", "tp-dp", "distopt-instance", "dp-cp-gloo", "dp-gloo")
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, str] = {}
+        try:
+            from megatron.core import parallel_state as ps
+        except ImportError:
+            ps = None
+        getters = {}
+        if ps is not None and ps.model_parallel_is_initialized():
+            getters = {
+                "dp-cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),
+                "dp": lambda: ps.get_data_parallel_group(),
+                "tp": ps.get_tensor_model_parallel_group, "pp": ps.get_pipeline_model_parallel_group,
+                "cp": ps.get_context_parallel_group, "embedding": ps.get_embedding_group,
+                "position-embedding": ps.get_position_embedding_group,
+                "tp-cp": ps.get_tensor_and_context_parallel_group, "mp": ps.get_model_parallel_group,
+                "tp-dp-cp": lambda: ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+                "tp-dp": lambda: ps.get_tensor_and_data_parallel_group(),
+                "dp-cp-gloo": lambda: ps.get_data_parallel_group_gloo(with_context_parallel=True),
+                "dp-gloo": lambda: ps.get_data_parallel_group_gloo(),
+                "distopt-instance": ps.get_intra_distributed_optimizer_instance_group,
+            }
+        for role in reversed(self.ORDER):
+            if role not in getters:
+                continue
+            try:
+                group = getters[role]()
+            except (AssertionError, AttributeError, RuntimeError):
+                continue
+            for g in group if isinstance(group, list) else [group]:
+                if g is not None:
+                    self.by_name[g.group_name] = role
+        self.by_name.setdefault(dist.group.WORLD.group_name if dist.is_initialized() else "", "world")
+
+    def role(self, group: dist.ProcessGroup) -> str:
+        return self.by_name.get(group.group_name, "world" if group is dist.group.WORLD else "other")
+
+
+@dataclass
+class CollectiveRecorder:
+    """Records collectives while active; `phase(name)` labels what is issued inside it."""
+
+    roles: GroupRoles = field(default_factory=GroupRoles)
+    records: list[Collective] = field(default_factory=list)
+    current_phase: str = "other"
+    overhead_s: float = 0.0  # time spent inside the recorder's own bookkeeping
+    _stack: contextlib.ExitStack | None = None
+
+    # -- phases -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        saved, self.current_phase = self.current_phase, name
+        try:
+            yield
+        finally:
+            self.current_phase = saved
+
+    def _phase_now(self) -> str:
+        if self.current_phase == "forward-backward":
+            return "backward" if torch._C._current_autograd_node() is not None else "forward"
+        return self.current_phase
+
+    # -- recording ----------------------------------------------------------------------------
+    def _record(self, op: str, group, tensor_groups: list[list[torch.Tensor]], source: str) -> None:
+        t0 = time.perf_counter()
+        if group is None:
+            group = dist.group.WORLD
+        try:
+            ranks = tuple(dist.get_process_group_ranks(group))
+        except (RuntimeError, ValueError):
+            ranks = ()
+        sizes = [(sum(t.numel() for t in g), g) for g in tensor_groups]
+        numel, main = max(sizes, key=lambda s: s[0]) if sizes else (0, [])
+        dtype = main[0].dtype if main else torch.float32
+        self.records.append(Collective(
+            op=op, kind=kind_of(op), ranks=ranks, role=self.roles.role(group), dtype=_dtype_name(dtype),
+            numel=numel, bytes=sum(t.numel() * t.element_size() for t in main), tensors=len(main),
+            phase=self._phase_now(), source=source,
+        ))
+        self.overhead_s += time.perf_counter() - t0
+
+    def __enter__(self) -> "CollectiveRecorder":
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(_DispatchRecorder(self))
+        self._stack.enter_context(_alias_recorder(self))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._stack is not None
+        self._stack.close()
+        self._stack = None
+
+    def by_source(self, source: str) -> list[Collective]:
+        return [r for r in self.records if r.source == source]
+
+
+class _DispatchRecorder(TorchDispatchMode):
+    def __init__(self, recorder: CollectiveRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            group = None
+            for a in args:
+                if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+                    group = dist.ProcessGroup.unbox(a)
+                    break
+            op = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+            self.recorder._record(op, group, _tensor_groups(args), "dispatch")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _alias_recorder(recorder: CollectiveRecorder):
+    """Wrap the functions megatron's grad buffer calls through its module-level aliases."""
+    try:
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+    except ImportError:
+        yield
+        return
+    saved = {"rs": pgb.dist_reduce_scatter_func, "ag": pgb.dist_all_gather_func, "ar": dist.all_reduce}
+
+    def wrap(fn, op, data_arg, group_pos):
+        def wrapper(*args, **kwargs):
+            group = kwargs.get("group", args[group_pos] if len(args) > group_pos else None)
+            data = kwargs.get(data_arg[0], args[data_arg[1]] if len(args) > data_arg[1] else None)
+            recorder._record(op, group, [[data]] if isinstance(data, torch.Tensor) else [], "alias")
+            return fn(*args, **kwargs)
+        return wrapper
+
+    # (name, position) of the full data and position of the group in each signature
+    pgb.dist_reduce_scatter_func = wrap(saved["rs"], "reduce_scatter_tensor", ("input", 1), 3)
+    pgb.dist_all_gather_func = wrap(saved["ag"], "all_gather_into_tensor", ("output_tensor", 0), 2)
+    dist.all_reduce = wrap(saved["ar"], "all_reduce", ("tensor", 0), 2)
+    try:
+        yield
+    finally:
+        pgb.dist_reduce_scatter_func = saved["rs"]
+        pgb.dist_all_gather_func = saved["ag"]
+        dist.all_reduce = saved["ar"]

@@ -1,0 +1,210 @@
+"""`grad-sync`: the data-parallel gradient reduction that actually ran is the one the user configured."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from collections import Counter
+
+from harness.checks import CheckResult
+from harness.checks.grad_sync import compare, dp_cp_ranks, dp_records, plan
+from harness.checks.tensors import assemble
+from harness.engines import make_engine
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.layouts import enumerate_layouts, validate
+from harness.probes.collectives import CollectiveRecorder, GroupRoles
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
+
+STEPS = 3  # replica consistency is judged after 3 steps
+
+
+@contextlib.contextmanager
+def instrument(engine, recorder: CollectiveRecorder):
+    """Label megatron's step stages as recorder phases: grad-finalize, optimizer-step, param-gather."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    def labelled(fn, phase):
+        def wrapper(*args, **kwargs):
+            with recorder.phase(phase):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    cfg = engine.config
+    saved_cfg = {k: getattr(cfg, k, None) for k in ("finalize_model_grads_func", "grad_sync_func")}
+    if saved_cfg["finalize_model_grads_func"] is not None:
+        cfg.finalize_model_grads_func = labelled(saved_cfg["finalize_model_grads_func"], "grad-finalize")
+    gs = saved_cfg["grad_sync_func"]
+    if gs is not None:
+        cfg.grad_sync_func = [labelled(f, "backward") for f in gs] if isinstance(gs, list) else labelled(gs, "backward")
+    saved_step = engine.optimizer.step
+    engine.optimizer.step = labelled(saved_step, "optimizer-step")
+    group_cls = pgb._ParamAndGradBucketGroup
+    saved_sync = group_cls.start_param_sync
+    group_cls.start_param_sync = labelled(saved_sync, "param-gather")
+    try:
+        yield
+    finally:
+        for k, v in saved_cfg.items():
+            setattr(cfg, k, v)
+        engine.optimizer.step = saved_step
+        group_cls.start_param_sync = saved_sync
+
+
+class GradSyncSuite:
+    name = "grad-sync"
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+               "megatron.core.optimizer", "megatron.core.pipeline_parallel")
+
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+        if layouts is None:
+            layouts = [lay for lay in enumerate_layouts(model, world_size) if lay.cp == 1]
+        for lay in layouts:
+            validate(lay, model, world_size)
+        out = []
+        for lay in layouts:
+            for dist_opt in (False, True):
+                for overlap in (False, True):
+                    opts = CaseOptions(**{**options.__dict__, "steps": STEPS,
+                                          "use_distributed_optimizer": dist_opt, "overlap_grad_reduce": overlap})
+                    out.append(Case(self.name, model, lay, engine, opts, backend))
+        return out
+
+    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+        from harness.suites import layout_coords
+
+        engine = make_engine(case, ctx)
+        with ctx.phase("build"):
+            engine.build()
+        recorder = CollectiveRecorder(GroupRoles())
+        step_times = []
+        with instrument(engine, recorder), recorder:
+            for step in range(case.options.steps):
+                t0 = time.perf_counter()
+                with ctx.phase("steps"), recorder.phase("forward-backward"):
+                    engine.train_step(step)
+                step_times.append(time.perf_counter() - t0)
+        with ctx.phase("collect"):
+            shards = engine.param_shards()
+        # One more step, unrecorded, to measure the recorder's overhead on a warm step.
+        t0 = time.perf_counter()
+        with ctx.phase("steps"):
+            engine.train_step(case.options.steps)
+        unrecorded = time.perf_counter() - t0
+        return {"coords": layout_coords(), "collectives": recorder.records, "params": shards,
+                "step_s": step_times, "unrecorded_step_s": unrecorded, "recorder_bookkeeping_s": recorder.overhead_s}
+
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
+        if not result.ok:
+            return {}
+        r0 = result.ranks[0]
+        group = dp_cp_ranks(result.case.layout, 0)
+        seen = Counter(r.op for r in dp_records(r0.data["collectives"], group) if r.source == "dispatch")
+        return {"observed dp ops (rank 0)": " ".join(f"{op}x{n}" for op, n in sorted(seen.items())),
+                "recorder overhead": f"{overhead(result):+.0%}"}
+
+    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+        out = []
+        for res in results:
+            if not res.ok:
+                lines = res.error.splitlines() or ["failed"]
+                out.append(CheckResult("grad-sync.run", res.case.id, False, lines[0], lines[1:]))
+                continue
+            out += [self._check_plan(res), self._check_recorders(res), self._check_replicas(res)]
+        return out
+
+    @staticmethod
+    def _configured(case: Case) -> str:
+        o = case.options
+        what = "reduce-scatter + param all-gather" if o.use_distributed_optimizer else "all-reduce"
+        return f"{what} (use_distributed_optimizer={o.use_distributed_optimizer}, overlap_grad_reduce={o.overlap_grad_reduce})"
+
+    def _check_plan(self, res: CaseResult) -> CheckResult:
+        case = res.case
+        problems: list[str] = []
+        table = [f"{'rank':>4}  {'expected':<62}  {'observed (dispatcher)':<58}  ok"]
+        for r in res.ranks:
+            group = dp_cp_ranks(case.layout, r.rank)
+            records = dp_records([x for x in r.data["collectives"] if x.source == "dispatch"], group)
+            planned = plan(case, r.rank)
+            cmp = compare(planned, records)
+            by_key: dict[tuple, Counter] = {}
+            ops: dict[tuple, str] = {}
+            for x in records:
+                k = (x.kind, x.ranks, x.numel, x.dtype)
+                by_key.setdefault(k, Counter())[x.phase] += 1
+                ops[k] = x.op
+            for p in planned:
+                k = (p.kind, p.ranks, p.numel, p.dtype)
+                n = sum(by_key.get(k, Counter()).values())
+                obs = f"{ops[k]} x{n} in {','.join(sorted(by_key[k]))}" if n else "-"
+                table.append(f"{r.rank:>4}  {p.what + ': ' + p.describe():<62}  {obs:<58}  {'yes' if n == p.calls else 'NO'}")
+            for x, n in cmp.unexpected:
+                table.append(f"{r.rank:>4}  {'(nothing)':<62}  {x.op + f' on {x.role} {x.ranks}, {x.numel} x {x.dtype} x{n}':<58}  NO")
+            for p in cmp.missing:
+                wrong = [x for x, _ in cmp.unexpected if x.kind in ("reduce_scatter", "all_reduce") and p.kind in ("reduce_scatter", "all_reduce")]
+                if wrong and p.what == "DP gradient reduction":
+                    x = wrong[0]
+                    n = sum(1 for y in records if (y.kind, y.ranks, y.numel, y.dtype) == (x.kind, x.ranks, x.numel, x.dtype))
+                    problems.append(f"rank {r.rank}: configured {self._configured(case)} but observed {x.op} on "
+                                    f"{x.role} group {x.ranks}, {x.numel} x {x.dtype}, {n} call{'s' if n != 1 else ''}")
+                else:
+                    problems.append(f"rank {r.rank}: configured {self._configured(case)} but the {p.what} "
+                                    f"({p.describe()}) was not observed")
+            for x, n in cmp.unexpected:
+                if not any(x.kind in (q.kind,) for q in cmp.missing):
+                    problems.append(f"rank {r.rank}: unexpected {x.op} on {x.role} group {x.ranks}, {x.numel} x {x.dtype}, "
+                                    f"{n} call{'s' if n != 1 else ''}")
+            for p, phases in cmp.wrong_phase:
+                problems.append(f"rank {r.rank}: {p.what} issued in {dict(phases)}, expected only in {sorted(p.phases)}")
+            if case.options.overlap_grad_reduce:
+                reduce_phases = Counter(x.phase for x in records if x.kind != "all_gather")
+                if reduce_phases and "backward" not in reduce_phases:
+                    problems.append(f"rank {r.rank}: overlap_grad_reduce=True but every gradient reduction ran in "
+                                    f"{sorted(reduce_phases)}, none overlapped with backward")
+        if problems:
+            return CheckResult("grad-sync.plan", case.id, False, f"grad-sync: {problems[0]}", problems[1:] + table)
+        return CheckResult("grad-sync.plan", case.id, True, f"observed = configured {self._configured(case)}",
+                           table, show=True)
+
+    @staticmethod
+    def _check_recorders(res: CaseResult) -> CheckResult:
+        """The dispatcher and megatron's aliases must see the same DP gradient collectives."""
+        for r in res.ranks:
+            group = dp_cp_ranks(res.case.layout, r.rank)
+            recs = dp_records(r.data["collectives"], group)
+            seen = {src: Counter((x.kind, x.ranks, x.numel) for x in recs if x.source == src)
+                    for src in ("dispatch", "alias")}
+            if seen["dispatch"] != seen["alias"]:
+                only_d = seen["dispatch"] - seen["alias"]
+                only_a = seen["alias"] - seen["dispatch"]
+                return CheckResult("grad-sync.recorders", res.case.id, False,
+                                   f"rank {r.rank}: recorders disagree on DP collectives; only at the dispatcher: "
+                                   f"{dict(only_d)}; only at megatron's aliases: {dict(only_a)}")
+        return CheckResult("grad-sync.recorders", res.case.id, True, "dispatcher and megatron aliases agree")
+
+    @staticmethod
+    def _check_replicas(res: CaseResult) -> CheckResult:
+        full = assemble([r.data["params"] for r in res.ranks])
+        bad = {n: s for n, s in full.replica_spread.items() if s > 0}
+        if not bad:
+            return CheckResult("grad-sync.replicas", res.case.id, True,
+                               f"{len(full.replica_spread)} params bit-identical across DP replicas after "
+                               f"{res.case.options.steps} steps", value=0.0)
+        worst = max(bad, key=bad.get)
+        return CheckResult(
+            "grad-sync.replicas", res.case.id, False,
+            f"DP replicas drifted after {res.case.options.steps} steps: {len(bad)} params differ, worst {worst} "
+            f"max abs {bad[worst]:.3g} (configured {GradSyncSuite._configured(res.case)}; a reduce-scatter paired "
+            f"with a non-distributed optimizer looks like this)",
+            [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())], value=bad[worst])
+
+
+def overhead(result: CaseResult) -> float:
+    """Relative cost of a recorded step over an unrecorded one (last recorded step, slowest rank)."""
+    rec = max(r.data["step_s"][-1] for r in result.ranks)
+    plain = max(r.data["unrecorded_step_s"] for r in result.ranks)
+    return rec / plain - 1 if plain else 0.0
