@@ -34,3 +34,42 @@ class SkipOneTpGradReduce(McoreEngine):
         # megatron's linear layers call torch.distributed.all_reduce through the module attribute
         layers.torch.distributed.all_reduce = all_reduce
         super().build()
+
+
+class DistDdpPlainOptimizer(McoreEngine):
+    """DDP built with the distributed optimizer (reduce-scatter) whatever the user configured, paired
+    with the optimizer the user configured: R2's outcome when use_distributed_optimizer=False."""
+
+    def ddp_config(self):
+        cfg = super().ddp_config()
+        cfg.use_distributed_optimizer = True
+        return cfg
+
+    def build(self) -> None:
+        self.setup_parallel()
+        chunks = self.build_chunks()
+        self.models = self.wrap(chunks, self.ddp_config())
+        self.optimizer = self.make_optimizer(self.models, self.case.options.use_distributed_optimizer)
+        self._wire_config()
+
+
+class SkipParamAllGather(McoreEngine):
+    """The distributed optimizer never all-gathers updated parameters: each rank keeps stale shards."""
+
+    def build(self) -> None:
+        from megatron.core.distributed import param_and_grad_buffer as pgb
+
+        pgb._ParamAndGradBucketGroup.start_param_sync = lambda self, force_sync=False: None
+        super().build()
+
+
+class GradReduceOnWorld(McoreEngine):
+    """Gradients reduced over the whole world instead of the DP x CP group (sums different TP shards)."""
+
+    def build(self) -> None:
+        import torch.distributed as dist
+
+        super().build()
+        for model in self.models:
+            for group in model.bucket_groups + model.expert_parallel_bucket_groups:
+                group.data_parallel_group = dist.group.WORLD

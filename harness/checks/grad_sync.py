@@ -167,10 +167,10 @@ NOT_DP_ROLES = {"tp", "pp", "cp", "embedding", "position-embedding", "tp-cp", "m
                 "distopt-instance"}
 
 
-def dp_records(records: list[Collective], group: tuple[int, ...]) -> list[Collective]:
-    """Gradient-sync-kind collectives on a group megatron calls DP, or on other groups over the DP x CP ranks."""
-    return [r for r in records if r.kind in GRAD_OPS
-            and (r.role in ("dp-cp", "dp") or (r.ranks == group and r.role not in NOT_DP_ROLES))]
+def dp_records(records: list[Collective]) -> list[Collective]:
+    """Gradient-sync-kind collectives on any group but the known non-DP ones (so a gradient
+    reduction issued on the wrong group - world, DP without CP - still shows up)."""
+    return [r for r in records if r.kind in GRAD_OPS and r.role not in NOT_DP_ROLES]
 
 
 def compare(planned: list[Planned], records: list[Collective]) -> Comparison:

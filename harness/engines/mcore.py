@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import zlib
-from functools import partial
 
 import torch
 import torch.nn.functional as F

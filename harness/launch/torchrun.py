@@ -8,7 +8,6 @@ results are gathered to rank 0 over a gloo group, and rank 0 judges, prints and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time

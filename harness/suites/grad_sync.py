@@ -9,7 +9,7 @@ from typing import Any
 from collections import Counter
 
 from harness.checks import CheckResult
-from harness.checks.grad_sync import compare, dp_cp_ranks, dp_records, plan
+from harness.checks.grad_sync import compare, dp_records, plan
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
 from harness.launch.context import RankContext
@@ -101,8 +101,7 @@ class GradSyncSuite:
         if not result.ok:
             return {}
         r0 = result.ranks[0]
-        group = dp_cp_ranks(result.case.layout, 0)
-        seen = Counter(r.op for r in dp_records(r0.data["collectives"], group) if r.source == "dispatch")
+        seen = Counter(r.op for r in dp_records(r0.data["collectives"]) if r.source == "dispatch")
         return {"observed dp ops (rank 0)": " ".join(f"{op}x{n}" for op, n in sorted(seen.items())),
                 "recorder overhead": f"{overhead(result):+.0%}"}
 
@@ -127,8 +126,7 @@ class GradSyncSuite:
         problems: list[str] = []
         table = [f"{'rank':>4}  {'expected':<62}  {'observed (dispatcher)':<58}  ok"]
         for r in res.ranks:
-            group = dp_cp_ranks(case.layout, r.rank)
-            records = dp_records([x for x in r.data["collectives"] if x.source == "dispatch"], group)
+            records = dp_records([x for x in r.data["collectives"] if x.source == "dispatch"])
             planned = plan(case, r.rank)
             cmp = compare(planned, records)
             by_key: dict[tuple, Counter] = {}
@@ -174,8 +172,7 @@ class GradSyncSuite:
     def _check_recorders(res: CaseResult) -> CheckResult:
         """The dispatcher and megatron's aliases must see the same DP gradient collectives."""
         for r in res.ranks:
-            group = dp_cp_ranks(res.case.layout, r.rank)
-            recs = dp_records(r.data["collectives"], group)
+            recs = dp_records(r.data["collectives"])
             seen = {src: Counter((x.kind, x.ranks, x.numel) for x in recs if x.source == src)
                     for src in ("dispatch", "alias")}
             if seen["dispatch"] != seen["alias"]:

@@ -1,0 +1,95 @@
+"""The grad-sync suite: its plan, its recorder, and planted regressions that must fail it."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.checks.grad_sync import chunk_buckets, chunk_params, coords_of, dp_cp_ranks, plan
+from harness.driver import run_suite
+from harness.models import load_model
+from harness.probes.collectives import kind_of
+from harness.spec import Case, CaseOptions, Layout
+
+
+@pytest.mark.parametrize("op,kind", [
+    ("allreduce_coalesced_", "all_reduce"), ("reduce_scatter_tensor_coalesced_", "reduce_scatter"),
+    ("_reduce_scatter_base_", "reduce_scatter"), ("allgather_into_tensor_coalesced_", "all_gather"),
+    ("all_gather_into_tensor", "all_gather"), ("recv_", "recv"), ("alltoall_base_", "all_to_all"),
+])
+def test_op_kinds(op, kind):
+    assert kind_of(op) == kind
+
+
+def test_rank_order_matches_megatron():
+    lay = Layout.parse("tp2-pp2-cp1-dp1")
+    assert [coords_of(lay, r).pp for r in range(4)] == [0, 0, 1, 1]
+    assert dp_cp_ranks(Layout.parse("tp1-pp2-cp1-dp2"), 2) == (2, 3)
+    assert dp_cp_ranks(Layout.parse("tp2-pp1-cp2-dp1"), 1) == (1, 3)  # CP ranks are in the DP x CP group
+
+
+def test_padding_follows_megatron_rules():
+    tiny = load_model("tiny")
+    params = chunk_params(tiny, Layout(dp=2), 0, 0)
+    assert sum(n for _, n, _ in params) == tiny.num_params() == 82240
+    assert chunk_buckets(params, distopt=False, dp_cp=2, bucket_size=None) == [82240]
+    assert chunk_buckets(params, distopt=True, dp_cp=2, bucket_size=None) == [82304]  # lcm(2, 128)
+    first = chunk_params(tiny, Layout(pp=2, dp=2), 0, 0)
+    assert chunk_buckets(first, distopt=True, dp_cp=2, bucket_size=None) == [36992, 8192]  # shared embedding
+
+
+def test_plan_follows_configuration_not_engine():
+    tiny = load_model("tiny")
+    off = plan(Case("grad-sync", tiny, Layout(dp=2), options=CaseOptions(steps=3)), 0)
+    on = plan(Case("grad-sync", tiny, Layout(dp=2), options=CaseOptions(steps=3, use_distributed_optimizer=True)), 0)
+    assert [(p.kind, p.calls) for p in off] == [("all_reduce", 3)]
+    assert [(p.kind, p.calls) for p in on] == [("reduce_scatter", 3), ("all_gather", 3)]
+
+
+@pytest.mark.slow
+def test_world_size_2_passes_and_prints_plan_tables():
+    run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo")
+    assert len(run.results) == 4  # distributed optimizer x overlap_grad_reduce
+    assert run.passed, [c.message for c in run.checks if not c.passed]
+    tables = [c for c in run.checks if c.check == "grad-sync.plan"]
+    assert all(c.show and any("DP gradient reduction" in d for d in c.details) for c in tables)
+
+
+def _failures(run):
+    return {c.check: c.message for c in run.checks if not c.passed}
+
+
+@pytest.mark.slow
+def test_reduce_scatter_with_plain_optimizer_is_caught():
+    """R2's outcome: DDP reduce-scatters while the user configured use_distributed_optimizer=False."""
+    run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
+                    engine="tests.faulty_engines:DistDdpPlainOptimizer")
+    configured_off = [r for r in run.results if not r.case.options.use_distributed_optimizer]
+    failed = {c.case_id: c.message for c in run.checks if not c.passed and c.check == "grad-sync.plan"}
+    for res in configured_off:
+        msg = failed[res.case.id]
+        assert msg.startswith("grad-sync: rank 0: configured all-reduce (use_distributed_optimizer=False")
+        assert "but observed reduce_scatter_tensor_coalesced_ on dp-cp group (0, 1), 82304 x fp32, 3 calls" in msg
+    drift = [c for c in run.checks if c.check == "grad-sync.replicas" and not c.passed]
+    assert drift and all("DP replicas drifted after 3 steps" in c.message for c in drift)
+
+
+@pytest.mark.slow
+def test_missing_parameter_all_gather_is_caught():
+    run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
+                    engine="tests.faulty_engines:SkipParamAllGather")
+    on = [r.case.id for r in run.results if r.case.options.use_distributed_optimizer]
+    plan_fail = {c.case_id: c.message for c in run.checks if c.check == "grad-sync.plan" and not c.passed}
+    for cid in on:
+        assert "the DP parameter all-gather (all_gather on dp-cp group (0, 1), 82304 x fp32, 3 calls) was not observed" \
+            in plan_fail[cid]
+    assert not run.passed
+
+
+@pytest.mark.slow
+def test_gradient_reduction_on_the_wrong_group_is_caught():
+    run = run_suite("grad-sync", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo",
+                    engine="tests.faulty_engines:GradReduceOnWorld")
+    off = next(r for r in run.results if not r.case.options.use_distributed_optimizer
+               and not r.case.options.overlap_grad_reduce)
+    msg = next(c.message for c in run.checks if c.case_id == off.case.id and c.check == "grad-sync.plan")
+    assert "configured all-reduce" in msg and "but observed allreduce_coalesced_ on world group (0, 1)" in msg
