@@ -39,7 +39,8 @@ def _run(args) -> int:
     )
     kwargs = dict(engine=args.engine, backend=args.backend, options=options, timeout_s=args.timeout)
     plan(args.suite, args.model, args.world_size, args.layout, **kwargs)  # all bad input -> exit 2 first
-    run = run_suite(args.suite, args.model, args.world_size, args.layout, **kwargs)
+    run = run_suite(args.suite, args.model, args.world_size, args.layout, fresh_ranks=args.fresh_ranks,
+                    shuffle_seed=args.shuffle, **kwargs)
     print(report.format_run(run))
     if args.out:
         path = report.write_results(run, Path(args.out))
@@ -71,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--distributed-optimizer", action="store_true", help="use_distributed_optimizer=True")
     run.add_argument("--overlap-grad-reduce", action="store_true")
     run.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
+    run.add_argument("--fresh-ranks", action="store_true",
+                     help="start new rank processes for every case instead of reusing warm ones")
+    run.add_argument("--shuffle", type=int, metavar="SEED", default=None,
+                     help="run the cases in a shuffled order (isolation check)")
     run.set_defaults(func=_run)
     return p
 

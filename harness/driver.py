@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from typing import Callable
 from harness.checks import CheckResult
 from harness.errors import BadInput
 from harness.launch import CaseResult, run_case
+from harness.launch.pool import pool_for
 from harness.layouts import validate
 from harness.models import load_model
 from harness.platform import resolve_backend
@@ -60,17 +62,31 @@ def plan(suite_name: str, model_name: str, world_size: int, layout_ids: list[str
 
 def run_suite(suite_name: str, model_name: str, world_size: int, layout_ids: list[str] | None = None, *,
               engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
-              timeout_s: float | None = None, progress: Callable[[str], None] | None = None) -> SuiteRun:
+              timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
+              fresh_ranks: bool = False, shuffle_seed: int | None = None) -> SuiteRun:
+    """Run every case of the suite (warm pool ranks unless fresh_ranks) and judge them.
+
+    shuffle_seed runs the cases in a shuffled order (isolation checks); results keep plan order.
+    """
     suite, cases = plan(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
                         options=options, timeout_s=timeout_s)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     run = SuiteRun(suite, model_name, world_size, cases[0].backend if cases else backend, engine)
     t0 = time.monotonic()
-    for i, case in enumerate(cases, 1):
+    order = list(range(len(cases)))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    results: dict[int, CaseResult] = {}
+    for i, idx in enumerate(order, 1):
+        case = cases[idx]
         say(f"[{i}/{len(cases)}] {case.id} ...")
-        result = run_case(case)
-        run.results.append(result)
-        say(f"[{i}/{len(cases)}] {case.id} {result.status} in {result.wall_s:.1f}s")
+        result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
+        results[idx] = result
+        warm = "" if result.fresh_ranks else " (warm ranks)"
+        say(f"[{i}/{len(cases)}] {case.id} {result.status} in {result.wall_s:.1f}s{warm}")
+        for note in result.notes:
+            say(f"    {note}")
+    run.results = [results[i] for i in range(len(cases))]
     run.checks = suite.check(run.results)
     run.wall_s = time.monotonic() - t0
     return run

@@ -14,6 +14,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--results-dir", default=None, help="write <suite>/results.json per suite here")
     g.addoption("--baselines-dir", default="baselines", help="baseline files (<platform>/<suite>.json)")
     g.addoption("--update-baselines", action="store_true", help="record baselines instead of comparing")
+    g.addoption("--fresh-ranks", action="store_true", help="new rank processes per case (no warm pool)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -28,7 +29,7 @@ def harness_opts(request: pytest.FixtureRequest) -> dict:
     return {
         "world_size": c.getoption("--world-size"), "backend": c.getoption("--backend"),
         "model": c.getoption("--model"), "engine": c.getoption("--engine"),
-        "results_dir": c.getoption("--results-dir"),
+        "results_dir": c.getoption("--results-dir"), "fresh_ranks": c.getoption("--fresh-ranks"),
     }
 
 

@@ -21,7 +21,8 @@ def grad_sync_run(request, harness_opts, publish):
     engine = request.param if harness_opts["engine"] == "mcore" else harness_opts["engine"]
     try:
         run = run_suite("grad-sync", harness_opts["model"] or "tiny", harness_opts["world_size"],
-                        engine=engine, backend=harness_opts["backend"])
+                        engine=engine, backend=harness_opts["backend"],
+                        fresh_ranks=harness_opts["fresh_ranks"])
     except MissingDependency as exc:
         pytest.skip(str(exc))
     publish(report.format_run(run))

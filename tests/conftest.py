@@ -23,7 +23,11 @@ def live_worker_pids() -> list[int]:
 
 @pytest.fixture
 def no_leftover_ranks():
+    from harness.launch.pool import close_all
+
+    close_all()
     before = set(live_worker_pids())
     yield
+    close_all()  # suites run through run_suite keep process-wide warm pools
     leftover = set(live_worker_pids()) - before
     assert not leftover, f"rank processes left behind: {sorted(leftover)}"

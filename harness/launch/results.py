@@ -28,6 +28,8 @@ class CaseResult:
     status: str  # ok | error | timeout
     error: str = ""  # one readable paragraph when status != ok
     wall_s: float = 0.0
+    fresh_ranks: bool = True  # False: ran on warm pool ranks started for an earlier case
+    notes: list[str] = field(default_factory=list)  # e.g. why the warm ranks were retired after it
 
     @property
     def ok(self) -> bool:

@@ -93,54 +93,52 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S) -> CaseResult:
-    """Run the case on layout.world_size local ranks; never raises for rank failures."""
-    world = case.layout.world_size
-    workdir = Path(tempfile.mkdtemp(prefix="harness-case-"))
-    write_atomic(workdir / "case.pkl", case)
-    procs: list[subprocess.Popen] = []
-    logs = [workdir / f"rank{r}.log" for r in range(world)]
-    t0 = time.monotonic()
-    timed_out = False
-    try:
-        for r in range(world):
-            with open(logs[r], "wb") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "harness.launch.worker",
-                     "--case-file", str(workdir / "case.pkl"), "--result-dir", str(workdir)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=_rank_env(case, r, workdir), start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                ))
-        first_failure: float | None = None
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            now = time.monotonic()
-            if first_failure is None and any(c not in (None, 0) for c in codes):
-                first_failure = now
-            if first_failure is not None and now - first_failure > grace_s:
-                break
-            if now - t0 > case.timeout_s:
-                timed_out = True
-                for p, c in zip(procs, codes):
-                    if c is None:
-                        try:
-                            os.kill(p.pid, signal.SIGUSR1)  # faulthandler dumps all stacks to the log
-                        except ProcessLookupError:
-                            pass
-                time.sleep(STACK_WAIT_S)
-                break
-            time.sleep(0.05)
-        codes = [p.poll() for p in procs]
-    finally:
-        _kill(procs)
-    wall = time.monotonic() - t0
+def _spawn(argv: list[str], env: dict[str, str], log: Path, stdin=subprocess.DEVNULL) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "harness.launch.worker", *argv], stdin=stdin, stdout=f,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+        )
 
+
+def supervise(procs: list[subprocess.Popen], result_dir: Path, timeout_s: float, grace_s: float,
+              t0: float) -> tuple[list[int | None], bool]:
+    """Wait until every rank wrote its result (or exited); stop early when one fails or time runs out.
+
+    Returns the exit codes (None: still running) and whether the case timed out.
+    """
+    world = len(procs)
+    first_failure: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        done = [(result_dir / f"rank{r}.pkl").exists() or codes[r] is not None for r in range(world)]
+        if all(done):
+            return codes, False
+        now = time.monotonic()
+        failed = any(c not in (None, 0) for c in codes) or any(
+            (result_dir / f"rank{r}.failed").exists() for r in range(world))
+        if first_failure is None and failed:
+            first_failure = now
+        if first_failure is not None and now - first_failure > grace_s:
+            return codes, False
+        if now - t0 > timeout_s:
+            for r, p in enumerate(procs):
+                if not done[r]:
+                    try:
+                        os.kill(p.pid, signal.SIGUSR1)  # faulthandler dumps all stacks to the log
+                    except ProcessLookupError:
+                        pass
+            time.sleep(STACK_WAIT_S)
+            return [p.poll() for p in procs], True
+        time.sleep(0.02)
+
+
+def collect(case: Case, result_dir: Path, logs: list[Path], codes: list[int | None], timed_out: bool,
+            wall: float) -> CaseResult:
+    """Read the ranks' results; explain every missing one from its exit code and log."""
     ranks: list[RankResult] = []
-    for r in range(world):
-        path = workdir / f"rank{r}.pkl"
+    for r in range(len(logs)):
+        path = result_dir / f"rank{r}.pkl"
         if path.exists():
             ranks.append(read(path))
             continue
@@ -152,11 +150,39 @@ def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S
                   f"last lines of {logs[r]}:\n{_tail(logs[r])}",
         ))
     status, error = _verdict(case, ranks, codes, timed_out, wall)
-    if status == "ok" and not keep_workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    elif status != "ok":
-        error += f"\n(rank logs kept in {workdir})"
     return CaseResult(case, ranks, status, error, wall)
+
+
+def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S) -> CaseResult:
+    """Run the case on layout.world_size fresh local ranks; never raises for rank failures."""
+    world = case.layout.world_size
+    workdir = Path(tempfile.mkdtemp(prefix="harness-case-"))
+    write_atomic(workdir / "case.pkl", case)
+    procs: list[subprocess.Popen] = []
+    logs = [workdir / f"rank{r}.log" for r in range(world)]
+    t0 = time.monotonic()
+    try:
+        for r in range(world):
+            procs.append(_spawn(["--case-file", str(workdir / "case.pkl"), "--result-dir", str(workdir)],
+                                _rank_env(case, r, workdir), logs[r]))
+        codes, timed_out = supervise(procs, workdir, case.timeout_s, grace_s, t0)
+        # A rank that wrote its result exits right after (os._exit); give those a moment.
+        deadline = time.monotonic() + 2.0
+        for r, p in enumerate(procs):
+            if (workdir / f"rank{r}.pkl").exists():
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        codes = [p.poll() for p in procs]
+    finally:
+        _kill(procs)
+    result = collect(case, workdir, logs, codes, timed_out, time.monotonic() - t0)
+    if result.ok and not keep_workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif not result.ok:
+        result.error += f"\n(rank logs kept in {workdir})"
+    return result
 
 
 def _verdict(case: Case, ranks: list[RankResult], codes: list[int | None], timed_out: bool,

@@ -62,6 +62,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
 
     result = ctx.result
     try:
+        rss_before = _reset_peak_rss()
         with ctx.phase("imports"):
             import importlib
 
@@ -76,6 +77,8 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
             with ctx.phase("init"):
                 init_distributed(ctx, case.timeout_s)
         result.data = suite.rank_work(case, ctx) or {}
+        # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
+        result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _peak_rss()}
         with ctx.phase("teardown"):
             if own_process_group:
                 shutdown_distributed(ctx)
@@ -87,12 +90,98 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
     return result
 
 
+def _status_mib(field: str) -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _reset_peak_rss() -> float:
+    """Reset VmHWM to the current RSS (Linux clear_refs 5) and return the current RSS in MiB."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_mib("VmRSS")
+
+
+def _peak_rss() -> float:
+    return _status_mib("VmHWM")
+
+
+POOL_IMPORTS = ("megatron.core", "megatron.core.distributed", "megatron.core.tensor_parallel",
+                "megatron.core.pipeline_parallel", "megatron.core.models.gpt", "megatron.core.optimizer")
+
+
+def pool_main(pool_dir: Path) -> None:
+    """A warm rank: one process group for its life, cases read from stdin one directory per line.
+
+    After each case it checks that nothing leaked (harness.launch.isolation); a failed or leaking
+    case is the last one this rank runs (the pool then starts fresh ranks).
+    """
+    import importlib
+
+    from harness.launch import isolation
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = os.environ["HARNESS_BACKEND"]
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    startup = RankContext(rank, world, local_rank, backend, pool_dir)
+    startup.result.timings["rank_start"] = max(0.0, _T0 - float(os.environ.get("HARNESS_SPAWN_T", _T0)))
+    with startup.phase("imports"):
+        for module in POOL_IMPORTS:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
+    with startup.phase("init"):
+        init_distributed(startup, float(os.environ.get("HARNESS_PG_TIMEOUT", "1800")))
+    baseline = isolation.snapshot()
+    first = True
+    for line in sys.stdin:
+        case_dir = Path(line.strip())
+        if not line.strip() or line.strip() == "exit":
+            break
+        case: Case = read(case_dir / "case.pkl")
+        ctx = RankContext(rank, world, local_rank, backend, case_dir)
+        if first:  # the pool's start-up is paid by its first case
+            ctx.result.timings.update(startup.result.timings)
+            first = False
+        result = run_rank(case, ctx, own_process_group=False)
+        leaked = isolation.leaks(baseline, isolation.snapshot())
+        result.data["leaks"] = leaked
+        write_result(case_dir, result)
+        if leaked or not result.ok:
+            break
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def write_result(result_dir: Path, result: RankResult) -> None:
+    """rank<R>.pkl, plus an empty rank<R>.failed marker the supervisor can see without unpickling."""
+    if not result.ok:
+        (result_dir / f"rank{result.rank}.failed").touch()
+    write_atomic(result_dir / f"rank{result.rank}.pkl", result)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--case-file", required=True, type=Path)
-    parser.add_argument("--result-dir", required=True, type=Path)
+    parser.add_argument("--case-file", type=Path)
+    parser.add_argument("--result-dir", type=Path)
+    parser.add_argument("--pool-dir", type=Path, help="run as a warm pool rank (cases from stdin)")
     args = parser.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the runner asks hung ranks for stacks
+    if args.pool_dir:
+        pool_main(args.pool_dir)
+    if not (args.case_file and args.result_dir):
+        parser.error("--case-file and --result-dir are required (or --pool-dir)")
 
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -100,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = RankContext(rank, world_size, int(os.environ.get("LOCAL_RANK", rank)), case.backend, args.result_dir)
     ctx.result.timings["rank_start"] = max(0.0, _T0 - float(os.environ.get("HARNESS_SPAWN_T", _T0)))
     result = run_rank(case, ctx)
-    write_atomic(args.result_dir / f"rank{rank}.pkl", result)
+    write_result(args.result_dir, result)
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: atexit hooks of torch / megatron can block once peers are gone.

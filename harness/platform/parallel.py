@@ -12,6 +12,8 @@ def init_parallel_state(layout: Layout, *, on_cpu: bool, seed: int,
 
     from harness.platform.cpu_layer import seed_rng
 
+    global _GROUPS_BEFORE
+    _GROUPS_BEFORE = _live_groups()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -22,12 +24,29 @@ def init_parallel_state(layout: Layout, *, on_cpu: bool, seed: int,
     seed_rng(seed, on_cpu=on_cpu)
 
 
+_GROUPS_BEFORE: set | None = None
+
+
+def _live_groups() -> set:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(c10d._world.pg_map) if dist.is_initialized() else set()
+
+
 def teardown_parallel_state() -> None:
     """Destroy every group and global megatron-core created for a case."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mp_random
 
+    global _GROUPS_BEFORE
     parallel_state.destroy_model_parallel()
+    if _GROUPS_BEFORE is not None:
+        # megatron forgets its groups but does not destroy them; a warm rank would accumulate them.
+        for group in _live_groups() - _GROUPS_BEFORE:
+            dist.destroy_process_group(group)
+        _GROUPS_BEFORE = None
     mp_random._CUDA_RNG_STATE_TRACKER = None
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     try:

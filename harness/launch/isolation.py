@@ -1,0 +1,84 @@
+"""What a case may not leave behind in a warm rank: patched functions, modes, groups, megatron globals.
+
+A pooled rank snapshots these before its first case and compares after each one; any difference
+retires the pool (the next case gets fresh ranks) and is reported with the case.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# module path -> attributes whose identity must not change across cases
+_WATCHED: dict[str, tuple[str, ...]] = {
+    "torch.distributed": ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                          "broadcast", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+                          "new_group", "init_process_group"),
+    "torch.cuda": ("current_device", "synchronize", "Stream", "Event", "current_stream", "default_stream",
+                   "stream", "is_available"),
+    "torch.Tensor": ("cuda", "to", "type", "pin_memory", "backward"),
+    "megatron.core.distributed.param_and_grad_buffer": ("dist_reduce_scatter_func", "dist_all_gather_func"),
+    "megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup":
+        ("start_grad_sync", "finish_grad_sync", "start_param_sync", "finish_param_sync"),
+    "megatron.core.tensor_parallel.mappings._CopyToModelParallelRegion": ("forward", "backward"),
+    "megatron.core.tensor_parallel.mappings._ReduceFromModelParallelRegion": ("forward", "backward"),
+    "megatron.core.tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication": ("forward", "backward"),
+    "megatron.core.pipeline_parallel.schedules": ("get_forward_backward_func", "forward_step", "backward_step"),
+}
+
+
+def _resolve(path: str) -> Any:
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def snapshot() -> dict[str, Any]:
+    """Identities of watched functions plus process-global state a case must restore."""
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    snap: dict[str, Any] = {}
+    for path, attrs in _WATCHED.items():
+        try:
+            owner = _resolve(path)
+        except (ImportError, AttributeError):
+            continue
+        for attr in attrs:
+            raw = owner.__dict__.get(attr, getattr(owner, attr, None)) if isinstance(owner, type) else getattr(owner, attr, None)
+            snap[f"{path}.{attr}"] = id(raw)
+    snap["torch function modes"] = torch._C._len_torch_function_stack()
+    snap["torch dispatch modes"] = torch._C._len_torch_dispatch_stack()
+    snap["process groups"] = len(c10d._world.pg_map)
+    snap["default dtype"] = str(torch.get_default_dtype())
+    snap["grad enabled"] = torch.is_grad_enabled()
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import random as mp_random
+
+        snap["megatron model parallel initialised"] = ps.model_parallel_is_initialized()
+        snap["megatron RNG tracker initialised"] = mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    except ImportError:
+        pass
+    return snap
+
+
+def leaks(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Human-readable differences: what the case left changed."""
+    out = []
+    for key, value in after.items():
+        if key not in before:
+            continue  # a module first imported by this case
+        if before[key] != value:
+            if key.endswith(("modes", "groups", "dtype", "enabled", "initialised")):
+                out.append(f"{key}: {before[key]} -> {value}")
+            else:
+                out.append(f"{key} was replaced and not restored")
+    return out

@@ -1,0 +1,119 @@
+"""Warm rank pools: N rank processes per (world size, backend) that run many cases in turn.
+
+Ranks import torch and megatron-core and join one process group once; each case then costs only
+its own work. Megatron's parallel state is rebuilt per case in one place
+(harness/platform/parallel.py) and every rank checks after each case that nothing leaked
+(harness/launch/isolation.py). A case that fails, hangs or leaks retires the pool: its ranks are
+killed and the next case starts fresh ones (the poison-pill rule).
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from harness.launch.results import CaseResult, write_atomic
+from harness.launch.runner import GRACE_S, _kill, _rank_env, _spawn, collect, supervise
+from harness.spec import Case
+
+
+class RankPool:
+    def __init__(self, world_size: int, backend: str):
+        self.world_size, self.backend = world_size, backend
+        self.procs: list[subprocess.Popen] = []
+        self.dir: Path | None = None
+        self.cases_run = 0
+        self.starts = 0
+        self.retired: list[str] = []  # why each earlier set of ranks was retired
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.poll() is None for p in self.procs)
+
+    def _start(self, case: Case) -> None:
+        self.close()
+        self.dir = Path(tempfile.mkdtemp(prefix="harness-pool-"))
+        for r in range(self.world_size):
+            env = _rank_env(case, r, self.dir)
+            env["HARNESS_BACKEND"] = self.backend
+            self.procs.append(_spawn(["--pool-dir", str(self.dir)], env, self.dir / f"rank{r}.log",
+                                     stdin=subprocess.PIPE))
+        self.starts += 1
+
+    def run(self, case: Case, grace_s: float = GRACE_S) -> CaseResult:
+        if case.layout.world_size != self.world_size or case.backend != self.backend:
+            raise ValueError(f"pool for {self.world_size} {self.backend} ranks cannot run {case.id}")
+        t0 = time.monotonic()
+        fresh = not self.alive
+        if fresh:
+            self._start(case)
+        assert self.dir is not None
+        case_dir = self.dir / f"case{self.cases_run:04d}"
+        case_dir.mkdir()
+        self.cases_run += 1
+        write_atomic(case_dir / "case.pkl", case)
+        for p in self.procs:
+            try:
+                p.stdin.write(f"{case_dir}\n".encode())
+                p.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+        codes, timed_out = supervise(self.procs, case_dir, case.timeout_s, grace_s, t0)
+        logs = [self.dir / f"rank{r}.log" for r in range(self.world_size)]
+        result = collect(case, case_dir, logs, codes, timed_out, time.monotonic() - t0)
+        result.fresh_ranks = fresh
+        leaked = sorted({item for r in result.ranks for item in r.data.get("leaks", [])})
+        if leaked:
+            result.notes.append(f"retired the warm ranks after this case: it left {'; '.join(leaked)}")
+        if not result.ok or leaked:
+            self.retired.append(result.notes[-1] if leaked else f"{case.id} {result.status}")
+            keep = self.dir if not result.ok else None
+            self.close(keep_dir=keep is not None)
+            if keep:
+                result.error += f"\n(rank logs kept in {keep})"
+        else:
+            shutil.rmtree(case_dir, ignore_errors=True)
+        return result
+
+    def close(self, keep_dir: bool = False) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.write(b"exit\n")
+                p.stdin.close()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        _kill(self.procs)
+        self.procs = []
+        if self.dir is not None and not keep_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir = None
+
+
+_POOLS: dict[tuple[int, str], RankPool] = {}
+
+
+def pool_for(world_size: int, backend: str) -> RankPool:
+    """The process-wide pool for a world size and backend (closed at exit)."""
+    key = (world_size, backend)
+    if key not in _POOLS:
+        _POOLS[key] = RankPool(world_size, backend)
+    return _POOLS[key]
+
+
+def close_all() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+atexit.register(close_all)

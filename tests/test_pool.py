@@ -1,0 +1,80 @@
+"""Warm rank pools: cases reuse ranks, results equal fresh ranks, failures and leaks retire the pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.driver import run_suite
+from harness.launch.pool import RankPool
+from harness.models import load_model
+from harness.spec import Case, CaseOptions, Layout
+from tests import fake_suites as fs
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+
+def fake(mode: int, timeout_s: float = 60.0) -> Case:
+    return Case("tests.fake_suites:Misbehave", load_model("tiny"), Layout(dp=2), "mcore",
+                CaseOptions(seed=mode), "gloo", timeout_s)
+
+
+def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
+    pool = RankPool(2, "gloo")
+    try:
+        first = pool.run(fake(fs.OK))
+        second = pool.run(fake(fs.OK))
+        assert first.ok and second.ok
+        assert first.fresh_ranks and not second.fresh_ranks
+        assert [r.data["pid"] for r in first.ranks] == [r.data["pid"] for r in second.ranks]
+        bad = pool.run(fake(fs.RAISE, timeout_s=60))
+        assert bad.status == "error" and "rank 1 failed in phase 'work'" in bad.error
+        hung = pool.run(fake(fs.HANG_COLLECTIVE, timeout_s=30))  # includes the fresh ranks' start-up
+        assert hung.fresh_ranks and hung.status == "timeout" and "rank 1 in 'work'" in hung.error
+        after = pool.run(fake(fs.OK))
+        assert after.ok and after.fresh_ranks
+        assert pool.starts == 3
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_leaking_case_is_detected_and_the_pool_recovers():
+    """A case leaves megatron's param all-gather patched; the next case must not inherit it."""
+    pool = RankPool(2, "gloo")
+    tiny = load_model("tiny")
+    opts = CaseOptions(steps=3, use_distributed_optimizer=True)
+    try:
+        leaky = pool.run(Case("grad-sync", tiny, Layout(dp=2), "tests.faulty_engines:SkipParamAllGather", opts))
+        assert leaky.ok
+        assert any("_ParamAndGradBucketGroup.start_param_sync was replaced and not restored" in n for n in leaky.notes)
+        clean = pool.run(Case("grad-sync", tiny, Layout(dp=2), "mcore", opts))
+        assert clean.fresh_ranks and not clean.notes
+        from harness.suites.grad_sync import GradSyncSuite
+
+        checks = {c.check: c for c in GradSyncSuite().check([clean])}
+        assert checks["grad-sync.plan"].passed, checks["grad-sync.plan"].message
+    finally:
+        pool.close()
+
+
+def _values(run):
+    out = []
+    for r in run.results:
+        out.append((r.case.id, r.status, run.suite.metrics(r)))
+    return out, [(c.check, c.case_id, c.passed, c.value) for c in run.checks]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", ["equivalence", "grad-sync"])
+def test_shuffled_warm_ranks_give_the_same_verdicts_and_values(suite):
+    layouts = ["tp2-pp1-cp1-dp1"] if suite == "equivalence" else ["tp1-pp1-cp1-dp2"]
+    fresh = run_suite(suite, "tiny", 2, layouts, backend="gloo", fresh_ranks=True)
+    warm = run_suite(suite, "tiny", 2, layouts, backend="gloo", shuffle_seed=3)
+    assert any(not r.fresh_ranks for r in warm.results)
+    f_cases, f_checks = _values(fresh)
+    w_cases, w_checks = _values(warm)
+    if suite == "grad-sync":  # the recorder overhead is a timing; everything else must be identical
+        f_cases = [(i, s, {k: v for k, v in m.items() if k != "recorder overhead"}) for i, s, m in f_cases]
+        w_cases = [(i, s, {k: v for k, v in m.items() if k != "recorder overhead"}) for i, s, m in w_cases]
+    assert f_cases == w_cases
+    assert f_checks == w_checks  # verdicts and judged values (equivalence errors) bit-identical
