@@ -41,8 +41,12 @@ def transformer_config(case: Case, on_cpu: bool):
     )
 
 
-def layer_spec(on_cpu: bool, normalization: str):
-    """Local spec on CPU ranks; the Transformer Engine spec on GPU when transformer_engine imports."""
+def layer_spec(on_cpu: bool, normalization: str, cp: int = 1):
+    """Local spec on CPU ranks; the Transformer Engine spec on GPU when transformer_engine imports.
+
+    Without TE and with CP > 1, the local spec's core attention (which asserts CP == 1) is replaced
+    by the reference context-parallel attention.
+    """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if not on_cpu:
@@ -52,7 +56,12 @@ def layer_spec(on_cpu: bool, normalization: str):
             return specs.get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
-    return specs.get_gpt_layer_local_spec(normalization=normalization)
+    spec = specs.get_gpt_layer_local_spec(normalization=normalization)
+    if cp > 1:
+        from harness.engines.cp_attention import ReferenceCPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = ReferenceCPAttention
+    return spec
 
 
 def _full_init(name: str, full_shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -100,7 +109,7 @@ class McoreEngine:
         from megatron.core.models.gpt import GPTModel
 
         self.config = transformer_config(self.case, self.ctx.on_cpu)
-        spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization)
+        spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, self.case.layout.cp)
         vpp = self.case.layout.vpp
         chunks = []
         for stage in range(vpp):
@@ -206,6 +215,10 @@ class McoreEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = data.microbatches(self.case, step, ps.get_data_parallel_rank())
+        if self.case.layout.cp > 1:
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
         iters = [iter(mbs) for _ in self.models]
         for m in self.models:
             m.zero_grad_buffer()

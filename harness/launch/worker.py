@@ -78,7 +78,8 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
                 init_distributed(ctx, case.timeout_s)
         result.data = suite.rank_work(case, ctx) or {}
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
-        result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _peak_rss()}
+        result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _peak_rss(),
+                                      "threads": len(os.listdir("/proc/self/task"))}
         with ctx.phase("teardown"):
             if own_process_group:
                 shutdown_distributed(ctx)

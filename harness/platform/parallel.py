@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from harness.spec import Layout
 
 
@@ -42,11 +44,20 @@ def teardown_parallel_state() -> None:
 
     global _GROUPS_BEFORE
     parallel_state.destroy_model_parallel()
+    # destroy_model_parallel misses some globals (0.16: _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*);
+    # any group left referenced keeps its gloo threads alive in a warm rank.
+    for name, value in list(vars(parallel_state).items()):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if name.startswith("_") and items and any(isinstance(x, dist.ProcessGroup) for x in items):
+            setattr(parallel_state, name, None)
     if _GROUPS_BEFORE is not None:
         # megatron forgets its groups but does not destroy them; a warm rank would accumulate them.
         for group in _live_groups() - _GROUPS_BEFORE:
             dist.destroy_process_group(group)
         _GROUPS_BEFORE = None
+    # Gloo groups stop their threads only when the last reference goes; models, DDP buckets and
+    # optimizers of the finished case hold them in reference cycles.
+    gc.collect()
     mp_random._CUDA_RNG_STATE_TRACKER = None
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     try:

@@ -1,0 +1,96 @@
+"""A pure-torch context-parallel core attention for ranks without Transformer Engine.
+
+megatron's local DotProductAttention asserts CP == 1; this module takes its place in the local
+layer spec when CP > 1. Each rank holds the query chunks megatron's zigzag split gave it (chunks r
+and 2cp-1-r of 2cp); K and V are all-gathered over the CP group (forward all-gather, backward
+all-reduce + slice, which gloo supports), the causal mask is applied on global positions, and GQA
+heads are expanded. The CP group comes from `packed_seq_params.cp_group` when the caller gives one
+(per-micro-batch groups of dynamic CP) and from the static CP group otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along dim 0 over a group; the backward sums the gradients and keeps the local part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=0)[rank], None
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions of the tokens CP rank `rank` holds after megatron's 2*cp zigzag split."""
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def causal_attention(q, k, v, q_pos, k_pos, scale):
+    """sbhd q [sq, b, np, hn], k/v [sk, b, ng, hn] -> [sq, b, np*hn], causal on global positions."""
+    np_, ng = q.shape[2], k.shape[2]
+    if np_ != ng:
+        k = k.repeat_interleave(np_ // ng, dim=2)
+        v = v.repeat_interleave(np_ // ng, dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q.float(), k.float()) * scale
+    mask = q_pos[:, None] < k_pos[None, :]
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.einsum("bhqk,kbhd->qbhd", probs, v)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class ReferenceCPAttention(torch.nn.Module):
+    """Drop-in core attention for the local spec: causal self-attention, GQA, static or per-batch CP."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, **_):
+        super().__init__()
+        self.config = config
+        self.static_cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        kv = config.kv_channels or config.hidden_size // config.num_attention_heads
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv)
+
+    def _group(self, packed_seq_params):
+        group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
+        if group is not None:
+            return group
+        if self.static_cp_group is not None:
+            return self.static_cp_group
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group()
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "sbhd") == "thd":
+            raise NotImplementedError("ReferenceCPAttention: packed (THD) sequences are not supported yet")
+        group = self._group(packed_seq_params)
+        cp = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if cp > 1 else 0
+        local = query.shape[0]
+        seq = local * cp
+        if cp > 1:
+            key, value = _GatherSeq.apply(key, group), _GatherSeq.apply(value, group)
+            q_pos = zigzag_positions(seq, cp, rank, query.device)
+            k_pos = torch.cat([zigzag_positions(seq, cp, r, query.device) for r in range(cp)])
+        else:
+            q_pos = k_pos = torch.arange(seq, device=query.device)
+        return causal_attention(query, key, value, q_pos, k_pos, self.softmax_scale)
