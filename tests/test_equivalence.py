@@ -69,3 +69,9 @@ def test_planted_tp_gradient_bug_fails_the_suite():
     msg = failed["equivalence.params"].message
     assert "params differ from tp1-pp1-cp1-dp2 after 2 steps; worst" in msg and "> 1e-05" in msg
     assert not run.passed
+
+
+@pytest.mark.slow
+def test_context_parallel_layout_matches_with_the_reference_attention():
+    run = run_suite("equivalence", "tiny", 2, ["tp1-pp1-cp2-dp1"], backend="gloo")
+    assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results]
