@@ -98,6 +98,10 @@ class CaseOptions:
     lr: float = 1e-3
     global_batch_size: int | None = None  # None: the model spec's
     micro_batch_size: int | None = None
+    # checkpoint suites: distributed-optimizer format (distrib_optim_sharding_type), with
+    # "fully_reshardable_mem_efficient" for fully_reshardable + the mem_efficient flag
+    ckpt_format: str = "dp_reshardable"
+    fully_parallel_save: bool = False
 
     def short(self) -> str:
         """Non-default options as a compact id fragment."""

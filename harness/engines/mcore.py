@@ -247,3 +247,35 @@ class McoreEngine:
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 out.append(ParamShard(name, p.detach().float().cpu().clone(), dim, tp_rank, tp, self.tp_parts(name)))
         return out
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def checkpoint_metadata(self, fmt: str) -> dict:
+        sharding = "fully_reshardable" if fmt.startswith("fully_reshardable") else fmt
+        return {"distrib_optim_sharding_type": sharding,
+                "distrib_optim_fully_reshardable_mem_efficient": fmt == "fully_reshardable_mem_efficient"}
+
+    def sharded_state_dict(self, fmt: str, is_loading: bool = False) -> dict:
+        metadata = self.checkpoint_metadata(fmt)
+        model_sd = {}
+        for i, m in enumerate(self.models):
+            key = "model" if len(self.models) == 1 else f"model{i}"
+            model_sd[key] = m.module.sharded_state_dict(metadata=metadata)
+        merged = {}
+        for part in model_sd.values():
+            merged.update(part)
+        sd = dict(model_sd)
+        sd["optimizer"] = self.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=metadata)
+        return sd
+
+    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False) -> None:
+        """dist_checkpointing.save in the given distributed-optimizer format (sync save)."""
+        from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        sd = self.sharded_state_dict(fmt)
+        strategy = get_default_save_sharded_strategy()
+        if fully_parallel:
+            strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
+        dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy, content_metadata=self.checkpoint_metadata(fmt))

@@ -46,7 +46,8 @@ def shutdown_distributed(ctx: RankContext) -> None:
     from harness.platform import cpu_layer
     from harness.platform.parallel import teardown_parallel_state
 
-    teardown_parallel_state()
+    if "megatron.core.parallel_state" in sys.modules:
+        teardown_parallel_state()
     if dist.is_initialized():
         dist.destroy_process_group()
     cpu_layer.deactivate()
@@ -80,14 +81,25 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
         result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _peak_rss(),
                                       "threads": len(os.listdir("/proc/self/task"))}
-        with ctx.phase("teardown"):
-            if own_process_group:
-                shutdown_distributed(ctx)
-            else:
-                teardown_parallel_state()
     except BaseException:  # noqa: BLE001 - a rank reports everything, including SystemExit
         result.ok = False
         result.error = traceback.format_exc()
+    if not result.ok and own_process_group:
+        return result  # the process ends here; peers may be gone, so no collective teardown
+    failed_in = result.phase
+    try:  # also after a failure: a torchrun rank goes on to the next case
+        with ctx.phase("teardown"):
+            if own_process_group:
+                shutdown_distributed(ctx)
+            elif "megatron.core.parallel_state" in sys.modules:
+                teardown_parallel_state()
+    except BaseException:  # noqa: BLE001
+        if result.ok:
+            result.ok = False
+            result.error = traceback.format_exc()
+            failed_in = "teardown"
+    if not result.ok:
+        result.phase = failed_in
     return result
 
 

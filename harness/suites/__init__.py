@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 SUITES = {
     "equivalence": "harness.suites.equivalence:EquivalenceSuite",
     "grad-sync": "harness.suites.grad_sync:GradSyncSuite",
+    "ckpt-memory": "harness.suites.ckpt_memory:CkptMemorySuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 
