@@ -40,3 +40,11 @@ def gpu_suite(session: nox.Session) -> None:
     extra = session.posargs[1:] if world else session.posargs
     session.run("pytest", "suites", "-m", "not nightly", "--backend", "nccl",
                 *(["--world-size", world] if world else []), *extra)
+
+
+@nox.session
+def baselines(session: nox.Session) -> None:
+    """Record baselines (3 repeats; atomic write; prints the diff). Arguments after -- replace the default."""
+    _install_cpu(session)
+    args = session.posargs or ["--suite", "ckpt-memory", "--model", "small", "--world-size", "4"]
+    session.run("harness", "baselines", "record", *args)

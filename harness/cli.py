@@ -38,14 +38,63 @@ def _run(args) -> int:
         use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
     )
     kwargs = dict(engine=args.engine, backend=args.backend, options=options, timeout_s=args.timeout)
-    plan(args.suite, args.model, args.world_size, args.layout, **kwargs)  # all bad input -> exit 2 first
+    plan(args.suite, args.model, args.world_size, args.layout, ckpt_formats=args.ckpt_format,
+         **kwargs)  # all bad input -> exit 2 first
     run = run_suite(args.suite, args.model, args.world_size, args.layout, fresh_ranks=args.fresh_ranks,
-                    shuffle_seed=args.shuffle, **kwargs)
+                    shuffle_seed=args.shuffle, baselines_dir=args.baselines_dir, ckpt_formats=args.ckpt_format,
+                    **kwargs)
     print(report.format_run(run))
     if args.out:
         path = report.write_results(run, Path(args.out))
         print(f"results: {path}")
     return 0 if run.passed else 1
+
+
+def _baselines(args) -> int:
+    from harness import baselines, report
+    from harness.driver import plan, run_suite
+
+    kwargs = dict(backend=args.backend)
+    suite, cases = plan(args.suite, args.model, args.world_size, args.layout, **kwargs)
+    if not hasattr(suite, "samples"):
+        raise BadInput(f"suite {args.suite!r} has no baselines")
+    if args.action == "check":
+        run = run_suite(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir, **kwargs)
+        print(report.format_run(run))
+        return 0 if run.passed else 1
+    try:
+        path, diff = baselines.record_suite(args.suite, args.model, args.world_size, args.layout,
+                                            repeats=args.repeats, baselines_dir=args.baselines_dir, **kwargs)
+    except RuntimeError as exc:
+        print(f"harness: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"recorded {path}:\n{diff}")
+    return 0
+
+
+def _project_memory(args) -> int:
+    from harness.checks.memory_model import MIB, project, save_band
+    from harness.layouts import validate
+    from harness.models import load_model
+    from harness.spec import Layout
+
+    model = load_model(args.model)
+    layout = validate(Layout.parse(args.layout), model)
+    formats = [args.format] if args.format else ["dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient"]
+    print(f"model {model.name} ({model.num_params() / 1e9:.2f}B params), layout {layout.id}, "
+          f"{args.ranks_per_node} ranks per node")
+    for fmt in formats:
+        try:
+            p = project(fmt, model, layout, args.ranks_per_node)
+        except ValueError as exc:
+            raise BadInput(str(exc)) from None
+        band = save_band(fmt, model, layout, p.worst_rank)
+        gib = 1024 * MIB
+        print(f"{fmt:<34} per rank (worst: rank {p.worst_rank}) {p.per_rank_low / gib:8.1f} - {p.per_rank_high / gib:8.1f} GiB"
+              f"   per node up to {p.per_node_high / gib:9.1f} GiB   [{band.why}]")
+    print("checked against measured CPU points: baselines/cpu-gloo/ckpt-memory.json (suite ckpt-memory, "
+          "check 'ckpt-memory.model')")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +125,27 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start new rank processes for every case instead of reusing warm ones")
     run.add_argument("--shuffle", type=int, metavar="SEED", default=None,
                      help="run the cases in a shuffled order (isolation check)")
+    run.add_argument("--baselines-dir", default=None, help="default: the repository's baselines/")
+    run.add_argument("--ckpt-format", action="append", help="ckpt-memory: only these formats (repeatable)")
     run.set_defaults(func=_run)
+
+    bl = sub.add_parser("baselines", help="record or check stored baselines")
+    bl.add_argument("action", choices=["record", "check"])
+    bl.add_argument("--suite", required=True)
+    bl.add_argument("--model", required=True)
+    bl.add_argument("--world-size", type=int, required=True)
+    bl.add_argument("--layout", action="append")
+    bl.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    bl.add_argument("--repeats", type=int, default=3)
+    bl.add_argument("--baselines-dir", default=None)
+    bl.set_defaults(func=_baselines)
+
+    pm = sub.add_parser("project-memory", help="predicted host memory of a checkpoint save at scale")
+    pm.add_argument("--model", required=True)
+    pm.add_argument("--layout", required=True)
+    pm.add_argument("--format", default=None)
+    pm.add_argument("--ranks-per-node", type=int, default=8)
+    pm.set_defaults(func=_project_memory)
     return p
 
 

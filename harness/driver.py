@@ -37,9 +37,16 @@ class SuiteRun:
 
 def plan(suite_name: str, model_name: str, world_size: int, layout_ids: list[str] | None = None, *,
          engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
-         timeout_s: float | None = None):
+         timeout_s: float | None = None, ckpt_formats: list[str] | None = None):
     """(suite, cases) or BadInput, before anything runs or is written."""
     suite = get_suite(suite_name)
+    if ckpt_formats:
+        if not hasattr(suite, "formats"):
+            raise BadInput(f"--ckpt-format applies to the ckpt-memory suite, not {suite_name!r}")
+        unknown = set(ckpt_formats) - set(suite.ALL_FORMATS)
+        if unknown:
+            raise BadInput(f"unknown checkpoint format(s) {sorted(unknown)}; known: {', '.join(suite.ALL_FORMATS)}")
+        suite.formats = tuple(ckpt_formats)
     model = load_model(model_name)
     if world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {world_size}")
@@ -63,13 +70,16 @@ def plan(suite_name: str, model_name: str, world_size: int, layout_ids: list[str
 def run_suite(suite_name: str, model_name: str, world_size: int, layout_ids: list[str] | None = None, *,
               engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
               timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
-              fresh_ranks: bool = False, shuffle_seed: int | None = None) -> SuiteRun:
+              fresh_ranks: bool = False, shuffle_seed: int | None = None,
+              baselines_dir: str | None = None, ckpt_formats: list[str] | None = None) -> SuiteRun:
     """Run every case of the suite (warm pool ranks unless fresh_ranks) and judge them.
 
     shuffle_seed runs the cases in a shuffled order (isolation checks); results keep plan order.
     """
     suite, cases = plan(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
-                        options=options, timeout_s=timeout_s)
+                        options=options, timeout_s=timeout_s, ckpt_formats=ckpt_formats)
+    if baselines_dir is not None:
+        suite.baselines_dir = baselines_dir
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     run = SuiteRun(suite, model_name, world_size, cases[0].backend if cases else backend, engine)
     t0 = time.monotonic()

@@ -31,6 +31,10 @@ def versions() -> dict[str, str]:
     return out
 
 
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
 def _installed() -> bool:
     try:
         metadata.version("megatron-regression-harness")

@@ -249,7 +249,11 @@ class McoreEngine:
         return out
 
     # -- checkpoints --------------------------------------------------------------------------
+    default_ckpt_format = "dp_reshardable"  # what a save uses when the user names no format
+
     def checkpoint_metadata(self, fmt: str) -> dict:
+        if fmt == "default":
+            fmt = self.default_ckpt_format
         sharding = "fully_reshardable" if fmt.startswith("fully_reshardable") else fmt
         return {"distrib_optim_sharding_type": sharding,
                 "distrib_optim_fully_reshardable_mem_efficient": fmt == "fully_reshardable_mem_efficient"}

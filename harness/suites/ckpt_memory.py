@@ -14,12 +14,17 @@ from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
 # fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
 # is not supported"; it can still be asked for with --ckpt-format.
-FORMATS = ("dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
+# "default" is whatever the engine saves when the user names no format: R1 was that default flipping.
+FORMATS = ("default", "dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
+ALL_FORMATS = FORMATS + ("fully_sharded_model_space",)
+EXPECTED_DEFAULT = "dp_reshardable"  # Megatron-LM / Megatron-Bridge default since R1
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
 
 
 class CkptMemorySuite:
     name = "ckpt-memory"
+    formats = FORMATS
+    ALL_FORMATS = ALL_FORMATS
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
                "memray")
@@ -34,7 +39,7 @@ class CkptMemorySuite:
         return [Case(self.name, model, lay, engine,
                      CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": True,
                                     "ckpt_format": fmt}), backend)
-                for lay in layouts for fmt in FORMATS]
+                for lay in layouts for fmt in self.formats]
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
         import torch.distributed as dist
@@ -53,7 +58,12 @@ class CkptMemorySuite:
         with ctx.phase("save"), measure("save", ctx.workdir, ctx.rank, device=not ctx.on_cpu) as peak:
             engine.save_checkpoint(str(ckpt_dir), case.options.ckpt_format, case.options.fully_parallel_save)
         dist.barrier()
-        return {"coords": layout_coords(), "save": peak}
+        saved = None
+        if ctx.rank == 0:  # what the checkpoint itself says it is
+            from megatron.core import dist_checkpointing
+
+            saved = dist_checkpointing.load_content_metadata(str(ckpt_dir))
+        return {"coords": layout_coords(), "save": peak, "content_metadata": saved}
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
@@ -62,6 +72,112 @@ class CkptMemorySuite:
         return {"host peak MiB/rank": " ".join(f"{p.host_peak / MIB:.0f}" for p in peaks),
                 "rss peak MiB/rank": " ".join(f"{(p.rss_peak - p.rss_before) / MIB:.0f}" for p in peaks)}
 
+    baselines_dir = None  # set by the driver (--baselines-dir); None: the repository's baselines/
+
+    @staticmethod
+    def key(case: Case) -> str:
+        return f"{case.model.name}/{case.layout.id}/{case.options.ckpt_format}" + \
+            ("/fully-parallel" if case.options.fully_parallel_save else "")
+
+    @staticmethod
+    def samples(result: CaseResult) -> dict[str, float]:
+        """The baselined metrics of a case: per-rank host peak of the save, MiB."""
+        return {f"rank{r.rank}.save_host_peak_mib": r.data["save"].host_peak / MIB for r in result.ranks}
+
     def check(self, results: list[CaseResult]) -> list[CheckResult]:
-        return [CheckResult("ckpt-memory.run", r.case.id, r.ok, r.error.splitlines()[0] if r.error else "ran")
-                for r in results]
+        from harness import baselines
+        from harness.platform import detect_platform
+
+        out: list[CheckResult] = []
+        data_by_platform: dict[str, dict] = {}
+        for res in results:
+            case = res.case
+            if not res.ok:
+                lines = res.error.splitlines() or ["failed"]
+                out.append(CheckResult("ckpt-memory.run", case.id, False, lines[0], lines[1:]))
+                continue
+            platform = detect_platform(case.backend).key
+            path = baselines.baseline_path(self.baselines_dir, platform, self.name)
+            if platform not in data_by_platform:
+                data_by_platform[platform] = baselines.load(path)
+            out.append(self._check_contract(res))
+            out.append(self._check_model(res))
+            out.append(self._check_baseline(res, data_by_platform[platform], path))
+        return out
+
+    @staticmethod
+    def saved_format(res: CaseResult) -> str:
+        meta = next((r.data.get("content_metadata") for r in res.ranks if r.data.get("content_metadata")), None) or {}
+        sharding = meta.get("distrib_optim_sharding_type", "?")
+        if sharding == "fully_reshardable" and meta.get("distrib_optim_fully_reshardable_mem_efficient"):
+            return "fully_reshardable_mem_efficient"
+        return sharding
+
+    def _check_contract(self, res: CaseResult) -> CheckResult:
+        asked = res.case.options.ckpt_format
+        expected = EXPECTED_DEFAULT if asked == "default" else asked
+        saved = self.saved_format(res)
+        ok = saved == expected
+        what = f"default format (expected {EXPECTED_DEFAULT})" if asked == "default" else f"format {asked}"
+        return CheckResult("ckpt-memory.contract", res.case.id, ok,
+                           f"{what}: checkpoint content metadata says {saved}" +
+                           ("" if ok else " - the saved sharding type is not the one asked for"))
+
+    def _check_model(self, res: CaseResult) -> CheckResult:
+        from harness.checks.memory_model import save_band
+
+        fmt = self.saved_format(res)
+        rows, bad = [], []
+        for r in res.ranks:
+            band = save_band(fmt, res.case.model, res.case.layout, r.rank)
+            peak = r.data["save"].host_peak
+            ok = band.contains(peak)
+            rows.append(f"rank {r.rank}: host peak {peak / MIB:.1f} MiB, model {band.describe()} {'ok' if ok else 'OUTSIDE'}")
+            if not ok:
+                bad.append((r, peak, band))
+        if not bad:
+            return CheckResult("ckpt-memory.model", res.case.id, True, f"every rank inside the {fmt} band", rows)
+        r, peak, band = bad[0]
+        return CheckResult("ckpt-memory.model", res.case.id, False,
+                           f"rank {r.rank} save host peak {peak / MIB:.1f} MiB outside the {fmt} model band "
+                           f"{band.describe()}", rows)
+
+    def _check_baseline(self, res: CaseResult, data: dict, path) -> CheckResult:
+        from harness import baselines
+
+        key = self.key(res.case)
+        rows, worst = [], None
+        for metric, value in self.samples(res).items():
+            v = baselines.compare(data, key, metric, value)
+            rank = int(metric.split(".")[0][4:])
+            capture = res.ranks[rank].data["save"].capture
+            base = "-" if v.baseline is None else f"{v.baseline:.1f} +- {v.tolerance:.1f}"
+            rows.append(f"{metric}: {value:.1f} MiB, baseline {base}, delta {v.delta:+.1f} MiB: {v.status}")
+            if v.status != "pass" and (worst is None or abs(v.delta) > abs(worst[0].delta)):
+                worst = (v, metric, capture)
+        if worst is None:
+            return CheckResult("ckpt-memory.baseline", res.case.id, True, f"within baseline ({key})", rows, show=True)
+        v, metric, capture = worst
+        if v.status == "missing":
+            return CheckResult("ckpt-memory.baseline", res.case.id, False,
+                               f"no baseline for {key} {metric} in {path}; record it with: "
+                               f"{baselines.record_command(self.name, res.case.model.name, res.case.layout.world_size)}",
+                               rows)
+        flame = flamegraph(capture)
+        verb = "above" if v.status == "regression" else "below (improvement: refresh the baseline)"
+        return CheckResult("ckpt-memory.baseline", res.case.id, False,
+                           f"{metric} {v.measured:.1f} MiB is {v.delta:+.1f} MiB {verb} baseline "
+                           f"{v.baseline:.1f} +- {v.tolerance:.1f} MiB; flamegraph: {flame}", rows)
+
+
+def flamegraph(capture: str) -> str:
+    """Render memray's flamegraph of a capture next to it; returns its path (or why not)."""
+    import subprocess
+    import sys
+
+    if not capture:
+        return "(no capture)"
+    out = capture.replace(".bin", ".html")
+    proc = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", "-o", out, capture],
+                          capture_output=True, text=True, timeout=120)
+    return out if proc.returncode == 0 else f"(memray flamegraph failed: {proc.stderr.strip()[-200:]})"
