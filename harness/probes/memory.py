@@ -19,6 +19,17 @@ from pathlib import Path
 MIB = 1024 * 1024
 
 
+def artifacts_dir(case_id: str) -> Path:
+    """Where a case's memray captures live until the parent has judged them ($HARNESS_ARTIFACTS)."""
+    import re
+    import tempfile
+
+    root = Path(os.environ.get("HARNESS_ARTIFACTS", Path(tempfile.gettempdir()) / "harness-artifacts"))
+    path = root / re.sub(r"[^A-Za-z0-9_.=-]+", "_", case_id)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _status_kib(field_name: str, pid: str = "self") -> int:
     try:
         with open(f"/proc/{pid}/status") as f:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from typing import Any
 
 from harness.checks import CheckResult
@@ -9,7 +11,7 @@ from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
-from harness.probes.memory import MIB, measure
+from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
 # fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
@@ -55,7 +57,8 @@ class CkptMemorySuite:
         if ctx.rank == 0:
             ckpt_dir.mkdir(exist_ok=True)
         dist.barrier()
-        with ctx.phase("save"), measure("save", ctx.workdir, ctx.rank, device=not ctx.on_cpu) as peak:
+        captures = artifacts_dir(case.id)
+        with ctx.phase("save"), measure("save", captures, ctx.rank, device=not ctx.on_cpu) as peak:
             engine.save_checkpoint(str(ckpt_dir), case.options.ckpt_format, case.options.fully_parallel_save)
         dist.barrier()
         saved = None
@@ -156,6 +159,9 @@ class CkptMemorySuite:
             if v.status != "pass" and (worst is None or abs(v.delta) > abs(worst[0].delta)):
                 worst = (v, metric, capture)
         if worst is None:
+            for r in res.ranks:  # nothing to look at: drop the captures
+                for f in glob.glob(r.data["save"].capture + "*"):
+                    os.unlink(f)
             return CheckResult("ckpt-memory.baseline", res.case.id, True, f"within baseline ({key})", rows, show=True)
         v, metric, capture = worst
         if v.status == "missing":
