@@ -36,8 +36,8 @@ def load(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text())
         if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
             raise ValueError("no 'entries' object")
-        for key, metrics in data["entries"].items():
-            for name, m in metrics.items():
+        for metrics in data["entries"].values():
+            for m in metrics.values():
                 float(m["value"]), float(m["tolerance"])
     except (ValueError, KeyError, TypeError) as exc:
         raise BadInput(f"baseline file {path} is corrupt ({exc}); restore it from git "
@@ -69,8 +69,12 @@ def compare(data: dict[str, Any], key: str, metric: str, measured: float) -> Ver
     return Verdict("pass", measured, value, tol)
 
 
-def tolerance_for(values: list[float], rel: float = 0.10, floor: float = 2.0) -> float:
-    """max(4 x the spread over repeats, rel x the median, floor): the spread sets the noise level."""
+def tolerance_for(values: list[float], rel: float = 0.20, floor: float = 2.0) -> float:
+    """max(4 x the spread over repeats, rel x the median, floor).
+
+    The spread of 3 repeats underestimates rare outliers: 5 reruns of ckpt-memory showed one rank
+    of a fully_reshardable save at +13% over its 3-repeat median, hence the 20% relative floor.
+    """
     spread = max(values) - min(values)
     return max(4 * spread, rel * statistics.median(values), floor)
 

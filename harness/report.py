@@ -14,7 +14,7 @@ from typing import Any
 from harness.driver import SuiteRun
 from harness.platform import detect_platform
 
-TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "teardown")
+TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "save", "teardown")
 
 
 def versions() -> dict[str, str]:
@@ -134,6 +134,8 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
             {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
              "status": r.status, "error": r.error, "wall_s": r.wall_s, "timings": r.timings(),
              "rank_timings": {str(x.rank): x.timings for x in r.ranks},
+             "rank_memory": {str(x.rank): x.data.get("rank_memory") for x in r.ranks},
+             "fresh_ranks": r.fresh_ranks, "notes": r.notes,
              "metrics": run.suite.metrics(r) or {}}
             for r in run.results
         ],

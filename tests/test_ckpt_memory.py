@@ -29,13 +29,13 @@ def test_model_separates_formats_and_projects_r1():
 def test_baselines_compare_missing_and_corrupt(tmp_path):
     path = tmp_path / "cpu-gloo" / "ckpt-memory.json"
     assert baselines.load(path) == {}
-    entries = baselines.build_entries({"small/tp1-pp1-cp1-dp4/default": {"rank0.save_host_peak_mib": [30.0, 31.0, 30.5]}})
-    assert entries["small/tp1-pp1-cp1-dp4/default"]["rank0.save_host_peak_mib"]["tolerance"] == 4.0  # 4 x spread
+    entries = baselines.build_entries({"small/tp1-pp1-cp1-dp4/default": {"rank0.save_host_peak_mib": [30.0, 32.0, 30.5]}})
+    assert entries["small/tp1-pp1-cp1-dp4/default"]["rank0.save_host_peak_mib"]["tolerance"] == 8.0  # 4 x spread
     diff = baselines.write(path, "ckpt-memory", "cpu-gloo", entries, {"torch": "x"})
     assert diff.startswith("+ small/tp1-pp1-cp1-dp4/default rank0.save_host_peak_mib: 30.5")
     data = baselines.load(path)
     key, metric = "small/tp1-pp1-cp1-dp4/default", "rank0.save_host_peak_mib"
-    assert baselines.compare(data, key, metric, 33.0).status == "pass"
+    assert baselines.compare(data, key, metric, 38.0).status == "pass"
     assert baselines.compare(data, key, metric, 40.0).status == "regression"
     assert baselines.compare(data, key, metric, 20.0).status == "improvement"
     assert baselines.compare(data, "other", metric, 1.0).status == "missing"
