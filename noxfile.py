@@ -12,7 +12,7 @@ nox.options.reuse_existing_virtualenvs = True
 CPU_CONSTRAINTS = "constraints-cpu.txt"  # the CPU build of torch; an unpinned torch pulls GBs of CUDA wheels
 
 
-def _install_cpu(session: nox.Session, extras: str = "test") -> None:
+def _install_cpu(session: nox.Session, extras: str = "test,mbridge") -> None:
     session.install("-c", CPU_CONSTRAINTS, "torch==2.13.0")
     session.install("-c", CPU_CONSTRAINTS, "-e", f".[{extras}]")
 

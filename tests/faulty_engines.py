@@ -93,3 +93,19 @@ class ExtraStateCopyOnSave(McoreEngine):
             return super().save_checkpoint(ckpt_dir, fmt, fully_parallel)
         finally:
             del extra
+
+
+def _mbridge_engine():
+    from harness.engines.mbridge import MbridgeEngine
+
+    return MbridgeEngine
+
+
+class MbridgeOverrideOnly(_mbridge_engine()):
+    """R2 itself: the vanilla-bridge route passes only the override dict as ddp_config, so mbridge's
+    own default (use_distributed_optimizer=True) wins over the user's wrap config."""
+
+    overrides = {"overlap_grad_reduce": False}
+
+    def bridge_ddp_config(self):
+        return dict(self.overrides)

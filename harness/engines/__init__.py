@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 BUILTIN = {
     "mcore": "harness.engines.mcore:McoreEngine",
+    "mbridge": "harness.engines.mbridge:MbridgeEngine",
 }
 
 
@@ -29,6 +30,9 @@ def resolve_factory(name: str) -> Callable[["Case", "RankContext"], "Engine"]:
     except ModuleNotFoundError as exc:
         raise MissingDependency(f"engine {name!r}: cannot import {exc.name!r} "
                                 f"(install it, or check PYTHONPATH for {module_name!r})") from exc
+    check = getattr(module, "check_available", None)
+    if check is not None:
+        check()  # MissingDependency with the install command, in the parent, before any rank starts
     try:
         return getattr(module, attr)
     except AttributeError:
