@@ -15,6 +15,22 @@ needs_mbridge = pytest.mark.skipif(
 )
 
 
+needs_megatron_bridge = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.bridge") is None or importlib.util.find_spec("omegaconf") is None,
+    reason="megatron-bridge path not installed: pip install --no-deps megatron-bridge==0.3.1 && "
+           "pip install -c constraints-cpu.txt -e .[bridge]",
+)
+
+
+@needs_megatron_bridge
+@pytest.mark.slow
+def test_megatron_bridge_provider_path_passes_equivalence_and_grad_sync():
+    eq = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo", engine="megatron-bridge")
+    assert eq.passed, [c.message for c in eq.checks if not c.passed] + [r.error for r in eq.results]
+    gs = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine="megatron-bridge")
+    assert gs.passed, [c.message for c in gs.checks if not c.passed] + [r.error for r in gs.results]
+
+
 def test_wrap_config_merges_overrides_on_top():
     wrap = WrapConfig(use_distributed_optimizer=False, overlap_grad_reduce=True, grad_reduce_in_fp32=False)
     merged = ddp_config_dict(wrap, {"overlap_grad_reduce": False})

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 BUILTIN = {
     "mcore": "harness.engines.mcore:McoreEngine",
     "mbridge": "harness.engines.mbridge:MbridgeEngine",
+    "megatron-bridge": "harness.engines.megatron_bridge:MegatronBridgeEngine",
 }
 
 
