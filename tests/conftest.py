@@ -7,14 +7,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def live_worker_pids() -> list[int]:
-    """Rank processes of this test session still alive (not zombies)."""
+    """Rank processes started by this test process (directly or below) that are still alive."""
     import psutil
 
     out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
+    for p in psutil.Process().children(recursive=True):
         try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            if "harness.launch.worker" in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if "harness.launch.worker" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
