@@ -1,64 +1,139 @@
-"""Bridge construction paths: they build the same model as mcore, and R2 on the vanilla bridge is caught."""
+"""Bridge construction paths (mbridge, megatron-bridge): they build the same model as mcore, their
+gradient sync is what the user configured, R2 on the vanilla bridge is caught, and a missing bridge
+package is reported with its install command."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from harness.driver import run_suite
+from harness.engines import resolve_factory
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
+from harness.errors import MissingDependency
+from harness.spec import CaseOptions
 
-needs_mbridge = pytest.mark.skipif(
-    importlib.util.find_spec("mbridge") is None or importlib.util.find_spec("transformers") is None,
-    reason="mbridge path not installed: pip install -c constraints-cpu.txt -e .[mbridge]",
-)
-
-
-needs_megatron_bridge = pytest.mark.skipif(
-    importlib.util.find_spec("megatron.bridge") is None or importlib.util.find_spec("omegaconf") is None,
-    reason="megatron-bridge path not installed: pip install --no-deps megatron-bridge==0.3.1 && "
-           "pip install -c constraints-cpu.txt -e .[bridge]",
-)
+BRIDGES = ("mbridge", "megatron-bridge")
+INSTALL = {
+    "mbridge": "pip install -c constraints-cpu.txt -e .[mbridge]",
+    "megatron-bridge": "pip install --no-deps megatron-bridge==0.3.1 && pip install -c constraints-cpu.txt -e .[bridge]",
+}
 
 
-@needs_megatron_bridge
+def _missing(engine: str) -> str | None:
+    """The engine's own MissingDependency line (names the install command), or None when installed."""
+    try:
+        resolve_factory(engine)
+    except MissingDependency as exc:
+        return str(exc)
+    return None
+
+
+def _installed(engine: str):
+    reason = _missing(engine)
+    return pytest.param(engine, id=engine, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
+
+
+def _failures(run) -> list[str]:
+    return [c.message for c in run.checks if not c.passed] + [r.error for r in run.results if r.error]
+
+
+# -- wrap config ----------------------------------------------------------------------------------
+def test_wrap_config_is_what_the_user_configured_with_overrides_on_top():
+    wrap = WrapConfig.from_options(CaseOptions(use_distributed_optimizer=False, overlap_grad_reduce=True))
+    merged = ddp_config_dict(wrap, {"overlap_grad_reduce": False, "bucket_size": 1000})
+    assert merged == {"use_distributed_optimizer": False, "overlap_grad_reduce": False, "grad_reduce_in_fp32": False,
+                      "overlap_param_gather": False, "average_in_collective": False, "bucket_size": 1000}
+    assert ddp_config_dict(wrap) == ddp_config_dict(wrap, None) == ddp_config_dict(wrap, {}) != {}
+
+
+def test_wrap_config_dict_is_valid_ddp_config():
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    cfg = DistributedDataParallelConfig(**ddp_config_dict(WrapConfig.from_options(CaseOptions(use_distributed_optimizer=True))))
+    assert cfg.use_distributed_optimizer and not cfg.overlap_grad_reduce and not cfg.grad_reduce_in_fp32
+
+
+# -- missing packages -----------------------------------------------------------------------------
+@pytest.mark.parametrize("engine, module", [("mbridge", "mbridge"), ("mbridge", "transformers"),
+                                            ("megatron-bridge", "megatron.bridge"), ("megatron-bridge", "omegaconf"),
+                                            ("tests.faulty_engines:MbridgeOverrideOnly", "mbridge")])
+def test_missing_package_exits_2_with_the_install_command(monkeypatch, capsys, engine, module):
+    from harness.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else find_spec(name, *a))
+    bridge = engine if engine in INSTALL else "mbridge"
+    with pytest.raises(MissingDependency) as exc:
+        resolve_factory(engine)
+    assert f"(no module {module!r})" in str(exc.value) and str(exc.value).endswith(INSTALL[bridge])
+    assert main(["run", "--suite", "equivalence", "--model", "tiny", "--world-size", "2", "--engine", engine]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("harness: error: engine ") and err[0].endswith(INSTALL[bridge])
+
+
+# -- the scoped import stub of the megatron-bridge path -------------------------------------------
 @pytest.mark.slow
-def test_megatron_bridge_provider_path_passes_equivalence_and_grad_sync():
-    eq = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo", engine="megatron-bridge")
-    assert eq.passed, [c.message for c in eq.checks if not c.passed] + [r.error for r in eq.results]
-    gs = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine="megatron-bridge")
-    assert gs.passed, [c.message for c in gs.checks if not c.passed] + [r.error for r in gs.results]
+@pytest.mark.skipif(_missing("megatron-bridge") is not None, reason=_missing("megatron-bridge") or "")
+def test_megatron_bridge_import_stub_is_scoped():
+    """Only the failing imports get a stub; afterwards nothing (sys.modules, find_spec, megatron.core's
+    feature flags) sees transformer_engine / triton."""
+    code = textwrap.dedent("""
+        import importlib.util, sys
+        from harness.engines import megatron_bridge as mb
+        gpu_missing = {p for p in mb.GPU_ONLY if importlib.util.find_spec(p) is None}
+        mb.import_bridge()
+        import megatron.bridge, megatron.core.transformer.attention as attention
+        assert all(pkg in mb.GPU_ONLY for _, pkg in mb.stubbed_imports), mb.stubbed_imports
+        assert not [m for m in sys.modules if m.partition(".")[0] in gpu_missing]
+        assert all(importlib.util.find_spec(p) is None for p in gpu_missing)
+        if "transformer_engine" in gpu_missing:
+            assert ("megatron.bridge.peft.lora_layers", "transformer_engine") in mb.stubbed_imports
+            assert attention.HAVE_TE is False
+        print("ok", mb.stubbed_imports)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
 
 
-def test_wrap_config_merges_overrides_on_top():
-    wrap = WrapConfig(use_distributed_optimizer=False, overlap_grad_reduce=True, grad_reduce_in_fp32=False)
-    merged = ddp_config_dict(wrap, {"overlap_grad_reduce": False})
-    assert merged["use_distributed_optimizer"] is False and merged["overlap_grad_reduce"] is False
+# -- the bridges build mcore's model ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mcore_tp2():
+    run = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo", engine="mcore")
+    assert run.passed, _failures(run)
+    return run
 
 
-@needs_mbridge
 @pytest.mark.slow
-def test_mbridge_matches_mcore():
-    bridge = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo", engine="mbridge")
-    mcore = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo", engine="mcore")
-    assert bridge.passed, [c.message for c in bridge.checks if not c.passed] + [r.error for r in bridge.results]
-    assert [bridge.suite.metrics(r) for r in bridge.results] == [mcore.suite.metrics(r) for r in mcore.results]
+@pytest.mark.parametrize("engine", [_installed(e) for e in BRIDGES])
+def test_bridge_equivalence_passes_and_matches_mcore(engine, mcore_tp2):
+    run = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo", engine=engine)
+    assert run.passed, _failures(run)
+    # same initial weights, data and numerics as the mcore engine: bit-identical losses per step
+    assert [run.suite.metrics(r) for r in run.results] == [mcore_tp2.suite.metrics(r) for r in mcore_tp2.results]
 
 
-@needs_mbridge
 @pytest.mark.slow
-def test_mbridge_grad_sync_passes():
-    run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine="mbridge")
-    assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results]
+@pytest.mark.parametrize("engine", [_installed(e) for e in BRIDGES])
+def test_bridge_grad_sync_is_what_the_user_configured(engine):
+    """All four (use_distributed_optimizer, overlap_grad_reduce) cases at DP=2: the observed collectives
+    match the plan derived from the options, and the replicas stay identical."""
+    run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine=engine)
+    assert len(run.results) == 4
+    assert run.passed, _failures(run)
 
 
-@needs_mbridge
 @pytest.mark.slow
+@pytest.mark.skipif(_missing("mbridge") is not None, reason=_missing("mbridge") or "")
 def test_r2_override_only_ddp_config_is_caught():
     run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
                     engine="tests.faulty_engines:MbridgeOverrideOnly")
     off = [r.case.id for r in run.results if not r.case.options.use_distributed_optimizer]
+    assert off and not run.passed
     plan = {c.case_id: c.message for c in run.checks if c.check == "grad-sync.plan" and not c.passed}
     drift = {c.case_id for c in run.checks if c.check == "grad-sync.replicas" and not c.passed}
     for cid in off:

@@ -31,13 +31,17 @@ def resolve_factory(name: str) -> Callable[["Case", "RankContext"], "Engine"]:
     except ModuleNotFoundError as exc:
         raise MissingDependency(f"engine {name!r}: cannot import {exc.name!r} "
                                 f"(install it, or check PYTHONPATH for {module_name!r})") from exc
-    check = getattr(module, "check_available", None)
-    if check is not None:
-        check()  # MissingDependency with the install command, in the parent, before any rank starts
     try:
-        return getattr(module, attr)
+        factory = getattr(module, attr)
     except AttributeError:
         raise BadInput(f"engine {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+    # An engine whose packages may be missing (the bridges) exposes check_available(), on the factory
+    # (so subclasses in other modules inherit it) or on its module: MissingDependency with the install
+    # command, raised here in the parent before any rank starts.
+    check = getattr(factory, "check_available", None) or getattr(module, "check_available", None)
+    if check is not None:
+        check()
+    return factory
 
 
 def make_engine(case: "Case", ctx: "RankContext") -> "Engine":

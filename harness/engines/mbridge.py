@@ -1,87 +1,116 @@
 """The `mbridge` engine: the "vanilla bridge" construction path of regression R2.
 
-The model is built by PyPI `mbridge` (`AutoBridge.from_config(hf_config)` then
-`bridge.get_model(wrap_with_ddp=True, ddp_config=dict)`), whose get_model defaults to
-use_distributed_optimizer=True; the DDP config dict comes from the wrap-config layer. The
-optimizer is built from what the user configured, as the RL frameworks did - so a DDP config that
-lost the user's choice shows up as the wrong collective (and drifting replicas).
+The model is built by PyPI `mbridge`: `AutoBridge.from_config(LlamaConfig)` then
+`bridge.get_model(wrap_with_ddp=True, ddp_config=dict)`. mbridge's get_model starts from its own
+defaults (use_distributed_optimizer=True, grad_reduce_in_fp32=True) and updates them with the dict
+it is given, so the dict must be the whole wrap config merged with the overrides
+(`bridge_ddp_config`; a subclass returning only the overrides plants R2). The optimizer is built
+from what the user configured, as the RL frameworks did - a DDP config that lost the user's choice
+shows up as the wrong collective (and drifting replicas), never silently.
 
-CPU substitutions (CPU ranks only): the bridge asks for the Transformer Engine layer spec, which
-needs CUDA, so the bridge instance's `_get_transformer_layer_spec` returns the local spec (with the
-reference CP attention when CP > 1); fused kernels are switched off and dropout set to 0 on the
-TransformerConfig the bridge built, as the `mcore` engine does; the bridge's sequence_parallel=True
-(with TP > 1) is turned off because the local spec's torch norms do not support it.
+Weights: a `post_model_creation_callbacks` entry re-initialises each chunk from global parameter
+names (`McoreEngine.reinit`) before DDP wraps it, and get_model is asked for no Float16Module
+(bf16=False, fp16=False; the TransformerConfig keeps the dtype, as in the mcore engine), so every
+engine starts from the same weights and `model.module` is the GPTModel chunk.
+
+TransformerConfig changes go through the bridge's `set_extra_args` (which rebuilds and validates
+the config): dropout 0 and sequence parallel off on every rank (the mcore engine builds no sequence
+parallelism; mbridge turns it on with TP > 1). CPU ranks only: fused kernels off and initialisation
+on CPU; and the bridge's layer spec - it always asks megatron-core for the Transformer Engine spec -
+is replaced, on this bridge instance only, by the local spec (the reference CP attention when
+CP > 1) through its `_get_transformer_layer_spec` hook, the method mbridge's model classes override
+to choose their spec.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
-from harness.engines.mcore import McoreEngine, layer_spec
+from harness.engines.mcore import _DTYPES, McoreEngine, layer_spec
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import MissingDependency
 
 INSTALL = "pip install -c constraints-cpu.txt -e .[mbridge]"
-_CPU_OFF = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
-            "persist_layer_norm", "gradient_accumulation_fusion")
+# import name -> distribution (mbridge's own "megatron" extra: transformers, safetensors, einops)
+_REQUIRED = {"mbridge": "mbridge", "transformers": "transformers", "safetensors": "safetensors", "einops": "einops"}
+_CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+                "persist_layer_norm", "gradient_accumulation_fusion")
 
 
 def check_available() -> None:
-    """MissingDependency naming the install command when mbridge / transformers cannot be imported."""
-    try:
-        import mbridge  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        raise MissingDependency(f"engine 'mbridge' needs {exc.name!r}: {INSTALL}") from None
+    """MissingDependency naming the install command; cheap enough for the parent (imports nothing heavy)."""
+    for module, dist in _REQUIRED.items():
+        if importlib.util.find_spec(module) is None:
+            raise MissingDependency(f"engine 'mbridge' needs {dist} (no module {module!r}): {INSTALL}")
 
 
 def hf_llama_config(case):
     """A Hugging Face LlamaConfig with the case's model shape (built in code, nothing downloaded)."""
-    from transformers import LlamaConfig
+    try:
+        from transformers import LlamaConfig
+    except ImportError as exc:
+        raise MissingDependency(f"bridge engines need transformers<5 (import failed: {exc})") from None
 
     m = case.model
     return LlamaConfig(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups, max_position_embeddings=m.seq_length,
-        tie_word_embeddings=m.tie_embeddings, rope_theta=10000.0, hidden_act="silu", attention_bias=False,
-        attention_dropout=0.0, rms_norm_eps=1e-5,
+        num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, max_position_embeddings=m.seq_length,
+        tie_word_embeddings=m.tie_embeddings, rope_theta=10000.0, hidden_act="silu" if m.swiglu else "gelu",
+        attention_bias=False, mlp_bias=False, attention_dropout=0.0, rms_norm_eps=1e-5,
+        architectures=["LlamaForCausalLM"],
     )
 
 
 class MbridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
+    check_available = staticmethod(check_available)
 
     def bridge_ddp_config(self) -> dict[str, Any]:
-        """What this path hands to bridge.get_model(ddp_config=...): the merged wrap config."""
+        """What this path hands to bridge.get_model(ddp_config=...): the merged wrap config.
+
+        R2 was this method returning only `self.overrides` (tests/faulty_engines.py:MbridgeOverrideOnly).
+        """
         return ddp_config_dict(WrapConfig.from_options(self.case.options), self.overrides)
+
+    def config_overrides(self) -> dict[str, Any]:
+        """TransformerConfig fields set through the bridge's set_extra_args."""
+        o, lay = self.case.options, self.case.layout
+        extra = dict(hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False,
+                     bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
+                     # Interleaved PP with batched p2p swaps messages on gloo (MEGATRON_FACTS.md).
+                     batch_p2p_comm=False if lay.vpp > 1 else None)
+        extra = {k: v for k, v in extra.items() if v is not None}
+        if self.ctx.on_cpu:
+            extra.update({name: False for name in _CPU_FUSIONS}, use_cpu_initialization=True)
+        return extra
+
+    def _reinit_new_chunk(self, model, **_: Any) -> None:
+        self.reinit(model)
 
     def build(self) -> None:
         check_available()
-        from mbridge import AutoBridge
+        try:
+            from mbridge import AutoBridge
+        except ImportError as exc:
+            raise MissingDependency(f"engine 'mbridge': cannot import {exc.name!r}: {INSTALL}") from exc
 
-        from harness.engines.mcore import _DTYPES
-
-        self.setup_parallel()
+        self.setup_parallel()  # the bridge reads the parallel sizes from megatron's parallel state
         bridge = AutoBridge.from_config(hf_llama_config(self.case), dtype=_DTYPES[self.case.options.dtype])
-        cfg = bridge.config
-        cfg.hidden_dropout = cfg.attention_dropout = 0.0
-        cfg.use_cpu_initialization = True
+        bridge.set_extra_args(**self.config_overrides())
         if self.ctx.on_cpu:
-            for name in _CPU_OFF:
-                if hasattr(cfg, name):
-                    setattr(cfg, name, False)
-            # The bridge turns sequence parallel on with TP > 1; the local spec's torch norms refuse it.
-            cfg.sequence_parallel = False
             spec = layer_spec(True, self.case.model.normalization, self.case.layout.cp)
-            bridge._get_transformer_layer_spec = lambda vp_stage=None: spec
-        o = self.case.options
+
+            def local_spec(vp_stage=None):
+                bridge.has_vp_stage = True  # what the bridge's own method records (megatron-core >= 0.13)
+                return spec
+
+            bridge._get_transformer_layer_spec = local_spec
         self.models = bridge.get_model(
-            wrap_with_ddp=True, ddp_config=self.bridge_ddp_config(), bf16=o.dtype == "bf16",
-            fp16=o.dtype == "fp16", use_cpu_initialization=True,
+            wrap_with_ddp=True, ddp_config=self.bridge_ddp_config(), fp16=False, bf16=False,
+            use_cpu_initialization=self.ctx.on_cpu, post_model_creation_callbacks=[self._reinit_new_chunk],
         )
-        self.config = cfg
-        for model in self.models:
-            self.reinit(model.module)
-        self.optimizer = self.make_optimizer(self.models, o.use_distributed_optimizer)
+        self.config = bridge.config
+        self.optimizer = self.make_optimizer(self.models, self.case.options.use_distributed_optimizer)
         self._wire_config()

@@ -1,22 +1,35 @@
-"""The `megatron-bridge` engine: the model-provider construction path (R2's correct route).
+"""The `megatron-bridge` engine: Megatron-Bridge's model-provider construction path (R2's correct route).
 
 `AutoBridge.from_hf_config(LlamaConfig)` -> `to_megatron_provider(load_weights=False)` -> the
-provider's parallel sizes and CPU settings -> `finalize()` ->
-`provide_distributed_model(ddp_config=DistributedDataParallelConfig(**wrap config), wrap_with_ddp=True)`.
+provider's fields set from the case (model shape, layout, dtype, no dropout) -> `finalize()` ->
+`provide_distributed_model(ddp_config=DistributedDataParallelConfig(**merged wrap config),
+wrap_with_ddp=True)`. The optimizer is built from what the user configured, never from the DDP
+config the bridge ended up with.
 
-`import megatron.bridge` needs transformer_engine (and, through its model zoo, triton, mamba_ssm,
-...) even for a plain GPT; on ranks without them the import runs behind a *scoped* stub
-(`_stubbed_imports`): megatron.core is imported first so its HAVE_TE flags stay False, the stub
-finder is removed right after the import, and the local layer spec is set on the provider.
+Weights: the bridge's `pre_wrap_hook` re-initialises every chunk from global parameter names
+(`McoreEngine.reinit`) before DDP copies parameters into its buffers, and no mixed-precision
+wrapper is applied (the mcore engine builds bf16 parameters directly too), so every engine starts
+from the same weights and `model.module` is the GPTModel chunk.
+
+CPU substitutions (CPU ranks only):
+- `import megatron.bridge` needs packages that only install with CUDA (transformer_engine in its
+  PEFT modules, triton through megatron.core's mamba mixer, ...): `import_bridge` runs the import
+  behind a scoped stub, see there.
+- the provider's layer spec is the local spec (the reference CP attention when CP > 1): the
+  bridge's default is the Transformer Engine spec.
+- fused kernels off, initialisation on CPU, as the mcore engine does.
+On every rank: dropout 0, sequence parallel off, the unfused cross entropy and softmax in fp32, as
+the mcore engine builds it (bit-identical losses across engines).
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
-import importlib.machinery
 import importlib.util
 import sys
 import types
+from typing import Any
 
 from harness.engines.mbridge import hf_llama_config
 from harness.engines.mcore import _DTYPES, McoreEngine, layer_spec
@@ -24,22 +37,41 @@ from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import MissingDependency
 
 INSTALL = "pip install --no-deps megatron-bridge==0.3.1 && pip install -c constraints-cpu.txt -e .[bridge]"
-_STUBBED = ("transformer_engine", "triton", "mamba_ssm", "causal_conv1d", "flash_attn", "fla",
-            "nvidia_resiliency_ext", "wandb")
+# import name -> distribution: what this engine imports (megatron-bridge's metadata pins CUDA-only
+# packages, so it is installed with --no-deps and its CPU-importable dependencies come from the extra)
+_REQUIRED = {"megatron.bridge": "megatron-bridge", "transformers": "transformers", "omegaconf": "omegaconf",
+             "accelerate": "accelerate", "rich": "rich"}
+# Packages that only exist with CUDA; an unconditional import of one of these is all that may be stubbed.
+GPU_ONLY = frozenset({"transformer_engine", "triton", "mamba_ssm", "causal_conv1d", "fla", "flash_attn",
+                      "flash_attn_3", "flashattn_hopper", "apex", "nvidia_resiliency_ext", "deep_ep", "grouped_gemm"})
+_CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+                "persist_layer_norm", "gradient_accumulation_fusion")
+
+# (importing module, package) pairs that `import_bridge` stubbed in this process, for diagnosis
+stubbed_imports: list[tuple[str, str]] = []
 
 
+def check_available() -> None:
+    """MissingDependency naming the install command; cheap enough for the parent (imports nothing heavy)."""
+    for module, dist in _REQUIRED.items():
+        if importlib.util.find_spec(module) is None:
+            raise MissingDependency(f"engine 'megatron-bridge' needs {dist} (no module {module!r}): {INSTALL}")
+
+
+# -- the scoped import stub ---------------------------------------------------------------------
 class _Stub(types.ModuleType):
-    """A module whose every attribute exists: submodules, classes to subclass, no-op callables."""
+    """Stand-in for a missing GPU-only package: submodules, classes to subclass, pass-through decorators.
+
+    Never registered in sys.modules: only the import statements it was granted to receive it.
+    """
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
         if name[:1].isupper():
-            value = type(name, (), {"__init__": lambda self, *a, **k: None})
+            value = type(name, (), {"__init__": lambda self, *a, **k: None, "__module__": self.__name__})
         else:
             value = _Stub(f"{self.__name__}.{name}")
-            value.__path__ = []
-            sys.modules[value.__name__] = value
         setattr(self, name, value)
         return value
 
@@ -47,111 +79,138 @@ class _Stub(types.ModuleType):
         return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else None
 
 
-def _importer() -> str:
-    """Name of the module whose import statement is being executed."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("importlib", "_frozen_importlib")):
-        frame = frame.f_back
-    return frame.f_globals.get("__name__", "") if frame is not None else ""
-
-
-class _StubFinder:
-    def find_spec(self, name, path=None, target=None):
-        top = name.split(".")[0]
-        if top not in _STUBBED:
-            return None
-        # megatron.core keeps seeing no Transformer Engine (its HAVE_TE flags stay False); only the
-        # bridge's own modules get the TE stub. The other stubbed packages are optional kernels.
-        if top == "transformer_engine" and not _importer().startswith("megatron.bridge"):
-            return None
-        return importlib.machinery.ModuleSpec(name, self, is_package=True)
-
-    def create_module(self, spec):
-        module = _Stub(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
-# megatron.core modules whose HAVE_TE flags must be settled (False) before any stub exists.
-_SETTLE_FIRST = ("megatron.core", "megatron.core.transformer.attention", "megatron.core.transformer.transformer_layer",
-                 "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.distributed",
-                 "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.core.tensor_parallel")
-
-
 @contextlib.contextmanager
-def _stubbed_imports():
-    for module in _SETTLE_FIRST:
-        importlib.import_module(module)
-    finder = _StubFinder()
-    sys.meta_path.insert(0, finder)
+def _stubs_for(granted: set[tuple[str, str]]):
+    """While active, `import pkg...` of a missing package pkg executed by module M gives M a stub, but
+    only for the granted (M, pkg) pairs; every other import (all of megatron.core's optional probes,
+    transformers' availability checks, importlib.util.find_spec) sees the package missing."""
+    original = builtins.__import__
+    stubs: dict[str, _Stub] = {}
+
+    def hooked(name, globals=None, locals=None, fromlist=(), level=0):
+        try:
+            return original(name, globals, locals, fromlist, level)
+        except ModuleNotFoundError as exc:
+            top = name.partition(".")[0]
+            importer = (globals or {}).get("__name__")
+            if level or (exc.name or "").partition(".")[0] != top or (importer, top) not in granted:
+                raise
+            module = stubs.setdefault(top, _Stub(top))
+            if fromlist:  # `from a.b import c` binds from a.b; `import a.b` binds a
+                for part in name.split(".")[1:]:
+                    module = getattr(module, part)
+            return module
+
+    builtins.__import__ = hooked
     try:
         yield
     finally:
-        sys.meta_path.remove(finder)
-        # Later imports must not find the TE stub in the module cache (the bridge keeps its references).
-        for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
-            del sys.modules[name]
+        builtins.__import__ = original
+
+
+_IMPORT_MACHINERY = ("importlib._bootstrap", "importlib._bootstrap_external", "_frozen_importlib",
+                     "_frozen_importlib_external")
+
+
+def _failed_import(exc: ModuleNotFoundError) -> tuple[str | None, str]:
+    """(module whose import statement failed, missing top-level package)."""
+    importer = None
+    tb = exc.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_globals.get("__name__", "")
+        if name != __name__ and name not in _IMPORT_MACHINERY:
+            importer = name
+        tb = tb.tb_next
+    return importer, (exc.name or "").partition(".")[0]
 
 
 def import_bridge():
-    try:
-        import megatron.bridge  # noqa: F401
-        from megatron.bridge import AutoBridge
-        return AutoBridge
-    except ImportError:
-        pass
-    for name in [m for m in sys.modules if m.startswith("megatron.bridge")]:
-        del sys.modules[name]
-    with _stubbed_imports():
-        from megatron.bridge import AutoBridge
-    return AutoBridge
+    """`megatron.bridge.AutoBridge`, importing the bridge behind a scoped stub where packages are missing.
+
+    megatron.core is imported first, so its HAVE_TE / triton flags are settled without any stub. The
+    bridge import is then retried, each time granting a stub to exactly the (module, package) import
+    that failed, as long as the package is GPU-only; a missing ordinary dependency raises
+    MissingDependency. Stubs never enter sys.modules and the import hook is removed afterwards, so
+    later imports (megatron.core modules imported lazily, transformers' probes) see no stub; the bridge
+    modules keep their references. With the GPU packages installed nothing is stubbed.
+    """
+    import megatron.core  # noqa: F401
+
+    if "megatron.bridge" in sys.modules:  # a warm rank imported it for an earlier case
+        return sys.modules["megatron.bridge"].AutoBridge
+    granted: set[tuple[str, str]] = set()
+    for _ in range(64):
+        try:
+            with _stubs_for(granted):
+                from megatron.bridge import AutoBridge
+            stubbed_imports[:] = sorted(granted)
+            return AutoBridge
+        except ModuleNotFoundError as exc:
+            importer, package = _failed_import(exc)
+            if package not in GPU_ONLY:
+                raise MissingDependency(f"engine 'megatron-bridge': cannot import {exc.name!r}: {INSTALL}") from exc
+            if importer is None or (importer, package) in granted:
+                raise
+            granted.add((importer, package))
+    raise RuntimeError(f"import megatron.bridge still fails after stubbing {sorted(granted)}")
 
 
-def check_available() -> None:
-    if importlib.util.find_spec("megatron.bridge") is None or importlib.util.find_spec("transformers") is None:
-        raise MissingDependency(f"engine 'megatron-bridge' needs megatron-bridge and transformers: {INSTALL}")
-
-
+# -- the engine ---------------------------------------------------------------------------------
 class MegatronBridgeEngine(McoreEngine):
-    overrides: dict | None = None
+    overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
+    check_available = staticmethod(check_available)
+
+    def bridge_ddp_config(self) -> dict[str, Any]:
+        """DistributedDataParallelConfig kwargs this path builds: the merged wrap config."""
+        return ddp_config_dict(WrapConfig.from_options(self.case.options), self.overrides)
+
+    def configure_provider(self, provider) -> None:
+        """The provider's fields from the case: model shape, layout, dtype, CPU settings."""
+        import torch.nn.functional as F
+
+        m, lay, o = self.case.model, self.case.layout, self.case.options
+        dtype = _DTYPES[o.dtype]
+        fields = dict(
+            num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+            num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+            kv_channels=m.kv_channels, vocab_size=m.vocab_size, should_pad_vocab=False, seq_length=m.seq_length,
+            share_embeddings_and_output_weights=m.tie_embeddings, normalization=m.normalization,
+            gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu, add_bias_linear=False,
+            tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+            virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
+            context_parallel_size=lay.cp, sequence_parallel=False,
+            params_dtype=dtype, pipeline_dtype=dtype, bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
+            hidden_dropout=0.0, attention_dropout=0.0,
+            # megatron-core's defaults, which the mcore engine keeps (the provider flips both)
+            cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,
+            # Interleaved PP with batched p2p swaps messages on gloo (MEGATRON_FACTS.md).
+            batch_p2p_comm=not lay.vpp > 1,
+        )
+        if self.ctx.on_cpu:
+            fields.update({name: False for name in _CPU_FUSIONS}, use_cpu_initialization=True,
+                          transformer_layer_spec=layer_spec(True, m.normalization, lay.cp))
+        for name, value in fields.items():
+            setattr(provider, name, value)
+
+    def _reinit_chunks(self, chunks: list) -> list:
+        for chunk in chunks:
+            self.reinit(chunk)
+        return chunks
 
     def build(self) -> None:
         check_available()
+        AutoBridge = import_bridge()
         from megatron.core.distributed import DistributedDataParallelConfig
 
-        AutoBridge = import_bridge()
         self.setup_parallel()
-        lay, o = self.case.layout, self.case.options
-        hf = hf_llama_config(self.case)
-        hf.architectures = ["LlamaForCausalLM"]
-        provider = AutoBridge.from_hf_config(hf).to_megatron_provider(load_weights=False)
-        provider.tensor_model_parallel_size = lay.tp
-        provider.pipeline_model_parallel_size = lay.pp
-        provider.virtual_pipeline_model_parallel_size = lay.vpp if lay.vpp > 1 else None
-        provider.context_parallel_size = lay.cp
-        provider.sequence_parallel = False
-        dtype = _DTYPES[o.dtype]
-        provider.params_dtype = provider.pipeline_dtype = dtype
-        provider.bf16, provider.fp16 = o.dtype == "bf16", o.dtype == "fp16"
-        provider.hidden_dropout = provider.attention_dropout = 0.0
-        provider.use_cpu_initialization = True
-        if self.ctx.on_cpu:
-            for name in ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-                         "apply_rope_fusion", "persist_layer_norm", "gradient_accumulation_fusion"):
-                if hasattr(provider, name):
-                    setattr(provider, name, False)
-            provider.transformer_layer_spec = layer_spec(True, self.case.model.normalization, lay.cp)
-        provider.batch_p2p_comm = not lay.vpp > 1
+        provider = AutoBridge.from_hf_config(hf_llama_config(self.case)).to_megatron_provider(load_weights=False)
+        self.configure_provider(provider)
         provider.finalize()
-        ddp = DistributedDataParallelConfig(**ddp_config_dict(WrapConfig.from_options(o), self.overrides))
-        self.models = provider.provide_distributed_model(ddp_config=ddp, wrap_with_ddp=True,
-                                                         use_cpu_initialization=True, fp16=provider.fp16,
-                                                         bf16=provider.bf16)
-        self.config = self.models[0].config if hasattr(self.models[0], "config") else provider
-        for model in self.models:
-            self.reinit(model.module)
-        self.optimizer = self.make_optimizer(self.models, o.use_distributed_optimizer)
+        self.config = provider  # GPTModelProvider is the TransformerConfig its models are built with
+        self.models = provider.provide_distributed_model(
+            ddp_config=DistributedDataParallelConfig(**self.bridge_ddp_config()), wrap_with_ddp=True,
+            use_cpu_initialization=self.ctx.on_cpu, pre_wrap_hook=self._reinit_chunks,
+            mixed_precision_wrapper=None,
+        )
+        self.optimizer = self.make_optimizer(self.models, self.case.options.use_distributed_optimizer)
         self._wire_config()

@@ -2,7 +2,8 @@
 
 A high-level wrap config (what the user set) plus an optional override dict become the keyword
 arguments of megatron's DistributedDataParallelConfig. Merging both is the correct behaviour;
-passing only the override dict to a bridge lets the bridge's own defaults win.
+passing only the override dict to a bridge lets the bridge's own defaults win (mbridge's
+`get_model` defaults to use_distributed_optimizer=True and grad_reduce_in_fp32=True).
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ from harness.spec import CaseOptions
 
 @dataclass(frozen=True)
 class WrapConfig:
+    """What the user configured for data-parallel wrapping, in DistributedDataParallelConfig's names."""
+
     use_distributed_optimizer: bool
     overlap_grad_reduce: bool
     grad_reduce_in_fp32: bool
     overlap_param_gather: bool = False
+    average_in_collective: bool = False
 
     @classmethod
     def from_options(cls, options: CaseOptions) -> "WrapConfig":
-        return cls(options.use_distributed_optimizer, options.overlap_grad_reduce, options.grad_reduce_in_fp32)
+        return cls(use_distributed_optimizer=options.use_distributed_optimizer,
+                   overlap_grad_reduce=options.overlap_grad_reduce,
+                   grad_reduce_in_fp32=options.grad_reduce_in_fp32)
 
 
 def ddp_config_dict(wrap: WrapConfig, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """DDP keyword arguments: the wrap config, then the user's overrides on top."""
+    """DDP keyword arguments: the whole wrap config, then the user's overrides on top."""
     return {**asdict(wrap), **(overrides or {})}
