@@ -4,7 +4,8 @@ megatron's local DotProductAttention asserts CP == 1; this module takes its plac
 layer spec when CP > 1. Each rank holds the query chunks megatron's zigzag split gave it (chunks r
 and 2cp-1-r of 2cp); K and V are all-gathered over the CP group (forward all-gather, backward
 all-reduce + slice, which gloo supports), the causal mask is applied on global positions, and GQA
-heads are expanded. The CP group comes from `packed_seq_params.cp_group` when the caller gives one
+heads are expanded. Packed (THD) batches are supported too: per sequence zigzag over its padded
+length (`cu_seqlens_q_padded`), attention only within a sequence, padding keys masked out. The CP group comes from `packed_seq_params.cp_group` when the caller gives one
 (per-micro-batch groups of dynamic CP) and from the static CP group otherwise.
 """
 
@@ -14,6 +15,8 @@ import math
 
 import torch
 import torch.distributed as dist
+
+from harness.engines.cp_data import local_thd_positions, zigzag_positions
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -35,22 +38,18 @@ class _GatherSeq(torch.autograd.Function):
         return grad.chunk(size, dim=0)[rank], None
 
 
-def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global positions of the tokens CP rank `rank` holds after megatron's 2*cp zigzag split."""
-    chunk = seq_len // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
-    return torch.cat([first, second])
-
-
 def causal_attention(q, k, v, q_pos, k_pos, scale):
     """sbhd q [sq, b, np, hn], k/v [sk, b, ng, hn] -> [sq, b, np*hn], causal on global positions."""
+    return masked_attention(q, k, v, q_pos[:, None] < k_pos[None, :], scale)
+
+
+def masked_attention(q, k, v, mask, scale):
+    """sbhd attention with GQA; `mask` [sq, sk] is True where a query must not see a key."""
     np_, ng = q.shape[2], k.shape[2]
     if np_ != ng:
         k = k.repeat_interleave(np_ // ng, dim=2)
         v = v.repeat_interleave(np_ // ng, dim=2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q.float(), k.float()) * scale
-    mask = q_pos[:, None] < k_pos[None, :]
     scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.einsum("bhqk,kbhd->qbhd", probs, v)
@@ -80,17 +79,32 @@ class ReferenceCPAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "sbhd") == "thd":
-            raise NotImplementedError("ReferenceCPAttention: packed (THD) sequences are not supported yet")
         group = self._group(packed_seq_params)
         cp = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if cp > 1 else 0
-        local = query.shape[0]
-        seq = local * cp
         if cp > 1:
             key, value = _GatherSeq.apply(key, group), _GatherSeq.apply(value, group)
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "sbhd") == "thd":
+            return self._thd(query, key, value, packed_seq_params, cp, rank)
+        seq = query.shape[0] * cp
+        if cp > 1:
             q_pos = zigzag_positions(seq, cp, rank, query.device)
             k_pos = torch.cat([zigzag_positions(seq, cp, r, query.device) for r in range(cp)])
         else:
             q_pos = k_pos = torch.arange(seq, device=query.device)
         return causal_attention(query, key, value, q_pos, k_pos, self.softmax_scale)
+
+    def _thd(self, query, key, value, params, cp: int, rank: int):
+        """Packed [t, heads, dim] tokens: causal within each sequence, padding keys masked out."""
+        cu_padded = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_padded = cu_padded.cpu()
+        real_len = params.cu_seqlens_q.cpu().diff()
+        q_seq, q_pos = local_thd_positions(cu_padded, cp, rank)
+        k_parts = [local_thd_positions(cu_padded, cp, r) for r in range(cp)]
+        k_seq, k_pos = torch.cat([p[0] for p in k_parts]), torch.cat([p[1] for p in k_parts])
+        visible = ((q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+                   & (k_pos < real_len[k_seq])[None, :])
+        # A padding query past its sequence's real tokens still sees them, so no row is all masked.
+        out = masked_attention(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
+                               ~visible.to(query.device), self.softmax_scale)
+        return out.squeeze(1)
