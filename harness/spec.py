@@ -102,11 +102,20 @@ class CaseOptions:
     # "fully_reshardable_mem_efficient" for fully_reshardable + the mem_efficient flag
     ckpt_format: str = "dp_reshardable"
     fully_parallel_save: bool = False
+    # dynamic-cp suite: the global batch's sequence lengths (named by `mix`), how CP is applied
+    # ("none": whole samples, "static": THD packs over the layout's CP, "dynamic": hybrid CP), and
+    # megatron's max_seqlen_per_dp_cp_rank (the dynamic local CP size follows from it)
+    mix: str = ""
+    seqlens: tuple[int, ...] = field(default=(), metadata={"in_id": False})
+    cp_mode: str = ""
+    max_seqlen_per_dp_cp_rank: int | None = None
 
     def short(self) -> str:
         """Non-default options as a compact id fragment."""
         parts = []
         for f in dataclasses.fields(self):
+            if not f.metadata.get("in_id", True):
+                continue
             value = getattr(self, f.name)
             if value != f.default:
                 parts.append(f"{f.name}={value}")

@@ -8,20 +8,34 @@ from harness.spec import Layout
 
 
 def init_parallel_state(layout: Layout, *, on_cpu: bool, seed: int,
-                        create_gloo_process_groups: bool = True) -> None:
-    """Model-parallel groups for the layout, RNG tracker, microbatch calculator cleared."""
+                        create_gloo_process_groups: bool = True, hybrid_context_parallel: bool = False) -> None:
+    """Model-parallel groups for the layout, RNG tracker, microbatch calculator cleared.
+
+    hybrid_context_parallel: also the dynamic-CP groups (every power of two up to DP x CP), megatron-core 0.16-0.19.
+    """
     from megatron.core import parallel_state
 
     from harness.platform.cpu_layer import seed_rng
 
     global _GROUPS_BEFORE
     _GROUPS_BEFORE = _live_groups()
+    extra = {}
+    if hybrid_context_parallel:
+        import inspect
+
+        if "hybrid_context_parallel" not in inspect.signature(parallel_state.initialize_model_parallel).parameters:
+            from harness.errors import MissingDependency
+
+            raise MissingDependency("dynamic CP needs megatron-core 0.16-0.19 (initialize_model_parallel("
+                                    "hybrid_context_parallel=...)); the installed version has no such argument")
+        extra["hybrid_context_parallel"] = True
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
         create_gloo_process_groups=create_gloo_process_groups,
+        **extra,
     )
     seed_rng(seed, on_cpu=on_cpu)
 
@@ -47,6 +61,9 @@ def teardown_parallel_state() -> None:
     # destroy_model_parallel misses some globals (0.16: _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*);
     # any group left referenced keeps its gloo threads alive in a warm rank.
     for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and isinstance(value, dict) and any(isinstance(x, dist.ProcessGroup) for x in value.values()):
+            value.clear()  # megatron updates these in place (0.16: _HYBRID_DP_CP_GROUPS)
+            continue
         items = value if isinstance(value, (list, tuple)) else [value]
         if name.startswith("_") and items and any(isinstance(x, dist.ProcessGroup) for x in items):
             setattr(parallel_state, name, None)

@@ -18,6 +18,7 @@ SUITES = {
     "equivalence": "harness.suites.equivalence:EquivalenceSuite",
     "grad-sync": "harness.suites.grad_sync:GradSyncSuite",
     "ckpt-memory": "harness.suites.ckpt_memory:CkptMemorySuite",
+    "dynamic-cp": "harness.suites.dynamic_cp:DynamicCPSuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 

@@ -1,0 +1,310 @@
+"""`dynamic-cp`: dynamic (hybrid) CP == static CP == no CP on the same global batch (regression R3).
+
+Per sequence-length mix, four cases: no CP (the reference: every sample whole, DP only), static CP
+over THD packs at cp2 and cp4, and megatron's hybrid CP on the pure-DP layout. Judged against the
+reference, from tensors: per-token log-probs of every sample (merged by the engine, in the original
+order, every sample exactly once), which rank computed each token and at which local CP size, the
+per-token loss, and the full gradient of every parameter.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from harness.checks import CheckResult
+from harness.checks.tensors import rel_error
+from harness.engines import resolve_factory
+from harness.engines.dynamic_cp import CPEngine, TokenOutputs, check_dynamic_cp_available, pad_sample
+from harness.errors import BadInput
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.layouts import validate
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
+
+# fp32 on CPU: CP changes only the reduction order (attention over gathered K/V, gradient sums);
+# measured errors are ~1e-7 (log-probs) to ~2e-6 (gradients); a wrong chunk, sample or scale is >= 1e-2.
+RTOL = {"fp32": 1e-5, "bf16": 2e-2}
+# megatron's max_seqlen_per_dp_cp_rank for the suite: samples up to 32 tokens run without CP,
+# up to 64 at local CP 2, up to 128 at local CP 4 (world size 4)
+MAX_SEQLEN_PER_RANK = 32
+MAX_SEQLEN = 120
+
+# Named regression mixes (lengths of the global batch's samples)
+NAMED_MIXES = {
+    "cp-1-2-4": (120, 60, 30, 24, 17, 9, 50, 12),
+    "fewer-samples-than-dp": (100, 20),
+    "one-long-among-short": (118, 5, 7, 9, 11, 6, 13),
+    "all-short": (9, 14, 20, 31, 7, 16, 25, 11),
+}
+
+
+def expected_local_cp(length: int, max_per_rank: int) -> int:
+    """The smallest local CP size a sample may run at: the next power of two of
+    ceil(length / max_seqlen_per_dp_cp_rank) (MISSION.md R3)."""
+    cp = 1
+    while cp * max_per_rank < length:
+        cp *= 2
+    return cp
+
+
+def random_mix(rng: random.Random, world_size: int) -> tuple[int, ...]:
+    """A mix in which local CP sizes 1, 2 and 4 all occur, plus random lengths."""
+    lengths = [rng.randint(2, MAX_SEQLEN_PER_RANK), rng.randint(MAX_SEQLEN_PER_RANK + 1, 2 * MAX_SEQLEN_PER_RANK),
+               rng.randint(2 * MAX_SEQLEN_PER_RANK + 1, MAX_SEQLEN)]
+    lengths += [rng.randint(2, MAX_SEQLEN) for _ in range(rng.randint(0, 2 * world_size))]
+    rng.shuffle(lengths)
+    return tuple(lengths)
+
+
+def mix_name(lengths: tuple[int, ...]) -> str:
+    return "lens-" + ".".join(map(str, lengths))
+
+
+def check_mix(lengths: tuple[int, ...]) -> None:
+    bad = [n for n in lengths if not 1 <= n <= MAX_SEQLEN]
+    if not lengths or bad:
+        raise BadInput(f"sequence-length mix {lengths}: every length must be in 1..{MAX_SEQLEN} "
+                       f"(local CP <= 4 at max_seqlen_per_dp_cp_rank={MAX_SEQLEN_PER_RANK})")
+
+
+class DynamicCPSuite:
+    name = "dynamic-cp"
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+               "megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.hybrid_cp_schedule")
+    # the pytest suite and the CLI add generated mixes to the named ones
+    random_mixes = 2
+
+    def __init__(self, mixes: dict[str, tuple[int, ...]] | None = None):
+        self.mixes = mixes
+
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
+        if not result.ok:
+            return {}
+        loss = _loss(result)
+        return {"cp_mode": result.case.options.cp_mode, "loss": round(loss, 8) if loss is not None else None}
+
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+        """Per mix: no CP (reference), static CP at every CP size of the layouts, dynamic CP."""
+        check_dynamic_cp_available()
+        if world_size % 2:
+            raise BadInput(f"dynamic CP needs an even DP x CP size (megatron's hybrid groups); world size {world_size}")
+        if layouts is None:
+            layouts = [Layout(cp=cp, dp=world_size // cp) for cp in (2, 4) if world_size % cp == 0]
+        static = [lay for lay in layouts if lay.cp > 1]
+        for lay in static:
+            validate(lay, model, world_size)
+            if lay.tp != 1 or lay.pp != 1:
+                raise BadInput(f"dynamic-cp compares CP only: layout {lay.id} must have tp1 and pp1")
+        mixes = dict(self.mixes) if self.mixes is not None else dict(NAMED_MIXES)
+        if self.mixes is None:
+            rng = random.Random(options.seed)
+            for _ in range(self.random_mixes):
+                lengths = random_mix(rng, world_size)
+                mixes[mix_name(lengths)] = lengths
+        out = []
+        for name, lengths in mixes.items():
+            check_mix(lengths)
+            base = dict(mix=name, seqlens=tuple(lengths), max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK)
+            plan = [(Layout(dp=world_size), "none")] + [(lay, "static") for lay in static] + \
+                   [(Layout(dp=world_size), "dynamic")]
+            for lay, mode in plan:
+                opts = CaseOptions(**{**_fields(options), **base, "cp_mode": mode})
+                out.append(Case(self.name, model, lay, engine, opts, backend))
+        return out
+
+    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+        engine = make_cp_engine(case, ctx)
+        with ctx.phase("build"):
+            engine.build()
+        with ctx.phase("steps"):
+            engine.run()
+        with ctx.phase("collect"):
+            merged = engine.merge(engine.gather_records(), len(case.options.seqlens))
+            data = {"records": [_plain(r) for r in engine.records], "loss_sum": engine.loss_sum,
+                    "num_tokens": engine.num_tokens}
+            if ctx.rank == 0:
+                data["merged"] = merged
+                data["grads"] = engine.grads()
+        return data
+
+    # -- checks -------------------------------------------------------------------------------
+    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+        out: list[CheckResult] = []
+        by_mix: dict[str, list[CaseResult]] = {}
+        for res in results:
+            by_mix.setdefault(res.case.options.mix, []).append(res)
+        for group in by_mix.values():
+            ref = next((r for r in group if r.case.options.cp_mode == "none"), None)
+            for res in group:
+                cid = res.case.id
+                if not res.ok:
+                    lines = (res.error or "failed").splitlines()
+                    out.append(CheckResult("dynamic-cp.run", cid, False, lines[0], lines[1:]))
+                    continue
+                out.append(self._check_coverage(res))
+                if res is ref:
+                    continue
+                if ref is None or not ref.ok:
+                    out.append(CheckResult("dynamic-cp.logprobs", cid, False, "the no-CP reference of this mix did not run"))
+                    continue
+                rtol = RTOL[res.case.options.dtype]
+                out.append(self._check_logprobs(res, ref, rtol))
+                out.append(self._check_loss(res, ref, rtol))
+                out.append(self._check_grads(res, ref, rtol))
+        return out
+
+    @staticmethod
+    def _check_coverage(res: CaseResult) -> CheckResult:
+        """Every real token of every sample computed exactly once; dynamic: at the expected local CP size."""
+        o = res.case.options
+        lengths = o.seqlens
+        counts = [torch.zeros(n, dtype=torch.long) for n in lengths]
+        local_cp: dict[int, set[int]] = {}
+        problems = []
+        for rank in res.ranks:
+            for rec in map(_record, rank.data["records"]):
+                if not 0 <= rec.sample < len(lengths):
+                    problems.append(f"rank {rank.rank} computed tokens of sample {rec.sample}, which is not in the batch")
+                    continue
+                counts[rec.sample].index_add_(0, rec.positions, torch.ones_like(rec.positions))
+                local_cp.setdefault(rec.sample, set()).add(rec.local_cp)
+        for i, c in enumerate(counts):
+            if (c != 1).any():
+                missing, dup = int((c == 0).sum()), int((c > 1).sum())
+                problems.append(f"sample {i} (length {lengths[i]}): {missing} tokens never computed, "
+                                f"{dup} computed more than once (max {int(c.max())} times)")
+        rows = []
+        if o.cp_mode == "dynamic":
+            for i, n in enumerate(lengths):
+                padded = pad_sample({"tokens": torch.zeros(n), "sample_id": torch.zeros(n), "position_ids": torch.zeros(n)},
+                                    2 * res.case.layout.world_size)["tokens"].shape[0]
+                need = expected_local_cp(padded, o.max_seqlen_per_dp_cp_rank)
+                got = sorted(local_cp.get(i, set()))
+                rows.append(f"  sample {i}: length {n}, local CP {','.join(map(str, got)) or '-'} (needs >= {need})")
+                # The scheduler may give a sample more ranks than it needs (to fill idle ones), never fewer.
+                ok = len(got) == 1 and need <= got[0] <= res.case.layout.world_size and got[0] & (got[0] - 1) == 0
+                if not ok:
+                    problems.append(f"sample {i} (length {n}): ran at local CP size {got or 'never'}, needs one power "
+                                    f"of two >= {need} (ceil({padded} / max_seqlen_per_dp_cp_rank="
+                                    f"{o.max_seqlen_per_dp_cp_rank}) rounded up)")
+        sizes = sorted({s for v in local_cp.values() for s in v})
+        if problems:
+            return CheckResult("dynamic-cp.coverage", res.case.id, False,
+                               f"{res.case.layout.id} {o.cp_mode}: {problems[0]}" +
+                               (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""),
+                               [f"  {p}" for p in problems] + rows)
+        return CheckResult("dynamic-cp.coverage", res.case.id, True,
+                           f"every token of {len(lengths)} samples computed once; local CP sizes {sizes}", rows,
+                           show=o.cp_mode == "dynamic")
+
+    @staticmethod
+    def _check_logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
+        lengths = res.case.options.seqlens
+        got = _rank0(res)["merged"]
+        want = _reference_logprobs(ref)
+        head = f"{res.case.layout.id} {res.case.options.cp_mode}"
+        if len(got) != len(want):
+            return CheckResult("dynamic-cp.logprobs", res.case.id, False,
+                               f"{head}: the merged output has {len(got)} samples, the batch has {len(want)} "
+                               f"(lengths merged {[len(t) for t in got]}, batch {list(lengths)})")
+        rows, worst, bad = [], (0.0, -1), []
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g.shape != w.shape:
+                bad.append(i)
+                rows.append(f"  sample {i}: {len(g)} log-probs merged, length {len(w)} expected")
+                worst = max(worst, (float("inf"), i))
+                continue
+            abs_err = float((g - w).abs().max())
+            rel = abs_err / max(float(w.abs().max()), 1e-12)
+            rows.append(f"  sample {i}: length {len(w)}, max abs {abs_err:.2e}, rel {rel:.2e}")
+            if rel > rtol:
+                bad.append(i)
+            worst = max(worst, (rel, i))
+        if bad:
+            i = bad[0]
+            return CheckResult("dynamic-cp.logprobs", res.case.id, False,
+                               f"{head}: log-probs of sample {i} differ from no CP: {rows[i].strip()} "
+                               f"(tolerance rel {rtol:.0e}; {len(bad)}/{len(want)} samples off)", rows, value=worst[0])
+        return CheckResult("dynamic-cp.logprobs", res.case.id, True,
+                           f"{head}: log-probs of {len(want)} samples equal no CP, worst sample {worst[1]} rel "
+                           f"{worst[0]:.2e} <= {rtol:.0e}", rows, value=worst[0], show=True)
+
+    @staticmethod
+    def _check_loss(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
+        got, want = _loss(res), _loss(ref)
+        rel = abs(got - want) / abs(want)
+        ok = rel <= rtol
+        return CheckResult("dynamic-cp.loss", res.case.id, ok,
+                           f"{res.case.layout.id} {res.case.options.cp_mode}: per-token loss {got:.8f} vs no CP "
+                           f"{want:.8f} (tokens {_tokens(res)} vs {_tokens(ref)}), rel {rel:.2e} "
+                           f"{'<=' if ok else '>'} {rtol:.0e}", value=rel)
+
+    @staticmethod
+    def _check_grads(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
+        got, want = _rank0(res)["grads"], _rank0(ref)["grads"]
+        head = f"{res.case.layout.id} {res.case.options.cp_mode}"
+        if set(got) != set(want):
+            return CheckResult("dynamic-cp.grads", res.case.id, False,
+                               f"{head}: parameter names differ from no CP: {sorted(set(got) ^ set(want))[:5]}")
+        errs = {n: rel_error(got[n], want[n]) for n in want}
+        worst = max(errs, key=errs.get)
+        bad = sorted((n for n in errs if errs[n] > rtol), key=lambda n: -errs[n])
+        if bad:
+            ratio = float(got[bad[0]].norm() / want[bad[0]].norm().clamp_min(1e-30))
+            return CheckResult("dynamic-cp.grads", res.case.id, False,
+                               f"{head}: {len(bad)}/{len(errs)} gradients differ from no CP; worst {bad[0]}: rel "
+                               f"{errs[bad[0]]:.2e} > {rtol:.0e} (norm ratio {ratio:.4f})",
+                               [f"  {n}: rel {errs[n]:.2e}" for n in bad], value=errs[bad[0]])
+        return CheckResult("dynamic-cp.grads", res.case.id, True,
+                           f"{head}: {len(errs)} gradients equal no CP, worst {worst} rel {errs[worst]:.2e} <= {rtol:.0e}",
+                           value=errs[worst])
+
+
+def make_cp_engine(case: Case, ctx: RankContext) -> CPEngine:
+    factory = CPEngine if case.engine == "mcore" else resolve_factory(case.engine)
+    if not (isinstance(factory, type) and issubclass(factory, CPEngine)):
+        raise BadInput(f"engine {case.engine!r} cannot run the dynamic-cp suite: it must be "
+                       f"harness.engines.dynamic_cp:CPEngine or a subclass")
+    return factory(case, ctx)
+
+
+def _fields(options: CaseOptions) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+def _plain(r: TokenOutputs) -> tuple:
+    return (r.sample, r.positions, r.logprobs, r.local_cp, r.rank)
+
+
+def _record(t: tuple) -> TokenOutputs:
+    return TokenOutputs(*t)
+
+
+def _rank0(res: CaseResult) -> dict[str, Any]:
+    return next(r.data for r in res.ranks if r.rank == 0)
+
+
+def _reference_logprobs(ref: CaseResult) -> list[torch.Tensor]:
+    """The no-CP run's log-probs per sample, assembled here (no engine merge involved)."""
+    lengths = ref.case.options.seqlens
+    out = [torch.full((n,), float("nan")) for n in lengths]
+    for rank in ref.ranks:
+        for rec in map(_record, rank.data["records"]):
+            if 0 <= rec.sample < len(lengths):
+                out[rec.sample][rec.positions] = rec.logprobs
+    return out
+
+
+def _loss(res: CaseResult) -> float:
+    s = sum(r.data["loss_sum"] for r in res.ranks)
+    return s / max(_tokens(res), 1)
+
+
+def _tokens(res: CaseResult) -> int:
+    return sum(r.data["num_tokens"] for r in res.ranks)
