@@ -17,7 +17,7 @@ gradients divided by the global token count in finalize_model_grads. After one f
 the engine reports its raw per-rank outputs (which rank computed which positions of which sample,
 at which local CP size), the merged log-probs (gathered over all ranks, restored to the original
 sample order) and the full gradients. The methods a fault injection replaces are `split_dynamic`,
-`split_static`, `merge`, `loss_func` and `local_cp_size`.
+`split_static`, `merge`, `token_count` and `local_cp_size`.
 """
 
 from __future__ import annotations
@@ -213,10 +213,14 @@ class CPEngine(McoreEngine):
     def loss_func(self, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         """Per-token loss: the masked loss sum and its token count (normalised over the global batch)."""
         loss_sum = (output_tensor.float().reshape(-1) * loss_mask.reshape(-1)).sum()
-        num_tokens = loss_mask.sum().to(torch.int)
+        num_tokens = self.token_count(loss_mask)
         self.loss_sum += float(loss_sum.detach())
         self.num_tokens += int(num_tokens)
         return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+
+    def token_count(self, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Tokens this rank's micro-batch contributes to the global count (its unmasked local tokens)."""
+        return loss_mask.sum().to(torch.int)
 
     # -- outputs ------------------------------------------------------------------------------
     def merge(self, records: list[TokenOutputs], num_samples: int) -> list[torch.Tensor]:

@@ -40,8 +40,13 @@ class Suite(Protocol):
         ...
 
 
-def get_suite(name: str) -> Suite:
-    """A suite by contract name, or by import path `package.module:Class` (tests plant fake suites)."""
+def get_suite(name: "str | Suite") -> Suite:
+    """A suite by contract name, or by import path `package.module:Class` (tests plant fake suites).
+
+    A suite object is returned as it is (a configured suite, e.g. dynamic-cp with given mixes).
+    """
+    if not isinstance(name, str):
+        return name
     if name in PLANNED and name not in SUITES:
         raise BadInput(f"suite {name!r} is not implemented yet; available: {', '.join(SUITES)}")
     target = SUITES.get(name, name)

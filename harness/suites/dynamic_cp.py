@@ -74,8 +74,7 @@ class DynamicCPSuite:
     name = "dynamic-cp"
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.hybrid_cp_schedule")
-    # the pytest suite and the CLI add generated mixes to the named ones
-    random_mixes = 2
+    random_mixes = 2  # seeded random mixes added to the named ones when no mixes are given
 
     def __init__(self, mixes: dict[str, tuple[int, ...]] | None = None):
         self.mixes = mixes
