@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     lay.set_defaults(func=_layouts)
 
     run = sub.add_parser("run", help="run a suite over layouts on local ranks and judge it")
-    run.add_argument("--suite", required=True, help="equivalence (grad-sync, ckpt-memory, dynamic-cp, step-perf: planned)")
+    run.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp (step-perf: planned)")
     run.add_argument("--model", required=True)
     run.add_argument("--world-size", type=int, required=True)
     run.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")

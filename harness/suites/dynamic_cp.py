@@ -27,10 +27,14 @@ from harness.spec import Case, CaseOptions, Layout, ModelSpec
 # fp32 on CPU: CP changes only the reduction order (attention over gathered K/V, gradient sums);
 # measured errors are ~1e-7 (log-probs) to ~2e-6 (gradients); a wrong chunk, sample or scale is >= 1e-2.
 RTOL = {"fp32": 1e-5, "bf16": 2e-2}
-# megatron's max_seqlen_per_dp_cp_rank for the suite: samples up to 32 tokens run without CP,
-# up to 64 at local CP 2, up to 128 at local CP 4 (world size 4)
-MAX_SEQLEN_PER_RANK = 32
+# Samples are at most 120 tokens (128 after padding); megatron's max_seqlen_per_dp_cp_rank is
+# 128 / world size, so at world size 4 samples up to 32 tokens run without CP, up to 64 at local
+# CP 2 and up to 128 at local CP 4.
 MAX_SEQLEN = 120
+
+
+def max_seqlen_per_rank(world_size: int) -> int:
+    return 128 // world_size
 
 # Named regression mixes (lengths of the global batch's samples)
 NAMED_MIXES = {
@@ -50,11 +54,19 @@ def expected_local_cp(length: int, max_per_rank: int) -> int:
     return cp
 
 
+def length_ranges(world_size: int) -> list[tuple[int, int]]:
+    """Per local CP size 1, 2, 4, ... <= world size: the sample lengths that need exactly it."""
+    m, out, p = max_seqlen_per_rank(world_size), [], 1
+    while p <= world_size:
+        out.append((1 if p == 1 else m * p // 2 + 1, min(m * p, MAX_SEQLEN)))
+        p *= 2
+    return out
+
+
 def random_mix(rng: random.Random, world_size: int) -> tuple[int, ...]:
-    """A mix in which local CP sizes 1, 2 and 4 all occur, plus random lengths."""
-    lengths = [rng.randint(2, MAX_SEQLEN_PER_RANK), rng.randint(MAX_SEQLEN_PER_RANK + 1, 2 * MAX_SEQLEN_PER_RANK),
-               rng.randint(2 * MAX_SEQLEN_PER_RANK + 1, MAX_SEQLEN)]
-    lengths += [rng.randint(2, MAX_SEQLEN) for _ in range(rng.randint(0, 2 * world_size))]
+    """A mix in which every local CP size occurs, plus random lengths."""
+    lengths = [rng.randint(lo, hi) for lo, hi in length_ranges(world_size)]
+    lengths += [rng.randint(1, MAX_SEQLEN) for _ in range(rng.randint(0, 2 * world_size))]
     rng.shuffle(lengths)
     return tuple(lengths)
 
@@ -67,7 +79,7 @@ def check_mix(lengths: tuple[int, ...]) -> None:
     bad = [n for n in lengths if not 1 <= n <= MAX_SEQLEN]
     if not lengths or bad:
         raise BadInput(f"sequence-length mix {lengths}: every length must be in 1..{MAX_SEQLEN} "
-                       f"(local CP <= 4 at max_seqlen_per_dp_cp_rank={MAX_SEQLEN_PER_RANK})")
+                       f"(128 tokens after padding = the whole DP x CP group at max_seqlen_per_dp_cp_rank = 128 / world size)")
 
 
 class DynamicCPSuite:
@@ -107,7 +119,7 @@ class DynamicCPSuite:
         out = []
         for name, lengths in mixes.items():
             check_mix(lengths)
-            base = dict(mix=name, seqlens=tuple(lengths), max_seqlen_per_dp_cp_rank=MAX_SEQLEN_PER_RANK)
+            base = dict(mix=name, seqlens=tuple(lengths), max_seqlen_per_dp_cp_rank=max_seqlen_per_rank(world_size))
             plan = [(Layout(dp=world_size), "none")] + [(lay, "static") for lay in static] + \
                    [(Layout(dp=world_size), "dynamic")]
             for lay, mode in plan:
