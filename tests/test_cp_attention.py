@@ -55,6 +55,7 @@ def _leaf(x):
 
 
 def _err(a, b) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 

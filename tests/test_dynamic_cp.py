@@ -98,3 +98,17 @@ def test_bad_mixes_and_layouts_are_refused_before_anything_runs():
         plan(DynamicCPSuite(MIX), "tiny", 4, ["tp2-pp1-cp2-dp1"])
     with pytest.raises(BadInput, match="even DP x CP size"):
         plan(DynamicCPSuite(MIX), "tiny", 3)
+
+
+def test_missing_dynamic_cp_api_names_what_is_missing(monkeypatch):
+    from megatron.core import utils
+
+    from harness.engines.dynamic_cp import dynamic_cp_api
+    from harness.errors import MissingDependency
+
+    assert dynamic_cp_api().flag == "hybrid_context_parallel"  # megatron-core 0.16 here
+    monkeypatch.delattr(utils, "get_batch_on_this_hybrid_cp_rank")
+    with pytest.raises(MissingDependency, match=r"hybrid_context_parallel API \(releases 0.16-0.19\).*lacks: "
+                                                r"megatron.core.utils.get_batch_on_this_hybrid_cp_rank; "
+                                                r"megatron.core.pipeline_parallel.dynamic_cp_schedule"):
+        dynamic_cp_api()

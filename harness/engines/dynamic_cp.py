@@ -5,7 +5,8 @@ Modes (CaseOptions.cp_mode):
 - "none": every sample whole, as its own micro-batch, on DP rank (i mod DP): the reference.
 - "static": each DP rank packs its samples into one THD micro-batch (per sequence padded to a
   multiple of 2*CP), split over the layout's CP group by the pure-torch THD split.
-- "dynamic": megatron-core's released hybrid CP (0.16-0.19): `hybrid_context_parallel` groups,
+- "dynamic": megatron-core's released hybrid CP (0.16-0.19; the dev branch's `dynamic_context_parallel`
+  names are probed too, see `dynamic_cp_api`): `hybrid_context_parallel` groups,
   `BalancedCPScheduler` groups the samples and picks each one's local CP size from
   `max_seqlen_per_dp_cp_rank`, megatron's `hybrid_context_parallel_forward_backward` runs them,
   `get_batch_on_this_hybrid_cp_rank` splits each over its local CP group. Every rank generates
@@ -93,11 +94,13 @@ class CPEngine(McoreEngine):
         lay, o = self.case.layout, self.case.options
         if self.mode == "dynamic" and (lay.tp, lay.pp, lay.cp) != (1, 1, 1):
             raise BadInput(f"dynamic CP runs on pure-DP layouts (it regroups the DP ranks), not {lay.id}")
-        init_parallel_state(lay, on_cpu=self.ctx.on_cpu, seed=o.seed, hybrid_context_parallel=self.mode == "dynamic")
+        self.api = dynamic_cp_api() if self.mode == "dynamic" else None
+        init_parallel_state(lay, on_cpu=self.ctx.on_cpu, seed=o.seed,
+                            dynamic_cp_flag=self.api.flag if self.api else None)
         config = transformer_config(self.case, self.ctx.on_cpu)
         config.calculate_per_token_loss = True
-        if self.mode == "dynamic":
-            config.hybrid_context_parallel = True
+        if self.api:
+            setattr(config, self.api.flag, True)  # selects megatron's dynamic-CP forward-backward
             config.max_seqlen_per_dp_cp_rank = o.max_seqlen_per_dp_cp_rank
         self.config = config
         # the CP attention wherever a CP group may be larger than 1 (static CP, or per sample)
@@ -149,9 +152,11 @@ class CPEngine(McoreEngine):
 
     def schedule(self, batch: list[dict[str, torch.Tensor]]):
         """(this rank's samples by id, sample_id_groups): what HybridCPDataLoaderWrapper yields."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+        import importlib
 
+        from megatron.core import parallel_state as ps
+
+        BalancedCPScheduler = importlib.import_module(self.api.schedule_module).BalancedCPScheduler
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
         padded = [pad_sample(s, 2 * dp_cp.size()) for s in batch]
         scheduler = BalancedCPScheduler(self.config.max_seqlen_per_dp_cp_rank, dp_cp)
@@ -178,9 +183,7 @@ class CPEngine(McoreEngine):
 
     def split_dynamic(self, sample: dict[str, Any], local_cp: int):
         """One sample -> this rank's zigzag share over its local CP group, PackedSeqParams."""
-        from megatron.core.utils import get_batch_on_this_hybrid_cp_rank
-
-        return get_batch_on_this_hybrid_cp_rank(sample, local_cp)
+        return self.api.split(sample, local_cp)
 
     def forward_step(self, data_iterator, model):
         mb = next(data_iterator)
@@ -250,11 +253,46 @@ class CPEngine(McoreEngine):
                 for name, p in self.global_names(self.models[0].module).items()}
 
 
+@dataclass(frozen=True)
+class DynamicCPApi:
+    """megatron-core's names for dynamic CP: `hybrid_*` in releases 0.16-0.19, `dynamic_*` on the dev branch."""
+
+    flag: str  # initialize_model_parallel keyword and TransformerConfig field
+    schedule_module: str  # has BalancedCPScheduler
+    split: Any  # get_batch_on_this_<...>_cp_rank(batch, local_cp_size)
+
+
+_APIS = (("hybrid_context_parallel", "megatron.core.pipeline_parallel.hybrid_cp_schedule",
+          "get_batch_on_this_hybrid_cp_rank"),
+         ("dynamic_context_parallel", "megatron.core.pipeline_parallel.dynamic_cp_schedule",
+          "get_batch_on_this_dynamic_cp_rank"))
+
+
+def dynamic_cp_api() -> DynamicCPApi:
+    """The installed megatron-core's dynamic-CP API (feature-probed), or MissingDependency naming what is missing."""
+    import importlib
+    import inspect
+
+    from megatron.core import parallel_state, utils
+
+    init_args = inspect.signature(parallel_state.initialize_model_parallel).parameters
+    missing = []
+    for flag, module, split in _APIS:
+        try:
+            schedule = importlib.import_module(module)
+        except ImportError:
+            missing.append(f"{module}")
+            continue
+        parts = [flag in init_args, hasattr(schedule, "BalancedCPScheduler"), hasattr(utils, split)]
+        if all(parts):
+            return DynamicCPApi(flag, module, getattr(utils, split))
+        missing.append(", ".join(name for name, ok in zip(
+            (f"initialize_model_parallel({flag}=)", f"{module}.BalancedCPScheduler", f"megatron.core.utils.{split}"),
+            parts) if not ok))
+    raise MissingDependency("dynamic CP needs megatron-core's hybrid_context_parallel API (releases 0.16-0.19) or "
+                            "the dev branch's dynamic_context_parallel; the installed one lacks: " + "; ".join(missing))
+
+
 def check_dynamic_cp_available() -> None:
-    """MissingDependency naming the megatron-core versions that have hybrid CP."""
-    try:
-        from megatron.core.pipeline_parallel import hybrid_cp_schedule  # noqa: F401
-        from megatron.core.utils import get_batch_on_this_hybrid_cp_rank  # noqa: F401
-    except ImportError as exc:
-        raise MissingDependency(f"dynamic CP needs megatron-core 0.16-0.19 (hybrid_context_parallel); "
-                                f"the installed one lacks it ({exc})") from None
+    """MissingDependency naming the megatron-core versions that have dynamic CP."""
+    dynamic_cp_api()

@@ -8,10 +8,11 @@ from harness.spec import Layout
 
 
 def init_parallel_state(layout: Layout, *, on_cpu: bool, seed: int,
-                        create_gloo_process_groups: bool = True, hybrid_context_parallel: bool = False) -> None:
+                        create_gloo_process_groups: bool = True, dynamic_cp_flag: str | None = None) -> None:
     """Model-parallel groups for the layout, RNG tracker, microbatch calculator cleared.
 
-    hybrid_context_parallel: also the dynamic-CP groups (every power of two up to DP x CP), megatron-core 0.16-0.19.
+    dynamic_cp_flag: also the dynamic-CP groups (every power of two up to DP x CP), through megatron's
+    keyword for them ("hybrid_context_parallel" in 0.16-0.19; see harness.engines.dynamic_cp.dynamic_cp_api).
     """
     from megatron.core import parallel_state
 
@@ -19,16 +20,7 @@ def init_parallel_state(layout: Layout, *, on_cpu: bool, seed: int,
 
     global _GROUPS_BEFORE
     _GROUPS_BEFORE = _live_groups()
-    extra = {}
-    if hybrid_context_parallel:
-        import inspect
-
-        if "hybrid_context_parallel" not in inspect.signature(parallel_state.initialize_model_parallel).parameters:
-            from harness.errors import MissingDependency
-
-            raise MissingDependency("dynamic CP needs megatron-core 0.16-0.19 (initialize_model_parallel("
-                                    "hybrid_context_parallel=...)); the installed version has no such argument")
-        extra["hybrid_context_parallel"] = True
+    extra = {dynamic_cp_flag: True} if dynamic_cp_flag else {}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
