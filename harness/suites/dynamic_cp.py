@@ -85,7 +85,7 @@ def check_mix(lengths: tuple[int, ...]) -> None:
 class DynamicCPSuite:
     name = "dynamic-cp"
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
-               "megatron.core.pipeline_parallel", "megatron.core.pipeline_parallel.hybrid_cp_schedule")
+               "megatron.core.pipeline_parallel")
     random_mixes = 2  # seeded random mixes added to the named ones when no mixes are given
 
     def __init__(self, mixes: dict[str, tuple[int, ...]] | None = None):
