@@ -11,7 +11,8 @@ Modes (CaseOptions.cp_mode):
   `max_seqlen_per_dp_cp_rank`, megatron's `hybrid_context_parallel_forward_backward` runs them,
   `get_batch_on_this_hybrid_cp_rank` splits each over its local CP group. Every rank generates
   the same global batch, so samples are looked up locally instead of being moved by
-  `HybridCPDataLoaderWrapper`'s all-to-all (which fails on a rank that holds no sample).
+  `HybridCPDataLoaderWrapper`'s all-to-all (whose reroute reads `batch[0].keys()`, so it cannot run
+  on a DP rank that holds no sample - the "fewer samples than DP ranks" mix).
 
 Losses are per-token (calculate_per_token_loss): loss sums and token counts per micro-batch, the
 gradients divided by the global token count in finalize_model_grads. After one forward-backward
