@@ -102,6 +102,10 @@ class CaseOptions:
     # "fully_reshardable_mem_efficient" for fully_reshardable + the mem_efficient flag
     ckpt_format: str = "dp_reshardable"
     fully_parallel_save: bool = False
+    # checkpoint contract cases: "reshard" saves and loads back at other layouts of its world size,
+    # "reshard-load" loads what the `ckpt_source` case (a layout id) saved
+    ckpt_role: str = ""
+    ckpt_source: str = ""
     # dynamic-cp suite: the global batch's sequence lengths (named by `mix`), how CP is applied
     # ("none": whole samples, "static": THD packs over the layout's CP, "dynamic": hybrid CP), and
     # megatron's max_seqlen_per_dp_cp_rank (the dynamic local CP size follows from it)

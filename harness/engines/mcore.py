@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import zlib
 
@@ -283,3 +284,56 @@ class McoreEngine:
         if fully_parallel:
             strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
         dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy, content_metadata=self.checkpoint_metadata(fmt))
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        """dist_checkpointing.load into this engine's layout (which may differ from the saving one)."""
+        from megatron.core import dist_checkpointing
+
+        self._init_optimizer_state()
+        state = dist_checkpointing.load(self.sharded_state_dict(fmt, is_loading=True), ckpt_dir)
+        for i, m in enumerate(self.models):
+            m.module.load_state_dict(state["model" if len(self.models) == 1 else f"model{i}"])
+        # no_grad: the dp_reshardable loader copies into views of parameters without it (0.16)
+        with torch.no_grad(), _keep_torch_adam_step():
+            self.optimizer.load_state_dict(state["optimizer"])
+        # The non-TE/apex load gives every parameter the same 'step' tensor; torch Adam increments it
+        # in place once per parameter, so bias corrections would use step + 1, step + 2, ...
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for st in opt.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
+    def _init_optimizer_state(self) -> None:
+        """Empty Adam state to load into. megatron's init_state_fn creates no 'step', which the
+        distributed optimizer's state_dict asserts on without TE / apex (megatron-core 0.16)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if not inner.state[p]:
+                        inner.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                              step=torch.tensor(0.0))
+
+
+@contextlib.contextmanager
+def _keep_torch_adam_step():
+    """Without TE / apex the distributed optimizer wraps torch Adam, whose per-parameter state has a
+    'step' that checkpoints do not carry (the step is restored from param_groups first); megatron-core
+    0.16's loader copies every state key and raises KeyError('step'). Scoped to one load."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"].clone()}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original

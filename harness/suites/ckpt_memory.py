@@ -13,6 +13,7 @@ from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suites.ckpt_contract import check_reshard, contract_cases, reshard_work
 
 # fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
 # is not supported"; it can still be asked for with --ckpt-format.
@@ -26,6 +27,7 @@ DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
 class CkptMemorySuite:
     name = "ckpt-memory"
     formats = FORMATS
+    contract = True  # also the reshard contract cases (harness/suites/ckpt_contract.py)
     ALL_FORMATS = ALL_FORMATS
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
@@ -33,19 +35,24 @@ class CkptMemorySuite:
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+        # the contract cases come with the default matrix (not with hand-picked layouts or formats)
+        contract = self.contract and layouts is None and self.formats == FORMATS
         if layouts is None:
             layouts = [Layout.parse(i) for i in DEFAULT_LAYOUTS if Layout.parse(i).world_size == world_size] \
                 or [Layout(dp=world_size)]
         for lay in layouts:
             validate(lay, model, world_size)
-        return [Case(self.name, model, lay, engine,
-                     CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": True,
-                                    "ckpt_format": fmt}), backend)
-                for lay in layouts for fmt in self.formats]
+        memory = [Case(self.name, model, lay, engine,
+                       CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": True,
+                                      "ckpt_format": fmt}), backend)
+                  for lay in layouts for fmt in self.formats]
+        return memory + (contract_cases(self.name, model, world_size, engine, backend, options) if contract else [])
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
         import torch.distributed as dist
 
+        if case.options.ckpt_role:
+            return reshard_work(case, ctx)
         from harness.suites import layout_coords
 
         engine = make_engine(case, ctx)
@@ -70,7 +77,7 @@ class CkptMemorySuite:
         return {"coords": layout_coords(), "save": peak, "content_metadata": saved}
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
-        if not result.ok:
+        if not result.ok or result.case.options.ckpt_role:
             return {}
         peaks = [r.data["save"] for r in result.ranks]
         return {"host peak MiB/rank": " ".join(f"{p.host_peak / MIB:.0f}" for p in peaks),
@@ -88,6 +95,8 @@ class CkptMemorySuite:
         """The baselined metrics of a case, MiB: per rank, the save's heap peak in the rank itself and in
         its forked writer processes (judged apart: the writers' peak depends on fork timing)."""
         out = {}
+        if result.case.options.ckpt_role:
+            return out  # checkpoint contract cases: judged on values, not baselined
         for r in result.ranks:
             out[f"rank{r.rank}.save_heap_peak_mib"] = r.data["save"].heap_peak / MIB
             out[f"rank{r.rank}.save_writer_peak_mib"] = r.data["save"].children_heap_peak / MIB
@@ -99,8 +108,11 @@ class CkptMemorySuite:
 
         out: list[CheckResult] = []
         data_by_platform: dict[str, dict] = {}
+        out.extend(check_reshard(results))
         for res in results:
             case = res.case
+            if case.options.ckpt_role:
+                continue
             if not res.ok:
                 lines = res.error.splitlines() or ["failed"]
                 out.append(CheckResult("ckpt-memory.run", case.id, False, lines[0], lines[1:]))

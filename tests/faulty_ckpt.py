@@ -1,0 +1,47 @@
+"""Planted checkpoint-contract bugs: each must make the ckpt-memory suite's reshard checks fail."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.engines.mcore import McoreEngine
+
+
+class LoadSkipsOptimizer(McoreEngine):
+    """Loads the model but keeps the fresh optimizer state."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        self._init_optimizer_state()
+        state = dist_checkpointing.load(self.sharded_state_dict(fmt, is_loading=True), ckpt_dir)
+        self.models[0].module.load_state_dict(state["model"])
+
+
+class LoadCorruptsOneShard(McoreEngine):
+    """TP rank 1's shard of the QKV weight is off after the load."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        super().load_checkpoint(ckpt_dir, fmt)
+        from megatron.core import parallel_state as ps
+
+        if ps.get_tensor_model_parallel_rank() == 1:
+            with torch.no_grad():
+                self.models[0].module.decoder.layers[0].self_attention.linear_qkv.weight.mul_(1.001)
+
+
+class SavesDpReshardableAlways(McoreEngine):
+    """Whatever format is asked for, the optimizer is saved dp_reshardable (the metadata still says the asked one)."""
+
+    def sharded_state_dict(self, fmt: str, is_loading: bool = False) -> dict:
+        return super().sharded_state_dict("dp_reshardable" if not is_loading else fmt, is_loading)
+
+
+class SaveScalesOptimizerState(McoreEngine):
+    """The save leaves the optimizer's first moment scaled (a side effect of the save path)."""
+
+    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False) -> None:
+        super().save_checkpoint(ckpt_dir, fmt, fully_parallel)
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for st in opt.optimizer.state.values():
+                st["exp_avg"].mul_(1.5)

@@ -1,0 +1,75 @@
+"""The checkpoint contract of ckpt-memory: loads where the format promises, with the saved values;
+each planted load / save bug (tests/faulty_ckpt.py) fails with a readable message."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.driver import run_suite
+from harness.suites.ckpt_contract import contract_cases, promised
+from harness.suites.ckpt_memory import CkptMemorySuite
+from harness.spec import Layout
+
+pytestmark = pytest.mark.slow
+
+
+class ContractOnly(CkptMemorySuite):
+    """Only the reshard cases, of the given formats."""
+
+    def __init__(self, formats=("fully_reshardable",)):
+        self.contract_formats = formats
+
+    def cases(self, model, world_size, layouts, *, engine="mcore", backend="gloo", options=None):
+        return contract_cases(self.name, model, world_size, engine, backend, options, self.contract_formats)
+
+
+def _run(engine="mcore", formats=("fully_reshardable",)):
+    return run_suite(ContractOnly(formats), "small", 4, engine=engine, backend="gloo")
+
+
+def _failed(run, check="ckpt-memory.reshard") -> dict[str, str]:
+    return {c.case_id.split("->")[-1]: c.message for c in run.checks if c.check == check and not c.passed}
+
+
+def test_promises():
+    dp4, tp2, dp2 = Layout.parse("tp1-pp1-cp1-dp4"), Layout.parse("tp2-pp1-cp1-dp2"), Layout.parse("tp1-pp1-cp1-dp2")
+    assert promised("fully_reshardable", dp4, tp2) and promised("fully_reshardable_mem_efficient", dp4, tp2)
+    assert promised("dp_reshardable", dp4, dp2) and not promised("dp_reshardable", dp4, tp2)
+
+
+def test_unmodified_engine_keeps_the_contract(no_leftover_ranks):
+    run = _run(formats=("dp_reshardable", "fully_reshardable"))
+    assert run.passed, [c.message for c in run.checks if not c.passed]
+    msgs = {c.case_id.split("]")[0] + c.case_id.split("->")[-1]: c.message
+            for c in run.checks if c.check == "ckpt-memory.reshard"}
+    assert len(msgs) == 8  # 2 formats x (3 layouts of world size 4 + the DP-only change at world size 2)
+    refused = [m for m in msgs.values() if "refused as the format allows" in m]
+    assert len(refused) == 2 and all(m.startswith("dp_reshardable") and "(not promised)" in m for m in refused)
+    assert sum("loads with the saved values" in m for m in msgs.values()) == 6
+
+
+def test_optimizer_state_not_loaded_is_caught():
+    failed = _failed(_run("tests.faulty_ckpt:LoadSkipsOptimizer"))
+    assert set(failed) == {"tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp2"}
+    assert "the step after the load differs from the step after the save (optimizer state not restored?)" \
+        in failed["tp2-pp1-cp1-dp2"]
+
+
+def test_corrupted_shard_after_load_is_caught():
+    failed = _failed(_run("tests.faulty_ckpt:LoadCorruptsOneShard"))
+    assert set(failed) == {"tp2-pp1-cp1-dp2"}  # the only target with a TP rank 1
+    assert failed["tp2-pp1-cp1-dp2"].startswith(
+        "fully_reshardable saved at tp1-pp1-cp1-dp4, loaded at tp2-pp1-cp1-dp2 (promised): model parameters differ "
+        "from the saved ones: decoder.layers.0.self_attention.linear_qkv.weight rel")
+
+
+def test_format_that_does_not_reshard_is_caught():
+    failed = _failed(_run("tests.faulty_ckpt:SavesDpReshardableAlways"))
+    assert "tp2-pp1-cp1-dp2" in failed and "load failed on rank" in failed["tp2-pp1-cp1-dp2"]
+
+
+def test_save_with_side_effects_is_caught():
+    failed = _failed(_run("tests.faulty_ckpt:SaveScalesOptimizerState"), "ckpt-memory.save-side-effects")
+    msg = next(iter(failed.values()))
+    assert msg.startswith("fully_reshardable: the step after the save differs from the uninterrupted run") \
+        and msg.endswith("the save changed the training state")
