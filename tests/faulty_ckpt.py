@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.engines.fsdp2 import FSDP2Engine
 from harness.engines.mcore import McoreEngine
 
 
@@ -45,3 +46,9 @@ class SaveScalesOptimizerState(McoreEngine):
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             for st in opt.optimizer.state.values():
                 st["exp_avg"].mul_(1.5)
+
+
+class FullStateDictDefault(FSDP2Engine):
+    """R5: the FSDP2 save defaults to the full (gathered) state dict instead of the sharded one."""
+
+    default_ckpt_format = "fsdp2_full"

@@ -83,3 +83,18 @@ def test_extra_copy_of_ten_percent_of_optimizer_state_is_detected():
     run = _run(engine="tests.faulty_engines:ExtraStateCopyOnSave", formats=("dp_reshardable",))
     fails = _failed(run, "ckpt-memory.baseline")
     assert fails and "MiB above baseline" in fails[0].message, [c.message for c in run.checks]
+
+
+@pytest.mark.slow
+def test_r5_fsdp2_full_state_dict_default_is_above_the_sharded_baseline():
+    run = _run(engine="tests.faulty_ckpt:FullStateDictDefault", formats=("fsdp2_default",))
+    (base,) = _failed(run, "ckpt-memory.baseline")
+    assert base.message.startswith("rank0.save_heap_peak_mib ") and "MiB above baseline" in base.message
+    assert base.message.split("flamegraph: ")[1].endswith(".html")
+    (contract,) = _failed(run, "ckpt-memory.contract")
+    assert "default format (expected fsdp2_sharded): checkpoint content metadata says fsdp2_full" in contract.message
+
+
+def test_fsdp2_band_separates_full_from_sharded():
+    small, dp4 = load_model("small"), Layout(dp=4)
+    assert save_band("fsdp2_sharded", small, dp4, 0).high < save_band("fsdp2_full", small, dp4, 0).low

@@ -48,10 +48,24 @@ def shard_params(model: ModelSpec, layout: Layout, rank: int) -> int:
     return sum(n for vp in range(layout.vpp) for _, n, _ in chunk_params(model, layout, pp, vp))
 
 
+def _fsdp2_band(fmt: str, n: int, d: int, rank: int) -> Band:
+    """FSDP2 (torch Adam, fp32): a rank holds S/D of S = 12 N (params + exp_avg + exp_avg_sq).
+    Sharded (DCP): each rank stages its own S/D. Full: rank 0 gathers all of S on the CPU and
+    serialises it (1x-3x S); the others only pass single tensors through the gathers."""
+    s = STATE_BYTES_PER_PARAM * n
+    if fmt == "fsdp2_full" and rank == 0:
+        return Band(int(0.8 * s), 3 * s + SLACK, f"fsdp2_full rank 0: 1-3x S, S=12N, N={n / 1e6:.2f}M")
+    if fmt == "fsdp2_full":
+        return Band(0, 2 * s // d + SLACK, f"fsdp2_full: ~S/D passes through, S=12N, D={d}")
+    return Band(0, int(1.5 * s / d) + SLACK, f"fsdp2_sharded: ~S/D, S=12N, N={n / 1e6:.2f}M, D={d}")
+
+
 def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> Band:
     """Expected extra host bytes of a save for this rank and format."""
     n = shard_params(model, layout, rank)
     d = layout.dp * layout.cp
+    if fmt.startswith("fsdp2"):
+        return _fsdp2_band(fmt, n, d, rank)
     c = coords_of(layout, rank)
     dp_rank0 = c.dp == 0 and c.cp == 0
     s, p = STATE_BYTES_PER_PARAM * n, WEIGHT_BYTES_PER_PARAM * n

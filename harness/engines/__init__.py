@@ -16,6 +16,7 @@ BUILTIN = {
     "mcore": "harness.engines.mcore:McoreEngine",
     "mbridge": "harness.engines.mbridge:MbridgeEngine",
     "megatron-bridge": "harness.engines.megatron_bridge:MegatronBridgeEngine",
+    "fsdp2": "harness.engines.fsdp2:FSDP2Engine",
 }
 
 

@@ -18,9 +18,14 @@ from harness.suites.ckpt_contract import check_reshard, contract_cases, reshard_
 # fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
 # is not supported"; it can still be asked for with --ckpt-format.
 # "default" is whatever the engine saves when the user names no format: R1 was that default flipping.
-FORMATS = ("default", "dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
+# fsdp2_*: the fsdp2 engine (torch fully_shard) on the pure-DP layout; fsdp2_default is whatever it
+# saves when no format is named: R5 was that becoming the full (gathered) state dict.
+MCORE_FORMATS = ("default", "dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
+FSDP2_FORMATS = ("fsdp2_default", "fsdp2_sharded", "fsdp2_full")
+FORMATS = MCORE_FORMATS + FSDP2_FORMATS
 ALL_FORMATS = FORMATS + ("fully_sharded_model_space",)
 EXPECTED_DEFAULT = "dp_reshardable"  # Megatron-LM / Megatron-Bridge default since R1
+EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharded"}
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
 
 
@@ -42,11 +47,20 @@ class CkptMemorySuite:
                 or [Layout(dp=world_size)]
         for lay in layouts:
             validate(lay, model, world_size)
-        memory = [Case(self.name, model, lay, engine,
-                       CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": True,
-                                      "ckpt_format": fmt}), backend)
-                  for lay in layouts for fmt in self.formats]
-        return memory + (contract_cases(self.name, model, world_size, engine, backend, options) if contract else [])
+        fsdp2 = _is_fsdp2(engine)
+        mcore_engine, fsdp2_engine = ("mcore", engine) if fsdp2 else (engine, "fsdp2")
+        memory = []
+        for lay in layouts:
+            for fmt in self.formats:
+                is_fsdp2_format = fmt.startswith("fsdp2")
+                if is_fsdp2_format and (lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1):
+                    continue  # FSDP2 shards over DP only
+                opts = CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": not is_fsdp2_format,
+                                      "ckpt_format": fmt})
+                memory.append(Case(self.name, model, lay, fsdp2_engine if is_fsdp2_format else mcore_engine, opts,
+                                   backend))
+        return memory + (contract_cases(self.name, model, world_size, mcore_engine, backend, options)
+                         if contract else [])
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
         import torch.distributed as dist
@@ -71,9 +85,12 @@ class CkptMemorySuite:
         dist.barrier()
         saved = None
         if ctx.rank == 0:  # what the checkpoint itself says it is
-            from megatron.core import dist_checkpointing
+            if hasattr(engine, "saved_metadata"):
+                saved = engine.saved_metadata(str(ckpt_dir))
+            else:
+                from megatron.core import dist_checkpointing
 
-            saved = dist_checkpointing.load_content_metadata(str(ckpt_dir))
+                saved = dist_checkpointing.load_content_metadata(str(ckpt_dir))
         return {"coords": layout_coords(), "save": peak, "content_metadata": saved}
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
@@ -129,6 +146,8 @@ class CkptMemorySuite:
     @staticmethod
     def saved_format(res: CaseResult) -> str:
         meta = next((r.data.get("content_metadata") for r in res.ranks if r.data.get("content_metadata")), None) or {}
+        if "format" in meta:
+            return meta["format"]
         sharding = meta.get("distrib_optim_sharding_type", "?")
         if sharding == "fully_reshardable" and meta.get("distrib_optim_fully_reshardable_mem_efficient"):
             return "fully_reshardable_mem_efficient"
@@ -136,10 +155,10 @@ class CkptMemorySuite:
 
     def _check_contract(self, res: CaseResult) -> CheckResult:
         asked = res.case.options.ckpt_format
-        expected = EXPECTED_DEFAULT if asked == "default" else asked
+        expected = EXPECTED_DEFAULTS.get(asked, asked)
         saved = self.saved_format(res)
         ok = saved == expected
-        what = f"default format (expected {EXPECTED_DEFAULT})" if asked == "default" else f"format {asked}"
+        what = f"{res.case.engine} default format (expected {expected})" if asked in EXPECTED_DEFAULTS else f"format {asked}"
         return CheckResult("ckpt-memory.contract", res.case.id, ok,
                            f"{what}: checkpoint content metadata says {saved}" +
                            ("" if ok else " - the saved sharding type is not the one asked for"))
@@ -216,6 +235,10 @@ def warm_up_checkpointing(ctx: RankContext) -> None:
     sd = {f"w{ctx.rank}": ShardedTensor.from_rank_offsets(f"w{ctx.rank}", torch.zeros(16))}
     dist_checkpointing.save(sd, str(path))
     dist.barrier()
+    import torch.distributed.checkpoint as dcp  # the fsdp2 engine's sharded save
+
+    dcp.save({f"w{ctx.rank}": torch.zeros(16)}, checkpoint_id=str(path / "dcp"))
+    dist.barrier()
     _WARM = True
 
 
@@ -230,3 +253,16 @@ def flamegraph(capture: str) -> str:
     proc = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", "-o", out, capture],
                           capture_output=True, text=True, timeout=120)
     return out if proc.returncode == 0 else f"(memray flamegraph failed: {proc.stderr.strip()[-200:]})"
+
+
+def _is_fsdp2(engine: str) -> bool:
+    """Whether the engine (name or import path) is the fsdp2 engine or derives from it."""
+    if engine == "fsdp2":
+        return True
+    if ":" not in engine:
+        return False
+    from harness.engines import resolve_factory
+    from harness.engines.fsdp2 import FSDP2Engine
+
+    factory = resolve_factory(engine)
+    return isinstance(factory, type) and issubclass(factory, FSDP2Engine)
