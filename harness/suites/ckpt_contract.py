@@ -2,13 +2,13 @@
 wherever its format promises it, with the values it saved.
 
 dp_reshardable promises DP changes only; fully_reshardable (mem_efficient or not) promises TP, PP and
-DP changes. A "reshard" case saves after one training step at its layout, takes a second step there
-(compared with an uninterrupted run of both steps), then, for every target layout of its world size (itself included), builds a fresh
-engine, loads (host peak measured), compares the loaded parameters and takes the same second step.
-The saving engine's own second step must equal the uninterrupted run too (a save has no side
-effects). A "reshard-load" case does the same at another world size from the reshard case's checkpoint (the
-DP-only change). The parent compares full parameters by global name: loaded == saved, and after the
-second step == the reference, so optimizer state that did not load shows up too.
+DP changes. A "reshard" case saves after one training step at its layout and takes a second step
+there, which must equal an uninterrupted run of both steps (a save has no side effects). Then, for
+every target layout of its world size (itself included), it builds a fresh engine, loads (host
+peak measured), compares the loaded parameters and takes the same second step. A "reshard-load"
+case does the same at another world size from the reshard case's checkpoint (the DP-only change).
+The parent compares full parameters by global name: loaded == saved, and after the second step ==
+the uninterrupted run, so optimizer state that did not load shows up too.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, 
     worst_load, worst_step = max(load_err, key=load_err.get), max(step_err, key=step_err.get)
     rows = [f"  load host peak MiB/rank: {peaks}",
             f"  loaded == saved: worst {worst_load} rel {load_err[worst_load]:.2e} (must be 0)",
-            f"  one step after the load == one step after the save: worst {worst_step} rel "
+            f"  one step after the load == the uninterrupted run: worst {worst_step} rel "
             f"{step_err[worst_step]:.2e} (<= {STEP_RTOL:.0e})"]
     skip_step = CPU_STEP_NOT_JUDGED.get(fmt) if res.case.backend == "gloo" else None
     if skip_step:
@@ -202,7 +202,7 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, 
     if load_err[worst_load] > 0:
         msg = f"model parameters differ from the saved ones: {worst_load} rel {load_err[worst_load]:.2e}"
     elif step_err[worst_step] > STEP_RTOL and not skip_step:
-        msg = (f"the step after the load differs from the step after the save (optimizer state not restored?): "
+        msg = (f"the step after the load differs from the uninterrupted run (optimizer state not restored?): "
                f"{worst_step} rel {step_err[worst_step]:.2e} > {STEP_RTOL:.0e}")
     else:
         return CheckResult("ckpt-memory.reshard", cid, True,
