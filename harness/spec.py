@@ -102,6 +102,7 @@ class CaseOptions:
     # "fully_reshardable_mem_efficient" for fully_reshardable + the mem_efficient flag
     ckpt_format: str = "dp_reshardable"
     fully_parallel_save: bool = False
+    async_save: bool = False  # megatron's async save: the write runs in a forked process
     # checkpoint contract cases: "reshard" saves and loads back at other layouts of its world size,
     # "reshard-load" loads what the `ckpt_source` case (a layout id) saved
     ckpt_role: str = ""

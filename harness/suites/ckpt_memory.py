@@ -25,6 +25,7 @@ FSDP2_FORMATS = ("fsdp2_default", "fsdp2_sharded", "fsdp2_full")
 FORMATS = MCORE_FORMATS + FSDP2_FORMATS
 ALL_FORMATS = FORMATS + ("fully_sharded_model_space",)
 EXPECTED_DEFAULT = "dp_reshardable"  # Megatron-LM / Megatron-Bridge default since R1
+ASYNC_FORMATS = ("dp_reshardable", "fully_reshardable")  # also saved async in the default matrix
 EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharded"}
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
 
@@ -59,6 +60,11 @@ class CkptMemorySuite:
                                       "ckpt_format": fmt})
                 memory.append(Case(self.name, model, lay, fsdp2_engine if is_fsdp2_format else mcore_engine, opts,
                                    backend))
+        if contract:  # the default matrix: async saves of both main formats at the first layout
+            for fmt in ASYNC_FORMATS:
+                opts = CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": True,
+                                      "ckpt_format": fmt, "async_save": True})
+                memory.append(Case(self.name, model, layouts[0], mcore_engine, opts, backend))
         return memory + (contract_cases(self.name, model, world_size, mcore_engine, backend, options)
                          if contract else [])
 
@@ -81,7 +87,11 @@ class CkptMemorySuite:
         dist.barrier()
         captures = artifacts_dir(case.id)
         with ctx.phase("save"), measure("save", captures, ctx.rank, device=not ctx.on_cpu) as peak:
-            engine.save_checkpoint(str(ckpt_dir), case.options.ckpt_format, case.options.fully_parallel_save)
+            if case.options.async_save:
+                engine.save_checkpoint(str(ckpt_dir), case.options.ckpt_format, case.options.fully_parallel_save,
+                                       async_save=True)
+            else:
+                engine.save_checkpoint(str(ckpt_dir), case.options.ckpt_format, case.options.fully_parallel_save)
         dist.barrier()
         saved = None
         if ctx.rank == 0:  # what the checkpoint itself says it is
@@ -105,7 +115,7 @@ class CkptMemorySuite:
     @staticmethod
     def key(case: Case) -> str:
         return f"{case.model.name}/{case.layout.id}/{case.options.ckpt_format}" + \
-            ("/fully-parallel" if case.options.fully_parallel_save else "")
+            ("/fully-parallel" if case.options.fully_parallel_save else "") + ("/async" if case.options.async_save else "")
 
     @staticmethod
     def samples(result: CaseResult) -> dict[str, float]:
