@@ -52,3 +52,27 @@ class FullStateDictDefault(FSDP2Engine):
     """R5: the FSDP2 save defaults to the full (gathered) state dict instead of the sharded one."""
 
     default_ckpt_format = "fsdp2_full"
+
+
+class LoadResetsAdamStep(McoreEngine):
+    """The load leaves torch Adam's per-parameter step at 0 (megatron-core 0.16.1's dp_reshardable load on
+    CPU ranks did this: the step it copies is the load-time local one), so bias corrections restart."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        super().load_checkpoint(ckpt_dir, fmt)
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for st in opt.optimizer.state.values():
+                st["step"].zero_()
+
+
+class LoadScalesOneDpShard(McoreEngine):
+    """DP rank 1's shard of exp_avg_sq is 0.01% off after the load: too small for the next step to show."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        super().load_checkpoint(ckpt_dir, fmt)
+        from megatron.core import parallel_state as ps
+
+        if ps.get_data_parallel_rank() == 1:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                for st in opt.optimizer.state.values():
+                    st["exp_avg_sq"].mul_(1.0001)

@@ -263,6 +263,7 @@ class McoreEngine:
 
         tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         owner: dict[torch.nn.Parameter, tuple] = {}  # model param -> (its Adam state, flat range or None: all)
+        distributed = False
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             index = getattr(opt, "model_param_group_index_map", None)
             if index is None:  # not distributed (fp32): the optimizer steps the model parameters themselves
@@ -270,6 +271,7 @@ class McoreEngine:
                     for p in g["params"]:
                         owner[p] = (opt.optimizer.state.get(p, {}), None)
                 continue
+            distributed = True  # a parameter held wholly by other DP ranks is not in this rank's index
             for p, (group, order) in index.items():
                 main = opt.optimizer.param_groups[group]["params"][order]
                 rng = opt._get_model_param_range_map(p)["param"]
@@ -278,19 +280,21 @@ class McoreEngine:
         out = []
         for model in self.models:
             for name, p in self.global_names(model.module).items():
-                state, rng = owner.get(p, ({}, None))
+                state, rng = owner.get(p, ({}, (0, 0)))
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 for key in self.OPTIMIZER_STATE_KEYS:
-                    if key == "step":  # one scalar; every DP rank holds the same
-                        value = state["step"].detach().float().cpu().reshape(1) if "step" in state \
-                            else torch.full((1,), float("nan"))
-                        out.append(ParamShard(f"{name}#step", value, None, tp_rank, tp))
+                    if key == "step":  # one scalar, the same on every DP rank holding a piece of the parameter
+                        value = state["step"].detach().float().reshape(1).to(p.device, copy=True) if "step" in state \
+                            else torch.full((1,), float("-inf"), device=p.device)
+                        if distributed:
+                            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+                        out.append(ParamShard(f"{name}#step", value.cpu(), None, tp_rank, tp))
                         continue
                     full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)  # NCCL needs the device
                     if key in state:
                         lo, hi = rng or (0, p.numel())
                         full[lo:hi] = state[key].detach().float().reshape(-1)
-                    if rng is not None:
+                    if distributed:  # every rank, every parameter: the same collectives in the same order
                         dist.all_reduce(full, group=group)
                     out.append(ParamShard(f"{name}#{key}", full.cpu().view(p.shape), dim, tp_rank, tp,
                                           self.tp_parts(name)))

@@ -7,8 +7,8 @@ there, which must equal an uninterrupted run of both steps (a save has no side e
 every target layout of its world size (itself included), it builds a fresh engine, loads (host
 peak measured), compares the loaded parameters and takes the same second step. A "reshard-load"
 case does the same at another world size from the reshard case's checkpoint (the DP-only change).
-The parent compares full parameters by global name: loaded == saved, and after the second step ==
-the uninterrupted run, so optimizer state that did not load shows up too.
+The parent compares full parameters and Adam state (exp_avg, exp_avg_sq, step) by global name:
+loaded == saved bit for bit, and after the second step == the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -33,12 +33,6 @@ TARGETS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")  # same worl
 DP_ONLY_TARGET = "tp1-pp1-cp1-dp2"  # another world size: DP 4 -> 2, nothing else changes
 # loaded values are copies (bit-identical); the step after the load differs only by reduction order
 STEP_RTOL = 1e-5
-# Formats whose step after the load is shown but not judged on CPU ranks, and why.
-CPU_STEP_NOT_JUDGED = {
-    "dp_reshardable": "on CPU ranks (torch Adam, no TE / apex) megatron-core 0.16.1's dp_reshardable load restores "
-                      "parameters and optimizer state bit-identically, yet the next step differs by ~1e-2; "
-                      "undiagnosed, so only the loaded values are judged here",
-}
 
 
 def promised(fmt: str, saved: Layout, target: Layout) -> bool:
@@ -85,6 +79,7 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[
             engine.load_checkpoint(str(ckpt), case.options.ckpt_format)
         out["load"] = peak
         out["loaded"] = engine.param_shards()
+        out["loaded_optim"] = _optimizer_state(engine)
         engine.train_step(1)
         out["stepped"] = engine.param_shards()
     except BaseException as exc:  # torch's CheckpointException is a BaseException
@@ -119,6 +114,7 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
             engine.save_checkpoint(str(ckpt), case.options.ckpt_format)
         dist.barrier()
         data["saved"] = engine.param_shards()
+        data["saved_optim"] = _optimizer_state(engine)
         engine.train_step(1)
         data["continued"] = engine.param_shards()
         del engine
@@ -160,6 +156,7 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
                                    f"{fmt}: the case that saves at {src_id} did not run, nothing to load"))
             continue
         saved = assemble([r.data["saved"] for r in src.ranks]).tensors
+        saved_optim = _assemble_optional([r.data.get("saved_optim") for r in src.ranks])
         reference = assemble([r.data["reference"] for r in src.ranks]).tensors
         if role == "reshard":
             out.append(_judge_side_effects(res, fmt, assemble([r.data["continued"] for r in src.ranks]).tensors,
@@ -167,11 +164,42 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
         n_targets = len(res.ranks[0].data["targets"])
         for i in range(n_targets):
             per_rank = [r.data["targets"][i] for r in res.ranks]
-            out.append(_judge(res, fmt, Layout.parse(src_id), per_rank, saved, reference))
+            out.append(_judge(res, fmt, Layout.parse(src_id), per_rank, saved, reference, saved_optim))
     return out
 
 
-def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, reference) -> CheckResult:
+def _optimizer_state(engine) -> list | None:
+    """The engine's optimizer state shards by global name, or None if it cannot say."""
+    return engine.optimizer_state_shards() if hasattr(engine, "optimizer_state_shards") else None
+
+
+def _assemble_optional(per_rank: list) -> dict | None:
+    """Full optimizer-state tensors by `<name>#<key>`, or None when an engine did not report them."""
+    if any(p is None for p in per_rank):
+        return None
+    return assemble(per_rank).tensors
+
+
+def _optimizer_diff(loaded: dict, saved: dict) -> tuple[str, str]:
+    """(row, failure message or ''): loaded Adam state against the saved, bit for bit."""
+    if set(loaded) != set(saved):
+        diff = sorted(set(loaded) ^ set(saved))[:5]
+        return f"  optimizer state names differ: {diff}", f"optimizer state names differ from the saved ones: {diff}"
+    err = {n: rel_error(loaded[n], saved[n]) for n in saved}
+    worst = max(err, key=err.get)
+    row = f"  loaded optimizer state == saved: worst {worst} rel {err[worst]:.2e} (must be 0)"
+    if err[worst] == 0:
+        return row, ""
+    steps = sorted(n for n in err if n.endswith("#step") and err[n] > 0)
+    if steps:  # the step is a scalar: say the values
+        n = steps[0]
+        return row, (f"optimizer state differs from the saved one: Adam step of {n[:-5]} is "
+                     f"{float(loaded[n][0]):g} after the load, {float(saved[n][0]):g} saved ({len(steps)} parameters)")
+    return row, f"optimizer state differs from the saved one: {worst} rel {err[worst]:.2e}"
+
+
+def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, reference,
+           saved_optim: dict | None = None) -> CheckResult:
     target = Layout.parse(per_rank[0]["layout"])
     promise = promised(fmt, src, target)
     head = f"{fmt} saved at {src.id}, loaded at {target.id} ({'promised' if promise else 'not promised'})"
@@ -196,18 +224,20 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, 
             f"  loaded == saved: worst {worst_load} rel {load_err[worst_load]:.2e} (must be 0)",
             f"  one step after the load == the uninterrupted run: worst {worst_step} rel "
             f"{step_err[worst_step]:.2e} (<= {STEP_RTOL:.0e})"]
-    skip_step = CPU_STEP_NOT_JUDGED.get(fmt) if res.case.backend == "gloo" else None
-    if skip_step:
-        rows[-1] += f" - NOT JUDGED: {skip_step}"
+    loaded_optim = _assemble_optional([d.get("loaded_optim") for d in per_rank])
+    optim_row, optim_msg = ("  optimizer state: not compared (the engine has no optimizer_state_shards)", "") \
+        if loaded_optim is None or saved_optim is None else _optimizer_diff(loaded_optim, saved_optim)
+    rows.insert(2, optim_row)
     if load_err[worst_load] > 0:
         msg = f"model parameters differ from the saved ones: {worst_load} rel {load_err[worst_load]:.2e}"
-    elif step_err[worst_step] > STEP_RTOL and not skip_step:
+    elif optim_msg:
+        msg = optim_msg
+    elif step_err[worst_step] > STEP_RTOL:
         msg = (f"the step after the load differs from the uninterrupted run (optimizer state not restored?): "
                f"{worst_step} rel {step_err[worst_step]:.2e} > {STEP_RTOL:.0e}")
     else:
         return CheckResult("ckpt-memory.reshard", cid, True,
-                           f"{head}: loads with the saved values; step after load rel {step_err[worst_step]:.2e}"
-                           + (" (not judged on CPU ranks)" if skip_step else ""),
+                           f"{head}: loads with the saved values; step after load rel {step_err[worst_step]:.2e}",
                            rows, value=step_err[worst_step], show=True)
     if not promise:
         msg = "loaded without error but wrong (silent corruption): " + msg
