@@ -29,20 +29,28 @@ def _layouts(args) -> int:
     return 0
 
 
+def _options(args) -> CaseOptions:
+    return CaseOptions(
+        steps=args.steps, seed=args.seed, dtype=args.dtype,
+        use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
+        fully_parallel_save=args.fully_parallel_save, async_save=args.async_save,
+    )
+
+
+def _case_kwargs(args) -> dict:
+    """Keyword arguments of driver.plan / run_suite from the shared case-selection flags."""
+    return dict(engine=args.engine, backend=args.backend, options=_options(args), timeout_s=args.timeout,
+                ckpt_formats=args.ckpt_format)
+
+
 def _run(args) -> int:
     from harness import report
     from harness.driver import plan, run_suite
 
-    options = CaseOptions(
-        steps=args.steps, seed=args.seed, dtype=args.dtype,
-        use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
-    )
-    kwargs = dict(engine=args.engine, backend=args.backend, options=options, timeout_s=args.timeout)
-    plan(args.suite, args.model, args.world_size, args.layout, ckpt_formats=args.ckpt_format,
-         **kwargs)  # all bad input -> exit 2 first
+    kwargs = _case_kwargs(args)
+    plan(args.suite, args.model, args.world_size, args.layout, **kwargs)  # all bad input -> exit 2 first
     run = run_suite(args.suite, args.model, args.world_size, args.layout, fresh_ranks=args.fresh_ranks,
-                    shuffle_seed=args.shuffle, baselines_dir=args.baselines_dir, ckpt_formats=args.ckpt_format,
-                    **kwargs)
+                    shuffle_seed=args.shuffle, baselines_dir=args.baselines_dir, **kwargs)
     print(report.format_run(run))
     if args.out:
         path = report.write_results(run, Path(args.out))
@@ -54,12 +62,13 @@ def _baselines(args) -> int:
     from harness import baselines, report
     from harness.driver import plan, run_suite
 
-    kwargs = dict(backend=args.backend)
+    kwargs = _case_kwargs(args)
     suite, cases = plan(args.suite, args.model, args.world_size, args.layout, **kwargs)
     if not hasattr(suite, "samples"):
         raise BadInput(f"suite {args.suite!r} has no baselines")
     if args.action == "check":
-        run = run_suite(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir, **kwargs)
+        run = run_suite(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir,
+                        **kwargs)
         print(report.format_run(run))
         return 0 if run.passed else 1
     try:
@@ -97,6 +106,27 @@ def _project_memory(args) -> int:
     return 0
 
 
+def _add_case_args(p: argparse.ArgumentParser) -> None:
+    """The flags that select a suite's cases (shared by run, baselines, bisect)."""
+    p.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp (step-perf: planned)")
+    p.add_argument("--model", default=None, help="model spec (default: the suite's CPU model, tiny or small)")
+    p.add_argument("--world-size", type=int, default=4, help="ranks per case (default 4)")
+    p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")
+    p.add_argument("--engine", default="mcore", help="mcore, or a user engine package.module:factory")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--distributed-optimizer", action="store_true", help="use_distributed_optimizer=True")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
+    p.add_argument("--ckpt-format", action="append", help="ckpt-memory: only these formats (repeatable)")
+    p.add_argument("--fully-parallel-save", action="store_true",
+                   help="ckpt-memory: save through megatron's FullyParallelSaveStrategyWrapper")
+    p.add_argument("--async-save", action="store_true",
+                   help="ckpt-memory: megatron's async save (the write in a forked process)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harness", description="Regression harness for Megatron-based training engines.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -108,34 +138,18 @@ def build_parser() -> argparse.ArgumentParser:
     lay.set_defaults(func=_layouts)
 
     run = sub.add_parser("run", help="run a suite over layouts on local ranks and judge it")
-    run.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp (step-perf: planned)")
-    run.add_argument("--model", required=True)
-    run.add_argument("--world-size", type=int, required=True)
-    run.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")
-    run.add_argument("--engine", default="mcore", help="mcore, or a user engine package.module:factory")
-    run.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    _add_case_args(run)
     run.add_argument("--out", help="directory for results.json")
-    run.add_argument("--steps", type=int, default=2)
-    run.add_argument("--seed", type=int, default=1234)
-    run.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    run.add_argument("--distributed-optimizer", action="store_true", help="use_distributed_optimizer=True")
-    run.add_argument("--overlap-grad-reduce", action="store_true")
-    run.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
     run.add_argument("--fresh-ranks", action="store_true",
                      help="start new rank processes for every case instead of reusing warm ones")
     run.add_argument("--shuffle", type=int, metavar="SEED", default=None,
                      help="run the cases in a shuffled order (isolation check)")
     run.add_argument("--baselines-dir", default=None, help="default: the repository's baselines/")
-    run.add_argument("--ckpt-format", action="append", help="ckpt-memory: only these formats (repeatable)")
     run.set_defaults(func=_run)
 
     bl = sub.add_parser("baselines", help="record or check stored baselines")
     bl.add_argument("action", choices=["record", "check"])
-    bl.add_argument("--suite", required=True)
-    bl.add_argument("--model", required=True)
-    bl.add_argument("--world-size", type=int, required=True)
-    bl.add_argument("--layout", action="append")
-    bl.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    _add_case_args(bl)
     bl.add_argument("--repeats", type=int, default=3)
     bl.add_argument("--baselines-dir", default=None)
     bl.set_defaults(func=_baselines)

@@ -35,10 +35,10 @@ class SuiteRun:
         return all(r.ok for r in self.results) and all(c.passed for c in self.checks)
 
 
-def plan(suite_name: str, model_name: str, world_size: int, layout_ids: list[str] | None = None, *,
+def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
          engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
          timeout_s: float | None = None, ckpt_formats: list[str] | None = None):
-    """(suite, cases) or BadInput, before anything runs or is written."""
+    """(suite, cases) or BadInput, before anything runs or is written. model_name None: the suite's default."""
     suite = get_suite(suite_name)
     if ckpt_formats:
         if not hasattr(suite, "formats"):
@@ -47,7 +47,10 @@ def plan(suite_name: str, model_name: str, world_size: int, layout_ids: list[str
         if unknown:
             raise BadInput(f"unknown checkpoint format(s) {sorted(unknown)}; known: {', '.join(suite.ALL_FORMATS)}")
         suite.formats = tuple(ckpt_formats)
-    model = load_model(model_name)
+    for flag in ("fully_parallel_save", "async_save"):
+        if getattr(options, flag) and not hasattr(suite, "formats"):
+            raise BadInput(f"--{flag.replace('_', '-')} applies to the ckpt-memory suite, not {suite_name!r}")
+    model = load_model(model_name or suite.default_model)
     if world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {world_size}")
     backend = resolve_backend(backend, world_size)
@@ -67,7 +70,7 @@ def plan(suite_name: str, model_name: str, world_size: int, layout_ids: list[str
     return suite, cases
 
 
-def run_suite(suite_name: str, model_name: str, world_size: int, layout_ids: list[str] | None = None, *,
+def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
               engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
               timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
               fresh_ranks: bool = False, shuffle_seed: int | None = None,
@@ -81,7 +84,7 @@ def run_suite(suite_name: str, model_name: str, world_size: int, layout_ids: lis
     if baselines_dir is not None:
         suite.baselines_dir = baselines_dir
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    run = SuiteRun(suite, model_name, world_size, cases[0].backend if cases else backend, engine)
+    run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend, engine)
     t0 = time.monotonic()
     order = list(range(len(cases)))
     if shuffle_seed is not None:

@@ -17,11 +17,11 @@ def ckpt_run(request, harness_opts, publish):
     if request.config.getoption("--update-baselines"):
         from harness.baselines import record_suite
 
-        path, diff = record_suite("ckpt-memory", harness_opts["model"] or "small", harness_opts["world_size"],
+        path, diff = record_suite("ckpt-memory", harness_opts["model"], harness_opts["world_size"],
                                   backend=harness_opts["backend"],
                                   baselines_dir=request.config.getoption("--baselines-dir"))
         publish(f"recorded {path}:\n{diff}")
-    run = run_suite("ckpt-memory", harness_opts["model"] or "small", harness_opts["world_size"],
+    run = run_suite("ckpt-memory", harness_opts["model"], harness_opts["world_size"],
                     engine=harness_opts["engine"], backend=harness_opts["backend"],
                     fresh_ranks=harness_opts["fresh_ranks"],
                     baselines_dir=request.config.getoption("--baselines-dir"))

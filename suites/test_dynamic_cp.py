@@ -24,7 +24,7 @@ EXAMPLES = 4  # hypothesis budget: each example is one no-CP, two static-CP and 
 
 def _run(suite, opts):
     try:
-        return run_suite(suite, opts["model"] or "tiny", opts["world_size"], engine=opts["engine"],
+        return run_suite(suite, opts["model"], opts["world_size"], engine=opts["engine"],
                          backend=opts["backend"], fresh_ranks=opts["fresh_ranks"])
     except MissingDependency as exc:
         pytest.skip(str(exc))

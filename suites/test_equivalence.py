@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.cpu, pytest.mark.gpu, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def equivalence_run(harness_opts, publish):
-    run = run_suite("equivalence", harness_opts["model"] or "tiny", harness_opts["world_size"],
+    run = run_suite("equivalence", harness_opts["model"], harness_opts["world_size"],
                     engine=harness_opts["engine"], backend=harness_opts["backend"],
                         fresh_ranks=harness_opts["fresh_ranks"])
     publish(report.format_run(run))

@@ -24,7 +24,7 @@ def grad_sync_run(request, harness_opts, publish):
     if engine not in BUILTIN and ":" not in engine:
         pytest.skip(f"construction path {engine!r} is not implemented in this version of the harness")
     try:
-        run = run_suite("grad-sync", harness_opts["model"] or "tiny", harness_opts["world_size"],
+        run = run_suite("grad-sync", harness_opts["model"], harness_opts["world_size"],
                         engine=engine, backend=harness_opts["backend"],
                         fresh_ranks=harness_opts["fresh_ranks"])
     except MissingDependency as exc:

@@ -76,3 +76,10 @@ class LoadScalesOneDpShard(McoreEngine):
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 for st in opt.optimizer.state.values():
                     st["exp_avg_sq"].mul_(1.0001)
+
+
+class DropsFullyParallelWrapper(McoreEngine):
+    """The fully parallel save flag is accepted and ignored: DP rank 0 writes every replicated weight again."""
+
+    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False, async_save: bool = False) -> None:
+        super().save_checkpoint(ckpt_dir, fmt, False, async_save)

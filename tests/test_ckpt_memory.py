@@ -11,7 +11,7 @@ from harness.checks.memory_model import MIB, project, save_band, shard_params
 from harness.driver import run_suite
 from harness.errors import BadInput
 from harness.models import load_model
-from harness.spec import Layout
+from harness.spec import CaseOptions, Layout
 
 
 def test_model_separates_formats_and_projects_r1():
@@ -48,9 +48,9 @@ def test_baselines_compare_missing_and_corrupt(tmp_path):
         baselines.load(path)
 
 
-def _run(engine="mcore", formats=("default",), baselines_dir=None):
+def _run(engine="mcore", formats=("default",), baselines_dir=None, **options):
     return run_suite("ckpt-memory", "small", 4, ["tp1-pp1-cp1-dp4"], backend="gloo", engine=engine,
-                     ckpt_formats=list(formats), baselines_dir=baselines_dir)
+                     ckpt_formats=list(formats), baselines_dir=baselines_dir, options=CaseOptions(**options))
 
 
 def _failed(run, check):
@@ -62,7 +62,8 @@ def test_missing_baseline_fails_with_the_record_command(tmp_path):
     run = _run(baselines_dir=str(tmp_path))
     (fail,) = _failed(run, "ckpt-memory.baseline")
     assert "no baseline for small/tp1-pp1-cp1-dp4/default" in fail.message
-    assert "record it with: harness baselines record --suite ckpt-memory --model small --world-size 4" in fail.message
+    assert fail.message.endswith("record it with: harness baselines record --suite ckpt-memory --model small "
+                                 "--world-size 4 --layout tp1-pp1-cp1-dp4 --ckpt-format default")
     assert not _failed(run, "ckpt-memory.model") and not _failed(run, "ckpt-memory.contract")
 
 
@@ -98,3 +99,22 @@ def test_r5_fsdp2_full_state_dict_default_is_above_the_sharded_baseline():
 def test_fsdp2_band_separates_full_from_sharded():
     small, dp4 = load_model("small"), Layout(dp=4)
     assert save_band("fsdp2_sharded", small, dp4, 0).high < save_band("fsdp2_full", small, dp4, 0).low
+
+
+@pytest.mark.slow
+def test_fully_parallel_save_wrapper_dropped_is_detected():
+    """Without the wrapper DP rank 0 writes all replicated weights again: ~29 MiB against ~12 MiB."""
+    run = _run(engine="tests.faulty_ckpt:DropsFullyParallelWrapper", formats=("dp_reshardable",),
+               fully_parallel_save=True)
+    (base,) = _failed(run, "ckpt-memory.baseline")
+    assert base.case_id.endswith("fully_parallel_save=True]")
+    assert base.message.startswith("rank0.save_heap_peak_mib ") and "MiB above baseline 11." in base.message
+
+
+def test_fully_parallel_band_spreads_the_weights():
+    small, dp4 = load_model("small"), Layout(dp=4)
+    assert save_band("dp_reshardable", small, dp4, 0, fully_parallel=True).high \
+        < save_band("dp_reshardable", small, dp4, 0).high
+    assert save_band("dp_reshardable", small, dp4, 1, fully_parallel=True).high \
+        > save_band("dp_reshardable", small, dp4, 1).high
+    assert save_band("fully_reshardable", small, dp4, 1, fully_parallel=True) == save_band("fully_reshardable", small, dp4, 1)

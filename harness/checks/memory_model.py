@@ -6,7 +6,8 @@ model weights P = 4 N are replicated over DP and written by one replica. Per for
 ../shared/design/MEGATRON_FACTS.md):
 
 - dp_reshardable / fully_sharded_model_space: no exchange; a rank stages what it writes,
-  ~S/D (+ P on the replica that writes the weights).
+  ~S/D (+ P on the replica that writes the weights). With megatron's fully parallel save wrapper
+  the replicated weights are written by all D ranks in turn: ~(S + P)/D on every rank.
 - fully_reshardable: the whole shard's state S is all-gathered into CPU memory on every DP rank,
   and the torch_dist writer stages / clones it again: between 1x and 3x S.
 - fully_reshardable + mem_efficient: the gather goes to DP rank 0 only (1x-3x S there); the other
@@ -60,8 +61,9 @@ def _fsdp2_band(fmt: str, n: int, d: int, rank: int) -> Band:
     return Band(0, int(1.5 * s / d) + SLACK, f"fsdp2_sharded: ~S/D, S=12N, N={n / 1e6:.2f}M, D={d}")
 
 
-def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> Band:
-    """Expected extra host bytes of a save for this rank and format."""
+def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False) -> Band:
+    """Expected extra host bytes of a save for this rank and format (fully_parallel: megatron's
+    FullyParallelSaveStrategyWrapper spreads the writes, it does not remove fully_reshardable's gather)."""
     n = shard_params(model, layout, rank)
     d = layout.dp * layout.cp
     if fmt.startswith("fsdp2"):
@@ -69,9 +71,10 @@ def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> Band:
     c = coords_of(layout, rank)
     dp_rank0 = c.dp == 0 and c.cp == 0
     s, p = STATE_BYTES_PER_PARAM * n, WEIGHT_BYTES_PER_PARAM * n
-    own = s // d + (p if dp_rank0 else 0)
+    own = (s + p) // d if fully_parallel else s // d + (p if dp_rank0 else 0)
     if fmt in ("dp_reshardable", "fully_sharded_model_space"):
-        return Band(0, int(1.5 * own) + SLACK, f"{fmt}: ~S/D{' + P' if dp_rank0 else ''}, S=12N, N={n / 1e6:.2f}M, D={d}")
+        what = "(S + P)/D" if fully_parallel else f"S/D{' + P' if dp_rank0 else ''}"
+        return Band(0, int(1.5 * own) + SLACK, f"{fmt}: ~{what}, S=12N, N={n / 1e6:.2f}M, D={d}")
     if fmt == "fully_reshardable" or (fmt == "fully_reshardable_mem_efficient" and dp_rank0):
         where = " on DP rank 0" if fmt.endswith("mem_efficient") else " on every DP rank"
         return Band(s, 3 * s + p + SLACK, f"{fmt}: 1-3x S gathered{where}, S=12N={s / MIB:.0f} MiB")

@@ -25,6 +25,7 @@ PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 
 class Suite(Protocol):
     name: str
+    default_model: str  # the model run when none is given (sized for CPU ranks)
     imports: tuple[str, ...]  # modules a rank imports in its timed "imports" phase
 
 

@@ -25,13 +25,15 @@ FSDP2_FORMATS = ("fsdp2_default", "fsdp2_sharded", "fsdp2_full")
 FORMATS = MCORE_FORMATS + FSDP2_FORMATS
 ALL_FORMATS = FORMATS + ("fully_sharded_model_space",)
 EXPECTED_DEFAULT = "dp_reshardable"  # Megatron-LM / Megatron-Bridge default since R1
-ASYNC_FORMATS = ("dp_reshardable", "fully_reshardable")  # also saved async in the default matrix
+# also saved async, and through megatron's fully parallel save wrapper, in the default matrix
+ASYNC_FORMATS = FULLY_PARALLEL_FORMATS = ("dp_reshardable", "fully_reshardable")
 EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharded"}
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
 
 
 class CkptMemorySuite:
     name = "ckpt-memory"
+    default_model = "small"  # the CPU tier's model when none is given
     formats = FORMATS
     contract = True  # also the reshard contract cases (harness/suites/ckpt_contract.py)
     ALL_FORMATS = ALL_FORMATS
@@ -54,17 +56,19 @@ class CkptMemorySuite:
         for lay in layouts:
             for fmt in self.formats:
                 is_fsdp2_format = fmt.startswith("fsdp2")
-                if is_fsdp2_format and (lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1):
-                    continue  # FSDP2 shards over DP only
+                megatron_only = options.fully_parallel_save or options.async_save
+                if is_fsdp2_format and ((lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1) or megatron_only):
+                    continue  # FSDP2 shards over DP only; the fully parallel wrapper and async save are megatron's
                 opts = CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": not is_fsdp2_format,
                                       "ckpt_format": fmt})
                 memory.append(Case(self.name, model, lay, fsdp2_engine if is_fsdp2_format else mcore_engine, opts,
                                    backend))
-        if contract:  # the default matrix: async saves of both main formats at the first layout
-            for fmt in ASYNC_FORMATS:
-                opts = CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": True,
-                                      "ckpt_format": fmt, "async_save": True})
-                memory.append(Case(self.name, model, layouts[0], mcore_engine, opts, backend))
+        if contract:  # the default matrix: async and fully parallel saves of both main formats at the first layout
+            for variant, formats in (("async_save", ASYNC_FORMATS), ("fully_parallel_save", FULLY_PARALLEL_FORMATS)):
+                for fmt in formats:
+                    opts = CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": True,
+                                          "ckpt_format": fmt, variant: True})
+                    memory.append(Case(self.name, model, layouts[0], mcore_engine, opts, backend))
         return memory + (contract_cases(self.name, model, world_size, mcore_engine, backend, options)
                          if contract else [])
 
@@ -116,6 +120,17 @@ class CkptMemorySuite:
     def key(case: Case) -> str:
         return f"{case.model.name}/{case.layout.id}/{case.options.ckpt_format}" + \
             ("/fully-parallel" if case.options.fully_parallel_save else "") + ("/async" if case.options.async_save else "")
+
+    @staticmethod
+    def record_command(case: Case) -> str:
+        """The command that records exactly this case's baseline."""
+        from harness import baselines
+
+        o = case.options
+        engine = "" if case.engine in ("mcore", "fsdp2") else f" --engine {case.engine}"
+        return (baselines.record_command(case.suite, case.model.name, case.layout.world_size)
+                + f" --layout {case.layout.id} --ckpt-format {o.ckpt_format}{engine}"
+                + (" --fully-parallel-save" if o.fully_parallel_save else "") + (" --async-save" if o.async_save else ""))
 
     @staticmethod
     def samples(result: CaseResult) -> dict[str, float]:
@@ -183,7 +198,7 @@ class CkptMemorySuite:
         fmt = self.saved_format(res)
         rows, bad = [], []
         for r in res.ranks:
-            band = save_band(fmt, res.case.model, res.case.layout, r.rank)
+            band = save_band(fmt, res.case.model, res.case.layout, r.rank, res.case.options.fully_parallel_save)
             peak = r.data["save"].host_peak
             ok = band.contains(peak)
             rows.append(f"rank {r.rank}: host peak {peak / MIB:.1f} MiB, model {band.describe()} {'ok' if ok else 'OUTSIDE'}")
@@ -218,7 +233,7 @@ class CkptMemorySuite:
         if v.status == "missing":
             return CheckResult("ckpt-memory.baseline", res.case.id, False,
                                f"no baseline for {key} {metric} in {path}; record it with: "
-                               f"{baselines.record_command(self.name, res.case.model.name, res.case.layout.world_size)}",
+                               f"{self.record_command(res.case)}",
                                rows)
         flame = flamegraph(capture)
         verb = "above" if v.status == "regression" else "below (improvement: refresh the baseline)"

@@ -84,6 +84,7 @@ def check_mix(lengths: tuple[int, ...]) -> None:
 
 class DynamicCPSuite:
     name = "dynamic-cp"
+    default_model = "tiny"  # the CPU tier's model when none is given
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.pipeline_parallel")
     random_mixes = 2  # seeded random mixes added to the named ones when no mixes are given

@@ -38,6 +38,7 @@ def step_losses(result: CaseResult) -> list[float]:
 
 class EquivalenceSuite:
     name = "equivalence"
+    default_model = "tiny"  # the CPU tier's model when none is given
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 

@@ -55,6 +55,7 @@ def instrument(engine, recorder: CollectiveRecorder):
 
 class GradSyncSuite:
     name = "grad-sync"
+    default_model = "tiny"  # the CPU tier's model when none is given
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 
