@@ -32,16 +32,21 @@ def load(path: Path) -> dict[str, Any]:
     """The baseline file, {} when absent; BadInput naming the file and the fix when corrupt."""
     if not path.exists():
         return {}
+    return parse(path.read_text(), str(path))
+
+
+def parse(text: str, source: str) -> dict[str, Any]:
+    """A baseline file's content, validated; BadInput naming the source and the fix when corrupt."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(text)
         if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
             raise ValueError("no 'entries' object")
         for metrics in data["entries"].values():
             for m in metrics.values():
                 float(m["value"]), float(m["tolerance"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise BadInput(f"baseline file {path} is corrupt ({exc}); restore it from git "
-                       f"(git checkout -- {path}) or re-record it with `harness baselines record`") from None
+        raise BadInput(f"baseline file {source} is corrupt ({exc}); restore it from git "
+                       f"(git checkout -- {source}) or re-record it with `harness baselines record`") from None
     return data
 
 
@@ -69,14 +74,31 @@ def compare(data: dict[str, Any], key: str, metric: str, measured: float) -> Ver
     return Verdict("pass", measured, value, tol)
 
 
-def tolerance_for(values: list[float], rel: float = 0.20, floor: float = 2.0) -> float:
-    """max(4 x the spread over repeats, rel x the median, floor).
+def allowed_tolerance(median: float, rel: float = 0.20, floor: float = 2.0) -> float:
+    """The tolerance policy of a metric: max(rel x its median, floor). A metric whose repeats spread
+    wider than this cannot be baselined: its own repeats would fail against each other.
 
     The spread of 3 repeats underestimates rare outliers: 5 reruns of ckpt-memory showed one rank
     of a fully_reshardable save at +13% over its 3-repeat median, hence the 20% relative floor.
     """
-    spread = max(values) - min(values)
-    return max(4 * spread, rel * statistics.median(values), floor)
+    return max(rel * median, floor)
+
+
+def tolerance_for(values: list[float]) -> float:
+    """max(4 x the spread over repeats, the metric's allowed tolerance)."""
+    return max(4 * (max(values) - min(values)), allowed_tolerance(statistics.median(values)))
+
+
+def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
+    """One line per metric whose spread over repeats exceeds its allowed tolerance."""
+    out = []
+    for key, metrics in sorted(samples.items()):
+        for name, values in sorted(metrics.items()):
+            spread, allowed = max(values) - min(values), allowed_tolerance(statistics.median(values))
+            if spread > allowed:
+                out.append(f"{key} {name}: spread {spread:.3f} over {len(values)} repeats > tolerance {allowed:.3f} "
+                           f"(values {', '.join(f'{v:.3f}' for v in values)})")
+    return out
 
 
 def build_entries(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, dict]]:
@@ -92,28 +114,55 @@ def build_entries(samples: dict[str, dict[str, list[float]]]) -> dict[str, dict[
     return out
 
 
+def diff_entries(old: dict, new: dict, removed: bool = False) -> str:
+    """Readable changes from one set of entries to another ('+' added, '~' changed, '-' removed)."""
+    lines = []
+    for key, metrics in sorted(new.items()):
+        for name, m in sorted(metrics.items()):
+            before = old.get(key, {}).get(name)
+            if before is None:
+                lines.append(f"+ {key} {name}: {m['value']} (tolerance {m['tolerance']}, spread {m['spread']})")
+            elif before["value"] != m["value"] or before["tolerance"] != m["tolerance"]:
+                rel = f", {(m['value'] - before['value']) / before['value']:+.1%}" if before["value"] else ""
+                lines.append(f"~ {key} {name}: {before['value']} -> {m['value']} ({m['value'] - before['value']:+.3f}{rel}; "
+                             f"tolerance {before['tolerance']} -> {m['tolerance']})")
+    if removed:
+        for key, metrics in sorted(old.items()):
+            lines += [f"- {key} {name}: {m['value']}" for name, m in sorted(metrics.items()) if name not in new.get(key, {})]
+    return "\n".join(lines) or "(no change)"
+
+
 def write(path: Path, suite: str, platform: str, entries: dict, provenance: dict) -> str:
     """Merge entries into the file atomically; return a readable diff of what changed."""
     old = load(path)
     data = {"suite": suite, "platform": platform,
             "entries": {**old.get("entries", {}), **entries},
             "provenance": {**old.get("provenance", {}), **{k: provenance for k in entries}}}
-    diff = []
-    for key, metrics in entries.items():
-        for name, m in metrics.items():
-            before = old.get("entries", {}).get(key, {}).get(name)
-            if before is None:
-                diff.append(f"+ {key} {name}: {m['value']} (tolerance {m['tolerance']}, spread {m['spread']})")
-            elif before["value"] != m["value"] or before["tolerance"] != m["tolerance"]:
-                diff.append(f"~ {key} {name}: {before['value']} -> {m['value']} "
-                            f"(tolerance {before['tolerance']} -> {m['tolerance']})")
+    diff = diff_entries(old.get("entries", {}), entries)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.write("\n")
     os.replace(tmp, path)
-    return "\n".join(diff) or "(no change)"
+    return diff
+
+
+def load_at_revision(path: Path, rev: str) -> dict[str, Any]:
+    """The baseline file as committed at a git revision ({} if it did not exist there)."""
+    import subprocess
+
+    path = path.resolve()
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path.parent, capture_output=True, text=True)
+    if top.returncode != 0:
+        raise BadInput(f"{path} is not in a git checkout; compare two files with --old FILE instead")
+    rel = path.relative_to(Path(top.stdout.strip()).resolve())
+    shown = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=path.parent, capture_output=True, text=True)
+    if shown.returncode != 0:
+        if "exists on disk, but not in" in shown.stderr or "does not exist in" in shown.stderr:
+            return {}
+        raise BadInput(f"cannot read {rel} at revision {rev!r}: {shown.stderr.strip().splitlines()[-1]}")
+    return parse(shown.stdout, f"{rel}@{rev}")
 
 
 def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[str] | None = None, *,
@@ -139,6 +188,11 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
         for res in run.results:
             for metric, value in suite.samples(res).items():
                 samples.setdefault(suite.key(res.case), {}).setdefault(metric, []).append(value)
+    noisy = noisy_metrics(samples)
+    if noisy:
+        raise RuntimeError(f"not recording: {len(noisy)} metric(s) too noisy to baseline (spread over the repeats "
+                           f"larger than the tolerance max(20% of the median, 2 MiB)); find the source of the "
+                           f"variance or record on a quieter machine:\n  " + "\n  ".join(noisy))
     platform = detect_platform(backend).key
     path = baseline_path(baselines_dir, platform, suite_name)
     provenance = {**report.versions(), "date": report.now(), "repeats": repeats}

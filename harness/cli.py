@@ -58,10 +58,34 @@ def _run(args) -> int:
     return 0 if run.passed else 1
 
 
+def _baselines_diff(args) -> int:
+    from harness import baselines
+    from harness.platform import detect_platform, resolve_backend
+    from harness.suites import get_suite
+
+    suite = get_suite(args.suite)
+    platform = args.platform or detect_platform(resolve_backend(args.backend, args.world_size)).key
+    path = baselines.baseline_path(args.baselines_dir, platform, suite.name)
+    if not path.exists():
+        raise BadInput(f"no baseline file {path}; record one with `harness baselines record --suite {suite.name}`")
+    new = baselines.load(path)
+    if args.old:
+        if not Path(args.old).exists():
+            raise BadInput(f"--old {args.old}: no such file")
+        old, what = baselines.load(Path(args.old)), args.old
+    else:
+        old, what = baselines.load_at_revision(path, args.against), f"{path.name} at {args.against}"
+    print(f"{what} -> {path}:")
+    print(baselines.diff_entries(old.get("entries", {}), new["entries"], removed=True))
+    return 0
+
+
 def _baselines(args) -> int:
     from harness import baselines, report
     from harness.driver import plan, run_suite
 
+    if args.action == "diff":
+        return _baselines_diff(args)
     kwargs = _case_kwargs(args)
     suite, cases = plan(args.suite, args.model, args.world_size, args.layout, **kwargs)
     if not hasattr(suite, "samples"):
@@ -79,6 +103,27 @@ def _baselines(args) -> int:
         return 1
     print(f"recorded {path}:\n{diff}")
     return 0
+
+
+def _report(args) -> int:
+    from harness.report.files import write_report
+
+    written = write_report(Path(args.dir))
+    for kind, path in written.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _bisect(args) -> int:
+    from harness.bisect import bisect
+
+    return bisect(args, lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def _bisect_step(args) -> int:
+    from harness.bisect import step_main
+
+    return step_main(args)
 
 
 def _project_memory(args) -> int:
@@ -147,12 +192,47 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--baselines-dir", default=None, help="default: the repository's baselines/")
     run.set_defaults(func=_run)
 
-    bl = sub.add_parser("baselines", help="record or check stored baselines")
-    bl.add_argument("action", choices=["record", "check"])
+    bl = sub.add_parser("baselines", help="record, check or diff stored baselines",
+                        description="record: run the suite --repeats times and store median, spread and tolerance "
+                                    "(refused when a metric is too noisy); check: run and compare; diff: the "
+                                    "baseline file against git (--against REV, default HEAD) or another file (--old)")
+    bl.add_argument("action", choices=["record", "check", "diff"])
     _add_case_args(bl)
     bl.add_argument("--repeats", type=int, default=3)
     bl.add_argument("--baselines-dir", default=None)
+    bl.add_argument("--platform", default=None, help="diff: platform key (default: this machine's, e.g. cpu-gloo)")
+    bl.add_argument("--against", default="HEAD", help="diff: git revision of the old file (default HEAD)")
+    bl.add_argument("--old", default=None, help="diff: compare with this file instead of a git revision")
     bl.set_defaults(func=_baselines)
+
+    rep = sub.add_parser("report", help="render results directories as Markdown, JSON, JUnit XML and PNG plots")
+    rep.add_argument("dir", help="a --out directory of `harness run` (every results.json below it is included)")
+    rep.set_defaults(func=_report)
+
+    for name, helptext in (("bisect", "find the first megatron-core version or commit where a metric crosses a threshold"),
+                           ("bisect-step", "judge the current checkout / environment for `git bisect run` "
+                                           "(exit 0 good, 1 bad, 125 cannot tell)")):
+        bs = sub.add_parser(name, help=helptext)
+        _add_case_args(bs)
+        bs.add_argument("--metric", required=True,
+                        help="a baselined metric of the suite (e.g. rank0.save_heap_peak_mib; the worst case of the "
+                             "selection counts), or 'fail': bad when any case does not pass")
+        bs.add_argument("--max", default="fail", help="bad above this: a number, baseline+P%% or baseline+X")
+        bs.add_argument("--error-is-bad", action="store_true", help="a case that errors is bad (default: cannot tell)")
+        bs.add_argument("--baselines-dir", default=None)
+        bs.add_argument("--fresh-ranks", action="store_true")
+        if name == "bisect":
+            bs.add_argument("--megatron-core", nargs="+", metavar="VERSION",
+                            help="releases oldest first (good .. bad), or a range A..B from the package index")
+            bs.add_argument("--repo", help="a local git checkout of the engine (Megatron-LM, your framework)")
+            bs.add_argument("--good", help="--repo: a commit without the regression")
+            bs.add_argument("--bad", help="--repo: a later commit with it")
+            bs.add_argument("--path-in-repo", default=".", help="--repo: the directory put on the path (default: root)")
+            bs.add_argument("--cache", default=None, help="virtualenvs and worktrees (default ~/.cache/harness-bisect)")
+            bs.set_defaults(func=_bisect)
+        else:
+            bs.add_argument("--json", default=None, help="also write the verdict as JSON here")
+            bs.set_defaults(func=_bisect_step)
 
     pm = sub.add_parser("project-memory", help="predicted host memory of a checkpoint save at scale")
     pm.add_argument("--model", required=True)

@@ -19,6 +19,33 @@ from harness.spec import CaseOptions, Layout
 from harness.suites import Suite, get_suite
 
 
+OUTCOMES = ("pass", "regression", "improvement", "error", "skipped")
+
+
+@dataclass
+class CaseOutcome:
+    """A case's single verdict for summaries: one of OUTCOMES and, unless it passed, why."""
+
+    result: CaseResult
+    outcome: str
+    reason: str = ""
+    checks: list[CheckResult] = field(default_factory=list)
+
+
+def _outcome(result: CaseResult, checks: list[CheckResult]) -> CaseOutcome:
+    first_line = (result.error.splitlines() or [result.status])[0]
+    if result.skipped:
+        return CaseOutcome(result, "skipped", first_line, checks)
+    if not result.ok:
+        return CaseOutcome(result, "error", first_line, checks)
+    failed = [c for c in checks if not c.passed]
+    if not failed:
+        return CaseOutcome(result, "pass", "", checks)
+    worse = [c for c in failed if not c.improvement]
+    c = (worse or failed)[0]
+    return CaseOutcome(result, "regression" if worse else "improvement", f"{c.check}: {c.message}", checks)
+
+
 @dataclass
 class SuiteRun:
     suite: Suite
@@ -32,7 +59,22 @@ class SuiteRun:
 
     @property
     def passed(self) -> bool:
-        return all(r.ok for r in self.results) and all(c.passed for c in self.checks)
+        """Every case ran (or was skipped for a missing dependency) and every check passed."""
+        return all(r.ok or r.skipped for r in self.results) and all(c.passed for c in self.checks)
+
+    @property
+    def errors(self) -> list[str]:
+        """The error text of every case that failed to run (skipped cases are not errors)."""
+        return [r.error for r in self.results if not r.ok and not r.skipped]
+
+    def outcomes(self) -> list[CaseOutcome]:
+        """One outcome per case, in plan order; a check belongs to the case whose id starts its own
+        (cross-layout checks are filed as `<case id>-><target>`)."""
+        by_case: dict[str, list[CheckResult]] = {r.case.id: [] for r in self.results}
+        for c in self.checks:
+            owner = c.case_id if c.case_id in by_case else c.case_id.split("->")[0]
+            by_case.setdefault(owner, []).append(c)
+        return [_outcome(r, by_case[r.case.id]) for r in self.results]
 
 
 def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
@@ -90,16 +132,25 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(order)
     results: dict[int, CaseResult] = {}
+    n = len(cases)
     for i, idx in enumerate(order, 1):
         case = cases[idx]
-        say(f"[{i}/{len(cases)}] {case.id} ...")
+        elapsed = time.monotonic() - t0
+        eta = f", ETA {_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
+        say(f"[{i}/{n} {_clock(elapsed)} elapsed{eta}] {case.id} ...")
         result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
         results[idx] = result
         warm = "" if result.fresh_ranks else " (warm ranks)"
-        say(f"[{i}/{len(cases)}] {case.id} {result.status} in {result.wall_s:.1f}s{warm}")
+        why = f": {result.error.splitlines()[0]}" if result.skipped and result.error else ""
+        say(f"[{i}/{n}] {case.id} {result.status} in {result.wall_s:.1f}s{warm}{why}")
         for note in result.notes:
             say(f"    {note}")
     run.results = [results[i] for i in range(len(cases))]
-    run.checks = suite.check(run.results)
+    run.checks = suite.check([r for r in run.results if not r.skipped])
     run.wall_s = time.monotonic() - t0
     return run
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"

@@ -32,7 +32,7 @@ def ckpt_run(request, harness_opts, publish):
 
 
 def test_every_case_ran(ckpt_run):
-    errors = [r.error for r in ckpt_run.results if not r.ok]
+    errors = ckpt_run.errors
     assert not errors, "\n\n".join(errors)
 
 

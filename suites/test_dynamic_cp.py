@@ -45,7 +45,7 @@ def dynamic_cp_run(harness_opts, publish):
 
 
 def test_every_case_ran(dynamic_cp_run):
-    errors = [r.error for r in dynamic_cp_run.results if not r.ok]
+    errors = dynamic_cp_run.errors
     assert not errors, "\n\n".join(errors)
 
 

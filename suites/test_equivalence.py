@@ -24,7 +24,7 @@ def equivalence_run(harness_opts, publish):
 
 
 def test_every_case_ran(equivalence_run):
-    errors = [r.error for r in equivalence_run.results if not r.ok]
+    errors = equivalence_run.errors
     assert not errors, "\n\n".join(errors)
 
 

@@ -36,7 +36,7 @@ def grad_sync_run(request, harness_opts, publish):
 
 
 def test_every_case_ran(grad_sync_run):
-    errors = [r.error for r in grad_sync_run.results if not r.ok]
+    errors = grad_sync_run.errors
     assert not errors, "\n\n".join(errors)
 
 

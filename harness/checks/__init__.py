@@ -14,6 +14,8 @@ class CheckResult:
     details: list[str] = field(default_factory=list)  # extra lines (tables) printed under a failure
     value: float | None = None  # the figure the check judged (worst error, peak, ...) for tables
     show: bool = False  # print details even when the check passes (e.g. plan-vs-observed tables)
+    improvement: bool = False  # failed only because a figure is better than its baseline (refresh it)
+    data: dict = field(default_factory=dict)  # machine-readable figures for reports (JSON-able)
 
     @property
     def status(self) -> str:

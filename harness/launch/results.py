@@ -17,6 +17,7 @@ class RankResult:
     ok: bool = True
     error: str = ""  # traceback text when the rank raised
     phase: str = ""  # last phase entered
+    skip_reason: str = ""  # set when the rank raised MissingDependency (the case is skipped, not failed)
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     data: dict[str, Any] = field(default_factory=dict)  # suite-specific measurements
 
@@ -25,8 +26,8 @@ class RankResult:
 class CaseResult:
     case: Case
     ranks: list[RankResult]
-    status: str  # ok | error | timeout
-    error: str = ""  # one readable paragraph when status != ok
+    status: str  # ok | error | timeout | skipped
+    error: str = ""  # one readable paragraph when status != ok (skipped: the reason)
     wall_s: float = 0.0
     fresh_ranks: bool = True  # False: ran on warm pool ranks started for an earlier case
     notes: list[str] = field(default_factory=list)  # e.g. why the warm ranks were retired after it
@@ -34,6 +35,10 @@ class CaseResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def skipped(self) -> bool:
+        return self.status == "skipped"
 
     def timings(self) -> dict[str, float]:
         """Per-phase seconds, max over ranks (the slowest rank sets the case's pace)."""

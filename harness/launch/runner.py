@@ -195,6 +195,9 @@ def _verdict(case: Case, ranks: list[RankResult], codes: list[int | None], timed
                            f"{first.error}")
     # The first rank that raised or died explains the case; peers killed afterwards only echo it.
     raised = [r for r in ranks if not r.ok and r.error and "was killed after a peer failed" not in r.error]
+    skips = [r for r in raised if r.skip_reason]
+    if skips and len(skips) == len(raised):  # no rank failed for another reason
+        return "skipped", skips[0].skip_reason
     if raised:
         r = raised[0]
         others = [x.rank for x in ranks if not x.ok and x is not r]

@@ -81,9 +81,13 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
         result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _peak_rss(),
                                       "threads": len(os.listdir("/proc/self/task"))}
-    except BaseException:  # noqa: BLE001 - a rank reports everything, including SystemExit
+    except BaseException as exc:  # noqa: BLE001 - a rank reports everything, including SystemExit
+        from harness.errors import MissingDependency
+
         result.ok = False
         result.error = traceback.format_exc()
+        if isinstance(exc, MissingDependency):  # this installation cannot run the case: a skip, not a failure
+            result.skip_reason = str(exc)
     if not result.ok and own_process_group:
         return result  # the process ends here; peers may be gone, so no collective teardown
     failed_in = result.phase

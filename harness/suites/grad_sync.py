@@ -106,6 +106,18 @@ class GradSyncSuite:
         return {"observed dp ops (rank 0)": " ".join(f"{op}x{n}" for op, n in sorted(seen.items())),
                 "recorder overhead": f"{overhead(result):+.0%}"}
 
+    @staticmethod
+    def report_data(result: CaseResult) -> dict[str, Any]:
+        """Bytes each rank moved per group role and collective kind (dispatcher records, all steps)."""
+        out: dict[str, dict[str, int]] = {}
+        for r in result.ranks:
+            per: Counter = Counter()
+            for c in r.data["collectives"]:
+                if c.source == "dispatch":
+                    per[f"{c.role}/{c.kind}"] += c.bytes
+            out[str(r.rank)] = dict(sorted(per.items()))
+        return {"collective_bytes": out}
+
     def check(self, results: list[CaseResult]) -> list[CheckResult]:
         out = []
         for res in results:

@@ -1,4 +1,5 @@
-"""Turn a SuiteRun into the printed table and DIR/results.json."""
+"""Turn a SuiteRun into the printed table and DIR/results.json; `harness report DIR` renders
+results directories as Markdown, JUnit XML and PNG plots (report/files.py, junit.py, plots.py)."""
 
 from __future__ import annotations
 
@@ -80,10 +81,12 @@ def format_run(run: SuiteRun) -> str:
         if c.value is not None and col not in check_cols:
             check_cols.append(col)
     rows = []
-    for r in run.results:
+    outcomes = run.outcomes()
+    for o in outcomes:
+        r = o.result
         checks = by_case.get(r.case.id, [])
         values = {c.check.split(".", 1)[-1]: c.value for c in checks if c.value is not None}
-        verdict = r.status if not r.ok else ("pass" if all(c.passed for c in checks) else "FAIL")
+        verdict = o.outcome if o.outcome == "pass" else o.outcome.upper()
         row = [r.case.layout.id, r.case.options.short() or "-"]
         for k in metric_keys:
             v = metrics[r.case.id].get(k)
@@ -115,11 +118,33 @@ def format_run(run: SuiteRun) -> str:
             out += [f"    {d}" for d in c.details[:20]]
             if len(c.details) > 20:
                 out.append(f"    ... {len(c.details) - 20} more")
+    out.append("")
+    out.append("summary:")
+    out.append(format_summary(outcomes))
     n_pass = sum(c.passed for c in run.checks)
     out.append("")
     out.append(f"{run.suite.name}: {n_pass} checks passed, {len(run.checks) - n_pass} failed "
-               f"({len(run.results)} cases, {run.wall_s:.1f}s)")
+               f"({len(run.results)} cases, {run.wall_s:.1f}s): {count_outcomes(outcomes)}")
     return "\n".join(out)
+
+
+def count_outcomes(outcomes) -> str:
+    """e.g. '17 pass, 2 regression, 1 error' (in the order of driver.OUTCOMES)."""
+    from collections import Counter
+
+    from harness.driver import OUTCOMES
+
+    n = Counter(o.outcome for o in outcomes)
+    return ", ".join(f"{n[k]} {k}" for k in OUTCOMES if n[k]) or "no cases"
+
+
+def format_summary(outcomes, width: int = 140) -> str:
+    """One row per case: number, layout, options, outcome and, unless it passed, the reason."""
+    rows = []
+    for i, o in enumerate(outcomes, 1):
+        reason = o.reason if len(o.reason) <= width else o.reason[: width - 3] + "..."
+        rows.append([str(i), o.result.case.layout.id, o.result.case.options.short() or "-", o.outcome, reason or "-"])
+    return _fmt_table(["#", "layout", "options", "outcome", "reason"], rows)
 
 
 def to_json(run: SuiteRun) -> dict[str, Any]:
@@ -127,17 +152,21 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
 
     return {
         "suite": run.suite.name, "model": run.model, "world_size": run.world_size, "engine": run.engine,
-        "platform": detect_platform(run.backend).key, "versions": versions(),
+        "backend": run.backend, "platform": detect_platform(run.backend).key, "versions": versions(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
         "passed": run.passed,
         "cases": [
             {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
-             "status": r.status, "error": r.error, "wall_s": r.wall_s, "timings": r.timings(),
+             "status": r.status, "outcome": o.outcome, "reason": o.reason, "error": r.error,
+             "wall_s": r.wall_s, "timings": r.timings(),
              "rank_timings": {str(x.rank): x.timings for x in r.ranks},
              "rank_memory": {str(x.rank): x.data.get("rank_memory") for x in r.ranks},
              "fresh_ranks": r.fresh_ranks, "notes": r.notes,
-             "metrics": run.suite.metrics(r) or {}}
-            for r in run.results
+             "metrics": run.suite.metrics(r) or {},
+             "data": run.suite.report_data(r) if r.ok and hasattr(run.suite, "report_data") else {},
+             **({"baseline_key": run.suite.key(r.case), "samples": run.suite.samples(r)}
+                if r.ok and hasattr(run.suite, "samples") else {})}
+            for o in run.outcomes() for r in [o.result]
         ],
         "checks": [asdict(c) for c in run.checks],
     }

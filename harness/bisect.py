@@ -1,0 +1,399 @@
+"""Local bisect of a regression: a case, a metric and a threshold, over megatron-core releases (each in a
+cached virtualenv) or over the commits of a local git checkout (a worktree put on the path).
+
+Every candidate is judged by `harness bisect-step` in a fresh process (so nothing imported for one
+candidate leaks into the next); the same command works as `git bisect run harness bisect-step ...`
+(exit 0 good, 1 bad, 125 cannot tell). The reproduction gate runs first: the bad end must be bad and
+the good end good, or nothing is searched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from harness.errors import BadInput
+
+GOOD, BAD, SKIP = 0, 1, 125  # git bisect run's exit codes
+VERDICTS = {GOOD: "good", BAD: "BAD", SKIP: "skip"}
+_THRESHOLD_RE = re.compile(r"^baseline\s*\+\s*([0-9.]+)\s*(%?)$")
+
+
+# -- one step: judge the current environment ---------------------------------------------------------
+@dataclass
+class Threshold:
+    """`--max`: an absolute value, or `baseline+P%` / `baseline+X` from the stored baseline of each case."""
+
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.text != "fail" and not _THRESHOLD_RE.match(self.text.replace(" ", "")):
+            try:
+                float(self.text)
+            except ValueError:
+                raise BadInput(f"--max {self.text!r}: give a number, baseline+P% or baseline+X "
+                               f"(e.g. --max 40 or --max baseline+10%)") from None
+
+    def resolve(self, baseline: float | None) -> float:
+        m = _THRESHOLD_RE.match(self.text.replace(" ", ""))
+        if not m:
+            return float(self.text)
+        if baseline is None:
+            raise BadInput(f"--max {self.text}: no stored baseline for this case and metric; give an absolute --max")
+        add = float(m.group(1))
+        return baseline * (1 + add / 100) if m.group(2) else baseline + add
+
+
+@dataclass
+class StepResult:
+    verdict: int  # GOOD | BAD | SKIP
+    value: float | None = None  # the metric of the worst case (closest to / furthest over its threshold)
+    threshold: float | None = None
+    case: str = ""
+    why: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+
+
+def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False) -> StepResult:
+    """Bad when any case's metric exceeds its threshold (metric 'fail': when any case does not pass)."""
+    from harness import baselines
+    from harness.report import versions
+
+    vers = {k: v for k, v in versions().items() if k in ("torch", "megatron-core", "megatron-bridge", "mbridge")}
+    outcomes = run.outcomes()
+    broken = [o for o in outcomes if o.outcome in ("error", "skipped")]
+    if broken:
+        o = broken[0]
+        verdict = BAD if (error_is_bad and o.outcome == "error") else SKIP
+        return StepResult(verdict, case=o.result.case.id, why=f"{o.outcome}: {o.reason}", versions=vers)
+    if metric == "fail":
+        failed = [o for o in outcomes if o.outcome != "pass"]
+        o = (failed or outcomes)[0]
+        return StepResult(BAD if failed else GOOD, case=o.result.case.id, why=o.reason or "every check passed",
+                          versions=vers)
+    suite = run.suite
+    if not hasattr(suite, "samples"):
+        raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")
+    data: dict[str, dict] = {}
+    worst: StepResult | None = None
+    for o in outcomes:
+        samples = suite.samples(o.result)
+        if metric not in samples:
+            continue
+        path = baselines.baseline_path(getattr(suite, "baselines_dir", None), _platform(o.result), suite.name)
+        if str(path) not in data:
+            data[str(path)] = baselines.load(path)
+        entry = data[str(path)].get("entries", {}).get(suite.key(o.result.case), {}).get(metric)
+        limit = threshold.resolve(entry["value"] if entry else None)
+        value = samples[metric]
+        step = StepResult(BAD if value > limit else GOOD, value, limit, o.result.case.id,
+                          f"{metric} {value:.2f} {'>' if value > limit else '<='} {limit:.2f}", vers)
+        if worst is None or value - limit > worst.value - worst.threshold:
+            worst = step
+    if worst is None:
+        known = sorted({m for o in outcomes for m in suite.samples(o.result)})
+        raise BadInput(f"no case of the selection has metric {metric!r}; metrics: {', '.join(known) or 'none'}")
+    return worst
+
+
+def _platform(result) -> str:
+    from harness.platform import detect_platform
+
+    return detect_platform(result.case.backend).key
+
+
+def run_step(args) -> StepResult:
+    """Run the selected cases in this environment and judge them (the body of `harness bisect-step`)."""
+    from harness.cli import _case_kwargs
+    from harness.driver import plan, run_suite
+
+    threshold = Threshold(args.max)
+    kwargs = _case_kwargs(args)
+    plan(args.suite, args.model, args.world_size, args.layout, **kwargs)
+    run = run_suite(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir,
+                    fresh_ranks=args.fresh_ranks, **kwargs)
+    return judge_run(run, args.metric, threshold, args.error_is_bad)
+
+
+# -- candidates: megatron-core releases or commits ----------------------------------------------------
+def index_versions(package: str, python: str = sys.executable) -> list[str]:
+    """Released versions of a package on the configured index, oldest first."""
+    from packaging.version import Version
+
+    proc = subprocess.run([python, "-m", "pip", "index", "versions", package], capture_output=True, text=True,
+                          timeout=120)
+    m = re.search(r"Available versions:\s*(.+)", proc.stdout)
+    if proc.returncode != 0 or not m:
+        raise BadInput(f"cannot list {package} versions from the package index: "
+                       f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return sorted((v.strip() for v in m.group(1).split(",")), key=Version)
+
+
+def expand_versions(specs: list[str], available: Callable[[], list[str]]) -> list[str]:
+    """'0.15.0 0.16.1' as given, or 'A..B' for every release from A to B on the index; oldest first."""
+    from packaging.version import InvalidVersion, Version
+
+    out: list[str] = []
+    for spec in specs:
+        if ".." in spec:
+            lo, hi = (Version(x) for x in spec.split("..", 1))
+            inside = [v for v in available() if lo <= Version(v) <= hi and not Version(v).is_prerelease]
+            if not inside:
+                raise BadInput(f"no released version in {spec} on the package index")
+            out += inside
+        else:
+            try:
+                Version(spec)
+            except InvalidVersion:
+                raise BadInput(f"{spec!r} is not a version (give e.g. 0.16.1, or a range 0.15.0..0.16.1)") from None
+            out.append(spec)
+    if len(out) < 2:
+        raise BadInput("bisect needs at least a good and a bad version (oldest first, e.g. 0.15.0..0.16.1)")
+    return list(dict.fromkeys(out))
+
+
+def version_env(package: str, version: str, cache: Path) -> tuple[str, dict[str, str]]:
+    """(python, extra env) of a cached virtualenv holding `package==version` over this environment.
+
+    The venv gets only that package (--no-deps); a .pth file adds this interpreter's site-packages after
+    its own, so torch, the harness and the rest come from here and the pinned package shadows ours."""
+    import site
+    import sysconfig
+
+    venv = cache / f"{package}-{version}"
+    python = venv / "bin" / "python"
+    marker = venv / ".harness-ready"
+    if not marker.exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+        purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                 check=True, capture_output=True, text=True).stdout.strip()
+        parents = [p for p in [sysconfig.get_paths()["purelib"], *site.getsitepackages()] if os.path.isdir(p)]
+        Path(purelib, "zz_harness_parent.pth").write_text(
+            "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in dict.fromkeys(parents)) + "\n")
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", purelib,
+                               f"{package}=={version}"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(venv, ignore_errors=True)
+            raise RuntimeError(f"pip install {package}=={version} failed: "
+                               f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        marker.write_text(version)
+    return str(python), {}
+
+
+class Worktree:
+    """A detached worktree of a local checkout, moved from commit to commit; removed on close."""
+
+    def __init__(self, repo: Path, cache: Path):
+        self.repo = repo
+        self.path = Path(tempfile.mkdtemp(prefix="harness-bisect-wt-", dir=cache))
+        self.path.rmdir()
+        _git(repo, "worktree", "add", "--detach", "--quiet", str(self.path), "HEAD")
+
+    def checkout(self, commit: str) -> Path:
+        _git(self.path, "checkout", "--detach", "--quiet", "--force", commit)
+        return self.path
+
+    def close(self) -> None:
+        subprocess.run(["git", "-C", str(self.repo), "worktree", "remove", "--force", str(self.path)],
+                       capture_output=True)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _git(repo: Path, *args: str) -> str:
+    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BadInput(f"git {' '.join(args[:3])} in {repo} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return proc.stdout.strip()
+
+
+def commits_between(repo: Path, good: str, bad: str) -> list[tuple[str, str]]:
+    """[(sha, subject)] from good to bad inclusive, oldest first (bad must descend from good)."""
+    good_sha, bad_sha = _git(repo, "rev-parse", "--verify", f"{good}^{{commit}}"), \
+        _git(repo, "rev-parse", "--verify", f"{bad}^{{commit}}")
+    if subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", good_sha, bad_sha]).returncode != 0:
+        raise BadInput(f"good {good} is not an ancestor of bad {bad} in {repo}")
+    lines = _git(repo, "log", "--reverse", "--ancestry-path", "--format=%H %s", f"{good_sha}..{bad_sha}").splitlines()
+    subject = _git(repo, "log", "-1", "--format=%s", good_sha)
+    return [(good_sha, subject)] + [tuple(line.split(" ", 1)) if " " in line else (line, "") for line in lines]
+
+
+# -- the search ---------------------------------------------------------------------------------------
+@dataclass
+class Tried:
+    index: int
+    label: str
+    result: StepResult
+    role: str  # "gate" or "step N"
+    wall_s: float
+
+
+def search(labels: list[str], judge: Callable[[int], StepResult], say: Callable[[str], None]) -> tuple[int | None, list[Tried]]:
+    """Gate (the last must be bad, the first good), then binary search; (index of the first bad, tried).
+
+    Raises BadInput when the gate fails. Candidates that cannot be judged (SKIP) are stepped around;
+    if every candidate between the last good and the first bad is skipped, the first bad is returned
+    as the upper end and the table shows the skipped ones."""
+    tried: list[Tried] = []
+
+    def probe(i: int, role: str) -> StepResult:
+        say(f"[{role}] {labels[i]} ...")
+        t0 = time.monotonic()
+        r = judge(i)
+        tried.append(Tried(i, labels[i], r, role, time.monotonic() - t0))
+        say(f"[{role}] {labels[i]}: {VERDICTS[r.verdict]} ({r.why}) in {time.monotonic() - t0:.0f}s")
+        return r
+
+    last = len(labels) - 1
+    r = probe(last, "gate: bad")
+    if r.verdict != BAD:
+        raise GateRefused(f"the bad end {labels[last]} does not reproduce: {VERDICTS[r.verdict]} ({r.why})", tried)
+    r = probe(0, "gate: good")
+    if r.verdict != GOOD:
+        raise GateRefused(f"the good end {labels[0]} is not good: {VERDICTS[r.verdict]} ({r.why})", tried)
+    lo, hi, skipped, n = 0, last, set(), 0
+    while True:
+        open_ = [i for i in range(lo + 1, hi) if i not in skipped]
+        if not open_:
+            return hi, tried
+        mid = (lo + hi) // 2
+        mid = min(open_, key=lambda i: (abs(i - mid), i))
+        n += 1
+        r = probe(mid, f"step {n}")
+        if r.verdict == SKIP:
+            skipped.add(mid)
+        elif r.verdict == BAD:
+            hi = mid
+        else:
+            lo = mid
+
+
+class GateRefused(BadInput):
+    def __init__(self, message: str, tried: list[Tried]):
+        super().__init__(message)
+        self.tried = tried
+
+
+def format_table(tried: list[Tried], metric: str, first_bad: int | None, labels: list[str]) -> str:
+    from harness.report import _fmt_table
+
+    rows = []
+    for t in sorted(tried, key=lambda t: t.index):
+        r = t.result
+        rows.append([t.label, t.role, r.versions.get("megatron-core", "?"),
+                     "-" if r.value is None else f"{r.value:.2f}", "-" if r.threshold is None else f"{r.threshold:.2f}",
+                     VERDICTS[r.verdict] + (" <- first bad" if t.index == first_bad else ""),
+                     f"{t.wall_s:.0f}s", r.why if r.verdict == SKIP or r.value is None else ""])
+    return _fmt_table(["candidate", "tried as", "megatron-core", metric, "threshold", "verdict", "wall", "note"], rows)
+
+
+def step_command(args, extra: list[str] | None = None) -> list[str]:
+    """The `harness bisect-step` arguments that judge the same cases with the same metric."""
+    cmd = ["-m", "harness.cli", "bisect-step", "--suite", args.suite, "--world-size", str(args.world_size),
+           "--metric", args.metric, "--max", args.max, "--engine", args.engine, "--backend", args.backend,
+           "--steps", str(args.steps), "--seed", str(args.seed), "--dtype", args.dtype]
+    for flag, value in (("--model", args.model), ("--timeout", args.timeout), ("--baselines-dir", args.baselines_dir)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    for lay in args.layout or []:
+        cmd += ["--layout", lay]
+    for fmt in args.ckpt_format or []:
+        cmd += ["--ckpt-format", fmt]
+    for flag in ("distributed_optimizer", "overlap_grad_reduce", "fully_parallel_save", "async_save",
+                 "error_is_bad", "fresh_ranks"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
+    return cmd + (extra or [])
+
+
+def run_in(python: str, args, env_extra: dict[str, str], pythonpath: list[str], workdir: Path) -> StepResult:
+    """One candidate: `harness bisect-step` in a fresh process of that environment."""
+    out = workdir / f"step-{time.monotonic_ns()}.json"
+    env = {**os.environ, **env_extra}
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(Path(__file__).resolve().parents[1]),
+                                         *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    proc = subprocess.run([python, *step_command(args, ["--json", str(out)])], env=env, capture_output=True, text=True,
+                          cwd=pythonpath[0] if pythonpath else None)
+    if out.exists():
+        d = json.loads(out.read_text())
+        return StepResult(d["verdict"], d.get("value"), d.get("threshold"), d.get("case", ""), d.get("why", ""),
+                          d.get("versions", {}))
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    if proc.returncode == 2:  # bad input is the same for every candidate: stop
+        raise BadInput(f"bisect-step refused its input: {tail}")
+    return StepResult(SKIP, why=f"bisect-step exited {proc.returncode}: {tail}")
+
+
+def bisect(args, say: Callable[[str], None]) -> int:
+    """`harness bisect`: versions (--megatron-core ...) or commits (--repo, --good, --bad)."""
+    Threshold(args.max)  # bad input before anything runs
+    if args.baselines_dir:
+        args.baselines_dir = os.path.abspath(args.baselines_dir)  # steps run in other directories
+    cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
+    cache.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="harness-bisect-"))
+    worktree = None
+    try:
+        if args.megatron_core:
+            versions = expand_versions(args.megatron_core, lambda: index_versions("megatron-core"))
+            labels = versions
+
+            def judge(i: int) -> StepResult:
+                try:
+                    python, env = version_env("megatron-core", versions[i], cache)
+                except RuntimeError as exc:
+                    return StepResult(SKIP, why=str(exc))
+                return run_in(python, args, env, [], workdir)
+        else:
+            if not (args.repo and args.good and args.bad):
+                raise BadInput("give --megatron-core VERSIONS, or --repo PATH with --good REV and --bad REV")
+            repo = Path(args.repo).resolve()
+            commits = commits_between(repo, args.good, args.bad)
+            labels = [f"{sha[:10]} {subject[:50]}" for sha, subject in commits]
+            worktree = Worktree(repo, cache)
+
+            def judge(i: int) -> StepResult:
+                path = worktree.checkout(commits[i][0])
+                return run_in(sys.executable, args, {}, [str(path / args.path_in_repo)], workdir)
+        say(f"bisect over {len(labels)} candidates, {args.metric} > {args.max} is bad: {labels[0]} .. {labels[-1]}")
+        try:
+            first_bad, tried = search(labels, judge, say)
+        except GateRefused as exc:
+            print(format_table(exc.tried, args.metric, None, labels))
+            raise
+        print(format_table(tried, args.metric, first_bad, labels))
+        bad = next(t.result for t in tried if t.index == first_bad)
+        before = [t for t in tried if t.index < first_bad and t.result.verdict == GOOD]
+        last_good = max(before, key=lambda t: t.index).label if before else labels[0]
+        untested = [labels[i] for i in range(labels.index(last_good) + 1, first_bad)]
+        print(f"first bad: {labels[first_bad]} ({bad.why})" + (f"; last good: {last_good}" if last_good else "")
+              + (f"; not judged in between: {', '.join(untested)}" if untested else ""))
+        return 0
+    finally:
+        if worktree:
+            worktree.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def write_step_json(path: str, r: StepResult) -> None:
+    Path(path).write_text(json.dumps({"verdict": r.verdict, "value": r.value, "threshold": r.threshold,
+                                      "case": r.case, "why": r.why, "versions": r.versions}))
+
+
+def step_main(args) -> int:
+    """`harness bisect-step`: exit 0 good, 1 bad, 125 cannot tell (git bisect run's convention)."""
+    r = run_step(args)
+    print(f"bisect-step: {VERDICTS[r.verdict]}: {r.why} ({r.case})")
+    if args.json:
+        write_step_json(args.json, r)
+    return r.verdict
+

@@ -1,0 +1,130 @@
+"""`harness report DIR`: every results.json under DIR rendered as report.md, report.json, junit.xml
+and plots/*.png, written next to them."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.driver import OUTCOMES
+from harness.errors import BadInput
+
+
+@dataclass
+class RunFile:
+    """One suite run as written by `harness run --out` (results.json)."""
+
+    path: Path
+    data: dict[str, Any]
+
+    @property
+    def title(self) -> str:
+        d = self.data
+        return f"{d['suite']} / {d['engine']} / {d['model']} / world size {d['world_size']}"
+
+    @property
+    def slug(self) -> str:
+        d = self.data
+        return f"{d['suite']}-{d['engine']}-{d['model']}-ws{d['world_size']}".replace(":", "-").replace("/", "-")
+
+    def counts(self) -> Counter:
+        return Counter(c.get("outcome", "pass" if c["status"] == "ok" else "error") for c in self.data["cases"])
+
+
+def load_runs(directory: Path) -> list[RunFile]:
+    """Every results.json below the directory (itself included), sorted by path; BadInput if none
+    or one is unreadable."""
+    if not directory.is_dir():
+        raise BadInput(f"{directory} is not a directory; give the --out directory of `harness run` "
+                       f"(or the --results-dir of the pytest suites)")
+    runs = []
+    for path in sorted(directory.rglob("results.json")):
+        try:
+            data = json.loads(path.read_text())
+            for key in ("suite", "engine", "model", "world_size", "cases", "checks"):
+                data[key]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise BadInput(f"{path} is not a harness results file ({type(exc).__name__}: {exc}); "
+                           f"re-run the suite with `harness run ... --out {path.parent}`") from None
+        runs.append(RunFile(path, data))
+    if not runs:
+        raise BadInput(f"no results.json under {directory}; write one with `harness run ... --out {directory}`")
+    return runs
+
+
+def write_text(path: Path, text: str) -> None:
+    """Atomic write: a report file is either the old one or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def summary_json(runs: list[RunFile], plots: dict[str, list[Path]]) -> dict[str, Any]:
+    first = runs[0].data
+    return {
+        "platform": sorted({r.data.get("platform", "?") for r in runs}),
+        "versions": first.get("versions", {}),
+        "runs": [{"title": r.title, "results": str(r.path), "date": r.data.get("date"),
+                  "passed": r.data.get("passed"), "wall_s": r.data.get("wall_s"),
+                  "outcomes": dict(r.counts()),
+                  "cases": [{"id": c["id"], "outcome": c.get("outcome"), "reason": c.get("reason", "")}
+                            for c in r.data["cases"]],
+                  "plots": [str(p) for p in plots.get(str(r.path), [])]}
+                 for r in runs],
+        "outcomes": dict(sum((r.counts() for r in runs), Counter())),
+    }
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -> str:
+    first = runs[0].data
+    versions = first.get("versions", {})
+    total = sum((r.counts() for r in runs), Counter())
+    lines = ["# Harness report", "",
+             f"- platform: {', '.join(sorted({r.data.get('platform', '?') for r in runs}))}",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+             f"- runs: {len(runs)}, cases: " + ", ".join(f"{total[k]} {k}" for k in OUTCOMES if total[k]), ""]
+    lines += ["| run | date | wall | " + " | ".join(OUTCOMES) + " |", "|---|---|---|" + "---|" * len(OUTCOMES)]
+    for r in runs:
+        n = r.counts()
+        lines.append(f"| {r.title} | {r.data.get('date', '')} | {r.data.get('wall_s', 0):.0f}s | "
+                     + " | ".join(str(n[k]) for k in OUTCOMES) + " |")
+    for r in runs:
+        lines += ["", f"## {r.title}", "", f"results: `{r.path}`", ""]
+        lines += ["| # | case | outcome | reason |", "|---|---|---|---|"]
+        for i, c in enumerate(r.data["cases"], 1):
+            opts = c["id"].split("[", 1)[1].rstrip("]") if "[" in c["id"] else ""
+            lines.append(f"| {i} | {c['layout']} {_md_escape(opts)} | {c.get('outcome', c['status'])} | "
+                         f"{_md_escape(c.get('reason', ''))} |")
+        for png in plots.get(str(r.path), []):
+            lines += ["", f"![{png.stem}]({png.relative_to(out_dir)})"]
+        failed = [c for c in r.data["checks"] if not c["passed"]]
+        if failed:
+            lines += ["", "### Failed checks", ""]
+            for c in failed:
+                lines += [f"- **{c['check']}** `{c['case_id']}`: {_md_escape(c['message'])}"]
+                lines += [f"    - {_md_escape(d)}" for d in c.get("details", [])[:12]]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(directory: Path) -> dict[str, Path]:
+    """Render every run under the directory; returns what was written, by kind."""
+    from harness.report import junit, plots
+
+    runs = load_runs(directory)
+    pngs = plots.render_all(runs, directory / "plots")
+    out = {"markdown": directory / "report.md", "json": directory / "report.json", "junit": directory / "junit.xml"}
+    write_text(out["markdown"], markdown(runs, pngs, directory))
+    write_text(out["json"], json.dumps(summary_json(runs, pngs), indent=2))
+    write_text(out["junit"], junit.render(runs))
+    return {**out, **{p.stem: p for ps in pngs.values() for p in ps}}

@@ -1,0 +1,42 @@
+"""JUnit XML for CI test reports: a testsuite per run, a testcase per case; regressions and
+improvements are failures (the failed checks' messages and details), errors are errors."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.report.files import RunFile
+
+
+def render(runs: list["RunFile"]) -> str:
+    root = ET.Element("testsuites")
+    for run in runs:
+        d = run.data
+        n = run.counts()
+        suite = ET.SubElement(root, "testsuite", name=run.title, tests=str(len(d["cases"])),
+                              failures=str(n["regression"] + n["improvement"]), errors=str(n["error"]),
+                              skipped=str(n["skipped"]), time=f"{d.get('wall_s', 0):.1f}",
+                              timestamp=str(d.get("date", "")))
+        props = ET.SubElement(suite, "properties")
+        for k, v in {"platform": d.get("platform", ""), **d.get("versions", {})}.items():
+            ET.SubElement(props, "property", name=k, value=str(v))
+        checks: dict[str, list[dict]] = {}
+        for c in d["checks"]:
+            checks.setdefault(c["case_id"].split("->")[0], []).append(c)
+        for c in d["cases"]:
+            tc = ET.SubElement(suite, "testcase", classname=f"{d['suite']}.{d['engine']}.{d['model']}",
+                               name=c["id"].split("/", 3)[-1], time=f"{c.get('wall_s', 0):.1f}")
+            outcome, reason = c.get("outcome", "pass"), c.get("reason", "")
+            if outcome in ("regression", "improvement"):
+                failed = [x for x in checks.get(c["id"], []) if not x["passed"]]
+                text = "\n\n".join("\n".join([f"{x['check']} {x['case_id']}: {x['message']}", *x.get("details", [])])
+                                   for x in failed)
+                ET.SubElement(tc, "failure", message=reason, type=outcome).text = text
+            elif outcome == "error":
+                ET.SubElement(tc, "error", message=reason, type="error").text = c.get("error", "")
+            elif outcome == "skipped":
+                ET.SubElement(tc, "skipped", message=reason)
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -1,0 +1,184 @@
+"""PNG plots of results files (matplotlib, headless): checkpoint host / device peaks per rank against
+the baseline's tolerance band, per-rank RSS timelines of the save phase, and the bytes the collectives
+moved per group role."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.errors import MissingDependency
+
+if TYPE_CHECKING:
+    from harness.report.files import RunFile
+
+MIB = 1024 * 1024
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependency("harness report needs matplotlib for its plots: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def case_label(case: dict[str, Any]) -> str:
+    """Short label: the layout and what distinguishes the case within its suite."""
+    o = case.get("options", {})
+    bits = [case["layout"]]
+    if o.get("ckpt_role"):
+        bits.append(f"{o['ckpt_format']} {o['ckpt_role']}")
+    elif o.get("ckpt_format") and case["id"].startswith("ckpt-memory"):
+        bits.append(o["ckpt_format"] + (" fully-par" if o.get("fully_parallel_save") else "")
+                    + (" async" if o.get("async_save") else ""))
+    if o.get("use_distributed_optimizer") and not case["id"].startswith("ckpt-memory"):
+        bits.append("distopt")
+    if o.get("overlap_grad_reduce"):
+        bits.append("overlap")
+    if o.get("mix"):
+        bits.append(f"{o['mix']} {o.get('cp_mode', '')}")
+    return " ".join(bits)
+
+
+def _baseline_checks(run: "RunFile") -> dict[str, dict]:
+    return {c["case_id"]: c.get("data", {}).get("metrics", {}) for c in run.data["checks"]
+            if c["check"].endswith(".baseline")}
+
+
+def ckpt_peaks(run: "RunFile", path: Path) -> Path | None:
+    """Per case, per rank: host peak of the save (rank heap + forked writers) as stacked bars, and the
+    baseline band (sum of both baselines +- the sum of their tolerances); device peaks beside them on GPU."""
+    cases = [c for c in run.data["cases"] if c.get("data", {}).get("save")]
+    if not cases:
+        return None
+    plt = _pyplot()
+    bases = _baseline_checks(run)
+    ranks = max(len(c["data"]["save"]) for c in cases)
+    device = any(p.get("device_allocated_peak") for c in cases for p in c["data"]["save"].values())
+    fig, axes = plt.subplots(2 if device else 1, 1, figsize=(max(8, 0.9 * len(cases) * ranks / 4 + 2), 9 if device else 5.5),
+                             squeeze=False)
+    ax = axes[0][0]
+    width = 0.8 / ranks
+    for i, c in enumerate(cases):
+        metrics = bases.get(c["id"], {})
+        for r, peak in sorted(c["data"]["save"].items(), key=lambda kv: int(kv[0])):
+            x = i + (int(r) - (ranks - 1) / 2) * width
+            heap, kids = peak["heap_peak"] / MIB, peak["children_heap_peak"] / MIB
+            color = f"C{int(r) % 10}"
+            ax.bar(x, heap, width, color=color, label=f"rank {r}" if i == 0 else None)
+            ax.bar(x, kids, width, bottom=heap, color=color, alpha=0.4, hatch="//")
+            h, w = metrics.get(f"rank{r}.save_heap_peak_mib"), metrics.get(f"rank{r}.save_writer_peak_mib")
+            parts = [m for m in (h, w) if m and m.get("baseline") is not None]
+            if parts:
+                base = sum(m["baseline"] for m in parts)
+                tol = sum(m["tolerance"] for m in parts)
+                ax.add_patch(plt.Rectangle((x - width / 2, max(0.0, base - tol)), width, base + tol - max(0.0, base - tol),
+                                           fill=False, edgecolor="black", linewidth=0.8))
+                ax.plot([x - width / 2, x + width / 2], [base, base], color="black", linewidth=1.2)
+                if any(m["status"] != "pass" for m in parts):
+                    ax.annotate(" / ".join(m["status"] for m in parts if m["status"] != "pass"), (x, heap + kids),
+                                rotation=90, fontsize=7, color="red", ha="center", va="bottom")
+    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("host peak of the save, MiB")
+    ax.set_title(f"{run.title}: host peak per rank (solid: rank heap, hatched: forked writers); "
+                 "box: baseline +- tolerance", fontsize=9)
+    ax.legend(fontsize=7, ncol=ranks)
+    ax.grid(axis="y", alpha=0.3)
+    if device:
+        ax = axes[1][0]
+        for i, c in enumerate(cases):
+            for r, peak in sorted(c["data"]["save"].items(), key=lambda kv: int(kv[0])):
+                x = i + (int(r) - (ranks - 1) / 2) * width
+                ax.bar(x, peak["device_reserved_peak"] / MIB, width, color=f"C{int(r) % 10}", alpha=0.4)
+                ax.bar(x, peak["device_allocated_peak"] / MIB, width, color=f"C{int(r) % 10}")
+        ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("device peak, MiB")
+        ax.set_title("device peak per rank (solid: max allocated, light: max reserved)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ckpt_timelines(run: "RunFile", path: Path) -> Path | None:
+    """Small multiples: each rank's RSS above its level at the start of the save, over the save."""
+    cases = [c for c in run.data["cases"]
+             if any(p.get("timeline") for p in c.get("data", {}).get("save", {}).values())]
+    if not cases:
+        return None
+    plt = _pyplot()
+    cols = min(4, len(cases))
+    rows = (len(cases) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), squeeze=False)
+    for ax, c in zip((a for row in axes for a in row), cases):
+        for r, peak in sorted(c["data"]["save"].items(), key=lambda kv: int(kv[0])):
+            t = [s for s, _ in peak["timeline"]]
+            mib = [(rss - peak["rss_before"]) / MIB for _, rss in peak["timeline"]]
+            ax.plot(t, mib, label=f"rank {r}", linewidth=1)
+        ax.set_title(case_label(c), fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in [a for row in axes for a in row][len(cases):]:
+        ax.set_visible(False)
+    axes[0][0].legend(fontsize=6)
+    fig.supxlabel("seconds into the save")
+    fig.supylabel("rank RSS above its start, MiB")
+    fig.suptitle(f"{run.title}: RSS of each rank during the save", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def collective_bytes(run: "RunFile", path: Path) -> Path | None:
+    """Per case, the bytes all ranks' collectives moved, stacked by group role and collective kind."""
+    cases = [c for c in run.data["cases"] if c.get("data", {}).get("collective_bytes")]
+    if not cases:
+        return None
+    plt = _pyplot()
+    totals = []
+    for c in cases:
+        per: dict[str, float] = {}
+        for rank in c["data"]["collective_bytes"].values():
+            for key, b in rank.items():
+                per[key] = per.get(key, 0.0) + b / MIB
+        totals.append(per)
+    keys = sorted({k for t in totals for k in t})
+    fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(cases) + 3), 5.5))
+    bottom = [0.0] * len(cases)
+    for j, key in enumerate(keys):
+        vals = [t.get(key, 0.0) for t in totals]
+        ax.bar(range(len(cases)), vals, 0.7, bottom=bottom, label=key, color=f"C{j % 10}")
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=70, ha="right", fontsize=7)
+    ax.set_ylabel("MiB moved, all ranks, all recorded steps")
+    ax.set_title(f"{run.title}: collective bytes by group role / kind", fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"peaks": ckpt_peaks, "save-timeline": ckpt_timelines, "collective-bytes": collective_bytes}
+
+
+def render_all(runs: list["RunFile"], out_dir: Path) -> dict[str, list[Path]]:
+    """Every plot that applies to each run, as out_dir/<run slug>-<plot>.png; {results path: [pngs]}."""
+    out: dict[str, list[Path]] = {}
+    seen: dict[str, int] = {}
+    for run in runs:
+        seen[run.slug] = seen.get(run.slug, 0) + 1
+        slug = run.slug if seen[run.slug] == 1 else f"{run.slug}-{seen[run.slug]}"
+        for name, plot in PLOTS.items():
+            out_dir.mkdir(parents=True, exist_ok=True)
+            png = plot(run, out_dir / f"{slug}-{name}.png")
+            if png:
+                out.setdefault(str(run.path), []).append(png)
+    return out

@@ -1,0 +1,140 @@
+"""harness bisect: the search and its reproduction gate, thresholds, version ranges, and a real bisect over
+a local git history in which one commit plants a host-memory regression in the save path."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+
+import pytest
+
+from harness import cli
+from harness.bisect import BAD, GOOD, SKIP, GateRefused, StepResult, Threshold, expand_versions, search
+from harness.errors import BadInput
+
+
+def _judge(verdicts):
+    calls = []
+
+    def judge(i):
+        calls.append(i)
+        return StepResult(verdicts[i], value=float(i), threshold=2.5, why=f"candidate {i}")
+    return judge, calls
+
+
+def test_search_finds_the_first_bad_after_the_gate():
+    judge, calls = _judge([GOOD] * 5 + [BAD] * 4)
+    first, tried = search([f"c{i}" for i in range(9)], judge, lambda msg: None)
+    assert first == 5
+    assert calls[:2] == [8, 0]  # the gate: the bad end first, then the good end
+    assert len(calls) <= 2 + 3  # log2(7) steps after the gate
+    assert [t.role for t in tried[:2]] == ["gate: bad", "gate: good"]
+
+
+def test_search_steps_around_candidates_it_cannot_judge():
+    judge, calls = _judge([GOOD, GOOD, SKIP, SKIP, BAD, BAD])
+    first, _ = search(list("abcdef"), judge, lambda msg: None)
+    assert first == 4 and 2 in calls and 3 in calls
+
+
+def test_gate_refuses_a_pair_that_does_not_reproduce():
+    judge, calls = _judge([GOOD, GOOD, GOOD])
+    with pytest.raises(GateRefused, match="the bad end c does not reproduce: good"):
+        search(list("abc"), judge, lambda msg: None)
+    assert calls == [2]
+    judge, _ = _judge([BAD, BAD, BAD])
+    with pytest.raises(GateRefused, match="the good end a is not good: BAD"):
+        search(list("abc"), judge, lambda msg: None)
+
+
+def test_thresholds():
+    assert Threshold("40").resolve(None) == 40.0
+    assert Threshold("baseline+10%").resolve(30.0) == pytest.approx(33.0)
+    assert Threshold("baseline + 5").resolve(30.0) == 35.0
+    with pytest.raises(BadInput, match="no stored baseline"):
+        Threshold("baseline+10%").resolve(None)
+    with pytest.raises(BadInput, match="give a number, baseline"):
+        Threshold("lots")
+
+
+def test_version_ranges_come_from_the_index():
+    index = ["0.14.0", "0.15.0", "0.15.3", "0.16.0rc1", "0.16.0", "0.16.1"]
+    assert expand_versions(["0.15.0..0.16.1"], lambda: index) == ["0.15.0", "0.15.3", "0.16.0", "0.16.1"]
+    assert expand_versions(["0.16.0", "0.16.1"], lambda: index) == ["0.16.0", "0.16.1"]
+    with pytest.raises(BadInput, match="at least a good and a bad"):
+        expand_versions(["0.16.1"], lambda: index)
+    with pytest.raises(BadInput, match="not a version"):
+        expand_versions(["latest", "0.16.1"], lambda: index)
+
+
+ENGINE = '''\
+"""An engine under development (the user's framework, in miniature)."""
+from harness.engines.mcore import McoreEngine
+
+SAVE_SCRATCH_MIB = {scratch}
+
+
+class Engine(McoreEngine):
+    def save_checkpoint(self, ckpt_dir, fmt, fully_parallel=False, async_save=False):
+        import torch
+
+        staging = torch.ones(SAVE_SCRATCH_MIB * 2**18) if SAVE_SCRATCH_MIB else None  # float32: 4 bytes
+        super().save_checkpoint(ckpt_dir, fmt, fully_parallel, async_save)
+        del staging
+'''
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def engine_repo(tmp_path_factory):
+    """Five commits; the third stages a 48 MiB host copy in the save path."""
+    repo = tmp_path_factory.mktemp("engine-repo")
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "dev@example.com")
+    _git(repo, "config", "user.name", "dev")
+    shas = []
+    for subject, scratch, extra in [("engine: first version", 0, ""), ("engine: docs", 0, "# saves with dist_checkpointing\n"),
+                                    ("engine: stage the save in a scratch buffer", 48, "# saves with dist_checkpointing\n"),
+                                    ("engine: rename", 48, "# saves with megatron dist_checkpointing\n"),
+                                    ("engine: more docs", 48, "# saves with megatron dist_checkpointing (sync)\n")]:
+        (repo / "regress_engine.py").write_text(ENGINE.format(scratch=scratch) + extra)
+        _git(repo, "add", "regress_engine.py")
+        _git(repo, "commit", "-q", "-m", subject)
+        shas.append(_git(repo, "rev-parse", "HEAD"))
+    return repo, shas
+
+
+CASE = ["--suite", "ckpt-memory", "--model", "tiny", "--world-size", "2", "--layout", "tp1-pp1-cp1-dp2",
+        "--ckpt-format", "dp_reshardable", "--engine", "regress_engine:Engine",
+        "--metric", "rank0.save_heap_peak_mib", "--max", "24"]
+
+
+@pytest.mark.slow
+def test_bisect_names_the_commit_that_planted_the_regression(engine_repo, tmp_path, capsys, no_leftover_ranks):
+    repo, shas = engine_repo
+    code = cli.main(["bisect", "--repo", str(repo), "--good", shas[0], "--bad", shas[-1], "--cache", str(tmp_path), *CASE])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"first bad: {shas[2][:10]} engine: stage the save in a scratch buffer (rank0.save_heap_peak_mib " in out
+    assert f"last good: {shas[1][:10]}" in out
+    table = out.split("first bad:")[0]
+    assert "BAD <- first bad" in table and table.count("good") >= 2
+    assert _git(repo, "worktree", "list").count("\n") == 0  # the bisect worktree is gone
+
+
+@pytest.mark.slow
+def test_bisect_refuses_a_pair_that_does_not_reproduce(engine_repo, tmp_path, capsys):
+    repo, shas = engine_repo
+    code = cli.main(["bisect", "--repo", str(repo), "--good", shas[0], "--bad", shas[1], "--cache", str(tmp_path), *CASE])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert f"harness: error: the bad end {shas[1][:10]} engine: docs does not reproduce: good (rank0.save_heap_peak_mib " \
+        in captured.err
+
+
+def test_bisect_step_for_git_bisect_run_refuses_bad_input(capsys):
+    assert cli.main(["bisect-step", "--suite", "ckpt-memory", "--metric", "x", "--max", "lots"]) == 2
+    assert "--max 'lots': give a number" in capsys.readouterr().err
