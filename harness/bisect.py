@@ -216,15 +216,16 @@ def _git(repo: Path, *args: str) -> str:
     return proc.stdout.strip()
 
 
-def commits_between(repo: Path, good: str, bad: str) -> list[tuple[str, str]]:
-    """[(sha, subject)] from good to bad inclusive, oldest first (bad must descend from good)."""
-    good_sha, bad_sha = _git(repo, "rev-parse", "--verify", f"{good}^{{commit}}"), \
-        _git(repo, "rev-parse", "--verify", f"{bad}^{{commit}}")
-    if subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", good_sha, bad_sha]).returncode != 0:
-        raise BadInput(f"good {good} is not an ancestor of bad {bad} in {repo}")
-    lines = _git(repo, "log", "--reverse", "--ancestry-path", "--format=%H %s", f"{good_sha}..{bad_sha}").splitlines()
-    subject = _git(repo, "log", "-1", "--format=%s", good_sha)
-    return [(good_sha, subject)] + [tuple(line.split(" ", 1)) if " " in line else (line, "") for line in lines]
+def commits_between(repo: Path, old: str, new: str) -> list[tuple[str, str]]:
+    """[(sha, subject)] from old to new inclusive, oldest first (new must descend from old)."""
+    old_sha, new_sha = _git(repo, "rev-parse", "--verify", f"{old}^{{commit}}"), \
+        _git(repo, "rev-parse", "--verify", f"{new}^{{commit}}")
+    if subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", old_sha, new_sha]).returncode != 0:
+        raise BadInput(f"{old} is not an ancestor of {new} in {repo}: the earlier commit comes first "
+                       f"(--good for a regression, --bad with --find-fix)")
+    lines = _git(repo, "log", "--reverse", "--ancestry-path", "--format=%H %s", f"{old_sha}..{new_sha}").splitlines()
+    subject = _git(repo, "log", "-1", "--format=%s", old_sha)
+    return [(old_sha, subject)] + [tuple(line.split(" ", 1)) if " " in line else (line, "") for line in lines]
 
 
 # -- the search ---------------------------------------------------------------------------------------
@@ -237,12 +238,28 @@ class Tried:
     wall_s: float
 
 
-def search(labels: list[str], judge: Callable[[int], StepResult], say: Callable[[str], None]) -> tuple[int | None, list[Tried]]:
-    """Gate (the last must be bad, the first good), then binary search; (index of the first bad, tried).
+@dataclass(frozen=True)
+class Terms:
+    """Names of the two states, as git bisect's old / new: a regression search goes good -> bad,
+    a fix search (--find-fix) bad -> good. `new` is what is searched for."""
 
-    Raises BadInput when the gate fails. Candidates that cannot be judged (SKIP) are stepped around;
-    if every candidate between the last good and the first bad is skipped, the first bad is returned
-    as the upper end and the table shows the skipped ones."""
+    old: str = "good"
+    new: str = "bad"
+
+    def name(self, verdict: int) -> str:
+        return {GOOD: self.old, BAD: self.new.upper(), SKIP: "skip"}[verdict]
+
+
+REGRESSION, FIX = Terms("good", "bad"), Terms("bad", "fixed")
+
+
+def search(labels: list[str], judge: Callable[[int], StepResult], say: Callable[[str], None],
+           terms: Terms = REGRESSION) -> tuple[int, list[Tried]]:
+    """Gate (the last must be new, the first old), then binary search; (index of the first new, tried).
+
+    judge returns BAD for the new state, GOOD for the old one. Raises GateRefused when the gate fails.
+    Candidates that cannot be judged (SKIP) are stepped around; if every candidate between the last old
+    and the first new one is skipped, the first new one is returned and the table shows the skipped ones."""
     tried: list[Tried] = []
 
     def probe(i: int, role: str) -> StepResult:
@@ -250,16 +267,17 @@ def search(labels: list[str], judge: Callable[[int], StepResult], say: Callable[
         t0 = time.monotonic()
         r = judge(i)
         tried.append(Tried(i, labels[i], r, role, time.monotonic() - t0))
-        say(f"[{role}] {labels[i]}: {VERDICTS[r.verdict]} ({r.why}) in {time.monotonic() - t0:.0f}s")
+        say(f"[{role}] {labels[i]}: {terms.name(r.verdict)} ({r.why}) in {time.monotonic() - t0:.0f}s")
         return r
 
     last = len(labels) - 1
-    r = probe(last, "gate: bad")
+    r = probe(last, f"gate: {terms.new}")
     if r.verdict != BAD:
-        raise GateRefused(f"the bad end {labels[last]} does not reproduce: {VERDICTS[r.verdict]} ({r.why})", tried)
-    r = probe(0, "gate: good")
+        raise GateRefused(f"the {terms.new} end {labels[last]} does not reproduce: {terms.name(r.verdict)} ({r.why})",
+                          tried)
+    r = probe(0, f"gate: {terms.old}")
     if r.verdict != GOOD:
-        raise GateRefused(f"the good end {labels[0]} is not good: {VERDICTS[r.verdict]} ({r.why})", tried)
+        raise GateRefused(f"the {terms.old} end {labels[0]} is not {terms.old}: {terms.name(r.verdict)} ({r.why})", tried)
     lo, hi, skipped, n = 0, last, set(), 0
     while True:
         open_ = [i for i in range(lo + 1, hi) if i not in skipped]
@@ -283,17 +301,19 @@ class GateRefused(BadInput):
         self.tried = tried
 
 
-def format_table(tried: list[Tried], metric: str, first_bad: int | None, labels: list[str]) -> str:
+def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: Terms = REGRESSION) -> str:
     from harness.report import _fmt_table
 
+    numeric = metric != "fail"
     rows = []
     for t in sorted(tried, key=lambda t: t.index):
         r = t.result
-        rows.append([t.label, t.role, r.versions.get("megatron-core", "?"),
-                     "-" if r.value is None else f"{r.value:.2f}", "-" if r.threshold is None else f"{r.threshold:.2f}",
-                     VERDICTS[r.verdict] + (" <- first bad" if t.index == first_bad else ""),
+        figures = ["-" if r.value is None else f"{r.value:.2f}", "-" if r.threshold is None else f"{r.threshold:.2f}"]
+        rows.append([t.label, t.role, r.versions.get("megatron-core", "?"), *(figures if numeric else []),
+                     terms.name(r.verdict) + (f" <- first {terms.new}" if t.index == first_bad else ""),
                      f"{t.wall_s:.0f}s", r.why if r.verdict == SKIP or r.value is None else ""])
-    return _fmt_table(["candidate", "tried as", "megatron-core", metric, "threshold", "verdict", "wall", "note"], rows)
+    header = ["candidate", "tried as", "megatron-core", *([metric, "threshold"] if numeric else []), "verdict", "wall", "note"]
+    return _fmt_table(header, rows)
 
 
 def step_command(args, extra: list[str] | None = None) -> list[str]:
@@ -334,7 +354,8 @@ def run_in(python: str, args, env_extra: dict[str, str], pythonpath: list[str], 
 
 
 def bisect(args, say: Callable[[str], None]) -> int:
-    """`harness bisect`: versions (--megatron-core ...) or commits (--repo, --good, --bad)."""
+    """`harness bisect`: versions (--megatron-core ...) or commits (--repo, --good, --bad); --find-fix
+    searches for the first good candidate after bad ones instead."""
     Threshold(args.max)  # bad input before anything runs
     if args.baselines_dir:
         args.baselines_dir = os.path.abspath(args.baselines_dir)  # steps run in other directories
@@ -357,31 +378,43 @@ def bisect(args, say: Callable[[str], None]) -> int:
             if not (args.repo and args.good and args.bad):
                 raise BadInput("give --megatron-core VERSIONS, or --repo PATH with --good REV and --bad REV")
             repo = Path(args.repo).resolve()
-            commits = commits_between(repo, args.good, args.bad)
+            commits = commits_between(repo, *((args.bad, args.good) if args.find_fix else (args.good, args.bad)))
             labels = [f"{sha[:10]} {subject[:50]}" for sha, subject in commits]
             worktree = Worktree(repo, cache)
 
             def judge(i: int) -> StepResult:
                 path = worktree.checkout(commits[i][0])
                 return run_in(sys.executable, args, {}, [str(path / args.path_in_repo)], workdir)
-        say(f"bisect over {len(labels)} candidates, {args.metric} > {args.max} is bad: {labels[0]} .. {labels[-1]}")
+        terms = FIX if args.find_fix else REGRESSION
+        if args.find_fix:  # search for the first good one: swap the states (a skip stays a skip)
+            judge = _flipped(judge)
+        what = "bad" if args.metric == "fail" else f"{args.metric} > {args.max} is bad"
+        say(f"bisect over {len(labels)} candidates ({what}), for the first {terms.new}: {labels[0]} .. {labels[-1]}")
         try:
-            first_bad, tried = search(labels, judge, say)
+            first, tried = search(labels, judge, say, terms)
         except GateRefused as exc:
-            print(format_table(exc.tried, args.metric, None, labels))
+            print(format_table(exc.tried, args.metric, None, terms))
             raise
-        print(format_table(tried, args.metric, first_bad, labels))
-        bad = next(t.result for t in tried if t.index == first_bad)
-        before = [t for t in tried if t.index < first_bad and t.result.verdict == GOOD]
-        last_good = max(before, key=lambda t: t.index).label if before else labels[0]
-        untested = [labels[i] for i in range(labels.index(last_good) + 1, first_bad)]
-        print(f"first bad: {labels[first_bad]} ({bad.why})" + (f"; last good: {last_good}" if last_good else "")
+        print(format_table(tried, args.metric, first, terms))
+        found = next(t.result for t in tried if t.index == first)
+        before = [t for t in tried if t.index < first and t.result.verdict == GOOD]
+        last_old = max(before, key=lambda t: t.index).index
+        untested = labels[last_old + 1:first]
+        print(f"first {terms.new}: {labels[first]} ({found.why}); last {terms.old}: {labels[last_old]}"
               + (f"; not judged in between: {', '.join(untested)}" if untested else ""))
         return 0
     finally:
         if worktree:
             worktree.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _flipped(judge: Callable[[int], StepResult]) -> Callable[[int], StepResult]:
+    def flipped(i: int) -> StepResult:
+        r = judge(i)
+        r.verdict = {GOOD: BAD, BAD: GOOD}.get(r.verdict, r.verdict)
+        return r
+    return flipped
 
 
 def write_step_json(path: str, r: StepResult) -> None:

@@ -225,10 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
             bs.add_argument("--megatron-core", nargs="+", metavar="VERSION",
                             help="releases oldest first (good .. bad), or a range A..B from the package index")
             bs.add_argument("--repo", help="a local git checkout of the engine (Megatron-LM, your framework)")
-            bs.add_argument("--good", help="--repo: a commit without the regression")
-            bs.add_argument("--bad", help="--repo: a later commit with it")
+            bs.add_argument("--good", help="--repo: a commit without the regression (with --find-fix: the later, fixed one)")
+            bs.add_argument("--bad", help="--repo: a later commit with it (with --find-fix: the earlier, broken one)")
             bs.add_argument("--path-in-repo", default=".", help="--repo: the directory put on the path (default: root)")
             bs.add_argument("--cache", default=None, help="virtualenvs and worktrees (default ~/.cache/harness-bisect)")
+            bs.add_argument("--find-fix", action="store_true",
+                            help="the candidates go from bad to good: find the first good one (when a fix landed)")
             bs.set_defaults(func=_bisect)
         else:
             bs.add_argument("--json", default=None, help="also write the verdict as JSON here")

@@ -32,12 +32,24 @@ class CaseOutcome:
     checks: list[CheckResult] = field(default_factory=list)
 
 
+def error_summary(error: str) -> str:
+    """The head line of a case error plus the exception its first traceback ends with, e.g.
+    "case ...: rank 0 failed in phase 'save' - AssertionError: ..."."""
+    lines = error.splitlines() or ["failed"]
+    in_traceback = False
+    for line in lines[1:]:
+        if line.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+        elif in_traceback and line and not line[0].isspace():
+            return f"{lines[0]} - {line.strip()}"
+    return lines[0]
+
+
 def _outcome(result: CaseResult, checks: list[CheckResult]) -> CaseOutcome:
-    first_line = (result.error.splitlines() or [result.status])[0]
     if result.skipped:
-        return CaseOutcome(result, "skipped", first_line, checks)
+        return CaseOutcome(result, "skipped", (result.error.splitlines() or ["skipped"])[0], checks)
     if not result.ok:
-        return CaseOutcome(result, "error", first_line, checks)
+        return CaseOutcome(result, "error", error_summary(result.error).removeprefix(f"case {result.case.id}: "), checks)
     failed = [c for c in checks if not c.passed]
     if not failed:
         return CaseOutcome(result, "pass", "", checks)

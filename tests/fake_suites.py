@@ -50,3 +50,49 @@ class Misbehave:
             if mode == SLEEP:
                 time.sleep(3600)
         return {"sum": float(t[0]), "pid": os.getpid()}
+
+
+PASS, REGRESS, IMPROVE, ERROR, SKIPPED = range(5)
+MIXED_PLAN = [PASS] * 6 + [REGRESS, PASS, ERROR, PASS, IMPROVE, PASS, SKIPPED] + [PASS] * 5 + [REGRESS, PASS]
+
+
+class Mixed:
+    """Twenty quick cases with every outcome: passes, regressions, an improvement, an error, a skip."""
+
+    name = "mixed"
+    default_model = "tiny"
+    imports: tuple[str, ...] = ()
+
+    def cases(self, model, world_size, layouts, *, engine, backend, options):
+        from harness.spec import Case, CaseOptions, Layout
+
+        return [Case("tests.fake_suites:Mixed", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + mode),
+                     backend, 60.0) for i, mode in enumerate(MIXED_PLAN)]
+
+    def metrics(self, result) -> dict[str, Any]:
+        return {"value": result.ranks[0].data["value"]} if result.ok else {}
+
+    def rank_work(self, case, ctx) -> dict[str, Any]:
+        from harness.errors import MissingDependency
+
+        mode = case.options.seed % 100
+        if mode == SKIPPED:
+            raise MissingDependency("case needs package 'frobnicate': pip install frobnicate")
+        if mode == ERROR and ctx.rank == 1:
+            raise RuntimeError("planted failure on rank 1")
+        return {"value": {REGRESS: 12.0, IMPROVE: 7.0}.get(mode, 10.0)}
+
+    def check(self, results):
+        from harness.checks import CheckResult
+
+        out = []
+        for res in results:
+            if not res.ok:
+                out.append(CheckResult("mixed.run", res.case.id, False, res.error.splitlines()[0]))
+                continue
+            v = res.ranks[0].data["value"]
+            msg = f"value {v:.1f} vs baseline 10.0 +- 1.0"
+            out.append(CheckResult("mixed.value", res.case.id, abs(v - 10.0) <= 1.0,
+                                   msg + (" (improvement: refresh the baseline)" if v < 9.0 else ""),
+                                   improvement=v < 9.0, value=v))
+        return out

@@ -1,0 +1,56 @@
+"""A 20-case run: progress lines, every case run after failures, one summary with the right outcomes,
+results.json and `harness report` (Markdown, JSON, JUnit XML)."""
+
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+
+from harness import cli
+from tests.fake_suites import MIXED_PLAN
+
+
+def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys, no_leftover_ranks):
+    code = cli.main(["run", "--suite", "tests.fake_suites:Mixed", "--world-size", "2", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 1  # regressions, an improvement and an error: not a pass
+    starts = re.findall(r"^\[(\d+)/20 (\d+:\d\d) elapsed(, ETA \d+:\d\d)?\] ", err, re.M)
+    assert [int(s[0]) for s in starts] == list(range(1, 21))  # every case ran, failures did not stop the run
+    assert not starts[0][2] and all(s[2] for s in starts[1:])  # an ETA once a case has finished
+    assert "[13/20] tests.fake_suites:Mixed/mcore/tiny/tp1-pp1-cp1-dp2[seed=1204] skipped in " in err
+    assert "case needs package 'frobnicate': pip install frobnicate" in err
+
+    summary = out.split("summary:\n", 1)[1]
+    rows = [line.split() for line in summary.splitlines()[2:22]]
+    outcomes = [r[3] for r in rows]
+    expected = {0: "pass", 1: "regression", 2: "improvement", 3: "error", 4: "skipped"}
+    assert outcomes == [expected[m] for m in MIXED_PLAN]
+    assert "mixed.value: value 12.0 vs baseline 10.0 +- 1.0" in summary.splitlines()[2 + 6]
+    assert "rank 1 failed in phase 'imports' - RuntimeError: planted failure on rank 1" in summary
+    assert "case needs package 'frobnicate'" in summary
+    assert re.search(r"^mixed: 15 checks passed, 4 failed \(20 cases, [0-9.]+s\): "
+                     r"15 pass, 2 regression, 1 improvement, 1 error, 1 skipped$", out, re.M)
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [c["outcome"] for c in results["cases"]] == outcomes
+
+    assert cli.main(["report", str(tmp_path)]) == 0
+    md = (tmp_path / "report.md").read_text()
+    assert "| pass | regression | improvement | error | skipped |" in md and "| 15 | 2 | 1 | 1 | 1 |" in md
+    assert "torch" in md and "cpu-gloo" in md  # versions and platform are named
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("20", "3", "1", "1")
+    failure = suite.findall("testcase")[6].find("failure")
+    assert failure.get("type") == "regression" and "value 12.0 vs baseline" in failure.get("message")
+    assert json.loads((tmp_path / "report.json").read_text())["outcomes"] == {
+        "pass": 15, "regression": 2, "improvement": 1, "error": 1, "skipped": 1}
+
+
+def test_report_refuses_a_directory_without_results(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert f"no results.json under {tmp_path}" in capsys.readouterr().err
+    (tmp_path / "results.json").write_text("{")
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "is not a harness results file" in capsys.readouterr().err
+    assert not (tmp_path / "report.md").exists()
