@@ -1,8 +1,9 @@
-"""Sessions: tests, cpu-suite (CPU ranks, gloo), gpu-suite (NCCL, one rank per GPU)."""
+"""Sessions: tests, cpu-suite (CPU ranks, gloo), gpu-suite (NCCL, one rank per GPU), nightly, baselines, bisect."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -44,9 +45,32 @@ def gpu_suite(session: nox.Session) -> None:
                 *(["--world-size", world] if world else []), *extra)
 
 
+@nox.session(venv_params=["--system-site-packages"])
+def nightly(session: nox.Session) -> None:
+    """Every suite x models x construction paths on this node (GPUs if any, else 4 CPU ranks), then the
+    report (Markdown, JUnit, PNGs) in nightly-out/. Arguments after -- go to `harness nightly`."""
+    if shutil.which("nvidia-smi"):
+        session.install("-e", ".[test]")  # the node's torch / TE from the system site packages
+    else:
+        _install_cpu(session)
+    args = session.posargs if any(a.startswith("--out") for a in session.posargs) else ["--out", "nightly-out", *session.posargs]
+    session.run("harness", "nightly", *args)
+
+
 @nox.session
 def baselines(session: nox.Session) -> None:
-    """Record baselines (3 repeats; atomic write; prints the diff). Arguments after -- replace the default."""
+    """Record baselines (3 repeats; atomic write; prints the diff; refuses noisy metrics).
+    Arguments after -- replace the default (e.g. -- --suite ckpt-memory --layout tp1-pp1-cp1-dp4)."""
     _install_cpu(session)
     args = session.posargs or ["--suite", "ckpt-memory", "--model", "small", "--world-size", "4"]
     session.run("harness", "baselines", "record", *args)
+
+
+@nox.session
+def bisect(session: nox.Session) -> None:
+    """`harness bisect` with the arguments after -- (versions in cached virtualenvs, or commits of a checkout)."""
+    if not session.posargs:
+        session.error("give the bisect after --, e.g. nox -s bisect -- --megatron-core 0.15.0..0.16.1 --find-fix "
+                      "--suite ckpt-memory --layout tp1-pp1-cp1-dp4 --ckpt-format dp_reshardable --metric fail --error-is-bad")
+    _install_cpu(session)
+    session.run("harness", "bisect", *session.posargs)

@@ -302,7 +302,7 @@ class GateRefused(BadInput):
 
 
 def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: Terms = REGRESSION) -> str:
-    from harness.report import _fmt_table
+    from harness.report import fmt_table
 
     numeric = metric != "fail"
     rows = []
@@ -313,7 +313,7 @@ def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: 
                      terms.name(r.verdict) + (f" <- first {terms.new}" if t.index == first_bad else ""),
                      f"{t.wall_s:.0f}s", r.why if r.verdict == SKIP or r.value is None else ""])
     header = ["candidate", "tried as", "megatron-core", *([metric, "threshold"] if numeric else []), "verdict", "wall", "note"]
-    return _fmt_table(header, rows)
+    return fmt_table(header, rows)
 
 
 def step_command(args, extra: list[str] | None = None) -> list[str]:

@@ -126,6 +126,13 @@ def _bisect_step(args) -> int:
     return step_main(args)
 
 
+def _nightly(args) -> int:
+    from harness.nightly import SUITES, run_nightly
+
+    return run_nightly(Path(args.out), args.suite or list(SUITES), args.model, args.world_size, args.backend,
+                       args.engine, lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
 def _project_memory(args) -> int:
     from harness.checks.memory_model import MIB, project, save_band
     from harness.layouts import validate
@@ -235,6 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             bs.add_argument("--json", default=None, help="also write the verdict as JSON here")
             bs.set_defaults(func=_bisect_step)
+
+    ni = sub.add_parser("nightly", help="every suite x models x construction paths, then the report")
+    ni.add_argument("--out", required=True, help="directory for every run's results.json and the report")
+    ni.add_argument("--suite", action="append", help="only these suites (repeatable; default: all)")
+    ni.add_argument("--model", action="append",
+                    help="models (repeatable; 'default' is each suite's own; default: default + small on CPU, "
+                         "+ 1b on GPUs)")
+    ni.add_argument("--world-size", type=int, default=None, help="default: the node's GPUs, or 4 CPU ranks")
+    ni.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    ni.add_argument("--engine", default=None, help="only this engine (default: mcore, and every construction "
+                                                   "path for grad-sync)")
+    ni.set_defaults(func=_nightly)
 
     pm = sub.add_parser("project-memory", help="predicted host memory of a checkpoint save at scale")
     pm.add_argument("--model", required=True)

@@ -148,8 +148,8 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     for i, idx in enumerate(order, 1):
         case = cases[idx]
         elapsed = time.monotonic() - t0
-        eta = f", ETA {_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
-        say(f"[{i}/{n} {_clock(elapsed)} elapsed{eta}] {case.id} ...")
+        eta = f", ETA {format_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
+        say(f"[{i}/{n} {format_clock(elapsed)} elapsed{eta}] {case.id} ...")
         result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
         results[idx] = result
         warm = "" if result.fresh_ranks else " (warm ranks)"
@@ -163,6 +163,6 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     return run
 
 
-def _clock(seconds: float) -> str:
+def format_clock(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"

@@ -45,14 +45,18 @@ def _installed() -> bool:
 
 
 def _git_commit() -> str:
+    """Short HEAD of the harness checkout, '-dirty' when it has uncommitted changes; '' outside git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              timeout=5).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if head and git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return ""
 
 
-def _fmt_table(header: list[str], rows: list[list[str]]) -> str:
+def fmt_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(header, widths)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
@@ -95,14 +99,14 @@ def format_run(run: SuiteRun) -> str:
         failing = [c.check.split(".")[-1] for c in checks if not c.passed]
         row += [verdict, ",".join(failing) or "-"]
         rows.append(row)
-    out.append(_fmt_table(["layout", "options", *metric_keys, *check_cols, "verdict", "failed checks"], rows))
+    out.append(fmt_table(["layout", "options", *metric_keys, *check_cols, "verdict", "failed checks"], rows))
     out.append("")
     out.append("phase timings (s, slowest rank):")
     trows = []
     for r in run.results:
         t = r.timings()
         trows.append([r.case.layout.id, *(f"{t[p]:.2f}" if p in t else "-" for p in TIMING_PHASES), f"{r.wall_s:.1f}"])
-    out.append(_fmt_table(["layout", *TIMING_PHASES, "wall"], trows))
+    out.append(fmt_table(["layout", *TIMING_PHASES, "wall"], trows))
     shown = [c for c in run.checks if c.passed and c.show and c.details]
     if shown:
         out.append("")
@@ -144,7 +148,7 @@ def format_summary(outcomes, width: int = 140) -> str:
     for i, o in enumerate(outcomes, 1):
         reason = o.reason if len(o.reason) <= width else o.reason[: width - 3] + "..."
         rows.append([str(i), o.result.case.layout.id, o.result.case.options.short() or "-", o.outcome, reason or "-"])
-    return _fmt_table(["#", "layout", "options", "outcome", "reason"], rows)
+    return fmt_table(["#", "layout", "options", "outcome", "reason"], rows)
 
 
 def to_json(run: SuiteRun) -> dict[str, Any]:

@@ -101,6 +101,9 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
                      + " | ".join(str(n[k]) for k in OUTCOMES) + " |")
     for r in runs:
         lines += ["", f"## {r.title}", "", f"results: `{r.path}`", ""]
+        if r.data.get("skipped"):
+            lines += [f"skipped: {_md_escape(r.data['skipped'])}"]
+            continue
         lines += ["| # | case | outcome | reason |", "|---|---|---|---|"]
         for i, c in enumerate(r.data["cases"], 1):
             opts = c["id"].split("[", 1)[1].rstrip("]") if "[" in c["id"] else ""

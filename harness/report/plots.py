@@ -76,16 +76,17 @@ def ckpt_peaks(run: "RunFile", path: Path) -> Path | None:
             if parts:
                 base = sum(m["baseline"] for m in parts)
                 tol = sum(m["tolerance"] for m in parts)
-                ax.add_patch(plt.Rectangle((x - width / 2, max(0.0, base - tol)), width, base + tol - max(0.0, base - tol),
-                                           fill=False, edgecolor="black", linewidth=0.8))
-                ax.plot([x - width / 2, x + width / 2], [base, base], color="black", linewidth=1.2)
+                low = max(0.0, base - tol)
+                ax.add_patch(plt.Rectangle((x - width / 2, low), width, base + tol - low, facecolor="grey", alpha=0.25,
+                                           edgecolor="black", linestyle="--", linewidth=0.7, zorder=3))
+                ax.plot([x - width / 2, x + width / 2], [base, base], color="black", linewidth=1.2, zorder=4)
                 if any(m["status"] != "pass" for m in parts):
                     ax.annotate(" / ".join(m["status"] for m in parts if m["status"] != "pass"), (x, heap + kids),
                                 rotation=90, fontsize=7, color="red", ha="center", va="bottom")
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("host peak of the save, MiB")
     ax.set_title(f"{run.title}: host peak per rank (solid: rank heap, hatched: forked writers); "
-                 "box: baseline +- tolerance", fontsize=9)
+                 "grey box: baseline +- tolerance, line: baseline", fontsize=9)
     ax.legend(fontsize=7, ncol=ranks)
     ax.grid(axis="y", alpha=0.3)
     if device:
@@ -151,14 +152,15 @@ def collective_bytes(run: "RunFile", path: Path) -> Path | None:
     keys = sorted({k for t in totals for k in t})
     fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(cases) + 3), 5.5))
     bottom = [0.0] * len(cases)
+    colors = plt.get_cmap("tab20")
     for j, key in enumerate(keys):
         vals = [t.get(key, 0.0) for t in totals]
-        ax.bar(range(len(cases)), vals, 0.7, bottom=bottom, label=key, color=f"C{j % 10}")
+        ax.bar(range(len(cases)), vals, 0.7, bottom=bottom, label=key, color=colors(j % 20))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=70, ha="right", fontsize=7)
     ax.set_ylabel("MiB moved, all ranks, all recorded steps")
     ax.set_title(f"{run.title}: collective bytes by group role / kind", fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

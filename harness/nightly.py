@@ -1,0 +1,83 @@
+"""`harness nightly`: every suite x the models x the construction paths at the node's world size, each run's
+results.json under one directory, then `harness report` over it. Keeps going after failures."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from harness.errors import BadInput
+
+SUITES = ("equivalence", "grad-sync", "ckpt-memory", "dynamic-cp")
+PATHS = {"grad-sync": ("mcore", "megatron-bridge", "mbridge")}  # R2: every construction path
+DEFAULT_MODELS = {"gloo": ("default", "small"), "nccl": ("default", "small", "1b")}
+
+
+@dataclass(frozen=True)
+class Item:
+    suite: str
+    model: str | None  # None: the suite's default model
+    engine: str
+
+    @property
+    def slug(self) -> str:
+        return f"{self.suite}-{self.engine}-{self.model or 'default'}".replace(":", "-")
+
+
+def plan_items(suites: list[str], models: list[str], engine: str | None) -> list[Item]:
+    from harness.suites import get_suite
+
+    items: list[Item] = []
+    for name in suites:
+        default = get_suite(name).default_model
+        for model in dict.fromkeys(default if m == "default" else m for m in models):
+            for eng in ([engine] if engine else PATHS.get(name, ("mcore",))):
+                items.append(Item(name, model, eng))
+    return items
+
+
+def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_size: int | None, backend: str,
+                engine: str | None, say: Callable[[str], None]) -> int:
+    import json
+
+    from harness import report
+    from harness.driver import format_clock, run_suite
+    from harness.report import fmt_table
+    from harness.platform import resolve_backend
+    from harness.platform.backend import cuda_device_count
+    from harness.report.files import write_report, write_text
+
+    unknown = sorted(set(suites) - set(SUITES))
+    if unknown:
+        raise BadInput(f"unknown suite(s) {unknown}; nightly runs {', '.join(SUITES)}")
+    world = world_size or (cuda_device_count() if backend in ("auto", "nccl") and cuda_device_count() else 4)
+    backend = resolve_backend(backend, world)
+    items = plan_items(suites, list(models or DEFAULT_MODELS[backend]), engine)
+    say(f"nightly: {len(items)} runs at world size {world} ({backend}) into {out}")
+    t0, rows, passed = time.monotonic(), [], True
+    for i, item in enumerate(items, 1):
+        say(f"== run {i}/{len(items)} ({format_clock(time.monotonic() - t0)} elapsed): "
+            f"{item.suite} {item.model} {item.engine}")
+        try:
+            run = run_suite(item.suite, item.model, world, engine=item.engine, backend=backend)
+        except BadInput as exc:  # a path whose package is missing, a model too large for the world size, ...
+            reason = str(exc)
+            write_text(out / item.slug / "results.json", json.dumps(
+                {"suite": item.suite, "engine": item.engine, "model": item.model, "world_size": world,
+                 "backend": backend, "cases": [], "checks": [], "passed": True, "skipped": reason}))
+            rows.append([item.suite, item.model, item.engine, "skipped", "-", reason[:100]])
+            say(f"   skipped: {reason}")
+            continue
+        print(report.format_run(run), flush=True)
+        report.write_results(run, out / item.slug)
+        passed &= run.passed
+        rows.append([item.suite, item.model, item.engine, "pass" if run.passed else "FAIL", f"{run.wall_s:.0f}s",
+                     report.count_outcomes(run.outcomes())])
+    written = write_report(out)
+    print("\nnightly summary:")
+    print(fmt_table(["suite", "model", "engine", "verdict", "wall", "cases"], rows))
+    print(f"report: {written['markdown']} (junit: {written['junit']}); "
+          f"{format_clock(time.monotonic() - t0)} in all")
+    return 0 if passed else 1
