@@ -161,8 +161,8 @@ def expand_versions(specs: list[str], available: Callable[[], list[str]]) -> lis
     return list(dict.fromkeys(out))
 
 
-def version_env(package: str, version: str, cache: Path) -> tuple[str, dict[str, str]]:
-    """(python, extra env) of a cached virtualenv holding `package==version` over this environment.
+def version_env(package: str, version: str, cache: Path) -> str:
+    """The python of a cached virtualenv holding `package==version` over this environment.
 
     The venv gets only that package (--no-deps); a .pth file adds this interpreter's site-packages after
     its own, so torch, the harness and the rest come from here and the pinned package shadows ours."""
@@ -187,7 +187,7 @@ def version_env(package: str, version: str, cache: Path) -> tuple[str, dict[str,
             raise RuntimeError(f"pip install {package}=={version} failed: "
                                f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
         marker.write_text(version)
-    return str(python), {}
+    return str(python)
 
 
 class Worktree:
@@ -335,10 +335,10 @@ def step_command(args, extra: list[str] | None = None) -> list[str]:
     return cmd + (extra or [])
 
 
-def run_in(python: str, args, env_extra: dict[str, str], pythonpath: list[str], workdir: Path) -> StepResult:
+def run_in(python: str, args, pythonpath: list[str], workdir: Path) -> StepResult:
     """One candidate: `harness bisect-step` in a fresh process of that environment."""
     out = workdir / f"step-{time.monotonic_ns()}.json"
-    env = {**os.environ, **env_extra}
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(Path(__file__).resolve().parents[1]),
                                          *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     proc = subprocess.run([python, *step_command(args, ["--json", str(out)])], env=env, capture_output=True, text=True,
@@ -370,10 +370,10 @@ def bisect(args, say: Callable[[str], None]) -> int:
 
             def judge(i: int) -> StepResult:
                 try:
-                    python, env = version_env("megatron-core", versions[i], cache)
+                    python = version_env("megatron-core", versions[i], cache)
                 except RuntimeError as exc:
                     return StepResult(SKIP, why=str(exc))
-                return run_in(python, args, env, [], workdir)
+                return run_in(python, args, [], workdir)
         else:
             if not (args.repo and args.good and args.bad):
                 raise BadInput("give --megatron-core VERSIONS, or --repo PATH with --good REV and --bad REV")
@@ -384,7 +384,7 @@ def bisect(args, say: Callable[[str], None]) -> int:
 
             def judge(i: int) -> StepResult:
                 path = worktree.checkout(commits[i][0])
-                return run_in(sys.executable, args, {}, [str(path / args.path_in_repo)], workdir)
+                return run_in(sys.executable, args, [str(path / args.path_in_repo)], workdir)
         terms = FIX if args.find_fix else REGRESSION
         if args.find_fix:  # search for the first good one: swap the states (a skip stays a skip)
             judge = _flipped(judge)

@@ -54,3 +54,14 @@ def test_report_refuses_a_directory_without_results(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "is not a harness results file" in capsys.readouterr().err
     assert not (tmp_path / "report.md").exists()
+
+
+def test_nightly_plan_covers_every_suite_model_and_construction_path():
+    from harness.nightly import plan_items
+
+    items = plan_items(["grad-sync", "ckpt-memory"], ["default", "small"], None)
+    assert [(i.suite, i.model, i.engine) for i in items] == [
+        ("grad-sync", "tiny", "mcore"), ("grad-sync", "tiny", "megatron-bridge"), ("grad-sync", "tiny", "mbridge"),
+        ("grad-sync", "small", "mcore"), ("grad-sync", "small", "megatron-bridge"), ("grad-sync", "small", "mbridge"),
+        ("ckpt-memory", "small", "mcore")]  # small is ckpt-memory's own model: once
+    assert [i.engine for i in plan_items(["grad-sync"], ["default"], "my_rl.engine:make")] == ["my_rl.engine:make"]
