@@ -318,20 +318,12 @@ def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: 
 
 def step_command(args, extra: list[str] | None = None) -> list[str]:
     """The `harness bisect-step` arguments that judge the same cases with the same metric."""
-    cmd = ["-m", "harness.cli", "bisect-step", "--suite", args.suite, "--world-size", str(args.world_size),
-           "--metric", args.metric, "--max", args.max, "--engine", args.engine, "--backend", args.backend,
-           "--steps", str(args.steps), "--seed", str(args.seed), "--dtype", args.dtype]
-    for flag, value in (("--model", args.model), ("--timeout", args.timeout), ("--baselines-dir", args.baselines_dir)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    for lay in args.layout or []:
-        cmd += ["--layout", lay]
-    for fmt in args.ckpt_format or []:
-        cmd += ["--ckpt-format", fmt]
-    for flag in ("distributed_optimizer", "overlap_grad_reduce", "fully_parallel_save", "async_save",
-                 "error_is_bad", "fresh_ranks"):
-        if getattr(args, flag):
-            cmd.append("--" + flag.replace("_", "-"))
+    from harness.cli import case_argv
+
+    cmd = ["-m", "harness.cli", "bisect-step", *case_argv(args), "--metric", args.metric, "--max", args.max]
+    if args.baselines_dir is not None:
+        cmd += ["--baselines-dir", args.baselines_dir]
+    cmd += [f"--{flag.replace('_', '-')}" for flag in ("error_is_bad", "fresh_ranks") if getattr(args, flag)]
     return cmd + (extra or [])
 
 

@@ -179,6 +179,24 @@ def _add_case_args(p: argparse.ArgumentParser) -> None:
                    help="ckpt-memory: megatron's async save (the write in a forked process)")
 
 
+def case_argv(args) -> list[str]:
+    """The shared case-selection flags of parsed args, back as command-line arguments (non-defaults only)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_case_args(probe)
+    out: list[str] = []
+    for action in probe._actions:
+        value, flag = getattr(args, action.dest), action.option_strings[0]
+        if value is None or value == action.default or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list):
+            out += [x for v in value for x in (flag, str(v))]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="harness", description="Regression harness for Megatron-based training engines.")
     sub = p.add_subparsers(dest="command", required=True)

@@ -138,3 +138,15 @@ def test_bisect_refuses_a_pair_that_does_not_reproduce(engine_repo, tmp_path, ca
 def test_bisect_step_for_git_bisect_run_refuses_bad_input(capsys):
     assert cli.main(["bisect-step", "--suite", "ckpt-memory", "--metric", "x", "--max", "lots"]) == 2
     assert "--max 'lots': give a number" in capsys.readouterr().err
+
+
+def test_each_step_gets_the_same_case_selection():
+    from harness.bisect import step_command
+
+    argv = ["--suite", "ckpt-memory", "--layout", "tp1-pp1-cp1-dp4", "--layout", "tp2-pp1-cp1-dp2",
+            "--ckpt-format", "default", "--fully-parallel-save", "--model", "small", "--world-size", "2"]
+    args = cli.build_parser().parse_args(["bisect", *argv, "--metric", "fail", "--error-is-bad",
+                                          "--megatron-core", "0.16.0", "0.16.1"])
+    step = cli.build_parser().parse_args(step_command(args)[2:])
+    assert step.command == "bisect-step" and step.metric == "fail" and step.error_is_bad
+    assert cli.case_argv(step) == cli.case_argv(args) and set(cli.case_argv(step)) == set(argv)
