@@ -96,6 +96,7 @@ class CaseOptions:
     overlap_grad_reduce: bool = False
     grad_reduce_in_fp32: bool = False
     lr: float = 1e-3
+    adam_eps: float = 1e-8  # megatron's default
     global_batch_size: int | None = None  # None: the model spec's
     micro_batch_size: int | None = None
     # checkpoint suites: distributed-optimizer format (distrib_optim_sharding_type), with

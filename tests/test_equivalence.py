@@ -10,8 +10,8 @@ from harness.driver import run_suite
 from harness.engines.base import ParamShard, StepOutput, tp_shard
 from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
-from harness.spec import Case, Layout
-from harness.suites.equivalence import EquivalenceSuite
+from harness.spec import Case, CaseOptions, Layout
+from harness.suites.equivalence import EQUIVALENCE_ADAM_EPS, EquivalenceSuite
 
 
 def test_tp_unshard_inverts_shard_for_glu_blocks():
@@ -75,3 +75,10 @@ def test_planted_tp_gradient_bug_fails_the_suite():
 def test_context_parallel_layout_matches_with_the_reference_attention():
     run = run_suite("equivalence", "tiny", 2, ["tp1-pp1-cp2-dp1"], backend="gloo")
     assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results]
+
+
+def test_cases_condition_adam_eps_unless_the_user_set_it():
+    suite, model = EquivalenceSuite(), load_model("tiny")
+    assert {c.options.adam_eps for c in suite.cases(model, 2, None)} == {EQUIVALENCE_ADAM_EPS}
+    own = suite.cases(model, 2, None, options=CaseOptions(adam_eps=3e-8))
+    assert {c.options.adam_eps for c in own} == {3e-8}

@@ -99,7 +99,7 @@ class McoreEngine:
 
         o = self.case.options
         return OptimizerConfig(
-            optimizer="adam", lr=o.lr, weight_decay=0.0, clip_grad=1.0,
+            optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=1.0,
             bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=_DTYPES[o.dtype],
             use_distributed_optimizer=use_distributed_optimizer,
         )

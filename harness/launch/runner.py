@@ -9,6 +9,7 @@ every rank's process group is SIGKILLed before run_case returns: no orphans.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import shutil
@@ -27,12 +28,15 @@ STACK_WAIT_S = 1.5  # how long hung ranks get to dump their stacks after SIGUSR1
 _PHASE_RE = re.compile(r"\[harness\] rank \d+ phase (\S+)")
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    # A parent that died between our fork and the prctl sends no signal: we would live on as an orphan.
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
@@ -97,7 +101,8 @@ def _spawn(argv: list[str], env: dict[str, str], log: Path, stdin=subprocess.DEV
     with open(log, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "harness.launch.worker", *argv], stdin=stdin, stdout=f,
-            stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+            stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
 
 

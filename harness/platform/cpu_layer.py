@@ -14,6 +14,12 @@ Patched points (see ../shared/design/MEGATRON_FACTS.md):
 - torch.cuda.synchronize, Stream, Event, current_stream, default_stream, stream -> no-ops.
 - RNG: model_parallel_cuda_manual_seed needs CUDA; `seed_rng` installs megatron's inference RNG
   tracker (its fork is a no-op, so dropout must stay 0) and seeds torch's CPU generator.
+- Norms of low-precision CPU tensors are computed in float64 and cast back. torch's CPU norm kernel
+  keeps one fp32 accumulator (pytorch/pytorch#169237; 1e-5 relative error on 1M randn elements
+  with torch 2.13), where GPU ranks get apex / TE's blocked l2norm (~1e-7). Megatron's CPU fallback
+  for the grad norm (`local_multi_tensor_l2_norm`) calls torch.norm per parameter, so the clip
+  coefficient differed by ~6e-6 between layouts (TP shards change the error) and Adam turned that
+  into 2.6e-5 parameter differences on `small` at TP=2 after two steps.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ PATCHED_POINTS = (
     "Tensor.pin_memory",
     "Tensor.type",
     "megatron RNG tracker (seed_rng)",
+    "torch.norm / Tensor.norm / torch.linalg.(vector_)norm (fp32 accumulation -> float64)",
 )
 
 _CPU = torch.device("cpu")
@@ -82,11 +89,25 @@ class _FakeStream:
         return 0.0
 
 
+_NORMS = frozenset({torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm})
+_LOW_PRECISION = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def _norm_in_float64(func, args, kwargs):
+    x = args[0] if args else None
+    if (not isinstance(x, torch.Tensor) or x.dtype not in _LOW_PRECISION or x.device.type != "cpu"
+            or kwargs.get("out") is not None or kwargs.get("dtype") is not None):
+        return func(*args, **kwargs)
+    return func(x.double(), *args[1:], **kwargs).to(x.dtype)
+
+
 class CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA placements to the CPU for every torch call made while it is active."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in _NORMS:
+            return _norm_in_float64(func, args, kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.pin_memory:
