@@ -109,3 +109,19 @@ class MbridgeOverrideOnly(_mbridge_engine()):
 
     def bridge_ddp_config(self):
         return dict(self.overrides)
+
+
+class NaNParamAfterLastStep(McoreEngine):
+    """Writes NaN into one element of one parameter after the last training step, on every layout but
+    pure DP (the equivalence reference): a NaN error must fail, not compare as within tolerance."""
+
+    def train_step(self, step: int):
+        import torch
+
+        out = super().train_step(step)
+        lay = self.case.layout
+        if step == self.case.options.steps - 1 and (lay.tp, lay.pp, lay.cp) != (1, 1, 1):
+            with torch.no_grad():
+                p = next(iter(self.models[0].module.parameters()))
+                p.view(-1)[0] = float("nan")
+        return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -65,10 +67,19 @@ def test_planted_tp_gradient_bug_fails_the_suite():
                     engine="tests.faulty_engines:SkipOneTpGradReduce")
     assert all(r.ok for r in run.results), [r.error for r in run.results]
     failed = {c.check: c for c in run.checks if not c.passed}
-    assert "equivalence.params" in failed, [c.message for c in run.checks]
+    # what README promises: the losses, the full parameters and the TP-replicated copies all fail
+    assert set(failed) == {"equivalence.loss", "equivalence.params", "equivalence.replicas"}, \
+        [c.message for c in run.checks]
+    assert re.fullmatch(r"loss step \d: tp2-pp1-cp1-dp1 [0-9.]+ vs tp1-pp1-cp1-dp2 [0-9.]+, rel diff [0-9.e-]+ > 1e-05",
+                        failed["equivalence.loss"].message), failed["equivalence.loss"].message
+    assert failed["equivalence.loss"].value > 1e-4
     msg = failed["equivalence.params"].message
-    assert "params differ from tp1-pp1-cp1-dp2 after 2 steps; worst" in msg and "> 1e-05" in msg
-    assert not run.passed
+    assert re.match(r"\d+/14 params differ from tp1-pp1-cp1-dp2 after 2 steps; worst \S+: rel [0-9.e-]+ > 1e-05$", msg), msg
+    assert failed["equivalence.params"].value > 1e-2
+    assert re.match(r"\d+ params differ between copies that must be identical \(DP/CP replicas, TP-replicated params, "
+                    r"tied embeddings\); worst \S+layernorm\S*: max abs", failed["equivalence.replicas"].message), \
+        failed["equivalence.replicas"].message
+    assert not run.passed and run.exit_code == 1
 
 
 @pytest.mark.slow

@@ -7,13 +7,15 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.checks.numeric import worst as nan_worst
 from harness.engines.base import ParamShard, tp_unshard
 
 
 @dataclass
 class FullParams:
     tensors: dict[str, torch.Tensor]
-    # name -> largest max-abs difference among copies of the same shard (DP / CP replicas, tied copies)
+    # name -> largest max-abs difference among copies of the same shard (DP / CP replicas, tied copies);
+    # NaN when a copy holds a NaN (NaN != NaN: a NaN replica is never "identical")
     replica_spread: dict[str, float]
 
 
@@ -33,8 +35,8 @@ def assemble(shards_per_rank: list[list[ParamShard]]) -> FullParams:
             for c in copies[1:]:
                 if c.tensor.shape != ref.shape:
                     worst = float("inf")
-                else:
-                    worst = max(worst, float((c.tensor - ref).abs().max()))
+                elif c.tensor.numel():
+                    worst = nan_worst([worst, float((c.tensor.double() - ref.double()).abs().max())])
             parts.append(ref)
         first = pieces[min(pieces)][0]
         if first.partition_dim is not None:

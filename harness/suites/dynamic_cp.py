@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from harness.checks import CheckResult
+from harness.checks.numeric import beyond, fmt_err, nonfinite_count, nonfinite_summary, severity, within
 from harness.checks.tensors import rel_error
 from harness.engines import resolve_factory
-from harness.engines.dynamic_cp import CPEngine, TokenOutputs, check_dynamic_cp_available, pad_sample
+from harness.engines.dynamic_cp import CPEngine, TokenOutputs, check_dynamic_cp_available
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -192,8 +193,9 @@ class DynamicCPSuite:
         rows = []
         if o.cp_mode == "dynamic":
             for i, n in enumerate(lengths):
-                padded = pad_sample({"tokens": torch.zeros(n), "sample_id": torch.zeros(n), "position_ids": torch.zeros(n)},
-                                    2 * res.case.layout.world_size)["tokens"].shape[0]
+                # The harness's own arithmetic, not the engine's padding (the code under test): the
+                # sample padded to a multiple of 2 x world size, as the zigzag split needs.
+                padded = n + (-n % (2 * res.case.layout.world_size))
                 need = expected_local_cp(padded, o.max_seqlen_per_dp_cp_rank)
                 got = sorted(local_cp.get(i, set()))
                 rows.append(f"  sample {i}: length {n}, local CP {','.join(map(str, got)) or '-'} (needs >= {need})")
@@ -230,12 +232,14 @@ class DynamicCPSuite:
                 rows.append(f"  sample {i}: {len(g)} log-probs merged, length {len(w)} expected")
                 worst = max(worst, (float("inf"), i))
                 continue
-            abs_err = float((g - w).abs().max())
-            rel = abs_err / max(float(w.abs().max()), 1e-12)
-            rows.append(f"  sample {i}: length {len(w)}, max abs {abs_err:.2e}, rel {rel:.2e}")
-            if rel > rtol:
+            abs_err = float((g.double() - w.double()).abs().max()) if len(w) else 0.0
+            rel = abs_err / max(float(w.abs().max()), 1e-12) if len(w) else 0.0
+            n_bad = nonfinite_count(g) + nonfinite_count(w)
+            rows.append(f"  sample {i}: length {len(w)}, max abs {fmt_err(abs_err)}, rel {fmt_err(rel)}"
+                        + (f", {n_bad} non-finite log-probs" if n_bad else ""))
+            if beyond(rel, rtol):
                 bad.append(i)
-            worst = max(worst, (rel, i))
+            worst = max(worst, (rel, i), key=lambda t: severity(t[0]))
         if bad:
             i = bad[0]
             return CheckResult("dynamic-cp.logprobs", res.case.id, False,
@@ -248,11 +252,11 @@ class DynamicCPSuite:
     @staticmethod
     def _check_loss(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
         got, want = _loss(res), _loss(ref)
-        rel = abs(got - want) / abs(want)
-        ok = rel <= rtol
+        rel = abs(got - want) / abs(want) if want else abs(got - want)
+        ok = within(rel, rtol)
         return CheckResult("dynamic-cp.loss", res.case.id, ok,
                            f"{res.case.layout.id} {res.case.options.cp_mode}: per-token loss {got:.8f} vs no CP "
-                           f"{want:.8f} (tokens {_tokens(res)} vs {_tokens(ref)}), rel {rel:.2e} "
+                           f"{want:.8f} (tokens {_tokens(res)} vs {_tokens(ref)}), rel {fmt_err(rel)} "
                            f"{'<=' if ok else '>'} {rtol:.0e}", value=rel)
 
     @staticmethod
@@ -263,14 +267,16 @@ class DynamicCPSuite:
             return CheckResult("dynamic-cp.grads", res.case.id, False,
                                f"{head}: parameter names differ from no CP: {sorted(set(got) ^ set(want))[:5]}")
         errs = {n: rel_error(got[n], want[n]) for n in want}
-        worst = max(errs, key=errs.get)
-        bad = sorted((n for n in errs if errs[n] > rtol), key=lambda n: -errs[n])
+        worst = max(errs, key=lambda n: severity(errs[n]))
+        bad = sorted((n for n in errs if beyond(errs[n], rtol)), key=lambda n: -severity(errs[n]))
         if bad:
             ratio = float(got[bad[0]].norm() / want[bad[0]].norm().clamp_min(1e-30))
+            _, nonfinite = nonfinite_summary({n: got[n] for n in bad})
             return CheckResult("dynamic-cp.grads", res.case.id, False,
                                f"{head}: {len(bad)}/{len(errs)} gradients differ from no CP; worst {bad[0]}: rel "
-                               f"{errs[bad[0]]:.2e} > {rtol:.0e} (norm ratio {ratio:.4f})",
-                               [f"  {n}: rel {errs[n]:.2e}" for n in bad], value=errs[bad[0]])
+                               f"{fmt_err(errs[bad[0]])} > {rtol:.0e} (norm ratio {ratio:.4f})"
+                               + (f" (non-finite: {nonfinite})" if nonfinite else ""),
+                               [f"  {n}: rel {fmt_err(errs[n])}" for n in bad], value=errs[bad[0]])
         return CheckResult("dynamic-cp.grads", res.case.id, True,
                            f"{head}: {len(errs)} gradients equal no CP, worst {worst} rel {errs[worst]:.2e} <= {rtol:.0e}",
                            value=errs[worst])

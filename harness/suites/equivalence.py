@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from harness.checks import CheckResult
+from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, severity, within
 from harness.checks.tensors import assemble, max_abs, rel_error
 from harness.engines import make_engine
 from harness.launch.context import RankContext
@@ -95,6 +97,7 @@ class EquivalenceSuite:
                                        res.error.splitlines()[1:]))
                 continue
             full = assemble([r.data["params"] for r in res.ranks])
+            out.append(self._check_finite(res, full.tensors))
             out.append(self._check_replicas(cid, full.replica_spread))
             if res is ref:
                 continue
@@ -107,12 +110,30 @@ class EquivalenceSuite:
         return out
 
     @staticmethod
+    def _check_finite(res: CaseResult, params: dict) -> CheckResult:
+        """Every loss and every parameter element finite (the reference's too: it judges the rest)."""
+        cid, lay = res.case.id, res.case.layout.id
+        losses = step_losses(res)
+        bad_losses = [i for i, x in enumerate(losses) if not math.isfinite(x)]
+        n_bad, what = nonfinite_summary(params)
+        if not bad_losses and not n_bad:
+            return CheckResult("equivalence.finite", cid, True,
+                               f"{lay}: {len(losses)} step losses and {len(params)} params finite")
+        parts = []
+        if bad_losses:
+            parts.append(f"loss of step {bad_losses[0]} is {losses[bad_losses[0]]}")
+        if n_bad:
+            parts.append(f"{n_bad}/{len(params)} params hold non-finite values after {res.case.options.steps} "
+                         f"steps: {what}")
+        return CheckResult("equivalence.finite", cid, False, f"{lay}: " + "; ".join(parts))
+
+    @staticmethod
     def _check_replicas(cid: str, spread: dict[str, float]) -> CheckResult:
-        bad = {n: s for n, s in spread.items() if s > REPLICA_ATOL}
+        bad = {n: s for n, s in spread.items() if beyond(s, REPLICA_ATOL)}
         if not bad:
             return CheckResult("equivalence.replicas", cid, True, f"{len(spread)} params identical across replicas",
                                value=0.0)
-        worst = max(bad, key=bad.get)
+        worst = max(bad, key=lambda n: severity(bad[n]))
         return CheckResult("equivalence.replicas", cid, False,
                            f"{len(bad)} params differ between copies that must be identical (DP/CP replicas, TP-replicated params, tied embeddings); worst {worst}: max abs {bad[worst]:.3g}",
                            [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())], value=bad[worst])
@@ -123,13 +144,13 @@ class EquivalenceSuite:
         if len(losses) != len(ref_losses):
             return CheckResult("equivalence.loss", cid, False,
                                f"{lay} reported {len(losses)} step losses, {rlay} {len(ref_losses)}")
-        errs = [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]
-        rows = [f"  step {i}: {lay} {a:.8f}  {rlay} {b:.8f}  rel {e:.2e}"
+        errs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(losses, ref_losses)]
+        rows = [f"  step {i}: {lay} {a:.8f}  {rlay} {b:.8f}  rel {fmt_err(e)}"
                 for i, (a, b, e) in enumerate(zip(losses, ref_losses, errs))]
-        worst = max(range(len(errs)), key=errs.__getitem__)
-        ok = errs[worst] <= rtol
+        worst = max(range(len(errs)), key=lambda i: severity(errs[i]))
+        ok = within(errs[worst], rtol)
         msg = (f"loss step {worst}: {lay} {losses[worst]:.8f} vs {rlay} {ref_losses[worst]:.8f}, "
-               f"rel diff {errs[worst]:.2e} {'<=' if ok else '>'} {rtol:.0e}")
+               f"rel diff {fmt_err(errs[worst])} {'<=' if ok else '>'} {rtol:.0e}")
         return CheckResult("equivalence.loss", cid, ok, msg, rows, value=errs[worst])
 
     @staticmethod
@@ -140,13 +161,16 @@ class EquivalenceSuite:
             return CheckResult("equivalence.params", cid, False,
                                f"parameter names differ between {lay} and {rlay}: {missing[:5]}")
         errs = {n: rel_error(params[n], ref_params[n]) for n in ref_params}
-        bad = sorted((n for n in errs if errs[n] > rtol), key=lambda n: -errs[n])
-        worst = max(errs, key=errs.get)
+        bad = sorted((n for n in errs if beyond(errs[n], rtol)), key=lambda n: -severity(errs[n]))
+        worst = max(errs, key=lambda n: severity(errs[n]))
         if not bad:
             return CheckResult("equivalence.params", cid, True,
                                f"{len(errs)} params equal to {rlay}; worst {worst} rel {errs[worst]:.2e} <= {rtol:.0e}",
                                value=errs[worst])
-        rows = [f"  {n}: rel {errs[n]:.2e}, max abs {max_abs(params[n], ref_params[n]):.3g}" for n in bad]
+        rows = [f"  {n}: rel {fmt_err(errs[n])}, max abs {max_abs(params[n], ref_params[n]):.3g}" for n in bad]
+        _, nonfinite = nonfinite_summary({n: params[n] for n in bad})
         return CheckResult("equivalence.params", cid, False,
                            f"{len(bad)}/{len(errs)} params differ from {rlay} after {res.case.options.steps} steps; "
-                           f"worst {bad[0]}: rel {errs[bad[0]]:.2e} > {rtol:.0e}", rows, value=errs[bad[0]])
+                           f"worst {bad[0]}: rel {fmt_err(errs[bad[0]])} > {rtol:.0e}"
+                           + (f" (non-finite: {nonfinite})" if nonfinite else ""), rows, value=errs[bad[0]])
+

@@ -10,6 +10,7 @@ from collections import Counter
 
 from harness.checks import CheckResult
 from harness.checks.grad_sync import compare, dp_records, plan
+from harness.checks.numeric import beyond, severity
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
 from harness.launch.context import RankContext
@@ -199,12 +200,12 @@ class GradSyncSuite:
     @staticmethod
     def _check_replicas(res: CaseResult) -> CheckResult:
         full = assemble([r.data["params"] for r in res.ranks])
-        bad = {n: s for n, s in full.replica_spread.items() if s > 0}
+        bad = {n: s for n, s in full.replica_spread.items() if beyond(s, 0.0)}
         if not bad:
             return CheckResult("grad-sync.replicas", res.case.id, True,
                                f"{len(full.replica_spread)} params bit-identical across DP replicas after "
                                f"{res.case.options.steps} steps", value=0.0)
-        worst = max(bad, key=bad.get)
+        worst = max(bad, key=lambda n: severity(bad[n]))
         return CheckResult(
             "grad-sync.replicas", res.case.id, False,
             f"DP replicas drifted after {res.case.options.steps} steps: {len(bad)} params differ, worst {worst} "
