@@ -1,4 +1,4 @@
-"""The `harness` command. Exit codes: 0 all checks pass, 1 a check failed, 2 bad input."""
+"""The `harness` command. Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 5 nothing judged."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _run(args) -> int:
     if args.out:
         path = report.write_results(run, Path(args.out))
         print(f"results: {path}")
-    return 0 if run.passed else 1
+    return run.exit_code
 
 
 def _baselines_diff(args) -> int:
@@ -94,7 +94,7 @@ def _baselines(args) -> int:
         run = run_suite(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir,
                         **kwargs)
         print(report.format_run(run))
-        return 0 if run.passed else 1
+        return run.exit_code
     try:
         path, diff = baselines.record_suite(args.suite, args.model, args.world_size, args.layout,
                                             repeats=args.repeats, baselines_dir=args.baselines_dir, **kwargs)

@@ -19,7 +19,11 @@ from harness.spec import CaseOptions, Layout
 from harness.suites import Suite, get_suite
 
 
-OUTCOMES = ("pass", "regression", "improvement", "error", "skipped")
+# "unjudged": the case ran but no check judged it - never a pass (a check that did not run cannot fail).
+OUTCOMES = ("pass", "regression", "improvement", "error", "skipped", "unjudged")
+# Exit codes of `harness run` / `baselines check` / `nightly`. 5 = nothing judged: every case skipped or
+# no check ran, the analogue of pytest's "no tests collected".
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_NOTHING_JUDGED = 0, 1, 2, 5
 
 
 @dataclass
@@ -50,6 +54,8 @@ def _outcome(result: CaseResult, checks: list[CheckResult]) -> CaseOutcome:
         return CaseOutcome(result, "skipped", (result.error.splitlines() or ["skipped"])[0], checks)
     if not result.ok:
         return CaseOutcome(result, "error", error_summary(result.error).removeprefix(f"case {result.case.id}: "), checks)
+    if not checks:
+        return CaseOutcome(result, "unjudged", "the case ran but no check judged it", checks)
     failed = [c for c in checks if not c.passed]
     if not failed:
         return CaseOutcome(result, "pass", "", checks)
@@ -71,8 +77,24 @@ class SuiteRun:
 
     @property
     def passed(self) -> bool:
-        """Every case ran (or was skipped for a missing dependency) and every check passed."""
-        return all(r.ok or r.skipped for r in self.results) and all(c.passed for c in self.checks)
+        """Something was judged, every case ran (or was skipped for a missing dependency), every case
+        that ran was judged by at least one check, and every check passed."""
+        return self.verdict == "pass"
+
+    @property
+    def verdict(self) -> str:
+        """'pass', 'fail' (a check failed, a case errored or went unjudged) or 'nothing judged'
+        (no check ran at all: every case skipped, or none planned)."""
+        if not self.checks and not self.errors:
+            return "nothing judged"
+        outcomes = self.outcomes()
+        if all(o.outcome in ("pass", "skipped") for o in outcomes) and all(c.passed for c in self.checks):
+            return "pass"
+        return "fail"
+
+    @property
+    def exit_code(self) -> int:
+        return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "nothing judged": EXIT_NOTHING_JUDGED}[self.verdict]
 
     @property
     def errors(self) -> list[str]:

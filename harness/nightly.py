@@ -62,19 +62,22 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             f"{item.suite} {item.model} {item.engine}")
         try:
             run = run_suite(item.suite, item.model, world, engine=item.engine, backend=backend)
-        except BadInput as exc:  # a path whose package is missing, a model too large for the world size, ...
+        except BadInput as exc:  # a path whose package is missing, a corrupt baseline file, ...
+            # A planned run that judged nothing is a failure of the nightly, never a silent skip.
             reason = str(exc)
             write_text(out / item.slug / "results.json", json.dumps(
                 {"suite": item.suite, "engine": item.engine, "model": item.model, "world_size": world,
-                 "backend": backend, "cases": [], "checks": [], "passed": True, "skipped": reason}))
-            rows.append([item.suite, item.model, item.engine, "skipped", "-", reason[:100]])
-            say(f"   skipped: {reason}")
+                 "backend": backend, "cases": [], "checks": [], "passed": False, "verdict": "nothing judged",
+                 "nothing_judged": reason}))
+            passed = False
+            rows.append([item.suite, item.model, item.engine, "NOTHING JUDGED", "-", reason[:100]])
+            say(f"   nothing judged: {reason}")
             continue
         print(report.format_run(run), flush=True)
         report.write_results(run, out / item.slug)
         passed &= run.passed
-        rows.append([item.suite, item.model, item.engine, "pass" if run.passed else "FAIL", f"{run.wall_s:.0f}s",
-                     report.count_outcomes(run.outcomes())])
+        rows.append([item.suite, item.model, item.engine, run.verdict.upper() if not run.passed else "pass",
+                     f"{run.wall_s:.0f}s", report.count_outcomes(run.outcomes())])
     written = write_report(out)
     print("\nnightly summary:")
     print(fmt_table(["suite", "model", "engine", "verdict", "wall", "cases"], rows))

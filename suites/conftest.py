@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -41,6 +43,69 @@ def publish(request: pytest.FixtureRequest):
     """Suites hand their formatted tables here; they are printed in pytest's terminal summary."""
     reports = request.config.stash.setdefault(_REPORTS, [])
     return reports.append
+
+
+@pytest.fixture(scope="session")
+def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
+    """run(suite, engine=None, label=None) -> SuiteRun: the suite with the session's options, its table
+    published and its results written. With --update-baselines a suite that has baselines is recorded
+    first (3 repeats), then run again against the new file. A missing dependency skips the test."""
+    from harness import report
+    from harness.driver import run_suite
+    from harness.errors import MissingDependency
+    from harness.suites import get_suite
+
+    c = request.config
+    baselines_dir = c.getoption("--baselines-dir")
+
+    def run(name, engine: str | None = None, label: str | None = None):
+        engine = engine or harness_opts["engine"]
+        common = dict(engine=engine, backend=harness_opts["backend"], baselines_dir=baselines_dir)
+        try:
+            if c.getoption("--update-baselines") and hasattr(get_suite(name), "samples"):
+                from harness.baselines import record_suite
+
+                path, diff = record_suite(name, harness_opts["model"], harness_opts["world_size"], **common)
+                publish(f"recorded {path}:\n{diff}")
+            result = run_suite(name, harness_opts["model"], harness_opts["world_size"],
+                               fresh_ranks=harness_opts["fresh_ranks"], **common)
+        except MissingDependency as exc:
+            pytest.skip(str(exc))
+        publish(report.format_run(result))
+        if harness_opts["results_dir"]:
+            slug = label or (name if isinstance(name, str) else result.suite.name)
+            report.write_results(result, Path(harness_opts["results_dir"]) / slug)
+        return result
+
+    return run
+
+
+def failures(run, check: str | None = None) -> str:
+    """Every failed check (of one name) with its details, and every case error, for an assertion message."""
+    lines = [f"{c.case_id}: {c.check}: {c.message}\n" + "\n".join(c.details[:12])
+             for c in run.checks if not c.passed and (check is None or c.check == check)]
+    if check is None:
+        lines += [r.error for r in run.results if r.error and not r.skipped]
+        lines += [f"{o.result.case.id}: {o.outcome}: {o.reason}" for o in run.outcomes() if o.outcome == "unjudged"]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="session")
+def judge():
+    """judge(run) asserts the whole run: something was judged, every case ran and was judged, every
+    check passed. judge(run, "suite.check") asserts one check: it ran at least once and never failed.
+    A suite module asserts the whole run once, so no check it runs can be ignored."""
+
+    def assert_judged(run, check: str | None = None) -> None:
+        judged = [c for c in run.checks if check is None or c.check == check]
+        assert judged, (f"{run.suite.name}: no {check or 'check'} ran "
+                        f"({len(run.results)} cases: {', '.join(o.outcome for o in run.outcomes()) or 'none'})")
+        if check is None:
+            assert run.passed, f"{run.suite.name}: verdict {run.verdict}\n" + failures(run)
+        else:
+            assert all(c.passed for c in judged), failures(run, check)
+
+    return assert_judged
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

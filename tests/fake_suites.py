@@ -96,3 +96,30 @@ class Mixed:
                                    msg + (" (improvement: refresh the baseline)" if v < 9.0 else ""),
                                    improvement=v < 9.0, value=v))
         return out
+
+
+class AllSkipped(Mixed):
+    """Three cases whose every rank raises MissingDependency: nothing is judged."""
+
+    name = "all-skipped"
+
+    def cases(self, model, world_size, layouts, *, engine, backend, options):
+        from harness.spec import Case, CaseOptions, Layout
+
+        return [Case("tests.fake_suites:AllSkipped", model, Layout(dp=world_size), engine,
+                     CaseOptions(seed=100 * i + SKIPPED), backend, 60.0) for i in range(3)]
+
+
+class ForgetsACase(Mixed):
+    """Three passing cases, but the check judges only the first two (a check that silently skips one)."""
+
+    name = "forgets-a-case"
+
+    def cases(self, model, world_size, layouts, *, engine, backend, options):
+        from harness.spec import Case, CaseOptions, Layout
+
+        return [Case("tests.fake_suites:ForgetsACase", model, Layout(dp=world_size), engine,
+                     CaseOptions(seed=100 * i + PASS), backend, 60.0) for i in range(3)]
+
+    def check(self, results):
+        return super().check(results[:2])

@@ -3,6 +3,7 @@ a local git history in which one commit plants a host-memory regression in the s
 
 from __future__ import annotations
 
+import re
 import subprocess
 import textwrap
 
@@ -121,7 +122,14 @@ def test_bisect_names_the_commit_that_planted_the_regression(engine_repo, tmp_pa
     assert f"first bad: {shas[2][:10]} engine: stage the save in a scratch buffer (rank0.save_heap_peak_mib " in out
     assert f"last good: {shas[1][:10]}" in out
     table = out.split("first bad:")[0]
-    assert "BAD <- first bad" in table and table.count("good") >= 2
+    rows = {}  # candidate sha -> (tried as, verdict); columns are separated by 2+ spaces
+    for line in table.splitlines():
+        cols = re.split(r"\s{2,}", line.strip())
+        if cols and cols[0][:10] in {sha[:10] for sha in shas}:
+            rows[cols[0][:10]] = (cols[1], cols[5])
+    # gates at both ends, then the binary search: commit 2 (bad), commit 1 (good); commit 3 never tried
+    assert rows == {shas[0][:10]: ("gate: good", "good"), shas[4][:10]: ("gate: bad", "BAD"),
+                    shas[2][:10]: ("step 1", "BAD <- first bad"), shas[1][:10]: ("step 2", "good")}, table
     assert _git(repo, "worktree", "list").count("\n") == 0  # the bisect worktree is gone
 
 

@@ -82,31 +82,48 @@ def test_tensor_type_reports_cuda_names(layer):
 @covers("torch.cuda.synchronize")
 def test_synchronize_is_noop(layer):
     assert torch.cuda.synchronize() is None
+    cpu_layer.deactivate()
+    _raises_without_layer(torch.cuda.synchronize)
+
+
+def _raises_without_layer(call) -> None:
+    """The point needs the layer: on the CPU build of torch the real call raises."""
+    with pytest.raises((AssertionError, RuntimeError, AttributeError, TypeError, ValueError)):
+        call()
 
 
 @covers("torch.cuda.Stream")
 def test_stream_objects_are_inert(layer):
     s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    s.synchronize()
+    assert s.wait_stream(torch.cuda.current_stream()) is None
+    assert s.synchronize() is None
+    assert s.query() is True  # CPU work is already done when the call returns
+    cpu_layer.deactivate()
+    _raises_without_layer(lambda: torch.cuda.Stream().synchronize())
 
 
 @covers("torch.cuda.Event")
 def test_event_objects_are_inert(layer):
     e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    e.synchronize()
-    assert e.query()
+    assert e.record() is None and e.synchronize() is None
+    assert e.query() is True
+    cpu_layer.deactivate()
+    _raises_without_layer(lambda: torch.cuda.Event(enable_timing=True).record())
 
 
 @covers("torch.cuda.current_stream")
 def test_current_stream(layer):
-    torch.cuda.current_stream().wait_event(torch.cuda.Event())
+    stream = torch.cuda.current_stream()
+    assert stream.wait_event(torch.cuda.Event()) is None and stream.synchronize() is None
+    cpu_layer.deactivate()
+    _raises_without_layer(torch.cuda.current_stream)
 
 
 @covers("torch.cuda.default_stream")
 def test_default_stream(layer):
-    torch.cuda.default_stream().synchronize()
+    assert torch.cuda.default_stream().synchronize() is None
+    cpu_layer.deactivate()
+    _raises_without_layer(torch.cuda.default_stream)
 
 
 @covers("torch.cuda.stream")
@@ -114,6 +131,8 @@ def test_stream_context(layer):
     with torch.cuda.stream(torch.cuda.Stream()):
         x = torch.ones(1, device="cuda")
     assert x.device.type == "cpu"
+    cpu_layer.deactivate()
+    _raises_without_layer(lambda: torch.cuda.stream(torch.cuda.Stream()).__enter__())
 
 
 @covers("megatron RNG tracker (seed_rng)")

@@ -53,22 +53,27 @@ def test_invalid_layout_names_each_violated_constraint():
     assert any("needs pp > 1" in v for v in violations(Layout(vpp=2, dp=2), load_model("small")))
 
 
-def test_enumerate_world_size_8_tiny():
-    ids = [lay.id for lay in enumerate_layouts(load_model("tiny"), 8)]
-    assert len(ids) == len(set(ids)) == 12
-    assert "tp4-pp1-cp1-dp2" not in ids  # 2 query groups cannot split over 4 TP ranks
-    assert "tp1-pp4-cp1-dp2" not in ids  # 2 layers cannot fill 4 stages
-    for lid in ids:
-        lay = Layout.parse(lid)
-        assert lay.world_size == 8 and not violations(lay, load_model("tiny"), 8)
+# Written out by hand from tiny's shape (2 layers, 4 heads, 2 query groups, vocab 128, ffn 128, seq 64,
+# global batch 8): TP <= 2 (query groups), PP <= 2 (layers), CP up to 4 (2 x 4 divides 64).
+TINY_WS4 = ["tp1-pp1-cp1-dp4", "tp1-pp1-cp2-dp2", "tp1-pp1-cp4-dp1", "tp1-pp2-cp1-dp2", "tp1-pp2-cp2-dp1",
+            "tp2-pp1-cp1-dp2", "tp2-pp1-cp2-dp1", "tp2-pp2-cp1-dp1"]
+TINY_WS8 = ["tp1-pp1-cp1-dp8", "tp1-pp1-cp2-dp4", "tp1-pp1-cp4-dp2", "tp1-pp1-cp8-dp1", "tp1-pp2-cp1-dp4",
+            "tp1-pp2-cp2-dp2", "tp1-pp2-cp4-dp1", "tp2-pp1-cp1-dp4", "tp2-pp1-cp2-dp2", "tp2-pp1-cp4-dp1",
+            "tp2-pp2-cp1-dp2", "tp2-pp2-cp2-dp1"]
 
 
-def test_enumerate_is_exhaustive():
-    tiny = load_model("tiny")
-    found = set(enumerate_layouts(tiny, 4))
-    for tp in (1, 2, 4):
-        for pp in (1, 2, 4):
-            for cp in (1, 2, 4):
-                if 4 % (tp * pp * cp) == 0:
-                    lay = Layout(tp, pp, cp, 4 // (tp * pp * cp))
-                    assert (lay in found) == (not violations(lay, tiny, 4)), lay
+@pytest.mark.parametrize("world_size,expected", [(4, TINY_WS4), (8, TINY_WS8), (1, ["tp1-pp1-cp1-dp1"])])
+def test_enumerate_lists_exactly_the_valid_layouts(world_size, expected):
+    assert [lay.id for lay in enumerate_layouts(load_model("tiny"), world_size)] == expected
+
+
+@pytest.mark.parametrize("lid,reason", [
+    ("tp4-pp1-cp1-dp1", "num_query_groups=2 not divisible by tp=4"),
+    ("tp1-pp4-cp1-dp1", "num_layers=2 not divisible by pp*vpp=4"),
+    ("tp1-pp1-cp1-dp16", "global_batch_size=8 not divisible by micro_batch_size*dp=16"),
+    ("tp1-pp1-cp64-dp1", "seq_length=64 not divisible by 2*cp=128 (zigzag CP split)"),
+])
+def test_each_refused_layout_says_why(lid, reason):
+    lay = Layout.parse(lid)
+    assert reason in violations(lay, load_model("tiny"), lay.world_size)
+    assert lay not in enumerate_layouts(load_model("tiny"), lay.world_size)

@@ -27,7 +27,8 @@ def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys, 
     expected = {0: "pass", 1: "regression", 2: "improvement", 3: "error", 4: "skipped"}
     assert outcomes == [expected[m] for m in MIXED_PLAN]
     assert "mixed.value: value 12.0 vs baseline 10.0 +- 1.0" in summary.splitlines()[2 + 6]
-    assert "rank 1 failed in phase 'imports' - RuntimeError: planted failure on rank 1" in summary
+    # the phase that raised: the suite's rank_work, outside its timed phases (not the last one entered)
+    assert "rank 1 failed in phase 'rank_work' - RuntimeError: planted failure on rank 1" in summary
     assert "case needs package 'frobnicate'" in summary
     assert re.search(r"^mixed: 15 checks passed, 4 failed \(20 cases, [0-9.]+s\): "
                      r"15 pass, 2 regression, 1 improvement, 1 error, 1 skipped$", out, re.M)
@@ -37,7 +38,7 @@ def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys, 
 
     assert cli.main(["report", str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
-    assert "| pass | regression | improvement | error | skipped |" in md and "| 15 | 2 | 1 | 1 | 1 |" in md
+    assert "| pass | regression | improvement | error | skipped | unjudged |" in md and "| 15 | 2 | 1 | 1 | 1 | 0 |" in md
     assert "torch" in md and "cpu-gloo" in md  # versions and platform are named
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("20", "3", "1", "1")
@@ -45,6 +46,54 @@ def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys, 
     assert failure.get("type") == "regression" and "value 12.0 vs baseline" in failure.get("message")
     assert json.loads((tmp_path / "report.json").read_text())["outcomes"] == {
         "pass": 15, "regression": 2, "improvement": 1, "error": 1, "skipped": 1}
+
+
+def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_path, capsys, no_leftover_ranks):
+    code = cli.main(["run", "--suite", "tests.fake_suites:AllSkipped", "--world-size", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 5, out  # its own exit code: neither a pass (0) nor a failed check (1)
+    assert "all-skipped: 0 checks passed, 0 failed (3 cases" in out and "3 skipped" in out
+    assert "all-skipped: NOTHING JUDGED - no check ran (every case skipped or none planned); this is not a pass (exit 5)" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["passed"], results["verdict"]) == (False, "nothing judged")
+    assert cli.main(["report", str(tmp_path)]) == 0
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("4", "1", "3")
+    failure = suite.findall("testcase")[-1].find("failure")
+    assert failure.get("type") == "nothing-judged"
+    assert "**nothing judged** (a failure): no check ran" in (tmp_path / "report.md").read_text()
+
+
+def test_a_case_that_no_check_judged_is_not_a_pass(tmp_path, capsys, no_leftover_ranks):
+    code = cli.main(["run", "--suite", "tests.fake_suites:ForgetsACase", "--world-size", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "forgets-a-case: 2 checks passed, 0 failed (3 cases" in out and "2 pass, 1 unjudged" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [c["outcome"] for c in results["cases"]] == ["pass", "pass", "unjudged"]
+    assert results["cases"][2]["reason"] == "the case ran but no check judged it"
+    assert cli.main(["report", str(tmp_path)]) == 0
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures")) == ("3", "1")
+
+
+def test_nightly_counts_a_run_that_judged_nothing_as_a_failure(tmp_path, capsys, monkeypatch):
+    from harness import nightly
+    from harness.errors import BadInput
+
+    def refuse(*args, **kwargs):
+        raise BadInput("baseline file baselines/cpu-gloo/ckpt-memory.json is corrupt")
+
+    monkeypatch.setattr("harness.driver.run_suite", refuse)
+    code = nightly.run_nightly(tmp_path, ["ckpt-memory"], ["small"], 2, "gloo", None, lambda msg: None)
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "NOTHING JUDGED" in out
+    results = json.loads((tmp_path / "ckpt-memory-mcore-small" / "results.json").read_text())
+    assert (results["passed"], results["verdict"]) == (False, "nothing judged")
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures")) == ("1", "1")
+    assert "corrupt" in suite.find("testcase").find("failure").get("message")
 
 
 def test_report_refuses_a_directory_without_results(tmp_path, capsys):

@@ -37,7 +37,10 @@ class RankContext:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Time a phase into result.timings (accumulating) and log its start for hang diagnosis."""
+        """Time a phase into result.timings (accumulating) and log its start for hang diagnosis.
+        result.phase names where the rank is: this phase while it runs, the enclosing one after it
+        ends, and this one still if it raised - so an error names the phase it was raised in."""
+        outer = self.result.phase
         self.result.phase = name
         if os.environ.get("HARNESS_PHASE_LOG", "1") != "0":
             print(f"[harness] rank {self.rank} phase {name}", file=sys.stderr, flush=True)
@@ -46,3 +49,4 @@ class RankContext:
             yield
         finally:
             self.result.timings[name] = self.result.timings.get(name, 0.0) + time.perf_counter() - t0
+        self.result.phase = outer  # not reached when the phase raised

@@ -16,7 +16,7 @@ class RankResult:
     rank: int
     ok: bool = True
     error: str = ""  # traceback text when the rank raised
-    phase: str = ""  # last phase entered
+    phase: str = ""  # where the rank is; after an error, the phase that raised it
     skip_reason: str = ""  # set when the rank raised MissingDependency (the case is skipped, not failed)
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     data: dict[str, Any] = field(default_factory=dict)  # suite-specific measurements

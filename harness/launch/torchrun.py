@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report.format_run(run))
         if args.out:
             print(f"results: {report.write_results(run, Path(args.out))}")
-        code = 0 if run.passed else 1
+        code = run.exit_code
     dist.barrier(group=results_group)
     shutdown_distributed(base)
     return code

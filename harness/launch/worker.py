@@ -77,6 +77,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
         if own_process_group:
             with ctx.phase("init"):
                 init_distributed(ctx, case.timeout_s)
+        result.phase = "rank_work"  # outside any timed phase of the suite's own
         result.data = suite.rank_work(case, ctx) or {}
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
         result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _peak_rss(),

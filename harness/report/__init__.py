@@ -129,6 +129,9 @@ def format_run(run: SuiteRun) -> str:
     out.append("")
     out.append(f"{run.suite.name}: {n_pass} checks passed, {len(run.checks) - n_pass} failed "
                f"({len(run.results)} cases, {run.wall_s:.1f}s): {count_outcomes(outcomes)}")
+    if run.verdict == "nothing judged":
+        out.append(f"{run.suite.name}: NOTHING JUDGED - no check ran (every case skipped or none planned); "
+                   f"this is not a pass (exit {run.exit_code})")
     return "\n".join(out)
 
 
@@ -158,7 +161,7 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
         "suite": run.suite.name, "model": run.model, "world_size": run.world_size, "engine": run.engine,
         "backend": run.backend, "platform": detect_platform(run.backend).key, "versions": versions(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
-        "passed": run.passed,
+        "passed": run.passed, "verdict": run.verdict,
         "cases": [
             {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
              "status": r.status, "outcome": o.outcome, "reason": o.reason, "error": r.error,

@@ -32,6 +32,17 @@ class RunFile:
         d = self.data
         return f"{d['suite']}-{d['engine']}-{d['model']}-ws{d['world_size']}".replace(":", "-").replace("/", "-")
 
+    @property
+    def nothing_judged(self) -> str:
+        """Why nothing was judged in this run ('' when something was): no check ran, or the run was
+        refused (nightly records a BadInput that way)."""
+        d = self.data
+        if d.get("nothing_judged"):
+            return d["nothing_judged"]
+        if d.get("verdict") == "nothing judged" or (not d["checks"] and not d["cases"]):
+            return "no check ran: every case was skipped or none was planned"
+        return ""
+
     def counts(self) -> Counter:
         return Counter(c.get("outcome", "pass" if c["status"] == "ok" else "error") for c in self.data["cases"])
 
@@ -101,8 +112,9 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
                      + " | ".join(str(n[k]) for k in OUTCOMES) + " |")
     for r in runs:
         lines += ["", f"## {r.title}", "", f"results: `{r.path}`", ""]
-        if r.data.get("skipped"):
-            lines += [f"skipped: {_md_escape(r.data['skipped'])}"]
+        if r.nothing_judged:
+            lines += [f"**nothing judged** (a failure): {_md_escape(r.nothing_judged)}", ""]
+        if not r.data["cases"]:
             continue
         lines += ["| # | case | outcome | reason |", "|---|---|---|---|"]
         for i, c in enumerate(r.data["cases"], 1):

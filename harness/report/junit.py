@@ -1,5 +1,6 @@
-"""JUnit XML for CI test reports: a testsuite per run, a testcase per case; regressions and
-improvements are failures (the failed checks' messages and details), errors are errors."""
+"""JUnit XML for CI test reports: a testsuite per run, a testcase per case; regressions, improvements
+and unjudged cases are failures (the failed checks' messages and details), errors are errors; a run
+in which nothing was judged gets a failing testcase of its own."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ def render(runs: list["RunFile"]) -> str:
     for run in runs:
         d = run.data
         n = run.counts()
-        suite = ET.SubElement(root, "testsuite", name=run.title, tests=str(len(d["cases"])),
-                              failures=str(n["regression"] + n["improvement"]), errors=str(n["error"]),
+        # A run in which nothing was judged is a failure of its own (a testcase, so CI shows it).
+        unjudged_run = run.nothing_judged
+        suite = ET.SubElement(root, "testsuite", name=run.title, tests=str(len(d["cases"]) + bool(unjudged_run)),
+                              failures=str(n["regression"] + n["improvement"] + n["unjudged"] + bool(unjudged_run)),
+                              errors=str(n["error"]),
                               skipped=str(n["skipped"]), time=f"{d.get('wall_s', 0):.1f}",
                               timestamp=str(d.get("date", "")))
         props = ET.SubElement(suite, "properties")
@@ -29,7 +33,9 @@ def render(runs: list["RunFile"]) -> str:
             tc = ET.SubElement(suite, "testcase", classname=f"{d['suite']}.{d['engine']}.{d['model']}",
                                name=c["id"].split("/", 3)[-1], time=f"{c.get('wall_s', 0):.1f}")
             outcome, reason = c.get("outcome", "pass"), c.get("reason", "")
-            if outcome in ("regression", "improvement"):
+            if outcome == "unjudged":
+                ET.SubElement(tc, "failure", message=reason, type="unjudged")
+            elif outcome in ("regression", "improvement"):
                 failed = [x for x in checks.get(c["id"], []) if not x["passed"]]
                 text = "\n\n".join("\n".join([f"{x['check']} {x['case_id']}: {x['message']}", *x.get("details", [])])
                                    for x in failed)
@@ -38,5 +44,9 @@ def render(runs: list["RunFile"]) -> str:
                 ET.SubElement(tc, "error", message=reason, type="error").text = c.get("error", "")
             elif outcome == "skipped":
                 ET.SubElement(tc, "skipped", message=reason)
+        if unjudged_run:
+            tc = ET.SubElement(suite, "testcase", classname=f"{d['suite']}.{d['engine']}.{d['model']}",
+                               name="nothing judged")
+            ET.SubElement(tc, "failure", message=unjudged_run, type="nothing-judged")
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
