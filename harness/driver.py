@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from harness.checks import CheckResult
@@ -140,8 +145,6 @@ def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, lay
         layouts = [validate(Layout.parse(i), model, world_size, **batch) for i in layout_ids]
     cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options)
     if timeout_s is not None:
-        import dataclasses
-
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
     return suite, cases
 
@@ -162,9 +165,9 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend, engine)
     t0 = time.monotonic()
-    order = list(range(len(cases)))
-    if shuffle_seed is not None:
-        random.Random(shuffle_seed).shuffle(order)
+    run_dir = new_run_dir()
+    cases = [dataclasses.replace(c, run_dir=str(run_dir)) for c in cases]
+    order = run_order(cases, shuffle_seed)
     results: dict[int, CaseResult] = {}
     n = len(cases)
     for i, idx in enumerate(order, 1):
@@ -182,7 +185,33 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     run.results = [results[i] for i in range(len(cases))]
     run.checks = suite.check([r for r in run.results if not r.skipped])
     run.wall_s = time.monotonic() - t0
+    shutil.rmtree(run_dir, ignore_errors=True)
     return run
+
+
+def new_run_dir() -> Path:
+    """A directory private to one run (cases pass artefacts such as checkpoints through it), so
+    concurrent runs never share one; under $HARNESS_ARTIFACTS when set."""
+    root = Path(os.environ.get("HARNESS_ARTIFACTS", Path(tempfile.gettempdir()) / "harness-artifacts"))
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="run-", dir=root))
+
+
+def run_order(cases: list, shuffle_seed: int | None = None) -> list[int]:
+    """Indices of the cases in the order they run: plan order, or shuffled; a case always runs after
+    the cases it names in `after` (a dependency outside the plan is ignored: its check says so)."""
+    ids = {c.id: i for i, c in enumerate(cases)}
+    needs = {i: {ids[d] for d in c.after if d in ids} for i, c in enumerate(cases)}
+    rng = random.Random(shuffle_seed) if shuffle_seed is not None else None
+    order: list[int] = []
+    pending = list(range(len(cases)))
+    if rng:
+        rng.shuffle(pending)
+    while pending:
+        ready = next(i for i in pending if needs[i] <= set(order))
+        order.append(ready)
+        pending.remove(ready)
+    return order
 
 
 def format_clock(seconds: float) -> str:

@@ -139,6 +139,10 @@ class Case:
     options: CaseOptions = field(default_factory=CaseOptions)
     backend: str = "gloo"
     timeout_s: float = 300.0
+    # ids of cases whose artefacts this case reads: the driver runs them first, shuffled or not
+    after: tuple[str, ...] = field(default=(), compare=False)
+    # a directory private to one run of a suite, shared by its cases (set by the driver; "" outside a run)
+    run_dir: str = field(default="", compare=False)
 
     @property
     def id(self) -> str:

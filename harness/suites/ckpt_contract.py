@@ -51,16 +51,24 @@ def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, ba
     for fmt in formats:
         base = {**dataclasses.asdict(options), "steps": 2, "use_distributed_optimizer": True, "ckpt_format": fmt}
         base["seqlens"] = tuple(base["seqlens"])
-        out.append(Case(name, model, Layout.parse(SAVE_LAYOUT), engine,
-                        CaseOptions(**{**base, "ckpt_role": "reshard"}), backend))
+        saver = Case(name, model, Layout.parse(SAVE_LAYOUT), engine, CaseOptions(**{**base, "ckpt_role": "reshard"}),
+                     backend)
+        out.append(saver)
         out.append(Case(name, model, Layout.parse(DP_ONLY_TARGET), engine,
-                        CaseOptions(**{**base, "ckpt_role": "reshard-load", "ckpt_source": SAVE_LAYOUT}), backend))
+                        CaseOptions(**{**base, "ckpt_role": "reshard-load", "ckpt_source": SAVE_LAYOUT}), backend,
+                        after=(saver.id,)))  # loads what `saver` wrote
     return out
 
 
 def shared_dir(case: Case, source: str) -> Path:
-    """Where the reshard case's checkpoint lives for the load cases (outside any case's workdir)."""
-    return artifacts_dir(f"reshard/{case.engine}/{case.model.name}/{case.options.ckpt_format}/{source}") / "ckpt"
+    """Where the reshard case's checkpoint lives for the load cases: in the run's own directory
+    (outside any case's workdir; a concurrent run has its own)."""
+    sub = f"reshard/{case.engine}/{case.model.name}/{case.options.ckpt_format}/{source}".replace(":", "_")
+    if case.run_dir:
+        path = Path(case.run_dir) / sub
+        path.mkdir(parents=True, exist_ok=True)
+        return path / "ckpt"
+    return artifacts_dir(sub) / "ckpt"
 
 
 def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[str, Any]:
