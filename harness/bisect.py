@@ -61,10 +61,20 @@ class StepResult:
     case: str = ""
     why: str = ""
     versions: dict[str, str] = field(default_factory=dict)
+    adjustments: list[str] = field(default_factory=list)  # what the harness changed in the engine it judged
 
 
 def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False) -> StepResult:
-    """Bad when any case's metric exceeds its threshold (metric 'fail': when any case does not pass)."""
+    """Bad when any case's metric exceeds its threshold (metric 'fail': when any case does not pass); the
+    step names what the harness adjusted in the engine it judged."""
+    from harness.report import run_adjustments
+
+    step = _judge_outcomes(run, metric, threshold, error_is_bad)
+    step.adjustments = list(run_adjustments(run))
+    return step
+
+
+def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) -> StepResult:
     from harness import baselines
     from harness.report import versions
 
@@ -338,7 +348,7 @@ def run_in(python: str, args, pythonpath: list[str], workdir: Path) -> StepResul
     if out.exists():
         d = json.loads(out.read_text())
         return StepResult(d["verdict"], d.get("value"), d.get("threshold"), d.get("case", ""), d.get("why", ""),
-                          d.get("versions", {}))
+                          d.get("versions", {}), d.get("adjustments", []))
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
     if proc.returncode == 2:  # bad input is the same for every candidate: stop
         raise BadInput(f"bisect-step refused its input: {tail}")
@@ -394,6 +404,10 @@ def bisect(args, say: Callable[[str], None]) -> int:
         untested = labels[last_old + 1:first]
         print(f"first {terms.new}: {labels[first]} ({found.why}); last {terms.old}: {labels[last_old]}"
               + (f"; not judged in between: {', '.join(untested)}" if untested else ""))
+        adjusted = list(dict.fromkeys(a for t in tried for a in t.result.adjustments))
+        if adjusted:
+            print("judged a patched setup - the harness adjusted the engine under test:\n"
+                  + "\n".join(f"  - {a}" for a in adjusted))
         return 0
     finally:
         if worktree:
@@ -411,7 +425,8 @@ def _flipped(judge: Callable[[int], StepResult]) -> Callable[[int], StepResult]:
 
 def write_step_json(path: str, r: StepResult) -> None:
     Path(path).write_text(json.dumps({"verdict": r.verdict, "value": r.value, "threshold": r.threshold,
-                                      "case": r.case, "why": r.why, "versions": r.versions}))
+                                      "case": r.case, "why": r.why, "versions": r.versions,
+                                      "adjustments": r.adjustments}))
 
 
 def step_main(args) -> int:

@@ -16,6 +16,7 @@ from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MEGATRON_ADAM_EPS = 1e-8  # OptimizerConfig's default
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -37,7 +38,7 @@ def transformer_config(case: Case, on_cpu: bool):
         use_cpu_initialization=True, perform_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        # Interleaved PP with batched p2p swaps messages on gloo (MEGATRON_FACTS.md).
+        # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md, "megatron on CPU ranks").
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
     )
 
@@ -57,10 +58,14 @@ def layer_spec(on_cpu: bool, normalization: str, cp: int = 1):
             return specs.get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
+    from harness.adjustments import note
+
+    note("layer spec: megatron's local spec (Transformer Engine's needs CUDA)")
     spec = specs.get_gpt_layer_local_spec(normalization=normalization)
     if cp > 1:
         from harness.engines.cp_attention import ReferenceCPAttention
 
+        note("core attention: the harness's reference CP attention (megatron's local attention asserts CP == 1)")
         spec.submodules.self_attention.submodules.core_attention = ReferenceCPAttention
     return spec
 
@@ -98,6 +103,10 @@ class McoreEngine:
         from megatron.core.optimizer import OptimizerConfig
 
         o = self.case.options
+        if o.adam_eps != MEGATRON_ADAM_EPS:
+            from harness.adjustments import note
+
+            note(f"Adam eps {o.adam_eps:g} (megatron-core's default {MEGATRON_ADAM_EPS:g}), from the case options")
         return OptimizerConfig(
             optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=1.0,
             bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=_DTYPES[o.dtype],
@@ -393,12 +402,16 @@ def _keep_torch_adam_step():
     param_groups step is kept. Scoped to one load."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    from harness.adjustments import note
+
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def set_states(self, model_param, tensors):
         group, order = self.model_param_group_index_map[model_param]
         state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
         if "step" in state:
+            note("Adam step kept across the checkpoint load (megatron-core's per-parameter loader copies the "
+                 "load-time step over the restored one: harness/engines/mcore.py _keep_torch_adam_step)")
             tensors = {**tensors, "step": state["step"].clone()}
         return original(self, model_param, tensors)
 

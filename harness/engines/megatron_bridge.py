@@ -137,6 +137,7 @@ def import_bridge():
     import megatron.core  # noqa: F401
 
     if "megatron.bridge" in sys.modules:  # a warm rank imported it for an earlier case
+        _note_stubs()
         return sys.modules["megatron.bridge"].AutoBridge
     granted: set[tuple[str, str]] = set()
     for _ in range(64):
@@ -144,6 +145,7 @@ def import_bridge():
             with _stubs_for(granted):
                 from megatron.bridge import AutoBridge
             stubbed_imports[:] = sorted(granted)
+            _note_stubs()
             return AutoBridge
         except ModuleNotFoundError as exc:
             importer, package = _failed_import(exc)
@@ -153,6 +155,14 @@ def import_bridge():
                 raise
             granted.add((importer, package))
     raise RuntimeError(f"import megatron.bridge still fails after stubbing {sorted(granted)}")
+
+
+def _note_stubs() -> None:
+    if stubbed_imports:
+        from harness.adjustments import note
+
+        note("megatron.bridge imported behind stubs of its CUDA-only imports: "
+             + ", ".join(f"{pkg} in {mod}" for mod, pkg in stubbed_imports))
 
 
 # -- the engine ---------------------------------------------------------------------------------

@@ -40,6 +40,10 @@ class CaseResult:
     def skipped(self) -> bool:
         return self.status == "skipped"
 
+    def adjustments(self) -> list[str]:
+        """What the harness changed in the engine under test for this case, over all ranks (harness/adjustments.py)."""
+        return list(dict.fromkeys(a for r in self.ranks for a in r.data.get("adjustments", [])))
+
     def timings(self) -> dict[str, float]:
         """Per-phase seconds, max over ranks (the slowest rank sets the case's pace)."""
         out: dict[str, float] = {}

@@ -59,8 +59,10 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
     With own_process_group=False (torchrun, several cases per process) the process group outlives
     the case and only megatron's parallel state is torn down.
     """
+    from harness import adjustments
     from harness.platform.parallel import teardown_parallel_state
 
+    adjustments.take()  # nothing a previous case noted belongs to this one
     result = ctx.result
     try:
         rss_before = _reset_peak_rss()
@@ -79,6 +81,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
                 init_distributed(ctx, case.timeout_s)
         result.phase = "rank_work"  # outside any timed phase of the suite's own
         result.data = suite.rank_work(case, ctx) or {}
+        result.data["adjustments"] = adjustments.take()
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
         result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _peak_rss(),
                                       "threads": len(os.listdir("/proc/self/task"))}

@@ -107,6 +107,11 @@ def format_run(run: SuiteRun) -> str:
         t = r.timings()
         trows.append([r.case.layout.id, *(f"{t[p]:.2f}" if p in t else "-" for p in TIMING_PHASES), f"{r.wall_s:.1f}"])
     out.append(fmt_table(["layout", *TIMING_PHASES, "wall"], trows))
+    adjusted = run_adjustments(run)
+    if adjusted:
+        out.append("")
+        out.append("judged with these harness adjustments to the engine under test (cases):")
+        out += [f"  - {what} ({n}/{len(run.results)})" for what, n in adjusted.items()]
     shown = [c for c in run.checks if c.passed and c.show and c.details]
     if shown:
         out.append("")
@@ -135,6 +140,13 @@ def format_run(run: SuiteRun) -> str:
     return "\n".join(out)
 
 
+def run_adjustments(run: SuiteRun) -> dict[str, int]:
+    """Each harness adjustment of the run with the number of cases it applied to, in first-seen order."""
+    from collections import Counter
+
+    return dict(Counter(a for r in run.results for a in r.adjustments()))
+
+
 def count_outcomes(outcomes) -> str:
     """e.g. '17 pass, 2 regression, 1 error' (in the order of driver.OUTCOMES)."""
     from collections import Counter
@@ -161,14 +173,14 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
         "suite": run.suite.name, "model": run.model, "world_size": run.world_size, "engine": run.engine,
         "backend": run.backend, "platform": detect_platform(run.backend).key, "versions": versions(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
-        "passed": run.passed, "verdict": run.verdict,
+        "passed": run.passed, "verdict": run.verdict, "adjustments": run_adjustments(run),
         "cases": [
             {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
              "status": r.status, "outcome": o.outcome, "reason": o.reason, "error": r.error,
              "wall_s": r.wall_s, "timings": r.timings(),
              "rank_timings": {str(x.rank): x.timings for x in r.ranks},
              "rank_memory": {str(x.rank): x.data.get("rank_memory") for x in r.ranks},
-             "fresh_ranks": r.fresh_ranks, "notes": r.notes,
+             "fresh_ranks": r.fresh_ranks, "notes": r.notes, "adjustments": r.adjustments(),
              "metrics": run.suite.metrics(r) or {},
              "data": run.suite.report_data(r) if r.ok and hasattr(run.suite, "report_data") else {},
              **({"baseline_key": run.suite.key(r.case), "samples": run.suite.samples(r)}
