@@ -79,7 +79,7 @@ class MbridgeEngine(McoreEngine):
         o, lay = self.case.options, self.case.layout
         extra = dict(hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False,
                      bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
-                     # Interleaved PP with batched p2p swaps messages on gloo (MEGATRON_FACTS.md).
+                     # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
                      batch_p2p_comm=False if lay.vpp > 1 else None)
         extra = {k: v for k, v in extra.items() if v is not None}
         if self.ctx.on_cpu:

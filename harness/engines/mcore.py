@@ -38,7 +38,7 @@ def transformer_config(case: Case, on_cpu: bool):
         use_cpu_initialization=True, perform_initialization=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md, "megatron on CPU ranks").
+        # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
     )
 

@@ -193,7 +193,7 @@ class MegatronBridgeEngine(McoreEngine):
             hidden_dropout=0.0, attention_dropout=0.0,
             # megatron-core's defaults, which the mcore engine keeps (the provider flips both)
             cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,
-            # Interleaved PP with batched p2p swaps messages on gloo (MEGATRON_FACTS.md).
+            # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
             batch_p2p_comm=not lay.vpp > 1,
         )
         if self.ctx.on_cpu:

@@ -4,7 +4,7 @@ Every patched point is listed in PATCHED_POINTS and has a unit test in tests/tes
 It is installed only inside CPU-tier rank processes (never when CUDA is in use) and removed by
 `deactivate()`, so a rank can be reused and tests can check that nothing leaks.
 
-Patched points (see ../shared/design/MEGATRON_FACTS.md):
+Patched points (see docs/architecture.md, "megatron-core on CPU ranks"):
 - torch.cuda.current_device() -> 0; device ordinals and 'cuda' devices are rewritten to 'cpu'
   by a TorchFunctionMode, so `device=torch.cuda.current_device()`, `device='cuda'`, `.cuda()`
   and `.to('cuda')` all land on the CPU.

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from harness.launch.results import CaseResult
     from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
-# Contract names of ARCHITECTURE.md; the ones not yet implemented are refused with that reason.
+# Contract names (docs/architecture.md, README); the ones not yet implemented are refused with that reason.
 SUITES = {
     "equivalence": "harness.suites.equivalence:EquivalenceSuite",
     "grad-sync": "harness.suites.grad_sync:GradSyncSuite",

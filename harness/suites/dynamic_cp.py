@@ -48,7 +48,7 @@ NAMED_MIXES = {
 
 def expected_local_cp(length: int, max_per_rank: int) -> int:
     """The smallest local CP size a sample may run at: the next power of two of
-    ceil(length / max_seqlen_per_dp_cp_rank) (MISSION.md R3)."""
+    ceil(length / max_seqlen_per_dp_cp_rank) (docs/architecture.md, R3)."""
     cp = 1
     while cp * max_per_rank < length:
         cp *= 2
