@@ -125,3 +125,58 @@ class NaNParamAfterLastStep(McoreEngine):
                 p = next(iter(self.models[0].module.parameters()))
                 p.view(-1)[0] = float("nan")
         return out
+
+
+class _PatchedDuringSteps(McoreEngine):
+    """Replaces a module attribute of megatron for the duration of each training step (restored after,
+    so a warm rank keeps nothing of it)."""
+
+    target: tuple[str, str] = ("", "")
+
+    def replacement(self, original):
+        raise NotImplementedError
+
+    def train_step(self, step: int):
+        import importlib
+
+        module = importlib.import_module(self.target[0])
+        original = getattr(module, self.target[1])
+        setattr(module, self.target[1], self.replacement(original))
+        try:
+            return super().train_step(step)
+        finally:
+            setattr(module, self.target[1], original)
+
+
+class WrongZigzagChunks(_PatchedDuringSteps):
+    """megatron's get_batch_on_this_cp_rank gives CP rank r chunks r and r + cp (the halves paired in
+    order) instead of r and 2cp-1-r: every token still lands on exactly one rank, in the wrong place."""
+
+    target = ("megatron.core.utils", "get_batch_on_this_cp_rank")
+
+    def replacement(self, original):
+        import torch
+        from megatron.core import parallel_state as ps
+
+        def split(batch, cp_group=None):
+            cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+            out = {}
+            for key, val in batch.items():
+                chunks = val.view(val.shape[0], 2 * cp, val.shape[1] // (2 * cp), *val.shape[2:])
+                out[key] = chunks.index_select(1, torch.tensor([r, r + cp])).reshape(val.shape[0], -1, *val.shape[2:])
+            return out
+
+        return split
+
+
+class ContiguousRopeSlice(_PatchedDuringSteps):
+    """The rotary embedding's CP slice taken as one contiguous block per rank instead of megatron's
+    zigzag chunks r and 2cp-1-r: tokens are rotated for the wrong positions."""
+
+    target = ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank")
+
+    def replacement(self, original):
+        def contiguous(pos_emb, seq_dim, cp_group):
+            return pos_emb.chunk(cp_group.size(), dim=seq_dim)[cp_group.rank()]
+
+        return contiguous

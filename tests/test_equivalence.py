@@ -57,7 +57,8 @@ def test_checks_fail_with_the_output_the_value_and_the_tolerance():
 @pytest.mark.slow
 def test_world_size_2_layouts_match():
     run = run_suite("equivalence", "tiny", 2, backend="gloo")
-    assert [r.case.layout.id for r in run.results] == ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1", "tp2-pp1-cp1-dp1"]
+    assert [r.case.layout.id for r in run.results] == ["tp1-pp1-cp1-dp2", "tp1-pp1-cp2-dp1", "tp1-pp2-cp1-dp1",
+                                                       "tp2-pp1-cp1-dp1"]
     assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results]
 
 
@@ -67,9 +68,12 @@ def test_planted_tp_gradient_bug_fails_the_suite():
                     engine="tests.faulty_engines:SkipOneTpGradReduce")
     assert all(r.ok for r in run.results), [r.error for r in run.results]
     failed = {c.check: c for c in run.checks if not c.passed}
-    # what README promises: the losses, the full parameters and the TP-replicated copies all fail
-    assert set(failed) == {"equivalence.loss", "equivalence.params", "equivalence.replicas"}, \
+    # what README promises: the losses, the first step's log-probs, the full parameters and the
+    # TP-replicated copies all fail
+    assert set(failed) == {"equivalence.loss", "equivalence.logprobs", "equivalence.params", "equivalence.replicas"}, \
         [c.message for c in run.checks]
+    assert failed["equivalence.logprobs"].message.startswith(
+        "tp2-pp1-cp1-dp1: step-0 log-probs differ from tp1-pp1-cp1-dp2 at "), failed["equivalence.logprobs"].message
     assert re.fullmatch(r"loss step \d: tp2-pp1-cp1-dp1 [0-9.]+ vs tp1-pp1-cp1-dp2 [0-9.]+, rel diff [0-9.e-]+ > 1e-05",
                         failed["equivalence.loss"].message), failed["equivalence.loss"].message
     assert failed["equivalence.loss"].value > 1e-4
@@ -93,3 +97,37 @@ def test_cases_condition_adam_eps_unless_the_user_set_it():
     assert {c.options.adam_eps for c in suite.cases(model, 2, None)} == {EQUIVALENCE_ADAM_EPS}
     own = suite.cases(model, 2, None, options=CaseOptions(adam_eps=3e-8))
     assert {c.options.adam_eps for c in own} == {3e-8}
+
+
+def _cp_fault(engine: str):
+    run = run_suite("equivalence", "tiny", 2, ["tp1-pp1-cp2-dp1"], backend="gloo", engine=engine)
+    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    return {c.check: c for c in run.checks if not c.passed and "cp2" in c.case_id}
+
+
+@pytest.mark.slow
+def test_wrong_zigzag_chunk_pair_fails_loss_logprobs_and_params_naming_the_tokens():
+    failed = _cp_fault("tests.faulty_engines:WrongZigzagChunks")
+    assert set(failed) == {"equivalence.loss", "equivalence.logprobs", "equivalence.params"}
+    # chunks 2 and 3 of every sample (positions 32-63 at seq 64, cp 2) are computed in the wrong place
+    assert failed["equivalence.logprobs"].message.startswith(
+        "tp1-pp1-cp2-dp1: step-0 log-probs differ from tp1-pp1-cp1-dp2 at 256/512 tokens (worst rel ")
+    assert failed["equivalence.logprobs"].message.endswith("; first: sample 0, positions 32-63")
+    assert failed["equivalence.logprobs"].details[0].startswith("  sample 0: 32 tokens off at positions 32-63; position 32: ")
+
+
+@pytest.mark.slow
+def test_contiguous_rope_slice_fails_the_first_step_log_probs():
+    failed = _cp_fault("tests.faulty_engines:ContiguousRopeSlice")
+    # the loss moves by ~1e-5 only (at the tolerance); the log-probs of the rotated tokens by ~1e-3
+    msg = failed["equivalence.logprobs"].message
+    assert re.match(r"tp1-pp1-cp2-dp1: step-0 log-probs differ from tp1-pp1-cp1-dp2 at \d+/512 tokens "
+                    r"\(worst rel [0-9.e-]+ > 1e-05\); first: sample 0, positions 16", msg), msg
+    assert failed["equivalence.logprobs"].value > 1e-4
+
+
+def test_default_matrix_includes_every_cp_layout():
+    ids = [c.layout.id for c in EquivalenceSuite().cases(load_model("tiny"), 4, None)]
+    assert ids[0] == "tp1-pp1-cp1-dp4"
+    assert {"tp1-pp1-cp2-dp2", "tp1-pp1-cp4-dp1", "tp2-pp1-cp2-dp1", "tp1-pp2-cp2-dp1"} <= set(ids)
+    assert len(ids) == 8

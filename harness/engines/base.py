@@ -32,11 +32,22 @@ def tp_unshard(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Te
 
 
 @dataclass
+class TokenLogprobs:
+    """Per-token log-probs of one micro-batch as one rank computed them (the label token's log-prob)."""
+
+    samples: torch.Tensor  # [mbs] indices into the global batch
+    positions: torch.Tensor  # [s_local] positions within the sequence (after the CP split)
+    logprobs: torch.Tensor  # [mbs, s_local]
+
+
+@dataclass
 class StepOutput:
-    """Sums over this rank's micro-batches; only last-pipeline-stage ranks report losses."""
+    """Sums over this rank's micro-batches; only last-pipeline-stage ranks report losses. Engines that
+    capture per-token log-probs for a step put them in token_logprobs (None: not captured)."""
 
     loss_sum: float | None
     num_tokens: int | None
+    token_logprobs: list[TokenLogprobs] | None = None
 
 
 class Engine(Protocol):

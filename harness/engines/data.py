@@ -14,6 +14,11 @@ def global_batch(case: Case, step: int) -> torch.Tensor:
                          generator=gen)
 
 
+def first_sample(case: Case, dp_rank: int, microbatch: int) -> int:
+    """Index in the global batch of the first sample of a DP rank's micro-batch (see microbatches)."""
+    return dp_rank * (case.global_batch_size // case.layout.dp) + microbatch * case.micro_batch_size
+
+
 def microbatches(case: Case, step: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
     """This DP rank's contiguous slice of the global batch, cut into micro-batches."""
     batch = global_batch(case, step)

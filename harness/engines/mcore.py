@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import zlib
 
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from harness.engines import data
-from harness.engines.base import ParamShard, StepOutput, tp_shard
+from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, tp_shard
+from harness.engines.cp_data import zigzag_positions
 from harness.launch.context import RankContext
 from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
@@ -84,6 +86,7 @@ class McoreEngine:
         self.models: list = []
         self.optimizer = None
         self.config = None
+        self._captured: list[TokenLogprobs] | None = None  # the current step's log-probs, when captured
 
     # -- build --------------------------------------------------------------------------------
     def setup_parallel(self) -> None:
@@ -207,11 +210,23 @@ class McoreEngine:
         return 2 if self.case.model.swiglu and name.endswith("mlp.linear_fc1.weight") else 1
 
     # -- steps --------------------------------------------------------------------------------
+    # Steps whose per-token log-probs are captured (StepOutput.token_logprobs): the first step's forward
+    # runs on identical weights on every layout, so a position error shows at the token it hits.
+    logprob_steps: frozenset[int] = frozenset({0})
+
     def forward_step(self, data_iterator, model):
         mb = next(data_iterator)
         dev = self.ctx.device
         output = model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
+        if self._captured is not None and "samples" in mb:
+            return output, functools.partial(self._capture_then_loss, mb)
         return output, self.loss_func
+
+    def _capture_then_loss(self, mb, output_tensor):
+        """Keep the micro-batch's per-token log-probs (minus the per-token loss), then megatron's loss."""
+        self._captured.append(TokenLogprobs(mb["samples"], mb["positions"],
+                                            -output_tensor.detach().float().cpu().reshape(len(mb["samples"]), -1)))
+        return self.loss_func(output_tensor)
 
     @staticmethod
     def loss_func(output_tensor):
@@ -224,11 +239,23 @@ class McoreEngine:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = data.microbatches(self.case, step, ps.get_data_parallel_rank())
-        if self.case.layout.cp > 1:
+        dp_rank, cp = ps.get_data_parallel_rank(), self.case.layout.cp
+        mbs = data.microbatches(self.case, step, dp_rank)
+        if cp > 1:
             from megatron.core.utils import get_batch_on_this_cp_rank
 
             mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
+        self._captured = [] if step in self.logprob_steps else None
+        if self._captured is not None:
+            # Where each local token sits in the global batch, by the harness's own arithmetic (DP slice,
+            # zigzag CP chunks) - not read back from megatron's split, which is under test. Added after
+            # the split: get_batch_on_this_cp_rank slices every key it is given.
+            seq = self.case.model.seq_length
+            positions = zigzag_positions(seq, cp, ps.get_context_parallel_rank()) if cp > 1 else torch.arange(seq)
+            for i, mb in enumerate(mbs):
+                first = data.first_sample(self.case, dp_rank, i)
+                mb["samples"] = torch.arange(first, first + mb["tokens"].shape[0])
+                mb["positions"] = positions
         iters = [iter(mbs) for _ in self.models]
         for m in self.models:
             m.zero_grad_buffer()
@@ -241,10 +268,11 @@ class McoreEngine:
             micro_batch_size=self.case.micro_batch_size, forward_only=False,
         )
         self.optimizer.step()
+        captured, self._captured = self._captured, None
         if not losses:
-            return StepOutput(None, None)
+            return StepOutput(None, None, captured)
         total = torch.stack([d["lm loss"] for d in losses]).sum(0)
-        return StepOutput(float(total[0]), int(total[1]))
+        return StepOutput(float(total[0]), int(total[1]), captured)
 
     # -- outputs ------------------------------------------------------------------------------
     def param_shards(self) -> list[ParamShard]:

@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
+
 from harness.checks import CheckResult
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, severity, within
 from harness.checks.tensors import assemble, max_abs, rel_error
@@ -28,6 +30,39 @@ REPLICA_ATOL = 0.0
 # after one). With eps = 1e-6 the same layouts agree to 4.8e-7 (1e-7: 2.0e-6); a skipped TP
 # reduction still differs by ~5e-2. Cases that name their own eps keep it.
 EQUIVALENCE_ADAM_EPS = 1e-6
+
+
+def first_step_logprobs(result: CaseResult) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log-probs [global batch, seq], how many ranks reported each token) of the first step, assembled
+    from the last-stage, TP-rank-0 ranks in the original token order (NaN where none did); None when
+    the engine captured none."""
+    gbs, seq = result.case.global_batch_size, result.case.model.seq_length
+    values = torch.full((gbs, seq), float("nan"), dtype=torch.float64)
+    counts = torch.zeros((gbs, seq), dtype=torch.long)
+    for r in result.ranks:
+        c = r.data.get("coords", {})
+        if not c.get("last_stage") or c.get("tp") != 0:
+            continue
+        steps = r.data.get("steps", [])
+        if not steps or steps[0].token_logprobs is None:
+            return None
+        for part in steps[0].token_logprobs:
+            rows, cols = part.samples.view(-1, 1), part.positions.view(1, -1)
+            values[rows, cols] = part.logprobs.double()
+            counts[rows, cols] += 1
+    return values, counts
+
+
+def _ranges(positions: list[int]) -> str:
+    """[0, 1, 2, 7, 9, 10] -> '0-2, 7, 9-10'."""
+    out, start = [], None
+    for i, p in enumerate(positions):
+        if start is None:
+            start = p
+        if i + 1 == len(positions) or positions[i + 1] != p + 1:
+            out.append(f"{start}-{p}" if p > start else f"{start}")
+            start = None
+    return ", ".join(out)
 
 
 def step_losses(result: CaseResult) -> list[float]:
@@ -57,12 +92,12 @@ class EquivalenceSuite:
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
-        """The pure-DP reference first, then every other layout (default: all valid CP=1 layouts)."""
+        """The pure-DP reference first, then every other layout (default: every valid layout, CP included)."""
         if options.adam_eps == CaseOptions.adam_eps:
             options = dataclasses.replace(options, adam_eps=EQUIVALENCE_ADAM_EPS)
         reference = Layout(dp=world_size)
         if layouts is None:
-            layouts = [lay for lay in enumerate_layouts(model, world_size) if lay.cp == 1 and lay != reference]
+            layouts = [lay for lay in enumerate_layouts(model, world_size) if lay != reference]
         batch = dict(global_batch_size=options.global_batch_size, micro_batch_size=options.micro_batch_size)
         for lay in [reference, *layouts]:
             validate(lay, model, world_size, **batch)
@@ -106,6 +141,7 @@ class EquivalenceSuite:
                 continue
             dtype = res.case.options.dtype
             out.append(self._check_losses(res, ref, step_losses(res), ref_losses, LOSS_RTOL[dtype]))
+            out.append(self._check_logprobs(res, ref, LOSS_RTOL[dtype]))
             out.append(self._check_params(res, ref, full.tensors, ref_params.tensors, PARAM_RTOL[dtype]))
         return out
 
@@ -152,6 +188,45 @@ class EquivalenceSuite:
         msg = (f"loss step {worst}: {lay} {losses[worst]:.8f} vs {rlay} {ref_losses[worst]:.8f}, "
                f"rel diff {fmt_err(errs[worst])} {'<=' if ok else '>'} {rtol:.0e}")
         return CheckResult("equivalence.loss", cid, ok, msg, rows, value=errs[worst])
+
+    @staticmethod
+    def _check_logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
+        """Per-token log-probs of the first step against the reference, token by token: where the loss
+        moves by 1e-5, a wrong CP chunk or RoPE slice moves the tokens it hits by far more, and the
+        message names them."""
+        cid, lay, rlay = res.case.id, res.case.layout.id, ref.case.layout.id
+        got, want = first_step_logprobs(res), first_step_logprobs(ref)
+        if got is None or want is None:
+            who = lay if got is None else rlay
+            return CheckResult("equivalence.logprobs", cid, False,
+                               f"{who}: the engine captured no per-token log-probs of the first step "
+                               f"(StepOutput.token_logprobs; harness/engines/mcore.py captures them)")
+        (values, counts), (ref_values, _) = got, want
+        if (counts != 1).any():
+            never, dup = int((counts == 0).sum()), int((counts > 1).sum())
+            s, p = (counts != 1).nonzero()[0].tolist()
+            return CheckResult("equivalence.logprobs", cid, False,
+                               f"{lay}: step-0 log-probs: {never} tokens computed by no rank, {dup} by more than one "
+                               f"(first: sample {s} position {p}, {int(counts[s, p])} times)")
+        scale = float(ref_values.abs().max())
+        err = (values - ref_values).abs() / (scale or 1.0)
+        bad = ~(err <= rtol)  # NaN counts as bad
+        worst = float(err.max()) if not bad.any() else float(err.nan_to_num(float("inf")).max())
+        if not bad.any():
+            return CheckResult("equivalence.logprobs", cid, True,
+                               f"{lay}: step-0 log-probs of {values.numel()} tokens equal {rlay}, worst rel "
+                               f"{worst:.2e} <= {rtol:.0e}", value=worst)
+        rows = []
+        for sample in bad.any(dim=1).nonzero().flatten().tolist():
+            where = bad[sample].nonzero().flatten().tolist()
+            i = where[0]
+            rows.append(f"  sample {sample}: {len(where)} tokens off at positions {_ranges(where)}; position {i}: "
+                        f"{float(values[sample, i]):.6f} vs {float(ref_values[sample, i]):.6f}")
+        first = bad.any(dim=1).nonzero()[0].item()
+        return CheckResult("equivalence.logprobs", cid, False,
+                           f"{lay}: step-0 log-probs differ from {rlay} at {int(bad.sum())}/{values.numel()} tokens "
+                           f"(worst rel {fmt_err(worst)} > {rtol:.0e}); first: sample {first}, positions "
+                           f"{_ranges(bad[first].nonzero().flatten().tolist())}", rows, value=worst)
 
     @staticmethod
     def _check_params(res, ref, params, ref_params, rtol) -> CheckResult:
