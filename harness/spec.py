@@ -97,6 +97,9 @@ class CaseOptions:
     grad_reduce_in_fp32: bool = False
     lr: float = 1e-3
     adam_eps: float = 1e-8  # megatron's default
+    # activation recompute: "" off, "full" (every layer, megatron's uniform method) or "selective" (core attention)
+    recompute: str = ""
+    bucket_size: int | None = None  # DDP gradient bucket size in elements (None: megatron's default)
     global_batch_size: int | None = None  # None: the model spec's
     micro_batch_size: int | None = None
     # checkpoint suites: distributed-optimizer format (distrib_optim_sharding_type), with

@@ -141,7 +141,7 @@ def plan(case: Case, rank: int) -> list[Planned]:
     for vp in range(lay.vpp):
         bucket_size = None
         if o.overlap_grad_reduce and c.pp == 0 and vp == 0:
-            bucket_size = max(DEFAULT_BUCKET_ELEMS, 1_000_000 * dp_cp)
+            bucket_size = o.bucket_size or max(DEFAULT_BUCKET_ELEMS, 1_000_000 * dp_cp)
         for numel in chunk_buckets(chunk_params(m, lay, c.pp, vp), distopt=o.use_distributed_optimizer,
                                    dp_cp=dp_cp, bucket_size=bucket_size):
             sizes[numel] += o.steps
