@@ -42,7 +42,21 @@ def transformer_config(case: Case, on_cpu: bool):
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
+        **recompute_config(case.options.recompute),
     )
+
+
+def recompute_config(recompute: str) -> dict:
+    """TransformerConfig fields of the case's activation-recompute option."""
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective")
+    if recompute:
+        from harness.errors import BadInput
+
+        raise BadInput(f"recompute {recompute!r}: expected full or selective")
+    return {}
 
 
 def layer_spec(on_cpu: bool, normalization: str, cp: int = 1):
@@ -100,6 +114,7 @@ class McoreEngine:
         return DistributedDataParallelConfig(
             grad_reduce_in_fp32=o.grad_reduce_in_fp32, overlap_grad_reduce=o.overlap_grad_reduce,
             use_distributed_optimizer=o.use_distributed_optimizer,
+            **({"bucket_size": o.bucket_size} if o.bucket_size else {}),
         )
 
     def optimizer_config(self, use_distributed_optimizer: bool):
