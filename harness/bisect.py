@@ -103,16 +103,31 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
         if str(path) not in data:
             data[str(path)] = baselines.load(path)
         entry = data[str(path)].get("entries", {}).get(suite.key(o.result.case), {}).get(metric)
-        limit = threshold.resolve(entry["value"] if entry else None)
-        value = samples[metric]
-        step = StepResult(BAD if value > limit else GOOD, value, limit, o.result.case.id,
-                          f"{metric} {value:.2f} {'>' if value > limit else '<='} {limit:.2f}", vers)
+        if entry and "samples" in entry and hasattr(suite, "timed_comparison"):
+            step = _judge_timed(suite, o.result, metric, entry, threshold, vers)
+        else:
+            limit = threshold.resolve(entry["value"] if entry else None)
+            value = samples[metric]
+            step = StepResult(BAD if value > limit else GOOD, value, limit, o.result.case.id,
+                              f"{metric} {value:.2f} {'>' if value > limit else '<='} {limit:.2f}", vers)
+        value, limit = step.value, step.threshold
         if worst is None or value - limit > worst.value - worst.threshold:
             worst = step
     if worst is None:
         known = sorted({m for o in outcomes for m in suite.samples(o.result)})
         raise BadInput(f"no case of the selection has metric {metric!r}; metrics: {', '.join(known) or 'none'}")
     return worst
+
+
+def _judge_timed(suite, result, metric: str, entry: dict, threshold: Threshold, vers: dict) -> StepResult:
+    """A timed figure (step-perf) is judged as the suite judges it: bad when significantly slower than the
+    baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's)."""
+    m = _THRESHOLD_RE.match(threshold.text.replace(" ", ""))
+    effect = float(m.group(1)) / 100 if m and m.group(2) else None
+    cmp = suite.timed_comparison(result, metric, entry, effect)
+    return StepResult(BAD if cmp.slower else GOOD, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,
+                      f"{metric} {cmp.describe()}: {'significantly slower' if cmp.slower else 'not significantly slower'}",
+                      vers)
 
 
 def _platform(result) -> str:

@@ -37,10 +37,24 @@ def _options(args) -> CaseOptions:
     )
 
 
+def _suite_params(args) -> dict:
+    """Suite attributes set by flags (refused by driver.plan for a suite that has no such attribute)."""
+    params = {}
+    if args.timed_steps is not None:
+        if args.timed_steps < 3:
+            raise BadInput(f"--timed-steps must be >= 3 (the statistics need samples), got {args.timed_steps}")
+        params["timed_steps"] = args.timed_steps
+    if args.min_effect is not None:
+        if not 0 < args.min_effect < 10:
+            raise BadInput(f"--min-effect is a fraction of the baseline median (e.g. 0.1 for 10%), got {args.min_effect}")
+        params["min_effect"] = args.min_effect
+    return params
+
+
 def _case_kwargs(args) -> dict:
     """Keyword arguments of driver.plan / run_suite from the shared case-selection flags."""
     return dict(engine=args.engine, backend=args.backend, options=_options(args), timeout_s=args.timeout,
-                ckpt_formats=args.ckpt_format)
+                ckpt_formats=args.ckpt_format, suite_params=_suite_params(args))
 
 
 def _run(args) -> int:
@@ -126,6 +140,19 @@ def _bisect_step(args) -> int:
     return step_main(args)
 
 
+def _compare(args) -> int:
+    from harness.compare import compare_main
+    from harness.driver import plan
+
+    if args.suite != "step-perf":
+        raise BadInput(f"compare judges step times: --suite step-perf (got {args.suite!r})")
+    if args.steps_per_round < 3:
+        raise BadInput(f"--steps-per-round must be >= 3, got {args.steps_per_round}")
+    for engine in args.engine or ["mcore"]:  # every bad input before any rank starts
+        plan(args.suite, args.model, args.world_size, args.layout, **{**_case_kwargs(args), "engine": engine})
+    return compare_main(args, lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
 def _nightly(args) -> int:
     from harness.nightly import SUITES, run_nightly
 
@@ -158,13 +185,19 @@ def _project_memory(args) -> int:
     return 0
 
 
-def _add_case_args(p: argparse.ArgumentParser) -> None:
-    """The flags that select a suite's cases (shared by run, baselines, bisect)."""
-    p.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp (step-perf: planned)")
+def _add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
+    """The flags that select a suite's cases (shared by run, baselines, bisect, compare; compare: the suite
+    defaults to step-perf and --engine may be given twice, A then B)."""
+    if compare:
+        p.add_argument("--suite", default="step-perf", help="step-perf (the suite whose step times are compared)")
+        p.add_argument("--engine", action="append", help="A then B (twice), or the engine of both sides (once)")
+    else:
+        p.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp, step-perf")
     p.add_argument("--model", default=None, help="model spec (default: the suite's CPU model, tiny or small)")
     p.add_argument("--world-size", type=int, default=4, help="ranks per case (default 4)")
     p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")
-    p.add_argument("--engine", default="mcore", help="mcore, or a user engine package.module:factory")
+    if not compare:
+        p.add_argument("--engine", default="mcore", help="mcore, or a user engine package.module:factory")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
@@ -177,14 +210,20 @@ def _add_case_args(p: argparse.ArgumentParser) -> None:
                    help="ckpt-memory: save through megatron's FullyParallelSaveStrategyWrapper")
     p.add_argument("--async-save", action="store_true",
                    help="ckpt-memory: megatron's async save (the write in a forked process)")
+    p.add_argument("--timed-steps", type=int, default=None, help="step-perf: timed steps per case (default 20)")
+    p.add_argument("--min-effect", type=float, default=None,
+                   help="step-perf: smallest slowdown that fails, as a fraction (default 0.10 on CPU, 0.05 on GPU)")
 
 
-def case_argv(args) -> list[str]:
-    """The shared case-selection flags of parsed args, back as command-line arguments (non-defaults only)."""
+def case_argv(args, skip: tuple[str, ...] = ()) -> list[str]:
+    """The shared case-selection flags of parsed args, back as command-line arguments (non-defaults only;
+    `skip`: destinations left out)."""
     probe = argparse.ArgumentParser(add_help=False)
     _add_case_args(probe)
     out: list[str] = []
     for action in probe._actions:
+        if action.dest in skip:
+            continue
         value, flag = getattr(args, action.dest), action.option_strings[0]
         if value is None or value == action.default or value is False:
             continue
@@ -260,6 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             bs.add_argument("--json", default=None, help="also write the verdict as JSON here")
             bs.set_defaults(func=_bisect_step)
+
+    cmp = sub.add_parser("compare", help="A against B, interleaved in one run: two engines, or this environment "
+                                         "against a megatron-core release or a commit (step-perf)")
+    _add_case_args(cmp, compare=True)
+    cmp.add_argument("--rounds", type=int, default=5, help="rounds per side, A/B order drawn each round (default 5)")
+    cmp.add_argument("--steps-per-round", type=int, default=10, help="timed steps per case per round (default 10)")
+    cmp.add_argument("--megatron-core", default=None, metavar="VERSION", help="B: this megatron-core release")
+    cmp.add_argument("--repo", help="B: a commit of this local checkout (with --rev)")
+    cmp.add_argument("--rev", help="--repo: the commit to compare against")
+    cmp.add_argument("--path-in-repo", default=".", help="--repo: the directory put on the path (default: root)")
+    cmp.add_argument("--cache", default=None, help="environments and worktrees (default ~/.cache/harness-bisect)")
+    cmp.add_argument("--order-seed", type=int, default=0, help="seed of the A/B order of the rounds")
+    cmp.add_argument("--out", default=None, help="write compare.json here")
+    cmp.set_defaults(func=_compare)
 
     ni = sub.add_parser("nightly", help="every suite x models x construction paths, then the report")
     ni.add_argument("--out", required=True, help="directory for every run's results.json and the report")

@@ -118,9 +118,15 @@ class SuiteRun:
 
 def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
          engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
-         timeout_s: float | None = None, ckpt_formats: list[str] | None = None):
-    """(suite, cases) or BadInput, before anything runs or is written. model_name None: the suite's default."""
+         timeout_s: float | None = None, ckpt_formats: list[str] | None = None,
+         suite_params: dict | None = None):
+    """(suite, cases) or BadInput, before anything runs or is written. model_name None: the suite's default.
+    suite_params: attributes of the suite to set (e.g. step-perf's timed_steps), each one the suite has."""
     suite = get_suite(suite_name)
+    for attr, value in (suite_params or {}).items():
+        if not hasattr(suite, attr):
+            raise BadInput(f"--{attr.replace('_', '-')} does not apply to the {suite.name} suite")
+        setattr(suite, attr, value)
     if ckpt_formats:
         if not hasattr(suite, "formats"):
             raise BadInput(f"--ckpt-format applies to the ckpt-memory suite, not {suite_name!r}")
@@ -153,13 +159,14 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
               engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
               timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
               fresh_ranks: bool = False, shuffle_seed: int | None = None,
-              baselines_dir: str | None = None, ckpt_formats: list[str] | None = None) -> SuiteRun:
+              baselines_dir: str | None = None, ckpt_formats: list[str] | None = None,
+              suite_params: dict | None = None) -> SuiteRun:
     """Run every case of the suite (warm pool ranks unless fresh_ranks) and judge them.
 
     shuffle_seed runs the cases in a shuffled order (isolation checks); results keep plan order.
     """
     suite, cases = plan(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
-                        options=options, timeout_s=timeout_s, ckpt_formats=ckpt_formats)
+                        options=options, timeout_s=timeout_s, ckpt_formats=ckpt_formats, suite_params=suite_params)
     if baselines_dir is not None:
         suite.baselines_dir = baselines_dir
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -10,7 +10,7 @@ from typing import Callable
 
 from harness.errors import BadInput
 
-SUITES = ("equivalence", "grad-sync", "ckpt-memory", "dynamic-cp")
+SUITES = ("equivalence", "grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 PATHS = {"grad-sync": ("mcore", "megatron-bridge", "mbridge")}  # R2: every construction path
 DEFAULT_MODELS = {"gloo": ("default", "small"), "nccl": ("default", "small", "1b")}
 

@@ -90,6 +90,7 @@ class CaseOptions:
     """What the user configures for a case; expected plans are derived from these, never from engine objects."""
 
     steps: int = 2
+    warmup_steps: int = 0  # untimed steps before the `steps` a suite measures (step-perf)
     seed: int = 1234
     dtype: str = "fp32"
     use_distributed_optimizer: bool = False

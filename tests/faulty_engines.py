@@ -180,3 +180,66 @@ class ContiguousRopeSlice(_PatchedDuringSteps):
             return pos_emb.chunk(cp_group.size(), dim=seq_dim)[cp_group.rank()]
 
         return contiguous
+
+
+class Straggler(McoreEngine):
+    """Rank 1 sleeps in backward, after the case's warm-up steps, for STRAGGLE x the median of its own
+    warm-up steps per training step (spread over its micro-batches): a straggler the others wait for."""
+
+    STRAGGLE = 0.25
+
+    def __init__(self, case, ctx):
+        super().__init__(case, ctx)
+        self._own: list[float] = []
+        self._sleep_s = 0.0
+
+    def forward_step(self, data_iterator, model):
+        import time
+
+        output, loss_func = super().forward_step(data_iterator, model)
+        if self._sleep_s and output.requires_grad:
+            output.register_hook(lambda grad: (time.sleep(self._sleep_s), grad)[1])  # runs inside backward
+        return output, loss_func
+
+    def train_step(self, step: int):
+        import statistics
+        import time
+
+        warmup = self.case.options.warmup_steps
+        if self.ctx.rank == 1 and step >= warmup and self._own:
+            self._sleep_s = self.STRAGGLE * statistics.median(self._own) / self.case.num_microbatches
+        t0 = time.perf_counter()
+        out = super().train_step(step)
+        if step < warmup:
+            self._own.append(time.perf_counter() - t0)
+        return out
+
+
+class OverlapLost(McoreEngine):
+    """DDP built with overlap_grad_reduce=False whatever the case asks: no gradient reduction overlaps
+    with backward."""
+
+    def ddp_config(self):
+        cfg = super().ddp_config()
+        cfg.overlap_grad_reduce = False
+        return cfg
+
+
+class SmallBuckets(McoreEngine):
+    """DDP gradient buckets 8x smaller than megatron's default (max(40M, 1M x dp) elements)."""
+
+    def ddp_config(self):
+        from megatron.core import parallel_state as ps
+
+        cfg = super().ddp_config()
+        cfg.bucket_size = max(40_000_000, 1_000_000 * ps.get_data_parallel_world_size(with_context_parallel=True)) // 8
+        return cfg
+
+
+class RecomputeOn(McoreEngine):
+    """Full activation recompute switched on whatever the case asks (every layer's forward runs twice)."""
+
+    def __init__(self, case, ctx):
+        import dataclasses
+
+        super().__init__(dataclasses.replace(case, options=dataclasses.replace(case.options, recompute="full")), ctx)

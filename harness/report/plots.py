@@ -1,6 +1,7 @@
 """PNG plots of results files (matplotlib, headless): checkpoint host / device peaks per rank against
-the baseline's tolerance band, per-rank RSS timelines of the save phase, and the bytes the collectives
-moved per group role."""
+the baseline's tolerance band, per-rank RSS timelines of the save phase, the bytes the collectives
+moved per group role, and step phases per rank and step-time distributions against the baseline.
+Cases that did not pass have red labels."""
 
 from __future__ import annotations
 
@@ -158,6 +159,7 @@ def collective_bytes(run: "RunFile", path: Path) -> Path | None:
         ax.bar(range(len(cases)), vals, 0.7, bottom=bottom, label=key, color=colors(j % 20))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=70, ha="right", fontsize=7)
+    _mark_failed(ax, cases, _failed_cases(run))
     ax.set_ylabel("MiB moved, all ranks, all recorded steps")
     ax.set_title(f"{run.title}: collective bytes by group role / kind", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -168,7 +170,75 @@ def collective_bytes(run: "RunFile", path: Path) -> Path | None:
     return path
 
 
-PLOTS = {"peaks": ckpt_peaks, "save-timeline": ckpt_timelines, "collective-bytes": collective_bytes}
+def _failed_cases(run: "RunFile") -> set[str]:
+    return {c["id"] for c in run.data["cases"] if c.get("outcome") not in (None, "pass", "skipped")}
+
+
+def _mark_failed(ax, cases: list[dict], failed: set[str]) -> None:
+    """Red tick labels for cases that did not pass, so a regression does not look like a pass."""
+    for label, c in zip(ax.get_xticklabels(), cases):
+        if c["id"] in failed:
+            label.set_color("red")
+
+
+def step_phases(run: "RunFile", path: Path) -> Path | None:
+    """Per case and rank, the median ms of each phase of a step, stacked (a straggler's bar stands out)."""
+    cases = [c for c in run.data["cases"] if c.get("data", {}).get("phases_ms")]
+    if not cases:
+        return None
+    plt = _pyplot()
+    phases = ["forward", "backward", "grad-sync", "param-gather", "optimizer", "other"]
+    ranks = max(len(c["data"]["phases_ms"]) for c in cases)
+    width = 0.8 / ranks
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases) + 3), 5.5))
+    colors = plt.get_cmap("tab10")
+    for r in range(ranks):
+        bottom = [0.0] * len(cases)
+        for j, phase in enumerate(phases):
+            vals = [c["data"]["phases_ms"].get(str(r), {}).get(phase, 0.0) for c in cases]
+            xs = [i + (r - (ranks - 1) / 2) * width for i in range(len(cases))]
+            ax.bar(xs, vals, width * 0.9, bottom=bottom, color=colors(j), label=phase if r == 0 else None)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=30, ha="right", fontsize=7)
+    _mark_failed(ax, cases, _failed_cases(run))
+    ax.set_ylabel("median ms per step (one bar per rank)")
+    ax.set_title(f"{run.title}: step phases per rank", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def step_times(run: "RunFile", path: Path) -> Path | None:
+    """Per case, the distribution of step times (this run) beside the baseline's stored samples."""
+    cases = [c for c in run.data["cases"] if c.get("data", {}).get("step_ms")]
+    if not cases:
+        return None
+    plt = _pyplot()
+    base = {c["case_id"]: c.get("data", {}).get("baseline_samples", {}).get("step_time_ms", [])
+            for c in run.data["checks"] if c["check"] == "step-perf.time"}
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases) + 3), 5))
+    for i, c in enumerate(cases):
+        if base.get(c["id"]):
+            ax.boxplot([base[c["id"]]], positions=[i - 0.18], widths=0.3, patch_artist=True,
+                       boxprops={"facecolor": "0.85"}, medianprops={"color": "black"}, showfliers=True)
+        ax.boxplot([c["data"]["step_ms"]], positions=[i + 0.18], widths=0.3, patch_artist=True,
+                   boxprops={"facecolor": "tab:blue", "alpha": 0.6}, medianprops={"color": "black"})
+    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=30, ha="right", fontsize=7)
+    _mark_failed(ax, cases, _failed_cases(run))
+    ax.set_ylabel("step time, ms (grey: baseline samples, blue: this run)")
+    ax.set_title(f"{run.title}: step times", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PLOTS = {"peaks": ckpt_peaks, "save-timeline": ckpt_timelines, "collective-bytes": collective_bytes,
+         "step-phases": step_phases, "step-times": step_times}
 
 
 def render_all(runs: list["RunFile"], out_dir: Path) -> dict[str, list[Path]]:

@@ -19,6 +19,7 @@ SUITES = {
     "grad-sync": "harness.suites.grad_sync:GradSyncSuite",
     "ckpt-memory": "harness.suites.ckpt_memory:CkptMemorySuite",
     "dynamic-cp": "harness.suites.dynamic_cp:DynamicCPSuite",
+    "step-perf": "harness.suites.step_perf:StepPerfSuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 

@@ -1,0 +1,97 @@
+"""Judging step times on noisy machines: ratio of medians with a bootstrap confidence interval and a
+Mann-Whitney U test, failing only when a slowdown is both significant and larger than a minimum effect.
+
+Why both: on a shared 2-core box a 3% difference can be "significant" with enough samples and
+still be noise of the box (other load, thermal state), while a large ratio from a handful of
+outliers need not be significant. asv flags a change only when a Mann-Whitney U test agrees with a
+ratio threshold; this does the same and also reports the confidence interval of the ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+ALPHA = 0.01  # one-sided significance level of the Mann-Whitney U test
+CONFIDENCE = 0.95
+BOOTSTRAP_RESAMPLES = 2000
+MIN_EFFECT = {"cpu": 0.10, "gpu": 0.05}  # smallest slowdown that fails, as a fraction of the baseline median
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """B (measured) against A (baseline) for one figure."""
+
+    ratio: float  # median(B) / median(A)
+    ci_low: float
+    ci_high: float
+    p_slower: float  # one-sided Mann-Whitney U: B stochastically larger than A
+    p_faster: float
+    n_a: int
+    n_b: int
+    median_a: float
+    median_b: float
+    min_effect: float
+    alpha: float = ALPHA
+
+    @property
+    def slower(self) -> bool:
+        """A regression: significantly slower and beyond the minimum effect."""
+        return self.p_slower < self.alpha and self.ratio > 1 + self.min_effect
+
+    @property
+    def faster(self) -> bool:
+        """An improvement: significantly faster and beyond the minimum effect."""
+        return self.p_faster < self.alpha and self.ratio < 1 / (1 + self.min_effect)
+
+    @property
+    def verdict(self) -> str:
+        return "regression" if self.slower else "improvement" if self.faster else "pass"
+
+    def describe(self, unit: str = "ms") -> str:
+        """e.g. '123.4 ms vs 110.2 ms: x1.12 [1.08, 1.16] 95% CI, Mann-Whitney p=0.0003 (n=20/60), min effect 10%'."""
+        p = self.p_slower if self.ratio >= 1 else self.p_faster
+        return (f"{self.median_b:.1f} {unit} vs {self.median_a:.1f} {unit}: x{self.ratio:.3f} "
+                f"[{self.ci_low:.3f}, {self.ci_high:.3f}] {CONFIDENCE:.0%} CI, Mann-Whitney p={p:.2g} "
+                f"(n={self.n_b}/{self.n_a}), min effect {self.min_effect:.0%}")
+
+
+def compare_samples(baseline: list[float], measured: list[float], min_effect: float, *, alpha: float = ALPHA,
+                    seed: int = 0) -> Comparison:
+    """Ratio of medians (measured / baseline), its bootstrap CI, and one-sided Mann-Whitney U p-values."""
+    import numpy as np
+    from scipy import stats
+
+    a, b = np.asarray(baseline, dtype=float), np.asarray(measured, dtype=float)
+    if len(a) < 3 or len(b) < 3:
+        raise ValueError(f"need at least 3 samples on each side, got {len(a)} baseline and {len(b)} measured")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ValueError("non-finite step times cannot be judged")
+    med_a, med_b = float(np.median(a)), float(np.median(b))
+    rng = np.random.default_rng(seed)
+    ra = np.median(rng.choice(a, (BOOTSTRAP_RESAMPLES, len(a))), axis=1)
+    rb = np.median(rng.choice(b, (BOOTSTRAP_RESAMPLES, len(b))), axis=1)
+    ratios = rb / ra
+    tail = (1 - CONFIDENCE) / 2
+    low, high = (float(x) for x in np.quantile(ratios, [tail, 1 - tail]))
+    p_slower = float(stats.mannwhitneyu(b, a, alternative="greater").pvalue)
+    p_faster = float(stats.mannwhitneyu(b, a, alternative="less").pvalue)
+    return Comparison(med_b / med_a, low, high, p_slower, p_faster, len(a), len(b), med_a, med_b, min_effect, alpha)
+
+
+def minimum_detectable_effect(samples: list[float], n_measured: int, *, alpha: float = ALPHA, power: float = 0.9,
+                              floor: float = 0.0) -> float:
+    """The smallest relative slowdown (a shift of the whole distribution) the test detects with the
+    given power, from the spread of the baseline samples (normal approximation of the Mann-Whitney U
+    test, asymptotic relative efficiency 3/pi against the t-test); at least `floor` (the minimum effect)."""
+    from scipy import stats
+
+    if len(samples) < 3:
+        return math.inf
+    sd = statistics.stdev(samples)
+    med = statistics.median(samples)
+    n_a, n_b = len(samples), n_measured
+    z = stats.norm.ppf(1 - alpha) + stats.norm.ppf(power)
+    shift = z * sd * math.sqrt((1 / n_a + 1 / n_b) / (3 / math.pi))
+    return max(floor, shift / med)

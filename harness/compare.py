@@ -1,0 +1,194 @@
+"""`harness compare`: A against B in one run - two engines, or this environment against another
+megatron-core release or commit - with the step-perf cases of both run in rounds whose A/B order is
+drawn at random each round (randomized multiple interleaved trials), so drift of a shared machine
+falls on both sides alike. Per case: the ratio of B's median step time to A's with its bootstrap CI
+and a Mann-Whitney U test (harness/checks/timing.py), and every counter that differs. Exit 1 when B is
+significantly slower than A beyond the minimum effect on any case.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from harness.errors import BadInput
+
+@dataclass
+class Side:
+    """One side of a comparison: an engine in this process, or a run in another environment."""
+
+    label: str
+    engine: str = "mcore"
+    python: str | None = None  # another interpreter (a cached environment of another release)
+    pythonpath: list[str] = field(default_factory=list)  # put first on the path (a worktree of a commit)
+
+    @property
+    def in_process(self) -> bool:
+        return self.python is None and not self.pythonpath
+
+
+@dataclass
+class CaseSamples:
+    """What one side measured for one case, pooled over rounds."""
+
+    step_ms: list[float] = field(default_factory=list)
+    exposed_ms: list[float] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+def _in_process_round(side: Side, args, say) -> dict[str, CaseSamples]:
+    from harness.driver import run_suite
+    from harness.suites.step_perf import StepPerfSuite
+
+    suite = StepPerfSuite(timed_steps=args.steps_per_round)
+    run = run_suite(suite, args.model, args.world_size, args.layout, engine=side.engine, backend=args.backend,
+                    timeout_s=args.timeout, progress=say, baselines_dir=tempfile.mkdtemp(prefix="harness-compare-nb-"))
+    out = {}
+    for r in run.results:
+        if not r.ok:
+            raise RuntimeError(f"{side.label}: case {r.case.id} failed: {r.error.splitlines()[0] if r.error else ''}")
+        out[suite.key(r.case)] = CaseSamples(suite.step_ms(r), suite.exposed_ms(r), suite.counters(r))
+    return out
+
+
+def _subprocess_round(side: Side, args, workdir: Path, n: int) -> dict[str, CaseSamples]:
+    import os
+
+    from harness.cli import case_argv
+
+    out_dir = workdir / f"{side.label.replace('/', '_')}-{n}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*side.pythonpath, str(Path(__file__).resolve().parents[1]),
+                                         *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    cmd = [side.python or sys.executable, "-m", "harness.cli", "run", *case_argv(args, skip=("engine", "timed_steps")),
+           "--engine", side.engine,
+           "--timed-steps", str(args.steps_per_round), "--baselines-dir", str(workdir / "no-baselines"),
+           "--out", str(out_dir)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=side.pythonpath[0] if side.pythonpath else None)
+    results = out_dir / "results.json"
+    if proc.returncode == 2 or not results.exists():
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{side.label}: `harness run` exited {proc.returncode}: {tail}")
+    data = json.loads(results.read_text())
+    out = {}
+    for c in data["cases"]:
+        if c["status"] != "ok":
+            raise RuntimeError(f"{side.label}: case {c['id']} failed: {c['reason']}")
+        d = c["data"]
+        counters = {k: v for k, v in c.get("samples", {}).items() if k not in ("step_time_ms", "exposed_comm_ms",
+                                                                                "calibration_ms")}
+        out[c["baseline_key"]] = CaseSamples(d["step_ms"], d["exposed_comm_ms"], counters)
+    return out
+
+
+def run_rounds(a: Side, b: Side, args, say: Callable[[str], None]) -> tuple[dict, dict, list[str]]:
+    """Both sides, args.rounds times, in a random order per round; ({key: CaseSamples} for A and B, order)."""
+    rng = random.Random(args.order_seed)
+    pooled: dict[str, dict[str, CaseSamples]] = {a.label: {}, b.label: {}}
+    order: list[str] = []
+    workdir = Path(tempfile.mkdtemp(prefix="harness-compare-"))
+    for n in range(args.rounds):
+        sides = [a, b]
+        rng.shuffle(sides)
+        for side in sides:
+            say(f"round {n + 1}/{args.rounds}: {side.label}")
+            order.append(side.label)
+            got = _in_process_round(side, args, say) if side.in_process else _subprocess_round(side, args, workdir, n)
+            for key, s in got.items():
+                acc = pooled[side.label].setdefault(key, CaseSamples(counters=s.counters))
+                acc.step_ms += s.step_ms
+                acc.exposed_ms += s.exposed_ms
+    return pooled[a.label], pooled[b.label], order
+
+
+def judge(a: dict[str, CaseSamples], b: dict[str, CaseSamples], min_effect: float):
+    """Per case key: (Comparison of step times, Comparison of exposed comm, differing counters)."""
+    from harness.checks.timing import compare_samples
+
+    out = {}
+    for key in sorted(set(a) & set(b)):
+        counters = sorted(m for m in set(a[key].counters) | set(b[key].counters)
+                          if a[key].counters.get(m) != b[key].counters.get(m))
+        diffs = [f"{m}: {a[key].counters.get(m, '-')} -> {b[key].counters.get(m, '-')}" for m in counters]
+        out[key] = (compare_samples(a[key].step_ms, b[key].step_ms, min_effect),
+                    compare_samples(a[key].exposed_ms, b[key].exposed_ms, min_effect), diffs)
+    return out
+
+
+def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
+    engines = args.engine or []
+    if len(engines) == 2:
+        return Side(f"A={engines[0]}", engines[0]), Side(f"B={engines[1]}", engines[1])
+    engine = engines[0] if engines else "mcore"
+    if len(engines) > 2:
+        raise BadInput(f"--engine given {len(engines)} times; compare takes two engines (A then B) or one")
+    here = Side(f"A=this environment", engine, python=sys.executable)
+    if args.megatron_core:
+        from harness.bisect import version_env
+
+        try:
+            python = version_env("megatron-core", args.megatron_core, cache)
+        except RuntimeError as exc:
+            raise BadInput(f"--megatron-core {args.megatron_core}: {exc}") from None
+        return here, Side(f"B=megatron-core {args.megatron_core}", engine, python=python)
+    if args.repo:
+        if not args.rev:
+            raise BadInput("--repo needs --rev (the commit to compare this checkout against)")
+        return here, Side(f"B={args.rev}", engine, pythonpath=["<worktree>"])
+    raise BadInput("give two engines (--engine A --engine B), or --megatron-core VERSION, or --repo PATH --rev REV")
+
+
+def compare_main(args, say: Callable[[str], None]) -> int:
+    from harness.checks.timing import MIN_EFFECT
+    from harness.report import fmt_table
+
+    if args.rounds < 2:
+        raise BadInput(f"--rounds must be >= 2 (interleaving needs several rounds per side), got {args.rounds}")
+    cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
+    cache.mkdir(parents=True, exist_ok=True)
+    a, b = sides_from_args(args, cache)
+    worktree = None
+    try:
+        if "<worktree>" in b.pythonpath:
+            from harness.bisect import Worktree
+
+            worktree = Worktree(Path(args.repo).resolve(), cache)
+            b.pythonpath = [str(worktree.checkout(args.rev) / args.path_in_repo)]
+        effect = args.min_effect if args.min_effect is not None else MIN_EFFECT["gpu" if args.backend == "nccl" else "cpu"]
+        samples_a, samples_b, order = run_rounds(a, b, args, say)
+    finally:
+        if worktree:
+            worktree.close()
+    verdicts = judge(samples_a, samples_b, effect)
+    rows, slower = [], []
+    for key, (step, comm, diffs) in verdicts.items():
+        rows.append([key, f"{step.median_a:.1f}", f"{step.median_b:.1f}", f"x{step.ratio:.3f}",
+                     f"[{step.ci_low:.3f}, {step.ci_high:.3f}]", f"{min(step.p_slower, step.p_faster):.2g}",
+                     f"x{comm.ratio:.2f}", step.verdict, f"{len(diffs)}"])
+        if step.slower:
+            slower.append(key)
+    print(f"compare: {a.label} vs {b.label}, {args.rounds} rounds of {args.steps_per_round} steps per side "
+          f"(order {' '.join(x[0] for x in order)}), min effect {effect:.0%}")
+    print(fmt_table(["case", "A ms", "B ms", "B/A", "95% CI", "p", "exposed B/A", "verdict", "counters differ"], rows))
+    for key, (_, _, diffs) in verdicts.items():
+        for d in diffs:
+            print(f"  {key}: {d}")
+    if args.out:
+        from harness.report.files import write_text
+
+        write_text(Path(args.out) / "compare.json", json.dumps(
+            {"a": a.label, "b": b.label, "rounds": args.rounds, "order": order, "min_effect": effect,
+             "cases": {k: {"step": vars(s), "exposed": vars(c), "counters_differ": d,
+                           "samples_a": samples_a[k].step_ms, "samples_b": samples_b[k].step_ms}
+                       for k, (s, c, d) in verdicts.items()}}, indent=1))
+    if slower:
+        print(f"B is slower than A beyond {effect:.0%} (significant) on {len(slower)} case(s): {', '.join(slower)}")
+        return 1
+    print("B is not significantly slower than A beyond the minimum effect on any case")
+    return 0

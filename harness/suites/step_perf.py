@@ -1,0 +1,396 @@
+"""`step-perf`: how fast a training step is, per layout, and how much work it does.
+
+Per case, on warm ranks: WARMUP_STEPS untimed steps; a calibration workload (a fixed GEMM and a fixed
+all-reduce, timed right before the case's steps); TIMED_STEPS steps timed between barrier-aligned
+boundaries with a phase breakdown (harness/probes/timers.py); then one more step, untimed, with the
+counters installed: FLOPs (harness/probes/flops.py) and every collective (harness/probes/collectives.py).
+The counters never run during a timed step.
+
+Judged against baselines/<platform>/step-perf.json:
+- counters, exactly: FLOPs per rank, collective calls and bytes per group role and kind per rank, and the
+  DP gradient reductions issued during backward (overlap) - no noise, no tolerance;
+- step time and exposed communication, statistically: the steady-state samples against the baseline's
+  stored samples (ratio of medians, bootstrap CI, Mann-Whitney U; harness/checks/timing.py), failing
+  only when a slowdown is significant and beyond the minimum effect.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from harness.checks import CheckResult
+from harness.checks.timing import MIN_EFFECT, compare_samples, minimum_detectable_effect
+from harness.engines import make_engine
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.layouts import validate
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
+
+# 3 warm-up steps take the first-step costs (allocator growth, lazy inits) out; 20 timed steps per case
+# give the Mann-Whitney test and the bootstrap enough samples on 2 cores (measured: a 15% shift is
+# detected at p < 0.01 with 20 vs 60 samples at the spread of `small` on 4 CPU ranks).
+WARMUP_STEPS = 3
+TIMED_STEPS = 20
+# The default matrix, trimmed for the CPU tier (a `small` step takes ~0.7 s on 4 ranks of 2 cores, and
+# a case ~25 s): every option set on pure DP, and each model-parallel kind with the distributed
+# optimizer and overlap on. `--layout` runs the given layouts with every option set.
+DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp2-dp2")
+OPTION_SETS = ((False, False), (False, True), (True, False), (True, True))  # (distributed optimizer, overlap)
+CALIBRATION_REPS = 5
+# bf16 dense peak TFLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
+PEAK_BF16_TFLOPS = {"H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def flops_per_token(model: ModelSpec) -> float:
+    """Training FLOPs per token as torchtitan counts them: 6 N + 12 L H S, N the parameters without the
+    input embedding, L layers, H hidden size, S sequence length (full attention: the causal mask's
+    saving, which Megatron's formula halves, is not taken)."""
+    n = model.num_params() - model.vocab_size * model.hidden_size
+    return 6 * n + 12 * model.num_layers * model.hidden_size * model.seq_length
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key.replace(" ", "").lower() in device_name.replace(" ", "").lower():
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def calibrate(ctx: RankContext) -> list[float]:
+    """Seconds of a fixed workload per repetition: 4 GEMMs of 256 x 256 and an all-reduce of 1 MiB."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 256, generator=gen).to(ctx.device)
+    buf = torch.ones(256 * 1024, device=ctx.device)
+    out = []
+    for _ in range(CALIBRATION_REPS):
+        dist.barrier()
+        if not ctx.on_cpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x = a
+        for _ in range(4):
+            x = x @ a
+        dist.all_reduce(buf)
+        if not ctx.on_cpu:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def count_work(engine, step: int) -> dict[str, Any]:
+    """One untimed step with the counters installed: FLOPs, collectives by role/kind, overlap."""
+    from harness.checks.grad_sync import dp_records
+    from harness.probes.collectives import CollectiveRecorder, GroupRoles
+    from harness.probes.flops import FlopCounter
+    from harness.suites.grad_sync import instrument
+
+    recorder = CollectiveRecorder(GroupRoles())
+    with instrument(engine, recorder), recorder, FlopCounter() as flops, recorder.phase("forward-backward"):
+        engine.train_step(step)
+    collectives: dict[str, dict[str, int]] = {}
+    for c in recorder.by_source("dispatch"):
+        entry = collectives.setdefault(f"{c.role}/{c.kind}", {"calls": 0, "bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += c.bytes
+    in_backward = sum(1 for c in dp_records(recorder.by_source("dispatch"))
+                      if c.kind in ("all_reduce", "reduce_scatter") and c.phase == "backward")
+    return {"flops": flops.total, "collectives": collectives, "dp_reductions_in_backward": in_backward}
+
+
+class StepPerfSuite:
+    name = "step-perf"
+    default_model = "small"  # the CPU tier's model when none is given
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+               "megatron.core.optimizer", "megatron.core.pipeline_parallel")
+    baselines_dir = None  # set by the driver (--baselines-dir); None: the repository's baselines/
+
+    def __init__(self, warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
+                 option_sets: tuple[tuple[bool, bool], ...] | None = None, min_effect: float | None = None):
+        self.warmup_steps, self.timed_steps = warmup_steps, timed_steps
+        self.option_sets = option_sets  # None: the default matrix's
+        self.min_effect = min_effect  # None: MIN_EFFECT of the tier
+
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+        import dataclasses
+
+        explicit = layouts is not None
+        if layouts is None:
+            layouts = [Layout.parse(i) for i in DEFAULT_LAYOUTS if Layout.parse(i).world_size == world_size] \
+                or [Layout(dp=world_size)]
+        out = []
+        for lay in layouts:
+            validate(lay, model, world_size)
+            pure_dp = (lay.tp, lay.pp, lay.cp) == (1, 1, 1)
+            for distopt, overlap in self.option_sets or OPTION_SETS:
+                if not explicit and self.option_sets is None and not pure_dp and not (distopt and overlap):
+                    continue
+                opts = dataclasses.replace(options, steps=self.timed_steps, warmup_steps=self.warmup_steps,
+                                           use_distributed_optimizer=distopt, overlap_grad_reduce=overlap)
+                out.append(Case(self.name, model, lay, engine, opts, backend))
+        return out
+
+    # -- in the ranks ---------------------------------------------------------------------------
+    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        from harness.probes.timers import PhaseTimer
+        from harness.suites import layout_coords
+
+        engine = make_engine(case, ctx)
+        with ctx.phase("build"):
+            engine.build()
+        warmup, timed = case.options.warmup_steps, case.options.steps
+        with ctx.phase("steps"):
+            for step in range(warmup):
+                engine.train_step(step)
+        with ctx.phase("calibrate"):
+            calibration = calibrate(ctx)
+        timer = PhaseTimer(engine, ctx.on_cpu)
+        steps = []
+        with ctx.phase("steps"), timer.installed():
+            for step in range(warmup, warmup + timed):
+                timing, _ = timer.step(lambda: engine.train_step(step), dist.barrier)
+                steps.append(timing)
+        with ctx.phase("counters"):
+            counters = count_work(engine, warmup + timed)
+        device = {}
+        if not ctx.on_cpu:
+            import torch
+
+            device = {"name": torch.cuda.get_device_name(), "max_allocated": torch.cuda.max_memory_allocated()}
+        return {"coords": layout_coords(), "steps": steps, "calibration": calibration, "counters": counters,
+                "device": device}
+
+    # -- figures ----------------------------------------------------------------------------------
+    @staticmethod
+    def step_ms(result: CaseResult) -> list[float]:
+        """Per timed step: the slowest rank's barrier-to-barrier time, ms."""
+        per_rank = [[s.wall_s for s in r.data["steps"]] for r in result.ranks]
+        return [1000 * max(col) for col in zip(*per_rank)]
+
+    @staticmethod
+    def exposed_ms(result: CaseResult) -> list[float]:
+        """Per timed step: the largest exposed DP communication (grad-sync + param-gather) over ranks, ms."""
+        per_rank = [[s.exposed_comm_s for s in r.data["steps"]] for r in result.ranks]
+        return [1000 * max(col) for col in zip(*per_rank)]
+
+    @staticmethod
+    def calibration_ms(result: CaseResult) -> float:
+        return 1000 * statistics.median(x for r in result.ranks for x in r.data["calibration"])
+
+    @staticmethod
+    def phase_medians(result: CaseResult) -> dict[int, dict[str, float]]:
+        """rank -> phase -> median ms over the timed steps (plus 'compute': busy time minus exposed comm)."""
+        out = {}
+        for r in result.ranks:
+            steps = r.data["steps"]
+            med = {p: 1000 * statistics.median(s.phases.get(p, 0.0) for s in steps) for p in steps[0].phases}
+            med["compute"] = 1000 * statistics.median(s.busy_s - s.exposed_comm_s for s in steps)
+            out[r.rank] = med
+        return out
+
+    @staticmethod
+    def slowest_rank(result: CaseResult) -> tuple[int, float, float]:
+        """(rank, its compute ms, the median compute ms of the others): who the others wait for."""
+        med = StepPerfSuite.phase_medians(result)
+        rank = max(med, key=lambda r: med[r]["compute"])
+        others = [m["compute"] for r, m in med.items() if r != rank] or [med[rank]["compute"]]
+        return rank, med[rank]["compute"], statistics.median(others)
+
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
+        if not result.ok:
+            return {}
+        case = result.case
+        times = self.step_ms(result)
+        med = statistics.median(times)
+        tokens = case.global_batch_size * case.model.seq_length
+        r0 = self.phase_medians(result)[0]
+        flops = [r.data["counters"]["flops"] for r in result.ranks]
+        dp_bytes = sum(v["bytes"] for k, v in result.ranks[0].data["counters"]["collectives"].items()
+                       if k.startswith("dp-cp/") or k.startswith("dp/"))
+        out = {"step ms": f"{med:.0f}", "tokens/s": f"{tokens / med * 1000:.0f}",
+               "fwd/bwd/sync/opt ms (rank 0)": "/".join(f"{r0[p]:.0f}" for p in ("forward", "backward", "grad-sync",
+                                                                                  "optimizer")),
+               "GFLOP/rank": " ".join(f"{f / 1e9:.2f}" for f in flops),
+               "dp MB (rank 0)": f"{dp_bytes / 1e6:.1f}"}
+        device = result.ranks[0].data.get("device") or {}
+        if device:
+            tflops = max(flops) / (med / 1000) / 1e12
+            peak = peak_tflops(device["name"])
+            out["TFLOP/s/GPU"] = f"{tflops:.1f}"
+            out["MFU"] = f"{tflops / peak:.1%}" if peak else "-"
+        return out
+
+    # -- baselines ------------------------------------------------------------------------------
+    @staticmethod
+    def key(case: Case) -> str:
+        o = case.options
+        return (f"{case.model.name}/{case.layout.id}/distopt={int(o.use_distributed_optimizer)}"
+                f",overlap={int(o.overlap_grad_reduce)}")
+
+    @staticmethod
+    def record_command(case: Case) -> str:
+        from harness import baselines
+
+        o = case.options
+        return (baselines.record_command(case.suite, case.model.name, case.layout.world_size)
+                + f" --layout {case.layout.id}" + (f" --engine {case.engine}" if case.engine != "mcore" else ""))
+
+    @staticmethod
+    def counters(result: CaseResult) -> dict[str, float]:
+        """The exact counters of a case as flat metrics."""
+        out: dict[str, float] = {}
+        for r in result.ranks:
+            c = r.data["counters"]
+            out[f"rank{r.rank}.flops"] = float(c["flops"])
+            out[f"rank{r.rank}.dp_reductions_in_backward"] = float(c["dp_reductions_in_backward"])
+            for what, v in c["collectives"].items():
+                out[f"rank{r.rank}.{what}.calls"] = float(v["calls"])
+                out[f"rank{r.rank}.{what}.bytes"] = float(v["bytes"])
+        return out
+
+    def samples(self, result: CaseResult) -> dict[str, float]:
+        """Baselined figures: the counters, and the medians of the timed figures (their raw samples are
+        stored beside them by raw_samples)."""
+        return {**self.counters(result), "step_time_ms": statistics.median(self.step_ms(result)),
+                "exposed_comm_ms": statistics.median(self.exposed_ms(result)),
+                "calibration_ms": self.calibration_ms(result)}
+
+    def raw_samples(self, result: CaseResult) -> dict[str, list[float]]:
+        return {"step_time_ms": self.step_ms(result), "exposed_comm_ms": self.exposed_ms(result)}
+
+    TIMED = ("step_time_ms", "exposed_comm_ms", "calibration_ms")
+
+    def tolerance(self, metric: str, values: list[float]) -> float:
+        """Counters are exact (tolerance 0). Timed figures are judged by statistics on their samples, not
+        by a band; their stored tolerance is the minimum effect, for people reading the file."""
+        return MIN_EFFECT["cpu"] * statistics.median(values) if metric in self.TIMED else 0.0
+
+    def noisy_metrics(self, samples: dict[str, dict[str, list[float]]]) -> list[str]:
+        """A counter that differs between repeats cannot be judged exactly: the work of a step is not
+        deterministic (timed figures vary by nature and are judged by statistics)."""
+        return [f"{key} {metric}: a counter that differs between repeats ({', '.join(f'{v:g}' for v in values)})"
+                for key, metrics in sorted(samples.items()) for metric, values in sorted(metrics.items())
+                if metric not in self.TIMED and len(set(values)) > 1]
+
+    # -- checks -------------------------------------------------------------------------------------
+    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+        from harness import baselines
+        from harness.platform import detect_platform
+
+        out: list[CheckResult] = []
+        files: dict[str, dict] = {}
+        for res in results:
+            if not res.ok:
+                lines = (res.error or "failed").splitlines()
+                out.append(CheckResult("step-perf.run", res.case.id, False, lines[0], lines[1:]))
+                continue
+            platform = detect_platform(res.case.backend).key
+            path = baselines.baseline_path(self.baselines_dir, platform, self.name)
+            if str(path) not in files:
+                files[str(path)] = baselines.load(path)
+            entry = files[str(path)].get("entries", {}).get(self.key(res.case))
+            if entry is None:
+                for check in ("counters", "time"):
+                    out.append(CheckResult(f"step-perf.{check}", res.case.id, False,
+                                           f"no baseline for {self.key(res.case)} in {path}; record it with: "
+                                           f"{self.record_command(res.case)}"))
+                continue
+            out.append(self._check_counters(res, entry))
+            out.append(self._check_time(res, entry))
+        return out
+
+    def _check_counters(self, res: CaseResult, entry: dict) -> CheckResult:
+        measured = self.counters(res)
+        wanted = {m: e["value"] for m, e in entry.items() if m not in self.TIMED}
+        rows, problems = [], []
+        for metric in sorted(set(measured) | set(wanted)):
+            got, want = measured.get(metric), wanted.get(metric)
+            if got == want:
+                continue
+            if want is None:
+                problems.append(f"{metric} = {got:g}, not in the baseline (a collective or counter the baseline "
+                                f"never saw)")
+            elif got is None:
+                problems.append(f"{metric} missing, baseline {want:g}")
+            else:
+                rel = f" ({(got - want) / want:+.1%})" if want else ""
+                problems.append(f"{metric} {got:g} vs baseline {want:g}{rel}")
+        rows = [f"  {p}" for p in problems]
+        o = res.case.options
+        overlap = [p for p in problems if "dp_reductions_in_backward" in p]
+        if overlap and o.overlap_grad_reduce and measured.get("rank0.dp_reductions_in_backward") == 0:
+            exposed = statistics.median(self.exposed_ms(res))
+            base = entry.get("exposed_comm_ms", {}).get("value")
+            rows.insert(0, f"  overlap_grad_reduce=True but no DP gradient reduction was issued in backward: the "
+                           f"reduction is not overlapped; exposed communication {exposed:.1f} ms"
+                           + (f" vs baseline {base:.1f} ms" if base is not None else ""))
+        if not problems:
+            return CheckResult("step-perf.counters", res.case.id, True,
+                               f"{len(measured)} counters equal the baseline (FLOPs {measured['rank0.flops']:.3g} "
+                               f"on rank 0)", value=0.0)
+        head = rows[0].strip() if overlap and o.overlap_grad_reduce else problems[0]
+        return CheckResult("step-perf.counters", res.case.id, False,
+                           f"{res.case.layout.id}: {len(problems)} counters differ from the baseline; {head}", rows,
+                           value=float(len(problems)))
+
+    def timed_comparison(self, res: CaseResult, metric: str, metric_entry: dict, effect: float | None = None):
+        """A timed figure of a case against its baseline samples (also what `harness bisect` judges by)."""
+        measured = {"step_time_ms": self.step_ms, "exposed_comm_ms": self.exposed_ms}[metric](res)
+        tier = "gpu" if res.case.backend == "nccl" else "cpu"
+        effect = effect if effect is not None else self.min_effect if self.min_effect is not None else MIN_EFFECT[tier]
+        return compare_samples(metric_entry["samples"], measured, effect)
+
+    def _check_time(self, res: CaseResult, entry: dict) -> CheckResult:
+        rows = []
+        verdicts = {}
+        for metric in ("step_time_ms", "exposed_comm_ms"):
+            base = entry.get(metric, {}).get("samples")
+            if not base:
+                return CheckResult("step-perf.time", res.case.id, False,
+                                   f"the baseline of {self.key(res.case)} has no {metric} samples; re-record it with: "
+                                   f"{self.record_command(res.case)}")
+            cmp = verdicts[metric] = self.timed_comparison(res, metric, entry[metric])
+            mde = minimum_detectable_effect(base, cmp.n_b, floor=cmp.min_effect)
+            rows.append(f"  {metric}: {cmp.describe()}; {cmp.verdict}; detects >= {mde:.0%} slower")
+        rank, mine, others = self.slowest_rank(res)
+        med = self.phase_medians(res)
+        rows.append(f"  slowest rank {rank}: compute {mine:.0f} ms vs {others:.0f} ms median of the others")
+        for r, m in sorted(med.items()):
+            rows.append(f"    rank {r}: " + ", ".join(f"{p} {v:.0f}" for p, v in m.items()) + " ms")
+        step, comm = verdicts["step_time_ms"], verdicts["exposed_comm_ms"]
+        tokens_s = res.case.global_batch_size * res.case.model.seq_length / (step.median_b / 1000)
+        data = {m: {"ratio": v.ratio, "ci": [v.ci_low, v.ci_high], "p": min(v.p_slower, v.p_faster),
+                    "median": v.median_b, "baseline_median": v.median_a, "verdict": v.verdict}
+                for m, v in verdicts.items()}
+        data["baseline_samples"] = {m: entry[m]["samples"] for m in verdicts}
+        if step.slower:
+            msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "
+                   f"(compute {mine:.0f} ms vs {others:.0f} ms)")
+            return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
+        if comm.slower:
+            msg = f"{res.case.layout.id}: exposed communication grew: {comm.describe()}"
+            return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
+        if step.faster:
+            return CheckResult("step-perf.time", res.case.id, False,
+                               f"{res.case.layout.id}: step time improved beyond the baseline: {step.describe()}; "
+                               f"refresh it with `{self.record_command(res.case)}`", rows, value=step.ratio,
+                               improvement=True, data=data)
+        return CheckResult("step-perf.time", res.case.id, True,
+                           f"{res.case.layout.id}: {step.describe()}; {tokens_s:.0f} tokens/s", rows,
+                           value=step.ratio, show=True, data=data)
+
+    @staticmethod
+    def report_data(result: CaseResult) -> dict[str, Any]:
+        """Per-step times and per-rank phase medians, for plots and pytest-benchmark."""
+        return {"step_ms": StepPerfSuite.step_ms(result), "exposed_comm_ms": StepPerfSuite.exposed_ms(result),
+                "calibration_ms": StepPerfSuite.calibration_ms(result),
+                "phases_ms": {str(r): m for r, m in StepPerfSuite.phase_medians(result).items()},
+                "counters": {str(r.rank): r.data["counters"] for r in result.ranks}}
