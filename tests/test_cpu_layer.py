@@ -164,6 +164,64 @@ def test_fp32_norms_are_accurate(layer):
     assert w.grad.dtype == torch.float32 and torch.allclose(w.grad, (w / w.norm()).detach())
 
 
+@covers("megatron recompute RNG state (tensor_parallel.random._get/_set_cuda_rng_state -> CPU generator)")
+def test_recompute_rng_state_is_the_cpu_generator(layer):
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mp_random
+
+    queued = len(getattr(torch.cuda, "_queued_calls", []))
+    cpu_layer.seed_rng(3, on_cpu=True)
+    try:
+        state = mp_random._get_cuda_rng_state()
+        assert torch.equal(state, torch.get_rng_state())
+        a = torch.rand(4, device="cuda")
+        mp_random._set_cuda_rng_state(state)  # the CPU generator goes back: the same draw again
+        assert torch.equal(torch.rand(4), a)
+        with pytest.raises(RuntimeError, match="no CUDA graphs"):
+            mp_random._get_cuda_rng_state(graph_safe=True)
+
+        # Activation recompute: the backward's re-run of the forward draws what the forward drew,
+        # and leaves the generator where the forward left it. The backward is started the way
+        # megatron's schedules start it (custom_backward, deallocate_pipeline_outputs=True as the
+        # engines set): Tensor.backward / torch.autograd.backward dispatch through the layer's
+        # TorchFunctionMode, which torch suspends for the whole call, recompute included.
+        from megatron.core.pipeline_parallel.schedules import custom_backward
+
+        def f(t):
+            return t * torch.rand(6, device="cuda")  # a dropout-like mask from the 'cuda' generator
+
+        x = torch.randn(6, requires_grad=True)
+        torch.manual_seed(5)
+        ref = f(x)
+        custom_backward(ref.sum().view(1), torch.ones(1))
+        ref_grad, x.grad = x.grad.clone(), None
+        torch.manual_seed(5)
+        out = tensor_parallel.checkpoint(f, False, x)
+        after_forward = torch.get_rng_state()
+        custom_backward(out.sum().view(1), torch.ones(1))
+        assert torch.equal(out, ref) and torch.equal(x.grad, ref_grad)
+        assert torch.equal(torch.get_rng_state(), after_forward)
+        assert len(getattr(torch.cuda, "_queued_calls", [])) == queued  # nothing queued for a CUDA init
+    finally:
+        mp_random._CUDA_RNG_STATE_TRACKER = None
+        mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    cpu_layer.deactivate()
+    assert mp_random._set_cuda_rng_state.__module__ == mp_random.__name__  # megatron's own again
+    _raises_without_layer(mp_random._get_cuda_rng_state)
+
+
+def test_activate_names_a_missing_megatron_rng_attribute(monkeypatch):
+    from megatron.core.tensor_parallel import random as mp_random
+
+    monkeypatch.delattr(mp_random, "_set_cuda_rng_state")
+    with pytest.raises(RuntimeError, match=r"megatron\.core\.tensor_parallel\.random has no _set_cuda_rng_state"):
+        cpu_layer.activate()
+    assert not cpu_layer.is_active()
+    assert torch.ones(1).type() == "torch.FloatTensor"  # nothing was patched
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+
+
 def test_every_point_is_tested():
     assert set(cpu_layer.PATCHED_POINTS) == set(COVERED), set(cpu_layer.PATCHED_POINTS) ^ set(COVERED)
 

@@ -20,6 +20,12 @@ Patched points (see docs/architecture.md, "megatron-core on CPU ranks"):
   for the grad norm (`local_multi_tensor_l2_norm`) calls torch.norm per parameter, so the clip
   coefficient differed by ~6e-6 between layouts (TP shards change the error) and Adam turned that
   into 2.6e-5 parameter differences on `small` at TP=2 after two steps.
+- Activation recompute: megatron's CheckpointFunction saves and restores "the CUDA RNG state" around
+  the recomputed forward through `tensor_parallel.random._get_cuda_rng_state` (torch.cuda's
+  get_rng_state: raises on the CPU build) and `_set_cuda_rng_state` (on the CPU build a silent no-op
+  that queues a callback in torch.cuda's lazy-init list on every call). On CPU ranks the generator
+  behind 'cuda' tensors is torch's CPU generator, so those two module attributes get / set the CPU
+  generator's state; the tracker's get_states / set_states are the inference tracker's (forkless).
 """
 
 from __future__ import annotations
@@ -46,7 +52,13 @@ PATCHED_POINTS = (
     "Tensor.type",
     "megatron RNG tracker (seed_rng)",
     "torch.norm / Tensor.norm / torch.linalg.(vector_)norm (fp32 accumulation -> float64)",
+    "megatron recompute RNG state (tensor_parallel.random._get/_set_cuda_rng_state -> CPU generator)",
 )
+
+# megatron-core module whose attributes the recompute RNG patch replaces (looked up as module globals
+# by _get_all_rng_states / _set_all_rng_states, which CheckpointFunction and CheckpointWithoutOutput call).
+_MEGATRON_RNG_MODULE = "megatron.core.tensor_parallel.random"
+_MEGATRON_RNG_ATTRS = ("_get_cuda_rng_state", "_set_cuda_rng_state")
 
 _CPU = torch.device("cpu")
 
@@ -101,6 +113,33 @@ def _norm_in_float64(func, args, kwargs):
     return func(x.double(), *args[1:], **kwargs).to(x.dtype)
 
 
+def _get_rng_state_on_cpu(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """megatron's _get_cuda_rng_state on CPU ranks: the state of torch's CPU generator (a copy)."""
+    if graph_safe:
+        raise RuntimeError("graph-safe (CUDA graph) RNG state requested on a CPU rank: there are no CUDA graphs here")
+    return torch.get_rng_state()
+
+
+def _set_rng_state_on_cpu(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    """megatron's _set_cuda_rng_state on CPU ranks: set torch's CPU generator."""
+    if graph_safe:
+        raise RuntimeError("graph-safe (CUDA graph) RNG state set on a CPU rank: there are no CUDA graphs here")
+    torch.set_rng_state(new_state)
+
+
+def _megatron_rng_module():
+    """megatron-core's tensor_parallel.random, checked for the attributes the layer replaces."""
+    import importlib
+
+    module = importlib.import_module(_MEGATRON_RNG_MODULE)
+    missing = [a for a in _MEGATRON_RNG_ATTRS if not callable(getattr(module, a, None))]
+    if missing:
+        raise RuntimeError(
+            f"CPU layer: {_MEGATRON_RNG_MODULE} has no {', '.join(missing)} (activation recompute's RNG "
+            "save/restore); this megatron-core version needs a different patch point in harness/platform/cpu_layer.py")
+    return module
+
+
 class CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA placements to the CPU for every torch call made while it is active."""
 
@@ -129,6 +168,8 @@ class CpuLayer:
 
     def __init__(self) -> None:
         self._saved: dict[str, Any] = {}
+        self._saved_megatron: dict[str, Any] = {}
+        self._megatron_module: Any = None
         self._mode: CpuDeviceMode | None = None
 
     @property
@@ -140,6 +181,7 @@ class CpuLayer:
             return
         if torch.cuda.is_available():
             raise RuntimeError("the CPU layer must not be installed in a process that uses CUDA")
+        rng_module = _megatron_rng_module()  # before anything is patched: a failure leaves torch as it was
         replacements = {
             "current_device": lambda: 0,
             "synchronize": lambda *a, **k: None,
@@ -152,6 +194,10 @@ class CpuLayer:
         for name, value in replacements.items():
             self._saved[name] = getattr(torch.cuda, name)
             setattr(torch.cuda, name, value)
+        self._megatron_module = rng_module
+        for name, value in zip(_MEGATRON_RNG_ATTRS, (_get_rng_state_on_cpu, _set_rng_state_on_cpu)):
+            self._saved_megatron[name] = getattr(rng_module, name)
+            setattr(rng_module, name, value)
         self._mode = CpuDeviceMode()
         self._mode.__enter__()
 
@@ -164,6 +210,10 @@ class CpuLayer:
         for name, value in self._saved.items():
             setattr(torch.cuda, name, value)
         self._saved.clear()
+        for name, value in self._saved_megatron.items():
+            setattr(self._megatron_module, name, value)
+        self._saved_megatron.clear()
+        self._megatron_module = None
 
 
 _LAYER = CpuLayer()
