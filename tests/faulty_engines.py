@@ -226,13 +226,14 @@ class OverlapLost(McoreEngine):
 
 
 class SmallBuckets(McoreEngine):
-    """DDP gradient buckets 8x smaller than megatron's default (max(40M, 1M x dp) elements)."""
+    """DDP gradient buckets 8x smaller than the case configures (or megatron's default, max(40M, 1M x dp))."""
 
     def ddp_config(self):
         from megatron.core import parallel_state as ps
 
         cfg = super().ddp_config()
-        cfg.bucket_size = max(40_000_000, 1_000_000 * ps.get_data_parallel_world_size(with_context_parallel=True)) // 8
+        default = max(40_000_000, 1_000_000 * ps.get_data_parallel_world_size(with_context_parallel=True))
+        cfg.bucket_size = (self.case.options.bucket_size or default) // 8
         return cfg
 
 

@@ -37,6 +37,11 @@ TIMED_STEPS = 20
 # optimizer and overlap on. `--layout` runs the given layouts with every option set.
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp2-dp2")
 OPTION_SETS = ((False, False), (False, True), (True, False), (True, True))  # (distributed optimizer, overlap)
+# DDP gradient bucket on CPU ranks: megatron's default (max(40M, 1M x dp) elements) puts all of `small`'s
+# 6M parameters in one bucket, whose reduction starts when backward ends - overlap_grad_reduce would have
+# nothing to overlap. 1M elements gives `small` 6-7 buckets, as a real model has at 40M. GPU cases keep
+# megatron's default.
+CPU_BUCKET_ELEMS = 1_000_000
 CALIBRATION_REPS = 5
 # bf16 dense peak TFLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
 PEAK_BF16_TFLOPS = {"H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -131,8 +136,10 @@ class StepPerfSuite:
             for distopt, overlap in self.option_sets or OPTION_SETS:
                 if not explicit and self.option_sets is None and not pure_dp and not (distopt and overlap):
                     continue
+                bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == "gloo" else None)
                 opts = dataclasses.replace(options, steps=self.timed_steps, warmup_steps=self.warmup_steps,
-                                           use_distributed_optimizer=distopt, overlap_grad_reduce=overlap)
+                                           use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
+                                           bucket_size=bucket)
                 out.append(Case(self.name, model, lay, engine, opts, backend))
         return out
 
@@ -375,8 +382,13 @@ class StepPerfSuite:
             msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "
                    f"(compute {mine:.0f} ms vs {others:.0f} ms)")
             return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
-        if comm.slower:
-            msg = f"{res.case.layout.id}: exposed communication grew: {comm.describe()}"
+        # Exposed communication is a few ms with a heavy tail on CPU ranks: it fails only when its growth is
+        # also a real share of the step (the minimum effect of the baseline's step median), not 4 ms of
+        # scheduling noise on a 2-core machine.
+        comm_growth = comm.median_b - comm.median_a
+        if comm.slower and comm_growth > comm.min_effect * step.median_a:
+            msg = (f"{res.case.layout.id}: exposed communication grew by {comm_growth:.1f} ms "
+                   f"(> {comm.min_effect:.0%} of the {step.median_a:.1f} ms step): {comm.describe()}")
             return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
         if step.faster:
             return CheckResult("step-perf.time", res.case.id, False,

@@ -1,0 +1,188 @@
+"""step-perf: the statistics that judge time, the replay into pytest-benchmark, exact counters, and each
+planted slowdown failing with the case, the figure, the ratio and its CI or the counter delta."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from harness.checks.timing import compare_samples, minimum_detectable_effect
+from harness.models import load_model
+from harness.spec import CaseOptions, Layout
+
+
+def _normal(rng: random.Random, n: int, mean: float, cv: float) -> list[float]:
+    return [max(1e-3, rng.gauss(mean, cv * mean)) for _ in range(n)]
+
+
+def test_no_false_alarm_between_samples_of_one_distribution():
+    rng = random.Random(0)
+    alarms = sum(compare_samples(_normal(rng, 60, 100, 0.15), _normal(rng, 20, 100, 0.15), 0.10, seed=i).slower
+                 for i in range(200))
+    assert alarms == 0
+
+
+def test_a_shift_beyond_the_minimum_effect_is_a_significant_regression():
+    rng = random.Random(1)
+    cmp = compare_samples(_normal(rng, 60, 100, 0.10), _normal(rng, 20, 125, 0.10), 0.10)
+    assert cmp.slower and cmp.verdict == "regression" and cmp.p_slower < 1e-6
+    assert 1.15 < cmp.ci_low < cmp.ratio < cmp.ci_high < 1.35
+    assert re.fullmatch(r"\d+\.\d ms vs \d+\.\d ms: x1\.\d{3} \[1\.\d{3}, 1\.\d{3}\] 95% CI, Mann-Whitney p=\S+ "
+                        r"\(n=20/60\), min effect 10%", cmp.describe()), cmp.describe()
+
+
+def test_a_significant_change_below_the_minimum_effect_passes():
+    rng = random.Random(2)
+    cmp = compare_samples(_normal(rng, 400, 100, 0.02), _normal(rng, 400, 103, 0.02), 0.10)
+    assert cmp.p_slower < 1e-6 and not cmp.slower and cmp.verdict == "pass"
+
+
+def test_an_improvement_is_reported_as_such():
+    rng = random.Random(3)
+    assert compare_samples(_normal(rng, 60, 100, 0.05), _normal(rng, 20, 70, 0.05), 0.10).verdict == "improvement"
+
+
+def test_non_finite_or_too_few_samples_are_refused():
+    with pytest.raises(ValueError, match="non-finite"):
+        compare_samples([1.0, 2.0, 3.0], [1.0, float("nan"), 2.0], 0.1)
+    with pytest.raises(ValueError, match="at least 3 samples"):
+        compare_samples([1.0, 2.0], [1.0, 2.0, 3.0], 0.1)
+
+
+def test_minimum_detectable_effect_grows_with_the_spread():
+    rng = random.Random(4)
+    quiet, noisy = _normal(rng, 60, 100, 0.02), _normal(rng, 60, 100, 0.30)
+    assert minimum_detectable_effect(quiet, 20, floor=0.10) == 0.10
+    assert minimum_detectable_effect(noisy, 20, floor=0.10) > 0.2
+
+
+def test_replayed_step_times_are_what_pytest_benchmark_reports(benchmark):
+    from harness import benchmark as bench
+
+    bench.record(benchmark, [0.10, 0.30, 0.20, 0.40], {"case": "x", "phases_ms_per_rank": {"0": {"forward": 1.0}}})
+    stats = benchmark.stats.stats
+    assert stats.rounds == 4 and (stats.min, stats.max, stats.median) == pytest.approx((0.10, 0.40, 0.25), abs=1e-12)
+    assert benchmark.extra_info["phases_ms_per_rank"]["0"]["forward"] == 1.0
+
+
+def test_counters_that_vary_between_repeats_are_refused_and_times_are_not():
+    from harness.suites.step_perf import StepPerfSuite
+
+    suite = StepPerfSuite()
+    noisy = suite.noisy_metrics({"k": {"rank0.flops": [1.0, 1.0, 2.0], "step_time_ms": [10.0, 14.0, 9.0],
+                                       "rank1.flops": [3.0, 3.0, 3.0]}})
+    assert noisy == ["k rank0.flops: a counter that differs between repeats (1, 1, 2)"]
+    assert suite.tolerance("rank0.flops", [1.0, 1.0, 1.0]) == 0.0
+
+
+# -- planted slowdowns on real ranks (tiny, world size 2) ---------------------------------------------
+
+# several buckets of tiny's 82k parameters, so overlap has something to overlap and a smaller bucket shows
+OPTIONS = CaseOptions(bucket_size=12_000)
+LAYOUT = ["tp1-pp1-cp1-dp2"]
+
+
+def _suite():
+    from harness.suites.step_perf import StepPerfSuite
+
+    # min effect 20%: the planted straggler costs ~+25-40%; noise on a loaded 2-core machine stays below
+    return StepPerfSuite(warmup_steps=3, timed_steps=12, option_sets=((True, True),), min_effect=0.2)
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    from harness.baselines import record_suite
+
+    directory = tmp_path_factory.mktemp("step-perf-baselines")
+    path, diff = record_suite(_suite(), "tiny", 2, LAYOUT, baselines_dir=str(directory), backend="gloo",
+                              options=OPTIONS)
+    return directory, json.loads(path.read_text())
+
+
+def _run(engine: str, baselines_dir):
+    from harness.driver import run_suite
+
+    run = run_suite(_suite(), "tiny", 2, LAYOUT, engine=engine, backend="gloo", options=OPTIONS,
+                    baselines_dir=str(baselines_dir))
+    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    return run, {c.check: c for c in run.checks}
+
+
+@pytest.mark.slow
+def test_recorded_baseline_holds_counters_exactly_and_raw_samples(recorded):
+    _, data = recorded
+    entry = data["entries"]["tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1"]
+    assert len(entry["step_time_ms"]["samples"]) == 36 and len(entry["exposed_comm_ms"]["samples"]) == 36
+    assert entry["rank0.flops"]["tolerance"] == 0.0 and entry["rank0.flops"]["spread"] == 0.0
+    assert entry["rank0.dp-cp/reduce_scatter.calls"]["value"] == _planned_buckets()  # one per bucket
+
+
+def _planned_buckets() -> int:
+    """Gradient buckets of one step by the grad-sync plan's own arithmetic (megatron's padding rules)."""
+    import dataclasses
+
+    from harness.checks.grad_sync import plan
+
+    case = _suite().cases(load_model("tiny"), 2, [Layout(dp=2)], options=OPTIONS)[0]
+    one_step = dataclasses.replace(case, options=dataclasses.replace(case.options, steps=1))
+    return sum(p.calls for p in plan(one_step, 0) if p.kind == "reduce_scatter")
+
+
+@pytest.mark.slow
+def test_unchanged_engine_passes(recorded, no_leftover_ranks):
+    run, checks = _run("mcore", recorded[0])
+    assert checks["step-perf.counters"].passed, checks["step-perf.counters"].message
+    assert checks["step-perf.time"].passed, checks["step-perf.time"].message
+    assert run.passed
+
+
+@pytest.mark.slow
+def test_straggler_fails_on_step_time_naming_the_rank(recorded):
+    _, checks = _run("tests.faulty_engines:Straggler", recorded[0])
+    time_check = checks["step-perf.time"]
+    assert not time_check.passed and checks["step-perf.counters"].passed
+    assert re.match(r"tp1-pp1-cp1-dp2: step time regressed: [0-9.]+ ms vs [0-9.]+ ms: x1\.\d{3} \[1\.\d{3}, "
+                    r"\d\.\d{3}\] 95% CI, Mann-Whitney p=\S+ \(n=12/36\), min effect 20%; slowest rank 1 "
+                    r"\(compute \d+ ms vs \d+ ms\)$", time_check.message), time_check.message
+
+
+@pytest.mark.slow
+def test_lost_overlap_fails_the_exact_counters(recorded):
+    _, checks = _run("tests.faulty_engines:OverlapLost", recorded[0])
+    msg = checks["step-perf.counters"].message
+    # (without overlap megatron also drops the bucketing: one bucket, so the call counts differ too)
+    assert re.match(r"tp1-pp1-cp1-dp2: \d+ counters differ from the baseline; overlap_grad_reduce=True but no DP "
+                    r"gradient reduction was issued in backward: the reduction is not overlapped; exposed "
+                    r"communication [0-9.]+ ms vs baseline [0-9.]+ ms$", msg), msg
+    assert f"  rank0.dp_reductions_in_backward 0 vs baseline {_planned_buckets()} (-100.0%)" \
+        in checks["step-perf.counters"].details
+
+
+@pytest.mark.slow
+def test_smaller_buckets_fail_on_collective_calls(recorded):
+    _, checks = _run("tests.faulty_engines:SmallBuckets", recorded[0])
+    c = checks["step-perf.counters"]
+    assert not c.passed
+    n = _planned_buckets()
+    assert any(re.fullmatch(rf"  rank0\.dp-cp/reduce_scatter\.calls (\d+) vs baseline {n} \(\+\d+\.\d%\)", d)
+               for d in c.details), c.details
+
+
+@pytest.mark.slow
+def test_recompute_switched_on_fails_on_flops_exactly(recorded):
+    _, checks = _run("tests.faulty_engines:RecomputeOn", recorded[0])
+    c = checks["step-perf.counters"]
+    assert not c.passed
+    assert re.search(r"rank0\.flops 1\.97132e\+08 vs baseline 1\.50995e\+08 \(\+30\.6%\)", c.message + " ".join(c.details)), \
+        (c.message, c.details)
+
+
+@pytest.mark.slow
+def test_a_missing_baseline_fails_with_the_record_command(tmp_path):
+    _, checks = _run("mcore", tmp_path)
+    assert checks["step-perf.counters"].message == (
+        f"no baseline for tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1 in {tmp_path}/cpu-gloo/step-perf.json; record it "
+        f"with: harness baselines record --suite step-perf --model tiny --world-size 2 --layout tp1-pp1-cp1-dp2")
