@@ -180,8 +180,9 @@ def _project_memory(args) -> int:
         gib = 1024 * MIB
         print(f"{fmt:<34} per rank (worst: rank {p.worst_rank}) {p.per_rank_low / gib:8.1f} - {p.per_rank_high / gib:8.1f} GiB"
               f"   per node up to {p.per_node_high / gib:9.1f} GiB   [{band.why}]")
-    print("checked against measured CPU points: baselines/cpu-gloo/ckpt-memory.json (suite ckpt-memory, "
-          "check 'ckpt-memory.model')")
+    print("model: bounds from 12N optimizer state and 4N weights plus a 2 MiB fixed cost measured on CPU ranks; "
+          "the ckpt-memory suite checks measured peaks of tiny / small on 4 gloo ranks against these bands "
+          "(check 'ckpt-memory.model'); at this scale the figures are an extrapolation, not a measurement")
     return 0
 
 

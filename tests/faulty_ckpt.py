@@ -83,3 +83,45 @@ class DropsFullyParallelWrapper(McoreEngine):
 
     def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False, async_save: bool = False) -> None:
         super().save_checkpoint(ckpt_dir, fmt, False, async_save)
+
+
+class SavesFullLabelsSharded(FSDP2Engine):
+    """Always saves the full (gathered) state dict, and labels the checkpoint with the format asked for."""
+
+    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False) -> None:
+        super().save_checkpoint(ckpt_dir, "fsdp2_full", fully_parallel)
+
+    @staticmethod
+    def saved_metadata(ckpt_dir: str) -> dict:
+        return {"format": "fsdp2_sharded"}
+
+
+class DeletesMemrayCapture(McoreEngine):
+    """Removes the rank's memray capture during the save: the heap peak can no longer be measured."""
+
+    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False, async_save: bool = False) -> None:
+        import glob
+        import os
+
+        import torch.distributed as dist
+
+        from harness.probes.memory import artifacts_dir
+
+        super().save_checkpoint(ckpt_dir, fmt, fully_parallel, async_save)
+        for path in glob.glob(str(artifacts_dir(self.case.id) / f"memray-save-rank{dist.get_rank()}.bin")):
+            os.unlink(path)
+
+
+class BuildFailsOffTp1(McoreEngine):
+    """Cannot even build at TP > 1: a contract target it does not promise must not count as refused."""
+
+    def build(self) -> None:
+        if self.case.layout.tp > 1:
+            raise RuntimeError(f"this engine cannot build at {self.case.layout.id}")
+        super().build()
+
+
+class NoOptimizerStateShards(McoreEngine):
+    """Does not report its optimizer state: the Adam state after a load cannot be compared."""
+
+    optimizer_state_shards = None

@@ -37,7 +37,7 @@ def _fake_runs(monkeypatch, values):
 
 
 def test_noisy_metric_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
-    _fake_runs(monkeypatch, [10.0, 10.5, 13.0])  # spread 3.0 > max(20% of 10.5, 2)
+    _fake_runs(monkeypatch, [10.0, 10.5, 13.0])  # spread 3.0 > max(20% of 10.5, 0.25)
     with pytest.raises(RuntimeError) as exc:
         baselines.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
     assert "not recording: 1 metric(s) too noisy to baseline" in str(exc.value)

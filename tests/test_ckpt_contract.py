@@ -45,6 +45,8 @@ def test_unmodified_engine_keeps_the_contract(no_leftover_ranks):
     assert len(msgs) == 8  # 2 formats x (3 layouts of world size 4 + the DP-only change at world size 2)
     refused = [m for m in msgs.values() if "refused as the format allows" in m]
     assert len(refused) == 2 and all(m.startswith("dp_reshardable") and "(not promised)" in m for m in refused)
+    assert all("refused as the format allows: the checkpoint's flat optimizer buffers do not fit this layout "
+               "(" in m and "optimizer.distributed.dp_group_idx_" in m for m in refused), refused
     assert sum("loads with the saved values" in m for m in msgs.values()) == 6
 
 
@@ -84,8 +86,31 @@ def test_corrupted_shard_after_load_is_caught():
 
 
 def test_format_that_does_not_reshard_is_caught():
+    """Saved dp_reshardable when fully_reshardable was asked: the load asks for the per-parameter entries
+    (optimizer.state.*) the checkpoint does not have - at every target, the saving layout included."""
     failed = _failed(_run("tests.faulty_ckpt:SavesDpReshardableAlways"))
-    assert "tp2-pp1-cp1-dp2" in failed and "load failed on rank" in failed["tp2-pp1-cp1-dp2"]
+    assert set(failed) == {"tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp2"}
+    assert failed["tp2-pp1-cp1-dp2"].startswith(
+        "fully_reshardable saved at tp1-pp1-cp1-dp4, loaded at tp2-pp1-cp1-dp2 (promised): load failed on rank 0 in "
+        "the load: CheckpointException on 4 rank(s), first: KeyError: optimizer.state.param.")
+    assert all(m.endswith("from model not in state dict") for m in failed.values()), failed
+
+
+def test_an_engine_that_cannot_build_at_the_target_is_not_a_refusal():
+    """dp_reshardable does not promise tp2; an engine whose build raises there has not been refused by a load."""
+    failed = _failed(_run("tests.faulty_ckpt:BuildFailsOffTp1", ("dp_reshardable",), model="tiny"))
+    assert set(failed) == {"tp2-pp1-cp1-dp2"}  # pp2 is still refused by the load, as allowed
+    assert failed["tp2-pp1-cp1-dp2"] == (
+        "dp_reshardable saved at tp1-pp1-cp1-dp4, loaded at tp2-pp1-cp1-dp2 (not promised): failed on rank 0 in the "
+        "build, before any load: RuntimeError: this engine cannot build at tp2-pp1-cp1-dp2 (a refusal must come "
+        "from the load)")
+
+
+def test_an_engine_without_optimizer_state_shards_fails_the_adam_comparison():
+    failed = _failed(_run("tests.faulty_ckpt:NoOptimizerStateShards", model="tiny"))
+    assert set(failed) == {"tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp2"}
+    assert all(m.endswith("Adam state not compared: the engine has no optimizer_state_shards() (exp_avg, exp_avg_sq "
+                          "and step after the load cannot be checked)") for m in failed.values()), failed
 
 
 def test_save_with_side_effects_is_caught():

@@ -3,18 +3,22 @@
 N = parameters of the rank's TP x PP shard, D = DP x CP size. The distributed optimizer keeps fp32
 master params + exp_avg + exp_avg_sq: S = 12 N bytes per shard, split over the D ranks; the fp32
 model weights P = 4 N are replicated over DP and written by one replica. Per format (see
-../shared/design/MEGATRON_FACTS.md):
+docs/architecture.md):
 
-- dp_reshardable / fully_sharded_model_space: no exchange; a rank stages what it writes,
-  ~S/D (+ P on the replica that writes the weights). With megatron's fully parallel save wrapper
-  the replicated weights are written by all D ranks in turn: ~(S + P)/D on every rank.
+- dp_reshardable / fully_sharded_model_space: no exchange; a rank stages at most what it writes,
+  S/D (+ P on the replica that writes the weights). With megatron's fully parallel save wrapper
+  the replicated weights are written by all D ranks in turn: (S + P)/D on every rank.
 - fully_reshardable: the whole shard's state S is all-gathered into CPU memory on every DP rank,
   and the torch_dist writer stages / clones it again: between 1x and 3x S.
 - fully_reshardable + mem_efficient: the gather goes to DP rank 0 only (1x-3x S there); the other
-  ranks stay near S/D.
+  ranks stay at S/D.
 
-Bands are wide on purpose: they separate the formats (a factor ~D between them), while the stored
-baselines catch smaller drifts. SLACK covers fixed costs (metadata, pickles, writer start-up).
+Measured on 4 gloo ranks (megatron-core 0.16.1, heap peak of the rank plus its writers; a fit of
+peak = a x S + b per layout, format and rank over `tiny` and `small`): dp_reshardable a = 1/(3D)
+(+ 1/3, i.e. P, on DP rank 0), fully_reshardable a = 2 + 1/D, mem_efficient off DP rank 0 a = 1/D;
+every point sits inside its band with room. Bands are upper / lower bounds, not fits: they tell a
+gathering save from a non-gathering one where 12N is large against the fixed cost (`discrimination`),
+while the stored baselines catch smaller drifts.
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from harness.checks.grad_sync import chunk_params, coords_of
 from harness.spec import Layout, ModelSpec
 
 MIB = 1024 * 1024
-SLACK = 24 * MIB
+# What a save costs a rank beyond its state (metadata, pickled common state, writer start-up). Measured:
+# the intercept b of peak = a x S + b, fitted per (layout, format, rank) through `tiny` (S = 0.5-0.9 MiB,
+# so its peaks are almost all fixed cost) and `small` (S = 35-69 MiB), 36 points of the default matrix at
+# 4 gloo ranks (memray tracing Python allocators, harness/probes/memory.py): b from -0.10 to 1.14 MiB,
+# largest on global rank 0 (the save's coordinator: 0.71-1.14 MiB in every format), <= 0.70 MiB on the
+# other ranks; two runs of `tiny` agree within 0.14 MiB per point. 2 MiB leaves room for more tensors.
+FIXED_COST = 2 * MIB
 STATE_BYTES_PER_PARAM = 12  # fp32 param + exp_avg + exp_avg_sq
 WEIGHT_BYTES_PER_PARAM = 4
 
@@ -39,8 +49,11 @@ class Band:
     def contains(self, value: int) -> bool:
         return self.low <= value <= self.high
 
+    def overlaps(self, other: "Band") -> bool:
+        return self.low <= other.high and other.low <= self.high
+
     def describe(self) -> str:
-        return f"[{self.low / MIB:.0f}, {self.high / MIB:.0f}] MiB ({self.why})"
+        return f"[{self.low / MIB:.1f}, {self.high / MIB:.1f}] MiB ({self.why})"
 
 
 def shard_params(model: ModelSpec, layout: Layout, rank: int) -> int:
@@ -49,16 +62,28 @@ def shard_params(model: ModelSpec, layout: Layout, rank: int) -> int:
     return sum(n for vp in range(layout.vpp) for _, n, _ in chunk_params(model, layout, pp, vp))
 
 
+def _dp_rank0(layout: Layout, rank: int) -> bool:
+    c = coords_of(layout, rank)
+    return c.dp == 0 and c.cp == 0
+
+
 def _fsdp2_band(fmt: str, n: int, d: int, rank: int) -> Band:
     """FSDP2 (torch Adam, fp32): a rank holds S/D of S = 12 N (params + exp_avg + exp_avg_sq).
-    Sharded (DCP): each rank stages its own S/D. Full: rank 0 gathers all of S on the CPU and
+    Sharded (DCP): each rank stages at most its own S/D. Full: rank 0 gathers all of S on the CPU and
     serialises it (1x-3x S); the others only pass single tensors through the gathers."""
     s = STATE_BYTES_PER_PARAM * n
     if fmt == "fsdp2_full" and rank == 0:
-        return Band(int(0.8 * s), 3 * s + SLACK, f"fsdp2_full rank 0: 1-3x S, S=12N, N={n / 1e6:.2f}M")
+        return Band(int(0.8 * s), 3 * s + FIXED_COST, f"fsdp2_full rank 0: 1-3x S, S=12N, N={n / 1e6:.2f}M")
     if fmt == "fsdp2_full":
-        return Band(0, 2 * s // d + SLACK, f"fsdp2_full: ~S/D passes through, S=12N, D={d}")
-    return Band(0, int(1.5 * s / d) + SLACK, f"fsdp2_sharded: ~S/D, S=12N, N={n / 1e6:.2f}M, D={d}")
+        return Band(0, 2 * s // d + FIXED_COST, f"fsdp2_full: ~S/D passes through, S=12N, D={d}")
+    return Band(0, s // d + FIXED_COST, f"fsdp2_sharded: <= S/D, S=12N, N={n / 1e6:.2f}M, D={d}")
+
+
+def gathers(fmt: str, layout: Layout, rank: int) -> bool:
+    """Whether the format gathers the shard's whole optimizer state on this rank during a save."""
+    if fmt == "fsdp2_full":
+        return rank == 0
+    return fmt == "fully_reshardable" or (fmt == "fully_reshardable_mem_efficient" and _dp_rank0(layout, rank))
 
 
 def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False) -> Band:
@@ -68,19 +93,46 @@ def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_paral
     d = layout.dp * layout.cp
     if fmt.startswith("fsdp2"):
         return _fsdp2_band(fmt, n, d, rank)
-    c = coords_of(layout, rank)
-    dp_rank0 = c.dp == 0 and c.cp == 0
+    dp_rank0 = _dp_rank0(layout, rank)
     s, p = STATE_BYTES_PER_PARAM * n, WEIGHT_BYTES_PER_PARAM * n
     own = (s + p) // d if fully_parallel else s // d + (p if dp_rank0 else 0)
     if fmt in ("dp_reshardable", "fully_sharded_model_space"):
         what = "(S + P)/D" if fully_parallel else f"S/D{' + P' if dp_rank0 else ''}"
-        return Band(0, int(1.5 * own) + SLACK, f"{fmt}: ~{what}, S=12N, N={n / 1e6:.2f}M, D={d}")
-    if fmt == "fully_reshardable" or (fmt == "fully_reshardable_mem_efficient" and dp_rank0):
+        return Band(0, own + FIXED_COST, f"{fmt}: <= {what}, S=12N, N={n / 1e6:.2f}M, D={d}")
+    if gathers(fmt, layout, rank):
         where = " on DP rank 0" if fmt.endswith("mem_efficient") else " on every DP rank"
-        return Band(s, 3 * s + p + SLACK, f"{fmt}: 1-3x S gathered{where}, S=12N={s / MIB:.0f} MiB")
+        return Band(s, 3 * s + p + FIXED_COST, f"{fmt}: 1-3x S gathered{where}, S=12N={s / MIB:.1f} MiB")
     if fmt == "fully_reshardable_mem_efficient":
-        return Band(0, int(1.5 * own) + SLACK, f"{fmt} off DP rank 0: ~S/D, N={n / 1e6:.2f}M, D={d}")
+        return Band(0, s // d + FIXED_COST, f"{fmt} off DP rank 0: <= S/D, N={n / 1e6:.2f}M, D={d}")
     raise ValueError(f"no memory model for checkpoint format {fmt!r}")
+
+
+def rival(fmt: str, layout: Layout, rank: int) -> str | None:
+    """The format this rank's save must not be mistaken for: a gathering save against a non-gathering
+    one (megatron: fully_reshardable vs dp_reshardable; FSDP2 on rank 0: full vs sharded state dict).
+    None where no format gathers on this rank (FSDP2 off rank 0)."""
+    if fmt.startswith("fsdp2"):
+        return None if rank != 0 else ("fsdp2_sharded" if fmt == "fsdp2_full" else "fsdp2_full")
+    return "dp_reshardable" if gathers(fmt, layout, rank) else "fully_reshardable"
+
+
+def discrimination(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False) -> str:
+    """'' when this rank's band for `fmt` does not overlap its rival's (a peak inside it rules the rival
+    out); otherwise the one-line reason the measured peak cannot tell the two formats apart here."""
+    other = rival(fmt, layout, rank)
+    if other is None:
+        return ""
+    mine, theirs = (save_band(f, model, layout, rank, fully_parallel) for f in (fmt, other))
+    if not mine.overlaps(theirs):
+        return ""
+    s = STATE_BYTES_PER_PARAM * shard_params(model, layout, rank)
+    if layout.dp * layout.cp == 1:
+        return (f"cannot discriminate {fmt} from {other} at rank {rank}: D = DP x CP = 1, nothing to gather "
+                f"(both stage the whole 12N = {s / MIB:.1f} MiB)")
+    low, high = sorted((mine, theirs), key=lambda b: b.low)
+    return (f"cannot discriminate {fmt} from {other} at rank {rank} for this model: 12N = {s / MIB:.2f} MiB, "
+            f"the non-gathering bound {low.high / MIB:.2f} MiB (incl. fixed cost {FIXED_COST / MIB:.0f} MiB) "
+            f"reaches the gathered minimum {high.low / MIB:.2f} MiB")
 
 
 @dataclass(frozen=True)

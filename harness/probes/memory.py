@@ -4,6 +4,9 @@ Host: memray's heap high-water mark of the rank and, with follow_fork, of every 
 checkpoint save forks (each child writes its own capture file); plus the RSS high-water mark of the
 rank (VmHWM, reset per phase through /proc/self/clear_refs) and a sampler of its children's RSS.
 Device: torch.cuda peak allocated / reserved, reset per phase.
+
+A measurement that cannot be taken raises MeasurementError in the rank (the case errors with the
+reason) instead of reading as 0 bytes: no capture, an unreadable capture, a sampler without a sample.
 """
 
 from __future__ import annotations
@@ -17,6 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MIB = 1024 * 1024
+
+
+# Without it memray sees Python objects only as the 1 MiB arenas pymalloc maps (CPython >= 3.10, 64-bit):
+# a save's peak then moved by a whole arena with the heap's fill state - fsdp2 saves of `small` repeated at
+# 0.36 or 1.35-1.5 MiB per rank, +1.13 MiB at the unpickling of DCP's broadcast metadata (8 allocations
+# of 1.128 MiB against 6 of 0.135 MiB) - and the baselines refused them as noisy.
+TRACE_PYTHON_ALLOCATORS = True
+
+
+class MeasurementError(RuntimeError):
+    """A memory figure could not be measured; raised in the rank so the case errors with this reason."""
 
 
 def artifacts_dir(case_id: str) -> Path:
@@ -36,9 +50,9 @@ def _status_kib(field_name: str, pid: str = "self") -> int:
             for line in f:
                 if line.startswith(field_name + ":"):
                     return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    except OSError as exc:
+        raise MeasurementError(f"cannot read {field_name} from /proc/{pid}/status: {exc}") from exc
+    raise MeasurementError(f"/proc/{pid}/status has no {field_name} line")
 
 
 @dataclass
@@ -64,30 +78,41 @@ class MemoryPeak:
 
 
 class _Sampler(threading.Thread):
+    """Samples the rank's RSS and its children's; the first sample is taken however short the phase."""
+
     def __init__(self, interval_s: float = 0.01):
         super().__init__(daemon=True)
         self.interval_s, self.stop_event = interval_s, threading.Event()
         self.children_peak = 0
         self.timeline: list[tuple[float, int]] = []
+        self.error = ""  # the last reason a sample could not be taken
 
     def run(self) -> None:
-        import psutil
+        try:
+            import psutil
 
-        me, t0 = psutil.Process(), time.monotonic()
-        while not self.stop_event.is_set():
+            me, t0 = psutil.Process(), time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - reported by measure() as "no sample"
+            self.error = f"{type(exc).__name__}: {exc}"
+            return
+        while True:
             try:
-                kids = me.children(recursive=True)
-                total = 0
-                for k in kids:
-                    try:
-                        total += k.memory_info().rss
-                    except psutil.Error:
-                        pass
-                self.children_peak = max(self.children_peak, total)
-                self.timeline.append((time.monotonic() - t0, me.memory_info().rss))
+                self._sample(psutil, me, t0)
+            except psutil.Error as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+            if self.stop_event.wait(self.interval_s):
+                return
+
+    def _sample(self, psutil, me, t0: float) -> None:
+        total = 0
+        for k in me.children(recursive=True):
+            try:
+                total += k.memory_info().rss
             except psutil.Error:
-                pass
-            self.stop_event.wait(self.interval_s)
+                pass  # a child that exited between listing and reading
+        rss = me.memory_info().rss
+        self.children_peak = max(self.children_peak, total)
+        self.timeline.append((time.monotonic() - t0, rss))
 
 
 @contextlib.contextmanager
@@ -114,37 +139,54 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
     if use_memray:
         import memray
 
-        tracker = memray.Tracker(capture, follow_fork=True, native_traces=False)
+        tracker = memray.Tracker(capture, follow_fork=True, native_traces=False,
+                                 trace_python_allocators=TRACE_PYTHON_ALLOCATORS)
     try:
         with tracker:
             yield peak
     finally:
         sampler.stop_event.set()
         sampler.join()
-        peak.rss_peak = _status_kib("VmHWM") * 1024
-        peak.children_rss_peak = sampler.children_peak
-        peak.timeline = sampler.timeline[:: max(1, len(sampler.timeline) // 200)]
-        if device:
-            import torch
+    # only after a phase that completed: a failure inside it keeps its own exception
+    _fill(peak, sampler, capture if use_memray else None, rank, device)
 
-            torch.cuda.synchronize()
-            peak.device_allocated_peak = torch.cuda.max_memory_allocated()
-            peak.device_reserved_peak = torch.cuda.max_memory_reserved()
-        if use_memray:
-            peak.capture = str(capture)
-            peak.heap_peak, peak.children_heap_peak, peak.children = read_captures(capture)
+
+def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, device: bool) -> None:
+    if not sampler.timeline:
+        raise MeasurementError(f"the RSS sampler took no sample during {peak.phase} on rank {rank} "
+                               f"({sampler.error or 'it never ran'})")
+    peak.rss_peak = _status_kib("VmHWM") * 1024
+    peak.children_rss_peak = sampler.children_peak
+    peak.timeline = sampler.timeline[:: max(1, len(sampler.timeline) // 200)]
+    if device:
+        import torch
+
+        torch.cuda.synchronize()
+        peak.device_allocated_peak = torch.cuda.max_memory_allocated()
+        peak.device_reserved_peak = torch.cuda.max_memory_reserved()
+    if capture is not None:
+        peak.capture = str(capture)
+        peak.heap_peak, peak.children_heap_peak, peak.children = read_captures(capture)
 
 
 def read_captures(capture: Path) -> tuple[int, int, int]:
-    """(rank heap peak, largest child heap peak, number of children) from memray capture files."""
+    """(rank heap peak, largest child heap peak, number of children) from memray capture files.
+
+    The rank's own capture must exist and be readable; forked writers' captures (`<capture>.<pid>`)
+    are absent when nothing forked, and must be readable when present."""
+    if not os.path.exists(capture):
+        raise MeasurementError(f"memray wrote no capture at {capture}: the phase's heap peak was not measured")
+    own = _peak_of(str(capture))
+    if own <= 0:
+        raise MeasurementError(f"memray capture {capture} recorded no allocation: the tracker saw nothing")
+    kids = [_peak_of(p) for p in sorted(glob.glob(f"{capture}.*"))]
+    return own, max(kids, default=0), len(kids)
+
+
+def _peak_of(path: str) -> int:
     import memray
 
-    def peak_of(path: str) -> int:
-        try:
-            return memray.FileReader(path).metadata.peak_memory
-        except (OSError, RuntimeError, ValueError):
-            return 0
-
-    own = peak_of(str(capture))
-    kids = [peak_of(p) for p in glob.glob(f"{capture}.*")]
-    return own, max(kids, default=0), len(kids)
+    try:
+        return memray.FileReader(path).metadata.peak_memory
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise MeasurementError(f"memray capture {path} is unreadable ({type(exc).__name__}: {exc})") from exc

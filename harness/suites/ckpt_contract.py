@@ -14,17 +14,19 @@ loaded == saved bit for bit, and after the second step == the uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import traceback
 from pathlib import Path
 from typing import Any
 
 from harness.checks import CheckResult
+from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, within
 from harness.checks.tensors import assemble, rel_error
 from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
-from harness.probes.memory import MIB, artifacts_dir, measure
+from harness.probes.memory import MIB, MeasurementError, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
 CONTRACT_FORMATS = ("dp_reshardable", "fully_reshardable")
@@ -72,7 +74,9 @@ def shared_dir(case: Case, source: str) -> Path:
 
 
 def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[str, Any]:
-    """Fresh engine at `layout`, load (measured), parameters, one more step, parameters."""
+    """Fresh engine at `layout`, load (measured), parameters, one more step, parameters. A failure is
+    recorded with the phase it happened in (build, load, after the load) and, for the load, whether it
+    is the kind of refusal a format gives for a layout it does not promise."""
     import torch.distributed as dist
 
     from harness.platform.parallel import teardown_parallel_state
@@ -80,25 +84,76 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[
     target = dataclasses.replace(case, layout=layout)
     engine = make_engine(target, ctx)
     out: dict[str, Any] = {"layout": layout.id}
+    phase = "build"
     try:
         engine.build()
         dist.barrier()
+        phase = "load"
         with ctx.phase("load"), measure("load", artifacts_dir(case.id), ctx.rank, device=not ctx.on_cpu) as peak:
             engine.load_checkpoint(str(ckpt), case.options.ckpt_format)
         out["load"] = peak
+        phase = "after the load"
         out["loaded"] = engine.param_shards()
         out["loaded_optim"] = _optimizer_state(engine)
         engine.train_step(1)
         out["stepped"] = engine.param_shards()
+    except MeasurementError:
+        raise  # the case errors: a load that was not measured is not judged
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        out["error"], out["phase"] = describe_exception(exc), phase
+        out["refusal"] = refusal_kind(exc) if phase == "load" else ""
         out["traceback"] = traceback.format_exc()[-2000:]
     finally:
         del engine
         teardown_parallel_state()
     return out
+
+
+def _failures(exc: BaseException) -> list[BaseException]:
+    """The per-rank exceptions inside torch's CheckpointException (failures: rank -> (exc, traceback)),
+    or the exception itself."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return [exc]
+    return [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = (str(exc).splitlines() or [""])[0].strip("'\"")
+    text = text.split(" from model not in state dict")[0] + (" from model not in state dict"
+                                                            if "from model not in state dict" in text else "")
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """One line; for a CheckpointException, the first rank's own failure (its str() lists every rank)."""
+    inner = _failures(exc)
+    if inner == [exc]:
+        return _one_line(exc)
+    return f"{type(exc).__name__} on {len(inner)} rank(s), first: {_one_line(inner[0])}"
+
+
+def refusal_kind(exc: BaseException) -> str:
+    """What the load rejected when it refused the checkpoint for this layout, or '' when the exception
+    is not that kind of refusal.
+
+    Measured (megatron-core 0.16.1, torch_dist): a dp_reshardable checkpoint saved at tp1-pp1-dp4 and
+    loaded at tp2-dp2 or pp2-dp2 raises torch's CheckpointException from the load, every rank's failure
+    being megatron's shape validation of the flat optimizer buffers: KeyError '<optimizer.distributed...>
+    from model not in state dict' (this DP group's buffer is not in the checkpoint) or
+    CheckpointingException 'Global shape mismatch' (its bucket has another size). Only that is a refusal;
+    anything else (an error in build, another exception) is a failure."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    inner = _failures(exc)
+    for e in inner:
+        text = str(e)
+        if not (isinstance(e, (KeyError, CheckpointingException)) and "optimizer.distributed." in text
+                and ("from model not in state dict" in text or "Global shape mismatch" in text)):
+            return ""
+    return f"the checkpoint's flat optimizer buffers do not fit this layout ({_one_line(inner[0])})"
 
 
 def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
@@ -177,8 +232,9 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
 
 
 def _optimizer_state(engine) -> list | None:
-    """The engine's optimizer state shards by global name, or None if it cannot say."""
-    return engine.optimizer_state_shards() if hasattr(engine, "optimizer_state_shards") else None
+    """The engine's optimizer state shards by global name, or None if it has no optimizer_state_shards()."""
+    shards = getattr(engine, "optimizer_state_shards", None)
+    return shards() if callable(shards) else None
 
 
 def _assemble_optional(per_rank: list) -> dict | None:
@@ -188,22 +244,35 @@ def _assemble_optional(per_rank: list) -> dict | None:
     return assemble(per_rank).tensors
 
 
+def _worst(err: dict[str, float]) -> tuple[str, float]:
+    """The name with the largest error; a NaN error counts as the largest."""
+    name = next((n for n, e in err.items() if math.isnan(e)), None) or max(err, key=err.get)
+    return name, err[name]
+
+
+def _nonfinite(name: str, tensors: dict) -> str:
+    """' (n/total elements non-finite ...)' when the named tensor holds NaN / Inf, else ''."""
+    count, text = nonfinite_summary({name: tensors[name]}) if name in tensors else (0, "")
+    return f" ({text})" if count else ""
+
+
 def _optimizer_diff(loaded: dict, saved: dict) -> tuple[str, str]:
     """(row, failure message or ''): loaded Adam state against the saved, bit for bit."""
     if set(loaded) != set(saved):
         diff = sorted(set(loaded) ^ set(saved))[:5]
         return f"  optimizer state names differ: {diff}", f"optimizer state names differ from the saved ones: {diff}"
     err = {n: rel_error(loaded[n], saved[n]) for n in saved}
-    worst = max(err, key=err.get)
-    row = f"  loaded optimizer state == saved: worst {worst} rel {err[worst]:.2e} (must be 0)"
-    if err[worst] == 0:
+    worst, worst_err = _worst(err)
+    row = f"  loaded optimizer state == saved: worst {worst} rel {fmt_err(worst_err)} (must be 0)"
+    if within(worst_err, 0):
         return row, ""
-    steps = sorted(n for n in err if n.endswith("#step") and err[n] > 0)
-    if steps:  # the step is a scalar: say the values
+    steps = sorted(n for n in err if n.endswith("#step") and beyond(err[n], 0))
+    if steps and math.isfinite(worst_err):  # the step is a scalar: say the values
         n = steps[0]
         return row, (f"optimizer state differs from the saved one: Adam step of {n[:-5]} is "
                      f"{float(loaded[n][0]):g} after the load, {float(saved[n][0]):g} saved ({len(steps)} parameters)")
-    return row, f"optimizer state differs from the saved one: {worst} rel {err[worst]:.2e}"
+    return row, (f"optimizer state differs from the saved one: {worst} rel {fmt_err(worst_err)} (must be 0)"
+                 + _nonfinite(worst, loaded))
 
 
 def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, reference,
@@ -211,52 +280,75 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, 
     target = Layout.parse(per_rank[0]["layout"])
     promise = promised(fmt, src, target)
     head = f"{fmt} saved at {src.id}, loaded at {target.id} ({'promised' if promise else 'not promised'})"
-    errors = [(r.rank, d["error"]) for r, d in zip(res.ranks, per_rank) if "error" in d]
+    errors = [(r.rank, d) for r, d in zip(res.ranks, per_rank) if "error" in d]
     cid = f"{res.case.id}->{target.id}"
     if errors:
-        rank, err = errors[0]
-        if promise:
-            tb = next(d["traceback"] for d in per_rank if "traceback" in d).splitlines()
-            return CheckResult("ckpt-memory.reshard", cid, False, f"{head}: load failed on rank {rank}: {err}", tb[-12:])
-        return CheckResult("ckpt-memory.reshard", cid, True, f"{head}: refused as the format allows: {err}")
+        return _judge_error(cid, head, promise, errors)
     loaded = assemble([d["loaded"] for d in per_rank]).tensors
     stepped = assemble([d["stepped"] for d in per_rank]).tensors
     peaks = " ".join(f"{d['load'].heap_peak / MIB:.0f}" for d in per_rank)
     if set(loaded) != set(saved):
         return CheckResult("ckpt-memory.reshard", cid, False,
                            f"{head}: parameter names differ from the saved ones: {sorted(set(loaded) ^ set(saved))[:5]}")
-    load_err = {n: rel_error(loaded[n], saved[n]) for n in saved}
-    step_err = {n: rel_error(stepped[n], reference[n]) for n in reference}
-    worst_load, worst_step = max(load_err, key=load_err.get), max(step_err, key=step_err.get)
+    worst_load, load_err = _worst({n: rel_error(loaded[n], saved[n]) for n in saved})
+    worst_step, step_err = _worst({n: rel_error(stepped[n], reference[n]) for n in reference})
     rows = [f"  load host peak MiB/rank: {peaks}",
-            f"  loaded == saved: worst {worst_load} rel {load_err[worst_load]:.2e} (must be 0)",
+            f"  loaded == saved: worst {worst_load} rel {fmt_err(load_err)} (must be 0)",
             f"  one step after the load == the uninterrupted run: worst {worst_step} rel "
-            f"{step_err[worst_step]:.2e} (<= {STEP_RTOL:.0e})"]
+            f"{fmt_err(step_err)} (<= {STEP_RTOL:.0e})"]
     loaded_optim = _assemble_optional([d.get("loaded_optim") for d in per_rank])
-    optim_row, optim_msg = ("  optimizer state: not compared (the engine has no optimizer_state_shards)", "") \
-        if loaded_optim is None or saved_optim is None else _optimizer_diff(loaded_optim, saved_optim)
+    if loaded_optim is None or saved_optim is None:
+        optim_msg = ("Adam state not compared: the engine has no optimizer_state_shards() (exp_avg, exp_avg_sq "
+                     "and step after the load cannot be checked)")
+        optim_row = "  optimizer state: " + optim_msg
+    else:
+        optim_row, optim_msg = _optimizer_diff(loaded_optim, saved_optim)
     rows.insert(2, optim_row)
-    if load_err[worst_load] > 0:
-        msg = f"model parameters differ from the saved ones: {worst_load} rel {load_err[worst_load]:.2e}"
+    if beyond(load_err, 0):
+        msg = (f"model parameters differ from the saved ones: {worst_load} rel {fmt_err(load_err)} (must be 0)"
+               + _nonfinite(worst_load, loaded))
     elif optim_msg:
         msg = optim_msg
-    elif step_err[worst_step] > STEP_RTOL:
+    elif beyond(step_err, STEP_RTOL):
         msg = (f"the step after the load differs from the uninterrupted run (optimizer state not restored?): "
-               f"{worst_step} rel {step_err[worst_step]:.2e} > {STEP_RTOL:.0e}")
+               f"{worst_step} rel {fmt_err(step_err)} > {STEP_RTOL:.0e}" + _nonfinite(worst_step, stepped))
     else:
         return CheckResult("ckpt-memory.reshard", cid, True,
-                           f"{head}: loads with the saved values; step after load rel {step_err[worst_step]:.2e}",
-                           rows, value=step_err[worst_step], show=True)
+                           f"{head}: loads with the saved values; step after load rel {fmt_err(step_err)}",
+                           rows, value=step_err, show=True)
     if not promise:
         msg = "loaded without error but wrong (silent corruption): " + msg
-    return CheckResult("ckpt-memory.reshard", cid, False, f"{head}: {msg}", rows, value=step_err[worst_step])
+    return CheckResult("ckpt-memory.reshard", cid, False, f"{head}: {msg}", rows, value=step_err)
+
+
+def _judge_error(cid: str, head: str, promise: bool, errors: list[tuple[int, dict]]) -> CheckResult:
+    """A target where some rank raised: a pass only where the format does not promise the layout and
+    every failing rank's exception came from the load and is the expected refusal."""
+    rank, d = errors[0]
+    tb = (d.get("traceback") or "").splitlines()[-12:]
+    where = d.get("phase", "?")
+    if promise:
+        return CheckResult("ckpt-memory.reshard", cid, False,
+                           f"{head}: load failed on rank {rank} in the {where}: {d['error']}", tb)
+    wrong = [(r, e) for r, e in errors if e.get("phase") != "load" or not e.get("refusal")]
+    if not wrong:
+        return CheckResult("ckpt-memory.reshard", cid, True, f"{head}: refused as the format allows: {d['refusal']}")
+    rank, d = wrong[0]
+    tb = (d.get("traceback") or "").splitlines()[-12:]
+    if d.get("phase") != "load":
+        return CheckResult("ckpt-memory.reshard", cid, False,
+                           f"{head}: failed on rank {rank} in the {d.get('phase', '?')}, before any load: {d['error']} "
+                           f"(a refusal must come from the load)", tb)
+    return CheckResult("ckpt-memory.reshard", cid, False,
+                       f"{head}: the load failed on rank {rank} with an unexpected error: {d['error']} (a refusal is "
+                       f"the load rejecting the checkpoint's optimizer buffers for this layout)", tb)
 
 
 def _judge_side_effects(res: CaseResult, fmt: str, continued, reference) -> CheckResult:
-    err = {n: rel_error(continued[n], reference[n]) for n in reference}
-    worst = max(err, key=err.get)
-    ok = err[worst] <= STEP_RTOL
+    worst, err = _worst({n: rel_error(continued[n], reference[n]) for n in reference})
+    ok = within(err, STEP_RTOL)
     return CheckResult("ckpt-memory.save-side-effects", res.case.id, ok,
                        f"{fmt}: the step after the save {'equals' if ok else 'differs from'} the uninterrupted run: "
-                       f"worst {worst} rel {err[worst]:.2e} {'<=' if ok else '>'} {STEP_RTOL:.0e}"
-                       + ("" if ok else " - the save changed the training state"), value=err[worst])
+                       f"worst {worst} rel {fmt_err(err)} {'<=' if ok else 'not <='} {STEP_RTOL:.0e}"
+                       + ("" if ok else _nonfinite(worst, continued) + " - the save changed the training state"),
+                       value=err)

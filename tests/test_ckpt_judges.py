@@ -1,0 +1,348 @@
+"""The checkpoint checks' judges on fabricated results, no ranks: NaN / Inf never pass, refusals must be
+the load's own and of the expected kind, missing optimizer state fails, failed measurements raise, and
+the checkpoint format is read from the files (not from the engine's label)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from harness import baselines
+from harness.checks.memory_model import MIB, save_band
+from harness.engines.base import ParamShard
+from harness.launch.results import CaseResult, RankResult
+from harness.models import load_model
+from harness.probes import memory
+from harness.probes.ckpt_format import OnDisk, inspect
+from harness.probes.memory import MeasurementError, MemoryPeak, measure, read_captures
+from harness.spec import Case, CaseOptions, Layout
+from harness.suites import ckpt_contract
+from harness.suites.ckpt_contract import _judge, _judge_side_effects, refusal_kind
+from harness.suites.ckpt_memory import CkptMemorySuite
+
+NAN, INF = float("nan"), float("inf")
+DP4, TP2 = Layout.parse("tp1-pp1-cp1-dp4"), Layout.parse("tp2-pp1-cp1-dp2")
+
+
+def _shards(values: dict[str, torch.Tensor]) -> list[ParamShard]:
+    return [ParamShard(n, t, None, 0, 1) for n, t in values.items()]
+
+
+def _reshard_result(fmt: str = "fully_reshardable") -> CaseResult:
+    opts = CaseOptions(steps=2, ckpt_format=fmt, ckpt_role="reshard")
+    return CaseResult(Case("ckpt-memory", load_model("tiny"), DP4, "mcore", opts), [RankResult(0)], "ok")
+
+
+def _target(layout: Layout = DP4, w=None, stepped=None, optim=None, **extra) -> dict:
+    w = torch.ones(4) if w is None else w
+    return {"layout": layout.id, "load": MemoryPeak("load", heap_peak=MIB), "loaded": _shards({"w": w}),
+            "stepped": _shards({"w": torch.full((4,), 2.0) if stepped is None else stepped}),
+            "loaded_optim": _shards({"w#exp_avg": torch.ones(4) if optim is None else optim}), **extra}
+
+
+def _judge_one(target: dict, fmt: str = "fully_reshardable", saved_optim=True):
+    saved, reference = {"w": torch.ones(4)}, {"w": torch.full((4,), 2.0)}
+    optim = {"w#exp_avg": torch.ones(4)} if saved_optim else None
+    return _judge(_reshard_result(fmt), fmt, DP4, [target], saved, reference, optim)
+
+
+def _with_nan(n: int = 4) -> torch.Tensor:
+    t = torch.ones(n)
+    t[1] = NAN
+    return t
+
+
+# -- NaN / Inf -------------------------------------------------------------------------------------
+
+def test_the_unmodified_values_pass():
+    res = _judge_one(_target())
+    assert res.passed and "loads with the saved values" in res.message
+
+
+def test_nan_in_loaded_parameters_fails():
+    res = _judge_one(_target(w=_with_nan()))
+    assert not res.passed
+    assert res.message.endswith("model parameters differ from the saved ones: w rel nan (must be 0) "
+                                "(w: 1/4 elements non-finite (1 NaN, 0 Inf))")
+
+
+def test_nan_in_the_step_after_the_load_fails():
+    stepped = torch.full((4,), 2.0)
+    stepped[0] = INF
+    res = _judge_one(_target(stepped=stepped))
+    assert not res.passed
+    assert "the step after the load differs from the uninterrupted run" in res.message
+    assert "w rel inf > 1e-05 (w: 1/4 elements non-finite (0 NaN, 1 Inf))" in res.message
+
+
+def test_nan_in_loaded_optimizer_state_fails():
+    res = _judge_one(_target(optim=_with_nan()))
+    assert not res.passed
+    assert res.message.endswith("optimizer state differs from the saved one: w#exp_avg rel nan (must be 0) "
+                                "(w#exp_avg: 1/4 elements non-finite (1 NaN, 0 Inf))")
+
+
+def test_nan_after_a_save_is_a_side_effect():
+    res = _judge_side_effects(_reshard_result(), "fully_reshardable", {"w": _with_nan()}, {"w": torch.ones(4)})
+    assert not res.passed
+    assert res.message == ("fully_reshardable: the step after the save differs from the uninterrupted run: worst w "
+                           "rel nan not <= 1e-05 (w: 1/4 elements non-finite (1 NaN, 0 Inf)) - the save changed "
+                           "the training state")
+
+
+def test_a_non_finite_measurement_is_a_regression():
+    data = {"entries": {"k": {"m": {"value": 10.0, "tolerance": 2.0}}}}
+    for bad in (NAN, INF, -INF):
+        assert baselines.compare(data, "k", "m", bad).status == "regression"
+    assert baselines.compare(data, "k", "m", 11.0).status == "pass"
+
+
+def test_baseline_check_names_a_nan_figure():
+    class NanSamples(CkptMemorySuite):
+        @staticmethod
+        def samples(result):
+            return {"rank0.save_heap_peak_mib": NAN}
+
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1))
+    res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
+    data = {"entries": {NanSamples.key(case): {"rank0.save_heap_peak_mib": {"value": 29.0, "tolerance": 5.8}}}}
+    check = NanSamples()._check_baseline(res, data, "baselines.json")
+    assert not check.passed
+    assert check.message.startswith("rank0.save_heap_peak_mib measured nan MiB (not a finite number) against "
+                                    "baseline 29.00 +- 5.80 MiB")
+
+
+def test_baseline_rows_state_the_smallest_detectable_regression():
+    class Fixed(CkptMemorySuite):
+        @staticmethod
+        def samples(result):
+            return {"rank0.save_heap_peak_mib": 29.1, "rank0.save_writer_peak_mib": 0.15}
+
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1))
+    res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
+    entries = baselines.build_entries({Fixed.key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0],
+                                                         "rank0.save_writer_peak_mib": [0.16, 0.15, 0.16]}})
+    check = Fixed()._check_baseline(res, {"entries": entries}, "baselines.json")
+    assert check.passed
+    assert "rank0.save_heap_peak_mib: 29.10 MiB, baseline 29.00 +- 5.80, delta +0.10 MiB: pass; detects > +5.80 MiB " \
+           "(+20%)" in check.details
+    assert check.message.endswith("coarsest: rank0.save_writer_peak_mib detects > +0.25 MiB (+156%)")
+
+
+# -- refusals: the load's own, of the expected kind ----------------------------------------------
+
+class _Wrapped(BaseException):
+    """Stands for torch's CheckpointException: per-rank failures as (exception, traceback)."""
+
+    def __init__(self, failures):
+        super().__init__("CheckpointException ranks:dict_keys([0, 1])")
+        self.failures = failures
+
+
+MISSING = KeyError("optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.float32, torch.float32)"
+                   ".bucket_idx_0.param from model not in state dict: ['decoder.final_layernorm.weight', ...]")
+
+
+def test_refusal_kind_accepts_only_the_flat_buffer_mismatch():
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    shape = CheckpointingException("Global shape mismatch for loaded ((82240,)) and expected ((41280,)) tensor for "
+                                   "key optimizer.distributed.dp_group_idx_0.gbuf_idx_0...param")
+    assert refusal_kind(_Wrapped({0: (shape, None), 1: (MISSING, None)})).startswith(
+        "the checkpoint's flat optimizer buffers do not fit this layout (CheckpointingException: Global shape mismatch")
+    assert refusal_kind(_Wrapped({0: (MISSING, None), 1: (RuntimeError("gloo timeout"), None)})) == ""
+    assert refusal_kind(RuntimeError("optimizer.distributed.x from model not in state dict")) == ""
+
+
+def _refused(phase: str, exc: BaseException) -> dict:
+    return {"layout": TP2.id, "error": ckpt_contract.describe_exception(exc), "phase": phase,
+            "refusal": refusal_kind(exc) if phase == "load" else "", "traceback": "Traceback ..."}
+
+
+def test_a_refusal_by_the_load_passes_where_not_promised():
+    res = _judge(_reshard_result("dp_reshardable"), "dp_reshardable", DP4,
+                 [_refused("load", _Wrapped({0: (MISSING, None)}))], {}, {}, None)
+    assert res.passed
+    assert res.message == ("dp_reshardable saved at tp1-pp1-cp1-dp4, loaded at tp2-pp1-cp1-dp2 (not promised): "
+                           "refused as the format allows: the checkpoint's flat optimizer buffers do not fit this "
+                           "layout (KeyError: optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.float32, "
+                           "torch.float32).bucket_idx_0.param from model not in state dict)")
+
+
+def test_an_error_in_build_is_no_refusal():
+    res = _judge(_reshard_result("dp_reshardable"), "dp_reshardable", DP4,
+                 [_refused("build", RuntimeError("this engine cannot build at tp2-pp1-cp1-dp2"))], {}, {}, None)
+    assert not res.passed
+    assert res.message == ("dp_reshardable saved at tp1-pp1-cp1-dp4, loaded at tp2-pp1-cp1-dp2 (not promised): "
+                           "failed on rank 0 in the build, before any load: RuntimeError: this engine cannot build "
+                           "at tp2-pp1-cp1-dp2 (a refusal must come from the load)")
+
+
+def test_another_load_error_is_no_refusal():
+    res = _judge(_reshard_result("dp_reshardable"), "dp_reshardable", DP4,
+                 [_refused("load", _Wrapped({0: (RuntimeError("Connection closed by peer"), None)}))], {}, {}, None)
+    assert not res.passed
+    assert "the load failed on rank 0 with an unexpected error: _Wrapped on 1 rank(s), first: RuntimeError: " \
+           "Connection closed by peer" in res.message
+
+
+def test_missing_optimizer_state_shards_fails_the_comparison():
+    res = _judge_one(_target(loaded_optim=None))
+    assert not res.passed
+    assert res.message.endswith("Adam state not compared: the engine has no optimizer_state_shards() (exp_avg, "
+                                "exp_avg_sq and step after the load cannot be checked)")
+
+
+# -- measurements that cannot be taken raise -----------------------------------------------------
+
+def test_missing_or_unreadable_capture_raises(tmp_path):
+    with pytest.raises(MeasurementError, match=r"memray wrote no capture at .*nothing\.bin"):
+        read_captures(tmp_path / "nothing.bin")
+    bad = tmp_path / "garbage.bin"
+    bad.write_bytes(b"not a memray capture")
+    with pytest.raises(MeasurementError, match=r"memray capture .*garbage\.bin is unreadable"):
+        read_captures(bad)
+
+
+def test_unreadable_writer_capture_raises_and_absent_ones_are_fine(tmp_path):
+    import memray
+
+    capture = tmp_path / "memray-save-rank0.bin"
+    with memray.Tracker(capture):
+        keep = bytearray(1 << 20)
+    del keep
+    own, kids, n = read_captures(capture)  # no forked writer: none expected
+    assert own >= 1 << 20 and (kids, n) == (0, 0)
+    (tmp_path / "memray-save-rank0.bin.1234").write_bytes(b"truncated")
+    with pytest.raises(MeasurementError, match=r"memray-save-rank0\.bin\.1234 is unreadable"):
+        read_captures(capture)
+
+
+def test_a_tracker_that_writes_nothing_makes_the_phase_raise(tmp_path, monkeypatch):
+    import memray
+
+    monkeypatch.setattr(memray, "Tracker", lambda *a, **k: contextlib.nullcontext())
+    with pytest.raises(MeasurementError, match="memray wrote no capture"):
+        with measure("save", tmp_path, 0):
+            pass
+
+
+def test_a_sampler_without_a_sample_makes_the_phase_raise(tmp_path, monkeypatch):
+    import psutil
+
+    def broken(self, *a, **k):
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "memory_info", broken)
+    with pytest.raises(MeasurementError, match=r"the RSS sampler took no sample during save on rank 0 \(AccessDenied"):
+        with measure("save", tmp_path, 0, use_memray=False):
+            pass
+
+
+def test_a_failure_inside_the_phase_keeps_its_own_exception(tmp_path, monkeypatch):
+    import memray
+
+    monkeypatch.setattr(memray, "Tracker", lambda *a, **k: contextlib.nullcontext())
+    with pytest.raises(ValueError, match="the save itself"):
+        with measure("save", tmp_path, 0):
+            raise ValueError("the save itself")
+
+
+def test_proc_status_without_the_field_raises(monkeypatch):
+    with pytest.raises(MeasurementError, match="has no VmNothing line"):
+        memory._status_kib("VmNothing")
+
+
+# -- the format on disk ---------------------------------------------------------------------------
+
+def _dcp(path, state: dict) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return str(path)
+
+
+FLAT = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0"
+
+
+def test_on_disk_layout_is_read_from_the_optimizer_entries(tmp_path):
+    w = torch.zeros(8, 4)
+    flat = {"w": w, **{f"{FLAT}.{k}": torch.zeros(64) for k in ("param", "exp_avg", "exp_avg_sq")}}
+    model_space = {"w": w, **{f"optimizer.state.{k}.w": torch.zeros(8, 4) for k in ("param", "exp_avg", "exp_avg_sq")}}
+    wrong_shape = {"w": w, "optimizer.state.param.w": torch.zeros(32)}
+    got = inspect(_dcp(tmp_path / "flat", flat))
+    assert got.layout == "dp_reshardable" and "3 flat optimizer buffers of 1 DP group(s)" in got.evidence
+    got = inspect(_dcp(tmp_path / "model", model_space))
+    assert got.layout == "fully_reshardable" and "with the parameters' global shapes" in got.evidence
+    got = inspect(_dcp(tmp_path / "wrong", wrong_shape))
+    assert got.layout == "unknown" and "optimizer.state.param.w (32,) vs model (8, 4)" in got.evidence
+
+
+def test_fsdp2_full_state_dict_file_and_dcp_with_one_writer_are_full(tmp_path):
+    full = {"model": {"w": torch.zeros(8, 4)}, "optim": {"state": {"w": {"exp_avg": torch.zeros(8, 4),
+                                                                          "step": torch.tensor(1.0)}}}}
+    (tmp_path / "f").mkdir()
+    torch.save(full, tmp_path / "f" / "full_state_dict.pt")
+    assert inspect(tmp_path / "f").layout == "fsdp2_full"
+    dcp_one_writer = {"optim.state.w.exp_avg": torch.zeros(8, 4), "optim.state.w.step": torch.tensor(1.0)}
+    got = inspect(_dcp(tmp_path / "d", dcp_one_writer))
+    assert got.layout == "fsdp2_full" and got.evidence.startswith("DCP with one writer: 1 optimizer tensors")
+
+
+def _memory_result(fmt: str, layout: Layout, peaks_mib: list[float], model: str = "small",
+                   on_disk: OnDisk | None = None, label: dict | None = None) -> CaseResult:
+    case = Case("ckpt-memory", load_model(model), layout, "mcore", CaseOptions(steps=1, ckpt_format=fmt))
+    ranks = [RankResult(r, data={"save": MemoryPeak("save", heap_peak=int(p * MIB))}) for r, p in enumerate(peaks_mib)]
+    ranks[0].data["on_disk"] = on_disk or OnDisk(fmt, "fabricated")
+    ranks[0].data["content_metadata"] = label if label is not None else {"distrib_optim_sharding_type": fmt}
+    return CaseResult(case, ranks, "ok")
+
+
+def test_contract_judges_the_files_not_the_label():
+    disk = OnDisk("dp_reshardable", "3 flat optimizer buffers of 1 DP group(s)")
+    res = _memory_result("fully_reshardable", DP4, [161.7, 155.4, 155.4, 155.4], on_disk=disk)
+    check = CkptMemorySuite()._check_contract(res)
+    assert not check.passed
+    assert check.message == ("format fully_reshardable: the checkpoint on disk is dp_reshardable, not "
+                             "fully_reshardable (3 flat optimizer buffers of 1 DP group(s))")
+    assert "label written by the engine: fully_reshardable (agrees; secondary: the files decide)" in check.details
+
+
+def test_mem_efficient_is_judged_by_the_measured_peaks():
+    """Byte-identical on disk: a mem_efficient save whose ranks off DP rank 0 gathered is fully_reshardable."""
+    disk = OnDisk("fully_reshardable", "24 per-parameter optimizer tensors")
+    good = _memory_result("fully_reshardable_mem_efficient", DP4, [161.7, 17.3, 17.3, 17.3], on_disk=disk)
+    check = CkptMemorySuite()._check_contract(good)
+    assert check.passed and check.message.endswith("by the measured peaks fully_reshardable_mem_efficient")
+    bad = _memory_result("fully_reshardable_mem_efficient", DP4, [161.7, 155.4, 155.4, 155.4], on_disk=disk)
+    check = CkptMemorySuite()._check_contract(bad)
+    assert not check.passed
+    assert check.message == ("format fully_reshardable_mem_efficient: on disk fully_reshardable, by the measured "
+                             "peaks fully_reshardable: ranks off DP rank 0 gathered the state: rank 1 peak 155.4 MiB "
+                             ">= 12N = 69.0 MiB (3 of 3 ranks)")
+
+
+def test_tiny_says_it_cannot_discriminate_formats():
+    res = _memory_result("fully_reshardable", DP4, [3.7, 2.45, 2.45, 2.18], model="tiny")
+    check = CkptMemorySuite()._check_model(res)
+    assert check.passed
+    assert check.message.startswith("cannot discriminate formats for this model and layout (every rank's peak is "
+                                    "inside the fully_reshardable band, which proves nothing here): cannot "
+                                    "discriminate fully_reshardable from dp_reshardable at rank 0 for this model: "
+                                    "12N = 0.94 MiB")
+    contract = CkptMemorySuite()._check_contract(res)
+    assert contract.passed and "mem_efficient: cannot tell: cannot discriminate" in contract.message
+
+
+def test_small_rules_the_rival_out_and_flags_a_peak_outside_the_band():
+    res = _memory_result("dp_reshardable", TP2, [18.2, 17.5, 6.0, 6.0])
+    check = CkptMemorySuite()._check_model(res)
+    assert check.passed and check.message == ("every rank inside the dp_reshardable band; it rules out the rival "
+                                              "format on ranks [0, 1, 2, 3]")
+    flipped = _memory_result("dp_reshardable", TP2, [86.6, 86.6, 86.4, 86.4])  # R1: every DP rank gathered
+    check = CkptMemorySuite()._check_model(flipped)
+    band = save_band("dp_reshardable", load_model("small"), TP2, 0)
+    assert not check.passed and check.message == (f"rank 0 save host peak 86.6 MiB outside the dp_reshardable "
+                                                  f"model band {band.describe()}")
