@@ -102,9 +102,10 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
         path = baselines.baseline_path(getattr(suite, "baselines_dir", None), _platform(o.result), suite.name)
         if str(path) not in data:
             data[str(path)] = baselines.load(path)
-        entry = data[str(path)].get("entries", {}).get(suite.key(o.result.case), {}).get(metric)
+        case_entry = data[str(path)].get("entries", {}).get(suite.key(o.result.case), {})
+        entry = case_entry.get(metric)
         if entry and "samples" in entry and hasattr(suite, "timed_comparison"):
-            step = _judge_timed(suite, o.result, metric, entry, threshold, vers)
+            step = _judge_timed(suite, o.result, metric, case_entry, threshold, vers)
         else:
             limit = threshold.resolve(entry["value"] if entry else None)
             value = samples[metric]
@@ -119,12 +120,12 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
     return worst
 
 
-def _judge_timed(suite, result, metric: str, entry: dict, threshold: Threshold, vers: dict) -> StepResult:
+def _judge_timed(suite, result, metric: str, case_entry: dict, threshold: Threshold, vers: dict) -> StepResult:
     """A timed figure (step-perf) is judged as the suite judges it: bad when significantly slower than the
     baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's)."""
     m = _THRESHOLD_RE.match(threshold.text.replace(" ", ""))
     effect = float(m.group(1)) / 100 if m and m.group(2) else None
-    cmp = suite.timed_comparison(result, metric, entry, effect)
+    cmp = suite.timed_comparison(result, metric, case_entry, effect)
     return StepResult(BAD if cmp.slower else GOOD, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,
                       f"{metric} {cmp.describe()}: {'significantly slower' if cmp.slower else 'not significantly slower'}",
                       vers)

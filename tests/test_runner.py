@@ -106,5 +106,6 @@ def test_torchrun_entry_runs_a_suite_in_process(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "equivalence: 4 checks passed, 0 failed" in proc.stdout
+    # reference: finite, replicas; tp2: finite, replicas, loss, log-probs, params
+    assert "equivalence: 7 checks passed, 0 failed" in proc.stdout
     assert (tmp_path / "results.json").exists()

@@ -43,6 +43,7 @@ OPTION_SETS = ((False, False), (False, True), (True, False), (True, True))  # (d
 # megatron's default.
 CPU_BUCKET_ELEMS = 1_000_000
 CALIBRATION_REPS = 5
+NORMALISE = False
 # bf16 dense peak TFLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
 PEAK_BF16_TFLOPS = {"H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
 
@@ -116,10 +117,12 @@ class StepPerfSuite:
     baselines_dir = None  # set by the driver (--baselines-dir); None: the repository's baselines/
 
     def __init__(self, warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
-                 option_sets: tuple[tuple[bool, bool], ...] | None = None, min_effect: float | None = None):
+                 option_sets: tuple[tuple[bool, bool], ...] | None = None, min_effect: float | None = None,
+                 normalise: bool = NORMALISE):
         self.warmup_steps, self.timed_steps = warmup_steps, timed_steps
         self.option_sets = option_sets  # None: the default matrix's
         self.min_effect = min_effect  # None: MIN_EFFECT of the tier
+        self.normalise = normalise  # judge times scaled by the calibration workload's (baseline / now)
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
@@ -348,12 +351,17 @@ class StepPerfSuite:
                            f"{res.case.layout.id}: {len(problems)} counters differ from the baseline; {head}", rows,
                            value=float(len(problems)))
 
-    def timed_comparison(self, res: CaseResult, metric: str, metric_entry: dict, effect: float | None = None):
-        """A timed figure of a case against its baseline samples (also what `harness bisect` judges by)."""
+    def timed_comparison(self, res: CaseResult, metric: str, entry: dict, effect: float | None = None):
+        """A timed figure of a case against the samples of its baseline entry (the case's, all metrics);
+        also what `harness bisect` judges by."""
         measured = {"step_time_ms": self.step_ms, "exposed_comm_ms": self.exposed_ms}[metric](res)
+        calibration = entry.get("calibration_ms", {}).get("value")
+        if self.normalise and calibration:
+            scale = calibration / self.calibration_ms(res)
+            measured = [m * scale for m in measured]
         tier = "gpu" if res.case.backend == "nccl" else "cpu"
         effect = effect if effect is not None else self.min_effect if self.min_effect is not None else MIN_EFFECT[tier]
-        return compare_samples(metric_entry["samples"], measured, effect)
+        return compare_samples(entry[metric]["samples"], measured, effect)
 
     def _check_time(self, res: CaseResult, entry: dict) -> CheckResult:
         rows = []
@@ -364,7 +372,7 @@ class StepPerfSuite:
                 return CheckResult("step-perf.time", res.case.id, False,
                                    f"the baseline of {self.key(res.case)} has no {metric} samples; re-record it with: "
                                    f"{self.record_command(res.case)}")
-            cmp = verdicts[metric] = self.timed_comparison(res, metric, entry[metric])
+            cmp = verdicts[metric] = self.timed_comparison(res, metric, entry)
             mde = minimum_detectable_effect(base, cmp.n_b, floor=cmp.min_effect)
             rows.append(f"  {metric}: {cmp.describe()}; {cmp.verdict}; detects >= {mde:.0%} slower")
         rank, mine, others = self.slowest_rank(res)
