@@ -1,13 +1,15 @@
-"""The `harness` command. Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 5 nothing judged."""
+"""The `harness` command. Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 5 nothing judged,
+143 / 130 interrupted by SIGTERM / Ctrl-C (finished cases kept)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
-from harness.errors import BadInput
+from harness.errors import BadInput, Interrupted
 from harness.spec import CaseOptions
 
 
@@ -20,16 +22,29 @@ def _layouts(args) -> int:
     if args.world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {args.world_size}")
     if args.layout:
-        for lid in args.layout:
-            lay = validate(Layout.parse(lid), model, args.world_size)
+        valid = [validate(Layout.parse(lid), model, args.world_size) for lid in args.layout]
+        for lay in valid:
             print(f"{lay.id}\ttp={lay.tp} pp={lay.pp} cp={lay.cp} dp={lay.dp}  valid")
         return 0
-    for lay in enumerate_layouts(model, args.world_size):
+    layouts = enumerate_layouts(model, args.world_size)
+    if not layouts:
+        from harness.layouts import violations
+
+        why = "; ".join(violations(Layout(dp=args.world_size), model, args.world_size))
+        raise BadInput(f"no layout of world size {args.world_size} is valid for model {model.name} "
+                       f"(pure DP tp1-pp1-cp1-dp{args.world_size}: {why}); pick a world size that divides its shape")
+    for lay in layouts:
         print(f"{lay.id}\ttp={lay.tp} pp={lay.pp} cp={lay.cp} dp={lay.dp}")
     return 0
 
 
 def _options(args) -> CaseOptions:
+    if args.steps < 1:
+        raise BadInput(f"--steps must be >= 1, got {args.steps}")
+    if args.seed < 0:
+        raise BadInput(f"--seed must be >= 0, got {args.seed}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
     return CaseOptions(
         steps=args.steps, seed=args.seed, dtype=args.dtype,
         use_distributed_optimizer=args.distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
@@ -57,18 +72,28 @@ def _case_kwargs(args) -> dict:
                 ckpt_formats=args.ckpt_format, suite_params=_suite_params(args))
 
 
+def _out_dir(path: str | None, flag: str = "--out") -> Path | None:
+    """The output directory, created and shown writable before anything runs (BadInput otherwise)."""
+    from harness.report.files import prepare_out_dir
+
+    return prepare_out_dir(Path(path), flag) if path else None
+
+
 def _run(args) -> int:
     from harness import report
     from harness.driver import plan, run_suite
 
     kwargs = _case_kwargs(args)
-    plan(args.suite, args.model, args.world_size, args.layout, **kwargs)  # all bad input -> exit 2 first
+    if args.shuffle is not None and args.shuffle < 0:
+        raise BadInput(f"--shuffle takes a seed >= 0, got {args.shuffle}")
+    plan(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir,
+         **kwargs)  # all bad input -> exit 2 before any rank starts
+    out = _out_dir(args.out)
     run = run_suite(args.suite, args.model, args.world_size, args.layout, fresh_ranks=args.fresh_ranks,
-                    shuffle_seed=args.shuffle, baselines_dir=args.baselines_dir, **kwargs)
+                    shuffle_seed=args.shuffle, baselines_dir=args.baselines_dir, out_dir=out, **kwargs)
     print(report.format_run(run))
-    if args.out:
-        path = report.write_results(run, Path(args.out))
-        print(f"results: {path}")
+    if out:
+        print(f"results: {out / 'results.json'}")
     return run.exit_code
 
 
@@ -101,7 +126,10 @@ def _baselines(args) -> int:
     if args.action == "diff":
         return _baselines_diff(args)
     kwargs = _case_kwargs(args)
-    suite, cases = plan(args.suite, args.model, args.world_size, args.layout, **kwargs)
+    if args.repeats < 3:
+        raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {args.repeats}")
+    suite, cases = plan(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir,
+                        **kwargs)
     if not hasattr(suite, "samples"):
         raise BadInput(f"suite {args.suite!r} has no baselines")
     if args.action == "check":
@@ -120,8 +148,10 @@ def _baselines(args) -> int:
 
 
 def _report(args) -> int:
-    from harness.report.files import write_report
+    from harness.report.files import load_runs, prepare_out_dir, write_report
 
+    load_runs(Path(args.dir))  # a directory with readable results, before anything is written
+    prepare_out_dir(Path(args.dir), "DIR")
     written = write_report(Path(args.dir))
     for kind, path in written.items():
         print(f"{kind}: {path}")
@@ -129,7 +159,14 @@ def _report(args) -> int:
 
 
 def _bisect(args) -> int:
-    from harness.bisect import bisect
+    from harness.bisect import Threshold, bisect
+    from harness.driver import plan
+
+    Threshold(args.max)
+    if args.repo and not Path(args.repo, ".git").exists():
+        raise BadInput(f"--repo {args.repo}: not a git checkout (no .git there)")
+    # the selection is planned here too, so bad input is refused before any environment is built
+    plan(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir, **_case_kwargs(args))
 
     return bisect(args, lambda msg: print(msg, file=sys.stderr, flush=True))
 
@@ -148,14 +185,19 @@ def _compare(args) -> int:
         raise BadInput(f"compare judges step times: --suite step-perf (got {args.suite!r})")
     if args.steps_per_round < 3:
         raise BadInput(f"--steps-per-round must be >= 3, got {args.steps_per_round}")
+    if args.rounds < 2:
+        raise BadInput(f"--rounds must be >= 2 (interleaving needs several rounds per side), got {args.rounds}")
     for engine in args.engine or ["mcore"]:  # every bad input before any rank starts
         plan(args.suite, args.model, args.world_size, args.layout, **{**_case_kwargs(args), "engine": engine})
+    _out_dir(args.out)
     return compare_main(args, lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
 def _nightly(args) -> int:
     from harness.nightly import SUITES, run_nightly
 
+    if args.world_size is not None and args.world_size < 1:
+        raise BadInput(f"--world-size must be >= 1, got {args.world_size}")
     return run_nightly(Path(args.out), args.suite or list(SUITES), args.model, args.world_size, args.backend,
                        args.engine, lambda msg: print(msg, file=sys.stderr, flush=True))
 
@@ -168,14 +210,16 @@ def _project_memory(args) -> int:
 
     model = load_model(args.model)
     layout = validate(Layout.parse(args.layout), model)
-    formats = [args.format] if args.format else ["dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient"]
+    known = ("dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
+    if args.format and args.format not in known:
+        raise BadInput(f"--format {args.format!r}: no memory model for it; known: {', '.join(known)}")
+    if args.ranks_per_node < 1:
+        raise BadInput(f"--ranks-per-node must be >= 1, got {args.ranks_per_node}")
+    formats = [args.format] if args.format else list(known)
+    projections = [project(fmt, model, layout, args.ranks_per_node) for fmt in formats]
     print(f"model {model.name} ({model.num_params() / 1e9:.2f}B params), layout {layout.id}, "
           f"{args.ranks_per_node} ranks per node")
-    for fmt in formats:
-        try:
-            p = project(fmt, model, layout, args.ranks_per_node)
-        except ValueError as exc:
-            raise BadInput(str(exc)) from None
+    for fmt, p in zip(formats, projections):
         band = save_band(fmt, model, layout, p.worst_rank)
         gib = 1024 * MIB
         print(f"{fmt:<34} per rank (worst: rank {p.worst_rank}) {p.per_rank_low / gib:8.1f} - {p.per_rank_high / gib:8.1f} GiB"
@@ -213,7 +257,8 @@ def _add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
                    help="ckpt-memory: megatron's async save (the write in a forked process)")
     p.add_argument("--timed-steps", type=int, default=None, help="step-perf: timed steps per case (default 20)")
     p.add_argument("--min-effect", type=float, default=None,
-                   help="step-perf: smallest slowdown that fails, as a fraction (default 0.10 on CPU, 0.05 on GPU)")
+                   help="step-perf: smallest slowdown that fails, as a fraction (default against baselines 0.15 on "
+                        "CPU, 0.05 on GPU; compare, interleaved: 0.05 / 0.03)")
 
 
 def case_argv(args, skip: tuple[str, ...] = ()) -> list[str]:
@@ -336,16 +381,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # `--engine package.module:factory` resolves against the working directory, as `python -m` would.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    # SIGTERM (CI's timeout or cancel) unwinds like Ctrl-C: runs keep their finished cases (driver.run_suite)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         return args.func(args)
     except BadInput as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt) as exc:
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"harness: interrupted ({stop}) before any case finished; nothing was measured", file=sys.stderr)
+        return stop.exit_code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

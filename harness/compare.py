@@ -145,11 +145,9 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
 
 
 def compare_main(args, say: Callable[[str], None]) -> int:
-    from harness.checks.timing import MIN_EFFECT
+    from harness.checks.timing import MIN_EFFECT_INTERLEAVED
     from harness.report import fmt_table
 
-    if args.rounds < 2:
-        raise BadInput(f"--rounds must be >= 2 (interleaving needs several rounds per side), got {args.rounds}")
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
     cache.mkdir(parents=True, exist_ok=True)
     a, b = sides_from_args(args, cache)
@@ -160,7 +158,8 @@ def compare_main(args, say: Callable[[str], None]) -> int:
 
             worktree = Worktree(Path(args.repo).resolve(), cache)
             b.pythonpath = [str(worktree.checkout(args.rev) / args.path_in_repo)]
-        effect = args.min_effect if args.min_effect is not None else MIN_EFFECT["gpu" if args.backend == "nccl" else "cpu"]
+        tier = "gpu" if args.backend == "nccl" else "cpu"
+        effect = args.min_effect if args.min_effect is not None else MIN_EFFECT_INTERLEAVED[tier]
         samples_a, samples_b, order = run_rounds(a, b, args, say)
     finally:
         if worktree:

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness.checks import CheckResult
-from harness.errors import BadInput
+from harness.errors import BadInput, Interrupted
 from harness.launch import CaseResult, run_case
 from harness.launch.pool import pool_for
 from harness.layouts import validate
@@ -25,6 +26,7 @@ from harness.suites import Suite, get_suite
 
 
 # "unjudged": the case ran but no check judged it - never a pass (a check that did not run cannot fail).
+# ("pending" marks a measured case in a results file written before the run's checks ran.)
 OUTCOMES = ("pass", "regression", "improvement", "error", "skipped", "unjudged")
 # Exit codes of `harness run` / `baselines check` / `nightly`. 5 = nothing judged: every case skipped or
 # no check ran, the analogue of pytest's "no tests collected".
@@ -54,11 +56,13 @@ def error_summary(error: str) -> str:
     return lines[0]
 
 
-def _outcome(result: CaseResult, checks: list[CheckResult]) -> CaseOutcome:
+def _outcome(result: CaseResult, checks: list[CheckResult], judged: bool = True) -> CaseOutcome:
     if result.skipped:
         return CaseOutcome(result, "skipped", (result.error.splitlines() or ["skipped"])[0], checks)
     if not result.ok:
         return CaseOutcome(result, "error", error_summary(result.error).removeprefix(f"case {result.case.id}: "), checks)
+    if not judged:  # written while the run goes on: measured, judged at the end
+        return CaseOutcome(result, "pending", "measured; judged when the run ends", checks)
     if not checks:
         return CaseOutcome(result, "unjudged", "the case ran but no check judged it", checks)
     failed = [c for c in checks if not c.passed]
@@ -79,6 +83,9 @@ class SuiteRun:
     results: list[CaseResult] = field(default_factory=list)
     checks: list[CheckResult] = field(default_factory=list)
     wall_s: float = 0.0
+    planned: int = 0  # cases in the plan (results may hold fewer: an interrupted run)
+    judged: bool = False  # the suite's checks ran over the results
+    interrupted: Interrupted | None = None  # the signal that ended the run early
 
     @property
     def passed(self) -> bool:
@@ -88,8 +95,10 @@ class SuiteRun:
 
     @property
     def verdict(self) -> str:
-        """'pass', 'fail' (a check failed, a case errored or went unjudged) or 'nothing judged'
-        (no check ran at all: every case skipped, or none planned)."""
+        """'pass', 'fail' (a check failed, a case errored or went unjudged), 'nothing judged' (no check
+        ran at all: every case skipped, or none planned) or 'interrupted' (stopped early by a signal)."""
+        if self.interrupted is not None:
+            return "interrupted"
         if not self.checks and not self.errors:
             return "nothing judged"
         outcomes = self.outcomes()
@@ -99,6 +108,8 @@ class SuiteRun:
 
     @property
     def exit_code(self) -> int:
+        if self.interrupted is not None:
+            return self.interrupted.exit_code
         return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "nothing judged": EXIT_NOTHING_JUDGED}[self.verdict]
 
     @property
@@ -113,15 +124,16 @@ class SuiteRun:
         for c in self.checks:
             owner = c.case_id if c.case_id in by_case else c.case_id.split("->")[0]
             by_case.setdefault(owner, []).append(c)
-        return [_outcome(r, by_case[r.case.id]) for r in self.results]
+        return [_outcome(r, by_case[r.case.id], self.judged) for r in self.results]
 
 
 def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
          engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
          timeout_s: float | None = None, ckpt_formats: list[str] | None = None,
-         suite_params: dict | None = None):
+         suite_params: dict | None = None, baselines_dir: str | None = None):
     """(suite, cases) or BadInput, before anything runs or is written. model_name None: the suite's default.
-    suite_params: attributes of the suite to set (e.g. step-perf's timed_steps), each one the suite has."""
+    suite_params: attributes of the suite to set (e.g. step-perf's timed_steps), each one the suite has.
+    A suite with baselines has its baseline file parsed here (a corrupt one is refused before any rank)."""
     suite = get_suite(suite_name)
     for attr, value in (suite_params or {}).items():
         if not hasattr(suite, attr):
@@ -152,6 +164,11 @@ def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, lay
     cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options)
     if timeout_s is not None:
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
+    if hasattr(suite, "samples") and cases:
+        from harness import baselines
+        from harness.platform import detect_platform
+
+        baselines.load(baselines.baseline_path(baselines_dir, detect_platform(backend).key, suite.name))
     return suite, cases
 
 
@@ -160,40 +177,66 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
               timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
               fresh_ranks: bool = False, shuffle_seed: int | None = None,
               baselines_dir: str | None = None, ckpt_formats: list[str] | None = None,
-              suite_params: dict | None = None) -> SuiteRun:
+              suite_params: dict | None = None, out_dir: Path | None = None) -> SuiteRun:
     """Run every case of the suite (warm pool ranks unless fresh_ranks) and judge them.
 
     shuffle_seed runs the cases in a shuffled order (isolation checks); results keep plan order.
+    out_dir: results.json is written there after every case (measured, not yet judged) and at the end
+    (judged), so a crash keeps every finished case. A SIGTERM / Ctrl-C (Interrupted, KeyboardInterrupt)
+    stops the run: its ranks are killed, the finished cases are judged and written, and the run is
+    returned with `interrupted` set (exit code 143 / 130).
     """
     suite, cases = plan(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
-                        options=options, timeout_s=timeout_s, ckpt_formats=ckpt_formats, suite_params=suite_params)
+                        options=options, timeout_s=timeout_s, ckpt_formats=ckpt_formats, suite_params=suite_params,
+                        baselines_dir=baselines_dir)
     if baselines_dir is not None:
         suite.baselines_dir = baselines_dir
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend, engine)
+    run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend, engine,
+                   planned=len(cases))
     t0 = time.monotonic()
     run_dir = new_run_dir()
     cases = [dataclasses.replace(c, run_dir=str(run_dir)) for c in cases]
     order = run_order(cases, shuffle_seed)
     results: dict[int, CaseResult] = {}
     n = len(cases)
-    for i, idx in enumerate(order, 1):
-        case = cases[idx]
-        elapsed = time.monotonic() - t0
-        eta = f", ETA {format_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
-        say(f"[{i}/{n} {format_clock(elapsed)} elapsed{eta}] {case.id} ...")
-        result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
-        results[idx] = result
-        warm = "" if result.fresh_ranks else " (warm ranks)"
-        why = f": {result.error.splitlines()[0]}" if result.skipped and result.error else ""
-        say(f"[{i}/{n}] {case.id} {result.status} in {result.wall_s:.1f}s{warm}{why}")
-        for note in result.notes:
-            say(f"    {note}")
-    run.results = [results[i] for i in range(len(cases))]
+    try:
+        for i, idx in enumerate(order, 1):
+            case = cases[idx]
+            elapsed = time.monotonic() - t0
+            eta = f", ETA {format_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
+            say(f"[{i}/{n} {format_clock(elapsed)} elapsed{eta}] {case.id} ...")
+            result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
+            results[idx] = result
+            warm = "" if result.fresh_ranks else " (warm ranks)"
+            why = f": {result.error.splitlines()[0]}" if result.skipped and result.error else ""
+            say(f"[{i}/{n}] {case.id} {result.status} in {result.wall_s:.1f}s{warm}{why}")
+            for note in result.notes:
+                say(f"    {note}")
+            if out_dir is not None:
+                run.results = [results[j] for j in sorted(results)]
+                run.wall_s = time.monotonic() - t0
+                _write(run, out_dir)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        from harness.launch.pool import close_all
+
+        close_all(kill=True)  # the case in flight is lost; its ranks must not outlive the run
+        run.interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        say(f"interrupted ({run.interrupted}) after {len(results)} of {n} cases; judging the finished ones")
+    run.results = [results[i] for i in sorted(results)]
     run.checks = suite.check([r for r in run.results if not r.skipped])
+    run.judged = True
     run.wall_s = time.monotonic() - t0
     shutil.rmtree(run_dir, ignore_errors=True)
+    if out_dir is not None:
+        _write(run, out_dir)
     return run
+
+
+def _write(run: SuiteRun, out_dir: Path) -> None:
+    from harness import report
+
+    report.write_results(run, Path(out_dir))
 
 
 def new_run_dir() -> Path:

@@ -7,3 +7,18 @@ class BadInput(ValueError):
 
 class MissingDependency(BadInput):
     """An engine or path needs a package that is not installed; the message names the install command."""
+
+
+class Interrupted(BaseException):
+    """The run was asked to stop (SIGTERM from CI, Ctrl-C): finished results are kept, the exit code is
+    128 + the signal (143 for SIGTERM, 130 for SIGINT)."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

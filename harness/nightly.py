@@ -42,12 +42,12 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
                 engine: str | None, say: Callable[[str], None]) -> int:
     import json
 
-    from harness import report
-    from harness.driver import format_clock, run_suite
-    from harness.report import fmt_table
+    from harness import driver, report
+    from harness.driver import format_clock
     from harness.platform import resolve_backend
     from harness.platform.backend import cuda_device_count
-    from harness.report.files import write_report, write_text
+    from harness.report import fmt_table
+    from harness.report.files import prepare_out_dir, write_report, write_text
 
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
@@ -55,15 +55,26 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     world = world_size or (cuda_device_count() if backend in ("auto", "nccl") and cuda_device_count() else 4)
     backend = resolve_backend(backend, world)
     items = plan_items(suites, list(models or DEFAULT_MODELS[backend]), engine)
+    # Every run planned before any rank starts: a run that cannot be planned (a path whose package is
+    # missing, a model too large for the world size) is recorded as judging nothing - a failure, not a skip.
+    refused: dict[Item, str] = {}
+    for item in items:
+        try:
+            driver.plan(item.suite, item.model, world, engine=item.engine, backend=backend)
+        except BadInput as exc:
+            refused[item] = str(exc)
+    prepare_out_dir(out)
     say(f"nightly: {len(items)} runs at world size {world} ({backend}) into {out}")
-    t0, rows, passed = time.monotonic(), [], True
+    t0, rows, passed, stop = time.monotonic(), [], True, None
     for i, item in enumerate(items, 1):
         say(f"== run {i}/{len(items)} ({format_clock(time.monotonic() - t0)} elapsed): "
             f"{item.suite} {item.model} {item.engine}")
         try:
-            run = run_suite(item.suite, item.model, world, engine=item.engine, backend=backend)
+            if item in refused:
+                raise BadInput(refused[item])
+            run = driver.run_suite(item.suite, item.model, world, engine=item.engine, backend=backend,
+                                   out_dir=out / item.slug)
         except BadInput as exc:  # a path whose package is missing, a corrupt baseline file, ...
-            # A planned run that judged nothing is a failure of the nightly, never a silent skip.
             reason = str(exc)
             write_text(out / item.slug / "results.json", json.dumps(
                 {"suite": item.suite, "engine": item.engine, "model": item.model, "world_size": world,
@@ -74,13 +85,16 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             say(f"   nothing judged: {reason}")
             continue
         print(report.format_run(run), flush=True)
-        report.write_results(run, out / item.slug)
         passed &= run.passed
         rows.append([item.suite, item.model, item.engine, run.verdict.upper() if not run.passed else "pass",
                      f"{run.wall_s:.0f}s", report.count_outcomes(run.outcomes())])
+        if run.interrupted is not None:  # the finished runs and this one's finished cases are kept
+            stop = run.interrupted
+            rows += [[it.suite, it.model, it.engine, "NOT RUN", "-", f"nightly {stop}"] for it in items[i:]]
+            break
     written = write_report(out)
     print("\nnightly summary:")
     print(fmt_table(["suite", "model", "engine", "verdict", "wall", "cases"], rows))
     print(f"report: {written['markdown']} (junit: {written['junit']}); "
-          f"{format_clock(time.monotonic() - t0)} in all")
-    return 0 if passed else 1
+          f"{format_clock(time.monotonic() - t0)} in all" + (f"; INTERRUPTED ({stop})" if stop else ""))
+    return stop.exit_code if stop else 0 if passed else 1

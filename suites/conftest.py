@@ -17,6 +17,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--baselines-dir", default="baselines", help="baseline files (<platform>/<suite>.json)")
     g.addoption("--update-baselines", action="store_true", help="record baselines instead of comparing")
     g.addoption("--fresh-ranks", action="store_true", help="new rank processes per case (no warm pool)")
+    g.addoption("--min-effect", type=float, default=None,
+                help="step-perf: smallest slowdown that fails, as a fraction (default: the suite's, 10%% on CPU)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -61,6 +63,8 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
     def run(name, engine: str | None = None, label: str | None = None):
         engine = engine or harness_opts["engine"]
         common = dict(engine=engine, backend=harness_opts["backend"], baselines_dir=baselines_dir)
+        if c.getoption("--min-effect") is not None and hasattr(get_suite(name), "min_effect"):
+            common["suite_params"] = {"min_effect": c.getoption("--min-effect")}
         try:
             if c.getoption("--update-baselines") and hasattr(get_suite(name), "samples"):
                 from harness.baselines import record_suite

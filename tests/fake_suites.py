@@ -123,3 +123,19 @@ class ForgetsACase(Mixed):
 
     def check(self, results):
         return super().check(results[:2])
+
+
+class Sleepy(Mixed):
+    """Eight passing cases of about a second each: time to interrupt a run between cases."""
+
+    name = "sleepy"
+
+    def cases(self, model, world_size, layouts, *, engine, backend, options):
+        from harness.spec import Case, CaseOptions, Layout
+
+        return [Case("tests.fake_suites:Sleepy", model, Layout(dp=world_size), engine,
+                     CaseOptions(seed=100 * i + PASS), backend, 60.0) for i in range(8)]
+
+    def rank_work(self, case, ctx) -> dict[str, Any]:
+        time.sleep(1.0)
+        return super().rank_work(case, ctx)

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 ALPHA = 0.01  # one-sided significance level of the Mann-Whitney U test
 CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 2000
-MIN_EFFECT = {"cpu": 0.10, "gpu": 0.05}  # smallest slowdown that fails, as a fraction of the baseline median
+# Smallest slowdown that fails, as a fraction of the baseline median. Against stored samples the unit of
+# noise is the run, not the step: steps of one run are correlated, so the U test is significant for 1-3%
+# shifts, and what separates a regression from noise is the run-to-run drift. Measured on 4 CPU ranks of a
+# 2-core machine, 10 consecutive reruns of the step-perf default matrix against its baseline: per-case
+# median ratios 0.92-1.14 (sd of log ratio 0.014-0.054); at 10% one run in 10 false-alarmed (x1.141),
+# hence 15% on CPU. Interleaved A/B runs (harness compare) cancel the drift: MIN_EFFECT_INTERLEAVED.
+MIN_EFFECT = {"cpu": 0.15, "gpu": 0.05}
+MIN_EFFECT_INTERLEAVED = {"cpu": 0.05, "gpu": 0.03}
 
 
 @dataclass(frozen=True)

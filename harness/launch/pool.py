@@ -79,15 +79,16 @@ class RankPool:
             shutil.rmtree(case_dir, ignore_errors=True)
         return result
 
-    def close(self, keep_dir: bool = False) -> None:
-        for p in self.procs:
+    def close(self, keep_dir: bool = False, kill: bool = False) -> None:
+        """Ask the ranks to exit (kill: at once, e.g. mid-case on an interrupt), then kill what is left."""
+        for p in self.procs if not kill else ():
             try:
                 p.stdin.write(b"exit\n")
                 p.stdin.close()
             except (BrokenPipeError, OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 5
-        for p in self.procs:
+        deadline = time.monotonic() + (0 if kill else 5)
+        for p in self.procs if not kill else ():
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -110,9 +111,9 @@ def pool_for(world_size: int, backend: str) -> RankPool:
     return _POOLS[key]
 
 
-def close_all() -> None:
+def close_all(kill: bool = False) -> None:
     for pool in _POOLS.values():
-        pool.close()
+        pool.close(kill=kill)
     _POOLS.clear()
 
 

@@ -4,9 +4,7 @@ results directories as Markdown, JUnit XML and PNG plots (report/files.py, junit
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -134,7 +132,10 @@ def format_run(run: SuiteRun) -> str:
     out.append("")
     out.append(f"{run.suite.name}: {n_pass} checks passed, {len(run.checks) - n_pass} failed "
                f"({len(run.results)} cases, {run.wall_s:.1f}s): {count_outcomes(outcomes)}")
-    if run.verdict == "nothing judged":
+    if run.interrupted is not None:
+        out.append(f"{run.suite.name}: INTERRUPTED ({run.interrupted}) after {len(run.results)} of {run.planned} "
+                   f"cases: the finished cases are judged above and kept in results.json (exit {run.exit_code})")
+    elif run.verdict == "nothing judged":
         out.append(f"{run.suite.name}: NOTHING JUDGED - no check ran (every case skipped or none planned); "
                    f"this is not a pass (exit {run.exit_code})")
     return "\n".join(out)
@@ -174,6 +175,8 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
         "backend": run.backend, "platform": detect_platform(run.backend).key, "versions": versions(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
         "passed": run.passed, "verdict": run.verdict, "adjustments": run_adjustments(run),
+        "judged": run.judged, "interrupted": str(run.interrupted) if run.interrupted else None,
+        "cases_planned": run.planned,
         "cases": [
             {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
              "status": r.status, "outcome": o.outcome, "reason": o.reason, "error": r.error,
@@ -193,10 +196,8 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
 
 def write_results(run: SuiteRun, out_dir: Path) -> Path:
     """DIR/results.json, written atomically."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from harness.report.files import write_text
+
     path = out_dir / "results.json"
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".results.", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(to_json(run), f, indent=2, default=str)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(to_json(run), indent=2, default=str))
     return path

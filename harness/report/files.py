@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -33,13 +34,24 @@ class RunFile:
         return f"{d['suite']}-{d['engine']}-{d['model']}-ws{d['world_size']}".replace(":", "-").replace("/", "-")
 
     @property
+    def partial(self) -> str:
+        """Why the file holds fewer cases or verdicts than planned ('' when it is whole)."""
+        d = self.data
+        if d.get("interrupted"):
+            return f"interrupted ({d['interrupted']}) after {len(d['cases'])} of {d.get('cases_planned', '?')} cases"
+        if d.get("judged") is False:
+            return (f"written while the run was going ({len(d['cases'])} of {d.get('cases_planned', '?')} cases "
+                    f"measured, not judged): the run ended without finishing")
+        return ""
+
+    @property
     def nothing_judged(self) -> str:
         """Why nothing was judged in this run ('' when something was): no check ran, or the run was
         refused (nightly records a BadInput that way)."""
         d = self.data
         if d.get("nothing_judged"):
             return d["nothing_judged"]
-        if d.get("verdict") == "nothing judged" or (not d["checks"] and not d["cases"]):
+        if d.get("verdict") == "nothing judged" or (not d["checks"] and not d["cases"] and not self.partial):
             return "no check ran: every case was skipped or none was planned"
         return ""
 
@@ -68,13 +80,32 @@ def load_runs(directory: Path) -> list[RunFile]:
     return runs
 
 
+def prepare_out_dir(path: Path, flag: str = "--out") -> Path:
+    """Create the directory and show it writable, before anything runs; BadInput naming the flag otherwise.
+    A directory this call created is removed again when it is not writable."""
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".harness-write-test-"):
+            pass
+    except OSError as exc:
+        if created and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        raise BadInput(f"{flag} {path}: cannot write there ({exc.strerror or exc}); give a writable directory") from None
+    return path
+
+
 def write_text(path: Path, text: str) -> None:
     """Atomic write: a report file is either the old one or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:  # an interrupt mid-write leaves the old file and no temporary one
+        os.unlink(tmp)
+        raise
 
 
 def summary_json(runs: list[RunFile], plots: dict[str, list[Path]]) -> dict[str, Any]:
@@ -112,6 +143,8 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
                      + " | ".join(str(n[k]) for k in OUTCOMES) + " |")
     for r in runs:
         lines += ["", f"## {r.title}", "", f"results: `{r.path}`", ""]
+        if r.partial:
+            lines += [f"**partial** (a failure): {_md_escape(r.partial)}", ""]
         if r.nothing_judged:
             lines += [f"**nothing judged** (a failure): {_md_escape(r.nothing_judged)}", ""]
         if not r.data["cases"]:

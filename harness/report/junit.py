@@ -16,8 +16,9 @@ def render(runs: list["RunFile"]) -> str:
     for run in runs:
         d = run.data
         n = run.counts()
-        # A run in which nothing was judged is a failure of its own (a testcase, so CI shows it).
-        unjudged_run = run.nothing_judged
+        # A run in which nothing was judged, or that ended early, is a failure of its own (a testcase, so
+        # CI shows it).
+        unjudged_run = run.nothing_judged or run.partial
         suite = ET.SubElement(root, "testsuite", name=run.title, tests=str(len(d["cases"]) + bool(unjudged_run)),
                               failures=str(n["regression"] + n["improvement"] + n["unjudged"] + bool(unjudged_run)),
                               errors=str(n["error"]),
@@ -45,8 +46,8 @@ def render(runs: list["RunFile"]) -> str:
             elif outcome == "skipped":
                 ET.SubElement(tc, "skipped", message=reason)
         if unjudged_run:
-            tc = ET.SubElement(suite, "testcase", classname=f"{d['suite']}.{d['engine']}.{d['model']}",
-                               name="nothing judged")
-            ET.SubElement(tc, "failure", message=unjudged_run, type="nothing-judged")
+            what = "partial" if run.partial else "nothing judged"
+            tc = ET.SubElement(suite, "testcase", classname=f"{d['suite']}.{d['engine']}.{d['model']}", name=what)
+            ET.SubElement(tc, "failure", message=unjudged_run, type=what.replace(" ", "-"))
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

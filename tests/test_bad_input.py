@@ -1,0 +1,106 @@
+"""Every bad input is refused before any rank starts: exit 2, one line naming the flag and the value (and
+the fix), no rank process spawned, nothing written."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import cli
+
+CORRUPT = "corrupt-baselines"  # a --baselines-dir whose ckpt-memory file is not JSON (made by the fixture)
+
+# (argv, a piece of the one-line message); {tmp} is the test's empty directory
+CASES = [
+    (["run", "--suite", "nope"], "unknown suite 'nope'"),
+    (["run", "--suite", "step-perff"], "unknown suite 'step-perff'"),
+    (["run", "--suite", "equivalence", "--model", "gpt5"], "unknown model 'gpt5'; known models: tiny"),
+    (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+    (["run", "--suite", "equivalence", "--layout", "tp3-pp1-cp1-dp1"], "layout tp3-pp1-cp1-dp1 is invalid for model tiny"),
+    (["run", "--suite", "equivalence", "--layout", "2x2"], "layout '2x2' is not of the form tpT-ppP-cpC-dpD"),
+    (["run", "--suite", "equivalence", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["run", "--suite", "equivalence", "--timeout", "-1"], "--timeout must be > 0 seconds, got -1.0"),
+    (["run", "--suite", "equivalence", "--seed", "-3"], "--seed must be >= 0, got -3"),
+    (["run", "--suite", "equivalence", "--shuffle", "-1"], "--shuffle takes a seed >= 0, got -1"),
+    (["run", "--suite", "equivalence", "--engine", "nosuch_pkg.engine:make"],
+     "engine 'nosuch_pkg.engine:make': cannot import 'nosuch_pkg'"),
+    (["run", "--suite", "equivalence", "--engine", "megatron"], "unknown engine 'megatron'; built-in engines: mcore"),
+    (["run", "--suite", "equivalence", "--engine", "harness.engines.mcore:NoSuchEngine"],
+     "engine 'harness.engines.mcore:NoSuchEngine': module 'harness.engines.mcore' has no attribute 'NoSuchEngine'"),
+    (["run", "--suite", "equivalence", "--backend", "nccl"], "backend nccl needs one GPU per rank: world size 4"),
+    (["run", "--suite", "equivalence", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write there"),
+    (["run", "--suite", "equivalence", "--out", "{tmp}/a-file"], "--out {tmp}/a-file: cannot write there"),
+    (["run", "--suite", "step-perf", "--timed-steps", "2"], "--timed-steps must be >= 3 (the statistics need samples), got 2"),
+    (["run", "--suite", "step-perf", "--min-effect", "0"], "--min-effect is a fraction of the baseline median"),
+    (["run", "--suite", "equivalence", "--timed-steps", "5"], "--timed-steps does not apply to the equivalence suite"),
+    (["run", "--suite", "equivalence", "--ckpt-format", "dp_reshardable"],
+     "--ckpt-format applies to the ckpt-memory suite, not 'equivalence'"),
+    (["run", "--suite", "ckpt-memory", "--ckpt-format", "nope"], "unknown checkpoint format(s) ['nope']"),
+    (["run", "--suite", "grad-sync", "--async-save"], "--async-save applies to the ckpt-memory suite, not 'grad-sync'"),
+    (["run", "--suite", "ckpt-memory", "--baselines-dir", "{tmp}/" + CORRUPT],
+     "baseline file {tmp}/" + CORRUPT + "/cpu-gloo/ckpt-memory.json is corrupt"),
+    (["baselines", "record", "--suite", "ckpt-memory", "--repeats", "2"], "--repeats must be >= 3"),
+    (["baselines", "check", "--suite", "equivalence"], "suite 'equivalence' has no baselines"),
+    (["baselines", "check", "--suite", "step-perf", "--baselines-dir", "{tmp}/" + CORRUPT + "-sp"],
+     "baseline file {tmp}/" + CORRUPT + "-sp/cpu-gloo/step-perf.json is corrupt"),
+    (["layouts", "--world-size", "7", "--model", "tiny"],
+     "no layout of world size 7 is valid for model tiny (pure DP tp1-pp1-cp1-dp7: global_batch_size=8 not "
+     "divisible by micro_batch_size*dp=7)"),
+    (["layouts", "--world-size", "0", "--model", "tiny"], "--world-size must be >= 1, got 0"),
+    (["project-memory", "--model", "70b", "--layout", "tp8-pp2-cp1-dp16", "--format", "nope"],
+     "--format 'nope': no memory model for it; known: dp_reshardable"),
+    (["project-memory", "--model", "70b", "--layout", "tp8-pp2-cp1-dp16", "--ranks-per-node", "0"],
+     "--ranks-per-node must be >= 1, got 0"),
+    (["nightly", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write there"),
+    (["nightly", "--out", "{tmp}/n", "--suite", "nope"], "unknown suite(s) ['nope']"),
+    (["nightly", "--out", "{tmp}/n", "--world-size", "-2"], "--world-size must be >= 1, got -2"),
+    (["report", "{tmp}"], "no results.json under {tmp}"),
+    (["bisect", "--suite", "equivalence", "--metric", "fail", "--max", "abc"], "--max 'abc': give a number"),
+    (["bisect", "--suite", "equivalence", "--metric", "fail", "--repo", "{tmp}", "--good", "a", "--bad", "b"],
+     "--repo {tmp}: not a git checkout"),
+    (["bisect", "--suite", "equivalence", "--metric", "fail", "--steps", "0", "--megatron-core", "0.16.0", "0.16.1"],
+     "--steps must be >= 1, got 0"),
+    (["compare", "--layout", "tp1-pp1-cp1-dp4"], "give two engines (--engine A --engine B)"),
+    (["compare", "--engine", "mcore", "--engine", "mcore", "--rounds", "1"], "--rounds must be >= 2"),
+    (["compare", "--engine", "mcore", "--engine", "nosuch_pkg.engine:make"], "cannot import 'nosuch_pkg'"),
+    (["compare", "--suite", "equivalence", "--engine", "a", "--engine", "b"], "compare judges step times: --suite step-perf"),
+    (["compare", "--engine", "mcore", "--engine", "mcore", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write"),
+]
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    """An empty directory (plus the corrupt baseline files the cases name) and spawning forbidden."""
+    for sub, suite in ((CORRUPT, "ckpt-memory"), (CORRUPT + "-sp", "step-perf")):
+        (tmp_path / sub / "cpu-gloo").mkdir(parents=True)
+        (tmp_path / sub / "cpu-gloo" / f"{suite}.json").write_text("{ not json")
+    (tmp_path / "a-file").write_text("")
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank process was started for bad input")
+
+    monkeypatch.setattr("harness.launch.runner._spawn", no_rank)
+    monkeypatch.setattr("harness.launch.pool._spawn", no_rank)
+    monkeypatch.setattr("harness.bisect.version_env", no_rank)
+    return tmp_path
+
+
+def _listing(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_refused_before_any_rank(sandbox, capsys, argv, message):
+    argv = [a.replace("{tmp}", str(sandbox)) for a in argv]
+    before = _listing(sandbox)
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("harness: error: "), err
+    assert message.replace("{tmp}", str(sandbox)) in lines[0], lines[0]
+    assert _listing(sandbox) == before  # nothing written, no directory left behind
+    assert not out.strip()  # nothing half-printed (project-memory's header, a table)
+
+
+def test_there_are_at_least_25_bad_inputs():
+    assert len(CASES) >= 25

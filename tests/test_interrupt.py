@@ -1,0 +1,97 @@
+"""An interrupted run keeps every result it measured: SIGTERM (CI's timeout or cancel) and Ctrl-C to the
+parent leave results.json with the finished cases, marked interrupted, no rank process behind, and exit
+143 / 130; `harness report` renders the partial file as a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes that carry the test's environment marker (the parent and every rank it spawned)."""
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("HARNESS_TEST_MARK") == mark and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _start(out: Path, mark: str) -> subprocess.Popen:
+    env = {**os.environ, "HARNESS_TEST_MARK": mark, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "--suite", "tests.fake_suites:Sleepy",
+                             "--world-size", "2", "--out", str(out)], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finished(out: Path) -> int:
+    try:
+        return len(json.loads((out / "results.json").read_text())["cases"])
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum,code,name", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGINT, 130, "SIGINT")])
+def test_interrupted_run_keeps_finished_cases(tmp_path, signum, code, name):
+    mark = uuid.uuid4().hex
+    proc = _start(tmp_path, mark)
+    deadline = time.monotonic() + 120
+    while _finished(tmp_path) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    finished = _finished(tmp_path)
+    assert finished >= 3, proc.communicate()[1][-2000:]
+    os.kill(proc.pid, signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err[-2000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["interrupted"] == name and data["verdict"] == "interrupted" and data["cases_planned"] == 8
+    assert finished <= len(data["cases"]) < 8  # every case finished before the signal is kept, judged
+    assert {c["outcome"] for c in data["cases"]} == {"pass"}
+    assert f"sleepy: INTERRUPTED ({name}) after {len(data['cases'])} of 8 cases" in out
+    assert f"(exit {code})" in out
+    time.sleep(0.5)
+    assert not _marked(mark), "rank processes outlived the interrupted run"
+    assert not list(tmp_path.glob(".results*"))  # no temporary file left by an interrupted write
+
+    from harness import cli
+
+    assert cli.main(["report", str(tmp_path)]) == 0
+    assert f"**partial** (a failure): interrupted ({name}) after {len(data['cases'])} of 8 cases" \
+        in (tmp_path / "report.md").read_text()
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert suite.findall("testcase")[-1].find("failure").get("type") == "partial"
+
+
+@pytest.mark.slow
+def test_results_are_written_as_the_run_goes(tmp_path):
+    """Before the end, results.json holds the measured cases (not yet judged), each written atomically."""
+    mark = uuid.uuid4().hex
+    proc = _start(tmp_path, mark)
+    try:
+        deadline = time.monotonic() + 120
+        while _finished(tmp_path) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        data = json.loads((tmp_path / "results.json").read_text())
+        assert data["judged"] is False and {c["outcome"] for c in data["cases"]} == {"pending"}
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # a parent killed outright: the ranks die with it
+        proc.communicate(timeout=60)
+    time.sleep(1.0)
+    assert not _marked(mark)
+    assert _finished(tmp_path) >= 2  # what was written before the kill is still there, whole
