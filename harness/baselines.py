@@ -201,7 +201,8 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     suite, backend = None, None
     for i in range(repeats):
         print(f"repeat {i + 1}/{repeats}", file=sys.stderr, flush=True)
-        run = run_suite(suite_name, model, world_size, layout_ids, baselines_dir=baselines_dir, **kwargs)
+        run = run_suite(suite_name, model, world_size, layout_ids, baselines_dir=baselines_dir,
+                        **kwargs).stop_if_interrupted()
         suite, backend = run.suite, run.backend
         failed = [r for r in run.results if not r.ok]
         if failed:

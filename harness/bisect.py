@@ -146,7 +146,7 @@ def run_step(args) -> StepResult:
     kwargs = _case_kwargs(args)
     plan(args.suite, args.model, args.world_size, args.layout, **kwargs)
     run = run_suite(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir,
-                    fresh_ranks=args.fresh_ranks, **kwargs)
+                    fresh_ranks=args.fresh_ranks, **kwargs).stop_if_interrupted()
     return judge_run(run, args.metric, threshold, args.error_is_bad)
 
 

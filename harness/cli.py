@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (Interrupted, KeyboardInterrupt) as exc:
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        print(f"harness: interrupted ({stop}) before any case finished; nothing was measured", file=sys.stderr)
+        print(f"harness: interrupted ({stop}); what was written before is kept", file=sys.stderr)
         return stop.exit_code
     finally:
         signal.signal(signal.SIGTERM, previous)

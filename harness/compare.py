@@ -43,12 +43,14 @@ class CaseSamples:
 
 
 def _in_process_round(side: Side, args, say) -> dict[str, CaseSamples]:
+    from harness.cli import _options
     from harness.driver import run_suite
     from harness.suites.step_perf import StepPerfSuite
 
     suite = StepPerfSuite(timed_steps=args.steps_per_round)
     run = run_suite(suite, args.model, args.world_size, args.layout, engine=side.engine, backend=args.backend,
-                    timeout_s=args.timeout, progress=say, baselines_dir=tempfile.mkdtemp(prefix="harness-compare-nb-"))
+                    options=_options(args), timeout_s=args.timeout, progress=say,
+                    baselines_dir=tempfile.mkdtemp(prefix="harness-compare-nb-")).stop_if_interrupted()
     out = {}
     for r in run.results:
         if not r.ok:

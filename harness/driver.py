@@ -106,6 +106,13 @@ class SuiteRun:
             return "pass"
         return "fail"
 
+    def stop_if_interrupted(self) -> "SuiteRun":
+        """Re-raise the interrupt this run was stopped by: for callers that run more than one suite run
+        (repeats, rounds, bisect steps), which must stop too."""
+        if self.interrupted is not None:
+            raise self.interrupted
+        return self
+
     @property
     def exit_code(self) -> int:
         if self.interrupted is not None:

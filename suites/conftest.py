@@ -75,6 +75,8 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
                                fresh_ranks=harness_opts["fresh_ranks"], **common)
         except MissingDependency as exc:
             pytest.skip(str(exc))
+        if result.interrupted is not None:
+            raise KeyboardInterrupt(str(result.interrupted))  # pytest stops the session
         publish(report.format_run(result))
         if harness_opts["results_dir"]:
             slug = label or (name if isinstance(name, str) else result.suite.name)

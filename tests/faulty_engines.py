@@ -244,3 +244,9 @@ class RecomputeOn(McoreEngine):
         import dataclasses
 
         super().__init__(dataclasses.replace(case, options=dataclasses.replace(case.options, recompute="full")), ctx)
+
+
+class MildStraggler(Straggler):
+    """The straggler at +15% of a step (harness compare's detection-power figure)."""
+
+    STRAGGLE = 0.15

@@ -95,3 +95,24 @@ def test_results_are_written_as_the_run_goes(tmp_path):
     time.sleep(1.0)
     assert not _marked(mark)
     assert _finished(tmp_path) >= 2  # what was written before the kill is still there, whole
+
+
+def test_loops_over_runs_stop_when_a_run_was_interrupted(monkeypatch, tmp_path):
+    """baselines record (repeats), compare (rounds), bisect-step: an interrupted run stops the loop."""
+    import signal as sig
+
+    from harness import baselines
+    from harness.driver import SuiteRun
+    from harness.errors import Interrupted
+    from harness.suites.equivalence import EquivalenceSuite
+
+    calls = []
+
+    def interrupted_run(*args, **kwargs):
+        calls.append(1)
+        return SuiteRun(EquivalenceSuite(), "tiny", 2, "gloo", "mcore", interrupted=Interrupted(sig.SIGTERM))
+
+    monkeypatch.setattr("harness.driver.run_suite", interrupted_run)
+    with pytest.raises(Interrupted):
+        baselines.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
+    assert calls == [1] and not list(tmp_path.rglob("*"))  # no second repeat, nothing recorded

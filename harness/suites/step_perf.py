@@ -133,11 +133,15 @@ class StepPerfSuite:
             layouts = [Layout.parse(i) for i in DEFAULT_LAYOUTS if Layout.parse(i).world_size == world_size] \
                 or [Layout(dp=world_size)]
         out = []
+        option_sets = self.option_sets
+        if option_sets is None and (options.use_distributed_optimizer or options.overlap_grad_reduce):
+            # --distributed-optimizer / --overlap-grad-reduce given: that option set only
+            option_sets = ((options.use_distributed_optimizer, options.overlap_grad_reduce),)
         for lay in layouts:
             validate(lay, model, world_size)
             pure_dp = (lay.tp, lay.pp, lay.cp) == (1, 1, 1)
-            for distopt, overlap in self.option_sets or OPTION_SETS:
-                if not explicit and self.option_sets is None and not pure_dp and not (distopt and overlap):
+            for distopt, overlap in option_sets or OPTION_SETS:
+                if not explicit and option_sets is None and not pure_dp and not (distopt and overlap):
                     continue
                 bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == "gloo" else None)
                 opts = dataclasses.replace(options, steps=self.timed_steps, warmup_steps=self.warmup_steps,
