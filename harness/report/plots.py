@@ -158,11 +158,19 @@ def collective_bytes(run: "RunFile", path: Path) -> Path | None:
         vals = [t.get(key, 0.0) for t in totals]
         ax.bar(range(len(cases)), vals, 0.7, bottom=bottom, label=key, color=colors(j % 20))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=70, ha="right", fontsize=7)
+    return _finish_per_case(plt, fig, ax, run, cases, path, "MiB moved, all ranks, all recorded steps",
+                            "collective bytes by group role / kind", rotation=70)
+
+
+def _finish_per_case(plt, fig, ax, run: "RunFile", cases: list[dict], path: Path, ylabel: str, title: str,
+                     rotation: int = 30, legend: bool = True) -> Path:
+    """Case labels on the x axis (red for cases that did not pass), labels, legend, grid; saved and closed."""
+    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=rotation, ha="right", fontsize=7)
     _mark_failed(ax, cases, _failed_cases(run))
-    ax.set_ylabel("MiB moved, all ranks, all recorded steps")
-    ax.set_title(f"{run.title}: collective bytes by group role / kind", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{run.title}: {title}", fontsize=9)
+    if legend:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -199,16 +207,8 @@ def step_phases(run: "RunFile", path: Path) -> Path | None:
             xs = [i + (r - (ranks - 1) / 2) * width for i in range(len(cases))]
             ax.bar(xs, vals, width * 0.9, bottom=bottom, color=colors(j), label=phase if r == 0 else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=30, ha="right", fontsize=7)
-    _mark_failed(ax, cases, _failed_cases(run))
-    ax.set_ylabel("median ms per step (one bar per rank)")
-    ax.set_title(f"{run.title}: step phases per rank", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish_per_case(plt, fig, ax, run, cases, path, "median ms per step (one bar per rank)",
+                            "step phases per rank")
 
 
 def step_times(run: "RunFile", path: Path) -> Path | None:
@@ -226,15 +226,8 @@ def step_times(run: "RunFile", path: Path) -> Path | None:
                        boxprops={"facecolor": "0.85"}, medianprops={"color": "black"}, showfliers=True)
         ax.boxplot([c["data"]["step_ms"]], positions=[i + 0.18], widths=0.3, patch_artist=True,
                    boxprops={"facecolor": "tab:blue", "alpha": 0.6}, medianprops={"color": "black"})
-    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=30, ha="right", fontsize=7)
-    _mark_failed(ax, cases, _failed_cases(run))
-    ax.set_ylabel("step time, ms (grey: baseline samples, blue: this run)")
-    ax.set_title(f"{run.title}: step times", fontsize=9)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish_per_case(plt, fig, ax, run, cases, path, "step time, ms (grey: baseline samples, blue: this run)",
+                            "step times", legend=False)
 
 
 PLOTS = {"peaks": ckpt_peaks, "save-timeline": ckpt_timelines, "collective-bytes": collective_bytes,
