@@ -165,8 +165,10 @@ def _bisect(args) -> int:
     Threshold(args.max)
     if args.repo and not Path(args.repo, ".git").exists():
         raise BadInput(f"--repo {args.repo}: not a git checkout (no .git there)")
-    # the selection is planned here too, so bad input is refused before any environment is built
-    plan(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir, **_case_kwargs(args))
+    # the selection is planned here too, so bad input is refused before any environment is built; the
+    # engine is imported in each candidate's environment (a --repo engine lives in the checkout), not here
+    plan(args.suite, args.model, args.world_size, args.layout, baselines_dir=args.baselines_dir,
+         **{**_case_kwargs(args), "engine": "mcore"})
 
     return bisect(args, lambda msg: print(msg, file=sys.stderr, flush=True))
 

@@ -106,6 +106,12 @@ class SuiteRun:
             return "pass"
         return "fail"
 
+    def judge(self) -> "SuiteRun":
+        """Run the suite's checks over the cases that ran (a skipped case has nothing to judge)."""
+        self.checks = self.suite.check([r for r in self.results if not r.skipped])
+        self.judged = True
+        return self
+
     def stop_if_interrupted(self) -> "SuiteRun":
         """Re-raise the interrupt this run was stopped by: for callers that run more than one suite run
         (repeats, rounds, bisect steps), which must stop too."""
@@ -231,8 +237,7 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
         run.interrupted = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         say(f"interrupted ({run.interrupted}) after {len(results)} of {n} cases; judging the finished ones")
     run.results = [results[i] for i in sorted(results)]
-    run.checks = suite.check([r for r in run.results if not r.skipped])
-    run.judged = True
+    run.judge()
     run.wall_s = time.monotonic() - t0
     shutil.rmtree(run_dir, ignore_errors=True)
     if out_dir is not None:

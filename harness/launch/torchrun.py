@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     base = RankContext(rank, world, local_rank, backend, Path(os.environ.get("TMPDIR", "/tmp")))
     init_distributed(base, max(c.timeout_s for c in cases))
     results_group = dist.new_group(backend="gloo")  # results travel as objects, on the CPU
-    run = SuiteRun(suite, args.model, world, backend, args.engine)
+    run = SuiteRun(suite, args.model, world, backend, args.engine, planned=len(cases))
     t_run = time.monotonic()
     for case in cases:
         t_case = time.monotonic()
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{len(run.results)}/{len(cases)}] {case.id} {run.results[-1].status}", file=sys.stderr, flush=True)
     code = 0
     if rank == 0:
-        run.checks = suite.check(run.results)
+        run.judge()
         run.wall_s = time.monotonic() - t_run
         print(report.format_run(run))
         if args.out:
