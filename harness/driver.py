@@ -205,8 +205,8 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     if baselines_dir is not None:
         suite.baselines_dir = baselines_dir
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend, engine,
-                   planned=len(cases))
+    run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend,
+                   cases[0].engine if cases else engine, planned=len(cases))  # a suite may pick its own engine
     t0 = time.monotonic()
     run_dir = new_run_dir()
     cases = [dataclasses.replace(c, run_dir=str(run_dir)) for c in cases]

@@ -119,6 +119,9 @@ class CaseOptions:
     seqlens: tuple[int, ...] = field(default=(), metadata={"in_id": False})
     cp_mode: str = ""
     max_seqlen_per_dp_cp_rank: int | None = None
+    # peft-ckpt suite: megatron-bridge's LoRA on every linear (rank `lora_dim`, scaling alpha / dim); 0 = off
+    lora_dim: int = 0
+    lora_alpha: int = 0
 
     def short(self) -> str:
         """Non-default options as a compact id fragment."""

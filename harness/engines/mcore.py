@@ -211,6 +211,8 @@ class McoreEngine:
             for name, p in self.global_names(chunk).items():
                 if p.dim() < 2:
                     continue  # norms keep their deterministic ones / zeros
+                if name.endswith(".adapter.linear_out.weight"):
+                    continue  # LoRA's B starts at zero: the adapted model starts as the base model
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 full_shape = list(p.shape)
                 if dim is not None:
@@ -221,8 +223,11 @@ class McoreEngine:
                 p.copy_(full)
 
     def tp_parts(self, name: str) -> int:
-        """SwiGLU fc1 holds [gate; up], each block sharded over TP separately."""
-        return 2 if self.case.model.swiglu and name.endswith("mlp.linear_fc1.weight") else 1
+        """SwiGLU fc1 holds [gate; up], each block sharded over TP separately - and so do the weights
+        that act on its output: a LoRA-wrapped fc1 (`.to_wrap.`) and its adapter's B (`linear_out`)."""
+        fc1_out = name.replace(".to_wrap.", ".").endswith("mlp.linear_fc1.weight") \
+            or name.endswith("mlp.linear_fc1.adapter.linear_out.weight")
+        return 2 if self.case.model.swiglu and fc1_out else 1
 
     # -- steps --------------------------------------------------------------------------------
     # Steps whose per-token log-probs are captured (StepOutput.token_logprobs): the first step's forward
@@ -251,6 +256,13 @@ class McoreEngine:
         return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
     def train_step(self, step: int) -> StepOutput:
+        return self._run_batch(step, forward_only=False, capture=step in self.logprob_steps)
+
+    def eval_step(self, step: int) -> StepOutput:
+        """Forward only on the batch of `step` (no update), capturing every token's log-prob."""
+        return self._run_batch(step, forward_only=True, capture=True)
+
+    def _run_batch(self, step: int, forward_only: bool, capture: bool) -> StepOutput:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -260,7 +272,7 @@ class McoreEngine:
             from megatron.core.utils import get_batch_on_this_cp_rank
 
             mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
-        self._captured = [] if step in self.logprob_steps else None
+        self._captured = [] if capture else None
         if self._captured is not None:
             # Where each local token sits in the global batch, by the harness's own arithmetic (DP slice,
             # zigzag CP chunks) - not read back from megatron's split, which is under test. Added after
@@ -272,17 +284,20 @@ class McoreEngine:
                 mb["samples"] = torch.arange(first, first + mb["tokens"].shape[0])
                 mb["positions"] = positions
         iters = [iter(mbs) for _ in self.models]
-        for m in self.models:
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        losses = get_forward_backward_func()(
-            forward_step_func=self.forward_step,
-            data_iterator=iters if len(iters) > 1 else iters[0],
-            model=self.models if len(self.models) > 1 else self.models[0],
-            num_microbatches=len(mbs), seq_length=self.case.model.seq_length,
-            micro_batch_size=self.case.micro_batch_size, forward_only=False,
-        )
-        self.optimizer.step()
+        if not forward_only:
+            for m in self.models:
+                m.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            losses = get_forward_backward_func()(
+                forward_step_func=self.forward_step,
+                data_iterator=iters if len(iters) > 1 else iters[0],
+                model=self.models if len(self.models) > 1 else self.models[0],
+                num_microbatches=len(mbs), seq_length=self.case.model.seq_length,
+                micro_batch_size=self.case.micro_batch_size, forward_only=forward_only,
+            )
+        if not forward_only:
+            self.optimizer.step()
         captured, self._captured = self._captured, None
         if not losses:
             return StepOutput(None, None, captured)

@@ -29,12 +29,17 @@ import contextlib
 import importlib.util
 import sys
 import types
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from harness.engines.lora import MEGATRON_TARGETS, PEFT_PREFIX, adapter_config, write_adapter_dir
 from harness.engines.mbridge import hf_llama_config
 from harness.engines.mcore import _DTYPES, McoreEngine, layer_spec
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import MissingDependency
+
+if TYPE_CHECKING:
+    import torch
 
 INSTALL = "pip install --no-deps megatron-bridge==0.3.1 && pip install -c constraints-cpu.txt -e .[bridge]"
 # import name -> distribution: what this engine imports (megatron-bridge's metadata pins CUDA-only
@@ -168,6 +173,7 @@ def _note_stubs() -> None:
 # -- the engine ---------------------------------------------------------------------------------
 class MegatronBridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
+    peft = None  # megatron-bridge's LoRA when the case asks for adapters
     check_available = staticmethod(check_available)
 
     def bridge_ddp_config(self) -> dict[str, Any]:
@@ -202,7 +208,22 @@ class MegatronBridgeEngine(McoreEngine):
         for name, value in fields.items():
             setattr(provider, name, value)
 
+    def lora(self):
+        """megatron-bridge's LoRA on every linear for a case with lora_dim (None: no adapters)."""
+        o = self.case.options
+        if not o.lora_dim:
+            return None
+        _cpu_peft_flags()
+        from megatron.bridge.peft.lora import LoRA
+
+        return LoRA(target_modules=list(MEGATRON_TARGETS), dim=o.lora_dim, alpha=o.lora_alpha or o.lora_dim,
+                    dropout=0.0)
+
     def _reinit_chunks(self, chunks: list) -> list:
+        # LoRA first (it freezes the base weights and wraps every target linear), then every weight from
+        # its global name: base weights and A equal on every layout, B zero
+        if self.peft is not None:
+            chunks = self.peft(chunks, training=True)
         for chunk in chunks:
             self.reinit(chunk)
         return chunks
@@ -213,7 +234,9 @@ class MegatronBridgeEngine(McoreEngine):
         from megatron.core.distributed import DistributedDataParallelConfig
 
         self.setup_parallel()
-        provider = AutoBridge.from_hf_config(hf_llama_config(self.case)).to_megatron_provider(load_weights=False)
+        self.peft = self.lora()
+        self.bridge = AutoBridge.from_hf_config(hf_llama_config(self.case))
+        provider = self.bridge.to_megatron_provider(load_weights=False)
         self.configure_provider(provider)
         provider.finalize()
         self.config = provider  # GPTModelProvider is the TransformerConfig its models are built with
@@ -224,3 +247,68 @@ class MegatronBridgeEngine(McoreEngine):
         )
         self.optimizer = self.make_optimizer(self.models, self.case.options.use_distributed_optimizer)
         self._wire_config()
+
+    # -- LoRA adapters in HF PEFT format ------------------------------------------------------
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """Every adapter tensor under its PEFT key, on every rank (collective: the bridge gathers over
+        TP and broadcasts over PP)."""
+        return {PEFT_PREFIX + name: t for name, t in
+                self.bridge.export_adapter_weights(self.models, cpu=True, show_progress=False)}
+
+    def adapter_config(self, tensors: dict[str, torch.Tensor]) -> dict:
+        """adapter_config.json for the configured LoRA; target modules named by the exported tensors."""
+        modules = sorted({key.split(".")[-3] for key in tensors})
+        return adapter_config(self.peft.dim, self.peft.alpha, modules, self.peft.dropout)
+
+    def export_peft_adapter(self, path: str) -> None:
+        """The adapter as an HF PEFT directory (collective; rank 0 writes): the bridge's own writer where
+        it has one (AutoBridge.save_hf_adapter), else its adapter export written by the harness."""
+        import torch.distributed as dist
+
+        save = getattr(self.bridge, "save_hf_adapter", None)
+        if save is not None:
+            save(self.models, path, self.peft)
+            return
+        tensors = self.adapter_tensors()
+        if dist.get_rank() == 0:
+            write_adapter_dir(Path(path), tensors, self.adapter_config(tensors))
+
+    def hf_base_state_dict(self, workdir: Path) -> dict[str, torch.Tensor]:
+        """The base (frozen) weights under HF names, on every rank (collective), without the adapters.
+        A config-only bridge plans the conversion from a saved HF model of the same shape."""
+        import torch.distributed as dist
+        from transformers import LlamaForCausalLM
+
+        hf_dir = workdir / "hf-shape"
+        if dist.get_rank() == 0:
+            LlamaForCausalLM(hf_llama_config(self.case)).save_pretrained(str(hf_dir))
+        dist.barrier()
+        tasks = self.bridge.get_conversion_tasks(self.models, hf_path=str(hf_dir))
+        return {name.replace(".base_layer.", "."): t.clone() for name, t in
+                self.bridge.export_hf_weights(self.models, cpu=True, show_progress=False, conversion_tasks=tasks,
+                                              merge_adapter_weights=False)}
+
+
+def _cpu_peft_flags() -> None:
+    """Without Transformer Engine megatron-core defines its TE layer classes as placeholders, so the
+    bridge's PEFT modules find them importable, set HAVE_TE and call isinstance() with a non-type
+    (TypeError). Their TE flags follow megatron-core's own (CPU ranks only)."""
+    from megatron.core.extensions import transformer_engine as mcore_te
+
+    if getattr(mcore_te, "HAVE_TE", True):
+        return
+    import importlib
+
+    for name in ("megatron.bridge.peft.utils", "megatron.bridge.peft.module_matcher"):
+        module = importlib.import_module(name)
+        for flag in [f for f, v in vars(module).items() if f.startswith("HAVE_TE") and v is True]:
+            setattr(module, flag, False)
+            _peft_flags_changed.add(flag)
+    if _peft_flags_changed:  # every case of a warm rank says so, not only the first
+        from harness.adjustments import note
+
+        note("megatron.bridge PEFT: Transformer Engine flags False as megatron-core's "
+             "(placeholder TE classes made them True): " + ", ".join(sorted(_peft_flags_changed)))
+
+
+_peft_flags_changed: set[str] = set()

@@ -20,6 +20,7 @@ SUITES = {
     "ckpt-memory": "harness.suites.ckpt_memory:CkptMemorySuite",
     "dynamic-cp": "harness.suites.dynamic_cp:DynamicCPSuite",
     "step-perf": "harness.suites.step_perf:StepPerfSuite",
+    "peft-ckpt": "harness.suites.peft_ckpt:PeftCkptSuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 

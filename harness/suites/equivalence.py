@@ -32,10 +32,10 @@ REPLICA_ATOL = 0.0
 EQUIVALENCE_ADAM_EPS = 1e-6
 
 
-def first_step_logprobs(result: CaseResult) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(log-probs [global batch, seq], how many ranks reported each token) of the first step, assembled
-    from the last-stage, TP-rank-0 ranks in the original token order (NaN where none did); None when
-    the engine captured none."""
+def first_step_logprobs(result: CaseResult, key: str = "steps") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log-probs [global batch, seq], how many ranks reported each token) of the first step in the ranks'
+    `key` list, assembled from the last-stage, TP-rank-0 ranks in the original token order (NaN where
+    none did); None when the engine captured none."""
     gbs, seq = result.case.global_batch_size, result.case.model.seq_length
     values = torch.full((gbs, seq), float("nan"), dtype=torch.float64)
     counts = torch.zeros((gbs, seq), dtype=torch.long)
@@ -43,7 +43,7 @@ def first_step_logprobs(result: CaseResult) -> tuple[torch.Tensor, torch.Tensor]
         c = r.data.get("coords", {})
         if not c.get("last_stage") or c.get("tp") != 0:
             continue
-        steps = r.data.get("steps", [])
+        steps = r.data.get(key, [])
         if not steps or steps[0].token_logprobs is None:
             return None
         for part in steps[0].token_logprobs:

@@ -1,0 +1,83 @@
+"""LoRA adapters in Hugging Face PEFT format: what a directory holds, written from HF-named tensors.
+
+An HF PEFT LoRA directory is `adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules, ...)
+and `adapter_model.safetensors`, whose keys are `base_model.model.<HF module>.lora_{A,B}.weight`.
+Megatron's fused linears map to several HF modules: linear_qkv -> q/k/v_proj, linear_fc1 ->
+gate/up_proj (SwiGLU), linear_proj -> o_proj, linear_fc2 -> down_proj.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+              "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+PEFT_PREFIX = "base_model.model."
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def hf_target_modules(targets: tuple[str, ...] = MEGATRON_TARGETS, swiglu: bool = True) -> list[str]:
+    """The HF module names LoRA on these megatron linears adapts (fc1 is up_proj alone without SwiGLU)."""
+    out = []
+    for t in targets:
+        out += HF_MODULES[t] if (t != "linear_fc1" or swiglu) else ("up_proj",)
+    return sorted(out)
+
+
+def adapter_config(dim: int, alpha: int, target_modules: list[str], dropout: float = 0.0,
+                   base_model: str = "") -> dict:
+    """adapter_config.json of a plain LoRA adapter (PEFT's LoraConfig fields that decide the math)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": dim, "lora_alpha": alpha,
+            "lora_dropout": dropout, "target_modules": sorted(target_modules), "bias": "none",
+            "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "inference_mode": True,
+            "base_model_name_or_path": base_model}
+
+
+def write_adapter_dir(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Write the directory whole or not at all: files go to a temporary sibling renamed into place."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        seen: set[int] = set()
+        own = {}
+        for k, v in tensors.items():  # a fused linear's single A is exported once per HF module: one copy each
+            v = v.contiguous()
+            own[k] = v.clone() if v.data_ptr() in seen else v
+            seen.add(v.data_ptr())
+        save_file(own, str(tmp / WEIGHTS_FILE))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def read_adapter_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, tensors) of an adapter directory."""
+    from safetensors.torch import load_file
+
+    return json.loads((path / CONFIG_FILE).read_text()), load_file(str(path / WEIGHTS_FILE))
+
+
+def adapter_values(model, dim: int, targets: tuple[str, ...] = MEGATRON_TARGETS) -> int:
+    """Values an adapter holds: per layer and target, A [dim, in] + B [out, dim] of the HF modules it maps to
+    (the fused qkv / fc1 adapter's single A is written once per HF module, as PEFT needs it)."""
+    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_channels * model.num_query_groups
+    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+              "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    per_layer = sum(dim * (i + o) for name, (i, o) in shapes.items()
+                    if name in hf_target_modules(targets, model.swiglu))
+    return model.num_layers * per_layer

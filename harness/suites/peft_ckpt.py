@@ -1,0 +1,320 @@
+"""`peft-ckpt` (regression R4): LoRA adapters exported in Hugging Face PEFT format load in PEFT and
+reproduce the Megatron model at every layout.
+
+Each case trains LoRA adapters (megatron-bridge's LoRA on every linear; base weights frozen) for a few
+steps at its layout, takes the per-token log-probs of a held-out batch from the Megatron model, and
+exports the adapter as an HF PEFT directory (the engine's `export_peft_adapter`, host peak measured per
+rank). Rank 0 then loads it the way a user would - `PeftModel.from_pretrained` over a
+`LlamaForCausalLM` holding the same base weights (the bridge's HF export of the frozen weights) - and
+computes the same log-probs with the adapter on and off. The parent judges:
+
+- valid: PEFT loads it with no missing and no unexpected adapter key, and adapter_config.json holds
+  the configured r, lora_alpha, dropout and target modules;
+- logprobs: HF + PEFT equals the Megatron model token by token, and the adapter is not a no-op;
+- export: the adapter exported at every layout equals the pure-DP export, tensor by tensor;
+- memory: the export's host peak per rank stays within adapter-sized memory (an export that gathers or
+  merges the whole model needs model-sized memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+from harness.checks import CheckResult
+from harness.checks.numeric import beyond, fmt_err, severity, within
+from harness.engines.lora import CONFIG_FILE, hf_target_modules, read_adapter_dir
+from harness.errors import MissingDependency
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.layouts import validate
+from harness.probes.memory import MIB, artifacts_dir, measure
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
+
+INSTALL = "pip install peft (the peft-ckpt suite loads the exported adapter with it)"
+LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp2-pp2-cp1-dp1")
+LORA_DIM, LORA_ALPHA = 8, 16  # scaling alpha / r = 2: an alpha written as r (scaling 1) changes the output
+STEPS = 2
+EVAL_STEP = 1_000_003  # the held-out batch: a step index no training step uses
+# fp32 on CPU: HF and Megatron differ by reduction order (~1e-7); a wrong slice moves tokens by >= 1e-3
+LOGPROB_RTOL = 1e-5
+EXPORT_RTOL = 1e-5
+# after STEPS steps of Adam at lr 1e-3 the adapter moves log-probs by ~1e-3 (measured); a no-op adapter
+# (B still zero, scaling 0, adapters dropped) moves them by 0
+NOOP_MIN = 1e-4
+# export host peak per rank: every adapter tensor once on every rank (the bridge gathers them), once
+# more in rank 0's serialised safetensors buffer, plus the conversion's fixed cost
+EXPORT_COPIES = 3
+EXPORT_FIXED = 2 * MIB
+
+
+def adapter_dir(case: Case) -> Path:
+    """Where a case's adapter is exported: in the run's directory (outside any case's workdir)."""
+    sub = f"peft/{case.engine}/{case.model.name}/{case.layout.id}".replace(":", "_")
+    root = Path(case.run_dir) if case.run_dir else artifacts_dir(case.id)
+    return root / sub / "adapter"
+
+
+def export_bound(model: ModelSpec, dim: int) -> int:
+    from harness.engines.lora import adapter_values
+
+    return EXPORT_COPIES * 4 * adapter_values(model, dim) + EXPORT_FIXED
+
+
+def _require_peft():
+    try:
+        import peft
+    except ImportError:
+        raise MissingDependency(f"the peft-ckpt suite needs peft: {INSTALL}") from None
+    return peft
+
+
+def label_logprobs(logits, tokens):
+    """[batch, seq] log-prob of each next token, in float64."""
+    import torch
+
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return lp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def hf_side(case: Case, path: Path, base: dict) -> dict[str, Any]:
+    """Rank 0: the adapter loaded the way a user loads it, and the held-out batch through it."""
+    import peft
+    import torch
+    from peft.utils import set_peft_model_state_dict
+    from transformers import LlamaForCausalLM
+
+    from harness.engines import data
+    from harness.engines.mbridge import hf_llama_config
+
+    config, tensors = read_adapter_dir(path)
+    out: dict[str, Any] = {"config": config, "tensors": {k: v.float().clone() for k, v in tensors.items()},
+                           "peft_version": peft.__version__}
+    model = LlamaForCausalLM(hf_llama_config(case)).float().eval()
+    res = model.load_state_dict(base, strict=False)
+    out["base_missing"] = [k for k in res.missing_keys if k != "lm_head.weight" or not case.model.tie_embeddings]
+    out["base_unexpected"] = list(res.unexpected_keys)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the missing keys are judged below, from the load result
+            pm = peft.PeftModel.from_pretrained(model, str(path)).eval()
+        loaded = set_peft_model_state_dict(pm, tensors)
+    except Exception as exc:  # a directory PEFT refuses is the finding, not a crash of the case
+        out["load_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        return out
+    out["missing"] = [k for k in loaded.missing_keys if "lora_" in k]
+    out["unexpected"] = list(loaded.unexpected_keys)
+    tokens = data.global_batch(case, EVAL_STEP)
+    with torch.no_grad():
+        out["logprobs"] = label_logprobs(pm(input_ids=tokens[:, :-1]).logits, tokens)
+        with pm.disable_adapter():
+            out["logprobs_disabled"] = label_logprobs(pm(input_ids=tokens[:, :-1]).logits, tokens)
+    return out
+
+
+class PeftCkptSuite:
+    name = "peft-ckpt"
+    default_model = "small"  # big enough that a whole-model export is far above the adapter's memory
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "transformers", "peft")
+
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
+        if not result.ok:
+            return {}
+        peaks = [r.data["export"].host_peak / MIB for r in result.ranks]
+        return {"export_host_peak_mib": [round(p, 3) for p in peaks]}
+
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+        """Pure DP first (the export the others are compared with), then the layouts with TP and PP."""
+        if engine == "mcore":  # megatron-core alone has no LoRA / PEFT export: the bridge's path is the default
+            engine = "megatron-bridge"
+        options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps,
+                                      lora_dim=options.lora_dim or LORA_DIM, lora_alpha=options.lora_alpha or LORA_ALPHA)
+        if options.adam_eps == CaseOptions.adam_eps:
+            from harness.suites.equivalence import EQUIVALENCE_ADAM_EPS
+
+            options = dataclasses.replace(options, adam_eps=EQUIVALENCE_ADAM_EPS)
+        reference = Layout(dp=world_size)
+        if layouts is None:
+            layouts = [Layout.parse(x) for x in LAYOUTS if Layout.parse(x).world_size == world_size]
+        for lay in [reference, *layouts]:
+            validate(lay, model, world_size)
+            if options.lora_dim % lay.tp:
+                from harness.errors import BadInput
+
+                raise BadInput(f"layout {lay.id}: the LoRA rank {options.lora_dim} must be divisible by TP {lay.tp} "
+                               "(A of a column-parallel linear is split over TP along r)")
+        ordered = [reference] + [lay for lay in layouts if lay != reference]
+        return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]
+
+    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+        import os
+
+        import torch.distributed as dist
+
+        from harness.engines import make_engine
+        from harness.suites import layout_coords
+
+        _require_peft()
+        engine = make_engine(case, ctx)
+        if not hasattr(engine, "export_peft_adapter"):
+            raise TypeError(f"engine {case.engine!r} has no export_peft_adapter(path): the peft-ckpt suite needs an "
+                            "engine that trains LoRA adapters and exports them (built-in: megatron-bridge)")
+        with ctx.phase("build"):
+            engine.build()
+        steps = []
+        for step in range(case.options.steps):
+            with ctx.phase("steps"):
+                steps.append(engine.train_step(step))
+        with ctx.phase("eval"):
+            held_out = engine.eval_step(EVAL_STEP)
+        path = adapter_dir(case)
+        dist.barrier()
+        with ctx.phase("export"), measure("export", artifacts_dir(case.id), ctx.rank, device=not ctx.on_cpu) as peak:
+            engine.export_peft_adapter(str(path))
+        if peak.capture and os.path.exists(peak.capture):
+            os.unlink(peak.capture)  # the peak is read; the flamegraph of an adapter export is not kept
+        dist.barrier()
+        with ctx.phase("reference"):
+            base = engine.hf_base_state_dict(ctx.workdir)  # collective: every rank takes part
+            hf = hf_side(case, path, base) if ctx.rank == 0 else None
+        return {"coords": layout_coords(), "steps": steps, "eval": [held_out], "export": peak, "hf": hf}
+
+    # -- judges ---------------------------------------------------------------------------------
+    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+        if not results:
+            return []
+        ref = results[0]
+        ref_hf = _hf(ref) if ref.ok else None
+        out: list[CheckResult] = []
+        for res in results:
+            cid = res.case.id
+            if not res.ok:
+                out.append(CheckResult("peft-ckpt.run", cid, False, res.error.splitlines()[0] if res.error else "failed",
+                                       res.error.splitlines()[1:]))
+                continue
+            hf = _hf(res)
+            out.append(self._check_valid(res, hf))
+            out.append(self._check_logprobs(res, hf))
+            out.append(self._check_memory(res))
+            if res is not ref:
+                out.append(self._check_export(res, hf, ref, ref_hf))
+        return out
+
+    @staticmethod
+    def _check_valid(res: CaseResult, hf: dict) -> CheckResult:
+        cid, lay, o = res.case.id, res.case.layout.id, res.case.options
+        name = "peft-ckpt.valid"
+        if "load_error" in hf:
+            return CheckResult(name, cid, False, f"{lay}: PEFT refused the exported adapter: {hf['load_error']}")
+        cfg = hf["config"]
+        want = {"peft_type": "LORA", "r": o.lora_dim, "lora_alpha": o.lora_alpha, "lora_dropout": 0.0,
+                "target_modules": hf_target_modules(swiglu=res.case.model.swiglu)}
+        got = {k: sorted(cfg.get(k)) if k == "target_modules" and isinstance(cfg.get(k), list) else cfg.get(k)
+               for k in want}
+        problems = [f"{CONFIG_FILE} {k} = {got[k]!r}, configured {want[k]!r}" for k in want if got[k] != want[k]]
+        if hf["missing"]:
+            problems.append(f"{len(hf['missing'])} adapter keys PEFT expects are missing, first {hf['missing'][0]}")
+        if hf["unexpected"]:
+            problems.append(f"{len(hf['unexpected'])} keys PEFT does not expect, first {hf['unexpected'][0]}")
+        if hf["base_missing"] or hf["base_unexpected"]:
+            problems.append(f"base weights do not fit LlamaForCausalLM (missing {hf['base_missing'][:3]}, "
+                            f"unexpected {hf['base_unexpected'][:3]})")
+        if problems:
+            return CheckResult(name, cid, False, f"{lay}: " + "; ".join(problems[:2]),
+                               [f"  {p}" for p in problems])
+        return CheckResult(name, cid, True, f"{lay}: PEFT {hf['peft_version']} loads {len(hf['tensors'])} adapter "
+                                            f"tensors, no missing or unexpected key; r={o.lora_dim}, "
+                                            f"lora_alpha={o.lora_alpha}, {len(want['target_modules'])} target modules")
+
+    @staticmethod
+    def _check_logprobs(res: CaseResult, hf: dict) -> CheckResult:
+        from harness.suites.equivalence import _ranges, first_step_logprobs
+
+        cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.logprobs"
+        if "load_error" in hf:
+            return CheckResult(name, cid, False, f"{lay}: not computed: PEFT refused the adapter")
+        got = first_step_logprobs(res, key="eval")
+        if got is None:
+            return CheckResult(name, cid, False, f"{lay}: the engine captured no log-probs of the held-out batch")
+        megatron, counts = got
+        if (counts != 1).any():
+            return CheckResult(name, cid, False, f"{lay}: {int((counts != 1).sum())} held-out tokens were computed by "
+                                                 "no rank or by several")
+        peft_lp, off = hf["logprobs"], hf["logprobs_disabled"]
+        scale = float(megatron.abs().max()) or 1.0
+        err = (peft_lp - megatron).abs() / scale
+        effect = float(((peft_lp - off).abs() / scale).max())
+        bad = ~(err <= LOGPROB_RTOL)
+        worst = float(err.nan_to_num(float("inf")).max())
+        if bad.any():
+            sample = int(bad.any(dim=1).nonzero()[0])
+            where = bad[sample].nonzero().flatten().tolist()
+            return CheckResult(name, cid, False,
+                               f"{lay}: HF + PEFT log-probs differ from the Megatron model at {int(bad.sum())}/"
+                               f"{err.numel()} held-out tokens (worst rel {fmt_err(worst)} > {LOGPROB_RTOL:.0e}); "
+                               f"first: sample {sample}, positions {_ranges(where)}", value=worst)
+        if not effect > NOOP_MIN:
+            return CheckResult(name, cid, False,
+                               f"{lay}: the adapter is a no-op in PEFT: disabling it moves the log-probs by "
+                               f"{fmt_err(effect)} (<= {NOOP_MIN:.0e}) after {res.case.options.steps} steps",
+                               value=effect)
+        return CheckResult(name, cid, True,
+                           f"{lay}: HF + PEFT log-probs of {err.numel()} held-out tokens equal the Megatron model's, "
+                           f"worst rel {worst:.2e} <= {LOGPROB_RTOL:.0e}; the adapter moves them by {effect:.2e}",
+                           value=worst)
+
+    @staticmethod
+    def _check_export(res: CaseResult, hf: dict, ref: CaseResult, ref_hf: dict | None) -> CheckResult:
+        from harness.checks.tensors import rel_error
+
+        cid, lay, rlay, name = res.case.id, res.case.layout.id, ref.case.layout.id, "peft-ckpt.export"
+        if ref_hf is None:
+            return CheckResult(name, cid, False, f"reference {rlay} did not run")
+        got, want = hf["tensors"], ref_hf["tensors"]
+        if set(got) != set(want):
+            extra, lost = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+            return CheckResult(name, cid, False, f"{lay}: the export names other tensors than {rlay}'s: "
+                                                 f"{len(extra)} extra (first {extra[:1]}), {len(lost)} absent (first {lost[:1]})")
+        shapes = [k for k in want if got[k].shape != want[k].shape]
+        if shapes:
+            k = shapes[0]
+            return CheckResult(name, cid, False, f"{lay}: {len(shapes)} tensors have other shapes than {rlay}'s; "
+                                                 f"{k}: {tuple(got[k].shape)} vs {tuple(want[k].shape)}")
+        errs = {k: rel_error(got[k], want[k]) for k in want}
+        bad = sorted((k for k in errs if beyond(errs[k], EXPORT_RTOL)), key=lambda k: -severity(errs[k]))
+        worst = max(errs, key=lambda k: severity(errs[k]))
+        if bad:
+            return CheckResult(name, cid, False,
+                               f"{lay}: {len(bad)}/{len(errs)} exported adapter tensors differ from {rlay}'s; worst "
+                               f"{bad[0]}: rel {fmt_err(errs[bad[0]])} > {EXPORT_RTOL:.0e}",
+                               [f"  {k}: rel {fmt_err(errs[k])}" for k in bad], value=errs[bad[0]])
+        return CheckResult(name, cid, True, f"{lay}: {len(errs)} exported adapter tensors equal {rlay}'s; worst "
+                                            f"{worst} rel {errs[worst]:.2e} <= {EXPORT_RTOL:.0e}", value=errs[worst])
+
+    @staticmethod
+    def _check_memory(res: CaseResult) -> CheckResult:
+        from harness.engines.lora import adapter_values
+
+        cid, lay, m, o = res.case.id, res.case.layout.id, res.case.model, res.case.options
+        name = "peft-ckpt.memory"
+        bound = export_bound(m, o.lora_dim)
+        adapter = 4 * adapter_values(m, o.lora_dim)
+        peaks = {r.rank: r.data["export"].host_peak for r in res.ranks}
+        worst = max(peaks, key=lambda r: peaks[r])
+        rows = [f"  rank {r}: {p / MIB:.2f} MiB" for r, p in sorted(peaks.items())]
+        why = (f"adapter {adapter / MIB:.2f} MiB x {EXPORT_COPIES} + {EXPORT_FIXED / MIB:.0f} MiB fixed; "
+               f"the whole model is {4 * m.num_params() / MIB:.1f} MiB")
+        if within(peaks[worst], bound):
+            return CheckResult(name, cid, True, f"{lay}: export host peak {peaks[worst] / MIB:.2f} MiB (rank {worst}) "
+                                                f"<= {bound / MIB:.2f} MiB ({why})", rows, value=peaks[worst] / MIB)
+        return CheckResult(name, cid, False,
+                           f"{lay}: the adapter export peaked at {peaks[worst] / MIB:.2f} MiB of host memory on rank "
+                           f"{worst} > {bound / MIB:.2f} MiB ({why}): it gathers or merges more than the adapters",
+                           rows, value=peaks[worst] / MIB)
+
+
+def _hf(result: CaseResult) -> dict:
+    return next(r.data["hf"] for r in result.ranks if r.rank == 0)
