@@ -13,6 +13,8 @@ CORRUPT = "corrupt-baselines"  # a --baselines-dir whose ckpt-memory file is not
 CASES = [
     (["run", "--suite", "nope"], "unknown suite 'nope'"),
     (["run", "--suite", "step-perff"], "unknown suite 'step-perff'"),
+    (["run", "--suite", "peft-ckpt", "--engine", "fsdp2"],
+     "engine 'fsdp2' has no export_peft_adapter(path): the peft-ckpt suite needs an engine that trains LoRA adapters"),
     (["run", "--suite", "equivalence", "--model", "gpt5"], "unknown model 'gpt5'; known models: tiny"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
     (["run", "--suite", "equivalence", "--layout", "tp3-pp1-cp1-dp1"], "layout tp3-pp1-cp1-dp1 is invalid for model tiny"),

@@ -81,3 +81,32 @@ def adapter_values(model, dim: int, targets: tuple[str, ...] = MEGATRON_TARGETS)
     per_layer = sum(dim * (i + o) for name, (i, o) in shapes.items()
                     if name in hf_target_modules(targets, model.swiglu))
     return model.num_layers * per_layer
+
+
+def expected_hf_adapter(params: dict[str, "torch.Tensor"], model) -> dict[str, "torch.Tensor"]:
+    """The PEFT tensors an export of these Megatron adapter parameters must hold, by the harness's own
+    arithmetic (not the bridge's): full (TP-assembled) `decoder.layers.N.<linear>.adapter.linear_{in,out}.weight`
+    -> `base_model.model.model.layers.N.<module>.lora_{A,B}.weight`. A fused linear's A is every split
+    module's A; fused qkv B rows are per query group [q heads of the group; k; v]; fc1 B is [gate; up]."""
+    out = {}
+    d, groups = model.kv_channels, model.num_query_groups
+    heads_per_group = model.num_attention_heads // groups
+    for name, t in params.items():
+        parts = name.split(".")
+        if ".adapter." not in name or parts[0] != "decoder":
+            continue
+        layer, linear, which = int(parts[2]), parts[4], parts[-2]
+        hf = f"{PEFT_PREFIX}model.layers.{layer}.{'self_attn' if linear in ('linear_qkv', 'linear_proj') else 'mlp'}."
+        lora = "lora_A" if which == "linear_in" else "lora_B"
+        if linear == "linear_qkv" and which == "linear_out":
+            g = t.reshape(groups, heads_per_group + 2, d, t.shape[-1])
+            split = {"q_proj": g[:, :heads_per_group], "k_proj": g[:, heads_per_group], "v_proj": g[:, heads_per_group + 1]}
+            for module, rows in split.items():
+                out[f"{hf}{module}.{lora}.weight"] = rows.reshape(-1, t.shape[-1])
+        elif linear == "linear_fc1" and which == "linear_out" and model.swiglu:
+            gate, up = t.chunk(2, dim=0)
+            out[f"{hf}gate_proj.{lora}.weight"], out[f"{hf}up_proj.{lora}.weight"] = gate, up
+        else:
+            for module in (HF_MODULES[linear] if (linear != "linear_fc1" or model.swiglu) else ("up_proj",)):
+                out[f"{hf}{module}.{lora}.weight"] = t
+    return out

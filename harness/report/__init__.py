@@ -18,7 +18,7 @@ TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "
 
 def versions() -> dict[str, str]:
     out = {}
-    for dist in ("torch", "megatron-core", "transformer-engine", "megatron-bridge", "mbridge"):
+    for dist in ("torch", "megatron-core", "transformer-engine", "megatron-bridge", "mbridge", "transformers", "peft"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

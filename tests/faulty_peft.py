@@ -1,0 +1,99 @@
+"""PEFT adapter exports with planted regressions (--engine tests.faulty_peft:...), for the peft-ckpt suite."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from harness.engines.megatron_bridge import MegatronBridgeEngine
+
+
+@contextlib.contextmanager
+def _patched(name: str, replacement):
+    """Replace a method of megatron-bridge's PEFT conversion mixin for one export (warm ranks run later
+    cases with the original)."""
+    from megatron.bridge.models.conversion.peft_bridge import MegatronPeftBridge
+
+    original = getattr(MegatronPeftBridge, name)
+    setattr(MegatronPeftBridge, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(MegatronPeftBridge, name, original)
+
+
+class QkvSplitIgnoresGroups(MegatronBridgeEngine):
+    """The fused qkv adapter's B is split as contiguous [q; k; v] rows, ignoring megatron's per-query-group
+    interleave (GQA)."""
+
+    def export_peft_adapter(self, path: str) -> None:
+        import torch
+
+        def split(bridge, megatron_model, linear_out_weight):
+            cfg = (megatron_model[0] if isinstance(megatron_model, list) else megatron_model).config
+            q = cfg.num_attention_heads * cfg.kv_channels
+            kv = cfg.num_query_groups * cfg.kv_channels
+            q_out, k_out, v_out = torch.split(linear_out_weight, [q, kv, kv], dim=0)
+            return {"q_proj": q_out, "k_proj": k_out, "v_proj": v_out}
+
+        with _patched("_split_qkv_linear_out_weight", split):
+            super().export_peft_adapter(path)
+
+
+class Fc1NoDeinterleave(MegatronBridgeEngine):
+    """The fused fc1 adapter's B is cut in two halves as at TP1, so at TP2 each 'gate' holds a TP rank's
+    [gate; up] block."""
+
+    def export_peft_adapter(self, path: str) -> None:
+        import torch
+
+        def split(bridge, linear_out_weight, *, is_expert):
+            return torch.chunk(linear_out_weight, 2, dim=0)
+
+        with _patched("_split_fused_fc1_linear_out_weight", split):
+            super().export_peft_adapter(path)
+
+
+class AlphaWrittenAsRank(MegatronBridgeEngine):
+    """adapter_config.json says lora_alpha = r: PEFT scales the adapter by 1 instead of alpha / r."""
+
+    def adapter_config(self, tensors):
+        return {**super().adapter_config(tensors), "lora_alpha": self.peft.dim}
+
+
+class TargetModuleDropped(MegatronBridgeEngine):
+    """v_proj is left out of target_modules while its tensors are written."""
+
+    def adapter_config(self, tensors):
+        cfg = super().adapter_config(tensors)
+        return {**cfg, "target_modules": [m for m in cfg["target_modules"] if m != "v_proj"]}
+
+
+class MergedExport(MegatronBridgeEngine):
+    """Exports the adapters merged into the base weights: the whole model gathered on every rank and
+    written as the adapter file next to the adapter tensors."""
+
+    def export_peft_adapter(self, path: str) -> None:
+        import torch.distributed as dist
+
+        from harness.engines.lora import PEFT_PREFIX, write_adapter_dir
+
+        merged = {PEFT_PREFIX + name: t.clone() for name, t in self.bridge.export_hf_weights(
+            self.models, cpu=True, show_progress=False, conversion_tasks=self._tasks(), merge_adapter_weights=True)}
+        tensors = {**self.adapter_tensors(), **merged}
+        if dist.get_rank() == 0:
+            write_adapter_dir(Path(path), tensors, self.adapter_config(self.adapter_tensors()))
+
+    def _tasks(self):
+        import tempfile
+
+        import torch.distributed as dist
+        from transformers import LlamaForCausalLM
+
+        from harness.engines.mbridge import hf_llama_config
+
+        hf_dir = Path(tempfile.gettempdir()) / f"merged-export-shape-{self.case.model.name}"
+        if dist.get_rank() == 0:
+            LlamaForCausalLM(hf_llama_config(self.case)).save_pretrained(str(hf_dir))
+        dist.barrier()
+        return self.bridge.get_conversion_tasks(self.models, hf_path=str(hf_dir))

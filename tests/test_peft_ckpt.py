@@ -1,0 +1,105 @@
+"""peft-ckpt (R4): the LoRA adapter exported in HF PEFT format passes every check on CPU ranks, and each
+planted export regression fails naming the tensor or config field."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from harness.driver import run_suite
+from harness.engines.lora import adapter_values, expected_hf_adapter, hf_target_modules
+from harness.models import load_model
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None or importlib.util.find_spec("megatron.bridge") is None,
+                                reason="peft-ckpt needs peft and megatron-bridge: pip install peft")
+
+TP2 = ["tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1"]  # the pure-DP reference, then TP2 (fused splits, gathers)
+
+
+def _run(engine: str, model: str = "tiny", layouts=TP2):
+    world = 1 if layouts == ["tp1-pp1-cp1-dp1"] else 2
+    return run_suite("peft-ckpt", model, world, layouts, engine=engine)
+
+
+def _failed(run) -> dict[tuple[str, str], str]:
+    """(check, layout) -> message of every failed check."""
+    return {(c.check, c.case_id.split("/")[3].split("[")[0]): c.message for c in run.checks if not c.passed}
+
+
+# -- the harness's own arithmetic -----------------------------------------------------------------
+def test_expected_hf_names_split_fused_adapters_by_query_group():
+    m = load_model("tiny")  # 4 heads, 2 query groups, head dim 16
+    r, d = 2, m.kv_channels
+    qkv_b = torch.arange((m.num_attention_heads + 2 * m.num_query_groups) * d * r, dtype=torch.float).reshape(-1, r)
+    fc1_b = torch.arange(2 * m.ffn_hidden_size * r, dtype=torch.float).reshape(-1, r)
+    a = torch.ones(r, m.hidden_size)
+    out = expected_hf_adapter({"decoder.layers.1.self_attention.linear_qkv.adapter.linear_out.weight": qkv_b,
+                               "decoder.layers.1.self_attention.linear_qkv.adapter.linear_in.weight": a,
+                               "decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight": fc1_b}, m)
+    key = "base_model.model.model.layers.1.self_attn.{}.lora_{}.weight"
+    rows_per_group = (m.num_attention_heads // m.num_query_groups + 2) * d  # [q q k v] per group
+    q = out[key.format("q_proj", "B")]
+    assert q.shape == (m.num_attention_heads * d, r)
+    assert torch.equal(q[:2 * d], qkv_b[:2 * d]) and torch.equal(q[2 * d:], qkv_b[rows_per_group:rows_per_group + 2 * d])
+    assert torch.equal(out[key.format("k_proj", "B")][:d], qkv_b[2 * d:3 * d])
+    assert torch.equal(out[key.format("v_proj", "B")][d:], qkv_b[rows_per_group + 3 * d:rows_per_group + 4 * d])
+    assert all(torch.equal(out[key.format(p, "A")], a) for p in ("q_proj", "k_proj", "v_proj"))
+    gate = out["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"]
+    assert torch.equal(gate, fc1_b[:m.ffn_hidden_size])
+
+
+def test_adapter_size_model_counts_every_hf_module():
+    m = load_model("small")  # h 256, ffn 1024, kv 4 x 32
+    per_layer = 8 * ((256 + 256) * 2 + (256 + 128) * 2 + (256 + 1024) * 2 + (1024 + 256))
+    assert adapter_values(m, 8) == 4 * per_layer
+    assert hf_target_modules() == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+# -- on ranks -------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_export_passes_every_check_at_tp2():
+    run = _run("megatron-bridge")
+    assert run.passed, _failed(run)
+    names = {c.check for c in run.checks}
+    assert names == {"peft-ckpt.valid", "peft-ckpt.tensors", "peft-ckpt.logprobs", "peft-ckpt.memory", "peft-ckpt.export"}
+    assert len(run.checks) == 9  # 4 per case, plus the export comparison of the TP2 case
+
+
+@pytest.mark.slow
+def test_qkv_split_without_query_groups_is_named():
+    failed = _failed(_run("tests.faulty_peft:QkvSplitIgnoresGroups"))
+    for lay in TP2:
+        assert "self_attn.k_proj.lora_B.weight" in failed[("peft-ckpt.tensors", lay)] \
+            or "self_attn.q_proj.lora_B.weight" in failed[("peft-ckpt.tensors", lay)]
+        assert "HF + PEFT log-probs differ from the Megatron model" in failed[("peft-ckpt.logprobs", lay)]
+
+
+@pytest.mark.slow
+def test_fc1_without_tp_deinterleave_fails_at_tp2_only():
+    failed = _failed(_run("tests.faulty_peft:Fc1NoDeinterleave"))
+    assert not any(lay == TP2[0] for _, lay in failed), failed  # at TP1 halves are [gate; up]
+    msg = failed[("peft-ckpt.tensors", TP2[1])]
+    assert "mlp.gate_proj.lora_B.weight" in msg or "mlp.up_proj.lora_B.weight" in msg
+    assert "_proj.lora_B.weight" in failed[("peft-ckpt.export", TP2[1])]
+    assert ("peft-ckpt.logprobs", TP2[1]) in failed
+
+
+@pytest.mark.slow
+def test_alpha_written_as_rank_and_dropped_target_module_are_named():
+    failed = _failed(_run("tests.faulty_peft:AlphaWrittenAsRank", layouts=["tp1-pp1-cp1-dp1"]))
+    assert "adapter_config.json lora_alpha = 8, configured 16" in failed[("peft-ckpt.valid", "tp1-pp1-cp1-dp1")]
+    assert ("peft-ckpt.logprobs", "tp1-pp1-cp1-dp1") in failed
+    failed = _failed(_run("tests.faulty_peft:TargetModuleDropped", layouts=["tp1-pp1-cp1-dp1"]))
+    msg = failed[("peft-ckpt.valid", "tp1-pp1-cp1-dp1")]
+    assert "adapter_config.json target_modules" in msg and "v_proj" in msg and "PEFT does not expect" in msg
+
+
+@pytest.mark.slow
+def test_merged_export_fails_content_and_memory():
+    failed = _failed(_run("tests.faulty_peft:MergedExport", model="small", layouts=["tp1-pp1-cp1-dp1"]))
+    lay = "tp1-pp1-cp1-dp1"
+    assert "PEFT does not expect" in failed[("peft-ckpt.valid", lay)]
+    assert "tensors that are no adapter of the model" in failed[("peft-ckpt.tensors", lay)]
+    assert "gathers or merges more than the adapters" in failed[("peft-ckpt.memory", lay)]
