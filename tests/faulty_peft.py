@@ -97,3 +97,22 @@ class MergedExport(MegatronBridgeEngine):
             LlamaForCausalLM(hf_llama_config(self.case)).save_pretrained(str(hf_dir))
         dist.barrier()
         return self.bridge.get_conversion_tasks(self.models, hf_path=str(hf_dir))
+
+
+class LegacyKeysRenamed(MegatronBridgeEngine):
+    """A release renamed the adapter modules: its loads ask the adapter-only distributed checkpoint for
+    `...lora_adapter...` keys, which checkpoints saved before the rename do not hold."""
+
+    def load_adapter_checkpoint(self, ckpt_dir: str) -> None:
+        original = self._adapter_sharded_state_dict
+
+        def renamed():
+            sd = original()
+            for section in sd.values():
+                for value in section.values():
+                    if hasattr(value, "key"):
+                        value.key = value.key.replace(".adapter.", ".lora_adapter.")
+            return sd
+
+        self._adapter_sharded_state_dict = renamed
+        super().load_adapter_checkpoint(ckpt_dir)

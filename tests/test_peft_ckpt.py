@@ -63,8 +63,11 @@ def test_export_passes_every_check_at_tp2():
     run = _run("megatron-bridge")
     assert run.passed, _failed(run)
     names = {c.check for c in run.checks}
-    assert names == {"peft-ckpt.valid", "peft-ckpt.tensors", "peft-ckpt.logprobs", "peft-ckpt.memory", "peft-ckpt.export"}
-    assert len(run.checks) == 9  # 4 per case, plus the export comparison of the TP2 case
+    assert names == {"peft-ckpt.valid", "peft-ckpt.tensors", "peft-ckpt.logprobs", "peft-ckpt.memory", "peft-ckpt.export",
+                     "peft-ckpt.roundtrip", "peft-ckpt.legacy"}
+    assert len(run.checks) == 13  # 6 per case, plus the export comparison of the TP2 case
+    roundtrip = [c.message for c in run.checks if c.check == "peft-ckpt.roundtrip"]
+    assert "tp1-pp1-cp1-dp2 -> tp2-pp1-cp1-dp1: the exported HF PEFT adapter loads" in roundtrip[0]
 
 
 @pytest.mark.slow
@@ -103,3 +106,12 @@ def test_merged_export_fails_content_and_memory():
     assert "PEFT does not expect" in failed[("peft-ckpt.valid", lay)]
     assert "tensors that are no adapter of the model" in failed[("peft-ckpt.tensors", lay)]
     assert "gathers or merges more than the adapters" in failed[("peft-ckpt.memory", lay)]
+
+
+@pytest.mark.slow
+def test_old_adapter_checkpoint_that_no_longer_loads_is_named():
+    failed = _failed(_run("tests.faulty_peft:LegacyKeysRenamed", layouts=["tp1-pp1-cp1-dp1"]))
+    msg = failed[("peft-ckpt.legacy", "tp1-pp1-cp1-dp1")]
+    assert msg.startswith("tp1-pp1-cp1-dp1 -> tp1-pp1-cp1-dp1: the adapter-only distributed checkpoint was refused on rank 0")
+    assert "lora_adapter" in msg, msg
+    assert set(failed) == {("peft-ckpt.legacy", "tp1-pp1-cp1-dp1")}  # the HF PEFT export is unaffected

@@ -110,3 +110,46 @@ def expected_hf_adapter(params: dict[str, "torch.Tensor"], model) -> dict[str, "
             for module in (HF_MODULES[linear] if (linear != "linear_fc1" or model.swiglu) else ("up_proj",)):
                 out[f"{hf}{module}.{lora}.weight"] = t
     return out
+
+
+def megatron_adapter_from_hf(tensors: dict[str, "torch.Tensor"], model) -> dict[str, "torch.Tensor"]:
+    """The inverse of expected_hf_adapter: PEFT tensors -> full Megatron adapter parameters by global name.
+    A fused linear has one A, so its HF modules must share it; ValueError names the one that does not."""
+    import torch
+
+    d, groups = model.kv_channels, model.num_query_groups
+    heads_per_group = model.num_attention_heads // groups
+    out = {}
+
+    def get(layer: int, module: str, lora: str) -> "torch.Tensor":
+        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        key = f"{PEFT_PREFIX}model.layers.{layer}.{block}.{module}.{lora}.weight"
+        if key not in tensors:
+            raise ValueError(f"the adapter has no {key}")
+        return tensors[key]
+
+    def shared_a(layer: int, modules: tuple[str, ...]) -> "torch.Tensor":
+        a = get(layer, modules[0], "lora_A")
+        for m in modules[1:]:
+            if not torch.equal(get(layer, m, "lora_A"), a):
+                raise ValueError(f"layer {layer}: {m}.lora_A differs from {modules[0]}.lora_A, but Megatron's fused "
+                                 "linear has a single A")
+        return a
+
+    for layer in range(model.num_layers):
+        pre = f"decoder.layers.{layer}."
+        qkv = ("q_proj", "k_proj", "v_proj")
+        out[pre + "self_attention.linear_qkv.adapter.linear_in.weight"] = shared_a(layer, qkv)
+        q, k, v = (get(layer, m, "lora_B") for m in qkv)
+        r = q.shape[-1]
+        out[pre + "self_attention.linear_qkv.adapter.linear_out.weight"] = torch.cat(
+            [q.reshape(groups, heads_per_group, d, r), k.reshape(groups, 1, d, r), v.reshape(groups, 1, d, r)],
+            dim=1).reshape(-1, r)
+        out[pre + "self_attention.linear_proj.adapter.linear_in.weight"] = get(layer, "o_proj", "lora_A")
+        out[pre + "self_attention.linear_proj.adapter.linear_out.weight"] = get(layer, "o_proj", "lora_B")
+        fc1 = ("gate_proj", "up_proj") if model.swiglu else ("up_proj",)
+        out[pre + "mlp.linear_fc1.adapter.linear_in.weight"] = shared_a(layer, fc1)
+        out[pre + "mlp.linear_fc1.adapter.linear_out.weight"] = torch.cat([get(layer, m, "lora_B") for m in fc1])
+        out[pre + "mlp.linear_fc2.adapter.linear_in.weight"] = get(layer, "down_proj", "lora_A")
+        out[pre + "mlp.linear_fc2.adapter.linear_out.weight"] = get(layer, "down_proj", "lora_B")
+    return out

@@ -204,23 +204,36 @@ class McoreEngine:
 
     def reinit(self, chunk) -> None:
         """Overwrite every weight matrix from its global name so all layouts start equal."""
+        seed = self.case.options.seed
+        # norms keep their deterministic ones / zeros; LoRA's B starts at zero (the adapted model starts
+        # as the base model)
+        self.set_full(chunk, lambda name, shape: None if len(shape) < 2 or name.endswith(".adapter.linear_out.weight")
+                      else _full_init(name, shape, seed))
+
+    def set_full(self, chunk, full_value) -> list[str]:
+        """Copy full (TP-unsharded) values into this rank's shards: full_value(global name, full shape)
+        gives the tensor or None (left as it is). Returns the names it set."""
         from megatron.core import parallel_state as ps
 
         tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        done = []
         with torch.no_grad():
             for name, p in self.global_names(chunk).items():
-                if p.dim() < 2:
-                    continue  # norms keep their deterministic ones / zeros
-                if name.endswith(".adapter.linear_out.weight"):
-                    continue  # LoRA's B starts at zero: the adapted model starts as the base model
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 full_shape = list(p.shape)
                 if dim is not None:
                     full_shape[dim] *= tp
-                full = _full_init(name, tuple(full_shape), self.case.options.seed)
+                full = full_value(name, tuple(full_shape))
+                if full is None:
+                    continue
+                if tuple(full.shape) != tuple(full_shape):
+                    raise ValueError(f"{name}: a full value of shape {tuple(full.shape)} for a parameter of full "
+                                     f"shape {tuple(full_shape)}")
                 if dim is not None:
                     full = tp_shard(full, dim, tp, tp_rank, self.tp_parts(name))
                 p.copy_(full)
+                done.append(name)
+        return done
 
     def tp_parts(self, name: str) -> int:
         """SwiGLU fc1 holds [gate; up], each block sharded over TP separately - and so do the weights

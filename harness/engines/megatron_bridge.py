@@ -32,7 +32,8 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.engines.lora import MEGATRON_TARGETS, PEFT_PREFIX, adapter_config, write_adapter_dir
+from harness.engines.lora import (MEGATRON_TARGETS, PEFT_PREFIX, adapter_config, megatron_adapter_from_hf,
+                                  read_adapter_dir, write_adapter_dir)
 from harness.engines.mbridge import hf_llama_config
 from harness.engines.mcore import _DTYPES, McoreEngine, layer_spec
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
@@ -272,6 +273,44 @@ class MegatronBridgeEngine(McoreEngine):
         tensors = self.adapter_tensors()
         if dist.get_rank() == 0:
             write_adapter_dir(Path(path), tensors, self.adapter_config(tensors))
+
+    def load_peft_adapter(self, path: str) -> None:
+        """An HF PEFT directory into this model's adapters, at this layout. megatron-bridge 0.3.1 has no
+        import for HF adapters, so the harness maps them (lora.megatron_adapter_from_hf) and shards them."""
+        _, tensors = read_adapter_dir(Path(path))
+        full = megatron_adapter_from_hf(tensors, self.case.model)
+        done = set()
+        for m in self.models:
+            done.update(self.set_full(m.module, lambda name, shape: full.get(name)))
+        local = {n for m in self.models for n in self.global_names(m.module) if ".adapter." in n}
+        if local - done:
+            raise ValueError(f"the adapter set none of {sorted(local - done)[:3]}")
+
+    def _adapter_sharded_state_dict(self) -> dict:
+        """megatron's sharded state dict of the model, adapter entries only (megatron-bridge's PEFT
+        checkpoint filter: the private adapter-only distributed checkpoint that preceded HF PEFT export)."""
+        sd = {}
+        for i, m in enumerate(self.models):
+            full = m.module.sharded_state_dict()
+            sd["model" if len(self.models) == 1 else f"model{i}"] = {
+                k: v for k, v in full.items() if self.peft.adapter_key_filter(k)}
+        return sd
+
+    def save_adapter_checkpoint(self, ckpt_dir: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(self._adapter_sharded_state_dict(), ckpt_dir)
+
+    def load_adapter_checkpoint(self, ckpt_dir: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self._adapter_sharded_state_dict(), ckpt_dir)
+        for i, m in enumerate(self.models):
+            missing, unexpected = m.module.load_state_dict(state["model" if len(self.models) == 1 else f"model{i}"],
+                                                           strict=False)
+            missing = [k for k in missing if ".adapter." in k]
+            if missing or unexpected:
+                raise KeyError(f"adapter checkpoint: missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
 
     def hf_base_state_dict(self, workdir: Path) -> dict[str, torch.Tensor]:
         """The base (frozen) weights under HF names, on every rank (collective), without the adapters.
