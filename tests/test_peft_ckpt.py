@@ -115,3 +115,13 @@ def test_old_adapter_checkpoint_that_no_longer_loads_is_named():
     assert msg.startswith("tp1-pp1-cp1-dp1 -> tp1-pp1-cp1-dp1: the adapter-only distributed checkpoint was refused on rank 0")
     assert "lora_adapter" in msg, msg
     assert set(failed) == {("peft-ckpt.legacy", "tp1-pp1-cp1-dp1")}  # the HF PEFT export is unaffected
+
+
+def test_missing_peft_is_named_with_its_install_command_before_any_rank(monkeypatch):
+    from harness.driver import plan
+    from harness.errors import MissingDependency
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    with pytest.raises(MissingDependency, match="the peft-ckpt suite needs peft: pip install peft"):
+        plan("peft-ckpt", "tiny", 2, None)

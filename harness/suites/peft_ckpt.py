@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -256,7 +257,7 @@ class PeftCkptSuite:
     def _check_tensors(res: CaseResult, hf: dict) -> CheckResult:
         """Every exported tensor against the Megatron model's own adapter parameters, mapped to HF names by
         the harness's arithmetic: names the tensor a wrong split, de-interleave or gather produced."""
-        from harness.checks.tensors import assemble, rel_error
+        from harness.checks.tensors import assemble
         from harness.engines.lora import expected_hf_adapter
 
         cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.tensors"
@@ -264,19 +265,17 @@ class PeftCkptSuite:
         got = hf["tensors"]
         if not want:
             return CheckResult(name, cid, False, f"{lay}: the engine reported no adapter parameters (.adapter. names)")
-        lost, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        if lost or extra:
-            return CheckResult(name, cid, False, f"{lay}: the export holds {len(extra)} tensors that are no adapter "
-                                                 f"of the model (first {extra[:1]}) and lacks {len(lost)} (first {lost[:1]})",
-                               [f"  extra {k}" for k in extra[:20]] + [f"  absent {k}" for k in lost[:20]])
-        shapes = [k for k in want if got[k].shape != want[k].shape]
-        if shapes:
-            k = shapes[0]
+        diff = TensorDiff.of(got, want, EXPORT_COPY_RTOL)
+        if diff.extra or diff.lost:
+            return CheckResult(name, cid, False, f"{lay}: the export holds {len(diff.extra)} tensors that are no adapter "
+                                                 f"of the model (first {diff.extra[:1]}) and lacks {len(diff.lost)} "
+                                                 f"(first {diff.lost[:1]})",
+                               [f"  extra {k}" for k in diff.extra[:20]] + [f"  absent {k}" for k in diff.lost[:20]])
+        if diff.shapes:
+            k = diff.shapes[0]
             return CheckResult(name, cid, False, f"{lay}: {k} has shape {tuple(got[k].shape)}, the model's adapter "
-                                                 f"{tuple(want[k].shape)} ({len(shapes)} tensors differ in shape)")
-        errs = {k: rel_error(got[k], want[k]) for k in want}
-        bad = sorted((k for k in errs if beyond(errs[k], EXPORT_COPY_RTOL)), key=lambda k: -severity(errs[k]))
-        worst = max(errs, key=lambda k: severity(errs[k]))
+                                                 f"{tuple(want[k].shape)} ({len(diff.shapes)} tensors differ in shape)")
+        errs, bad, worst = diff.errs, diff.bad, diff.worst
         if bad:
             return CheckResult(name, cid, False,
                                f"{lay}: {len(bad)}/{len(errs)} exported tensors are not the model's adapter; worst "
@@ -367,24 +366,20 @@ class PeftCkptSuite:
 
     @staticmethod
     def _check_export(res: CaseResult, hf: dict, ref: CaseResult, ref_hf: dict | None) -> CheckResult:
-        from harness.checks.tensors import rel_error
-
         cid, lay, rlay, name = res.case.id, res.case.layout.id, ref.case.layout.id, "peft-ckpt.export"
         if ref_hf is None:
             return CheckResult(name, cid, False, f"reference {rlay} did not run")
         got, want = hf["tensors"], ref_hf["tensors"]
-        if set(got) != set(want):
-            extra, lost = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        diff = TensorDiff.of(got, want, EXPORT_RTOL)
+        if diff.extra or diff.lost:
             return CheckResult(name, cid, False, f"{lay}: the export names other tensors than {rlay}'s: "
-                                                 f"{len(extra)} extra (first {extra[:1]}), {len(lost)} absent (first {lost[:1]})")
-        shapes = [k for k in want if got[k].shape != want[k].shape]
-        if shapes:
-            k = shapes[0]
-            return CheckResult(name, cid, False, f"{lay}: {len(shapes)} tensors have other shapes than {rlay}'s; "
+                                                 f"{len(diff.extra)} extra (first {diff.extra[:1]}), {len(diff.lost)} "
+                                                 f"absent (first {diff.lost[:1]})")
+        if diff.shapes:
+            k = diff.shapes[0]
+            return CheckResult(name, cid, False, f"{lay}: {len(diff.shapes)} tensors have other shapes than {rlay}'s; "
                                                  f"{k}: {tuple(got[k].shape)} vs {tuple(want[k].shape)}")
-        errs = {k: rel_error(got[k], want[k]) for k in want}
-        bad = sorted((k for k in errs if beyond(errs[k], EXPORT_RTOL)), key=lambda k: -severity(errs[k]))
-        worst = max(errs, key=lambda k: severity(errs[k]))
+        errs, bad, worst = diff.errs, diff.bad, diff.worst
         if bad:
             return CheckResult(name, cid, False,
                                f"{lay}: {len(bad)}/{len(errs)} exported adapter tensors differ from {rlay}'s; worst "
@@ -418,6 +413,30 @@ class PeftCkptSuite:
                            f"{lay}: the adapter export peaked at {peaks[worst] / MIB:.2f} MiB of host memory on rank "
                            f"{worst} > {bound / MIB:.2f} MiB ({why}): it gathers or merges more than the adapters",
                            rows, value=peaks[worst] / MIB)
+
+
+@dataclass
+class TensorDiff:
+    """Two name -> tensor maps compared: names only one side has, shape mismatches, relative errors."""
+
+    extra: list[str]
+    lost: list[str]
+    shapes: list[str]
+    errs: dict[str, float]
+    bad: list[str]  # beyond the tolerance, worst first
+    worst: str | None
+
+    @classmethod
+    def of(cls, got: dict, want: dict, rtol: float) -> "TensorDiff":
+        from harness.checks.tensors import rel_error
+
+        extra, lost = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+        shapes = [k for k in want if k in got and got[k].shape != want[k].shape]
+        if extra or lost or shapes:
+            return cls(extra, lost, shapes, {}, [], None)
+        errs = {k: rel_error(got[k], want[k]) for k in want}
+        bad = sorted((k for k in errs if beyond(errs[k], rtol)), key=lambda k: -severity(errs[k]))
+        return cls([], [], [], errs, bad, max(errs, key=lambda k: severity(errs[k])) if errs else None)
 
 
 def roundtrip_layout(layout: Layout) -> Layout:
