@@ -78,7 +78,7 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
     from harness import baselines
     from harness.report import versions
 
-    vers = {k: v for k, v in versions().items() if k in ("torch", "megatron-core", "megatron-bridge", "mbridge")}
+    vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
     outcomes = run.outcomes()
     broken = [o for o in outcomes if o.outcome in ("error", "skipped")]
     if broken:
@@ -327,7 +327,10 @@ class GateRefused(BadInput):
         self.tried = tried
 
 
-def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: Terms = REGRESSION) -> str:
+def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: Terms = REGRESSION,
+                 package: str | None = None) -> str:
+    """package: the distribution bisected over (its version column; the candidate label where the step did
+    not report it), else megatron-core's."""
     from harness.report import fmt_table
 
     numeric = metric != "fail"
@@ -335,10 +338,11 @@ def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: 
     for t in sorted(tried, key=lambda t: t.index):
         r = t.result
         figures = ["-" if r.value is None else f"{r.value:.2f}", "-" if r.threshold is None else f"{r.threshold:.2f}"]
-        rows.append([t.label, t.role, r.versions.get("megatron-core", "?"), *(figures if numeric else []),
+        version = r.versions.get(package or "megatron-core") or (t.label if package else "?")
+        rows.append([t.label, t.role, version, *(figures if numeric else []),
                      terms.name(r.verdict) + (f" <- first {terms.new}" if t.index == first_bad else ""),
                      f"{t.wall_s:.0f}s", r.why if r.verdict == SKIP or r.value is None else ""])
-    header = ["candidate", "tried as", "megatron-core", *([metric, "threshold"] if numeric else []), "verdict", "wall", "note"]
+    header = ["candidate", "tried as", package or "megatron-core", *([metric, "threshold"] if numeric else []), "verdict", "wall", "note"]
     return fmt_table(header, rows)
 
 
@@ -382,19 +386,22 @@ def bisect(args, say: Callable[[str], None]) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="harness-bisect-"))
     worktree = None
     try:
-        if args.megatron_core:
-            versions = expand_versions(args.megatron_core, lambda: index_versions("megatron-core"))
+        package = getattr(args, "package_name", None) or ("megatron-core" if args.megatron_core else None)
+        if package:
+            versions = expand_versions(getattr(args, "versions", None) or args.megatron_core,
+                                       lambda: index_versions(package))
             labels = versions
 
             def judge(i: int) -> StepResult:
                 try:
-                    python = version_env("megatron-core", versions[i], cache)
+                    python = version_env(package, versions[i], cache)
                 except RuntimeError as exc:
                     return StepResult(SKIP, why=str(exc))
                 return run_in(python, args, [], workdir)
         else:
             if not (args.repo and args.good and args.bad):
-                raise BadInput("give --megatron-core VERSIONS, or --repo PATH with --good REV and --bad REV")
+                raise BadInput("give --package NAME VERSIONS (or --megatron-core VERSIONS), or --repo PATH with "
+                               "--good REV and --bad REV")
             repo = Path(args.repo).resolve()
             commits = commits_between(repo, *((args.bad, args.good) if args.find_fix else (args.good, args.bad)))
             labels = [f"{sha[:10]} {subject[:50]}" for sha, subject in commits]
@@ -411,9 +418,9 @@ def bisect(args, say: Callable[[str], None]) -> int:
         try:
             first, tried = search(labels, judge, say, terms)
         except GateRefused as exc:
-            print(format_table(exc.tried, args.metric, None, terms))
+            print(format_table(exc.tried, args.metric, None, terms, package))
             raise
-        print(format_table(tried, args.metric, first, terms))
+        print(format_table(tried, args.metric, first, terms, package))
         found = next(t.result for t in tried if t.index == first)
         before = [t for t in tried if t.index < first and t.result.verdict == GOOD]
         last_old = max(before, key=lambda t: t.index).index

@@ -90,7 +90,7 @@ def _run(args) -> int:
          **kwargs)  # all bad input -> exit 2 before any rank starts
     out = _out_dir(args.out)
     run = run_suite(args.suite, args.model, args.world_size, args.layout, fresh_ranks=args.fresh_ranks,
-                    shuffle_seed=args.shuffle, baselines_dir=args.baselines_dir, out_dir=out, **kwargs)
+                    shuffle_seed=args.shuffle, baselines_dir=args.baselines_dir, out_dir=out, label=args.label, **kwargs)
     print(report.format_run(run))
     if out:
         print(f"results: {out / 'results.json'}")
@@ -163,6 +163,12 @@ def _bisect(args) -> int:
     from harness.driver import plan
 
     Threshold(args.max)
+    if args.package and args.megatron_core:
+        raise BadInput("give --package NAME VERSIONS or --megatron-core VERSIONS, not both")
+    if args.package and len(args.package) < 2:
+        raise BadInput("--package takes the distribution then its versions, e.g. --package megatron-core 0.16.0..0.16.1")
+    args.package_name, args.versions = (args.package[0], args.package[1:]) if args.package else \
+        ("megatron-core", args.megatron_core) if args.megatron_core else (None, None)
     if args.repo and not Path(args.repo, ".git").exists():
         raise BadInput(f"--repo {args.repo}: not a git checkout (no .git there)")
     # the selection is planned here too, so bad input is refused before any environment is built; the
@@ -201,7 +207,53 @@ def _nightly(args) -> int:
     if args.world_size is not None and args.world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {args.world_size}")
     return run_nightly(Path(args.out), args.suite or list(SUITES), args.model, args.world_size, args.backend,
-                       args.engine, lambda msg: print(msg, file=sys.stderr, flush=True))
+                       args.engine, lambda msg: print(msg, file=sys.stderr, flush=True), label=args.label,
+                       history_db=Path(args.history_db) if args.history_db else None)
+
+
+def _history_db(args) -> Path:
+    from harness.history.store import DEFAULT_DB
+
+    return Path(args.db) if args.db else DEFAULT_DB
+
+
+def _history_ingest(args) -> int:
+    from harness.history import store
+
+    if not Path(args.dir).is_dir():
+        raise BadInput(f"{args.dir}: not a directory (give a --out directory of harness run / nightly)")
+    con = store.open_db(_history_db(args))
+    try:
+        added, known = store.ingest(con, Path(args.dir))
+        n = store.counts(con)
+    finally:
+        con.close()
+    print(f"{_history_db(args)}: {added} runs added, {known} already there; {n['runs']} runs, "
+          f"{n['figures']} figures in all")
+    return 0
+
+
+def _history_show(args) -> int:
+    from datetime import date
+
+    from harness.history import show, store
+
+    if args.since:
+        try:
+            date.fromisoformat(args.since)
+        except ValueError:
+            raise BadInput(f"--since {args.since!r}: give a date YYYY-MM-DD") from None
+    db = _history_db(args)
+    plots = Path(args.plots) if args.plots else db.parent / "history-plots"
+    con = store.open_db(db, create=False)
+    try:
+        text, pngs = show.show(con, args.metric, args.case, args.since, plots)
+    finally:
+        con.close()
+    print(text)
+    if pngs:
+        print(f"trends: {len(pngs)} PNG in {plots}")
+    return 0
 
 
 def _project_memory(args) -> int:
@@ -297,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a suite over layouts on local ranks and judge it")
     _add_case_args(run)
     run.add_argument("--out", help="directory for results.json")
+    run.add_argument("--label", default=None, help="names this run in reports and the history (e.g. the engine's "
+                                                   "branch), so runs of one engine at two versions are told apart")
     run.add_argument("--fresh-ranks", action="store_true",
                      help="start new rank processes for every case instead of reusing warm ones")
     run.add_argument("--shuffle", type=int, metavar="SEED", default=None,
@@ -334,8 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
         bs.add_argument("--baselines-dir", default=None)
         bs.add_argument("--fresh-ranks", action="store_true")
         if name == "bisect":
-            bs.add_argument("--megatron-core", nargs="+", metavar="VERSION",
-                            help="releases oldest first (good .. bad), or a range A..B from the package index")
+            bs.add_argument("--package", nargs="+", metavar="NAME VERSION",
+                            help="a distribution, then its releases oldest first (good .. bad) or a range A..B from "
+                                 "the package index: megatron-core, megatron-bridge, mbridge, transformer-engine, "
+                                 "your framework; each installed --no-deps into a cached environment over this one")
+            bs.add_argument("--megatron-core", nargs="+", metavar="VERSION", help="short for --package megatron-core ...")
             bs.add_argument("--repo", help="a local git checkout of the engine (Megatron-LM, your framework)")
             bs.add_argument("--good", help="--repo: a commit without the regression (with --find-fix: the later, fixed one)")
             bs.add_argument("--bad", help="--repo: a later commit with it (with --find-fix: the earlier, broken one)")
@@ -372,7 +429,24 @@ def build_parser() -> argparse.ArgumentParser:
     ni.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     ni.add_argument("--engine", default=None, help="only this engine (default: mcore, and every construction "
                                                    "path for grad-sync)")
+    ni.add_argument("--label", default=None, help="names every run of this nightly in the report and the history")
+    ni.add_argument("--history-db", default=None, help="the history database every run is ingested into at the end "
+                                                       "(default: OUT/history.sqlite)")
     ni.set_defaults(func=_nightly)
+
+    hi = sub.add_parser("history", help="every nightly figure in a SQLite database; trends and change points")
+    hsub = hi.add_subparsers(dest="history_command", required=True)
+    ing = hsub.add_parser("ingest", help="every results.json below DIR into the database (twice adds nothing)")
+    ing.add_argument("dir")
+    ing.add_argument("--db", default=None, help="default nightly-out/history.sqlite")
+    ing.set_defaults(func=_history_ingest)
+    sh = hsub.add_parser("show", help="a metric per case: table, change points, bisect commands, PNG trends")
+    sh.add_argument("--metric", required=True, help="e.g. rank0.save_heap_peak_mib, step_time_ms, check:<name>")
+    sh.add_argument("--case", default="*", help="glob over case ids (default: every case)")
+    sh.add_argument("--since", default=None, help="first night, YYYY-MM-DD")
+    sh.add_argument("--db", default=None, help="default nightly-out/history.sqlite")
+    sh.add_argument("--plots", default=None, help="directory for one PNG trend per case (default: next to the db)")
+    sh.set_defaults(func=_history_show)
 
     pm = sub.add_parser("project-memory", help="predicted host memory of a checkpoint save at scale")
     pm.add_argument("--model", required=True)

@@ -86,6 +86,7 @@ class SuiteRun:
     planned: int = 0  # cases in the plan (results may hold fewer: an interrupted run)
     judged: bool = False  # the suite's checks ran over the results
     interrupted: Interrupted | None = None  # the signal that ended the run early
+    label: str | None = None  # the user's name for this run (reports, history)
 
     @property
     def passed(self) -> bool:
@@ -190,7 +191,7 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
               timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
               fresh_ranks: bool = False, shuffle_seed: int | None = None,
               baselines_dir: str | None = None, ckpt_formats: list[str] | None = None,
-              suite_params: dict | None = None, out_dir: Path | None = None) -> SuiteRun:
+              suite_params: dict | None = None, out_dir: Path | None = None, label: str | None = None) -> SuiteRun:
     """Run every case of the suite (warm pool ranks unless fresh_ranks) and judge them.
 
     shuffle_seed runs the cases in a shuffled order (isolation checks); results keep plan order.
@@ -206,7 +207,7 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
         suite.baselines_dir = baselines_dir
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend,
-                   cases[0].engine if cases else engine, planned=len(cases))  # a suite may pick its own engine
+                   cases[0].engine if cases else engine, planned=len(cases), label=label)  # a suite may pick its engine
     t0 = time.monotonic()
     run_dir = new_run_dir()
     cases = [dataclasses.replace(c, run_dir=str(run_dir)) for c in cases]

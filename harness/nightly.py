@@ -40,7 +40,8 @@ def plan_items(suites: list[str], models: list[str], engine: str | None) -> list
 
 
 def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_size: int | None, backend: str,
-                engine: str | None, say: Callable[[str], None]) -> int:
+                engine: str | None, say: Callable[[str], None], label: str | None = None,
+                history_db: Path | None = None) -> int:
     import json
 
     from harness import driver, report
@@ -64,6 +65,11 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             driver.plan(item.suite, item.model, world, engine=item.engine, backend=backend)
         except BadInput as exc:
             refused[item] = str(exc)
+    from harness.history import store
+
+    history_db = history_db or out / "history.sqlite"
+    if history_db.exists():  # a corrupt or foreign database is refused before anything is written
+        store.open_db(history_db, create=False).close()
     prepare_out_dir(out)
     say(f"nightly: {len(items)} runs at world size {world} ({backend}) into {out}")
     t0, rows, passed, stop = time.monotonic(), [], True, None
@@ -74,7 +80,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             if item in refused:
                 raise BadInput(refused[item])
             run = driver.run_suite(item.suite, item.model, world, engine=item.engine, backend=backend,
-                                   out_dir=out / item.slug)
+                                   out_dir=out / item.slug, label=label)
         except BadInput as exc:  # a path whose package is missing, a corrupt baseline file, ...
             reason = str(exc)
             write_text(out / item.slug / "results.json", json.dumps(
@@ -94,6 +100,12 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             rows += [[it.suite, it.model, it.engine, "NOT RUN", "-", f"nightly {stop}"] for it in items[i:]]
             break
     written = write_report(out)
+    con = store.open_db(history_db)
+    try:
+        added, known = store.ingest(con, out)
+    finally:
+        con.close()
+    say(f"history: {added} runs added to {history_db} ({known} already there)")
     print("\nnightly summary:")
     print(fmt_table(["suite", "model", "engine", "verdict", "wall", "cases"], rows))
     print(f"report: {written['markdown']} (junit: {written['junit']}); "

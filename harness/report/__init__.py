@@ -30,6 +30,22 @@ def versions() -> dict[str, str]:
     return out
 
 
+def engine_distribution(engine: str) -> dict[str, str | None]:
+    """The installed distribution that provides an engine, and its version: for `pkg.mod:factory` the
+    distribution of `pkg` (None when it is not installed as one, e.g. a module on PYTHONPATH)."""
+    from harness.engines import BUILTIN
+
+    if engine in BUILTIN:  # a built-in engine: what is judged is the package it builds with
+        name = {"mbridge": "mbridge", "megatron-bridge": "megatron-bridge", "fsdp2": "torch"}.get(engine, "megatron-core")
+    else:
+        top = engine.partition(":")[0].split(".")[0]
+        name = (metadata.packages_distributions().get(top) or [None])[0]
+    try:
+        return {"name": name, "version": metadata.version(name) if name else None}
+    except metadata.PackageNotFoundError:
+        return {"name": name, "version": None}
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -176,7 +192,7 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
         "passed": run.passed, "verdict": run.verdict, "adjustments": run_adjustments(run),
         "judged": run.judged, "interrupted": str(run.interrupted) if run.interrupted else None,
-        "cases_planned": run.planned,
+        "cases_planned": run.planned, "label": run.label, "engine_dist": engine_distribution(run.engine),
         "cases": [
             {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
              "status": r.status, "outcome": o.outcome, "reason": o.reason, "error": r.error,

@@ -26,7 +26,11 @@ class RunFile:
     @property
     def title(self) -> str:
         d = self.data
-        return f"{d['suite']} / {d['engine']} / {d['model']} / world size {d['world_size']}"
+        dist = d.get("engine_dist") or {}
+        engine = d["engine"] + (f" {dist['version']}" if dist.get("version") and dist.get("name") not in
+                                ("megatron-core", "torch") else "")
+        return (f"{d['suite']} / {engine} / {d['model']} / world size {d['world_size']}"
+                + (f" [{d['label']}]" if d.get("label") else ""))
 
     @property
     def slug(self) -> str:

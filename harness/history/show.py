@@ -1,0 +1,122 @@
+"""`harness history show`: a metric's nights per case, the change points found in them, what changed
+between the nights around each (package versions, harness commit) and the bisect command that pins it."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from harness.history.changes import Change, detect
+from harness.history.store import Point
+
+# what a bisect can walk over: distributions in results.json "versions" (the harness's own are not)
+NOT_BISECTABLE = ("harness", "harness_commit")
+
+
+def changed_between(a: Point, b: Point) -> dict[str, tuple[str | None, str | None]]:
+    """name -> (before, after) for every version that differs between two nights."""
+    keys = sorted(set(a.versions) | set(b.versions))
+    return {k: (a.versions.get(k), b.versions.get(k)) for k in keys if a.versions.get(k) != b.versions.get(k)}
+
+
+def case_selection(case_id: str) -> dict[str, str]:
+    """suite / engine / model / layout of a case id `suite/engine/model/layout[options]`."""
+    suite, engine, model, rest = case_id.split("/", 3)
+    return {"suite": suite, "engine": engine, "model": model, "layout": re.sub(r"\[.*$", "", rest)}
+
+
+def bisect_command(case_id: str, metric: str, world_size: int | None, change: Change,
+                   diff: dict[str, tuple[str | None, str | None]]) -> str | None:
+    """`harness bisect --package NAME A..B ...` for the first package whose version changed, with the
+    midpoint of the values before and after as the threshold; None when no package changed."""
+    packages = [(k, ab) for k, ab in diff.items() if k not in NOT_BISECTABLE and all(ab)]
+    if not packages:
+        return None
+    name, (a, b) = packages[0]
+    sel = case_selection(case_id)
+    argv = ["harness", "bisect", "--package", name, f"{a}..{b}", "--suite", sel["suite"], "--model", sel["model"],
+            *(["--world-size", str(world_size)] if world_size else []), "--layout", sel["layout"],
+            "--engine", sel["engine"], "--metric", metric, "--max", f"{(change.before + change.after) / 2:.6g}"]
+    if change.after < change.before:  # the metric fell: the search is for the first good candidate
+        argv.append("--find-fix")
+    return shlex.join(argv)
+
+
+def describe(case_id: str, metric: str, points: list[Point], changes: list[Change],
+             world_size: int | None) -> list[str]:
+    lines = []
+    for c in changes:
+        if c.kind == "creep":
+            first, last = points[0], points[-1]
+            lines.append(f"  creep: {c.before:.4g} -> {c.after:.4g} ({(c.ratio - 1) * 100:+.1f}%) over "
+                         f"{len(points)} nights {first.date[:10]} .. {last.date[:10]} (Kendall tau, Theil-Sen): "
+                         "no single night to bisect; compare the first and the last night")
+            continue
+        before, after = points[c.index - 1], points[c.index]
+        diff = changed_between(before, after)
+        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) or \
+            "no package version or harness commit changed: the machine or the environment did"
+        lines.append(f"  change at {after.date[:10]}: {c.before:.4g} -> {c.after:.4g} ({(c.ratio - 1) * 100:+.1f}%); "
+                     f"last night before {before.date[:10]}, first after {after.date[:10]}; changed: {what}")
+        cmd = bisect_command(case_id, metric, world_size, c, diff)
+        if cmd:
+            lines.append(f"    {cmd}")
+    return lines
+
+
+def plot(path: Path, case_id: str, metric: str, points: list[Point], changes: list[Change]) -> Path:
+    from harness.report.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    xs = list(range(len(points)))
+    ax.plot(xs, [p.value for p in points], marker="o", ms=3, lw=1)
+    for c in changes:
+        if c.kind == "step":
+            ax.axvline(c.index - 0.5, color="red", ls="--", lw=1)
+            ax.annotate(f"{(c.ratio - 1) * 100:+.1f}%", (c.index - 0.5, max(p.value for p in points)), color="red",
+                        fontsize=8, ha="left", va="top")
+        else:
+            ax.plot([0, len(points) - 1], [c.before, c.after], color="red", ls=":", lw=1)
+    step = max(1, len(points) // 8)
+    ax.set_xticks(xs[::step], [p.date[:10] for p in points][::step], rotation=30, fontsize=7)
+    ax.set_ylabel(metric, fontsize=8)
+    ax.set_title(case_id, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | None) -> tuple[str, list[Path]]:
+    from harness.history import store
+    from harness.report import fmt_table
+
+    data = store.series(con, metric, case_glob, since)
+    if not data:
+        known = store.metrics(con)
+        hint = f"; metrics in the database: {', '.join(known[:12])}{' ...' if len(known) > 12 else ''}" if known else ""
+        from harness.errors import BadInput
+
+        raise BadInput(f"no figures of metric {metric!r} for cases matching {case_glob!r}"
+                       f"{f' since {since}' if since else ''}{hint}")
+    world = dict(con.execute("SELECT id, world_size FROM runs"))
+    rows, notes, pngs = [], [], []
+    for (platform, case_id), points in sorted(data.items()):
+        changes = detect([p.value for p in points])
+        vers = sorted({p.versions.get("megatron-core", "?") for p in points})
+        rows.append([platform, case_id, str(len(points)), points[0].date[:10], points[-1].date[:10],
+                     f"{points[-1].value:.4g}", ", ".join(vers),
+                     "; ".join(f"{c.kind} {(c.ratio - 1) * 100:+.1f}%" + (f" at {points[c.index].date[:10]}"
+                                                                            if c.kind == "step" else "")
+                               for c in changes) or "-"])
+        if changes:
+            notes.append(f"{case_id} ({platform}):")
+            notes += describe(case_id, metric, points, changes, world.get(points[-1].run_id))
+        if plots_dir is not None:
+            slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{platform}-{case_id}-{metric}")
+            pngs.append(plot(Path(plots_dir) / f"{slug}.png", case_id, metric, points, changes))
+    table = fmt_table(["platform", "case", "nights", "first", "last", "latest", "megatron-core", "changes"], rows)
+    return "\n".join([f"{metric}:", table, *([""] + notes if notes else [])]), pngs

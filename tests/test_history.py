@@ -1,0 +1,156 @@
+"""Nightly history: change points and creep in synthetic series (with the false-alarm rate measured),
+ingest that adds nothing twice, a corrupt database refused untouched, and `history show` naming the
+night, the versions that changed and the bisect command."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from datetime import date, timedelta
+
+import numpy as np
+import pytest
+
+from harness import cli
+from harness.errors import BadInput
+from harness.history import store
+from harness.history.changes import detect
+
+NIGHTS, NOISE = 30, 0.03
+
+
+def _noisy(rng, n=NIGHTS, base=100.0):
+    return base * (1 + NOISE * rng.standard_normal(n))
+
+
+# -- change points --------------------------------------------------------------------------------
+def test_a_step_of_8_percent_at_night_20_is_one_change_point_at_20():
+    # one seeded history; over 100 histories the step is found within a night in 94 (next test)
+    v = _noisy(np.random.default_rng(0))
+    v[20:] *= 1.08
+    changes = detect(list(v))
+    assert [(c.kind, c.index) for c in changes] == [("step", 20)]
+    assert 1.04 < changes[0].ratio < 1.12
+
+
+def test_the_step_is_found_within_a_night_in_most_histories():
+    rng = np.random.default_rng(1)
+    found = 0
+    for _ in range(100):
+        v = _noisy(rng)
+        v[20:] *= 1.08
+        found += any(c.kind == "step" and abs(c.index - 20) <= 1 for c in detect(list(v)))
+    assert found >= 85, found  # measured 94/100 at this penalty
+
+
+def test_creep_of_half_a_percent_a_night_is_flagged():
+    rng = np.random.default_rng(2)
+    flagged = as_creep = 0
+    for _ in range(20):
+        changes = detect(list(_noisy(rng) * (1 + 0.005 * np.arange(NIGHTS))))
+        flagged += bool(changes)
+        as_creep += any(c.kind == "creep" for c in changes)
+    assert flagged == 20
+    assert as_creep >= 12, as_creep  # measured 78/100 named creep, the rest as rising steps
+    v = 100 * (1 + 0.005 * np.arange(NIGHTS))
+    (c,) = detect(list(v))
+    assert c.kind == "creep" and c.ratio == pytest.approx(1 + 0.005 * (NIGHTS - 1), rel=1e-6)
+
+
+def test_noise_alone_flags_at_most_5_percent_of_histories():
+    rng = np.random.default_rng(3)
+    flagged = sum(bool(detect(list(_noisy(rng)))) for _ in range(100))
+    assert flagged <= 5, flagged
+
+
+# -- the database ---------------------------------------------------------------------------------
+def _results(root, night: int, value: float, mcore: str, *, case="ckpt-memory/mcore/small/tp1-pp1-cp1-dp4[ckpt_format=dp_reshardable]",
+             commit="abc1234"):
+    day = date(2026, 10, 1) + timedelta(days=night)
+    path = root / f"night-{night:02d}" / "ckpt-memory-mcore-small" / "results.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({
+        "suite": "ckpt-memory", "model": "small", "world_size": 4, "engine": "mcore", "backend": "gloo",
+        "platform": "cpu-gloo", "date": f"{day.isoformat()}T02:00:00+00:00", "judged": True, "verdict": "pass",
+        "versions": {"torch": "2.13.0", "megatron-core": mcore, "harness": "0.1.0", "harness_commit": commit},
+        "engine_dist": {"name": "megatron-core", "version": mcore}, "label": None,
+        "cases": [{"id": case, "outcome": "pass", "metrics": {"save_peak_mib": [value, value / 2]},
+                   "samples": {"rank0.save_heap_peak_mib": value}}],
+        "checks": [{"check": "ckpt-memory.baseline", "case_id": case, "passed": True, "value": value}],
+    }))
+    return path
+
+
+@pytest.fixture
+def history(tmp_path):
+    """30 nights of ckpt-memory results; megatron-core 0.16.0 -> 0.16.1 at night 20 adds 8% to the peak."""
+    rng = np.random.default_rng(0)
+    values = _noisy(rng)
+    values[20:] *= 1.08
+    root = tmp_path / "nightly"
+    for night, v in enumerate(values):
+        _results(root, night, float(v), "0.16.1" if night >= 20 else "0.16.0")
+    return root
+
+
+def test_ingest_twice_adds_nothing(history, tmp_path):
+    con = store.open_db(tmp_path / "h.sqlite")
+    assert store.ingest(con, history) == (30, 0)
+    first = store.counts(con)
+    assert store.ingest(con, history) == (0, 30)
+    assert store.counts(con) == first == {"runs": 30, "figures": 30 * 4, "outcomes": 30}
+    assert set(store.metrics(con)) == {"rank0.save_heap_peak_mib", "save_peak_mib.rank0", "save_peak_mib.rank1",
+                                       "check:ckpt-memory.baseline"}
+
+
+def test_a_truncated_database_is_refused_and_left_untouched(history, tmp_path, capsys):
+    db = tmp_path / "h.sqlite"
+    con = store.open_db(db)
+    store.ingest(con, history)
+    con.close()
+    db.write_bytes(db.read_bytes()[:1000])  # truncated mid-page
+    before = db.read_bytes()
+    code = cli.main(["history", "ingest", str(history), "--db", str(db)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "is corrupt" in err[0] and "left as it is" in err[0], err
+    assert db.read_bytes() == before
+    db.write_bytes(b"not a database at all")
+    assert cli.main(["history", "show", "--metric", "x", "--db", str(db)]) == 2
+    assert "is not an SQLite database" in capsys.readouterr().err
+    assert db.read_bytes() == b"not a database at all"
+
+
+def test_another_schema_version_is_refused(tmp_path):
+    db = tmp_path / "h.sqlite"
+    store.open_db(db).close()
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+    with pytest.raises(BadInput, match="schema version 2, this harness reads version 1: upgrade the harness"):
+        store.open_db(db)
+
+
+def test_show_names_the_night_the_versions_and_the_bisect_command(history, tmp_path, capsys):
+    db = tmp_path / "h.sqlite"
+    assert cli.main(["history", "ingest", str(history), "--db", str(db)]) == 0
+    capsys.readouterr()
+    plots = tmp_path / "plots"
+    assert cli.main(["history", "show", "--metric", "rank0.save_heap_peak_mib", "--db", str(db),
+                     "--plots", str(plots)]) == 0
+    out = capsys.readouterr().out
+    assert "change at 2026-10-21" in out, out
+    assert "last night before 2026-10-20, first after 2026-10-21; changed: megatron-core 0.16.0 -> 0.16.1" in out
+    assert ("harness bisect --package megatron-core 0.16.0..0.16.1 --suite ckpt-memory --model small --world-size 4 "
+            "--layout tp1-pp1-cp1-dp4 --engine mcore --metric rank0.save_heap_peak_mib --max ") in out
+    pngs = list(plots.glob("*.png"))
+    assert len(pngs) == 1 and pngs[0].stat().st_size > 1000
+    assert cli.main(["history", "show", "--metric", "rank0.save_heap_peak_mib", "--db", str(db),
+                     "--since", "2026-10-25", "--plots", str(plots)]) == 0
+    assert "change at" not in capsys.readouterr().out  # 6 nights, all after the change
+
+
+def test_show_of_an_unknown_metric_lists_the_known_ones(history, tmp_path, capsys):
+    db = tmp_path / "h.sqlite"
+    cli.main(["history", "ingest", str(history), "--db", str(db)])
+    assert cli.main(["history", "show", "--metric", "step_time", "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert "no figures of metric 'step_time'" in err and "rank0.save_heap_peak_mib" in err
