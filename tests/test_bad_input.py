@@ -66,6 +66,15 @@ CASES = [
     (["compare", "--engine", "mcore", "--engine", "nosuch_pkg.engine:make"], "cannot import 'nosuch_pkg'"),
     (["compare", "--suite", "equivalence", "--engine", "a", "--engine", "b"], "compare judges step times: --suite step-perf"),
     (["compare", "--engine", "mcore", "--engine", "mcore", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write"),
+    (["bisect", "--suite", "equivalence", "--metric", "fail", "--package", "megatron-core"],
+     "--package takes the distribution then its versions"),
+    (["bisect", "--suite", "equivalence", "--metric", "fail", "--package", "megatron-core", "0.16.1",
+      "--megatron-core", "0.16.0", "0.16.1"], "give --package NAME VERSIONS or --megatron-core VERSIONS, not both"),
+    (["history", "ingest", "{tmp}/nowhere"], "{tmp}/nowhere: not a directory"),
+    (["history", "show", "--metric", "x", "--db", "{tmp}/none.sqlite"], "history database {tmp}/none.sqlite does not exist"),
+    (["history", "show", "--metric", "x", "--db", "{tmp}/a-file"], "is not an SQLite database"),
+    (["history", "show", "--metric", "x", "--since", "yesterday", "--db", "{tmp}/a-file"], "--since 'yesterday': give a date"),
+    (["nightly", "--out", "{tmp}/night", "--history-db", "{tmp}/a-file"], "history database {tmp}/a-file is not an SQLite"),
 ]
 
 

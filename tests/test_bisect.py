@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -158,3 +159,31 @@ def test_each_step_gets_the_same_case_selection():
     step = cli.build_parser().parse_args(step_command(args)[2:])
     assert step.command == "bisect-step" and step.metric == "fail" and step.error_is_bad
     assert cli.case_argv(step) == cli.case_argv(args) and set(cli.case_argv(step)) == set(argv)
+
+
+@pytest.fixture(scope="module")
+def engine_wheels(tmp_path_factory):
+    """regress-engine 1.0.0 .. 1.3.0 as wheels in a local directory (the package index of the test); 1.2.0
+    stages a 48 MiB host copy in the save path."""
+    wheels = tmp_path_factory.mktemp("wheels")
+    for version, scratch in [("1.0.0", 0), ("1.1.0", 0), ("1.2.0", 48), ("1.3.0", 48)]:
+        src = tmp_path_factory.mktemp(f"src-{version}")
+        (src / "regress_engine.py").write_text(ENGINE.format(scratch=scratch))
+        (src / "pyproject.toml").write_text(
+            '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
+            f'[project]\nname = "regress-engine"\nversion = "{version}"\n[tool.setuptools]\npy-modules = ["regress_engine"]\n')
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                        "-w", str(wheels), str(src)], check=True, capture_output=True)
+    return wheels
+
+
+@pytest.mark.slow
+def test_bisect_over_a_package_names_the_release(engine_wheels, tmp_path, capsys, monkeypatch, no_leftover_ranks):
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip index versions / pip install read the wheel directory only
+    monkeypatch.setenv("PIP_FIND_LINKS", str(engine_wheels))
+    code = cli.main(["bisect", "--package", "regress-engine", "1.0.0..1.3.0", "--cache", str(tmp_path), *CASE])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "first bad: 1.2.0 (rank0.save_heap_peak_mib " in out, out
+    assert "last good: 1.1.0" in out
+    assert re.split(r"\s{2,}", out.splitlines()[0])[2] == "regress-engine"  # the version column is the package's

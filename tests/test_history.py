@@ -154,3 +154,23 @@ def test_show_of_an_unknown_metric_lists_the_known_ones(history, tmp_path, capsy
     assert cli.main(["history", "show", "--metric", "step_time", "--db", str(db)]) == 2
     err = capsys.readouterr().err
     assert "no figures of metric 'step_time'" in err and "rank0.save_heap_peak_mib" in err
+
+
+# -- failing cases in the report's plots ----------------------------------------------------------
+def test_failed_cases_are_marked_in_the_checkpoint_and_collective_plots(tmp_path, monkeypatch):
+    from harness.report import plots
+    from harness.report.files import RunFile
+
+    peak = {"heap_peak": 2 * 2**20, "children_heap_peak": 0, "device_allocated_peak": 0, "device_reserved_peak": 0,
+            "rss_before": 0, "timeline": [(0.0, 0), (0.1, 2**20)]}
+    cases = [{"id": f"ckpt-memory/mcore/small/{lay}", "layout": lay, "outcome": outcome, "options": {},
+              "data": {"save": {"0": peak, "1": peak}, "collective_bytes": {"0": {"dp all_reduce": 2**20}}}}
+             for lay, outcome in (("tp1-pp1-cp1-dp4", "pass"), ("tp2-pp1-cp1-dp2", "regression"))]
+    run = RunFile(tmp_path / "results.json", {"suite": "ckpt-memory", "engine": "mcore", "model": "small",
+                                              "world_size": 4, "cases": cases, "checks": []})
+    marked = []
+    real = plots._mark_failed
+    monkeypatch.setattr(plots, "_mark_failed", lambda ax, cs, failed: (marked.append(set(failed)), real(ax, cs, failed)))
+    assert plots.ckpt_peaks(run, tmp_path / "peaks.png").exists()
+    assert plots.collective_bytes(run, tmp_path / "bytes.png").exists()
+    assert marked == [{"ckpt-memory/mcore/small/tp2-pp1-cp1-dp2"}] * 2

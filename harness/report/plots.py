@@ -85,6 +85,7 @@ def ckpt_peaks(run: "RunFile", path: Path) -> Path | None:
                     ax.annotate(" / ".join(m["status"] for m in parts if m["status"] != "pass"), (x, heap + kids),
                                 rotation=90, fontsize=7, color="red", ha="center", va="bottom")
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
+    _mark_failed(ax, cases, _failed_cases(run))
     ax.set_ylabel("host peak of the save, MiB")
     ax.set_title(f"{run.title}: host peak per rank (solid: rank heap, hatched: forked writers); "
                  "grey box: baseline +- tolerance, line: baseline", fontsize=9)
@@ -98,6 +99,7 @@ def ckpt_peaks(run: "RunFile", path: Path) -> Path | None:
                 ax.bar(x, peak["device_reserved_peak"] / MIB, width, color=f"C{int(r) % 10}", alpha=0.4)
                 ax.bar(x, peak["device_allocated_peak"] / MIB, width, color=f"C{int(r) % 10}")
         ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
+        _mark_failed(ax, cases, _failed_cases(run))
         ax.set_ylabel("device peak, MiB")
         ax.set_title("device peak per rank (solid: max allocated, light: max reserved)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
@@ -122,7 +124,9 @@ def ckpt_timelines(run: "RunFile", path: Path) -> Path | None:
             t = [s for s, _ in peak["timeline"]]
             mib = [(rss - peak["rss_before"]) / MIB for _, rss in peak["timeline"]]
             ax.plot(t, mib, label=f"rank {r}", linewidth=1)
-        ax.set_title(case_label(c), fontsize=8)
+        failed = c["id"] in _failed_cases(run)
+        ax.set_title(case_label(c) + (f" ({c['outcome']})" if failed else ""), fontsize=8,
+                     color="red" if failed else None)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     for ax in [a for row in axes for a in row][len(cases):]:
