@@ -173,4 +173,5 @@ def test_failed_cases_are_marked_in_the_checkpoint_and_collective_plots(tmp_path
     monkeypatch.setattr(plots, "_mark_failed", lambda ax, cs, failed: (marked.append(set(failed)), real(ax, cs, failed)))
     assert plots.ckpt_peaks(run, tmp_path / "peaks.png").exists()
     assert plots.collective_bytes(run, tmp_path / "bytes.png").exists()
+    assert plots.ckpt_timelines(run, tmp_path / "timelines.png").exists()  # titles of failed cases in red
     assert marked == [{"ckpt-memory/mcore/small/tp2-pp1-cp1-dp2"}] * 2

@@ -126,7 +126,7 @@ def ckpt_timelines(run: "RunFile", path: Path) -> Path | None:
             ax.plot(t, mib, label=f"rank {r}", linewidth=1)
         failed = c["id"] in _failed_cases(run)
         ax.set_title(case_label(c) + (f" ({c['outcome']})" if failed else ""), fontsize=8,
-                     color="red" if failed else None)
+                     **({"color": "red"} if failed else {}))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     for ax in [a for row in axes for a in row][len(cases):]:
