@@ -107,7 +107,9 @@ def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | 
     for (platform, case_id), points in sorted(data.items()):
         changes = detect([p.value for p in points])
         vers = sorted({p.versions.get("megatron-core", "?") for p in points})
-        rows.append([platform, case_id, str(len(points)), points[0].date[:10], points[-1].date[:10],
+        when = (lambda p: p.date[:16].replace("T", " ")) if points[0].date[:10] == points[-1].date[:10] \
+            else (lambda p: p.date[:10])  # nights of one day (reruns) by the minute
+        rows.append([platform, case_id, str(len(points)), when(points[0]), when(points[-1]),
                      f"{points[-1].value:.4g}", ", ".join(vers),
                      "; ".join(f"{c.kind} {(c.ratio - 1) * 100:+.1f}%" + (f" at {points[c.index].date[:10]}"
                                                                             if c.kind == "step" else "")
