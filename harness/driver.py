@@ -209,6 +209,12 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend,
                    cases[0].engine if cases else engine, planned=len(cases), label=label)  # a suite may pick its engine
     t0 = time.monotonic()
+    if getattr(suite, "fresh_pool", False) and not fresh_ranks:
+        from harness.launch.pool import retire_pools_used_by_others
+
+        # the suite's timings must not depend on what other suites left in the warm ranks (its own
+        # earlier runs - baseline repeats, compare rounds - keep them warm)
+        retire_pools_used_by_others(suite.name)
     run_dir = new_run_dir()
     cases = [dataclasses.replace(c, run_dir=str(run_dir)) for c in cases]
     order = run_order(cases, shuffle_seed)

@@ -78,3 +78,19 @@ def test_shuffled_warm_ranks_give_the_same_verdicts_and_values(suite):
         w_cases = [(i, s, {k: v for k, v in m.items() if k != "recorder overhead"}) for i, s, m in w_cases]
     assert f_cases == w_cases
     assert f_checks == w_checks  # verdicts and judged values (equivalence errors) bit-identical
+
+
+def test_a_timing_suite_gets_ranks_that_ran_no_other_suite(monkeypatch):
+    """step-perf (fresh_pool) retires warm ranks that ran another suite, keeps its own warm ones."""
+    from harness.launch import pool as pool_mod
+    from harness.suites.step_perf import StepPerfSuite
+
+    assert StepPerfSuite.fresh_pool
+    closed = []
+    monkeypatch.setattr(pool_mod.RankPool, "close", lambda self, **kw: closed.append(self.world_size))
+    monkeypatch.setattr(pool_mod, "_POOLS", {})
+    other, own = pool_mod.pool_for(4, "gloo"), pool_mod.pool_for(2, "gloo")
+    other.suites, own.suites = {"step-perf", "peft-ckpt"}, {"step-perf"}
+    pool_mod.retire_pools_used_by_others("step-perf")
+    assert closed == [4] and other.retired == ["ran peft-ckpt before step-perf"]
+    assert pool_mod.pool_for(2, "gloo") is own and pool_mod.pool_for(4, "gloo") is not other

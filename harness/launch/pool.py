@@ -29,6 +29,7 @@ class RankPool:
         self.cases_run = 0
         self.starts = 0
         self.retired: list[str] = []  # why each earlier set of ranks was retired
+        self.suites: set[str] = set()  # the suites whose cases the current ranks ran
 
     @property
     def alive(self) -> bool:
@@ -51,6 +52,8 @@ class RankPool:
         fresh = not self.alive
         if fresh:
             self._start(case)
+            self.suites = set()
+        self.suites.add(case.suite)
         assert self.dir is not None
         case_dir = self.dir / f"case{self.cases_run:04d}"
         case_dir.mkdir()
@@ -109,6 +112,15 @@ def pool_for(world_size: int, backend: str) -> RankPool:
     if key not in _POOLS:
         _POOLS[key] = RankPool(world_size, backend)
     return _POOLS[key]
+
+
+def retire_pools_used_by_others(suite: str) -> None:
+    """Close the pools whose ranks ran cases of another suite (their imports and heap stay in the ranks)."""
+    for key, pool in list(_POOLS.items()):
+        if pool.suites - {suite}:
+            pool.retired.append(f"ran {', '.join(sorted(pool.suites - {suite}))} before {suite}")
+            pool.close()
+            del _POOLS[key]
 
 
 def close_all(kill: bool = False) -> None:

@@ -115,6 +115,10 @@ class StepPerfSuite:
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
     baselines_dir = None  # set by the driver (--baselines-dir); None: the repository's baselines/
+    # Timed on ranks that ran nothing but this suite: warm pool ranks that ran peft-ckpt before (megatron-
+    # bridge, transformers and peft imported) stepped 1.10-1.25x slower locally and 1.2-1.6x in CI
+    # (cpu-suite) than ranks that had not; on fresh ranks the same run measured 0.99-1.02x its baseline.
+    fresh_pool = True
 
     def __init__(self, warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
                  option_sets: tuple[tuple[bool, bool], ...] | None = None, min_effect: float | None = None,
