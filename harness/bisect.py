@@ -386,10 +386,9 @@ def bisect(args, say: Callable[[str], None]) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="harness-bisect-"))
     worktree = None
     try:
-        package = getattr(args, "package_name", None) or ("megatron-core" if args.megatron_core else None)
+        package = args.package_name  # set by the CLI from --package NAME ... or --megatron-core ...
         if package:
-            versions = expand_versions(getattr(args, "versions", None) or args.megatron_core,
-                                       lambda: index_versions(package))
+            versions = expand_versions(args.versions, lambda: index_versions(package))
             labels = versions
 
             def judge(i: int) -> StepResult:

@@ -78,25 +78,12 @@ class MergedExport(MegatronBridgeEngine):
 
         from harness.engines.lora import PEFT_PREFIX, write_adapter_dir
 
+        tasks = self.hf_conversion_tasks(self.ctx.workdir)
         merged = {PEFT_PREFIX + name: t.clone() for name, t in self.bridge.export_hf_weights(
-            self.models, cpu=True, show_progress=False, conversion_tasks=self._tasks(), merge_adapter_weights=True)}
-        tensors = {**self.adapter_tensors(), **merged}
+            self.models, cpu=True, show_progress=False, conversion_tasks=tasks, merge_adapter_weights=True)}
+        adapters = self.adapter_tensors()
         if dist.get_rank() == 0:
-            write_adapter_dir(Path(path), tensors, self.adapter_config(self.adapter_tensors()))
-
-    def _tasks(self):
-        import tempfile
-
-        import torch.distributed as dist
-        from transformers import LlamaForCausalLM
-
-        from harness.engines.mbridge import hf_llama_config
-
-        hf_dir = Path(tempfile.gettempdir()) / f"merged-export-shape-{self.case.model.name}"
-        if dist.get_rank() == 0:
-            LlamaForCausalLM(hf_llama_config(self.case)).save_pretrained(str(hf_dir))
-        dist.barrier()
-        return self.bridge.get_conversion_tasks(self.models, hf_path=str(hf_dir))
+            write_adapter_dir(Path(path), {**adapters, **merged}, self.adapter_config(adapters))
 
 
 class LegacyKeysRenamed(MegatronBridgeEngine):

@@ -25,12 +25,14 @@ PEFT_PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
+def hf_modules(linear: str, swiglu: bool = True) -> tuple[str, ...]:
+    """The HF modules one megatron linear maps to (fc1 is up_proj alone without SwiGLU)."""
+    return HF_MODULES[linear] if (linear != "linear_fc1" or swiglu) else ("up_proj",)
+
+
 def hf_target_modules(targets: tuple[str, ...] = MEGATRON_TARGETS, swiglu: bool = True) -> list[str]:
-    """The HF module names LoRA on these megatron linears adapts (fc1 is up_proj alone without SwiGLU)."""
-    out = []
-    for t in targets:
-        out += HF_MODULES[t] if (t != "linear_fc1" or swiglu) else ("up_proj",)
-    return sorted(out)
+    """The HF module names LoRA on these megatron linears adapts."""
+    return sorted(m for t in targets for m in hf_modules(t, swiglu))
 
 
 def adapter_config(dim: int, alpha: int, target_modules: list[str], dropout: float = 0.0,
@@ -78,8 +80,8 @@ def adapter_values(model, dim: int, targets: tuple[str, ...] = MEGATRON_TARGETS)
     h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_channels * model.num_query_groups
     shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
               "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
-    per_layer = sum(dim * (i + o) for name, (i, o) in shapes.items()
-                    if name in hf_target_modules(targets, model.swiglu))
+    adapted = hf_target_modules(targets, model.swiglu)
+    per_layer = sum(dim * (i + o) for name, (i, o) in shapes.items() if name in adapted)
     return model.num_layers * per_layer
 
 
@@ -107,7 +109,7 @@ def expected_hf_adapter(params: dict[str, "torch.Tensor"], model) -> dict[str, "
             gate, up = t.chunk(2, dim=0)
             out[f"{hf}gate_proj.{lora}.weight"], out[f"{hf}up_proj.{lora}.weight"] = gate, up
         else:
-            for module in (HF_MODULES[linear] if (linear != "linear_fc1" or model.swiglu) else ("up_proj",)):
+            for module in hf_modules(linear, model.swiglu):
                 out[f"{hf}{module}.{lora}.weight"] = t
     return out
 
@@ -138,7 +140,7 @@ def megatron_adapter_from_hf(tensors: dict[str, "torch.Tensor"], model) -> dict[
 
     for layer in range(model.num_layers):
         pre = f"decoder.layers.{layer}."
-        qkv = ("q_proj", "k_proj", "v_proj")
+        qkv = HF_MODULES["linear_qkv"]
         out[pre + "self_attention.linear_qkv.adapter.linear_in.weight"] = shared_a(layer, qkv)
         q, k, v = (get(layer, m, "lora_B") for m in qkv)
         r = q.shape[-1]
@@ -147,7 +149,7 @@ def megatron_adapter_from_hf(tensors: dict[str, "torch.Tensor"], model) -> dict[
             dim=1).reshape(-1, r)
         out[pre + "self_attention.linear_proj.adapter.linear_in.weight"] = get(layer, "o_proj", "lora_A")
         out[pre + "self_attention.linear_proj.adapter.linear_out.weight"] = get(layer, "o_proj", "lora_B")
-        fc1 = ("gate_proj", "up_proj") if model.swiglu else ("up_proj",)
+        fc1 = hf_modules("linear_fc1", model.swiglu)
         out[pre + "mlp.linear_fc1.adapter.linear_in.weight"] = shared_a(layer, fc1)
         out[pre + "mlp.linear_fc1.adapter.linear_out.weight"] = torch.cat([get(layer, m, "lora_B") for m in fc1])
         out[pre + "mlp.linear_fc2.adapter.linear_in.weight"] = get(layer, "down_proj", "lora_A")

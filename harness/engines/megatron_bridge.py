@@ -312,9 +312,9 @@ class MegatronBridgeEngine(McoreEngine):
             if missing or unexpected:
                 raise KeyError(f"adapter checkpoint: missing {missing[:3]}, unexpected {list(unexpected)[:3]}")
 
-    def hf_base_state_dict(self, workdir: Path) -> dict[str, torch.Tensor]:
-        """The base (frozen) weights under HF names, on every rank (collective), without the adapters.
-        A config-only bridge plans the conversion from a saved HF model of the same shape."""
+    def hf_conversion_tasks(self, workdir: Path) -> list:
+        """The bridge's Megatron -> HF conversion plan (collective). A config-only bridge plans it from a
+        saved HF model of the same shape, written by rank 0 into workdir (shared by the case's ranks)."""
         import torch.distributed as dist
         from transformers import LlamaForCausalLM
 
@@ -322,9 +322,13 @@ class MegatronBridgeEngine(McoreEngine):
         if dist.get_rank() == 0:
             LlamaForCausalLM(hf_llama_config(self.case)).save_pretrained(str(hf_dir))
         dist.barrier()
-        tasks = self.bridge.get_conversion_tasks(self.models, hf_path=str(hf_dir))
+        return self.bridge.get_conversion_tasks(self.models, hf_path=str(hf_dir))
+
+    def hf_base_state_dict(self, workdir: Path) -> dict[str, torch.Tensor]:
+        """The base (frozen) weights under HF names, on every rank (collective), without the adapters."""
         return {name.replace(".base_layer.", "."): t.clone() for name, t in
-                self.bridge.export_hf_weights(self.models, cpu=True, show_progress=False, conversion_tasks=tasks,
+                self.bridge.export_hf_weights(self.models, cpu=True, show_progress=False,
+                                              conversion_tasks=self.hf_conversion_tasks(workdir),
                                               merge_adapter_weights=False)}
 
 

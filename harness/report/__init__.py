@@ -3,6 +3,7 @@ results directories as Markdown, JUnit XML and PNG plots (report/files.py, junit
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from datetime import datetime, timezone
@@ -30,6 +31,7 @@ def versions() -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)  # results.json is written after every case; the installed set does not change
 def engine_distribution(engine: str) -> dict[str, str | None]:
     """The installed distribution that provides an engine, and its version: for `pkg.mod:factory` the
     distribution of `pkg` (None when it is not installed as one, e.g. a module on PYTHONPATH)."""
@@ -192,7 +194,7 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
         "passed": run.passed, "verdict": run.verdict, "adjustments": run_adjustments(run),
         "judged": run.judged, "interrupted": str(run.interrupted) if run.interrupted else None,
-        "cases_planned": run.planned, "label": run.label, "engine_dist": engine_distribution(run.engine),
+        "cases_planned": run.planned, "label": run.label, "engine_dist": dict(engine_distribution(run.engine)),
         "cases": [
             {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
              "status": r.status, "outcome": o.outcome, "reason": o.reason, "error": r.error,

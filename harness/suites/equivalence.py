@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import math
 from typing import Any
 
@@ -32,18 +33,31 @@ REPLICA_ATOL = 0.0
 EQUIVALENCE_ADAM_EPS = 1e-6
 
 
+def with_equivalence_eps(options: CaseOptions) -> CaseOptions:
+    """The options with EQUIVALENCE_ADAM_EPS unless they name their own eps."""
+    if options.adam_eps == CaseOptions.adam_eps:
+        return dataclasses.replace(options, adam_eps=EQUIVALENCE_ADAM_EPS)
+    return options
+
+
 def first_step_logprobs(result: CaseResult, key: str = "steps") -> tuple[torch.Tensor, torch.Tensor] | None:
     """(log-probs [global batch, seq], how many ranks reported each token) of the first step in the ranks'
     `key` list, assembled from the last-stage, TP-rank-0 ranks in the original token order (NaN where
     none did); None when the engine captured none."""
-    gbs, seq = result.case.global_batch_size, result.case.model.seq_length
+    return assemble_logprobs(result.case, [r.data for r in result.ranks], key)
+
+
+def assemble_logprobs(case: Case, rank_data: list[dict], key: str = "steps"
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """first_step_logprobs over the data dicts of a case's ranks (each with `coords` and `key`)."""
+    gbs, seq = case.global_batch_size, case.model.seq_length
     values = torch.full((gbs, seq), float("nan"), dtype=torch.float64)
     counts = torch.zeros((gbs, seq), dtype=torch.long)
-    for r in result.ranks:
-        c = r.data.get("coords", {})
+    for data in rank_data:
+        c = data.get("coords", {})
         if not c.get("last_stage") or c.get("tp") != 0:
             continue
-        steps = r.data.get(key, [])
+        steps = data.get(key, [])
         if not steps or steps[0].token_logprobs is None:
             return None
         for part in steps[0].token_logprobs:
@@ -51,6 +65,36 @@ def first_step_logprobs(result: CaseResult, key: str = "steps") -> tuple[torch.T
             values[rows, cols] = part.logprobs.double()
             counts[rows, cols] += 1
     return values, counts
+
+
+def coverage_problem(counts: torch.Tensor) -> str:
+    """'' when every token was computed by exactly one rank; else how many were not, and the first."""
+    if not (counts != 1).any():
+        return ""
+    never, dup = int((counts == 0).sum()), int((counts > 1).sum())
+    s, p = (counts != 1).nonzero()[0].tolist()
+    return (f"{never} tokens computed by no rank, {dup} by more than one "
+            f"(first: sample {s} position {p}, {int(counts[s, p])} times)")
+
+
+@dataclass
+class LogprobDiff:
+    """Per-token log-probs against reference ones, relative to the reference's largest magnitude."""
+
+    bad: torch.Tensor  # [batch, seq] True where beyond the tolerance (NaN counts as beyond)
+    worst: float  # the largest relative error (inf where a value is NaN)
+
+    @classmethod
+    def of(cls, values: torch.Tensor, ref_values: torch.Tensor, rtol: float) -> "LogprobDiff":
+        err = (values - ref_values).abs() / (float(ref_values.abs().max()) or 1.0)
+        return cls(~(err <= rtol), float(err.nan_to_num(float("inf")).max()))
+
+    @property
+    def first_sample(self) -> int:
+        return int(self.bad.any(dim=1).nonzero()[0])
+
+    def positions(self, sample: int) -> str:
+        return _ranges(self.bad[sample].nonzero().flatten().tolist())
 
 
 def _ranges(positions: list[int]) -> str:
@@ -93,8 +137,7 @@ class EquivalenceSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
         """The pure-DP reference first, then every other layout (default: every valid layout, CP included)."""
-        if options.adam_eps == CaseOptions.adam_eps:
-            options = dataclasses.replace(options, adam_eps=EQUIVALENCE_ADAM_EPS)
+        options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
         if layouts is None:
             layouts = [lay for lay in enumerate_layouts(model, world_size) if lay != reference]
@@ -202,16 +245,11 @@ class EquivalenceSuite:
                                f"{who}: the engine captured no per-token log-probs of the first step "
                                f"(StepOutput.token_logprobs; harness/engines/mcore.py captures them)")
         (values, counts), (ref_values, _) = got, want
-        if (counts != 1).any():
-            never, dup = int((counts == 0).sum()), int((counts > 1).sum())
-            s, p = (counts != 1).nonzero()[0].tolist()
-            return CheckResult("equivalence.logprobs", cid, False,
-                               f"{lay}: step-0 log-probs: {never} tokens computed by no rank, {dup} by more than one "
-                               f"(first: sample {s} position {p}, {int(counts[s, p])} times)")
-        scale = float(ref_values.abs().max())
-        err = (values - ref_values).abs() / (scale or 1.0)
-        bad = ~(err <= rtol)  # NaN counts as bad
-        worst = float(err.max()) if not bad.any() else float(err.nan_to_num(float("inf")).max())
+        coverage = coverage_problem(counts)
+        if coverage:
+            return CheckResult("equivalence.logprobs", cid, False, f"{lay}: step-0 log-probs: {coverage}")
+        diff = LogprobDiff.of(values, ref_values, rtol)
+        bad, worst = diff.bad, diff.worst
         if not bad.any():
             return CheckResult("equivalence.logprobs", cid, True,
                                f"{lay}: step-0 log-probs of {values.numel()} tokens equal {rlay}, worst rel "
@@ -222,11 +260,11 @@ class EquivalenceSuite:
             i = where[0]
             rows.append(f"  sample {sample}: {len(where)} tokens off at positions {_ranges(where)}; position {i}: "
                         f"{float(values[sample, i]):.6f} vs {float(ref_values[sample, i]):.6f}")
-        first = bad.any(dim=1).nonzero()[0].item()
+        first = diff.first_sample
         return CheckResult("equivalence.logprobs", cid, False,
                            f"{lay}: step-0 log-probs differ from {rlay} at {int(bad.sum())}/{values.numel()} tokens "
                            f"(worst rel {fmt_err(worst)} > {rtol:.0e}); first: sample {first}, positions "
-                           f"{_ranges(bad[first].nonzero().flatten().tolist())}", rows, value=worst)
+                           f"{diff.positions(first)}", rows, value=worst)
 
     @staticmethod
     def _check_params(res, ref, params, ref_params, rtol) -> CheckResult:

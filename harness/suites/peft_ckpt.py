@@ -144,10 +144,9 @@ class PeftCkptSuite:
         _require_peft()  # in the parent: a missing peft is named before any rank starts
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps,
                                       lora_dim=options.lora_dim or LORA_DIM, lora_alpha=options.lora_alpha or LORA_ALPHA)
-        if options.adam_eps == CaseOptions.adam_eps:
-            from harness.suites.equivalence import EQUIVALENCE_ADAM_EPS
+        from harness.suites.equivalence import with_equivalence_eps
 
-            options = dataclasses.replace(options, adam_eps=EQUIVALENCE_ADAM_EPS)
+        options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
         if layouts is None:
             layouts = [Layout.parse(x) for x in LAYOUTS if Layout.parse(x).world_size == world_size]
@@ -286,7 +285,7 @@ class PeftCkptSuite:
 
     @staticmethod
     def _check_logprobs(res: CaseResult, hf: dict) -> CheckResult:
-        from harness.suites.equivalence import _ranges, first_step_logprobs
+        from harness.suites.equivalence import LogprobDiff, coverage_problem, first_step_logprobs
 
         cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.logprobs"
         if "load_error" in hf:
@@ -295,29 +294,26 @@ class PeftCkptSuite:
         if got is None:
             return CheckResult(name, cid, False, f"{lay}: the engine captured no log-probs of the held-out batch")
         megatron, counts = got
-        if (counts != 1).any():
-            return CheckResult(name, cid, False, f"{lay}: {int((counts != 1).sum())} held-out tokens were computed by "
-                                                 "no rank or by several")
+        coverage = coverage_problem(counts)
+        if coverage:
+            return CheckResult(name, cid, False, f"{lay}: held-out log-probs: {coverage}")
         peft_lp, off = hf["logprobs"], hf["logprobs_disabled"]
-        scale = float(megatron.abs().max()) or 1.0
-        err = (peft_lp - megatron).abs() / scale
-        effect = float(((peft_lp - off).abs() / scale).max())
-        bad = ~(err <= LOGPROB_RTOL)
-        worst = float(err.nan_to_num(float("inf")).max())
-        if bad.any():
-            sample = int(bad.any(dim=1).nonzero()[0])
-            where = bad[sample].nonzero().flatten().tolist()
+        diff = LogprobDiff.of(peft_lp, megatron, LOGPROB_RTOL)
+        worst = diff.worst
+        effect = float(((peft_lp - off).abs() / (float(megatron.abs().max()) or 1.0)).max())
+        if diff.bad.any():
+            sample = diff.first_sample
             return CheckResult(name, cid, False,
-                               f"{lay}: HF + PEFT log-probs differ from the Megatron model at {int(bad.sum())}/"
-                               f"{err.numel()} held-out tokens (worst rel {fmt_err(worst)} > {LOGPROB_RTOL:.0e}); "
-                               f"first: sample {sample}, positions {_ranges(where)}", value=worst)
+                               f"{lay}: HF + PEFT log-probs differ from the Megatron model at {int(diff.bad.sum())}/"
+                               f"{megatron.numel()} held-out tokens (worst rel {fmt_err(worst)} > {LOGPROB_RTOL:.0e}); "
+                               f"first: sample {sample}, positions {diff.positions(sample)}", value=worst)
         if not effect > NOOP_MIN:
             return CheckResult(name, cid, False,
                                f"{lay}: the adapter is a no-op in PEFT: disabling it moves the log-probs by "
                                f"{fmt_err(effect)} (<= {NOOP_MIN:.0e}) after {res.case.options.steps} steps",
                                value=effect)
         return CheckResult(name, cid, True,
-                           f"{lay}: HF + PEFT log-probs of {err.numel()} held-out tokens equal the Megatron model's, "
+                           f"{lay}: HF + PEFT log-probs of {megatron.numel()} held-out tokens equal the Megatron model's, "
                            f"worst rel {worst:.2e} <= {LOGPROB_RTOL:.0e}; the adapter moves them by {effect:.2e}",
                            value=worst)
 
@@ -327,9 +323,7 @@ class PeftCkptSuite:
         held-out log-probs of the model that exported it. legacy: the adapter-only distributed checkpoint
         (the layout before HF PEFT export) must load there too (megatron's sharded tensors promise TP / PP
         changes), giving the same log-probs; a refusal fails with the load's own reason."""
-        from types import SimpleNamespace
-
-        from harness.suites.equivalence import _ranges, first_step_logprobs
+        from harness.suites.equivalence import LogprobDiff, assemble_logprobs, coverage_problem, first_step_logprobs
 
         cid, lay, name = res.case.id, res.case.layout.id, f"peft-ckpt.{which}"
         what = {"roundtrip": "the exported HF PEFT adapter", "legacy": "the adapter-only distributed checkpoint"}[which]
@@ -342,25 +336,23 @@ class PeftCkptSuite:
             verb = "was refused" if p["phase"] == "load" else f"failed in {p['phase']}"
             return CheckResult(name, cid, False, f"{lay} -> {target}: {what} {verb} on rank {rank}{kind}: {p['error']}",
                                p.get("traceback", "").splitlines()[-8:])
-        reloaded = first_step_logprobs(SimpleNamespace(case=res.case, ranks=[SimpleNamespace(data=p) for p in parts]),
-                                       key="eval")
+        reloaded = assemble_logprobs(res.case, parts, key="eval")
         source = first_step_logprobs(res, key="eval")
         if reloaded is None or source is None:
             return CheckResult(name, cid, False, f"{lay} -> {target}: no held-out log-probs captured")
         (got, counts), (want, _) = reloaded, source
-        if (counts != 1).any():
-            return CheckResult(name, cid, False, f"{lay} -> {target}: {int((counts != 1).sum())} held-out tokens "
-                                                 "were computed by no rank or by several")
-        err = (got - want).abs() / (float(want.abs().max()) or 1.0)
-        bad = ~(err <= LOGPROB_RTOL)
-        worst = float(err.nan_to_num(float("inf")).max())
-        if bad.any():
-            sample = int(bad.any(dim=1).nonzero()[0])
+        coverage = coverage_problem(counts)
+        if coverage:
+            return CheckResult(name, cid, False, f"{lay} -> {target}: held-out log-probs: {coverage}")
+        diff = LogprobDiff.of(got, want, LOGPROB_RTOL)
+        worst = diff.worst
+        if diff.bad.any():
+            sample = diff.first_sample
             return CheckResult(name, cid, False,
                                f"{lay} -> {target}: {what} loaded, but the held-out log-probs differ from the model "
-                               f"that saved it at {int(bad.sum())}/{err.numel()} tokens (worst rel {fmt_err(worst)} > "
-                               f"{LOGPROB_RTOL:.0e}); first: sample {sample}, positions "
-                               f"{_ranges(bad[sample].nonzero().flatten().tolist())}", value=worst)
+                               f"that saved it at {int(diff.bad.sum())}/{got.numel()} tokens (worst rel "
+                               f"{fmt_err(worst)} > {LOGPROB_RTOL:.0e}); first: sample {sample}, positions "
+                               f"{diff.positions(sample)}", value=worst)
         return CheckResult(name, cid, True, f"{lay} -> {target}: {what} loads and gives the saving model's held-out "
                                             f"log-probs, worst rel {worst:.2e} <= {LOGPROB_RTOL:.0e}", value=worst)
 
@@ -467,9 +459,8 @@ def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> dict[str, Any
         phase = "after the load"
         out["eval"] = [engine.eval_step(EVAL_STEP)]
         out["coords"] = layout_coords()
-    except BaseException as exc:  # the finding: a load refused (named) or failed; torch's CheckpointException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) or not isinstance(exc, Exception) and \
-                type(exc).__name__ != "CheckpointException":  # is a BaseException; an interrupt is not a finding
+    except BaseException as exc:  # the finding: a load refused (named) or failed (torch's
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # CheckpointException is a BaseException)
             raise
         out.update(error=describe_exception(exc), phase=phase, refusal=refusal_kind(exc) if phase == "load" else "",
                    traceback=traceback.format_exc()[-1500:])
