@@ -103,3 +103,18 @@ class LegacyKeysRenamed(MegatronBridgeEngine):
 
         self._adapter_sharded_state_dict = renamed
         super().load_adapter_checkpoint(ckpt_dir)
+
+
+class ImportDropsFc1(MegatronBridgeEngine):
+    """The HF adapter import leaves fc1's adapter at its initial value (B zero): the reloaded model lacks
+    part of what was trained."""
+
+    def load_peft_adapter(self, path: str) -> None:
+        import torch
+
+        super().load_peft_adapter(path)
+        with torch.no_grad():
+            for m in self.models:
+                for name, p in self.global_names(m.module).items():
+                    if name.endswith("mlp.linear_fc1.adapter.linear_out.weight"):
+                        p.zero_()

@@ -125,3 +125,11 @@ def test_missing_peft_is_named_with_its_install_command_before_any_rank(monkeypa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     with pytest.raises(MissingDependency, match="the peft-ckpt suite needs peft: pip install peft"):
         plan("peft-ckpt", "tiny", 2, None)
+
+
+@pytest.mark.slow
+def test_an_import_that_drops_an_adapter_fails_the_round_trip_only():
+    failed = _failed(_run("tests.faulty_peft:ImportDropsFc1", layouts=["tp1-pp1-cp1-dp1"]))
+    assert set(failed) == {("peft-ckpt.roundtrip", "tp1-pp1-cp1-dp1")}, failed
+    assert "the exported HF PEFT adapter loaded, but the held-out log-probs differ from the model that saved it" \
+        in failed[("peft-ckpt.roundtrip", "tp1-pp1-cp1-dp1")]
