@@ -243,10 +243,12 @@ def _history_show(args) -> int:
             date.fromisoformat(args.since)
         except ValueError:
             raise BadInput(f"--since {args.since!r}: give a date YYYY-MM-DD") from None
+    from harness.report.files import prepare_out_dir
+
     db = _history_db(args)
-    plots = Path(args.plots) if args.plots else db.parent / "history-plots"
-    con = store.open_db(db, create=False)
+    con = store.open_db(db, create=False)  # a bad database is refused before the plots directory is made
     try:
+        plots = prepare_out_dir(Path(args.plots) if args.plots else db.parent / "history-plots", "--plots")
         text, pngs = show.show(con, args.metric, args.case, args.since, plots)
     finally:
         con.close()

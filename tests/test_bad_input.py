@@ -71,6 +71,7 @@ CASES = [
     (["bisect", "--suite", "equivalence", "--metric", "fail", "--package", "megatron-core", "0.16.1",
       "--megatron-core", "0.16.0", "0.16.1"], "give --package NAME VERSIONS or --megatron-core VERSIONS, not both"),
     (["history", "ingest", "{tmp}/nowhere"], "{tmp}/nowhere: not a directory"),
+    (["history", "ingest", "{tmp}", "--db", "/proc/forbidden/h.sqlite"], "--db /proc/forbidden/h.sqlite: cannot"),
     (["history", "show", "--metric", "x", "--db", "{tmp}/none.sqlite"], "history database {tmp}/none.sqlite does not exist"),
     (["history", "show", "--metric", "x", "--db", "{tmp}/a-file"], "is not an SQLite database"),
     (["history", "show", "--metric", "x", "--since", "yesterday", "--db", "{tmp}/a-file"], "--since 'yesterday': give a date"),

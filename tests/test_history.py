@@ -175,3 +175,13 @@ def test_failed_cases_are_marked_in_the_checkpoint_and_collective_plots(tmp_path
     assert plots.collective_bytes(run, tmp_path / "bytes.png").exists()
     assert plots.ckpt_timelines(run, tmp_path / "timelines.png").exists()  # titles of failed cases in red
     assert marked == [{"ckpt-memory/mcore/small/tp2-pp1-cp1-dp2"}] * 2
+
+
+def test_show_refuses_an_unwritable_plots_directory(history, tmp_path, capsys):
+    db = tmp_path / "h.sqlite"
+    cli.main(["history", "ingest", str(history), "--db", str(db)])
+    capsys.readouterr()
+    assert cli.main(["history", "show", "--metric", "rank0.save_heap_peak_mib", "--db", str(db),
+                     "--plots", "/proc/forbidden"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--plots /proc/forbidden: cannot write there" in err[0], err

@@ -60,8 +60,14 @@ def open_db(path: Path, create: bool = True) -> sqlite3.Connection:
     elif not create:
         raise BadInput(f"history database {path} does not exist: run `harness history ingest DIR --db {path}` first")
     else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    con = sqlite3.connect(str(path))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise BadInput(f"--db {path}: cannot create its directory ({exc.strerror or exc}); give a writable path") from None
+    try:
+        con = sqlite3.connect(str(path))
+    except sqlite3.Error as exc:
+        raise BadInput(f"--db {path}: cannot open it ({exc}); give a writable path") from None
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if not tables:
