@@ -12,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from harness.checks import CheckResult
 from harness.errors import BadInput, Interrupted
@@ -20,17 +20,10 @@ from harness.launch import CaseResult, run_case
 from harness.launch.pool import pool_for
 from harness.layouts import validate
 from harness.models import load_model
+from harness.outcomes import EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
 from harness.platform import resolve_backend
-from harness.spec import CaseOptions, Layout
+from harness.spec import Case, CaseOptions, Layout
 from harness.suites import Suite, get_suite
-
-
-# "unjudged": the case ran but no check judged it - never a pass (a check that did not run cannot fail).
-# ("pending" marks a measured case in a results file written before the run's checks ran.)
-OUTCOMES = ("pass", "regression", "improvement", "error", "skipped", "unjudged")
-# Exit codes of `harness run` / `baselines check` / `nightly`. 5 = nothing judged: every case skipped or
-# no check ran, the analogue of pytest's "no tests collected".
-EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_NOTHING_JUDGED = 0, 1, 2, 5
 
 
 @dataclass
@@ -87,6 +80,7 @@ class SuiteRun:
     judged: bool = False  # the suite's checks ran over the results
     interrupted: Interrupted | None = None  # the signal that ended the run early
     label: str | None = None  # the user's name for this run (reports, history)
+    params: Any = None  # the suite's parameters (suite.Params) the cases were planned and are judged with
 
     @property
     def passed(self) -> bool:
@@ -108,10 +102,21 @@ class SuiteRun:
         return "fail"
 
     def judge(self) -> "SuiteRun":
-        """Run the suite's checks over the cases that ran (a skipped case has nothing to judge)."""
-        self.checks = self.suite.check([r for r in self.results if not r.skipped])
+        """Run the suite's checks over the cases that ran (a skipped case has nothing to judge). Checks are
+        pure functions of the results and the parameters: what a report does with files (flamegraphs of
+        failures, captures of passes deleted) happens in the report stage (harness/report/artifacts.py)."""
+        for r in self.results:
+            self.describe(r)
+        self.checks = self.suite.check([r for r in self.results if not r.skipped], self.params)
         self.judged = True
         return self
+
+    def describe(self, result: CaseResult) -> CaseResult:
+        """The suite's figures of a case, taken once when it arrives (`result.figures`): reports are
+        rendered from them (and from results.json) without the suite's code."""
+        if result.figures is None:
+            result.figures = case_figures(self.suite, result)
+        return result
 
     def stop_if_interrupted(self) -> "SuiteRun":
         """Re-raise the interrupt this run was stopped by: for callers that run more than one suite run
@@ -141,28 +146,52 @@ class SuiteRun:
         return [_outcome(r, by_case[r.case.id], self.judged) for r in self.results]
 
 
-def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
-         engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
-         timeout_s: float | None = None, ckpt_formats: list[str] | None = None,
-         suite_params: dict | None = None, baselines_dir: str | None = None):
-    """(suite, cases) or BadInput, before anything runs or is written. model_name None: the suite's default.
-    suite_params: attributes of the suite to set (e.g. step-perf's timed_steps), each one the suite has.
-    A suite with baselines has its baseline file parsed here (a corrupt one is refused before any rank)."""
+# a parameter whose flag is not `--<name with dashes>`
+FLAGS = {"formats": "--ckpt-format"}
+
+
+def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str | None = None) -> Any:
+    """The suite's parameters (`suite.Params`, defaults: its default matrix) with the values the user
+    gave; BadInput for a parameter the suite does not have or a value it refuses."""
+    given = dict(given or {})
+    params_type = getattr(suite, "Params", None)
+    names = {f.name for f in dataclasses.fields(params_type)} if params_type else set()
+    if baselines_dir is not None and "baselines_dir" in names:
+        given["baselines_dir"] = baselines_dir
+    for name in given:
+        if name not in names:
+            flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+            raise BadInput(f"{flag} does not apply to the {suite.name} suite")
+    return params_type(**given) if params_type else None
+
+
+def case_figures(suite: Suite, result: CaseResult) -> dict[str, Any]:
+    """What a report shows of a case beyond the harness's own fields: the suite's metrics, its report data
+    (plots) and, for a baselined suite, the baseline key and samples."""
+    out: dict[str, Any] = {"metrics": suite.metrics(result) or {}}
+    if result.ok and hasattr(suite, "report_data"):
+        out["data"] = suite.report_data(result)
+    if result.ok and hasattr(suite, "samples"):
+        out["baseline_key"], out["samples"] = suite.key(result.case), suite.samples(result)
+    return out
+
+
+def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
+         **kwargs) -> tuple[Suite, list[Case]]:
+    """(suite, cases) or BadInput, before anything runs or is written (see planned_run)."""
+    suite, _, cases = planned_run(suite_name, model_name, world_size, layout_ids, **kwargs)
+    return suite, cases
+
+
+def planned_run(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
+                *, engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
+                timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None):
+    """(suite, params, cases) or BadInput, before anything runs or is written. model_name None: the suite's
+    default. suite_params: values of the suite's parameters (`suite.Params` fields, e.g. step-perf's
+    timed_steps). A suite with baselines has its baseline file parsed here (a corrupt one is refused
+    before any rank)."""
     suite = get_suite(suite_name)
-    for attr, value in (suite_params or {}).items():
-        if not hasattr(suite, attr):
-            raise BadInput(f"--{attr.replace('_', '-')} does not apply to the {suite.name} suite")
-        setattr(suite, attr, value)
-    if ckpt_formats:
-        if not hasattr(suite, "formats"):
-            raise BadInput(f"--ckpt-format applies to the ckpt-memory suite, not {suite_name!r}")
-        unknown = set(ckpt_formats) - set(suite.ALL_FORMATS)
-        if unknown:
-            raise BadInput(f"unknown checkpoint format(s) {sorted(unknown)}; known: {', '.join(suite.ALL_FORMATS)}")
-        suite.formats = tuple(ckpt_formats)
-    for flag in ("fully_parallel_save", "async_save"):
-        if getattr(options, flag) and not hasattr(suite, "formats"):
-            raise BadInput(f"--{flag.replace('_', '-')} applies to the ckpt-memory suite, not {suite_name!r}")
+    params = suite_parameters(suite, suite_params, baselines_dir)
     model = load_model(model_name or suite.default_model)
     if world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {world_size}")
@@ -175,23 +204,24 @@ def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, lay
     layouts = None
     if layout_ids:
         layouts = [validate(Layout.parse(i), model, world_size, **batch) for i in layout_ids]
-    cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options)
+    cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options, params=params)
     if timeout_s is not None:
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
     if hasattr(suite, "samples") and cases:
         from harness import baselines
         from harness.platform import detect_platform
 
-        baselines.load(baselines.baseline_path(baselines_dir, detect_platform(backend).key, suite.name))
-    return suite, cases
+        baselines.load(baselines.baseline_path(getattr(params, "baselines_dir", None),
+                                               detect_platform(backend).key, suite.name))
+    return suite, params, cases
 
 
 def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
               engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
               timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
               fresh_ranks: bool = False, shuffle_seed: int | None = None,
-              baselines_dir: str | None = None, ckpt_formats: list[str] | None = None,
-              suite_params: dict | None = None, out_dir: Path | None = None, label: str | None = None) -> SuiteRun:
+              baselines_dir: str | None = None, suite_params: dict | None = None, out_dir: Path | None = None,
+              label: str | None = None) -> SuiteRun:
     """Run every case of the suite (warm pool ranks unless fresh_ranks) and judge them.
 
     shuffle_seed runs the cases in a shuffled order (isolation checks); results keep plan order.
@@ -200,14 +230,13 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     stops the run: its ranks are killed, the finished cases are judged and written, and the run is
     returned with `interrupted` set (exit code 143 / 130).
     """
-    suite, cases = plan(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
-                        options=options, timeout_s=timeout_s, ckpt_formats=ckpt_formats, suite_params=suite_params,
-                        baselines_dir=baselines_dir)
-    if baselines_dir is not None:
-        suite.baselines_dir = baselines_dir
+    suite, params, cases = planned_run(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
+                                       options=options, timeout_s=timeout_s, suite_params=suite_params,
+                                       baselines_dir=baselines_dir)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend,
-                   cases[0].engine if cases else engine, planned=len(cases), label=label)  # a suite may pick its engine
+                   cases[0].engine if cases else engine, planned=len(cases), label=label,
+                   params=params)  # a suite may pick its engine
     t0 = time.monotonic()
     if getattr(suite, "fresh_pool", False) and not fresh_ranks:
         from harness.launch.pool import retire_pools_used_by_others
@@ -216,7 +245,7 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
         # earlier runs - baseline repeats, compare rounds - keep them warm)
         retire_pools_used_by_others(suite.name)
     run_dir = new_run_dir()
-    cases = [dataclasses.replace(c, run_dir=str(run_dir)) for c in cases]
+    cases = with_outputs(cases, run_dir)
     order = run_order(cases, shuffle_seed)
     results: dict[int, CaseResult] = {}
     n = len(cases)
@@ -227,7 +256,7 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
             eta = f", ETA {format_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
             say(f"[{i}/{n} {format_clock(elapsed)} elapsed{eta}] {case.id} ...")
             result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
-            results[idx] = result
+            results[idx] = run.describe(result)
             warm = "" if result.fresh_ranks else " (warm ranks)"
             why = f": {result.error.splitlines()[0]}" if result.skipped and result.error else ""
             say(f"[{i}/{n}] {case.id} {result.status} in {result.wall_s:.1f}s{warm}{why}")
@@ -245,6 +274,10 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
         say(f"interrupted ({run.interrupted}) after {len(results)} of {n} cases; judging the finished ones")
     run.results = [results[i] for i in sorted(results)]
     run.judge()
+    from harness.report import artifacts
+
+    for note in artifacts.finish(run.checks):
+        say(note)
     run.wall_s = time.monotonic() - t0
     shutil.rmtree(run_dir, ignore_errors=True)
     if out_dir is not None:
@@ -256,6 +289,14 @@ def _write(run: SuiteRun, out_dir: Path) -> None:
     from harness import report
 
     report.write_results(run, Path(out_dir))
+
+
+def with_outputs(cases: list[Case], run_dir: Path) -> list[Case]:
+    """Each case with its own output directory under the run's, and the output directories of the
+    cases it reads (`after`) as its inputs: the driver resolves the links, a case never guesses a path."""
+    out = {c.id: str(run_dir / f"case{i:03d}") for i, c in enumerate(cases)}
+    return [dataclasses.replace(c, out_dir=out[c.id], inputs=tuple(out[d] for d in c.after if d in out))
+            for c in cases]
 
 
 def new_run_dir() -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from harness.errors import BadInput
 
@@ -85,9 +86,25 @@ class Layout:
         return cls(tp, pp, cp, dp, vpp)
 
 
+def id_fragment(params: Any) -> str:
+    """The non-default fields of a dataclass as a compact case-id fragment (`name=value,...`); "" for None."""
+    if params is None:
+        return ""
+    parts = []
+    for f in dataclasses.fields(params):
+        if not f.metadata.get("in_id", True):
+            continue
+        value = getattr(params, f.name)
+        if value != f.default:
+            parts.append(f"{f.name}={value}")
+    return ",".join(parts)
+
+
 @dataclass(frozen=True)
 class CaseOptions:
-    """What the user configures for a case; expected plans are derived from these, never from engine objects."""
+    """The training options every suite shares (steps, seed, dtype, DDP, optimizer, batch); what a
+    single suite needs lives in its own parameter type (`Case.params`). Expected plans are derived
+    from these, never from engine objects."""
 
     steps: int = 2
     warmup_steps: int = 0  # untimed steps before the `steps` a suite measures (step-perf)
@@ -103,36 +120,14 @@ class CaseOptions:
     bucket_size: int | None = None  # DDP gradient bucket size in elements (None: megatron's default)
     global_batch_size: int | None = None  # None: the model spec's
     micro_batch_size: int | None = None
-    # checkpoint suites: distributed-optimizer format (distrib_optim_sharding_type), with
-    # "fully_reshardable_mem_efficient" for fully_reshardable + the mem_efficient flag
-    ckpt_format: str = "dp_reshardable"
-    fully_parallel_save: bool = False
-    async_save: bool = False  # megatron's async save: the write runs in a forked process
-    # checkpoint contract cases: "reshard" saves and loads back at other layouts of its world size,
-    # "reshard-load" loads what the `ckpt_source` case (a layout id) saved
-    ckpt_role: str = ""
-    ckpt_source: str = ""
-    # dynamic-cp suite: the global batch's sequence lengths (named by `mix`), how CP is applied
-    # ("none": whole samples, "static": THD packs over the layout's CP, "dynamic": hybrid CP), and
-    # megatron's max_seqlen_per_dp_cp_rank (the dynamic local CP size follows from it)
-    mix: str = ""
-    seqlens: tuple[int, ...] = field(default=(), metadata={"in_id": False})
-    cp_mode: str = ""
-    max_seqlen_per_dp_cp_rank: int | None = None
-    # peft-ckpt suite: megatron-bridge's LoRA on every linear (rank `lora_dim`, scaling alpha / dim); 0 = off
+    # LoRA fine-tuning (megatron-bridge's LoRA on every linear, rank `lora_dim`, scaling alpha / dim;
+    # 0 = full training): what trains is a training option, whichever suite runs it (peft-ckpt does)
     lora_dim: int = 0
     lora_alpha: int = 0
 
     def short(self) -> str:
         """Non-default options as a compact id fragment."""
-        parts = []
-        for f in dataclasses.fields(self):
-            if not f.metadata.get("in_id", True):
-                continue
-            value = getattr(self, f.name)
-            if value != f.default:
-                parts.append(f"{f.name}={value}")
-        return ",".join(parts)
+        return id_fragment(self)
 
 
 @dataclass(frozen=True)
@@ -146,14 +141,24 @@ class Case:
     options: CaseOptions = field(default_factory=CaseOptions)
     backend: str = "gloo"
     timeout_s: float = 300.0
-    # ids of cases whose artefacts this case reads: the driver runs them first, shuffled or not
+    # ids of cases whose artefacts this case reads: the driver runs them first, shuffled or not, and
+    # hands this case their output directories as `inputs` (same order)
     after: tuple[str, ...] = field(default=(), compare=False)
-    # a directory private to one run of a suite, shared by its cases (set by the driver; "" outside a run)
-    run_dir: str = field(default="", compare=False)
+    # the suite's own parameters of this case: a frozen dataclass of the suite's module (part of the id)
+    params: Any = None
+    # set by the driver: this case's output directory (private to the run, outside any rank's workdir;
+    # later cases read it) and the output directories of the cases in `after`
+    out_dir: str = field(default="", compare=False)
+    inputs: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def variant(self) -> str:
+        """The non-default options and suite parameters as a compact fragment ("" when all are default)."""
+        return ",".join(x for x in (self.options.short(), id_fragment(self.params)) if x)
 
     @property
     def id(self) -> str:
-        opts = self.options.short()
+        opts = self.variant
         return f"{self.suite}/{self.engine}/{self.model.name}/{self.layout.id}" + (f"[{opts}]" if opts else "")
 
     @property

@@ -49,7 +49,7 @@ def publish(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
-    """run(suite, engine=None, label=None) -> SuiteRun: the suite with the session's options, its table
+    """run(suite, engine=None, label=None, suite_params=None) -> SuiteRun: the suite with the session's options, its table
     published and its results written. With --update-baselines a suite that has baselines is recorded
     first (3 repeats), then run again against the new file. A missing dependency skips the test."""
     from harness import report
@@ -60,11 +60,14 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
     c = request.config
     baselines_dir = c.getoption("--baselines-dir")
 
-    def run(name, engine: str | None = None, label: str | None = None):
+    def run(name, engine: str | None = None, label: str | None = None, suite_params: dict | None = None):
         engine = engine or harness_opts["engine"]
-        common = dict(engine=engine, backend=harness_opts["backend"], baselines_dir=baselines_dir)
-        if c.getoption("--min-effect") is not None and hasattr(get_suite(name), "min_effect"):
-            common["suite_params"] = {"min_effect": c.getoption("--min-effect")}
+        suite_params = dict(suite_params or {})
+        params_type = getattr(get_suite(name), "Params", None)
+        if c.getoption("--min-effect") is not None and "min_effect" in getattr(params_type, "__dataclass_fields__", {}):
+            suite_params["min_effect"] = c.getoption("--min-effect")
+        common = dict(engine=engine, backend=harness_opts["backend"], baselines_dir=baselines_dir,
+                      suite_params=suite_params)
         try:
             if c.getoption("--update-baselines") and hasattr(get_suite(name), "samples"):
                 from harness.baselines import record_suite

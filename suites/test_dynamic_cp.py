@@ -44,6 +44,6 @@ def test_generated_mixes(harness_opts, suite_runner, judge):
     @given(lengths=_mixes(harness_opts["world_size"]))
     def check(lengths):
         name = mix_name(lengths)
-        judge(suite_runner(DynamicCPSuite({name: lengths}), label=f"dynamic-cp-generated-{name}"))
+        judge(suite_runner("dynamic-cp", label=f"dynamic-cp-generated-{name}", suite_params={"mixes": {name: lengths}}))
 
     check()

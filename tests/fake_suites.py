@@ -25,7 +25,7 @@ class Misbehave:
     def metrics(self, result) -> dict[str, Any]:
         return {}
 
-    def check(self, results):
+    def check(self, results, params=None):
         return []
 
     def rank_work(self, case, ctx) -> dict[str, Any]:
@@ -63,7 +63,7 @@ class Mixed:
     default_model = "tiny"
     imports: tuple[str, ...] = ()
 
-    def cases(self, model, world_size, layouts, *, engine, backend, options):
+    def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:Mixed", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + mode),
@@ -82,7 +82,7 @@ class Mixed:
             raise RuntimeError("planted failure on rank 1")
         return {"value": {REGRESS: 12.0, IMPROVE: 7.0}.get(mode, 10.0)}
 
-    def check(self, results):
+    def check(self, results, params=None):
         from harness.checks import CheckResult
 
         out = []
@@ -103,7 +103,7 @@ class AllSkipped(Mixed):
 
     name = "all-skipped"
 
-    def cases(self, model, world_size, layouts, *, engine, backend, options):
+    def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:AllSkipped", model, Layout(dp=world_size), engine,
@@ -115,13 +115,13 @@ class ForgetsACase(Mixed):
 
     name = "forgets-a-case"
 
-    def cases(self, model, world_size, layouts, *, engine, backend, options):
+    def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:ForgetsACase", model, Layout(dp=world_size), engine,
                      CaseOptions(seed=100 * i + PASS), backend, 60.0) for i in range(3)]
 
-    def check(self, results):
+    def check(self, results, params=None):
         return super().check(results[:2])
 
 
@@ -130,7 +130,7 @@ class Sleepy(Mixed):
 
     name = "sleepy"
 
-    def cases(self, model, world_size, layouts, *, engine, backend, options):
+    def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:Sleepy", model, Layout(dp=world_size), engine,

@@ -59,7 +59,7 @@ class FewerSamplesEarlyReturn(CPEngine):
     partner runs the whole sample without CP."""
 
     def local_cp_size(self, sample: dict[str, Any]) -> int:
-        if len(self.case.options.seqlens) < self.dp_size:
+        if len(self.case.params.seqlens) < self.dp_size:
             sample.pop("local_cp_size", None)
             return 1
         return super().local_cp_size(sample)

@@ -19,7 +19,7 @@ class ContractOnly(CkptMemorySuite):
     def __init__(self, formats=("fully_reshardable",)):
         self.contract_formats = formats
 
-    def cases(self, model, world_size, layouts, *, engine="mcore", backend="gloo", options=None):
+    def cases(self, model, world_size, layouts, *, engine="mcore", backend="gloo", options=None, params=None):
         return contract_cases(self.name, model, world_size, engine, backend, options, self.contract_formats)
 
 

@@ -19,7 +19,7 @@ from harness.probes.ckpt_format import OnDisk, inspect
 from harness.probes.memory import MeasurementError, MemoryPeak, measure, read_captures
 from harness.spec import Case, CaseOptions, Layout
 from harness.suites import ckpt_contract
-from harness.suites.ckpt_contract import _judge, _judge_side_effects, refusal_kind
+from harness.suites.ckpt_contract import CkptCase, _judge, _judge_side_effects, refusal_kind
 from harness.suites.ckpt_memory import CkptMemorySuite
 
 NAN, INF = float("nan"), float("inf")
@@ -31,8 +31,9 @@ def _shards(values: dict[str, torch.Tensor]) -> list[ParamShard]:
 
 
 def _reshard_result(fmt: str = "fully_reshardable") -> CaseResult:
-    opts = CaseOptions(steps=2, ckpt_format=fmt, ckpt_role="reshard")
-    return CaseResult(Case("ckpt-memory", load_model("tiny"), DP4, "mcore", opts), [RankResult(0)], "ok")
+    case = Case("ckpt-memory", load_model("tiny"), DP4, "mcore", CaseOptions(steps=2),
+                params=CkptCase(fmt, ckpt_role="reshard"))
+    return CaseResult(case, [RankResult(0)], "ok")
 
 
 def _target(layout: Layout = DP4, w=None, stepped=None, optim=None, **extra) -> dict:
@@ -105,7 +106,7 @@ def test_baseline_check_names_a_nan_figure():
         def samples(result):
             return {"rank0.save_heap_peak_mib": NAN}
 
-    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1))
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCase())
     res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
     data = {"entries": {NanSamples.key(case): {"rank0.save_heap_peak_mib": {"value": 29.0, "tolerance": 5.8}}}}
     check = NanSamples()._check_baseline(res, data, "baselines.json")
@@ -120,7 +121,7 @@ def test_baseline_rows_state_the_smallest_detectable_regression():
         def samples(result):
             return {"rank0.save_heap_peak_mib": 29.1, "rank0.save_writer_peak_mib": 0.15}
 
-    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1))
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCase())
     res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
     entries = baselines.build_entries({Fixed.key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0],
                                                          "rank0.save_writer_peak_mib": [0.16, 0.15, 0.16]}})
@@ -293,7 +294,7 @@ def test_fsdp2_full_state_dict_file_and_dcp_with_one_writer_are_full(tmp_path):
 
 def _memory_result(fmt: str, layout: Layout, peaks_mib: list[float], model: str = "small",
                    on_disk: OnDisk | None = None, label: dict | None = None) -> CaseResult:
-    case = Case("ckpt-memory", load_model(model), layout, "mcore", CaseOptions(steps=1, ckpt_format=fmt))
+    case = Case("ckpt-memory", load_model(model), layout, "mcore", CaseOptions(steps=1), params=CkptCase(fmt))
     ranks = [RankResult(r, data={"save": MemoryPeak("save", heap_peak=int(p * MIB))}) for r, p in enumerate(peaks_mib)]
     ranks[0].data["on_disk"] = on_disk or OnDisk(fmt, "fabricated")
     ranks[0].data["content_metadata"] = label if label is not None else {"distrib_optim_sharding_type": fmt}

@@ -12,7 +12,7 @@ from harness.driver import run_suite
 from harness.errors import BadInput
 from harness.layouts import enumerate_layouts
 from harness.models import load_model
-from harness.spec import CaseOptions, Layout
+from harness.spec import Layout
 
 
 def _blind_spots(model, world_size: int, fmt: str = "dp_reshardable") -> set[tuple[str, int]]:
@@ -104,9 +104,9 @@ def test_baselines_compare_missing_and_corrupt(tmp_path):
         baselines.load(path)
 
 
-def _run(engine="mcore", formats=("default",), baselines_dir=None, model="small", **options):
+def _run(engine="mcore", formats=("default",), baselines_dir=None, model="small", **params):
     return run_suite("ckpt-memory", model, 4, ["tp1-pp1-cp1-dp4"], backend="gloo", engine=engine,
-                     ckpt_formats=list(formats), baselines_dir=baselines_dir, options=CaseOptions(**options))
+                     suite_params={"formats": formats, **params}, baselines_dir=baselines_dir)
 
 
 def _failed(run, check):

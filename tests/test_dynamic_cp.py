@@ -7,7 +7,7 @@ import pytest
 
 from harness.driver import plan, run_suite
 from harness.errors import BadInput
-from harness.suites.dynamic_cp import NAMED_MIXES, DynamicCPSuite, expected_local_cp
+from harness.suites.dynamic_cp import NAMED_MIXES, expected_local_cp
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ CP2 = ["tp1-pp1-cp2-dp2"]
 
 
 def _run(engine: str = "mcore", mixes=MIX, layouts=CP2):
-    return run_suite(DynamicCPSuite(mixes), "tiny", 4, layouts, engine=engine, backend="gloo")
+    return run_suite("dynamic-cp", "tiny", 4, layouts, engine=engine, backend="gloo", suite_params={"mixes": mixes})
 
 
 def _failed(run, mode: str) -> dict[str, str]:
@@ -93,11 +93,11 @@ def test_expected_local_cp(lengths, cp):
 
 def test_bad_mixes_and_layouts_are_refused_before_anything_runs():
     with pytest.raises(BadInput, match=r"every length must be in 1..120"):
-        plan(DynamicCPSuite({"bad": (500,)}), "tiny", 4)
+        plan("dynamic-cp", "tiny", 4, suite_params={"mixes": {"bad": (500,)}})
     with pytest.raises(BadInput, match="must have tp1 and pp1"):
-        plan(DynamicCPSuite(MIX), "tiny", 4, ["tp2-pp1-cp2-dp1"])
+        plan("dynamic-cp", "tiny", 4, ["tp2-pp1-cp2-dp1"], suite_params={"mixes": MIX})
     with pytest.raises(BadInput, match="even DP x CP size"):
-        plan(DynamicCPSuite(MIX), "tiny", 3)
+        plan("dynamic-cp", "tiny", 3, suite_params={"mixes": MIX})
 
 
 def test_missing_dynamic_cp_api_names_what_is_missing(monkeypatch):

@@ -52,14 +52,14 @@ def test_contract_load_case_declares_the_save_it_reads():
 class ContractOnly(CkptMemorySuite):
     """The dp_reshardable contract cases alone, planned load-case first."""
 
-    def cases(self, model, world_size, layouts, *, engine="mcore", backend="gloo", options=CaseOptions()):
+    def cases(self, model, world_size, layouts, *, engine="mcore", backend="gloo", options=CaseOptions(), params=None):
         return contract_cases(self.name, model, world_size, engine, backend, options, formats=("dp_reshardable",))[::-1]
 
 
 @pytest.mark.slow
 def test_contract_cases_pass_shuffled(no_leftover_ranks):
     run = run_suite(ContractOnly(), "tiny", 4, backend="gloo", shuffle_seed=3)
-    assert [r.case.options.ckpt_role for r in run.results] == ["reshard-load", "reshard"]  # plan order kept
+    assert [r.case.params.ckpt_role for r in run.results] == ["reshard-load", "reshard"]  # plan order kept
     assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results if r.error]
     loads = [c for c in run.checks if c.check == "ckpt-memory.reshard" and "->tp1-pp1-cp1-dp2" in c.case_id]
     assert loads and all(c.passed for c in loads)

@@ -91,10 +91,8 @@ LAYOUT = ["tp1-pp1-cp1-dp2"]
 DETECT, NO_ALARM = 0.10, 0.25
 
 
-def _suite(min_effect: float = DETECT):
-    from harness.suites.step_perf import StepPerfSuite
-
-    return StepPerfSuite(warmup_steps=3, timed_steps=12, option_sets=((True, True),), min_effect=min_effect)
+def _params(min_effect: float = DETECT) -> dict:
+    return dict(warmup_steps=3, timed_steps=12, option_sets=((True, True),), min_effect=min_effect)
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +100,16 @@ def recorded(tmp_path_factory):
     from harness.baselines import record_suite
 
     directory = tmp_path_factory.mktemp("step-perf-baselines")
-    path, diff = record_suite(_suite(), "tiny", 2, LAYOUT, baselines_dir=str(directory), backend="gloo",
-                              options=OPTIONS)
+    path, diff = record_suite("step-perf", "tiny", 2, LAYOUT, baselines_dir=str(directory), backend="gloo",
+                              options=OPTIONS, suite_params=_params())
     return directory, json.loads(path.read_text())
 
 
 def _run(engine: str, baselines_dir, min_effect: float = DETECT):
     from harness.driver import run_suite
 
-    run = run_suite(_suite(min_effect), "tiny", 2, LAYOUT, engine=engine, backend="gloo", options=OPTIONS,
-                    baselines_dir=str(baselines_dir))
+    run = run_suite("step-perf", "tiny", 2, LAYOUT, engine=engine, backend="gloo", options=OPTIONS,
+                    baselines_dir=str(baselines_dir), suite_params=_params(min_effect))
     assert all(r.ok for r in run.results), [r.error for r in run.results]
     return run, {c.check: c for c in run.checks}
 
@@ -130,8 +128,10 @@ def _planned_buckets() -> int:
     import dataclasses
 
     from harness.checks.grad_sync import plan
+    from harness.suites.step_perf import StepPerfParams, StepPerfSuite
 
-    case = _suite().cases(load_model("tiny"), 2, [Layout(dp=2)], options=OPTIONS)[0]
+    case = StepPerfSuite().cases(load_model("tiny"), 2, [Layout(dp=2)], options=OPTIONS,
+                                 params=StepPerfParams(**_params()))[0]
     one_step = dataclasses.replace(case, options=dataclasses.replace(case.options, steps=1))
     return sum(p.calls for p in plan(one_step, 0) if p.kind == "reduce_scatter")
 
@@ -198,7 +198,6 @@ def test_bisect_judges_step_time_with_the_same_statistics(recorded):
     from harness.bisect import BAD, Threshold, judge_run
 
     run, _ = _run("tests.faulty_engines:Straggler", recorded[0])
-    run.suite.baselines_dir = str(recorded[0])
     step = judge_run(run, "step_time_ms", Threshold("baseline+10%"))
     assert step.verdict == BAD, step.why
     assert re.match(r"step_time_ms [0-9.]+ ms vs [0-9.]+ ms: x1\.\d{3} \[.*\] 95% CI, Mann-Whitney p=\S+ \(n=12/36\), "

@@ -1,7 +1,7 @@
 """The context-parallel engine of the dynamic-cp suite: one global batch of variable-length samples,
 run with no CP, static CP or dynamic (hybrid) CP, returning per-token log-probs, loss and gradients.
 
-Modes (CaseOptions.cp_mode):
+Modes (CPCase.cp_mode):
 - "none": every sample whole, as its own micro-batch, on DP rank (i mod DP): the reference.
 - "static": each DP rank packs its samples into one THD micro-batch (per sequence padded to a
   multiple of 2*CP), split over the layout's CP group by the pure-torch THD split.
@@ -25,7 +25,7 @@ sample order) and the full gradients. The methods a fault injection replaces are
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,18 @@ from harness.errors import BadInput, MissingDependency
 from harness.spec import Case
 
 MODES = ("none", "static", "dynamic")
+
+
+@dataclass(frozen=True)
+class CPCase:
+    """A dynamic-cp case's own parameters (`Case.params`)."""
+
+    mix: str = ""  # the name of the global batch's sequence-length mix
+    seqlens: tuple[int, ...] = field(default=(), metadata={"in_id": False})  # named by `mix`
+    # "none": whole samples, "static": THD packs over the layout's CP, "dynamic": hybrid CP
+    cp_mode: str = ""
+    # megatron's max_seqlen_per_dp_cp_rank (the dynamic local CP size follows from it)
+    max_seqlen_per_dp_cp_rank: int | None = None
 
 
 @dataclass
@@ -53,7 +65,7 @@ class TokenOutputs:
 def samples(case: Case) -> list[dict[str, torch.Tensor]]:
     """The global batch: one dict of [L_i] tensors per sample, the same on every rank and layout."""
     out = []
-    for i, n in enumerate(case.options.seqlens):
+    for i, n in enumerate(case.params.seqlens):
         gen = torch.Generator().manual_seed(case.options.seed * 7919 + i)
         ids = torch.randint(0, case.model.vocab_size, (n + 1,), generator=gen)
         out.append({"tokens": ids[:-1], "labels": ids[1:], "loss_mask": torch.ones(n),
@@ -78,7 +90,7 @@ class CPEngine(McoreEngine):
 
     def __init__(self, case: Case, ctx):
         super().__init__(case, ctx)
-        self.mode = case.options.cp_mode or "none"
+        self.mode = case.params.cp_mode or "none"
         if self.mode not in MODES:
             raise BadInput(f"cp_mode {self.mode!r}: expected one of {', '.join(MODES)}")
         self.records: list[TokenOutputs] = []
@@ -102,13 +114,13 @@ class CPEngine(McoreEngine):
         config.calculate_per_token_loss = True
         if self.api:
             setattr(config, self.api.flag, True)  # selects megatron's dynamic-CP forward-backward
-            config.max_seqlen_per_dp_cp_rank = o.max_seqlen_per_dp_cp_rank
+            config.max_seqlen_per_dp_cp_rank = self.case.params.max_seqlen_per_dp_cp_rank
         self.config = config
         # the CP attention wherever a CP group may be larger than 1 (static CP, or per sample)
         cp_attention = self.mode == "dynamic" or lay.cp > 1
         spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, 2 if cp_attention else 1)
         chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=self.case.model.vocab_size,
-                         max_sequence_length=max(self.case.model.seq_length, *o.seqlens, 1),
+                         max_sequence_length=max(self.case.model.seq_length, *self.case.params.seqlens, 1),
                          pre_process=True, post_process=True,
                          share_embeddings_and_output_weights=self.case.model.tie_embeddings,
                          position_embedding_type="rope")
@@ -147,7 +159,7 @@ class CPEngine(McoreEngine):
             mbs = iter(mbs)
         get_forward_backward_func()(
             forward_step_func=self.forward_step, data_iterator=mbs, model=self.models[0],
-            num_microbatches=count, seq_length=max(self.case.options.seqlens), micro_batch_size=1,
+            num_microbatches=count, seq_length=max(self.case.params.seqlens), micro_batch_size=1,
             forward_only=False,
         )
 

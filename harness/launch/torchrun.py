@@ -38,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from harness import report
-    from harness.driver import SuiteRun, plan
+    from harness.driver import SuiteRun, planned_run, with_outputs
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
-        suite, cases = plan(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
-                            options=CaseOptions(steps=args.steps), timeout_s=args.timeout)
+        suite, params, cases = planned_run(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
+                                           options=CaseOptions(steps=args.steps), timeout_s=args.timeout)
     except BadInput as exc:
         if rank == 0:
             print(f"harness: error: {exc}", file=sys.stderr)
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     base = RankContext(rank, world, local_rank, backend, Path(os.environ.get("TMPDIR", "/tmp")))
     init_distributed(base, max(c.timeout_s for c in cases))
     results_group = dist.new_group(backend="gloo")  # results travel as objects, on the CPU
-    run = SuiteRun(suite, args.model, world, backend, args.engine, planned=len(cases))
+    run = SuiteRun(suite, args.model, world, backend, args.engine, planned=len(cases), params=params)
+    cases = with_outputs(cases, base.workdir / "outputs")
     t_run = time.monotonic()
     for case in cases:
         t_case = time.monotonic()

@@ -1,5 +1,6 @@
-"""Turn a SuiteRun into the printed table and DIR/results.json; `harness report DIR` renders
-results directories as Markdown, JUnit XML and PNG plots (report/files.py, junit.py, plots.py)."""
+"""A SuiteRun as data (DIR/results.json) and the printed report rendered from that data alone;
+`harness report DIR` renders results directories as Markdown, JUnit XML and PNG plots (report/files.py,
+junit.py, plots.py). Nothing here imports the driver, the suites or torch at module level."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from harness.driver import SuiteRun
-from harness.platform import detect_platform
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.driver import SuiteRun
 
 TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "save", "teardown")
 
@@ -73,143 +76,149 @@ def _git_commit() -> str:
 
 
 def fmt_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(str(x).ljust(w) for x, w in zip(header, widths)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+    from harness.tables import table
+
+    return table(header, rows)
 
 
-def format_run(run: SuiteRun) -> str:
-    """The human report: per-case verdict and suite figures, phase timings, then every failure."""
-    out = [f"== {run.suite.name}: model {run.model}, world size {run.world_size}, backend {run.backend}, "
-           f"engine {run.engine}"]
+def format_run(run: "SuiteRun") -> str:
+    """The human report of a run: rendered from its results data (as results.json holds it)."""
+    return format_results(to_json(run))
+
+
+def format_results(data: dict[str, Any]) -> str:
+    """The human report from a results.json's data alone: per-case verdict and suite figures, phase
+    timings, then every failure (no suite code, no torch)."""
+    from harness.tables import table
+
+    suite, cases, checks = data["suite"], data["cases"], data["checks"]
+    out = [f"== {suite}: model {data['model']}, world size {data['world_size']}, backend {data['backend']}, "
+           f"engine {data['engine']}"]
     by_case: dict[str, list] = {}
-    for c in run.checks:
-        by_case.setdefault(c.case_id, []).append(c)
-    metric_keys: list[str] = []
-    metrics = {}
-    for r in run.results:
-        m = run.suite.metrics(r) or {}
-        metrics[r.case.id] = m
-        for k in m:
-            if k not in metric_keys:
-                metric_keys.append(k)
-    check_cols: list[str] = []
-    for c in run.checks:
-        col = c.check.split(".", 1)[-1]
-        if c.value is not None and col not in check_cols:
-            check_cols.append(col)
+    for c in checks:
+        by_case.setdefault(c["case_id"], []).append(c)
+    metric_keys = list(dict.fromkeys(k for case in cases for k in case.get("metrics") or {}))
+    check_cols = list(dict.fromkeys(c["check"].split(".", 1)[-1] for c in checks if c.get("value") is not None))
     rows = []
-    outcomes = run.outcomes()
-    for o in outcomes:
-        r = o.result
-        checks = by_case.get(r.case.id, [])
-        values = {c.check.split(".", 1)[-1]: c.value for c in checks if c.value is not None}
-        verdict = o.outcome if o.outcome == "pass" else o.outcome.upper()
-        row = [r.case.layout.id, r.case.options.short() or "-"]
+    for case in cases:
+        own = by_case.get(case["id"], [])
+        values = {c["check"].split(".", 1)[-1]: c["value"] for c in own if c.get("value") is not None}
+        row = [case["layout"], case.get("variant") or "-"]
         for k in metric_keys:
-            v = metrics[r.case.id].get(k)
+            v = (case.get("metrics") or {}).get(k)
             row.append(" ".join(f"{x:.6f}" for x in v) if isinstance(v, list) else ("-" if v is None else str(v)))
         row += [f"{values[k]:.2e}" if k in values else "-" for k in check_cols]
-        failing = [c.check.split(".")[-1] for c in checks if not c.passed]
-        row += [verdict, ",".join(failing) or "-"]
+        outcome = case.get("outcome", "")
+        failing = [c["check"].split(".")[-1] for c in own if not c["passed"]]
+        row += [outcome if outcome == "pass" else outcome.upper(), ",".join(failing) or "-"]
         rows.append(row)
-    out.append(fmt_table(["layout", "options", *metric_keys, *check_cols, "verdict", "failed checks"], rows))
+    out.append(table(["layout", "options", *metric_keys, *check_cols, "verdict", "failed checks"], rows))
     out.append("")
     out.append("phase timings (s, slowest rank):")
-    trows = []
-    for r in run.results:
-        t = r.timings()
-        trows.append([r.case.layout.id, *(f"{t[p]:.2f}" if p in t else "-" for p in TIMING_PHASES), f"{r.wall_s:.1f}"])
-    out.append(fmt_table(["layout", *TIMING_PHASES, "wall"], trows))
-    adjusted = run_adjustments(run)
-    if adjusted:
+    trows = [[case["layout"], *(f"{case['timings'][p]:.2f}" if p in case["timings"] else "-" for p in TIMING_PHASES),
+              f"{case['wall_s']:.1f}"] for case in cases]
+    out.append(table(["layout", *TIMING_PHASES, "wall"], trows))
+    if data.get("adjustments"):
         out.append("")
         out.append("judged with these harness adjustments to the engine under test (cases):")
-        out += [f"  - {what} ({n}/{len(run.results)})" for what, n in adjusted.items()]
-    shown = [c for c in run.checks if c.passed and c.show and c.details]
+        out += [f"  - {what} ({n}/{len(cases)})" for what, n in data["adjustments"].items()]
+    shown = [c for c in checks if c["passed"] and c.get("show") and c.get("details")]
     if shown:
         out.append("")
         for c in shown:
-            out.append(f"{c.check} {c.case_id}: {c.message}")
-            out += [f"    {d}" for d in c.details]
-    failures = [c for c in run.checks if not c.passed]
+            out.append(f"{c['check']} {c['case_id']}: {c['message']}")
+            out += [f"    {d}" for d in c["details"]]
+    failures = [c for c in checks if not c["passed"]]
     if failures:
         out.append("")
         out.append("failures:")
         for c in failures:
-            out.append(f"FAIL {c.check} {c.case_id}: {c.message}")
-            out += [f"    {d}" for d in c.details[:20]]
-            if len(c.details) > 20:
-                out.append(f"    ... {len(c.details) - 20} more")
+            out.append(f"FAIL {c['check']} {c['case_id']}: {c['message']}")
+            out += [f"    {d}" for d in c["details"][:20]]
+            if len(c["details"]) > 20:
+                out.append(f"    ... {len(c['details']) - 20} more")
     out.append("")
     out.append("summary:")
-    out.append(format_summary(outcomes))
-    n_pass = sum(c.passed for c in run.checks)
+    out.append(summary_table(cases))
+    n_pass = sum(c["passed"] for c in checks)
     out.append("")
-    out.append(f"{run.suite.name}: {n_pass} checks passed, {len(run.checks) - n_pass} failed "
-               f"({len(run.results)} cases, {run.wall_s:.1f}s): {count_outcomes(outcomes)}")
-    if run.interrupted is not None:
-        out.append(f"{run.suite.name}: INTERRUPTED ({run.interrupted}) after {len(run.results)} of {run.planned} "
-                   f"cases: the finished cases are judged above and kept in results.json (exit {run.exit_code})")
-    elif run.verdict == "nothing judged":
-        out.append(f"{run.suite.name}: NOTHING JUDGED - no check ran (every case skipped or none planned); "
-                   f"this is not a pass (exit {run.exit_code})")
+    out.append(f"{suite}: {n_pass} checks passed, {len(checks) - n_pass} failed "
+               f"({len(cases)} cases, {data['wall_s']:.1f}s): {_count([c.get('outcome', '') for c in cases])}")
+    if data.get("interrupted"):
+        out.append(f"{suite}: INTERRUPTED ({data['interrupted']}) after {len(cases)} of {data['cases_planned']} "
+                   f"cases: the finished cases are judged above and kept in results.json (exit {data['exit_code']})")
+    elif data.get("verdict") == "nothing judged":
+        out.append(f"{suite}: NOTHING JUDGED - no check ran (every case skipped or none planned); "
+                   f"this is not a pass (exit {data['exit_code']})")
     return "\n".join(out)
 
 
-def run_adjustments(run: SuiteRun) -> dict[str, int]:
+def run_adjustments(run: "SuiteRun") -> dict[str, int]:
     """Each harness adjustment of the run with the number of cases it applied to, in first-seen order."""
     from collections import Counter
 
     return dict(Counter(a for r in run.results for a in r.adjustments()))
 
 
-def count_outcomes(outcomes) -> str:
-    """e.g. '17 pass, 2 regression, 1 error' (in the order of driver.OUTCOMES)."""
+def _count(outcomes: list[str]) -> str:
     from collections import Counter
 
-    from harness.driver import OUTCOMES
+    from harness.outcomes import OUTCOMES
 
-    n = Counter(o.outcome for o in outcomes)
+    n = Counter(outcomes)
     return ", ".join(f"{n[k]} {k}" for k in OUTCOMES if n[k]) or "no cases"
 
 
-def format_summary(outcomes, width: int = 140) -> str:
-    """One row per case: number, layout, options, outcome and, unless it passed, the reason."""
+def count_outcomes(outcomes) -> str:
+    """e.g. '17 pass, 2 regression, 1 error' (in the order of OUTCOMES)."""
+    return _count([o.outcome for o in outcomes])
+
+
+def summary_table(cases: list[dict[str, Any]], width: int = 140) -> str:
+    """One row per case (results.json's cases): number, layout, options, outcome and, unless it passed, why."""
+    from harness.tables import table
+
     rows = []
-    for i, o in enumerate(outcomes, 1):
-        reason = o.reason if len(o.reason) <= width else o.reason[: width - 3] + "..."
-        rows.append([str(i), o.result.case.layout.id, o.result.case.options.short() or "-", o.outcome, reason or "-"])
-    return fmt_table(["#", "layout", "options", "outcome", "reason"], rows)
+    for i, case in enumerate(cases, 1):
+        reason = case.get("reason") or ""
+        reason = reason if len(reason) <= width else reason[: width - 3] + "..."
+        rows.append([str(i), case["layout"], case.get("variant") or "-", case.get("outcome", ""), reason or "-"])
+    return table(["#", "layout", "options", "outcome", "reason"], rows)
 
 
-def to_json(run: SuiteRun) -> dict[str, Any]:
+def to_json(run: "SuiteRun") -> dict[str, Any]:
+    """A run as data (results.json): everything a report shows, so reports are rendered without the suite."""
     from dataclasses import asdict
+
+    from harness.platform import detect_platform
 
     return {
         "suite": run.suite.name, "model": run.model, "world_size": run.world_size, "engine": run.engine,
         "backend": run.backend, "platform": detect_platform(run.backend).key, "versions": versions(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
-        "passed": run.passed, "verdict": run.verdict, "adjustments": run_adjustments(run),
+        "passed": run.passed, "verdict": run.verdict, "exit_code": run.exit_code, "adjustments": run_adjustments(run),
         "judged": run.judged, "interrupted": str(run.interrupted) if run.interrupted else None,
         "cases_planned": run.planned, "label": run.label, "engine_dist": dict(engine_distribution(run.engine)),
+        "params": _jsonable(run.params),
         "cases": [
-            {"id": r.case.id, "layout": r.case.layout.id, "options": asdict(r.case.options),
+            {"id": r.case.id, "layout": r.case.layout.id, "variant": r.case.variant, "options": asdict(r.case.options),
+             "params": _jsonable(r.case.params),
              "status": r.status, "outcome": o.outcome, "reason": o.reason, "error": r.error,
              "wall_s": r.wall_s, "timings": r.timings(),
              "rank_timings": {str(x.rank): x.timings for x in r.ranks},
              "rank_memory": {str(x.rank): x.data.get("rank_memory") for x in r.ranks},
              "fresh_ranks": r.fresh_ranks, "notes": r.notes, "adjustments": r.adjustments(),
-             "metrics": run.suite.metrics(r) or {},
-             "data": run.suite.report_data(r) if r.ok and hasattr(run.suite, "report_data") else {},
-             **({"baseline_key": run.suite.key(r.case), "samples": run.suite.samples(r)}
-                if r.ok and hasattr(run.suite, "samples") else {})}
+             **{"metrics": {}, "data": {}, **(run.describe(r).figures or {})}}
             for o in run.outcomes() for r in [o.result]
         ],
         "checks": [asdict(c) for c in run.checks],
     }
+
+
+def _jsonable(params: Any) -> dict[str, Any]:
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(params) if is_dataclass(params) else {}
 
 
 def write_results(run: SuiteRun, out_dir: Path) -> Path:

@@ -29,7 +29,7 @@ def _pyplot():
 
 def case_label(case: dict[str, Any]) -> str:
     """Short label: the layout and what distinguishes the case within its suite."""
-    o = case.get("options", {})
+    o = {**case.get("options", {}), **(case.get("params") or {})}  # older results.json: params in options
     bits = [case["layout"]]
     if o.get("ckpt_role"):
         bits.append(f"{o['ckpt_format']} {o['ckpt_role']}")

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import shutil
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,33 +45,46 @@ def promised(fmt: str, saved: Layout, target: Layout) -> bool:
     return (saved.tp, saved.pp, saved.vpp) == (target.tp, target.pp, target.vpp)  # dp_reshardable: DP only
 
 
+@dataclass(frozen=True)
+class CkptCase:
+    """A checkpoint case's own parameters (`Case.params` of the ckpt-memory suite)."""
+
+    # the distributed optimizer's format (distrib_optim_sharding_type), with "fully_reshardable_mem_efficient"
+    # for fully_reshardable + the mem_efficient flag, "default" for what the engine saves unasked, fsdp2_*
+    ckpt_format: str = "dp_reshardable"
+    fully_parallel_save: bool = False  # through megatron's fully parallel save wrapper
+    async_save: bool = False  # megatron's async save: the write runs in a forked process
+    # "" a memory case; "reshard" saves and loads back at other layouts of its world size; "reshard-load"
+    # loads what the case it runs after (`Case.after`) saved, at another world size
+    ckpt_role: str = ""
+
+
 def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, backend: str,
                    options: CaseOptions, formats: tuple[str, ...] = CONTRACT_FORMATS) -> list[Case]:
     """One reshard case per format at world size 4, and one DP-only load case at world size 2."""
     if world_size != Layout.parse(SAVE_LAYOUT).world_size:
         return []
     out = []
+    opts = dataclasses.replace(options, steps=2, use_distributed_optimizer=True)
     for fmt in formats:
-        base = {**dataclasses.asdict(options), "steps": 2, "use_distributed_optimizer": True, "ckpt_format": fmt}
-        base["seqlens"] = tuple(base["seqlens"])
-        saver = Case(name, model, Layout.parse(SAVE_LAYOUT), engine, CaseOptions(**{**base, "ckpt_role": "reshard"}),
-                     backend)
+        saver = Case(name, model, Layout.parse(SAVE_LAYOUT), engine, opts, backend,
+                     params=CkptCase(fmt, ckpt_role="reshard"))
         out.append(saver)
-        out.append(Case(name, model, Layout.parse(DP_ONLY_TARGET), engine,
-                        CaseOptions(**{**base, "ckpt_role": "reshard-load", "ckpt_source": SAVE_LAYOUT}), backend,
-                        after=(saver.id,)))  # loads what `saver` wrote
+        out.append(Case(name, model, Layout.parse(DP_ONLY_TARGET), engine, opts, backend, after=(saver.id,),
+                        params=CkptCase(fmt, ckpt_role="reshard-load")))  # loads what `saver` wrote
     return out
 
 
-def shared_dir(case: Case, source: str) -> Path:
-    """Where the reshard case's checkpoint lives for the load cases: in the run's own directory
-    (outside any case's workdir; a concurrent run has its own)."""
-    sub = f"reshard/{case.engine}/{case.model.name}/{case.options.ckpt_format}/{source}".replace(":", "_")
-    if case.run_dir:
-        path = Path(case.run_dir) / sub
-        path.mkdir(parents=True, exist_ok=True)
-        return path / "ckpt"
-    return artifacts_dir(sub) / "ckpt"
+def saved_checkpoint(case: Case) -> Path:
+    """Where a reshard case writes its checkpoint, and where a reshard-load case finds the one it reads
+    (the output directory of the case it runs after, resolved by the driver)."""
+    if case.params.ckpt_role == "reshard":
+        root = Path(case.out_dir) if case.out_dir else artifacts_dir(case.id)
+    elif case.inputs:
+        root = Path(case.inputs[0])
+    else:  # run outside a driver run: where the saver, also run outside one, wrote it
+        root = artifacts_dir(case.after[0])
+    return root / "ckpt"
 
 
 def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[str, Any]:
@@ -90,7 +104,7 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[
         dist.barrier()
         phase = "load"
         with ctx.phase("load"), measure("load", artifacts_dir(case.id), ctx.rank, device=not ctx.on_cpu) as peak:
-            engine.load_checkpoint(str(ckpt), case.options.ckpt_format)
+            engine.load_checkpoint(str(ckpt), case.params.ckpt_format)
         out["load"] = peak
         phase = "after the load"
         out["loaded"] = engine.param_shards()
@@ -162,8 +176,8 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
     from harness.platform.parallel import teardown_parallel_state
 
     data: dict[str, Any] = {"targets": []}
-    if case.options.ckpt_role == "reshard":
-        ckpt = shared_dir(case, case.layout.id)
+    if case.params.ckpt_role == "reshard":
+        ckpt = saved_checkpoint(case)
         if ctx.rank == 0:
             shutil.rmtree(ckpt, ignore_errors=True)
             ckpt.mkdir(parents=True)
@@ -174,7 +188,7 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
             engine.train_step(0)
         dist.barrier()
         with ctx.phase("save"):
-            engine.save_checkpoint(str(ckpt), case.options.ckpt_format)
+            engine.save_checkpoint(str(ckpt), case.params.ckpt_format)
         dist.barrier()
         data["saved"] = engine.param_shards()
         data["saved_optim"] = _optimizer_state(engine)
@@ -192,7 +206,7 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
         teardown_parallel_state()
         targets = [Layout.parse(t) for t in TARGETS if Layout.parse(t).world_size == case.layout.world_size]
     else:
-        ckpt = shared_dir(case, case.options.ckpt_source)
+        ckpt = saved_checkpoint(case)
         targets = [case.layout]
     for layout in targets:
         data["targets"].append(_try_load(case, ctx, layout, ckpt))
@@ -202,21 +216,20 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
 def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
     """Per format and target layout: loads where promised, with the saved values."""
     out: list[CheckResult] = []
-    sources = {(r.case.options.ckpt_format, r.case.layout.id): r for r in results
-               if r.case.options.ckpt_role == "reshard" and r.ok}
+    ran = {r.case.id: r for r in results}
     for res in results:
-        role, fmt = res.case.options.ckpt_role, res.case.options.ckpt_format
+        role, fmt = res.case.params.ckpt_role, res.case.params.ckpt_format
         if not role:
             continue
         if not res.ok:
             lines = (res.error or "failed").splitlines()
             out.append(CheckResult("ckpt-memory.reshard", res.case.id, False, lines[0], lines[1:]))
             continue
-        src_id = res.case.layout.id if role == "reshard" else res.case.options.ckpt_source
-        src = sources.get((fmt, src_id))
-        if src is None:
+        src_id = res.case.id if role == "reshard" else res.case.after[0]
+        src = ran.get(src_id)
+        if src is None or not src.ok:
             out.append(CheckResult("ckpt-memory.reshard", res.case.id, False,
-                                   f"{fmt}: the case that saves at {src_id} did not run, nothing to load"))
+                                   f"{fmt}: the case that saves ({src_id}) did not run, nothing to load"))
             continue
         saved = assemble([r.data["saved"] for r in src.ranks]).tensors
         saved_optim = _assemble_optional([r.data.get("saved_optim") for r in src.ranks])
@@ -227,7 +240,7 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
         n_targets = len(res.ranks[0].data["targets"])
         for i in range(n_targets):
             per_rank = [r.data["targets"][i] for r in res.ranks]
-            out.append(_judge(res, fmt, Layout.parse(src_id), per_rank, saved, reference, saved_optim))
+            out.append(_judge(res, fmt, src.case.layout, per_rank, saved, reference, saved_optim))
     return out
 
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 import math
-import os
+from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult
 from harness.engines import make_engine
+from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.probes.memory import MIB, artifacts_dir, measure
+from harness.report.artifacts import flamegraph_path
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suites.ckpt_contract import check_reshard, contract_cases, reshard_work
+from harness.suites.ckpt_contract import CkptCase, check_reshard, contract_cases, reshard_work
 
 # fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
 # is not supported"; it can still be asked for with --ckpt-format.
@@ -32,20 +34,37 @@ EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharde
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
 
 
+@dataclass(frozen=True)
+class CkptMemoryParams:
+    """The ckpt-memory suite's parameters: which formats, how they are saved, against which baselines."""
+
+    formats: tuple[str, ...] = FORMATS  # --ckpt-format
+    contract: bool = True  # also the reshard contract cases (harness/suites/ckpt_contract.py), default matrix only
+    fully_parallel_save: bool = False
+    async_save: bool = False
+    baselines_dir: str | None = None  # None: the repository's baselines/
+
+    def __post_init__(self):
+        object.__setattr__(self, "formats", tuple(self.formats))
+        unknown = sorted(set(self.formats) - set(ALL_FORMATS))
+        if unknown:
+            raise BadInput(f"unknown checkpoint format(s) {unknown}; known: {', '.join(ALL_FORMATS)}")
+
+
 class CkptMemorySuite:
     name = "ckpt-memory"
     default_model = "small"  # the CPU tier's model when none is given
-    formats = FORMATS
-    contract = True  # also the reshard contract cases (harness/suites/ckpt_contract.py)
-    ALL_FORMATS = ALL_FORMATS
+    Params = CkptMemoryParams
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",
                "memray")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: CkptMemoryParams | None = None) -> list[Case]:
+        p = params or CkptMemoryParams()
         # the contract cases come with the default matrix (not with hand-picked layouts or formats)
-        contract = self.contract and layouts is None and self.formats == FORMATS
+        contract = p.contract and layouts is None and p.formats == FORMATS
         if layouts is None:
             layouts = [Layout.parse(i) for i in DEFAULT_LAYOUTS if Layout.parse(i).world_size == world_size] \
                 or [Layout(dp=world_size)]
@@ -55,28 +74,27 @@ class CkptMemorySuite:
         mcore_engine, fsdp2_engine = ("mcore", engine) if fsdp2 else (engine, "fsdp2")
         memory = []
         for lay in layouts:
-            for fmt in self.formats:
+            for fmt in p.formats:
                 is_fsdp2_format = fmt.startswith("fsdp2")
-                megatron_only = options.fully_parallel_save or options.async_save
+                megatron_only = p.fully_parallel_save or p.async_save
                 if is_fsdp2_format and ((lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1) or megatron_only):
                     continue  # FSDP2 shards over DP only; the fully parallel wrapper and async save are megatron's
-                opts = CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": not is_fsdp2_format,
-                                      "ckpt_format": fmt})
+                opts = dataclasses.replace(options, steps=1, use_distributed_optimizer=not is_fsdp2_format)
                 memory.append(Case(self.name, model, lay, fsdp2_engine if is_fsdp2_format else mcore_engine, opts,
-                                   backend))
+                                   backend, params=CkptCase(fmt, p.fully_parallel_save, p.async_save)))
         if contract:  # the default matrix: async and fully parallel saves of both main formats at the first layout
+            opts = dataclasses.replace(options, steps=1, use_distributed_optimizer=True)
             for variant, formats in (("async_save", ASYNC_FORMATS), ("fully_parallel_save", FULLY_PARALLEL_FORMATS)):
                 for fmt in formats:
-                    opts = CaseOptions(**{**options.__dict__, "steps": 1, "use_distributed_optimizer": True,
-                                          "ckpt_format": fmt, variant: True})
-                    memory.append(Case(self.name, model, layouts[0], mcore_engine, opts, backend))
+                    memory.append(Case(self.name, model, layouts[0], mcore_engine, opts, backend,
+                                       params=CkptCase(fmt, **{variant: True})))
         return memory + (contract_cases(self.name, model, world_size, mcore_engine, backend, options)
                          if contract else [])
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
         import torch.distributed as dist
 
-        if case.options.ckpt_role:
+        if case.params.ckpt_role:
             return reshard_work(case, ctx)
         from harness.suites import layout_coords
 
@@ -92,11 +110,11 @@ class CkptMemorySuite:
         dist.barrier()
         captures = artifacts_dir(case.id)
         with ctx.phase("save"), measure("save", captures, ctx.rank, device=not ctx.on_cpu) as peak:
-            if case.options.async_save:
-                engine.save_checkpoint(str(ckpt_dir), case.options.ckpt_format, case.options.fully_parallel_save,
+            if case.params.async_save:
+                engine.save_checkpoint(str(ckpt_dir), case.params.ckpt_format, case.params.fully_parallel_save,
                                        async_save=True)
             else:
-                engine.save_checkpoint(str(ckpt_dir), case.options.ckpt_format, case.options.fully_parallel_save)
+                engine.save_checkpoint(str(ckpt_dir), case.params.ckpt_format, case.params.fully_parallel_save)
         dist.barrier()
         out = {"coords": layout_coords(), "save": peak}
         if ctx.rank == 0:
@@ -107,7 +125,7 @@ class CkptMemorySuite:
         return out
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
-        if not result.ok or result.case.options.ckpt_role:
+        if not result.ok or result.case.params.ckpt_role:
             return {}
         peaks = [r.data["save"] for r in result.ranks]
         return {"host peak MiB/rank": " ".join(f"{p.host_peak / MIB:.0f}" for p in peaks),
@@ -116,25 +134,23 @@ class CkptMemorySuite:
     @staticmethod
     def report_data(result: CaseResult) -> dict[str, Any]:
         """Per-rank peaks of the save (bytes) and the rank's RSS timeline during it, for plots."""
-        if result.case.options.ckpt_role:
+        if result.case.params.ckpt_role:
             return {}
         from dataclasses import asdict
 
         return {"save": {str(r.rank): asdict(r.data["save"]) for r in result.ranks}}
 
-    baselines_dir = None  # set by the driver (--baselines-dir); None: the repository's baselines/
-
     @staticmethod
     def key(case: Case) -> str:
-        return f"{case.model.name}/{case.layout.id}/{case.options.ckpt_format}" + \
-            ("/fully-parallel" if case.options.fully_parallel_save else "") + ("/async" if case.options.async_save else "")
+        return f"{case.model.name}/{case.layout.id}/{case.params.ckpt_format}" + \
+            ("/fully-parallel" if case.params.fully_parallel_save else "") + ("/async" if case.params.async_save else "")
 
     @staticmethod
     def record_command(case: Case) -> str:
         """The command that records exactly this case's baseline."""
         from harness import baselines
 
-        o = case.options
+        o = case.params
         engine = "" if case.engine in ("mcore", "fsdp2") else f" --engine {case.engine}"
         return (baselines.record_command(case.suite, case.model.name, case.layout.world_size)
                 + f" --layout {case.layout.id} --ckpt-format {o.ckpt_format}{engine}"
@@ -145,10 +161,10 @@ class CkptMemorySuite:
         """The baselined metrics of a case, MiB: per rank, the save's heap peak in the rank itself and in
         its forked writer processes (judged apart: the writers' peak depends on fork timing)."""
         out = {}
-        if result.case.options.ckpt_role:
+        if result.case.params.ckpt_role:
             return out  # checkpoint contract cases: judged on values, not baselined
         for r in result.ranks:
-            if result.case.options.ckpt_format == "fsdp2_full" and r.rank != 0:
+            if result.case.params.ckpt_format == "fsdp2_full" and r.rank != 0:
                 # Only gathers pass through these ranks; their peak is bimodal across reruns (8 or 12 MiB
                 # for `small`: one more full tensor alive or not), so only the model band judges them.
                 continue
@@ -156,23 +172,24 @@ class CkptMemorySuite:
             out[f"rank{r.rank}.save_writer_peak_mib"] = r.data["save"].children_heap_peak / MIB
         return out
 
-    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+    def check(self, results: list[CaseResult], params: CkptMemoryParams | None = None) -> list[CheckResult]:
         from harness import baselines
         from harness.platform import detect_platform
 
+        p = params or CkptMemoryParams()
         out: list[CheckResult] = []
         data_by_platform: dict[str, dict] = {}
         out.extend(check_reshard(results))
         for res in results:
             case = res.case
-            if case.options.ckpt_role:
+            if case.params.ckpt_role:
                 continue
             if not res.ok:
                 lines = res.error.splitlines() or ["failed"]
                 out.append(CheckResult("ckpt-memory.run", case.id, False, lines[0], lines[1:]))
                 continue
             platform = detect_platform(case.backend).key
-            path = baselines.baseline_path(self.baselines_dir, platform, self.name)
+            path = baselines.baseline_path(p.baselines_dir, platform, self.name)
             if platform not in data_by_platform:
                 data_by_platform[platform] = baselines.load(path)
             out.append(self._check_contract(res))
@@ -195,7 +212,7 @@ class CkptMemorySuite:
         """The format asked for against what is on disk (and, for mem_efficient, what the memory shows)."""
         from harness.probes.ckpt_format import EXPECTED_ON_DISK
 
-        asked = res.case.options.ckpt_format
+        asked = res.case.params.ckpt_format
         expected = EXPECTED_DEFAULTS.get(asked, asked)
         disk = next(r.data["on_disk"] for r in res.ranks if "on_disk" in r.data)
         label = self.labelled_format(res)
@@ -225,12 +242,12 @@ class CkptMemorySuite:
         from harness.checks.memory_model import discrimination, rival, save_band
 
         case = res.case
-        fmt = EXPECTED_DEFAULTS.get(case.options.ckpt_format, case.options.ckpt_format)
+        fmt = EXPECTED_DEFAULTS.get(case.params.ckpt_format, case.params.ckpt_format)
         rows, bad, blind = [], [], []
         judged = [r.rank for r in res.ranks if rival(fmt, case.layout, r.rank)]  # ranks where a rival exists
         for r in res.ranks:
-            band = save_band(fmt, case.model, case.layout, r.rank, case.options.fully_parallel_save)
-            why = discrimination(fmt, case.model, case.layout, r.rank, case.options.fully_parallel_save)
+            band = save_band(fmt, case.model, case.layout, r.rank, case.params.fully_parallel_save)
+            why = discrimination(fmt, case.model, case.layout, r.rank, case.params.fully_parallel_save)
             peak = r.data["save"].host_peak
             ok = band.contains(peak)
             rows.append(f"rank {r.rank}: host peak {peak / MIB:.1f} MiB, model {band.describe()} "
@@ -267,10 +284,9 @@ class CkptMemorySuite:
             figures[metric] = {"measured": value, "baseline": v.baseline, "tolerance": v.tolerance, "status": v.status}
         figures = {"key": key, "metrics": figures}
         by_status = {st: [m for m, v in verdicts.items() if v.status == st] for st in ("missing", "regression", "improvement")}
+        # the report stage deletes the captures of a pass and renders the flamegraph of a failure
+        figures["captures"] = [r.data["save"].capture for r in res.ranks if r.data["save"].capture]
         if not any(by_status.values()):
-            for r in res.ranks:  # nothing to look at: drop the captures (no capture: "" + "*" is the cwd)
-                for f in glob.glob(r.data["save"].capture + "*") if r.data["save"].capture else []:
-                    os.unlink(f)
             coarsest = max(verdicts, key=lambda m: _relative_tolerance(verdicts[m]), default=None)
             sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
             return CheckResult("ckpt-memory.baseline", res.case.id, True, f"within baseline ({key}){sees}", rows,
@@ -283,7 +299,9 @@ class CkptMemorySuite:
         metric = max(by_status["regression"] or by_status["improvement"],
                      key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
         v = verdicts[metric]
-        flame = flamegraph(res.ranks[int(metric.split(".")[0][4:])].data["save"].capture)
+        capture = res.ranks[int(metric.split(".")[0][4:])].data["save"].capture
+        figures["flamegraph_of"] = capture
+        flame = flamegraph_path(capture)
         if not math.isfinite(v.measured):
             return CheckResult("ckpt-memory.baseline", res.case.id, False,
                                f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
@@ -321,7 +339,7 @@ def _gathered_off_dp_rank0(res: CaseResult) -> tuple[bool | None, str]:
     from harness.checks.memory_model import discrimination, gathers, save_band
 
     mem_eff, case = "fully_reshardable_mem_efficient", res.case
-    fp = case.options.fully_parallel_save
+    fp = case.params.fully_parallel_save
     off = [r for r in res.ranks if not gathers(mem_eff, case.layout, r.rank)]
     if not off:
         return None, "cannot tell: every rank is a DP rank 0 (D = 1)"
@@ -377,19 +395,6 @@ def warm_up_checkpointing(ctx: RankContext) -> None:
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
     dist.barrier()
     _WARM = True
-
-
-def flamegraph(capture: str) -> str:
-    """Render memray's flamegraph of a capture next to it; returns its path (or why not)."""
-    import subprocess
-    import sys
-
-    if not capture:
-        return "(no capture)"
-    out = capture.replace(".bin", ".html")
-    proc = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", "-o", out, capture],
-                          capture_output=True, text=True, timeout=120)
-    return out if proc.returncode == 0 else f"(memray flamegraph failed: {proc.stderr.strip()[-200:]})"
 
 
 def _is_fsdp2(engine: str) -> bool:

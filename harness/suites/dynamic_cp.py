@@ -10,6 +10,7 @@ per-token loss, and the full gradient of every parameter.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from harness.checks import CheckResult
 from harness.checks.numeric import beyond, fmt_err, nonfinite_count, nonfinite_summary, severity, within
 from harness.checks.tensors import rel_error
 from harness.engines import resolve_factory
-from harness.engines.dynamic_cp import CPEngine, TokenOutputs, check_dynamic_cp_available
+from harness.engines.dynamic_cp import CPCase, CPEngine, TokenOutputs, check_dynamic_cp_available
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -83,25 +84,32 @@ def check_mix(lengths: tuple[int, ...]) -> None:
                        f"(128 tokens after padding = the whole DP x CP group at max_seqlen_per_dp_cp_rank = 128 / world size)")
 
 
+@dataclass(frozen=True)
+class DynamicCPParams:
+    """The dynamic-cp suite's parameters: the sequence-length mixes of its global batches."""
+
+    mixes: dict[str, tuple[int, ...]] | None = None  # None: the named mixes plus `random_mixes` seeded ones
+    random_mixes: int = 2
+
+
 class DynamicCPSuite:
     name = "dynamic-cp"
     default_model = "tiny"  # the CPU tier's model when none is given
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.pipeline_parallel")
-    random_mixes = 2  # seeded random mixes added to the named ones when no mixes are given
-
-    def __init__(self, mixes: dict[str, tuple[int, ...]] | None = None):
-        self.mixes = mixes
+    Params = DynamicCPParams
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
             return {}
         loss = _loss(result)
-        return {"cp_mode": result.case.options.cp_mode, "loss": round(loss, 8) if loss is not None else None}
+        return {"cp_mode": result.case.params.cp_mode, "loss": round(loss, 8) if loss is not None else None}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: DynamicCPParams | None = None) -> list[Case]:
         """Per mix: no CP (reference), static CP at every CP size of the layouts, dynamic CP."""
+        p = params or DynamicCPParams()
         check_dynamic_cp_available()
         if world_size % 2:
             raise BadInput(f"dynamic CP needs an even DP x CP size (megatron's hybrid groups); world size {world_size}")
@@ -112,21 +120,20 @@ class DynamicCPSuite:
             validate(lay, model, world_size)
             if lay.tp != 1 or lay.pp != 1:
                 raise BadInput(f"dynamic-cp compares CP only: layout {lay.id} must have tp1 and pp1")
-        mixes = dict(self.mixes) if self.mixes is not None else dict(NAMED_MIXES)
-        if self.mixes is None:
+        mixes = dict(p.mixes) if p.mixes is not None else dict(NAMED_MIXES)
+        if p.mixes is None:
             rng = random.Random(options.seed)
-            for _ in range(self.random_mixes):
+            for _ in range(p.random_mixes):
                 lengths = random_mix(rng, world_size)
                 mixes[mix_name(lengths)] = lengths
         out = []
         for name, lengths in mixes.items():
             check_mix(lengths)
-            base = dict(mix=name, seqlens=tuple(lengths), max_seqlen_per_dp_cp_rank=max_seqlen_per_rank(world_size))
             plan = [(Layout(dp=world_size), "none")] + [(lay, "static") for lay in static] + \
                    [(Layout(dp=world_size), "dynamic")]
             for lay, mode in plan:
-                opts = CaseOptions(**{**_fields(options), **base, "cp_mode": mode})
-                out.append(Case(self.name, model, lay, engine, opts, backend))
+                out.append(Case(self.name, model, lay, engine, options, backend,
+                                params=CPCase(name, tuple(lengths), mode, max_seqlen_per_rank(world_size))))
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
@@ -136,7 +143,7 @@ class DynamicCPSuite:
         with ctx.phase("steps"):
             engine.run()
         with ctx.phase("collect"):
-            merged = engine.merge(engine.gather_records(), len(case.options.seqlens))
+            merged = engine.merge(engine.gather_records(), len(case.params.seqlens))
             data = {"records": [_plain(r) for r in engine.records], "loss_sum": engine.loss_sum,
                     "num_tokens": engine.num_tokens}
             if ctx.rank == 0:
@@ -145,13 +152,13 @@ class DynamicCPSuite:
         return data
 
     # -- checks -------------------------------------------------------------------------------
-    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+    def check(self, results: list[CaseResult], params: DynamicCPParams | None = None) -> list[CheckResult]:
         out: list[CheckResult] = []
         by_mix: dict[str, list[CaseResult]] = {}
         for res in results:
-            by_mix.setdefault(res.case.options.mix, []).append(res)
+            by_mix.setdefault(res.case.params.mix, []).append(res)
         for group in by_mix.values():
-            ref = next((r for r in group if r.case.options.cp_mode == "none"), None)
+            ref = next((r for r in group if r.case.params.cp_mode == "none"), None)
             for res in group:
                 cid = res.case.id
                 if not res.ok:
@@ -217,10 +224,10 @@ class DynamicCPSuite:
 
     @staticmethod
     def _check_logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
-        lengths = res.case.options.seqlens
+        lengths = res.case.params.seqlens
         got = _rank0(res)["merged"]
         want = _reference_logprobs(ref)
-        head = f"{res.case.layout.id} {res.case.options.cp_mode}"
+        head = f"{res.case.layout.id} {res.case.params.cp_mode}"
         if len(got) != len(want):
             return CheckResult("dynamic-cp.logprobs", res.case.id, False,
                                f"{head}: the merged output has {len(got)} samples, the batch has {len(want)} "
@@ -255,14 +262,14 @@ class DynamicCPSuite:
         rel = abs(got - want) / abs(want) if want else abs(got - want)
         ok = within(rel, rtol)
         return CheckResult("dynamic-cp.loss", res.case.id, ok,
-                           f"{res.case.layout.id} {res.case.options.cp_mode}: per-token loss {got:.8f} vs no CP "
+                           f"{res.case.layout.id} {res.case.params.cp_mode}: per-token loss {got:.8f} vs no CP "
                            f"{want:.8f} (tokens {_tokens(res)} vs {_tokens(ref)}), rel {fmt_err(rel)} "
                            f"{'<=' if ok else '>'} {rtol:.0e}", value=rel)
 
     @staticmethod
     def _check_grads(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
         got, want = _rank0(res)["grads"], _rank0(ref)["grads"]
-        head = f"{res.case.layout.id} {res.case.options.cp_mode}"
+        head = f"{res.case.layout.id} {res.case.params.cp_mode}"
         if set(got) != set(want):
             return CheckResult("dynamic-cp.grads", res.case.id, False,
                                f"{head}: parameter names differ from no CP: {sorted(set(got) ^ set(want))[:5]}")
@@ -290,12 +297,6 @@ def make_cp_engine(case: Case, ctx: RankContext) -> CPEngine:
     return factory(case, ctx)
 
 
-def _fields(options: CaseOptions) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-
-
 def _plain(r: TokenOutputs) -> tuple:
     return (r.sample, r.positions, r.logprobs, r.local_cp, r.rank)
 
@@ -310,7 +311,7 @@ def _rank0(res: CaseResult) -> dict[str, Any]:
 
 def _reference_logprobs(ref: CaseResult) -> list[torch.Tensor]:
     """The no-CP run's log-probs per sample, assembled here (no engine merge involved)."""
-    lengths = ref.case.options.seqlens
+    lengths = ref.case.params.seqlens
     out = [torch.full((n,), float("nan")) for n in lengths]
     for rank in ref.ranks:
         for rec in map(_record, rank.data["records"]):

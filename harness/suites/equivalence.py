@@ -135,7 +135,8 @@ class EquivalenceSuite:
         return {"losses": step_losses(result)} if result.ok else {}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: None = None) -> list[Case]:
         """The pure-DP reference first, then every other layout (default: every valid layout, CP included)."""
         options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
@@ -161,7 +162,7 @@ class EquivalenceSuite:
             shards = engine.param_shards()
         return {"coords": layout_coords(), "steps": steps, "params": shards}
 
-    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+    def check(self, results: list[CaseResult], params: None = None) -> list[CheckResult]:
         if not results:
             return []
         ref = results[0]

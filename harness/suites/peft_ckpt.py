@@ -58,10 +58,8 @@ EXPORT_FIXED = 4 * MIB
 
 
 def adapter_dir(case: Case) -> Path:
-    """Where a case's adapter is exported: in the run's directory (outside any case's workdir)."""
-    sub = f"peft/{case.engine}/{case.model.name}/{case.layout.id}".replace(":", "_")
-    root = Path(case.run_dir) if case.run_dir else artifacts_dir(case.id)
-    return root / sub / "adapter"
+    """Where a case's adapter is exported: its output directory (outside any rank's workdir)."""
+    return (Path(case.out_dir) if case.out_dir else artifacts_dir(case.id)) / "adapter"
 
 
 def export_bound(model: ModelSpec, dim: int) -> int:
@@ -132,7 +130,8 @@ class PeftCkptSuite:
         return {"export_host_peak_mib": [round(p, 3) for p in peaks]}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: None = None) -> list[Case]:
         """Pure DP first (the export the others are compared with), then the layouts with TP and PP."""
         if engine == "mcore":  # megatron-core alone has no LoRA / PEFT export: the bridge's path is the default
             engine = "megatron-bridge"
@@ -203,7 +202,7 @@ class PeftCkptSuite:
                 "export": peak, "hf": hf, "adapters": adapters, "roundtrip": roundtrip, "legacy": old}
 
     # -- judges ---------------------------------------------------------------------------------
-    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+    def check(self, results: list[CaseResult], params: None = None) -> list[CheckResult]:
         if not results:
             return []
         ref = results[0]

@@ -17,11 +17,13 @@ Judged against baselines/<platform>/step-perf.json:
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult
 from harness.checks.timing import MIN_EFFECT, compare_samples, minimum_detectable_effect
 from harness.engines import make_engine
+from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
@@ -109,35 +111,47 @@ def count_work(engine, step: int) -> dict[str, Any]:
     return {"flops": flops.total, "collectives": collectives, "dp_reductions_in_backward": in_backward}
 
 
+@dataclass(frozen=True)
+class StepPerfParams:
+    """The step-perf suite's parameters: how many steps it times, its option sets, how it judges."""
+
+    warmup_steps: int = WARMUP_STEPS
+    timed_steps: int = TIMED_STEPS  # --timed-steps
+    option_sets: tuple[tuple[bool, bool], ...] | None = None  # (distopt, overlap); None: the default matrix's
+    min_effect: float | None = None  # --min-effect; None: MIN_EFFECT of the tier
+    normalise: bool = NORMALISE  # judge times scaled by the calibration workload's (baseline / now)
+    baselines_dir: str | None = None  # None: the repository's baselines/
+
+    def __post_init__(self):
+        if self.timed_steps < 3:
+            raise BadInput(f"--timed-steps must be >= 3 (the statistics need samples), got {self.timed_steps}")
+        if self.min_effect is not None and not 0 < self.min_effect < 10:
+            raise BadInput(f"--min-effect is a fraction of the baseline median (e.g. 0.1 for 10%), got {self.min_effect}")
+
+
 class StepPerfSuite:
     name = "step-perf"
     default_model = "small"  # the CPU tier's model when none is given
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
-    baselines_dir = None  # set by the driver (--baselines-dir); None: the repository's baselines/
+    Params = StepPerfParams
     # Timed on ranks that ran nothing but this suite: warm pool ranks that ran peft-ckpt before (megatron-
     # bridge, transformers and peft imported) stepped 1.10-1.25x slower locally and 1.2-1.6x in CI
     # (cpu-suite) than ranks that had not; on fresh ranks the same run measured 0.99-1.02x its baseline.
     fresh_pool = True
 
-    def __init__(self, warmup_steps: int = WARMUP_STEPS, timed_steps: int = TIMED_STEPS,
-                 option_sets: tuple[tuple[bool, bool], ...] | None = None, min_effect: float | None = None,
-                 normalise: bool = NORMALISE):
-        self.warmup_steps, self.timed_steps = warmup_steps, timed_steps
-        self.option_sets = option_sets  # None: the default matrix's
-        self.min_effect = min_effect  # None: MIN_EFFECT of the tier
-        self.normalise = normalise  # judge times scaled by the calibration workload's (baseline / now)
-
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: StepPerfParams | None = None) -> list[Case]:
         import dataclasses
 
+        p = params or StepPerfParams()
         explicit = layouts is not None
         if layouts is None:
             layouts = [Layout.parse(i) for i in DEFAULT_LAYOUTS if Layout.parse(i).world_size == world_size] \
                 or [Layout(dp=world_size)]
         out = []
-        option_sets = self.option_sets
+        option_sets = p.option_sets
         if option_sets is None and (options.use_distributed_optimizer or options.overlap_grad_reduce):
             # --distributed-optimizer / --overlap-grad-reduce given: that option set only
             option_sets = ((options.use_distributed_optimizer, options.overlap_grad_reduce),)
@@ -148,7 +162,7 @@ class StepPerfSuite:
                 if not explicit and option_sets is None and not pure_dp and not (distopt and overlap):
                     continue
                 bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == "gloo" else None)
-                opts = dataclasses.replace(options, steps=self.timed_steps, warmup_steps=self.warmup_steps,
+                opts = dataclasses.replace(options, steps=p.timed_steps, warmup_steps=p.warmup_steps,
                                            use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                                            bucket_size=bucket)
                 out.append(Case(self.name, model, lay, engine, opts, backend))
@@ -257,7 +271,6 @@ class StepPerfSuite:
     def record_command(case: Case) -> str:
         from harness import baselines
 
-        o = case.options
         return (baselines.record_command(case.suite, case.model.name, case.layout.world_size)
                 + f" --layout {case.layout.id}" + (f" --engine {case.engine}" if case.engine != "mcore" else ""))
 
@@ -299,10 +312,11 @@ class StepPerfSuite:
                 if metric not in self.TIMED and len(set(values)) > 1]
 
     # -- checks -------------------------------------------------------------------------------------
-    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+    def check(self, results: list[CaseResult], params: StepPerfParams | None = None) -> list[CheckResult]:
         from harness import baselines
         from harness.platform import detect_platform
 
+        p = params or StepPerfParams()
         out: list[CheckResult] = []
         files: dict[str, dict] = {}
         for res in results:
@@ -311,7 +325,7 @@ class StepPerfSuite:
                 out.append(CheckResult("step-perf.run", res.case.id, False, lines[0], lines[1:]))
                 continue
             platform = detect_platform(res.case.backend).key
-            path = baselines.baseline_path(self.baselines_dir, platform, self.name)
+            path = baselines.baseline_path(p.baselines_dir, platform, self.name)
             if str(path) not in files:
                 files[str(path)] = baselines.load(path)
             entry = files[str(path)].get("entries", {}).get(self.key(res.case))
@@ -322,7 +336,7 @@ class StepPerfSuite:
                                            f"{self.record_command(res.case)}"))
                 continue
             out.append(self._check_counters(res, entry))
-            out.append(self._check_time(res, entry))
+            out.append(self._check_time(res, entry, p))
         return out
 
     def _check_counters(self, res: CaseResult, entry: dict) -> CheckResult:
@@ -359,19 +373,21 @@ class StepPerfSuite:
                            f"{res.case.layout.id}: {len(problems)} counters differ from the baseline; {head}", rows,
                            value=float(len(problems)))
 
-    def timed_comparison(self, res: CaseResult, metric: str, entry: dict, effect: float | None = None):
+    def timed_comparison(self, res: CaseResult, metric: str, entry: dict, effect: float | None = None,
+                         params: StepPerfParams | None = None):
         """A timed figure of a case against the samples of its baseline entry (the case's, all metrics);
         also what `harness bisect` judges by."""
+        p = params or StepPerfParams()
         measured = {"step_time_ms": self.step_ms, "exposed_comm_ms": self.exposed_ms}[metric](res)
         calibration = entry.get("calibration_ms", {}).get("value")
-        if self.normalise and calibration:
+        if p.normalise and calibration:
             scale = calibration / self.calibration_ms(res)
             measured = [m * scale for m in measured]
         tier = "gpu" if res.case.backend == "nccl" else "cpu"
-        effect = effect if effect is not None else self.min_effect if self.min_effect is not None else MIN_EFFECT[tier]
+        effect = effect if effect is not None else p.min_effect if p.min_effect is not None else MIN_EFFECT[tier]
         return compare_samples(entry[metric]["samples"], measured, effect)
 
-    def _check_time(self, res: CaseResult, entry: dict) -> CheckResult:
+    def _check_time(self, res: CaseResult, entry: dict, params: StepPerfParams) -> CheckResult:
         rows = []
         verdicts = {}
         for metric in ("step_time_ms", "exposed_comm_ms"):
@@ -380,7 +396,7 @@ class StepPerfSuite:
                 return CheckResult("step-perf.time", res.case.id, False,
                                    f"the baseline of {self.key(res.case)} has no {metric} samples; re-record it with: "
                                    f"{self.record_command(res.case)}")
-            cmp = verdicts[metric] = self.timed_comparison(res, metric, entry)
+            cmp = verdicts[metric] = self.timed_comparison(res, metric, entry, params=params)
             mde = minimum_detectable_effect(base, cmp.n_b, floor=cmp.min_effect)
             rows.append(f"  {metric}: {cmp.describe()}; {cmp.verdict}; detects >= {mde:.0%} slower")
         rank, mine, others = self.slowest_rank(res)

@@ -1,0 +1,8 @@
+"""A case's outcomes and a run's exit codes: shared by the driver and the reports (no torch, no suites)."""
+
+# "unjudged": the case ran but no check judged it - never a pass (a check that did not run cannot fail).
+# ("pending" marks a measured case in a results file written before the run's checks ran.)
+OUTCOMES = ("pass", "regression", "improvement", "error", "skipped", "unjudged")
+# Exit codes of `harness run` / `baselines check` / `nightly`. 5 = nothing judged: every case skipped or
+# no check ran, the analogue of pytest's "no tests collected".
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_NOTHING_JUDGED = 0, 1, 2, 5
