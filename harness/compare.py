@@ -15,9 +15,13 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from harness.errors import BadInput
+
+if TYPE_CHECKING:
+    from harness.commands.selection import CaseSelection
+
 
 @dataclass
 class Side:
@@ -42,15 +46,14 @@ class CaseSamples:
     counters: dict[str, float] = field(default_factory=dict)
 
 
-def _in_process_round(side: Side, args, say) -> dict[str, CaseSamples]:
-    from harness.cli import _options
+def _in_process_round(side: Side, sel: CaseSelection, args, say) -> dict[str, CaseSamples]:
     from harness.driver import run_suite
-    from harness.suites.step_perf import StepPerfSuite
 
-    suite = StepPerfSuite(timed_steps=args.steps_per_round)
-    run = run_suite(suite, args.model, args.world_size, args.layout, engine=side.engine, backend=args.backend,
-                    options=_options(args), timeout_s=args.timeout, progress=say,
+    run = run_suite("step-perf", sel.model, sel.world_size, sel.layout_ids, engine=side.engine, backend=sel.backend,
+                    options=sel.options, timeout_s=sel.timeout, progress=say,
+                    suite_params={"timed_steps": args.steps_per_round},
                     baselines_dir=tempfile.mkdtemp(prefix="harness-compare-nb-")).stop_if_interrupted()
+    suite = run.suite
     out = {}
     for r in run.results:
         if not r.ok:
@@ -59,16 +62,14 @@ def _in_process_round(side: Side, args, say) -> dict[str, CaseSamples]:
     return out
 
 
-def _subprocess_round(side: Side, args, workdir: Path, n: int) -> dict[str, CaseSamples]:
+def _subprocess_round(side: Side, sel: CaseSelection, args, workdir: Path, n: int) -> dict[str, CaseSamples]:
     import os
-
-    from harness.cli import case_argv
 
     out_dir = workdir / f"{side.label.replace('/', '_')}-{n}"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*side.pythonpath, str(Path(__file__).resolve().parents[1]),
                                          *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-    cmd = [side.python or sys.executable, "-m", "harness.cli", "run", *case_argv(args, skip=("engine", "timed_steps")),
+    cmd = [side.python or sys.executable, "-m", "harness.cli", "run", *sel.to_argv(skip=("engine", "timed_steps")),
            "--engine", side.engine,
            "--timed-steps", str(args.steps_per_round), "--baselines-dir", str(workdir / "no-baselines"),
            "--out", str(out_dir)]
@@ -89,8 +90,9 @@ def _subprocess_round(side: Side, args, workdir: Path, n: int) -> dict[str, Case
     return out
 
 
-def run_rounds(a: Side, b: Side, args, say: Callable[[str], None]) -> tuple[dict, dict, list[str]]:
-    """Both sides, args.rounds times, in a random order per round; ({key: CaseSamples} for A and B, order)."""
+def run_rounds(a: Side, b: Side, sel: CaseSelection, args, say: Callable[[str], None]) -> tuple[dict, dict, list[str]]:
+    """Both sides, args.rounds times, in a random order per round; ({key: CaseSamples} for A and B, order).
+    sel: the cases (the flags of `harness compare`); args: rounds, steps_per_round, order_seed."""
     rng = random.Random(args.order_seed)
     pooled: dict[str, dict[str, CaseSamples]] = {a.label: {}, b.label: {}}
     order: list[str] = []
@@ -101,7 +103,8 @@ def run_rounds(a: Side, b: Side, args, say: Callable[[str], None]) -> tuple[dict
         for side in sides:
             say(f"round {n + 1}/{args.rounds}: {side.label}")
             order.append(side.label)
-            got = _in_process_round(side, args, say) if side.in_process else _subprocess_round(side, args, workdir, n)
+            got = (_in_process_round(side, sel, args, say) if side.in_process
+                   else _subprocess_round(side, sel, args, workdir, n))
             for key, s in got.items():
                 acc = pooled[side.label].setdefault(key, CaseSamples(counters=s.counters))
                 acc.step_ms += s.step_ms
@@ -130,7 +133,7 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
     engine = engines[0] if engines else "mcore"
     if len(engines) > 2:
         raise BadInput(f"--engine given {len(engines)} times; compare takes two engines (A then B) or one")
-    here = Side(f"A=this environment", engine, python=sys.executable)
+    here = Side("A=this environment", engine, python=sys.executable)
     if args.megatron_core:
         from harness.bisect import version_env
 
@@ -146,7 +149,8 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
     raise BadInput("give two engines (--engine A --engine B), or --megatron-core VERSION, or --repo PATH --rev REV")
 
 
-def compare_main(args, say: Callable[[str], None]) -> int:
+def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
+    """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds."""
     from harness.checks.timing import MIN_EFFECT_INTERLEAVED
     from harness.report import fmt_table
 
@@ -160,9 +164,9 @@ def compare_main(args, say: Callable[[str], None]) -> int:
 
             worktree = Worktree(Path(args.repo).resolve(), cache)
             b.pythonpath = [str(worktree.checkout(args.rev) / args.path_in_repo)]
-        tier = "gpu" if args.backend == "nccl" else "cpu"
-        effect = args.min_effect if args.min_effect is not None else MIN_EFFECT_INTERLEAVED[tier]
-        samples_a, samples_b, order = run_rounds(a, b, args, say)
+        tier = "gpu" if sel.backend == "nccl" else "cpu"
+        effect = sel.suite_params.get("min_effect", MIN_EFFECT_INTERLEAVED[tier])
+        samples_a, samples_b, order = run_rounds(a, b, sel, args, say)
     finally:
         if worktree:
             worktree.close()

@@ -35,9 +35,10 @@ CASES = [
     (["run", "--suite", "step-perf", "--min-effect", "0"], "--min-effect is a fraction of the baseline median"),
     (["run", "--suite", "equivalence", "--timed-steps", "5"], "--timed-steps does not apply to the equivalence suite"),
     (["run", "--suite", "equivalence", "--ckpt-format", "dp_reshardable"],
-     "--ckpt-format applies to the ckpt-memory suite, not 'equivalence'"),
+     "--ckpt-format does not apply to the equivalence suite"),
     (["run", "--suite", "ckpt-memory", "--ckpt-format", "nope"], "unknown checkpoint format(s) ['nope']"),
-    (["run", "--suite", "grad-sync", "--async-save"], "--async-save applies to the ckpt-memory suite, not 'grad-sync'"),
+    (["run", "--suite", "grad-sync", "--async-save"], "--async-save does not apply to the grad-sync suite"),
+    (["run", "--suite", "equivalence", "--fully-parallel-save"], "--fully-parallel-save does not apply to the equivalence suite"),
     (["run", "--suite", "ckpt-memory", "--baselines-dir", "{tmp}/" + CORRUPT],
      "baseline file {tmp}/" + CORRUPT + "/cpu-gloo/ckpt-memory.json is corrupt"),
     (["baselines", "record", "--suite", "ckpt-memory", "--repeats", "2"], "--repeats must be >= 3"),
@@ -70,6 +71,10 @@ CASES = [
      "--package takes the distribution then its versions"),
     (["bisect", "--suite", "equivalence", "--metric", "fail", "--package", "megatron-core", "0.16.1",
       "--megatron-core", "0.16.0", "0.16.1"], "give --package NAME VERSIONS or --megatron-core VERSIONS, not both"),
+    (["bisect", "--suite", "equivalence", "--metric", "fail"], "give --package NAME VERSIONS (or --megatron-core"),
+    (["bisect", "--suite", "equivalence", "--metric", "fail", "--megatron-core", "0.16.0", "0.16.1", "--git-bisect-run"],
+     "--git-bisect-run bisects the commits of --repo"),
+    (["bisect-step", "--suite", "equivalence", "--metric", "fail", "--timeout", "0"], "--timeout must be > 0 seconds"),
     (["history", "ingest", "{tmp}/nowhere"], "{tmp}/nowhere: not a directory"),
     (["history", "ingest", "{tmp}", "--db", "/proc/forbidden/h.sqlite"], "--db /proc/forbidden/h.sqlite: cannot"),
     (["history", "show", "--metric", "x", "--db", "{tmp}/none.sqlite"], "history database {tmp}/none.sqlite does not exist"),
@@ -92,7 +97,8 @@ def sandbox(tmp_path, monkeypatch):
 
     monkeypatch.setattr("harness.launch.runner._spawn", no_rank)
     monkeypatch.setattr("harness.launch.pool._spawn", no_rank)
-    monkeypatch.setattr("harness.bisect.version_env", no_rank)
+    monkeypatch.setattr("harness.bisect.version_env", no_rank)  # compare's
+    monkeypatch.setattr("harness.bisect.candidates.version_env", no_rank)  # bisect's
     return tmp_path
 
 

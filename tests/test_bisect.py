@@ -150,15 +150,63 @@ def test_bisect_step_for_git_bisect_run_refuses_bad_input(capsys):
 
 
 def test_each_step_gets_the_same_case_selection():
-    from harness.bisect import step_command
+    from harness.commands.bisect import _spec
+    from harness.commands.selection import CaseSelection
 
     argv = ["--suite", "ckpt-memory", "--layout", "tp1-pp1-cp1-dp4", "--layout", "tp2-pp1-cp1-dp2",
             "--ckpt-format", "default", "--fully-parallel-save", "--model", "small", "--world-size", "2"]
     args = cli.build_parser().parse_args(["bisect", *argv, "--metric", "fail", "--error-is-bad",
                                           "--megatron-core", "0.16.0", "0.16.1"])
-    step = cli.build_parser().parse_args(step_command(args)[2:])
-    assert step.command == "bisect-step" and step.metric == "fail" and step.error_is_bad
-    assert cli.case_argv(step) == cli.case_argv(args) and set(cli.case_argv(step)) == set(argv)
+    sel = CaseSelection.from_args(args)
+    step = cli.build_parser().parse_args(_spec(args, sel).command()[2:])
+    assert step.command == "bisect-step" and step.metric == "fail" and step.error_is_bad and not step.find_fix
+    assert CaseSelection.from_args(step) == sel and set(sel.to_argv()) == set(argv)
+
+
+def test_versions_of_a_wheel_directory_come_from_the_file_names(tmp_path, monkeypatch):
+    from harness.bisect import index_versions
+
+    for name in ["regress_engine-1.0.0-py3-none-any.whl", "regress_engine-1.10.0-py3-none-any.whl",
+                 "regress_engine-1.2.0rc1-py3-none-any.whl", "Regress.Engine-1.2.0-py3-none-any.whl",
+                 "regress_engine-0.9.tar.gz", "other_engine-5.0-py3-none-any.whl", "notes.txt", "broken.whl"]:
+        (tmp_path / name).write_text("")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    assert index_versions("regress-engine") == ["0.9", "1.0.0", "1.2.0", "1.10.0"]  # sorted as versions
+    assert index_versions("regress_engine", prereleases=True) == ["0.9", "1.0.0", "1.2.0rc1", "1.2.0", "1.10.0"]
+    with pytest.raises(BadInput, match="no index .PIP_NO_INDEX. and no nothing-here wheel"):
+        index_versions("nothing-here")
+
+
+def test_versions_on_the_index_leave_out_yanked_and_pre_releases(monkeypatch):
+    import io
+    import json
+
+    from harness.bisect import candidates
+
+    releases = {"0.15.0": [{"yanked": False}], "0.15.1": [{"yanked": True}], "0.15.2": [],
+                "0.16.0rc1": [{"yanked": False}], "0.16.0": [{"yanked": True}, {"yanked": False}], "junk": [{}]}
+    urls = []
+
+    def urlopen(url, timeout):
+        urls.append(url)
+        return io.BytesIO(json.dumps({"releases": releases}).encode())
+
+    monkeypatch.setattr("urllib.request.urlopen", urlopen)
+    monkeypatch.delenv("PIP_NO_INDEX", raising=False)
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    assert candidates.index_versions("megatron-core") == ["0.15.0", "0.16.0"]
+    assert candidates.index_versions("megatron-core", prereleases=True) == ["0.15.0", "0.16.0rc1", "0.16.0"]
+    assert urls[0] == "https://pypi.org/pypi/megatron-core/json"
+
+    def offline(url, timeout):
+        import urllib.error
+
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr("urllib.request.urlopen", offline)
+    with pytest.raises(BadInput, match="cannot list megatron-core versions from the package index: .*no network"):
+        candidates.index_versions("megatron-core")
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +227,7 @@ def engine_wheels(tmp_path_factory):
 
 @pytest.mark.slow
 def test_bisect_over_a_package_names_the_release(engine_wheels, tmp_path, capsys, monkeypatch, no_leftover_ranks):
-    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip index versions / pip install read the wheel directory only
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # versions listed from / pip install reads the wheel directory only
     monkeypatch.setenv("PIP_FIND_LINKS", str(engine_wheels))
     code = cli.main(["bisect", "--package", "regress-engine", "1.0.0..1.3.0", "--cache", str(tmp_path), *CASE])
     out = capsys.readouterr().out

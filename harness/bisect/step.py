@@ -1,0 +1,165 @@
+"""One step of a bisect: run the selected cases in this environment and judge them against the threshold
+(`harness bisect-step`), or run that command in a candidate's environment and read its verdict back
+(a JSON file: the protocol between the search and its steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from harness.bisect.search import BAD, GOOD, SKIP, StepResult, Threshold
+from harness.errors import BadInput
+
+
+@dataclass
+class StepSpec:
+    """What every step judges: the case selection (as `harness run` flags), the metric and threshold."""
+
+    case_argv: list[str]
+    metric: str
+    max: str = "fail"
+    error_is_bad: bool = False
+    baselines_dir: str | None = None  # absolute: steps run in other directories
+    fresh_ranks: bool = False
+    extra: list[str] = field(default_factory=list)  # further bisect-step flags (e.g. --find-fix)
+
+    def command(self, extra: list[str] | None = None) -> list[str]:
+        """The interpreter arguments of `harness bisect-step` judging these cases with this metric."""
+        cmd = ["-m", "harness.cli", "bisect-step", *self.case_argv, "--metric", self.metric, "--max", self.max]
+        if self.baselines_dir is not None:
+            cmd += ["--baselines-dir", self.baselines_dir]
+        cmd += [flag for flag, on in (("--error-is-bad", self.error_is_bad), ("--fresh-ranks", self.fresh_ranks)) if on]
+        return cmd + self.extra + (extra or [])
+
+
+def step_command(spec: StepSpec, extra: list[str] | None = None) -> list[str]:
+    return spec.command(extra)
+
+
+# -- judging a run ------------------------------------------------------------------------------------
+def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False) -> StepResult:
+    """Bad when any case's metric exceeds its threshold (metric 'fail': when any case does not pass); the
+    step names what the harness adjusted in the engine it judged."""
+    from harness.report import run_adjustments
+
+    step = _judge_outcomes(run, metric, threshold, error_is_bad)
+    step.adjustments = list(run_adjustments(run))
+    return step
+
+
+def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) -> StepResult:
+    from harness import baselines
+    from harness.report import versions
+
+    vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
+    outcomes = run.outcomes()
+    broken = [o for o in outcomes if o.outcome in ("error", "skipped")]
+    if broken:
+        o = broken[0]
+        verdict = BAD if (error_is_bad and o.outcome == "error") else SKIP
+        return StepResult(verdict, case=o.result.case.id, why=f"{o.outcome}: {o.reason}", versions=vers)
+    if metric == "fail":
+        failed = [o for o in outcomes if o.outcome != "pass"]
+        o = (failed or outcomes)[0]
+        return StepResult(BAD if failed else GOOD, case=o.result.case.id, why=o.reason or "every check passed",
+                          versions=vers)
+    suite = run.suite
+    if not hasattr(suite, "samples"):
+        raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")
+    data: dict[str, dict] = {}
+    worst: StepResult | None = None
+    for o in outcomes:
+        samples = suite.samples(o.result)
+        if metric not in samples:
+            continue
+        path = baselines.baseline_path(_baselines_dir(run), _platform(o.result), suite.name)
+        if str(path) not in data:
+            data[str(path)] = baselines.load(path)
+        case_entry = data[str(path)].get("entries", {}).get(suite.key(o.result.case), {})
+        entry = case_entry.get(metric)
+        if entry and "samples" in entry and hasattr(suite, "timed_comparison"):
+            step = _judge_timed(run, o.result, metric, case_entry, threshold, vers)
+        else:
+            limit = threshold.resolve(entry["value"] if entry else None)
+            value = samples[metric]
+            step = StepResult(BAD if value > limit else GOOD, value, limit, o.result.case.id,
+                              f"{metric} {value:.2f} {'>' if value > limit else '<='} {limit:.2f}", vers)
+        if worst is None or step.value - step.threshold > worst.value - worst.threshold:
+            worst = step
+    if worst is None:
+        known = sorted({m for o in outcomes for m in suite.samples(o.result)})
+        raise BadInput(f"no case of the selection has metric {metric!r}; metrics: {', '.join(known) or 'none'}")
+    return worst
+
+
+def _baselines_dir(run) -> str | None:
+    """The run's baselines directory: its suite parameters' (harness/driver.py), else the suite's."""
+    params = getattr(run, "params", None)
+    return getattr(params, "baselines_dir", None) if params is not None else getattr(run.suite, "baselines_dir", None)
+
+
+def _judge_timed(run, result, metric: str, case_entry: dict, threshold: Threshold, vers: dict) -> StepResult:
+    """A timed figure (step-perf) is judged as the suite judges it: bad when significantly slower than the
+    baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's)."""
+    params = getattr(run, "params", None)
+    cmp = run.suite.timed_comparison(result, metric, case_entry, threshold.relative_effect,
+                                     **({"params": params} if params is not None else {}))
+    return StepResult(BAD if cmp.slower else GOOD, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,
+                      f"{metric} {cmp.describe()}: {'significantly slower' if cmp.slower else 'not significantly slower'}",
+                      vers)
+
+
+def _platform(result) -> str:
+    from harness.platform import detect_platform
+
+    return detect_platform(result.case.backend).key
+
+
+def run_step(plan_args: tuple, plan_kwargs: dict, spec: StepSpec) -> StepResult:
+    """Run the selected cases in this environment and judge them (the body of `harness bisect-step`).
+    plan_args / plan_kwargs: the selection as harness.driver.plan's arguments."""
+    from harness.driver import plan, run_suite
+
+    threshold = Threshold(spec.max)
+    plan(*plan_args, baselines_dir=spec.baselines_dir, **plan_kwargs)
+    run = run_suite(*plan_args, baselines_dir=spec.baselines_dir, fresh_ranks=spec.fresh_ranks,
+                    **plan_kwargs).stop_if_interrupted()
+    return judge_run(run, spec.metric, threshold, spec.error_is_bad)
+
+
+# -- the JSON protocol --------------------------------------------------------------------------------
+def write_step_json(path: str | Path, r: StepResult, **extra) -> None:
+    """The verdict of a step for the process that runs it (extra: e.g. the commit judged, wall seconds)."""
+    Path(path).write_text(json.dumps({**asdict(r), **extra}))
+
+
+def read_step_json(path: str | Path) -> tuple[StepResult, dict]:
+    """(the step's verdict, the rest of what it wrote)."""
+    d = json.loads(Path(path).read_text())
+    names = ("verdict", "value", "threshold", "case", "why", "versions", "adjustments")
+    return StepResult(**{k: d[k] for k in names if k in d}), {k: v for k, v in d.items() if k not in names}
+
+
+def step_env(pythonpath: list[str]) -> dict[str, str]:
+    """The environment of a step process: the candidate's directories first on the path, then this harness."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(Path(__file__).resolve().parents[2]),
+                                         *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    return env
+
+
+def run_in(python: str, spec: StepSpec, pythonpath: list[str], workdir: Path) -> StepResult:
+    """One candidate: `harness bisect-step` in a fresh process of that environment."""
+    out = workdir / f"step-{time.monotonic_ns()}.json"
+    proc = subprocess.run([python, *spec.command(["--json", str(out)])], env=step_env(pythonpath), capture_output=True,
+                          text=True, cwd=pythonpath[0] if pythonpath else None)
+    if out.exists():
+        return read_step_json(out)[0]
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    if proc.returncode == 2:  # bad input is the same for every candidate: stop
+        raise BadInput(f"bisect-step refused its input: {tail}")
+    return StepResult(SKIP, why=f"bisect-step exited {proc.returncode}: {tail}")

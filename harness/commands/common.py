@@ -1,0 +1,20 @@
+"""Small helpers the command bodies share."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def say(msg: str) -> None:
+    """Progress for the user, on stderr (stdout holds the tables)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def out_dir(path: str | None, flag: str = "--out") -> Path | None:
+    """The output directory, created and shown writable before anything runs (BadInput otherwise)."""
+    if not path:
+        return None
+    from harness.report.files import prepare_out_dir
+
+    return prepare_out_dir(Path(path), flag)

@@ -1,0 +1,35 @@
+"""`harness nightly`: every suite x models x construction paths, then the report (harness/nightly.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.commands.common import say
+from harness.errors import BadInput
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("nightly", help="every suite x models x construction paths, then the report")
+    p.add_argument("--out", required=True, help="directory for every run's results.json and the report")
+    p.add_argument("--suite", action="append", help="only these suites (repeatable; default: all)")
+    p.add_argument("--model", action="append",
+                   help="models (repeatable; 'default' is each suite's own; default: default + small on CPU, "
+                        "+ 1b on GPUs)")
+    p.add_argument("--world-size", type=int, default=None, help="default: the node's GPUs, or 4 CPU ranks")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--engine", default=None, help="only this engine (default: mcore, and every construction "
+                                                  "path for grad-sync)")
+    p.add_argument("--label", default=None, help="names every run of this nightly in the report and the history")
+    p.add_argument("--history-db", default=None, help="the history database every run is ingested into at the end "
+                                                      "(default: OUT/history.sqlite)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from harness.nightly import SUITES, run_nightly
+
+    if args.world_size is not None and args.world_size < 1:
+        raise BadInput(f"--world-size must be >= 1, got {args.world_size}")
+    return run_nightly(Path(args.out), args.suite or list(SUITES), args.model, args.world_size, args.backend,
+                       args.engine, say, label=args.label,
+                       history_db=Path(args.history_db) if args.history_db else None)

@@ -1,0 +1,38 @@
+"""`harness run`: a suite over layouts on local ranks, judged."""
+
+from __future__ import annotations
+
+from harness.commands.common import out_dir
+from harness.commands.selection import CaseSelection, add_case_args
+from harness.errors import BadInput
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="run a suite over layouts on local ranks and judge it")
+    add_case_args(p)
+    p.add_argument("--out", help="directory for results.json")
+    p.add_argument("--label", default=None, help="names this run in reports and the history (e.g. the engine's "
+                                                 "branch), so runs of one engine at two versions are told apart")
+    p.add_argument("--fresh-ranks", action="store_true",
+                   help="start new rank processes for every case instead of reusing warm ones")
+    p.add_argument("--shuffle", type=int, metavar="SEED", default=None,
+                   help="run the cases in a shuffled order (isolation check)")
+    p.add_argument("--baselines-dir", default=None, help="default: the repository's baselines/")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from harness import report
+    from harness.driver import plan, run_suite
+
+    sel = CaseSelection.from_args(args)
+    if args.shuffle is not None and args.shuffle < 0:
+        raise BadInput(f"--shuffle takes a seed >= 0, got {args.shuffle}")
+    plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())  # bad input: exit 2, no rank
+    out = out_dir(args.out)
+    run = run_suite(*sel.plan_args(), fresh_ranks=args.fresh_ranks, shuffle_seed=args.shuffle,
+                    baselines_dir=args.baselines_dir, out_dir=out, label=args.label, **sel.plan_kwargs())
+    print(report.format_run(run))
+    if out:
+        print(f"results: {out / 'results.json'}")
+    return run.exit_code

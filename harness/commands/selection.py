@@ -1,0 +1,152 @@
+"""The flags that select a suite's cases, shared by run, baselines, bisect, bisect-step and compare:
+registered once (`add_case_args`), validated once (`CaseSelection.from_args`), turned back into
+command-line arguments for a step or a round in another process (`CaseSelection.to_argv`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+from harness.errors import BadInput
+from harness.spec import CaseOptions
+
+# (flag, CaseOptions field, argparse dest) of the training options a flag sets
+_OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--dtype", "dtype", "dtype"),
+                 ("--distributed-optimizer", "use_distributed_optimizer", "distributed_optimizer"),
+                 ("--overlap-grad-reduce", "overlap_grad_reduce", "overlap_grad_reduce"))
+_OPTION_DEFAULTS = CaseOptions()
+# (flag, suite parameter, argparse dest) of the per-suite parameters; the driver refuses a parameter the
+# suite's parameter type does not have ("--<flag> does not apply to the <suite> suite")
+_PARAM_FLAGS = (("--ckpt-format", "formats", "ckpt_format"), ("--fully-parallel-save", "fully_parallel_save", "fully_parallel_save"),
+                ("--async-save", "async_save", "async_save"), ("--timed-steps", "timed_steps", "timed_steps"),
+                ("--min-effect", "min_effect", "min_effect"))
+DEFAULT_WORLD_SIZE = 4
+
+
+def add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
+    """The flags that select a suite's cases (compare: the suite defaults to step-perf and --engine may be
+    given twice, A then B)."""
+    if compare:
+        p.add_argument("--suite", default="step-perf", help="step-perf (the suite whose step times are compared)")
+        p.add_argument("--engine", action="append", help="A then B (twice), or the engine of both sides (once)")
+    else:
+        p.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp, step-perf, "
+                                                      "peft-ckpt, or package.module:Suite")
+    p.add_argument("--model", default=None, help="model spec (default: the suite's CPU model, tiny or small)")
+    p.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, help="ranks per case (default 4)")
+    p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")
+    if not compare:
+        p.add_argument("--engine", default="mcore", help="mcore, or a user engine package.module:factory")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--steps", type=int, default=_OPTION_DEFAULTS.steps)
+    p.add_argument("--seed", type=int, default=_OPTION_DEFAULTS.seed)
+    p.add_argument("--dtype", default=_OPTION_DEFAULTS.dtype, choices=["fp32", "bf16"])
+    p.add_argument("--distributed-optimizer", action="store_true", help="use_distributed_optimizer=True")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
+    p.add_argument("--ckpt-format", action="append", help="ckpt-memory: only these formats (repeatable)")
+    p.add_argument("--fully-parallel-save", action="store_true",
+                   help="ckpt-memory: save through megatron's FullyParallelSaveStrategyWrapper")
+    p.add_argument("--async-save", action="store_true",
+                   help="ckpt-memory: megatron's async save (the write in a forked process)")
+    p.add_argument("--timed-steps", type=int, default=None, help="step-perf: timed steps per case (default 20)")
+    p.add_argument("--min-effect", type=float, default=None,
+                   help="step-perf: smallest slowdown that fails, as a fraction (default against baselines 0.15 on "
+                        "CPU, 0.05 on GPU; compare, interleaved: 0.05 / 0.03)")
+
+
+@dataclass(frozen=True)
+class CaseSelection:
+    """A suite's cases as the user selected them. `suite_params` holds only the per-suite parameters the
+    user gave (keys are field names of the suite's parameter type)."""
+
+    suite: str
+    model: str | None = None  # None: the suite's default model
+    world_size: int = DEFAULT_WORLD_SIZE
+    layouts: tuple[str, ...] = ()  # (): the suite's matrix
+    engine: str = "mcore"
+    backend: str = "auto"
+    options: CaseOptions = field(default_factory=CaseOptions)  # steps, seed, dtype, distributed optimizer, overlap
+    timeout: float | None = None  # per-case seconds; None: the case's default
+    suite_params: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "CaseSelection":
+        """From parsed `add_case_args` flags; BadInput for a value out of range (before anything runs).
+        compare's --engine (a list, A then B) selects its first engine here."""
+        if args.steps < 1:
+            raise BadInput(f"--steps must be >= 1, got {args.steps}")
+        if args.seed < 0:
+            raise BadInput(f"--seed must be >= 0, got {args.seed}")
+        if args.timeout is not None and not args.timeout > 0:
+            raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
+        params: dict = {}
+        if args.ckpt_format:
+            params["formats"] = tuple(args.ckpt_format)
+        for flag in ("fully_parallel_save", "async_save"):
+            if getattr(args, flag):
+                params[flag] = True
+        if args.timed_steps is not None:
+            if args.timed_steps < 3:
+                raise BadInput(f"--timed-steps must be >= 3 (the statistics need samples), got {args.timed_steps}")
+            params["timed_steps"] = args.timed_steps
+        if args.min_effect is not None:
+            if not 0 < args.min_effect < 10:
+                raise BadInput(f"--min-effect is a fraction of the baseline median (e.g. 0.1 for 10%), "
+                               f"got {args.min_effect}")
+            params["min_effect"] = args.min_effect
+        engine = args.engine or "mcore"
+        if isinstance(engine, list):  # compare: A then B
+            engine = engine[0]
+        options = CaseOptions(**{name: getattr(args, dest) for _, name, dest in _OPTION_FLAGS})
+        return cls(suite=args.suite, model=args.model, world_size=args.world_size, layouts=tuple(args.layout or ()),
+                   engine=engine, backend=args.backend, options=options, timeout=args.timeout, suite_params=params)
+
+    def to_argv(self, skip: tuple[str, ...] = ()) -> list[str]:
+        """The flags that reproduce this selection (non-defaults only; --suite always). `skip`: flags left
+        out, by argparse destination (e.g. "engine", "timed_steps", "layout")."""
+        unknown = set(self.suite_params) - {name for _, name, _ in _PARAM_FLAGS}
+        if unknown:
+            raise ValueError(f"suite parameters without a flag: {sorted(unknown)}")
+        flagless = [f.name for f in dataclasses.fields(CaseOptions) if getattr(self.options, f.name) != f.default
+                    and f.name not in {name for _, name, _ in _OPTION_FLAGS}]
+        if flagless:
+            raise ValueError(f"options without a flag: {flagless}")
+        out: list[str] = []
+
+        def add(dest: str, flag: str, value, default=None) -> None:
+            if dest in skip or value is None or value == default or value is False:
+                return
+            if value is True:
+                out.append(flag)
+            elif isinstance(value, (list, tuple)):
+                out.extend(x for v in value for x in (flag, str(v)))
+            else:
+                out.extend([flag, str(value)])
+
+        add("suite", "--suite", self.suite)
+        add("model", "--model", self.model)
+        add("world_size", "--world-size", self.world_size, DEFAULT_WORLD_SIZE)
+        add("layout", "--layout", self.layouts, ())
+        add("engine", "--engine", self.engine, "mcore")
+        add("backend", "--backend", self.backend, "auto")
+        for flag, name, dest in _OPTION_FLAGS:
+            add(dest, flag, getattr(self.options, name), getattr(_OPTION_DEFAULTS, name))
+        add("timeout", "--timeout", self.timeout)
+        for flag, name, dest in _PARAM_FLAGS:
+            add(dest, flag, self.suite_params.get(name))
+        return out
+
+    @property
+    def layout_ids(self) -> list[str] | None:
+        return list(self.layouts) or None
+
+    def plan_args(self) -> tuple:
+        """The positional arguments of harness.driver.plan / run_suite: suite, model, world size, layouts."""
+        return self.suite, self.model, self.world_size, self.layout_ids
+
+    def plan_kwargs(self) -> dict:
+        """The keyword arguments of harness.driver.plan / run_suite this selection sets."""
+        return dict(engine=self.engine, backend=self.backend, options=self.options, timeout_s=self.timeout,
+                    suite_params=dict(self.suite_params))

@@ -1,0 +1,108 @@
+"""CaseSelection: the shared case-selection flags parsed, validated, and turned back into the same flags
+(what a bisect step or a compare round in another process runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import cli
+from harness.commands.selection import CaseSelection
+from harness.errors import BadInput
+from harness.spec import CaseOptions
+
+
+def _parse(*argv: str, command: str = "run") -> CaseSelection:
+    extra = ["--metric", "fail"] if command in ("bisect", "bisect-step") else []
+    return CaseSelection.from_args(cli.build_parser().parse_args([command, *argv, *extra]))
+
+
+def test_defaults():
+    sel = _parse("--suite", "equivalence")
+    assert sel == CaseSelection("equivalence")
+    assert sel.to_argv() == ["--suite", "equivalence"]
+    assert sel.plan_args() == ("equivalence", None, 4, None)
+    assert sel.plan_kwargs() == dict(engine="mcore", backend="auto", options=CaseOptions(), timeout_s=None,
+                                     suite_params={})
+
+
+# every flag, one at a time: (argv after --suite ..., the field it sets)
+EACH_FLAG = [
+    (["--model", "small"], dict(model="small")),
+    (["--world-size", "2"], dict(world_size=2)),
+    (["--layout", "tp1-pp1-cp1-dp2", "--layout", "tp2-pp1-cp1-dp1"], dict(layouts=("tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1"))),
+    (["--engine", "pkg.mod:make"], dict(engine="pkg.mod:make")),
+    (["--backend", "gloo"], dict(backend="gloo")),
+    (["--steps", "5"], dict(options=CaseOptions(steps=5))),
+    (["--seed", "7"], dict(options=CaseOptions(seed=7))),
+    (["--dtype", "bf16"], dict(options=CaseOptions(dtype="bf16"))),
+    (["--distributed-optimizer"], dict(options=CaseOptions(use_distributed_optimizer=True))),
+    (["--overlap-grad-reduce"], dict(options=CaseOptions(overlap_grad_reduce=True))),
+    (["--timeout", "12.5"], dict(timeout=12.5)),
+    (["--ckpt-format", "dp_reshardable", "--ckpt-format", "fully_reshardable"],
+     dict(suite_params={"formats": ("dp_reshardable", "fully_reshardable")})),
+    (["--fully-parallel-save"], dict(suite_params={"fully_parallel_save": True})),
+    (["--async-save"], dict(suite_params={"async_save": True})),
+    (["--timed-steps", "6"], dict(suite_params={"timed_steps": 6})),
+    (["--min-effect", "0.1"], dict(suite_params={"min_effect": 0.1})),
+]
+
+
+@pytest.mark.parametrize("argv,fields", EACH_FLAG, ids=[a[0] for a, _ in EACH_FLAG])
+@pytest.mark.parametrize("command", ["run", "baselines", "bisect", "bisect-step"])
+def test_each_flag_round_trips(argv, fields, command):
+    pre = ["check"] if command == "baselines" else []
+    sel = _parse(*pre, "--suite", "ckpt-memory", *argv, command=command)
+    assert sel == CaseSelection("ckpt-memory", **fields)
+    assert sel.to_argv() == ["--suite", "ckpt-memory", *argv]
+    assert _parse(*pre, *sel.to_argv(), command=command) == sel
+
+
+def test_every_flag_at_once_round_trips_and_plans():
+    argv = [x for a, _ in EACH_FLAG for x in a]
+    sel = _parse("--suite", "ckpt-memory", *argv)
+    assert set(sel.to_argv()) == {"--suite", "ckpt-memory", *argv}
+    assert _parse(*sel.to_argv()) == sel
+    kwargs = sel.plan_kwargs()
+    assert kwargs == dict(engine="pkg.mod:make", backend="gloo", timeout_s=12.5, options=CaseOptions(
+        steps=5, seed=7, dtype="bf16", use_distributed_optimizer=True, overlap_grad_reduce=True), suite_params={
+        "formats": ("dp_reshardable", "fully_reshardable"), "fully_parallel_save": True, "async_save": True,
+        "timed_steps": 6, "min_effect": 0.1})
+    assert "ckpt_formats" not in kwargs
+    assert sel.plan_args() == ("ckpt-memory", "small", 2, ["tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1"])
+    kwargs["suite_params"]["formats"] = ()
+    assert sel.suite_params["formats"]  # plan_kwargs hands out a copy
+
+
+def test_skip_leaves_flags_out():
+    sel = _parse("--suite", "step-perf", "--engine", "x.y:z", "--timed-steps", "5", "--layout", "tp1-pp1-cp1-dp4")
+    assert sel.to_argv(skip=("engine", "timed_steps")) == ["--suite", "step-perf", "--layout", "tp1-pp1-cp1-dp4"]
+    assert sel.to_argv(skip=("layout",)) == ["--suite", "step-perf", "--engine", "x.y:z", "--timed-steps", "5"]
+
+
+def test_compare_selects_its_first_engine():
+    args = cli.build_parser().parse_args(["compare", "--engine", "a.b:c", "--engine", "d.e:f", "--min-effect", "0.2"])
+    sel = CaseSelection.from_args(args)
+    assert sel.suite == "step-perf" and sel.engine == "a.b:c" and sel.suite_params == {"min_effect": 0.2}
+    assert CaseSelection.from_args(cli.build_parser().parse_args(["compare"])).engine == "mcore"
+
+
+def test_a_selection_without_flags_for_it_is_refused():
+    with pytest.raises(ValueError, match="options without a flag: \\['lr'\\]"):
+        CaseSelection("equivalence", options=CaseOptions(lr=0.5)).to_argv()
+    with pytest.raises(ValueError, match="suite parameters without a flag"):
+        CaseSelection("equivalence", suite_params={"mix": "long"}).to_argv()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--seed", "-3"], "--seed must be >= 0, got -3"),
+    (["--timeout", "-1"], "--timeout must be > 0 seconds, got -1.0"),
+    (["--timeout", "nan"], "--timeout must be > 0 seconds, got nan"),
+    (["--timed-steps", "2"], "--timed-steps must be >= 3 (the statistics need samples), got 2"),
+    (["--min-effect", "0"], "--min-effect is a fraction of the baseline median (e.g. 0.1 for 10%), got 0.0"),
+    (["--min-effect", "10"], "--min-effect is a fraction of the baseline median"),
+])
+def test_out_of_range_values_are_bad_input(argv, message):
+    with pytest.raises(BadInput) as exc:
+        _parse("--suite", "step-perf", *argv)
+    assert message in str(exc.value)
