@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.errors import BadInput
+from harness.files import atomic_write
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "baselines"
 
@@ -159,12 +158,7 @@ def write(path: Path, suite: str, platform: str, entries: dict, provenance: dict
             "entries": {**old.get("entries", {}), **entries},
             "provenance": {**old.get("provenance", {}), **{k: provenance for k in entries}}}
     diff = diff_entries(old.get("entries", {}), entries)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
     return diff
 
 

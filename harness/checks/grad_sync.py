@@ -12,9 +12,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from harness.probes.collectives import Collective
 from harness.spec import Case, Layout, ModelSpec
+
+if TYPE_CHECKING:  # records are only read here; harness.probes.collectives imports torch, and the
+    # arithmetic below (coords_of, chunk_params) serves `harness project-memory`, which must not
+    from harness.probes.collectives import Collective
 
 DEFAULT_BUCKET_ELEMS = 40_000_000  # megatron DDP: max(40M, 1M * dp) when overlap_grad_reduce
 GRAD_OPS = {"reduce_scatter", "all_reduce", "all_gather"}

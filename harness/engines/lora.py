@@ -9,11 +9,10 @@ gate/up_proj (SwiGLU), linear_proj -> o_proj, linear_fc2 -> down_proj.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from harness.files import atomic_dir
 
 if TYPE_CHECKING:
     import torch
@@ -45,12 +44,11 @@ def adapter_config(dim: int, alpha: int, target_modules: list[str], dropout: flo
 
 
 def write_adapter_dir(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """Write the directory whole or not at all: files go to a temporary sibling renamed into place."""
+    """Write the directory whole or not at all: files go to a temporary sibling renamed into place
+    (harness.files.atomic_dir)."""
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-    try:
+    with atomic_dir(path) as tmp:
         seen: set[int] = set()
         own = {}
         for k, v in tensors.items():  # a fused linear's single A is exported once per HF module: one copy each
@@ -59,12 +57,6 @@ def write_adapter_dir(path: Path, tensors: dict[str, torch.Tensor], config: dict
             seen.add(v.data_ptr())
         save_file(own, str(tmp / WEIGHTS_FILE))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def read_adapter_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

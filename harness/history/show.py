@@ -92,7 +92,7 @@ def plot(path: Path, case_id: str, metric: str, points: list[Point], changes: li
 
 def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | None) -> tuple[str, list[Path]]:
     from harness.history import store
-    from harness.report import fmt_table
+    from harness.tables import table as text_table
 
     data = store.series(con, metric, case_glob, since)
     if not data:
@@ -120,5 +120,5 @@ def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | 
         if plots_dir is not None:
             slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{platform}-{case_id}-{metric}")
             pngs.append(plot(Path(plots_dir) / f"{slug}.png", case_id, metric, points, changes))
-    table = fmt_table(["platform", "case", "nights", "first", "last", "latest", "megatron-core", "changes"], rows)
+    table = text_table(["platform", "case", "nights", "first", "last", "latest", "megatron-core", "changes"], rows)
     return "\n".join([f"{metric}:", table, *([""] + notes if notes else [])]), pngs

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.files import atomic_write
 from harness.spec import Case
 
 
@@ -31,6 +31,7 @@ class CaseResult:
     wall_s: float = 0.0
     fresh_ranks: bool = True  # False: ran on warm pool ranks started for an earlier case
     notes: list[str] = field(default_factory=list)  # e.g. why the warm ranks were retired after it
+    figures: dict[str, Any] | None = None  # the suite's figures of the case (driver.case_figures), for reports
 
     @property
     def ok(self) -> bool:
@@ -54,10 +55,8 @@ class CaseResult:
 
 
 def write_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)
+    """The object pickled into path, whole or not at all (harness.files.atomic_write)."""
+    atomic_write(path, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def read(path: Path) -> Any:

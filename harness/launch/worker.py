@@ -16,6 +16,7 @@ from pathlib import Path  # noqa: E402
 
 from harness.launch.context import RankContext  # noqa: E402
 from harness.launch.results import RankResult, read, write_atomic  # noqa: E402
+from harness.probes import proc  # noqa: E402
 from harness.spec import Case  # noqa: E402
 
 
@@ -83,8 +84,8 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
         result.data = suite.rank_work(case, ctx) or {}
         result.data["adjustments"] = adjustments.take()
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
-        result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _peak_rss(),
-                                      "threads": len(os.listdir("/proc/self/task"))}
+        result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _status_mib("VmHWM"),
+                                      "threads": proc.thread_count()}
     except BaseException as exc:  # noqa: BLE001 - a rank reports everything, including SystemExit
         from harness.errors import MissingDependency
 
@@ -112,28 +113,17 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
 
 
 def _status_mib(field: str) -> float:
+    """A /proc/self/status field in MiB; NaN where it cannot be read (the rank's figures are informative)."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+        return proc.status_field("self", field) / (1024 * 1024)
+    except proc.MeasurementError:
+        return float("nan")
 
 
 def _reset_peak_rss() -> float:
     """Reset VmHWM to the current RSS (Linux clear_refs 5) and return the current RSS in MiB."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    proc.reset_peak_rss()
     return _status_mib("VmRSS")
-
-
-def _peak_rss() -> float:
-    return _status_mib("VmHWM")
 
 
 POOL_IMPORTS = ("megatron.core", "megatron.core.distributed", "megatron.core.tensor_parallel",

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.probes.proc import MeasurementError, reset_peak_rss, status_field
+
 MIB = 1024 * 1024
 
 
@@ -27,10 +29,6 @@ MIB = 1024 * 1024
 # 0.36 or 1.35-1.5 MiB per rank, +1.13 MiB at the unpickling of DCP's broadcast metadata (8 allocations
 # of 1.128 MiB against 6 of 0.135 MiB) - and the baselines refused them as noisy.
 TRACE_PYTHON_ALLOCATORS = True
-
-
-class MeasurementError(RuntimeError):
-    """A memory figure could not be measured; raised in the rank so the case errors with this reason."""
 
 
 def artifacts_dir(case_id: str) -> Path:
@@ -45,14 +43,8 @@ def artifacts_dir(case_id: str) -> Path:
 
 
 def _status_kib(field_name: str, pid: str = "self") -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError as exc:
-        raise MeasurementError(f"cannot read {field_name} from /proc/{pid}/status: {exc}") from exc
-    raise MeasurementError(f"/proc/{pid}/status has no {field_name} line")
+    """Kept for callers of the old name: proc.status_field in KiB."""
+    return status_field(pid, field_name) // 1024
 
 
 @dataclass
@@ -122,12 +114,8 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
     capture = capture_dir / f"memray-{phase}-rank{rank}.bin"
     for old in glob.glob(f"{capture}*"):
         os.unlink(old)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-    except OSError:
-        pass
-    peak.rss_before = _status_kib("VmRSS") * 1024
+    reset_peak_rss()  # VmHWM from the current RSS on
+    peak.rss_before = status_field("self", "VmRSS")
     if device:
         import torch
 
@@ -155,7 +143,7 @@ def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, 
     if not sampler.timeline:
         raise MeasurementError(f"the RSS sampler took no sample during {peak.phase} on rank {rank} "
                                f"({sampler.error or 'it never ran'})")
-    peak.rss_peak = _status_kib("VmHWM") * 1024
+    peak.rss_peak = status_field("self", "VmHWM")
     peak.children_rss_peak = sampler.children_peak
     peak.timeline = sampler.timeline[:: max(1, len(sampler.timeline) // 200)]
     if device:

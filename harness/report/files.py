@@ -4,7 +4,6 @@ and plots/*.png, written next to them."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections import Counter
@@ -12,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.driver import OUTCOMES
+from harness.outcomes import OUTCOMES
 from harness.errors import BadInput
+from harness.files import atomic_write
+from harness.tables import markdown_table, md_escape
 
 
 @dataclass
@@ -101,15 +102,7 @@ def prepare_out_dir(path: Path, flag: str = "--out") -> Path:
 
 def write_text(path: Path, text: str) -> None:
     """Atomic write: a report file is either the old one or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:  # an interrupt mid-write leaves the old file and no temporary one
-        os.unlink(tmp)
-        raise
+    atomic_write(path, text)
 
 
 def summary_json(runs: list[RunFile], plots: dict[str, list[Path]]) -> dict[str, Any]:
@@ -128,8 +121,10 @@ def summary_json(runs: list[RunFile], plots: dict[str, list[Path]]) -> dict[str,
     }
 
 
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def _case_cell(case: dict) -> str:
+    """The layout and the options of a case id (`tp2-pp1-cp1-dp2 [distopt]`)."""
+    opts = case["id"].split("[", 1)[1].rstrip("]") if "[" in case["id"] else ""
+    return f"{case['layout']} {opts}".rstrip()
 
 
 def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -> str:
@@ -140,32 +135,28 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
              f"- platform: {', '.join(sorted({r.data.get('platform', '?') for r in runs}))}",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
              f"- runs: {len(runs)}, cases: " + ", ".join(f"{total[k]} {k}" for k in OUTCOMES if total[k]), ""]
-    lines += ["| run | date | wall | " + " | ".join(OUTCOMES) + " |", "|---|---|---|" + "---|" * len(OUTCOMES)]
-    for r in runs:
-        n = r.counts()
-        lines.append(f"| {r.title} | {r.data.get('date', '')} | {r.data.get('wall_s', 0):.0f}s | "
-                     + " | ".join(str(n[k]) for k in OUTCOMES) + " |")
+    lines.append(markdown_table(["run", "date", "wall", *OUTCOMES],
+                                [[r.title, r.data.get("date", ""), f"{r.data.get('wall_s', 0):.0f}s",
+                                  *(r.counts()[k] for k in OUTCOMES)] for r in runs]))
     for r in runs:
         lines += ["", f"## {r.title}", "", f"results: `{r.path}`", ""]
         if r.partial:
-            lines += [f"**partial** (a failure): {_md_escape(r.partial)}", ""]
+            lines += [f"**partial** (a failure): {md_escape(r.partial)}", ""]
         if r.nothing_judged:
-            lines += [f"**nothing judged** (a failure): {_md_escape(r.nothing_judged)}", ""]
+            lines += [f"**nothing judged** (a failure): {md_escape(r.nothing_judged)}", ""]
         if not r.data["cases"]:
             continue
-        lines += ["| # | case | outcome | reason |", "|---|---|---|---|"]
-        for i, c in enumerate(r.data["cases"], 1):
-            opts = c["id"].split("[", 1)[1].rstrip("]") if "[" in c["id"] else ""
-            lines.append(f"| {i} | {c['layout']} {_md_escape(opts)} | {c.get('outcome', c['status'])} | "
-                         f"{_md_escape(c.get('reason', ''))} |")
+        lines.append(markdown_table(["#", "case", "outcome", "reason"],
+                                    [[i, _case_cell(c), c.get("outcome", c["status"]), c.get("reason", "")]
+                                     for i, c in enumerate(r.data["cases"], 1)]))
         for png in plots.get(str(r.path), []):
             lines += ["", f"![{png.stem}]({png.relative_to(out_dir)})"]
         failed = [c for c in r.data["checks"] if not c["passed"]]
         if failed:
             lines += ["", "### Failed checks", ""]
             for c in failed:
-                lines += [f"- **{c['check']}** `{c['case_id']}`: {_md_escape(c['message'])}"]
-                lines += [f"    - {_md_escape(d)}" for d in c.get("details", [])[:12]]
+                lines += [f"- **{c['check']}** `{c['case_id']}`: {md_escape(c['message'])}"]
+                lines += [f"    - {md_escape(d)}" for d in c.get("details", [])[:12]]
     return "\n".join(lines) + "\n"
 
 

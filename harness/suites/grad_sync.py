@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from harness.launch.results import CaseResult
 from harness.layouts import enumerate_layouts, validate
 from harness.probes.collectives import CollectiveRecorder, GroupRoles
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.tables import table as text_table
 
 STEPS = 3  # replica consistency is judged after 3 steps
 
@@ -61,7 +63,8 @@ class GradSyncSuite:
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions()) -> list[Case]:
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: None = None) -> list[Case]:
         if layouts is None:  # every valid layout; CP > 1 runs the reference CP attention on CPU ranks
             layouts = enumerate_layouts(model, world_size)
         for lay in layouts:
@@ -70,8 +73,8 @@ class GradSyncSuite:
         for lay in layouts:
             for dist_opt in (False, True):
                 for overlap in (False, True):
-                    opts = CaseOptions(**{**options.__dict__, "steps": STEPS,
-                                          "use_distributed_optimizer": dist_opt, "overlap_grad_reduce": overlap})
+                    opts = dataclasses.replace(options, steps=STEPS, use_distributed_optimizer=dist_opt,
+                                               overlap_grad_reduce=overlap)
                     out.append(Case(self.name, model, lay, engine, opts, backend))
         return out
 
@@ -119,7 +122,7 @@ class GradSyncSuite:
             out[str(r.rank)] = dict(sorted(per.items()))
         return {"collective_bytes": out}
 
-    def check(self, results: list[CaseResult]) -> list[CheckResult]:
+    def check(self, results: list[CaseResult], params: None = None) -> list[CheckResult]:
         out = []
         for res in results:
             if not res.ok:
@@ -138,7 +141,7 @@ class GradSyncSuite:
     def _check_plan(self, res: CaseResult) -> CheckResult:
         case = res.case
         problems: list[str] = []
-        table = [f"{'rank':>4}  {'expected':<62}  {'observed (dispatcher)':<58}  ok"]
+        rows: list[list] = []  # rank, expected, observed (dispatcher), ok
         for r in res.ranks:
             records = dp_records([x for x in r.data["collectives"] if x.source == "dispatch"])
             planned = plan(case, r.rank)
@@ -153,9 +156,9 @@ class GradSyncSuite:
                 k = (p.kind, p.ranks, p.numel, p.dtype)
                 n = sum(by_key.get(k, Counter()).values())
                 obs = f"{ops[k]} x{n} in {','.join(sorted(by_key[k]))}" if n else "-"
-                table.append(f"{r.rank:>4}  {p.what + ': ' + p.describe():<62}  {obs:<58}  {'yes' if n == p.calls else 'NO'}")
+                rows.append([r.rank, f"{p.what}: {p.describe()}", obs, "yes" if n == p.calls else "NO"])
             for x, n in cmp.unexpected:
-                table.append(f"{r.rank:>4}  {'(nothing)':<62}  {x.op + f' on {x.role} {x.ranks}, {x.numel} x {x.dtype} x{n}':<58}  NO")
+                rows.append([r.rank, "(nothing)", f"{x.op} on {x.role} {x.ranks}, {x.numel} x {x.dtype} x{n}", "NO"])
             for p in cmp.missing:
                 wrong = [x for x, _ in cmp.unexpected if x.kind in ("reduce_scatter", "all_reduce") and p.kind in ("reduce_scatter", "all_reduce")]
                 if wrong and p.what == "DP gradient reduction":
@@ -177,6 +180,7 @@ class GradSyncSuite:
                 if reduce_phases and "backward" not in reduce_phases:
                     problems.append(f"rank {r.rank}: overlap_grad_reduce=True but every gradient reduction ran in "
                                     f"{sorted(reduce_phases)}, none overlapped with backward")
+        table = text_table(["rank", "expected", "observed (dispatcher)", "ok"], rows, align="><<<").split("\n")
         if problems:
             return CheckResult("grad-sync.plan", case.id, False, f"grad-sync: {problems[0]}", problems[1:] + table)
         return CheckResult("grad-sync.plan", case.id, True, f"observed = configured {self._configured(case)}",
