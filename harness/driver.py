@@ -245,7 +245,7 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
         # earlier runs - baseline repeats, compare rounds - keep them warm)
         retire_pools_used_by_others(suite.name)
     run_dir = new_run_dir()
-    cases = with_outputs(cases, run_dir)
+    cases = with_outputs(cases, run_dir, suite)
     order = run_order(cases, shuffle_seed)
     results: dict[int, CaseResult] = {}
     n = len(cases)
@@ -291,12 +291,15 @@ def _write(run: SuiteRun, out_dir: Path) -> None:
     report.write_results(run, Path(out_dir))
 
 
-def with_outputs(cases: list[Case], run_dir: Path) -> list[Case]:
+def with_outputs(cases: list[Case], run_dir: Path, suite: Suite | None = None) -> list[Case]:
     """Each case with its own output directory under the run's, and the output directories of the
-    cases it reads (`after`) as its inputs: the driver resolves the links, a case never guesses a path."""
+    cases it reads (`after`) as its inputs: the driver resolves the links, a case never guesses a path.
+    With the suite: the import path of its class, which the ranks load."""
     out = {c.id: str(run_dir / f"case{i:03d}") for i, c in enumerate(cases)}
-    return [dataclasses.replace(c, out_dir=out[c.id], inputs=tuple(out[d] for d in c.after if d in out))
-            for c in cases]
+    ref = f"{type(suite).__module__}:{type(suite).__qualname__}" if suite is not None else ""
+    ref = "" if "<locals>" in ref else ref  # a class defined in a function: the ranks load it by `suite`
+    return [dataclasses.replace(c, out_dir=out[c.id], inputs=tuple(out[d] for d in c.after if d in out),
+                                suite_ref=c.suite_ref or ref) for c in cases]
 
 
 def new_run_dir() -> Path:

@@ -150,6 +150,9 @@ class Case:
     # later cases read it) and the output directories of the cases in `after`
     out_dir: str = field(default="", compare=False)
     inputs: tuple[str, ...] = field(default=(), compare=False)
+    # set by the driver: `module:Class` of the suite object that planned the case, which the ranks load
+    # (so a suite registered only in the parent, or passed as an object, runs the same); "": by `suite`
+    suite_ref: str = field(default="", compare=False)
 
     @property
     def variant(self) -> str:

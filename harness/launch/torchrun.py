@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(base, max(c.timeout_s for c in cases))
     results_group = dist.new_group(backend="gloo")  # results travel as objects, on the CPU
     run = SuiteRun(suite, args.model, world, backend, args.engine, planned=len(cases), params=params)
-    cases = with_outputs(cases, base.workdir / "outputs")
+    cases = with_outputs(cases, base.workdir / "outputs", suite)
     t_run = time.monotonic()
     for case in cases:
         t_case = time.monotonic()

@@ -74,7 +74,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
 
             from harness.suites import get_suite
 
-            suite = get_suite(case.suite)
+            suite = get_suite(case.suite_ref or case.suite)
             for module in suite.imports:
                 importlib.import_module(module)
         if own_process_group:

@@ -1,0 +1,90 @@
+"""Adding a suite touches only its own module and the registry: tests/toy_suite.py, registered here
+in harness.suites.SUITES, runs through `harness run`, the driver's parameters and judging, and
+`harness report`, which renders its results.json in a process where neither torch nor any suite
+module can be imported."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from harness import suites
+from harness.cli import main
+from harness.driver import run_suite
+from harness.errors import BadInput
+
+
+@pytest.fixture
+def toy_registered(monkeypatch):
+    monkeypatch.setitem(suites.SUITES, "toy", "tests.toy_suite:ToySuite")
+
+
+def test_a_registered_toy_suite_runs_through_the_cli(toy_registered, tmp_path, capsys):
+    code = main(["run", "--suite", "toy", "--world-size", "2", "--backend", "gloo", "--fresh-ranks",
+                 "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [c["outcome"] for c in data["cases"]] == ["pass", "pass"]
+    assert [c["params"] for c in data["cases"]] == [{"index": 0, "offset": 0.0}, {"index": 1, "offset": 0.0}]
+    assert data["cases"][1]["variant"] == "index=1" and data["cases"][0]["metrics"] == {"sum": 1.0}
+    assert "toy: 2 checks passed, 0 failed" in out
+
+
+def test_the_toy_suites_planted_regression_fails_its_check(toy_registered):
+    run = run_suite("toy", None, 2, backend="gloo", fresh_ranks=True, suite_params={"offset": 0.5, "cases": 1})
+    (check,) = run.checks
+    assert run.exit_code == 1 and not check.passed
+    assert check.message == "all-reduced sum 2 != 1 (error 1)"
+
+
+def test_a_parameter_the_suite_does_not_have_is_refused(toy_registered):
+    with pytest.raises(BadInput, match="^--timed-steps does not apply to the toy suite$"):
+        run_suite("toy", None, 2, backend="gloo", suite_params={"timed_steps": 5})
+
+
+# A process where torch, megatron and every suite module fail to import: what `harness report` needs
+# of a run is in its results.json.
+_NO_TORCH = textwrap.dedent("""
+    import sys
+
+    class Refuse:
+        BLOCKED = ("torch", "megatron", "harness.suites", "harness.driver", "harness.launch", "tests.toy_suite")
+
+        def find_spec(self, name, path=None, target=None):
+            if any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
+                raise ImportError(f"{name} is hidden in this test")
+            return None
+
+    sys.meta_path.insert(0, Refuse())
+""")
+
+
+def test_report_renders_from_results_json_without_torch_or_suites(toy_registered, tmp_path):
+    run = run_suite("toy", None, 2, backend="gloo", fresh_ranks=True, out_dir=tmp_path / "run",
+                    suite_params={"offset": 0.5, "cases": 1})
+    from harness import report
+
+    printed = report.format_run(run)
+    script = _NO_TORCH + textwrap.dedent(f"""
+        import json
+        from harness.report import format_results
+        from harness.cli import main
+
+        data = json.loads(open({str(tmp_path / "run" / "results.json")!r}).read())
+        print(format_results(data) + "\\n--- report")
+        print("--- exit", main(["report", {str(tmp_path / "run")!r}]))
+        assert not any(m == "torch" or m.startswith(("torch.", "harness.suites")) for m in sys.modules), sorted(sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rendered, _, tail = proc.stdout.partition("\n--- report\n")
+    assert tail.strip().endswith("--- exit 0"), tail
+    assert rendered == printed  # the same report as the live run printed, from data alone
+    assert "FAIL toy.sum" in rendered and "all-reduced sum 2 != 1 (error 1)" in rendered
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert "all-reduced sum 2 != 1" in md
