@@ -144,6 +144,20 @@ def test_bisect_refuses_a_pair_that_does_not_reproduce(engine_repo, tmp_path, ca
         in captured.err
 
 
+@pytest.mark.slow
+def test_git_bisect_run_names_the_same_commit(engine_repo, tmp_path, capsys, no_leftover_ranks):
+    repo, shas = engine_repo
+    code = cli.main(["bisect", "--repo", str(repo), "--good", shas[0], "--bad", shas[-1], "--cache", str(tmp_path),
+                     "--git-bisect-run", *CASE])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"first bad: {shas[2][:10]} engine: stage the save in a scratch buffer (rank0.save_heap_peak_mib " in out
+    assert f"last good: {shas[1][:10]}" in out
+    tried = {line.split()[0]: line for line in out.split("first bad:")[0].splitlines() if "git bisect" in line}
+    assert shas[2][:10] in tried and "<- first bad" in tried[shas[2][:10]], out  # judged by a git bisect step
+    assert _git(repo, "worktree", "list").count("\n") == 0
+
+
 def test_bisect_step_for_git_bisect_run_refuses_bad_input(capsys):
     assert cli.main(["bisect-step", "--suite", "ckpt-memory", "--metric", "x", "--max", "lots"]) == 2
     assert "--max 'lots': give a number" in capsys.readouterr().err

@@ -57,3 +57,19 @@ def test_run_prints_table_and_writes_results_json(tmp_path):
     assert [c["layout"] for c in data["cases"]] == ["tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1"]
     assert {"imports", "build", "steps"} <= set(data["cases"][0]["timings"])
     assert len(data["cases"][1]["metrics"]["losses"]) == 2
+
+
+def test_the_parser_imports_nothing_heavy():
+    """Every command registers its flags without importing torch, megatron or the driver (fast start)."""
+    code = ("import sys, harness.cli as c; c.build_parser().parse_args(['run', '--suite', 'x']); "
+            "heavy = sorted(m for m in ('torch', 'megatron', 'numpy', 'harness.driver', 'harness.bisect') "
+            "if m in sys.modules); print(heavy)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_every_command_is_registered_in_order():
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "{layouts,run,baselines,report,bisect,bisect-step,compare,nightly,history,project-memory}" in \
+        "".join(proc.stdout.split()), proc.stdout

@@ -164,14 +164,17 @@ def _git_bisect_run(candidates, spec, judge, terms, workdir: Path, find_fix: boo
         extra = ["--json-dir", str(steps)] + (["--find-fix"] if find_fix else [])
         path = wt / candidates.path_in_repo
         say(f"git bisect run in {wt}")
-        proc = subprocess.run(["git", "bisect", "run", sys.executable, *spec.command(extra)], cwd=path,
-                              env=step_env([str(path)]), capture_output=True, text=True)
+        proc = subprocess.run(["git", "bisect", "run", sys.executable, *spec.command(extra)],
+                              cwd=wt, env=step_env([str(path)]), capture_output=True, text=True)  # git: the top level
+        refused = steps / "refused.txt"
+        if refused.exists():  # bad input is the same for every candidate: the step aborted git bisect run
+            raise BadInput(f"bisect-step refused its input: {refused.read_text().strip()}")
         if proc.returncode != 0:
             tail = ((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1]
             raise BadInput(f"git bisect run failed (exit {proc.returncode}): {tail}")
         first_sha = git(wt, "rev-parse", f"refs/bisect/{new}")
     finally:
-        subprocess.run(["git", "-C", str(wt), "bisect", "reset", "--quiet"], capture_output=True)
+        subprocess.run(["git", "-C", str(wt), "bisect", "reset"], capture_output=True)
     for f in sorted(steps.glob("*.json")):
         r, extra_fields = read_step_json(f)
         i = candidates.index_of(extra_fields.get("commit") or "")
@@ -183,6 +186,9 @@ def _git_bisect_run(candidates, spec, judge, terms, workdir: Path, find_fix: boo
     return first, tried
 
 
+GIT_BISECT_ABORT = 255  # an exit code that stops `git bisect run`
+
+
 def step(args) -> int:
     """`harness bisect-step`: exit 0 good, 1 bad, 125 cannot tell (git bisect run's convention); with
     --find-fix 0 while still bad, 1 once fixed."""
@@ -191,10 +197,17 @@ def step(args) -> int:
 
     from harness.bisect import BAD, GOOD, VERDICTS, Threshold, run_step, write_step_json
 
-    Threshold(args.max)
-    sel = CaseSelection.from_args(args)
     t0 = time.monotonic()
-    r = run_step(sel.plan_args(), sel.plan_kwargs(), _spec(args, sel))
+    try:
+        Threshold(args.max)
+        sel = CaseSelection.from_args(args)
+        r = run_step(sel.plan_args(), sel.plan_kwargs(), _spec(args, sel))
+    except BadInput as exc:
+        if args.json_dir:  # under git bisect run, where exit 2 would mean "bad": say why, and abort it
+            Path(args.json_dir, "refused.txt").write_text(str(exc))
+            print(f"harness: error: {exc}", file=sys.stderr)
+            return GIT_BISECT_ABORT
+        raise
     print(f"bisect-step: {VERDICTS[r.verdict]}: {r.why} ({r.case})")
     if args.find_fix:
         r.verdict = {GOOD: BAD, BAD: GOOD}.get(r.verdict, r.verdict)
