@@ -180,7 +180,7 @@ class DynamicCPSuite:
     @staticmethod
     def _check_coverage(res: CaseResult) -> CheckResult:
         """Every real token of every sample computed exactly once; dynamic: at the expected local CP size."""
-        o = res.case.options
+        o = res.case.params
         lengths = o.seqlens
         counts = [torch.zeros(n, dtype=torch.long) for n in lengths]
         local_cp: dict[int, set[int]] = {}
