@@ -152,7 +152,7 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
 def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
     """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds."""
     from harness.checks.timing import MIN_EFFECT_INTERLEAVED
-    from harness.report import fmt_table
+    from harness.tables import table
 
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
     cache.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
             slower.append(key)
     print(f"compare: {a.label} vs {b.label}, {args.rounds} rounds of {args.steps_per_round} steps per side "
           f"(order {' '.join(x[0] for x in order)}), min effect {effect:.0%}")
-    print(fmt_table(["case", "A ms", "B ms", "B/A", "95% CI", "p", "exposed B/A", "verdict", "counters differ"], rows))
+    print(table(["case", "A ms", "B ms", "B/A", "95% CI", "p", "exposed B/A", "verdict", "counters differ"], rows))
     for key, (_, _, diffs) in verdicts.items():
         for d in diffs:
             print(f"  {key}: {d}")

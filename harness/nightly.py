@@ -48,7 +48,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     from harness.driver import format_clock
     from harness.platform import resolve_backend
     from harness.platform.backend import cuda_device_count
-    from harness.report import fmt_table
+    from harness.tables import table
     from harness.report.files import prepare_out_dir, write_report, write_text
 
     unknown = sorted(set(suites) - set(SUITES))
@@ -107,7 +107,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
         con.close()
     say(f"history: {added} runs added to {history_db} ({known} already there)")
     print("\nnightly summary:")
-    print(fmt_table(["suite", "model", "engine", "verdict", "wall", "cases"], rows))
+    print(table(["suite", "model", "engine", "verdict", "wall", "cases"], rows))
     print(f"report: {written['markdown']} (junit: {written['junit']}); "
           f"{format_clock(time.monotonic() - t0)} in all" + (f"; INTERRUPTED ({stop})" if stop else ""))
     return stop.exit_code if stop else 0 if passed else 1

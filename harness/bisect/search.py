@@ -151,7 +151,7 @@ def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: 
                  package: str | None = None) -> str:
     """package: the distribution bisected over (its version column; the candidate label where the step did
     not report it), else megatron-core's."""
-    from harness.report import fmt_table
+    from harness.tables import table
 
     numeric = metric != "fail"
     rows = []
@@ -164,4 +164,4 @@ def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: 
                      f"{t.wall_s:.0f}s", r.why if r.verdict == SKIP or r.value is None else ""])
     header = ["candidate", "tried as", package or "megatron-core", *([metric, "threshold"] if numeric else []),
               "verdict", "wall", "note"]
-    return fmt_table(header, rows)
+    return table(header, rows)

@@ -97,17 +97,14 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
 
 
 def _baselines_dir(run) -> str | None:
-    """The run's baselines directory: its suite parameters' (harness/driver.py), else the suite's."""
-    params = getattr(run, "params", None)
-    return getattr(params, "baselines_dir", None) if params is not None else getattr(run.suite, "baselines_dir", None)
+    """The run's baselines directory, from its suite parameters (None: the repository's baselines/)."""
+    return getattr(run.params, "baselines_dir", None)
 
 
 def _judge_timed(run, result, metric: str, case_entry: dict, threshold: Threshold, vers: dict) -> StepResult:
     """A timed figure (step-perf) is judged as the suite judges it: bad when significantly slower than the
     baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's)."""
-    params = getattr(run, "params", None)
-    cmp = run.suite.timed_comparison(result, metric, case_entry, threshold.relative_effect,
-                                     **({"params": params} if params is not None else {}))
+    cmp = run.suite.timed_comparison(result, metric, case_entry, threshold.relative_effect, params=run.params)
     return StepResult(BAD if cmp.slower else GOOD, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,
                       f"{metric} {cmp.describe()}: {'significantly slower' if cmp.slower else 'not significantly slower'}",
                       vers)

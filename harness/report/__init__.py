@@ -75,12 +75,6 @@ def _git_commit() -> str:
         return ""
 
 
-def fmt_table(header: list[str], rows: list[list[str]]) -> str:
-    from harness.tables import table
-
-    return table(header, rows)
-
-
 def format_run(run: "SuiteRun") -> str:
     """The human report of a run: rendered from its results data (as results.json holds it)."""
     return format_results(to_json(run))
