@@ -95,8 +95,7 @@ def sandbox(tmp_path, monkeypatch):
     def no_rank(*args, **kwargs):
         raise AssertionError("a rank process was started for bad input")
 
-    monkeypatch.setattr("harness.launch.runner._spawn", no_rank)
-    monkeypatch.setattr("harness.launch.pool._spawn", no_rank)
+    monkeypatch.setattr("harness.launch.runner.spawn_rank", no_rank)  # every rank start, fresh or pooled
     monkeypatch.setattr("harness.bisect.version_env", no_rank)  # compare's
     monkeypatch.setattr("harness.bisect.candidates.version_env", no_rank)  # bisect's
     return tmp_path

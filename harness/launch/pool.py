@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from harness.launch.results import CaseResult, write_atomic
-from harness.launch.runner import GRACE_S, _kill, _rank_env, _spawn, collect, supervise
+from harness.launch import runner
+from harness.launch.runner import GRACE_S, collect, supervise
 from harness.spec import Case
 
 
@@ -39,10 +40,11 @@ class RankPool:
         self.close()
         self.dir = Path(tempfile.mkdtemp(prefix="harness-pool-"))
         for r in range(self.world_size):
-            env = _rank_env(case, r, self.dir)
+            env = runner.rank_env(case, r, self.dir)
             env["HARNESS_BACKEND"] = self.backend
-            self.procs.append(_spawn(["--pool-dir", str(self.dir)], env, self.dir / f"rank{r}.log",
-                                     stdin=subprocess.PIPE))
+            # runner.spawn_rank looked up per call: the one place every rank start goes through
+            self.procs.append(runner.spawn_rank(["--pool-dir", str(self.dir)], env, self.dir / f"rank{r}.log",
+                                                stdin=subprocess.PIPE))
         self.starts += 1
 
     def run(self, case: Case, grace_s: float = GRACE_S) -> CaseResult:
@@ -96,7 +98,7 @@ class RankPool:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        _kill(self.procs)
+        runner.kill_ranks(self.procs)
         self.procs = []
         if self.dir is not None and not keep_dir:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -39,7 +39,8 @@ def _die_with_parent(parent: int) -> None:  # runs in the child between fork and
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
+def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
+    """The environment of rank `rank` of the case: rendezvous through a FileStore in workdir."""
     world = case.layout.world_size
     env = dict(os.environ)
     env.update(
@@ -73,7 +74,8 @@ def _last_phase(log: Path) -> str:
     return found[-1] if found else "start-up"
 
 
-def _kill(procs: list[subprocess.Popen]) -> None:
+def kill_ranks(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL every rank's process group (the rank and anything it started) and reap the ranks."""
     for p in procs:
         try:
             os.killpg(p.pid, signal.SIGKILL)
@@ -97,7 +99,11 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _spawn(argv: list[str], env: dict[str, str], log: Path, stdin=subprocess.DEVNULL) -> subprocess.Popen:
+def spawn_rank(argv: list[str], env: dict[str, str], log: Path, stdin=subprocess.DEVNULL) -> subprocess.Popen:
+    """Start one rank (`python -m harness.launch.worker ARGV`) in its own session, dying with us, logging to log.
+
+    Every rank the harness starts - fresh (run_case) or pooled (RankPool) - starts here.
+    """
     with open(log, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "harness.launch.worker", *argv], stdin=stdin, stdout=f,
@@ -168,8 +174,8 @@ def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S
     t0 = time.monotonic()
     try:
         for r in range(world):
-            procs.append(_spawn(["--case-file", str(workdir / "case.pkl"), "--result-dir", str(workdir)],
-                                _rank_env(case, r, workdir), logs[r]))
+            procs.append(spawn_rank(["--case-file", str(workdir / "case.pkl"), "--result-dir", str(workdir)],
+                                    rank_env(case, r, workdir), logs[r]))
         codes, timed_out = supervise(procs, workdir, case.timeout_s, grace_s, t0)
         # A rank that wrote its result exits right after (os._exit); give those a moment.
         deadline = time.monotonic() + 2.0
@@ -181,7 +187,7 @@ def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S
                     pass
         codes = [p.poll() for p in procs]
     finally:
-        _kill(procs)
+        kill_ranks(procs)
     result = collect(case, workdir, logs, codes, timed_out, time.monotonic() - t0)
     if result.ok and not keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
