@@ -1,3 +1,16 @@
+"""Rank processes in the tests: warm pools are shared across tests, and none outlives its pool.
+
+Suites run through run_suite use the process-wide warm pools (harness/launch/pool.py), one per
+(world size, backend); the tests share them, as a long `harness run` would: a case that fails,
+hangs or leaks still retires its pool (the poison-pill rule), and step-perf still gets ranks that
+ran no other suite. What is checked:
+- after every test, every live rank process below this one is a rank of a warm pool in use
+  (`ranks_belong_to_warm_pools`, autouse): a rank a test started outside a pool is gone;
+- at the end of the session, closing the pools leaves no rank process behind (`pools_close_cleanly`);
+- tests about rank lifetime (pool retirement, fresh ranks, orphans) request `no_leftover_ranks`:
+  every pool is closed before and after them and nothing they started may survive.
+"""
+
 import os
 
 import pytest
@@ -20,13 +33,38 @@ def live_worker_pids() -> list[int]:
     return out
 
 
+def warm_pool_pids() -> set[int]:
+    """Live ranks of the process-wide warm pools (kept between tests on purpose)."""
+    from harness.launch import pool
+
+    return {p.pid for rp in pool._POOLS.values() for p in rp.procs if p.poll() is None}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pools_close_cleanly():
+    yield
+    from harness.launch.pool import close_all
+
+    close_all()
+    leftover = live_worker_pids()
+    assert not leftover, f"rank processes left behind after closing the warm pools: {leftover}"
+
+
+@pytest.fixture(autouse=True)
+def ranks_belong_to_warm_pools():
+    yield
+    stray = set(live_worker_pids()) - warm_pool_pids()
+    assert not stray, f"rank processes outside any warm pool left behind: {sorted(stray)}"
+
+
 @pytest.fixture
 def no_leftover_ranks():
+    """For tests about rank lifetime: no warm pool before or after, nothing the test started survives."""
     from harness.launch.pool import close_all
 
     close_all()
     before = set(live_worker_pids())
     yield
-    close_all()  # suites run through run_suite keep process-wide warm pools
+    close_all()
     leftover = set(live_worker_pids()) - before
     assert not leftover, f"rank processes left behind: {sorted(leftover)}"

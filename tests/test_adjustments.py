@@ -58,7 +58,7 @@ def test_results_report_and_bisect_step_name_the_adjustments():
 
 
 @pytest.mark.slow
-def test_a_real_rank_reports_the_equivalence_eps(no_leftover_ranks):
+def test_a_real_rank_reports_the_equivalence_eps():
     from harness.driver import run_suite
 
     run = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo")

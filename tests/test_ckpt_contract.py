@@ -37,7 +37,7 @@ def test_promises():
     assert promised("dp_reshardable", dp4, dp2) and not promised("dp_reshardable", dp4, tp2)
 
 
-def test_unmodified_engine_keeps_the_contract(no_leftover_ranks):
+def test_unmodified_engine_keeps_the_contract():
     run = _run(formats=("dp_reshardable", "fully_reshardable"))
     assert run.passed, [c.message for c in run.checks if not c.passed]
     msgs = {c.case_id.split("]")[0] + c.case_id.split("->")[-1]: c.message

@@ -25,7 +25,7 @@ def _failed(run, mode: str) -> dict[str, str]:
             if not c.passed and f"cp_mode={mode}" in c.case_id}
 
 
-def test_unmodified_mixes_pass_with_local_cp_1_2_4_and_fewer_samples_than_dp(no_leftover_ranks):
+def test_unmodified_mixes_pass_with_local_cp_1_2_4_and_fewer_samples_than_dp():
     mixes = {k: NAMED_MIXES[k] for k in ("cp-1-2-4", "fewer-samples-than-dp")}
     run = _run(mixes=mixes, layouts=None)
     assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results if r.error]

@@ -140,7 +140,7 @@ def test_dynamic_cp_inf_log_prob_and_nan_gradient_fail():
 # -- a real run ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_planted_nan_parameter_fails_a_real_equivalence_run(tmp_path, capsys, no_leftover_ranks):
+def test_planted_nan_parameter_fails_a_real_equivalence_run(tmp_path, capsys):
     """The finding as measured: a NaN in one parameter element after the last step on the non-reference
     layouts used to pass (`params nan`, verdict pass, exit 0)."""
     from harness import cli

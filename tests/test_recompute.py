@@ -37,7 +37,7 @@ def _worst_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["full", "selective"])
-def test_recompute_trains_exactly_like_no_recompute(recompute, no_leftover_ranks):
+def test_recompute_trains_exactly_like_no_recompute(recompute):
     plain, recomputed = _run(""), _run(recompute)
     for off, on in zip(plain.results, recomputed.results):
         lay = on.case.layout.id

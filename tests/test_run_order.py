@@ -57,7 +57,7 @@ class ContractOnly(CkptMemorySuite):
 
 
 @pytest.mark.slow
-def test_contract_cases_pass_shuffled(no_leftover_ranks):
+def test_contract_cases_pass_shuffled():
     run = run_suite(ContractOnly(), "tiny", 4, backend="gloo", shuffle_seed=3)
     assert [r.case.params.ckpt_role for r in run.results] == ["reshard-load", "reshard"]  # plan order kept
     assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results if r.error]

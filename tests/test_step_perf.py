@@ -137,7 +137,7 @@ def _planned_buckets() -> int:
 
 
 @pytest.mark.slow
-def test_unchanged_engine_passes(recorded, no_leftover_ranks):
+def test_unchanged_engine_passes(recorded):
     run, checks = _run("mcore", recorded[0], NO_ALARM)
     assert checks["step-perf.counters"].passed, checks["step-perf.counters"].message
     assert checks["step-perf.time"].passed, checks["step-perf.time"].message

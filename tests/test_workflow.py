@@ -11,7 +11,7 @@ from harness import cli
 from tests.fake_suites import MIXED_PLAN
 
 
-def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys, no_leftover_ranks):
+def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:Mixed", "--world-size", "2", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 1  # regressions, an improvement and an error: not a pass
@@ -48,7 +48,7 @@ def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys, 
         "pass": 15, "regression": 2, "improvement": 1, "error": 1, "skipped": 1}
 
 
-def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_path, capsys, no_leftover_ranks):
+def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:AllSkipped", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 5, out  # its own exit code: neither a pass (0) nor a failed check (1)
@@ -64,7 +64,7 @@ def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_
     assert "**nothing judged** (a failure): no check ran" in (tmp_path / "report.md").read_text()
 
 
-def test_a_case_that_no_check_judged_is_not_a_pass(tmp_path, capsys, no_leftover_ranks):
+def test_a_case_that_no_check_judged_is_not_a_pass(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:ForgetsACase", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1, out
