@@ -10,140 +10,18 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.checks import CheckResult
 from harness.errors import BadInput, Interrupted
 from harness.launch import CaseResult, run_case
 from harness.launch.pool import pool_for
 from harness.layouts import validate
 from harness.models import load_model
-from harness.outcomes import EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
+from harness.suite_run import SuiteRun
 from harness.suites import Suite, get_suite
-
-
-@dataclass
-class CaseOutcome:
-    """A case's single verdict for summaries: one of OUTCOMES and, unless it passed, why."""
-
-    result: CaseResult
-    outcome: str
-    reason: str = ""
-    checks: list[CheckResult] = field(default_factory=list)
-
-
-def error_summary(error: str) -> str:
-    """The head line of a case error plus the exception its first traceback ends with, e.g.
-    "case ...: rank 0 failed in phase 'save' - AssertionError: ..."."""
-    lines = error.splitlines() or ["failed"]
-    in_traceback = False
-    for line in lines[1:]:
-        if line.startswith("Traceback (most recent call last):"):
-            in_traceback = True
-        elif in_traceback and line and not line[0].isspace():
-            return f"{lines[0]} - {line.strip()}"
-    return lines[0]
-
-
-def _outcome(result: CaseResult, checks: list[CheckResult], judged: bool = True) -> CaseOutcome:
-    if result.skipped:
-        return CaseOutcome(result, "skipped", (result.error.splitlines() or ["skipped"])[0], checks)
-    if not result.ok:
-        return CaseOutcome(result, "error", error_summary(result.error).removeprefix(f"case {result.case.id}: "), checks)
-    if not judged:  # written while the run goes on: measured, judged at the end
-        return CaseOutcome(result, "pending", "measured; judged when the run ends", checks)
-    if not checks:
-        return CaseOutcome(result, "unjudged", "the case ran but no check judged it", checks)
-    failed = [c for c in checks if not c.passed]
-    if not failed:
-        return CaseOutcome(result, "pass", "", checks)
-    worse = [c for c in failed if not c.improvement]
-    c = (worse or failed)[0]
-    return CaseOutcome(result, "regression" if worse else "improvement", f"{c.check}: {c.message}", checks)
-
-
-@dataclass
-class SuiteRun:
-    suite: Suite
-    model: str
-    world_size: int
-    backend: str
-    engine: str
-    results: list[CaseResult] = field(default_factory=list)
-    checks: list[CheckResult] = field(default_factory=list)
-    wall_s: float = 0.0
-    planned: int = 0  # cases in the plan (results may hold fewer: an interrupted run)
-    judged: bool = False  # the suite's checks ran over the results
-    interrupted: Interrupted | None = None  # the signal that ended the run early
-    label: str | None = None  # the user's name for this run (reports, history)
-    params: Any = None  # the suite's parameters (suite.Params) the cases were planned and are judged with
-
-    @property
-    def passed(self) -> bool:
-        """Something was judged, every case ran (or was skipped for a missing dependency), every case
-        that ran was judged by at least one check, and every check passed."""
-        return self.verdict == "pass"
-
-    @property
-    def verdict(self) -> str:
-        """'pass', 'fail' (a check failed, a case errored or went unjudged), 'nothing judged' (no check
-        ran at all: every case skipped, or none planned) or 'interrupted' (stopped early by a signal)."""
-        if self.interrupted is not None:
-            return "interrupted"
-        if not self.checks and not self.errors:
-            return "nothing judged"
-        outcomes = self.outcomes()
-        if all(o.outcome in ("pass", "skipped") for o in outcomes) and all(c.passed for c in self.checks):
-            return "pass"
-        return "fail"
-
-    def judge(self) -> "SuiteRun":
-        """Run the suite's checks over the cases that ran (a skipped case has nothing to judge). Checks are
-        pure functions of the results and the parameters: what a report does with files (flamegraphs of
-        failures, captures of passes deleted) happens in the report stage (harness/report/artifacts.py)."""
-        for r in self.results:
-            self.describe(r)
-        self.checks = self.suite.check([r for r in self.results if not r.skipped], self.params)
-        self.judged = True
-        return self
-
-    def describe(self, result: CaseResult) -> CaseResult:
-        """The suite's figures of a case, taken once when it arrives (`result.figures`): reports are
-        rendered from them (and from results.json) without the suite's code."""
-        if result.figures is None:
-            result.figures = case_figures(self.suite, result)
-        return result
-
-    def stop_if_interrupted(self) -> "SuiteRun":
-        """Re-raise the interrupt this run was stopped by: for callers that run more than one suite run
-        (repeats, rounds, bisect steps), which must stop too."""
-        if self.interrupted is not None:
-            raise self.interrupted
-        return self
-
-    @property
-    def exit_code(self) -> int:
-        if self.interrupted is not None:
-            return self.interrupted.exit_code
-        return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "nothing judged": EXIT_NOTHING_JUDGED}[self.verdict]
-
-    @property
-    def errors(self) -> list[str]:
-        """The error text of every case that failed to run (skipped cases are not errors)."""
-        return [r.error for r in self.results if not r.ok and not r.skipped]
-
-    def outcomes(self) -> list[CaseOutcome]:
-        """One outcome per case, in plan order; a check belongs to the case whose id starts its own
-        (cross-layout checks are filed as `<case id>-><target>`)."""
-        by_case: dict[str, list[CheckResult]] = {r.case.id: [] for r in self.results}
-        for c in self.checks:
-            owner = c.case_id if c.case_id in by_case else c.case_id.split("->")[0]
-            by_case.setdefault(owner, []).append(c)
-        return [_outcome(r, by_case[r.case.id], self.judged) for r in self.results]
 
 
 # a parameter whose flag is not `--<name with dashes>`
@@ -163,17 +41,6 @@ def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str
             flag = FLAGS.get(name, "--" + name.replace("_", "-"))
             raise BadInput(f"{flag} does not apply to the {suite.name} suite")
     return params_type(**given) if params_type else None
-
-
-def case_figures(suite: Suite, result: CaseResult) -> dict[str, Any]:
-    """What a report shows of a case beyond the harness's own fields: the suite's metrics, its report data
-    (plots) and, for a baselined suite, the baseline key and samples."""
-    out: dict[str, Any] = {"metrics": suite.metrics(result) or {}}
-    if result.ok and hasattr(suite, "report_data"):
-        out["data"] = suite.report_data(result)
-    if result.ok and hasattr(suite, "samples"):
-        out["baseline_key"], out["samples"] = suite.key(result.case), suite.samples(result)
-    return out
 
 
 def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None,

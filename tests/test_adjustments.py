@@ -6,7 +6,7 @@ import pytest
 
 from harness import adjustments
 from harness.checks import CheckResult
-from harness.driver import SuiteRun
+from harness.suite_run import SuiteRun
 from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout

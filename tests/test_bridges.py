@@ -84,7 +84,7 @@ def test_megatron_bridge_import_stub_is_scoped():
     feature flags) sees transformer_engine / triton."""
     code = textwrap.dedent("""
         import importlib.util, sys
-        from harness.engines import megatron_bridge as mb
+        from harness.engines import megatron_bridge_import as mb
         gpu_missing = {p for p in mb.GPU_ONLY if importlib.util.find_spec(p) is None}
         mb.import_bridge()
         import megatron.bridge, megatron.core.transformer.attention as attention

@@ -10,16 +10,18 @@ import pytest
 import torch
 
 from harness import baselines
+from harness.checks.ckpt_contract import _judge, _judge_side_effects
+from harness.checks.ckpt_memory import _check_baseline, _check_contract, _check_model
 from harness.checks.memory_model import MIB, save_band
 from harness.engines.base import ParamShard
 from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
-from harness.probes import memory
+from harness.probes import proc
 from harness.probes.ckpt_format import OnDisk, inspect
 from harness.probes.memory import MeasurementError, MemoryPeak, measure, read_captures
 from harness.spec import Case, CaseOptions, Layout
 from harness.suites import ckpt_contract
-from harness.suites.ckpt_contract import CkptCase, _judge, _judge_side_effects, refusal_kind
+from harness.suites.ckpt_contract import CkptCase, refusal_kind
 from harness.suites.ckpt_memory import CkptMemorySuite
 
 NAN, INF = float("nan"), float("inf")
@@ -109,7 +111,7 @@ def test_baseline_check_names_a_nan_figure():
     case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCase())
     res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
     data = {"entries": {NanSamples.key(case): {"rank0.save_heap_peak_mib": {"value": 29.0, "tolerance": 5.8}}}}
-    check = NanSamples()._check_baseline(res, data, "baselines.json")
+    check = _check_baseline(NanSamples(), res, data, "baselines.json")
     assert not check.passed
     assert check.message.startswith("rank0.save_heap_peak_mib measured nan MiB (not a finite number) against "
                                     "baseline 29.00 +- 5.80 MiB")
@@ -125,7 +127,7 @@ def test_baseline_rows_state_the_smallest_detectable_regression():
     res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
     entries = baselines.build_entries({Fixed.key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0],
                                                          "rank0.save_writer_peak_mib": [0.16, 0.15, 0.16]}})
-    check = Fixed()._check_baseline(res, {"entries": entries}, "baselines.json")
+    check = _check_baseline(Fixed(), res, {"entries": entries}, "baselines.json")
     assert check.passed
     assert "rank0.save_heap_peak_mib: 29.10 MiB, baseline 29.00 +- 5.80, delta +0.10 MiB: pass; detects > +5.80 MiB " \
            "(+20%)" in check.details
@@ -253,7 +255,7 @@ def test_a_failure_inside_the_phase_keeps_its_own_exception(tmp_path, monkeypatc
 
 def test_proc_status_without_the_field_raises(monkeypatch):
     with pytest.raises(MeasurementError, match="has no VmNothing line"):
-        memory._status_kib("VmNothing")
+        proc.status_field("self", "VmNothing")
 
 
 # -- the format on disk ---------------------------------------------------------------------------
@@ -304,7 +306,7 @@ def _memory_result(fmt: str, layout: Layout, peaks_mib: list[float], model: str 
 def test_contract_judges_the_files_not_the_label():
     disk = OnDisk("dp_reshardable", "3 flat optimizer buffers of 1 DP group(s)")
     res = _memory_result("fully_reshardable", DP4, [161.7, 155.4, 155.4, 155.4], on_disk=disk)
-    check = CkptMemorySuite()._check_contract(res)
+    check = _check_contract(res)
     assert not check.passed
     assert check.message == ("format fully_reshardable: the checkpoint on disk is dp_reshardable, not "
                              "fully_reshardable (3 flat optimizer buffers of 1 DP group(s))")
@@ -315,10 +317,10 @@ def test_mem_efficient_is_judged_by_the_measured_peaks():
     """Byte-identical on disk: a mem_efficient save whose ranks off DP rank 0 gathered is fully_reshardable."""
     disk = OnDisk("fully_reshardable", "24 per-parameter optimizer tensors")
     good = _memory_result("fully_reshardable_mem_efficient", DP4, [161.7, 17.3, 17.3, 17.3], on_disk=disk)
-    check = CkptMemorySuite()._check_contract(good)
+    check = _check_contract(good)
     assert check.passed and check.message.endswith("by the measured peaks fully_reshardable_mem_efficient")
     bad = _memory_result("fully_reshardable_mem_efficient", DP4, [161.7, 155.4, 155.4, 155.4], on_disk=disk)
-    check = CkptMemorySuite()._check_contract(bad)
+    check = _check_contract(bad)
     assert not check.passed
     assert check.message == ("format fully_reshardable_mem_efficient: on disk fully_reshardable, by the measured "
                              "peaks fully_reshardable: ranks off DP rank 0 gathered the state: rank 1 peak 155.4 MiB "
@@ -327,23 +329,23 @@ def test_mem_efficient_is_judged_by_the_measured_peaks():
 
 def test_tiny_says_it_cannot_discriminate_formats():
     res = _memory_result("fully_reshardable", DP4, [3.7, 2.45, 2.45, 2.18], model="tiny")
-    check = CkptMemorySuite()._check_model(res)
+    check = _check_model(res)
     assert check.passed
     assert check.message.startswith("cannot discriminate formats for this model and layout (every rank's peak is "
                                     "inside the fully_reshardable band, which proves nothing here): cannot "
                                     "discriminate fully_reshardable from dp_reshardable at rank 0 for this model: "
                                     "12N = 0.94 MiB")
-    contract = CkptMemorySuite()._check_contract(res)
+    contract = _check_contract(res)
     assert contract.passed and "mem_efficient: cannot tell: cannot discriminate" in contract.message
 
 
 def test_small_rules_the_rival_out_and_flags_a_peak_outside_the_band():
     res = _memory_result("dp_reshardable", TP2, [18.2, 17.5, 6.0, 6.0])
-    check = CkptMemorySuite()._check_model(res)
+    check = _check_model(res)
     assert check.passed and check.message == ("every rank inside the dp_reshardable band; it rules out the rival "
                                               "format on ranks [0, 1, 2, 3]")
     flipped = _memory_result("dp_reshardable", TP2, [86.6, 86.6, 86.4, 86.4])  # R1: every DP rank gathered
-    check = CkptMemorySuite()._check_model(flipped)
+    check = _check_model(flipped)
     band = save_band("dp_reshardable", load_model("small"), TP2, 0)
     assert not check.passed and check.message == (f"rank 0 save host peak 86.6 MiB outside the dp_reshardable "
                                                   f"model band {band.describe()}")

@@ -27,7 +27,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from harness.engines.mcore import _DTYPES, McoreEngine, layer_spec
+from harness.engines.mcore import McoreEngine
+from harness.engines.model_config import _DTYPES, layer_spec
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import MissingDependency
 

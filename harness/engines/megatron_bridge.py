@@ -13,8 +13,8 @@ from the same weights and `model.module` is the GPTModel chunk.
 
 CPU substitutions (CPU ranks only):
 - `import megatron.bridge` needs packages that only install with CUDA (transformer_engine in its
-  PEFT modules, triton through megatron.core's mamba mixer, ...): `import_bridge` runs the import
-  behind a scoped stub, see there.
+  PEFT modules, triton through megatron.core's mamba mixer, ...): `import_bridge`
+  (megatron_bridge_import.py) runs the import behind a scoped stub, see there.
 - the provider's layer spec is the local spec (the reference CP attention when CP > 1): the
   bridge's default is the Transformer Engine spec.
 - fused kernels off, initialisation on CPU, as the mcore engine does.
@@ -24,154 +24,24 @@ the mcore engine builds it (bit-identical losses across engines).
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import importlib.util
-import sys
-import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.engines.lora import (MEGATRON_TARGETS, PEFT_PREFIX, adapter_config, megatron_adapter_from_hf,
                                   read_adapter_dir, write_adapter_dir)
 from harness.engines.mbridge import hf_llama_config
-from harness.engines.mcore import _DTYPES, McoreEngine, layer_spec
+from harness.engines.mcore import McoreEngine
+from harness.engines.megatron_bridge_import import check_available, import_bridge
+from harness.engines.model_config import _DTYPES, layer_spec
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
-from harness.errors import MissingDependency
 
 if TYPE_CHECKING:
     import torch
 
-INSTALL = "pip install --no-deps megatron-bridge==0.3.1 && pip install -c constraints-cpu.txt -e .[bridge]"
-# import name -> distribution: what this engine imports (megatron-bridge's metadata pins CUDA-only
-# packages, so it is installed with --no-deps and its CPU-importable dependencies come from the extra)
-_REQUIRED = {"megatron.bridge": "megatron-bridge", "transformers": "transformers", "omegaconf": "omegaconf",
-             "accelerate": "accelerate", "rich": "rich"}
-# Packages that only exist with CUDA; an unconditional import of one of these is all that may be stubbed.
-GPU_ONLY = frozenset({"transformer_engine", "triton", "mamba_ssm", "causal_conv1d", "fla", "flash_attn",
-                      "flash_attn_3", "flashattn_hopper", "apex", "nvidia_resiliency_ext", "deep_ep", "grouped_gemm"})
 _CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
                 "persist_layer_norm", "gradient_accumulation_fusion")
 
-# (importing module, package) pairs that `import_bridge` stubbed in this process, for diagnosis
-stubbed_imports: list[tuple[str, str]] = []
 
-
-def check_available() -> None:
-    """MissingDependency naming the install command; cheap enough for the parent (imports nothing heavy)."""
-    for module, dist in _REQUIRED.items():
-        if importlib.util.find_spec(module) is None:
-            raise MissingDependency(f"engine 'megatron-bridge' needs {dist} (no module {module!r}): {INSTALL}")
-
-
-# -- the scoped import stub ---------------------------------------------------------------------
-class _Stub(types.ModuleType):
-    """Stand-in for a missing GPU-only package: submodules, classes to subclass, pass-through decorators.
-
-    Never registered in sys.modules: only the import statements it was granted to receive it.
-    """
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper():
-            value = type(name, (), {"__init__": lambda self, *a, **k: None, "__module__": self.__name__})
-        else:
-            value = _Stub(f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
-
-    def __call__(self, *args, **kwargs):
-        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else None
-
-
-@contextlib.contextmanager
-def _stubs_for(granted: set[tuple[str, str]]):
-    """While active, `import pkg...` of a missing package pkg executed by module M gives M a stub, but
-    only for the granted (M, pkg) pairs; every other import (all of megatron.core's optional probes,
-    transformers' availability checks, importlib.util.find_spec) sees the package missing."""
-    original = builtins.__import__
-    stubs: dict[str, _Stub] = {}
-
-    def hooked(name, globals=None, locals=None, fromlist=(), level=0):
-        try:
-            return original(name, globals, locals, fromlist, level)
-        except ModuleNotFoundError as exc:
-            top = name.partition(".")[0]
-            importer = (globals or {}).get("__name__")
-            if level or (exc.name or "").partition(".")[0] != top or (importer, top) not in granted:
-                raise
-            module = stubs.setdefault(top, _Stub(top))
-            if fromlist:  # `from a.b import c` binds from a.b; `import a.b` binds a
-                for part in name.split(".")[1:]:
-                    module = getattr(module, part)
-            return module
-
-    builtins.__import__ = hooked
-    try:
-        yield
-    finally:
-        builtins.__import__ = original
-
-
-_IMPORT_MACHINERY = ("importlib._bootstrap", "importlib._bootstrap_external", "_frozen_importlib",
-                     "_frozen_importlib_external")
-
-
-def _failed_import(exc: ModuleNotFoundError) -> tuple[str | None, str]:
-    """(module whose import statement failed, missing top-level package)."""
-    importer = None
-    tb = exc.__traceback__
-    while tb is not None:
-        name = tb.tb_frame.f_globals.get("__name__", "")
-        if name != __name__ and name not in _IMPORT_MACHINERY:
-            importer = name
-        tb = tb.tb_next
-    return importer, (exc.name or "").partition(".")[0]
-
-
-def import_bridge():
-    """`megatron.bridge.AutoBridge`, importing the bridge behind a scoped stub where packages are missing.
-
-    megatron.core is imported first, so its HAVE_TE / triton flags are settled without any stub. The
-    bridge import is then retried, each time granting a stub to exactly the (module, package) import
-    that failed, as long as the package is GPU-only; a missing ordinary dependency raises
-    MissingDependency. Stubs never enter sys.modules and the import hook is removed afterwards, so
-    later imports (megatron.core modules imported lazily, transformers' probes) see no stub; the bridge
-    modules keep their references. With the GPU packages installed nothing is stubbed.
-    """
-    import megatron.core  # noqa: F401
-
-    if "megatron.bridge" in sys.modules:  # a warm rank imported it for an earlier case
-        _note_stubs()
-        return sys.modules["megatron.bridge"].AutoBridge
-    granted: set[tuple[str, str]] = set()
-    for _ in range(64):
-        try:
-            with _stubs_for(granted):
-                from megatron.bridge import AutoBridge
-            stubbed_imports[:] = sorted(granted)
-            _note_stubs()
-            return AutoBridge
-        except ModuleNotFoundError as exc:
-            importer, package = _failed_import(exc)
-            if package not in GPU_ONLY:
-                raise MissingDependency(f"engine 'megatron-bridge': cannot import {exc.name!r}: {INSTALL}") from exc
-            if importer is None or (importer, package) in granted:
-                raise
-            granted.add((importer, package))
-    raise RuntimeError(f"import megatron.bridge still fails after stubbing {sorted(granted)}")
-
-
-def _note_stubs() -> None:
-    if stubbed_imports:
-        from harness.adjustments import note
-
-        note("megatron.bridge imported behind stubs of its CUDA-only imports: "
-             + ", ".join(f"{pkg} in {mod}" for mod, pkg in stubbed_imports))
-
-
-# -- the engine ---------------------------------------------------------------------------------
 class MegatronBridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
     peft = None  # megatron-bridge's LoRA when the case asks for adapters

@@ -31,7 +31,7 @@ class CaseResult:
     wall_s: float = 0.0
     fresh_ranks: bool = True  # False: ran on warm pool ranks started for an earlier case
     notes: list[str] = field(default_factory=list)  # e.g. why the warm ranks were retired after it
-    figures: dict[str, Any] | None = None  # the suite's figures of the case (driver.case_figures), for reports
+    figures: dict[str, Any] | None = None  # the suite's figures of the case (suite_run.case_figures), for reports
 
     @property
     def ok(self) -> bool:

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from harness import report
-    from harness.driver import SuiteRun, planned_run, with_outputs
+    from harness.driver import planned_run, with_outputs
+    from harness.suite_run import SuiteRun
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -42,11 +42,6 @@ def artifacts_dir(case_id: str) -> Path:
     return path
 
 
-def _status_kib(field_name: str, pid: str = "self") -> int:
-    """Kept for callers of the old name: proc.status_field in KiB."""
-    return status_field(pid, field_name) // 1024
-
-
 @dataclass
 class MemoryPeak:
     """Peaks of one phase of one rank, in bytes."""

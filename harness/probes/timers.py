@@ -10,6 +10,9 @@ the step waited for outside the overlap window.
 On CPU ranks the clock is time.perf_counter. On GPU a step is bracketed by a barrier and
 torch.cuda.synchronize (as Megatron's timers do) and phases are CUDA events, read after the step, so
 timing does not synchronize inside the step and change the overlap it measures.
+
+`calibrate` times a fixed workload (GEMMs and an all-reduce); step-perf's `normalise` parameter scales
+step times by it.
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from harness.launch.context import RankContext
 
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-gather", "other")
+CALIBRATION_REPS = 5
 
 
 @dataclass
@@ -130,3 +137,27 @@ class PhaseTimer:
         step_s = self.clock.elapsed(start, end)
         phases["other"] = max(0.0, step_s - sum(v for k, v in phases.items() if k != "other"))
         return StepTiming(wall, busy, phases), out
+
+
+def calibrate(ctx: RankContext) -> list[float]:
+    """Seconds of a fixed workload per repetition: 4 GEMMs of 256 x 256 and an all-reduce of 1 MiB."""
+    import torch
+    import torch.distributed as dist
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 256, generator=gen).to(ctx.device)
+    buf = torch.ones(256 * 1024, device=ctx.device)
+    out = []
+    for _ in range(CALIBRATION_REPS):
+        dist.barrier()
+        if not ctx.on_cpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x = a
+        for _ in range(4):
+            x = x @ a
+        dist.all_reduce(buf)
+        if not ctx.on_cpu:
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out

@@ -15,7 +15,7 @@ from typing import Any
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from harness.driver import SuiteRun
+    from harness.suite_run import SuiteRun
 
 TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "save", "teardown")
 

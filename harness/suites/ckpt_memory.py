@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult
+from harness.checks import ckpt_memory as judges
+from harness.checks.ckpt_contract import check_reshard
 from harness.engines import make_engine
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.probes.memory import MIB, artifacts_dir, measure
-from harness.report.artifacts import flamegraph_path
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suites.ckpt_contract import CkptCase, check_reshard, contract_cases, reshard_work
+from harness.suites.ckpt_contract import CkptCase, contract_cases, reshard_work
 
 # fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
 # is not supported"; it can still be asked for with --ckpt-format.
@@ -27,10 +27,8 @@ MCORE_FORMATS = ("default", "dp_reshardable", "fully_reshardable", "fully_reshar
 FSDP2_FORMATS = ("fsdp2_default", "fsdp2_sharded", "fsdp2_full")
 FORMATS = MCORE_FORMATS + FSDP2_FORMATS
 ALL_FORMATS = FORMATS + ("fully_sharded_model_space",)
-EXPECTED_DEFAULT = "dp_reshardable"  # Megatron-LM / Megatron-Bridge default since R1
 # also saved async, and through megatron's fully parallel save wrapper, in the default matrix
 ASYNC_FORMATS = FULLY_PARALLEL_FORMATS = ("dp_reshardable", "fully_reshardable")
-EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharded"}
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
 
 
@@ -173,155 +171,7 @@ class CkptMemorySuite:
         return out
 
     def check(self, results: list[CaseResult], params: CkptMemoryParams | None = None) -> list[CheckResult]:
-        from harness import baselines
-        from harness.platform import detect_platform
-
-        p = params or CkptMemoryParams()
-        out: list[CheckResult] = []
-        data_by_platform: dict[str, dict] = {}
-        out.extend(check_reshard(results))
-        for res in results:
-            case = res.case
-            if case.params.ckpt_role:
-                continue
-            if not res.ok:
-                lines = res.error.splitlines() or ["failed"]
-                out.append(CheckResult("ckpt-memory.run", case.id, False, lines[0], lines[1:]))
-                continue
-            platform = detect_platform(case.backend).key
-            path = baselines.baseline_path(p.baselines_dir, platform, self.name)
-            if platform not in data_by_platform:
-                data_by_platform[platform] = baselines.load(path)
-            out.append(self._check_contract(res))
-            out.append(self._check_model(res))
-            out.append(self._check_baseline(res, data_by_platform[platform], path))
-        return out
-
-    @staticmethod
-    def labelled_format(res: CaseResult) -> str:
-        """The format the engine's own label says (content metadata / the engine's saved_metadata)."""
-        meta = next((r.data.get("content_metadata") for r in res.ranks if r.data.get("content_metadata")), None) or {}
-        if "format" in meta:
-            return meta["format"]
-        sharding = meta.get("distrib_optim_sharding_type", "?")
-        if sharding == "fully_reshardable" and meta.get("distrib_optim_fully_reshardable_mem_efficient"):
-            return "fully_reshardable_mem_efficient"
-        return sharding
-
-    def _check_contract(self, res: CaseResult) -> CheckResult:
-        """The format asked for against what is on disk (and, for mem_efficient, what the memory shows)."""
-        from harness.probes.ckpt_format import EXPECTED_ON_DISK
-
-        asked = res.case.params.ckpt_format
-        expected = EXPECTED_DEFAULTS.get(asked, asked)
-        disk = next(r.data["on_disk"] for r in res.ranks if "on_disk" in r.data)
-        label = self.labelled_format(res)
-        what = f"{res.case.engine} default format (expected {expected})" if asked in EXPECTED_DEFAULTS else f"format {asked}"
-        rows = [f"on disk: {disk.layout}: {disk.evidence}",
-                f"label written by the engine: {label} ({'agrees' if label == expected else 'DISAGREES'}; "
-                f"secondary: the files decide)"]
-        want = EXPECTED_ON_DISK.get(expected, expected)
-        if disk.layout != want:
-            return CheckResult("ckpt-memory.contract", res.case.id, False,
-                               f"{what}: the checkpoint on disk is {disk.layout}, not {want} ({disk.evidence})", rows)
-        note = ""
-        if want == "fully_reshardable" and expected in ("fully_reshardable", "fully_reshardable_mem_efficient"):
-            gathered, why = _gathered_off_dp_rank0(res)
-            rows.append(f"mem_efficient or not (byte-identical on disk), from the measured peaks: {why}")
-            if gathered is not None and gathered != (expected == "fully_reshardable"):
-                measured = "fully_reshardable" if gathered else "fully_reshardable_mem_efficient"
-                return CheckResult("ckpt-memory.contract", res.case.id, False,
-                                   f"{what}: on disk fully_reshardable, by the measured peaks {measured}: {why}", rows)
-            note = f"; mem_efficient: {why}" if gathered is None else f"; by the measured peaks {expected}"
-        return CheckResult("ckpt-memory.contract", res.case.id, True,
-                           f"{what}: the checkpoint on disk is {disk.layout}{note}", rows)
-
-    def _check_model(self, res: CaseResult) -> CheckResult:
-        """Every rank's peak inside the band of the format asked for; says where the band cannot tell
-        that format from its rival (12N too small against the fixed cost, or no DP to gather over)."""
-        from harness.checks.memory_model import discrimination, rival, save_band
-
-        case = res.case
-        fmt = EXPECTED_DEFAULTS.get(case.params.ckpt_format, case.params.ckpt_format)
-        rows, bad, blind = [], [], []
-        judged = [r.rank for r in res.ranks if rival(fmt, case.layout, r.rank)]  # ranks where a rival exists
-        for r in res.ranks:
-            band = save_band(fmt, case.model, case.layout, r.rank, case.params.fully_parallel_save)
-            why = discrimination(fmt, case.model, case.layout, r.rank, case.params.fully_parallel_save)
-            peak = r.data["save"].host_peak
-            ok = band.contains(peak)
-            rows.append(f"rank {r.rank}: host peak {peak / MIB:.1f} MiB, model {band.describe()} "
-                        f"{'ok' if ok else 'OUTSIDE'}" + (f" - cannot tell it from {rival(fmt, case.layout, r.rank)}"
-                                                          if why else ""))
-            if not ok:
-                bad.append((r, peak, band))
-            if why:
-                blind.append((r.rank, why))
-        if bad:
-            r, peak, band = bad[0]
-            return CheckResult("ckpt-memory.model", case.id, False,
-                               f"rank {r.rank} save host peak {peak / MIB:.1f} MiB outside the {fmt} model band "
-                               f"{band.describe()}", rows)
-        if judged and len(blind) == len(judged):
-            return CheckResult("ckpt-memory.model", case.id, True,
-                               f"cannot discriminate formats for this model and layout (every rank's peak is inside "
-                               f"the {fmt} band, which proves nothing here): {blind[0][1]}", rows, show=True)
-        told = [r for r in judged if r not in dict(blind)]
-        return CheckResult("ckpt-memory.model", case.id, True,
-                           f"every rank inside the {fmt} band; it rules out the rival format on ranks {told}"
-                           + (f" (not on {[b[0] for b in blind]}: 12N too small or D = 1)" if blind else ""), rows)
-
-    def _check_baseline(self, res: CaseResult, data: dict, path) -> CheckResult:
-        from harness import baselines
-
-        key = self.key(res.case)
-        rows, verdicts, figures = [], {}, {}
-        for metric, value in self.samples(res).items():
-            v = verdicts[metric] = baselines.compare(data, key, metric, value)
-            base = "-" if v.baseline is None else f"{v.baseline:.2f} +- {v.tolerance:.2f}"
-            rows.append(f"{metric}: {value:.2f} MiB, baseline {base}, delta {v.delta:+.2f} MiB: {v.status}"
-                        + (f"; detects {_detects(v)}" if v.baseline is not None else ""))
-            figures[metric] = {"measured": value, "baseline": v.baseline, "tolerance": v.tolerance, "status": v.status}
-        figures = {"key": key, "metrics": figures}
-        by_status = {st: [m for m, v in verdicts.items() if v.status == st] for st in ("missing", "regression", "improvement")}
-        # the report stage deletes the captures of a pass and renders the flamegraph of a failure
-        figures["captures"] = [r.data["save"].capture for r in res.ranks if r.data["save"].capture]
-        if not any(by_status.values()):
-            coarsest = max(verdicts, key=lambda m: _relative_tolerance(verdicts[m]), default=None)
-            sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
-            return CheckResult("ckpt-memory.baseline", res.case.id, True, f"within baseline ({key}){sees}", rows,
-                               show=True, data=figures)
-        if by_status["missing"]:
-            return CheckResult("ckpt-memory.baseline", res.case.id, False,
-                               f"no baseline for {key} {by_status['missing'][0]} in {path}; record it with: "
-                               f"{self.record_command(res.case)}", rows, data=figures)
-        # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
-        metric = max(by_status["regression"] or by_status["improvement"],
-                     key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
-        v = verdicts[metric]
-        capture = res.ranks[int(metric.split(".")[0][4:])].data["save"].capture
-        figures["flamegraph_of"] = capture
-        flame = flamegraph_path(capture)
-        if not math.isfinite(v.measured):
-            return CheckResult("ckpt-memory.baseline", res.case.id, False,
-                               f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
-                               f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows, data=figures)
-        verb = "above" if v.status == "regression" else "below (improvement: refresh the baseline with " \
-            f"`{self.record_command(res.case)}`)"
-        return CheckResult("ckpt-memory.baseline", res.case.id, False,
-                           f"{metric} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline "
-                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows,
-                           improvement=not by_status["regression"], data=figures)
-
-
-def _relative_tolerance(v) -> float:
-    return v.tolerance / v.baseline if v.baseline else math.inf
-
-
-def _detects(v) -> str:
-    """The smallest rise over the baseline that fails, in MiB and relative to the baseline."""
-    rel = f" (+{v.tolerance / v.baseline:.0%})" if v.baseline else ""
-    return f"> +{v.tolerance:.2f} MiB{rel}"
+        return check_reshard(results) + judges.check(self, results, params or CkptMemoryParams())
 
 
 def _label(engine, ckpt_dir) -> dict:
@@ -331,30 +181,6 @@ def _label(engine, ckpt_dir) -> dict:
     from megatron.core import dist_checkpointing
 
     return dist_checkpointing.load_content_metadata(str(ckpt_dir)) or {}
-
-
-def _gathered_off_dp_rank0(res: CaseResult) -> tuple[bool | None, str]:
-    """Whether the ranks off DP rank 0 gathered the whole state during the save (fully_reshardable) or
-    not (mem_efficient), from their measured peaks against 12N; None where the model cannot tell."""
-    from harness.checks.memory_model import discrimination, gathers, save_band
-
-    mem_eff, case = "fully_reshardable_mem_efficient", res.case
-    fp = case.params.fully_parallel_save
-    off = [r for r in res.ranks if not gathers(mem_eff, case.layout, r.rank)]
-    if not off:
-        return None, "cannot tell: every rank is a DP rank 0 (D = 1)"
-    told = [r for r in off if not discrimination(mem_eff, case.model, case.layout, r.rank, fp)]
-    if not told:
-        return None, "cannot tell: " + discrimination(mem_eff, case.model, case.layout, off[0].rank, fp)
-    s = {r.rank: save_band("fully_reshardable", case.model, case.layout, r.rank, fp).low for r in told}
-    gathered = [r for r in told if r.data["save"].host_peak >= s[r.rank]]
-    r = (gathered or told)[0]
-    peak = r.data["save"].host_peak / MIB
-    if gathered:
-        return True, (f"ranks off DP rank 0 gathered the state: rank {r.rank} peak {peak:.1f} MiB >= "
-                      f"12N = {s[r.rank] / MIB:.1f} MiB ({len(gathered)} of {len(told)} ranks)")
-    return False, (f"ranks off DP rank 0 did not gather: rank {r.rank} peak {peak:.1f} MiB < "
-                   f"12N = {s[r.rank] / MIB:.1f} MiB")
 
 
 _WARM = False

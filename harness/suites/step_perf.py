@@ -6,7 +6,7 @@ boundaries with a phase breakdown (harness/probes/timers.py); then one more step
 counters installed: FLOPs (harness/probes/flops.py) and every collective (harness/probes/collectives.py).
 The counters never run during a timed step.
 
-Judged against baselines/<platform>/step-perf.json:
+Judged in the parent (harness/checks/step_perf.py) against baselines/<platform>/step-perf.json:
 - counters, exactly: FLOPs per rank, collective calls and bytes per group role and kind per rank, and the
   DP gradient reductions issued during backward (overlap) - no noise, no tolerance;
 - step time and exposed communication, statistically: the steady-state samples against the baseline's
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.checks.timing import MIN_EFFECT, compare_samples, minimum_detectable_effect
+from harness.checks import step_perf as judges
+from harness.checks.timing import MIN_EFFECT, Comparison
 from harness.engines import make_engine
 from harness.errors import BadInput
 from harness.launch.context import RankContext
@@ -44,51 +45,7 @@ OPTION_SETS = ((False, False), (False, True), (True, False), (True, True))  # (d
 # nothing to overlap. 1M elements gives `small` 6-7 buckets, as a real model has at 40M. GPU cases keep
 # megatron's default.
 CPU_BUCKET_ELEMS = 1_000_000
-CALIBRATION_REPS = 5
 NORMALISE = False
-# bf16 dense peak TFLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
-PEAK_BF16_TFLOPS = {"H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
-
-
-def flops_per_token(model: ModelSpec) -> float:
-    """Training FLOPs per token as torchtitan counts them: 6 N + 12 L H S, N the parameters without the
-    input embedding, L layers, H hidden size, S sequence length (full attention: the causal mask's
-    saving, which Megatron's formula halves, is not taken)."""
-    n = model.num_params() - model.vocab_size * model.hidden_size
-    return 6 * n + 12 * model.num_layers * model.hidden_size * model.seq_length
-
-
-def peak_tflops(device_name: str) -> float | None:
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key.replace(" ", "").lower() in device_name.replace(" ", "").lower():
-            return PEAK_BF16_TFLOPS[key]
-    return None
-
-
-def calibrate(ctx: RankContext) -> list[float]:
-    """Seconds of a fixed workload per repetition: 4 GEMMs of 256 x 256 and an all-reduce of 1 MiB."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(256, 256, generator=gen).to(ctx.device)
-    buf = torch.ones(256 * 1024, device=ctx.device)
-    out = []
-    for _ in range(CALIBRATION_REPS):
-        dist.barrier()
-        if not ctx.on_cpu:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        x = a
-        for _ in range(4):
-            x = x @ a
-        dist.all_reduce(buf)
-        if not ctx.on_cpu:
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def count_work(engine, step: int) -> dict[str, Any]:
@@ -172,7 +129,7 @@ class StepPerfSuite:
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
         import torch.distributed as dist
 
-        from harness.probes.timers import PhaseTimer
+        from harness.probes.timers import PhaseTimer, calibrate
         from harness.suites import layout_coords
 
         engine = make_engine(case, ctx)
@@ -254,6 +211,8 @@ class StepPerfSuite:
                "dp MB (rank 0)": f"{dp_bytes / 1e6:.1f}"}
         device = result.ranks[0].data.get("device") or {}
         if device:
+            from harness.probes.flops import peak_tflops
+
             tflops = max(flops) / (med / 1000) / 1e12
             peak = peak_tflops(device["name"])
             out["TFLOP/s/GPU"] = f"{tflops:.1f}"
@@ -311,125 +270,14 @@ class StepPerfSuite:
                 for key, metrics in sorted(samples.items()) for metric, values in sorted(metrics.items())
                 if metric not in self.TIMED and len(set(values)) > 1]
 
-    # -- checks -------------------------------------------------------------------------------------
+    # -- checks (harness/checks/step_perf.py) ------------------------------------------------------
     def check(self, results: list[CaseResult], params: StepPerfParams | None = None) -> list[CheckResult]:
-        from harness import baselines
-        from harness.platform import detect_platform
-
-        p = params or StepPerfParams()
-        out: list[CheckResult] = []
-        files: dict[str, dict] = {}
-        for res in results:
-            if not res.ok:
-                lines = (res.error or "failed").splitlines()
-                out.append(CheckResult("step-perf.run", res.case.id, False, lines[0], lines[1:]))
-                continue
-            platform = detect_platform(res.case.backend).key
-            path = baselines.baseline_path(p.baselines_dir, platform, self.name)
-            if str(path) not in files:
-                files[str(path)] = baselines.load(path)
-            entry = files[str(path)].get("entries", {}).get(self.key(res.case))
-            if entry is None:
-                for check in ("counters", "time"):
-                    out.append(CheckResult(f"step-perf.{check}", res.case.id, False,
-                                           f"no baseline for {self.key(res.case)} in {path}; record it with: "
-                                           f"{self.record_command(res.case)}"))
-                continue
-            out.append(self._check_counters(res, entry))
-            out.append(self._check_time(res, entry, p))
-        return out
-
-    def _check_counters(self, res: CaseResult, entry: dict) -> CheckResult:
-        measured = self.counters(res)
-        wanted = {m: e["value"] for m, e in entry.items() if m not in self.TIMED}
-        rows, problems = [], []
-        for metric in sorted(set(measured) | set(wanted)):
-            got, want = measured.get(metric), wanted.get(metric)
-            if got == want:
-                continue
-            if want is None:
-                problems.append(f"{metric} = {got:g}, not in the baseline (a collective or counter the baseline "
-                                f"never saw)")
-            elif got is None:
-                problems.append(f"{metric} missing, baseline {want:g}")
-            else:
-                rel = f" ({(got - want) / want:+.1%})" if want else ""
-                problems.append(f"{metric} {got:g} vs baseline {want:g}{rel}")
-        rows = [f"  {p}" for p in problems]
-        o = res.case.options
-        overlap = [p for p in problems if "dp_reductions_in_backward" in p]
-        if overlap and o.overlap_grad_reduce and measured.get("rank0.dp_reductions_in_backward") == 0:
-            exposed = statistics.median(self.exposed_ms(res))
-            base = entry.get("exposed_comm_ms", {}).get("value")
-            rows.insert(0, f"  overlap_grad_reduce=True but no DP gradient reduction was issued in backward: the "
-                           f"reduction is not overlapped; exposed communication {exposed:.1f} ms"
-                           + (f" vs baseline {base:.1f} ms" if base is not None else ""))
-        if not problems:
-            return CheckResult("step-perf.counters", res.case.id, True,
-                               f"{len(measured)} counters equal the baseline (FLOPs {measured['rank0.flops']:.3g} "
-                               f"on rank 0)", value=0.0)
-        head = rows[0].strip() if overlap and o.overlap_grad_reduce else problems[0]
-        return CheckResult("step-perf.counters", res.case.id, False,
-                           f"{res.case.layout.id}: {len(problems)} counters differ from the baseline; {head}", rows,
-                           value=float(len(problems)))
+        return judges.check(self, results, params or StepPerfParams())
 
     def timed_comparison(self, res: CaseResult, metric: str, entry: dict, effect: float | None = None,
-                         params: StepPerfParams | None = None):
-        """A timed figure of a case against the samples of its baseline entry (the case's, all metrics);
-        also what `harness bisect` judges by."""
-        p = params or StepPerfParams()
-        measured = {"step_time_ms": self.step_ms, "exposed_comm_ms": self.exposed_ms}[metric](res)
-        calibration = entry.get("calibration_ms", {}).get("value")
-        if p.normalise and calibration:
-            scale = calibration / self.calibration_ms(res)
-            measured = [m * scale for m in measured]
-        tier = "gpu" if res.case.backend == "nccl" else "cpu"
-        effect = effect if effect is not None else p.min_effect if p.min_effect is not None else MIN_EFFECT[tier]
-        return compare_samples(entry[metric]["samples"], measured, effect)
-
-    def _check_time(self, res: CaseResult, entry: dict, params: StepPerfParams) -> CheckResult:
-        rows = []
-        verdicts = {}
-        for metric in ("step_time_ms", "exposed_comm_ms"):
-            base = entry.get(metric, {}).get("samples")
-            if not base:
-                return CheckResult("step-perf.time", res.case.id, False,
-                                   f"the baseline of {self.key(res.case)} has no {metric} samples; re-record it with: "
-                                   f"{self.record_command(res.case)}")
-            cmp = verdicts[metric] = self.timed_comparison(res, metric, entry, params=params)
-            mde = minimum_detectable_effect(base, cmp.n_b, floor=cmp.min_effect)
-            rows.append(f"  {metric}: {cmp.describe()}; {cmp.verdict}; detects >= {mde:.0%} slower")
-        rank, mine, others = self.slowest_rank(res)
-        med = self.phase_medians(res)
-        rows.append(f"  slowest rank {rank}: compute {mine:.0f} ms vs {others:.0f} ms median of the others")
-        for r, m in sorted(med.items()):
-            rows.append(f"    rank {r}: " + ", ".join(f"{p} {v:.0f}" for p, v in m.items()) + " ms")
-        step, comm = verdicts["step_time_ms"], verdicts["exposed_comm_ms"]
-        tokens_s = res.case.global_batch_size * res.case.model.seq_length / (step.median_b / 1000)
-        data = {m: {"ratio": v.ratio, "ci": [v.ci_low, v.ci_high], "p": min(v.p_slower, v.p_faster),
-                    "median": v.median_b, "baseline_median": v.median_a, "verdict": v.verdict}
-                for m, v in verdicts.items()}
-        data["baseline_samples"] = {m: entry[m]["samples"] for m in verdicts}
-        if step.slower:
-            msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "
-                   f"(compute {mine:.0f} ms vs {others:.0f} ms)")
-            return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
-        # Exposed communication is a few ms with a heavy tail on CPU ranks: it fails only when its growth is
-        # also a real share of the step (the minimum effect of the baseline's step median), not 4 ms of
-        # scheduling noise on a 2-core machine.
-        comm_growth = comm.median_b - comm.median_a
-        if comm.slower and comm_growth > comm.min_effect * step.median_a:
-            msg = (f"{res.case.layout.id}: exposed communication grew by {comm_growth:.1f} ms "
-                   f"(> {comm.min_effect:.0%} of the {step.median_a:.1f} ms step): {comm.describe()}")
-            return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
-        if step.faster:
-            return CheckResult("step-perf.time", res.case.id, False,
-                               f"{res.case.layout.id}: step time improved beyond the baseline: {step.describe()}; "
-                               f"refresh it with `{self.record_command(res.case)}`", rows, value=step.ratio,
-                               improvement=True, data=data)
-        return CheckResult("step-perf.time", res.case.id, True,
-                           f"{res.case.layout.id}: {step.describe()}; {tokens_s:.0f} tokens/s", rows,
-                           value=step.ratio, show=True, data=data)
+                         params: StepPerfParams | None = None) -> Comparison:
+        """What `harness bisect` judges a timed figure by: the same comparison as `check`."""
+        return judges.timed_comparison(self, res, metric, entry, effect, params or StepPerfParams())
 
     @staticmethod
     def report_data(result: CaseResult) -> dict[str, Any]:

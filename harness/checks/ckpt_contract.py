@@ -1,0 +1,170 @@
+"""Checkpoint-contract judges of ckpt-memory: loads where the format promises, saved values, no save side effects."""
+
+from __future__ import annotations
+
+import math
+
+from harness.checks import CheckResult
+from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, within
+from harness.checks.tensors import assemble, rel_error
+from harness.launch.results import CaseResult
+from harness.probes.memory import MIB
+from harness.spec import Layout
+
+# loaded values are copies (bit-identical); the step after the load differs only by reduction order
+STEP_RTOL = 1e-5
+
+
+def promised(fmt: str, saved: Layout, target: Layout) -> bool:
+    """Whether the format promises loading a checkpoint saved at `saved` at `target`."""
+    if fmt.startswith("fully_reshardable"):
+        return True
+    return (saved.tp, saved.pp, saved.vpp) == (target.tp, target.pp, target.vpp)  # dp_reshardable: DP only
+
+
+def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
+    """Per format and target layout: loads where promised, with the saved values."""
+    out: list[CheckResult] = []
+    ran = {r.case.id: r for r in results}
+    for res in results:
+        role, fmt = res.case.params.ckpt_role, res.case.params.ckpt_format
+        if not role:
+            continue
+        if not res.ok:
+            lines = (res.error or "failed").splitlines()
+            out.append(CheckResult("ckpt-memory.reshard", res.case.id, False, lines[0], lines[1:]))
+            continue
+        src_id = res.case.id if role == "reshard" else res.case.after[0]
+        src = ran.get(src_id)
+        if src is None or not src.ok:
+            out.append(CheckResult("ckpt-memory.reshard", res.case.id, False,
+                                   f"{fmt}: the case that saves ({src_id}) did not run, nothing to load"))
+            continue
+        saved = assemble([r.data["saved"] for r in src.ranks]).tensors
+        saved_optim = _assemble_optional([r.data.get("saved_optim") for r in src.ranks])
+        reference = assemble([r.data["reference"] for r in src.ranks]).tensors
+        if role == "reshard":
+            out.append(_judge_side_effects(res, fmt, assemble([r.data["continued"] for r in src.ranks]).tensors,
+                                           reference))
+        n_targets = len(res.ranks[0].data["targets"])
+        for i in range(n_targets):
+            per_rank = [r.data["targets"][i] for r in res.ranks]
+            out.append(_judge(res, fmt, src.case.layout, per_rank, saved, reference, saved_optim))
+    return out
+
+
+def _assemble_optional(per_rank: list) -> dict | None:
+    """Full optimizer-state tensors by `<name>#<key>`, or None when an engine did not report them."""
+    if any(p is None for p in per_rank):
+        return None
+    return assemble(per_rank).tensors
+
+
+def _worst(err: dict[str, float]) -> tuple[str, float]:
+    """The name with the largest error; a NaN error counts as the largest."""
+    name = next((n for n, e in err.items() if math.isnan(e)), None) or max(err, key=err.get)
+    return name, err[name]
+
+
+def _nonfinite(name: str, tensors: dict) -> str:
+    """' (n/total elements non-finite ...)' when the named tensor holds NaN / Inf, else ''."""
+    count, text = nonfinite_summary({name: tensors[name]}) if name in tensors else (0, "")
+    return f" ({text})" if count else ""
+
+
+def _optimizer_diff(loaded: dict, saved: dict) -> tuple[str, str]:
+    """(row, failure message or ''): loaded Adam state against the saved, bit for bit."""
+    if set(loaded) != set(saved):
+        diff = sorted(set(loaded) ^ set(saved))[:5]
+        return f"  optimizer state names differ: {diff}", f"optimizer state names differ from the saved ones: {diff}"
+    err = {n: rel_error(loaded[n], saved[n]) for n in saved}
+    worst, worst_err = _worst(err)
+    row = f"  loaded optimizer state == saved: worst {worst} rel {fmt_err(worst_err)} (must be 0)"
+    if within(worst_err, 0):
+        return row, ""
+    steps = sorted(n for n in err if n.endswith("#step") and beyond(err[n], 0))
+    if steps and math.isfinite(worst_err):  # the step is a scalar: say the values
+        n = steps[0]
+        return row, (f"optimizer state differs from the saved one: Adam step of {n[:-5]} is "
+                     f"{float(loaded[n][0]):g} after the load, {float(saved[n][0]):g} saved ({len(steps)} parameters)")
+    return row, (f"optimizer state differs from the saved one: {worst} rel {fmt_err(worst_err)} (must be 0)"
+                 + _nonfinite(worst, loaded))
+
+
+def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, reference,
+           saved_optim: dict | None = None) -> CheckResult:
+    target = Layout.parse(per_rank[0]["layout"])
+    promise = promised(fmt, src, target)
+    head = f"{fmt} saved at {src.id}, loaded at {target.id} ({'promised' if promise else 'not promised'})"
+    errors = [(r.rank, d) for r, d in zip(res.ranks, per_rank) if "error" in d]
+    cid = f"{res.case.id}->{target.id}"
+    if errors:
+        return _judge_error(cid, head, promise, errors)
+    loaded = assemble([d["loaded"] for d in per_rank]).tensors
+    stepped = assemble([d["stepped"] for d in per_rank]).tensors
+    peaks = " ".join(f"{d['load'].heap_peak / MIB:.0f}" for d in per_rank)
+    if set(loaded) != set(saved):
+        return CheckResult("ckpt-memory.reshard", cid, False,
+                           f"{head}: parameter names differ from the saved ones: {sorted(set(loaded) ^ set(saved))[:5]}")
+    worst_load, load_err = _worst({n: rel_error(loaded[n], saved[n]) for n in saved})
+    worst_step, step_err = _worst({n: rel_error(stepped[n], reference[n]) for n in reference})
+    rows = [f"  load host peak MiB/rank: {peaks}",
+            f"  loaded == saved: worst {worst_load} rel {fmt_err(load_err)} (must be 0)",
+            f"  one step after the load == the uninterrupted run: worst {worst_step} rel "
+            f"{fmt_err(step_err)} (<= {STEP_RTOL:.0e})"]
+    loaded_optim = _assemble_optional([d.get("loaded_optim") for d in per_rank])
+    if loaded_optim is None or saved_optim is None:
+        optim_msg = ("Adam state not compared: the engine has no optimizer_state_shards() (exp_avg, exp_avg_sq "
+                     "and step after the load cannot be checked)")
+        optim_row = "  optimizer state: " + optim_msg
+    else:
+        optim_row, optim_msg = _optimizer_diff(loaded_optim, saved_optim)
+    rows.insert(2, optim_row)
+    if beyond(load_err, 0):
+        msg = (f"model parameters differ from the saved ones: {worst_load} rel {fmt_err(load_err)} (must be 0)"
+               + _nonfinite(worst_load, loaded))
+    elif optim_msg:
+        msg = optim_msg
+    elif beyond(step_err, STEP_RTOL):
+        msg = (f"the step after the load differs from the uninterrupted run (optimizer state not restored?): "
+               f"{worst_step} rel {fmt_err(step_err)} > {STEP_RTOL:.0e}" + _nonfinite(worst_step, stepped))
+    else:
+        return CheckResult("ckpt-memory.reshard", cid, True,
+                           f"{head}: loads with the saved values; step after load rel {fmt_err(step_err)}",
+                           rows, value=step_err, show=True)
+    if not promise:
+        msg = "loaded without error but wrong (silent corruption): " + msg
+    return CheckResult("ckpt-memory.reshard", cid, False, f"{head}: {msg}", rows, value=step_err)
+
+
+def _judge_error(cid: str, head: str, promise: bool, errors: list[tuple[int, dict]]) -> CheckResult:
+    """A target where some rank raised: a pass only where the format does not promise the layout and
+    every failing rank's exception came from the load and is the expected refusal."""
+    rank, d = errors[0]
+    tb = (d.get("traceback") or "").splitlines()[-12:]
+    where = d.get("phase", "?")
+    if promise:
+        return CheckResult("ckpt-memory.reshard", cid, False,
+                           f"{head}: load failed on rank {rank} in the {where}: {d['error']}", tb)
+    wrong = [(r, e) for r, e in errors if e.get("phase") != "load" or not e.get("refusal")]
+    if not wrong:
+        return CheckResult("ckpt-memory.reshard", cid, True, f"{head}: refused as the format allows: {d['refusal']}")
+    rank, d = wrong[0]
+    tb = (d.get("traceback") or "").splitlines()[-12:]
+    if d.get("phase") != "load":
+        return CheckResult("ckpt-memory.reshard", cid, False,
+                           f"{head}: failed on rank {rank} in the {d.get('phase', '?')}, before any load: {d['error']} "
+                           f"(a refusal must come from the load)", tb)
+    return CheckResult("ckpt-memory.reshard", cid, False,
+                       f"{head}: the load failed on rank {rank} with an unexpected error: {d['error']} (a refusal is "
+                       f"the load rejecting the checkpoint's optimizer buffers for this layout)", tb)
+
+
+def _judge_side_effects(res: CaseResult, fmt: str, continued, reference) -> CheckResult:
+    worst, err = _worst({n: rel_error(continued[n], reference[n]) for n in reference})
+    ok = within(err, STEP_RTOL)
+    return CheckResult("ckpt-memory.save-side-effects", res.case.id, ok,
+                       f"{fmt}: the step after the save {'equals' if ok else 'differs from'} the uninterrupted run: "
+                       f"worst {worst} rel {fmt_err(err)} {'<=' if ok else 'not <='} {STEP_RTOL:.0e}"
+                       + ("" if ok else _nonfinite(worst, continued) + " - the save changed the training state"),
+                       value=err)

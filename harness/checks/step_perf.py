@@ -1,0 +1,135 @@
+"""Judges of step-perf: exact counters and timed figures of a case against its baseline entry."""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from harness.checks import CheckResult
+from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect
+from harness.launch.results import CaseResult
+
+if TYPE_CHECKING:
+    from harness.suites.step_perf import StepPerfParams, StepPerfSuite
+
+
+def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParams) -> list[CheckResult]:
+    """Every case against its entry in the platform's baseline file; the suite gives the figures."""
+    from harness import baselines
+    from harness.platform import detect_platform
+
+    out: list[CheckResult] = []
+    files: dict[str, dict] = {}
+    for res in results:
+        if not res.ok:
+            lines = (res.error or "failed").splitlines()
+            out.append(CheckResult("step-perf.run", res.case.id, False, lines[0], lines[1:]))
+            continue
+        platform = detect_platform(res.case.backend).key
+        path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
+        if str(path) not in files:
+            files[str(path)] = baselines.load(path)
+        entry = files[str(path)].get("entries", {}).get(suite.key(res.case))
+        if entry is None:
+            for name in ("counters", "time"):
+                out.append(CheckResult(f"step-perf.{name}", res.case.id, False,
+                                       f"no baseline for {suite.key(res.case)} in {path}; record it with: "
+                                       f"{suite.record_command(res.case)}"))
+            continue
+        out.append(_check_counters(suite, res, entry))
+        out.append(_check_time(suite, res, entry, params))
+    return out
+
+
+def _check_counters(suite: StepPerfSuite, res: CaseResult, entry: dict) -> CheckResult:
+    measured = suite.counters(res)
+    wanted = {m: e["value"] for m, e in entry.items() if m not in suite.TIMED}
+    rows, problems = [], []
+    for metric in sorted(set(measured) | set(wanted)):
+        got, want = measured.get(metric), wanted.get(metric)
+        if got == want:
+            continue
+        if want is None:
+            problems.append(f"{metric} = {got:g}, not in the baseline (a collective or counter the baseline "
+                            f"never saw)")
+        elif got is None:
+            problems.append(f"{metric} missing, baseline {want:g}")
+        else:
+            rel = f" ({(got - want) / want:+.1%})" if want else ""
+            problems.append(f"{metric} {got:g} vs baseline {want:g}{rel}")
+    rows = [f"  {p}" for p in problems]
+    o = res.case.options
+    overlap = [p for p in problems if "dp_reductions_in_backward" in p]
+    if overlap and o.overlap_grad_reduce and measured.get("rank0.dp_reductions_in_backward") == 0:
+        exposed = statistics.median(suite.exposed_ms(res))
+        base = entry.get("exposed_comm_ms", {}).get("value")
+        rows.insert(0, f"  overlap_grad_reduce=True but no DP gradient reduction was issued in backward: the "
+                       f"reduction is not overlapped; exposed communication {exposed:.1f} ms"
+                       + (f" vs baseline {base:.1f} ms" if base is not None else ""))
+    if not problems:
+        return CheckResult("step-perf.counters", res.case.id, True,
+                           f"{len(measured)} counters equal the baseline (FLOPs {measured['rank0.flops']:.3g} "
+                           f"on rank 0)", value=0.0)
+    head = rows[0].strip() if overlap and o.overlap_grad_reduce else problems[0]
+    return CheckResult("step-perf.counters", res.case.id, False,
+                       f"{res.case.layout.id}: {len(problems)} counters differ from the baseline; {head}", rows,
+                       value=float(len(problems)))
+
+
+def timed_comparison(suite: StepPerfSuite, res: CaseResult, metric: str, entry: dict, effect: float | None,
+                     params: StepPerfParams) -> Comparison:
+    """A timed figure of a case against the samples of its baseline entry (the case's, all metrics);
+    also what `harness bisect` judges by."""
+    measured = {"step_time_ms": suite.step_ms, "exposed_comm_ms": suite.exposed_ms}[metric](res)
+    calibration = entry.get("calibration_ms", {}).get("value")
+    if params.normalise and calibration:
+        scale = calibration / suite.calibration_ms(res)
+        measured = [m * scale for m in measured]
+    tier = "gpu" if res.case.backend == "nccl" else "cpu"
+    effect = effect if effect is not None else params.min_effect if params.min_effect is not None else MIN_EFFECT[tier]
+    return compare_samples(entry[metric]["samples"], measured, effect)
+
+
+def _check_time(suite: StepPerfSuite, res: CaseResult, entry: dict, params: StepPerfParams) -> CheckResult:
+    rows = []
+    verdicts = {}
+    for metric in ("step_time_ms", "exposed_comm_ms"):
+        base = entry.get(metric, {}).get("samples")
+        if not base:
+            return CheckResult("step-perf.time", res.case.id, False,
+                               f"the baseline of {suite.key(res.case)} has no {metric} samples; re-record it with: "
+                               f"{suite.record_command(res.case)}")
+        cmp = verdicts[metric] = timed_comparison(suite, res, metric, entry, None, params)
+        mde = minimum_detectable_effect(base, cmp.n_b, floor=cmp.min_effect)
+        rows.append(f"  {metric}: {cmp.describe()}; {cmp.verdict}; detects >= {mde:.0%} slower")
+    rank, mine, others = suite.slowest_rank(res)
+    med = suite.phase_medians(res)
+    rows.append(f"  slowest rank {rank}: compute {mine:.0f} ms vs {others:.0f} ms median of the others")
+    for r, m in sorted(med.items()):
+        rows.append(f"    rank {r}: " + ", ".join(f"{p} {v:.0f}" for p, v in m.items()) + " ms")
+    step, comm = verdicts["step_time_ms"], verdicts["exposed_comm_ms"]
+    tokens_s = res.case.global_batch_size * res.case.model.seq_length / (step.median_b / 1000)
+    data = {m: {"ratio": v.ratio, "ci": [v.ci_low, v.ci_high], "p": min(v.p_slower, v.p_faster),
+                "median": v.median_b, "baseline_median": v.median_a, "verdict": v.verdict}
+            for m, v in verdicts.items()}
+    data["baseline_samples"] = {m: entry[m]["samples"] for m in verdicts}
+    if step.slower:
+        msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "
+               f"(compute {mine:.0f} ms vs {others:.0f} ms)")
+        return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
+    # Exposed communication is a few ms with a heavy tail on CPU ranks: it fails only when its growth is
+    # also a real share of the step (the minimum effect of the baseline's step median), not 4 ms of
+    # scheduling noise on a 2-core machine.
+    comm_growth = comm.median_b - comm.median_a
+    if comm.slower and comm_growth > comm.min_effect * step.median_a:
+        msg = (f"{res.case.layout.id}: exposed communication grew by {comm_growth:.1f} ms "
+               f"(> {comm.min_effect:.0%} of the {step.median_a:.1f} ms step): {comm.describe()}")
+        return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
+    if step.faster:
+        return CheckResult("step-perf.time", res.case.id, False,
+                           f"{res.case.layout.id}: step time improved beyond the baseline: {step.describe()}; "
+                           f"refresh it with `{suite.record_command(res.case)}`", rows, value=step.ratio,
+                           improvement=True, data=data)
+    return CheckResult("step-perf.time", res.case.id, True,
+                       f"{res.case.layout.id}: {step.describe()}; {tokens_s:.0f} tokens/s", rows,
+                       value=step.ratio, show=True, data=data)

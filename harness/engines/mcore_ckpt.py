@@ -1,0 +1,179 @@
+"""Checkpoint I/O of the mcore engine: Adam state shards, sharded state dict, dist_checkpointing save / load."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from harness.engines.base import ParamShard
+
+
+class McoreCheckpoints:
+    """McoreEngine's checkpoint methods (a mixin: uses the engine's models, optimizer and global names)."""
+
+    models: list
+    optimizer: Any
+
+    default_ckpt_format = "dp_reshardable"  # what a save uses when the user names no format
+    OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+    def optimizer_state_shards(self) -> list[ParamShard]:
+        """Adam state as `<global name>#<key>` shards (TP-local, whole over DP), from DP rank 0 only.
+
+        The distributed optimizer holds a flat range of each parameter per DP x CP rank; the ranges are
+        disjoint, so summing zero-filled copies over that group rebuilds every element exactly."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        owner: dict[torch.nn.Parameter, tuple] = {}  # model param -> (its Adam state, flat range or None: all)
+        distributed = False
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            index = getattr(opt, "model_param_group_index_map", None)
+            if index is None:  # not distributed (fp32): the optimizer steps the model parameters themselves
+                for g in opt.optimizer.param_groups:
+                    for p in g["params"]:
+                        owner[p] = (opt.optimizer.state.get(p, {}), None)
+                continue
+            distributed = True  # a parameter held wholly by other DP ranks is not in this rank's index
+            for p, (group, order) in index.items():
+                main = opt.optimizer.param_groups[group]["params"][order]
+                rng = opt._get_model_param_range_map(p)["param"]
+                owner[p] = (opt.optimizer.state.get(main, {}), (rng.start, rng.end))
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        out = []
+        for model in self.models:
+            for name, p in self.global_names(model.module).items():
+                state, rng = owner.get(p, ({}, (0, 0)))
+                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                for key in self.OPTIMIZER_STATE_KEYS:
+                    if key == "step":  # one scalar, the same on every DP rank holding a piece of the parameter
+                        value = state["step"].detach().float().reshape(1).to(p.device, copy=True) if "step" in state \
+                            else torch.full((1,), float("-inf"), device=p.device)
+                        if distributed:
+                            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+                        out.append(ParamShard(f"{name}#step", value.cpu(), None, tp_rank, tp))
+                        continue
+                    full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)  # NCCL needs the device
+                    if key in state:
+                        lo, hi = rng or (0, p.numel())
+                        full[lo:hi] = state[key].detach().float().reshape(-1)
+                    if distributed:  # every rank, every parameter: the same collectives in the same order
+                        dist.all_reduce(full, group=group)
+                    out.append(ParamShard(f"{name}#{key}", full.cpu().view(p.shape), dim, tp_rank, tp,
+                                          self.tp_parts(name)))
+        return out if ps.get_data_parallel_rank(with_context_parallel=True) == 0 else []
+
+    def checkpoint_metadata(self, fmt: str) -> dict:
+        if fmt == "default":
+            fmt = self.default_ckpt_format
+        sharding = "fully_reshardable" if fmt.startswith("fully_reshardable") else fmt
+        return {"distrib_optim_sharding_type": sharding,
+                "distrib_optim_fully_reshardable_mem_efficient": fmt == "fully_reshardable_mem_efficient"}
+
+    def sharded_state_dict(self, fmt: str, is_loading: bool = False) -> dict:
+        metadata = self.checkpoint_metadata(fmt)
+        model_sd = {}
+        for i, m in enumerate(self.models):
+            key = "model" if len(self.models) == 1 else f"model{i}"
+            model_sd[key] = m.module.sharded_state_dict(metadata=metadata)
+        merged = {}
+        for part in model_sd.values():
+            merged.update(part)
+        sd = dict(model_sd)
+        sd["optimizer"] = self.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=metadata)
+        return sd
+
+    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False, async_save: bool = False) -> None:
+        """dist_checkpointing.save in the given distributed-optimizer format.
+
+        async_save: megatron's async save (the write runs in a forked process), finalized before returning.
+        """
+        from megatron.core import dist_checkpointing
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+        sd = self.sharded_state_dict(fmt)
+        strategy = get_default_save_sharded_strategy()
+        if fully_parallel:
+            strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
+        if not async_save:
+            dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy, content_metadata=self.checkpoint_metadata(fmt))
+            return
+        import inspect
+
+        if "async_sharded_save" not in inspect.signature(dist_checkpointing.save).parameters:
+            from harness.errors import MissingDependency
+
+            raise MissingDependency("async save needs megatron-core with dist_checkpointing.save(async_sharded_save=...)"
+                                    " (0.10 or later)")
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        queue = AsyncCallsQueue()
+        request = dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy,
+                                          content_metadata=self.checkpoint_metadata(fmt), async_sharded_save=True)
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        """dist_checkpointing.load into this engine's layout (which may differ from the saving one)."""
+        from megatron.core import dist_checkpointing
+
+        self._init_optimizer_state()
+        state = dist_checkpointing.load(self.sharded_state_dict(fmt, is_loading=True), ckpt_dir)
+        for i, m in enumerate(self.models):
+            m.module.load_state_dict(state["model" if len(self.models) == 1 else f"model{i}"])
+        # no_grad: the dp_reshardable loader copies into views of parameters without it (0.16)
+        with torch.no_grad(), _keep_torch_adam_step():
+            self.optimizer.load_state_dict(state["optimizer"])
+        # The non-TE/apex load gives every parameter the same 'step' tensor; torch Adam increments it
+        # in place once per parameter, so bias corrections would use step + 1, step + 2, ...
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for st in opt.optimizer.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
+    def _init_optimizer_state(self) -> None:
+        """Empty Adam state to load into. megatron's init_state_fn creates no 'step', which the
+        distributed optimizer's state_dict asserts on without TE / apex (megatron-core 0.16)."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if not inner.state[p]:
+                        inner.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                              step=torch.tensor(0.0))
+
+
+@contextlib.contextmanager
+def _keep_torch_adam_step() -> Iterator[None]:
+    """Without TE / apex the distributed optimizer wraps torch Adam, whose per-parameter 'step' no
+    checkpoint carries: megatron's load_state_dict restores it from param_groups first, then the
+    per-parameter loader copies every state key over it (megatron-core 0.16). fully_reshardable has
+    no 'step' there (KeyError); dp_reshardable has the *load-time* step (a LocalNonpersistentObject,
+    0 in a fresh engine), which silently reset Adam's step and its bias corrections. Either way the
+    param_groups step is kept. Scoped to one load."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from harness.adjustments import note
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state:
+            note("Adam step kept across the checkpoint load (megatron-core's per-parameter loader copies the "
+                 "load-time step over the restored one: harness/engines/mcore_ckpt.py _keep_torch_adam_step)")
+            tensors = {**tensors, "step": state["step"].clone()}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = original

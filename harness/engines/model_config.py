@@ -1,0 +1,86 @@
+"""What every engine's GPTModel is built from: dtypes, TransformerConfig, layer spec, initial weights."""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from harness.spec import Case
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import ModuleSpec, TransformerConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
+    """TransformerConfig for the model spec and layout (no dropout: the CPU RNG tracker cannot fork)."""
+    from megatron.core.transformer import TransformerConfig
+
+    m, lay, dtype = case.model, case.layout, _DTYPES[case.options.dtype]
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels, normalization=m.normalization, gated_linear_unit=m.swiglu,
+        activation_func=F.silu if m.swiglu else F.gelu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+        virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
+        context_parallel_size=lay.cp, sequence_parallel=False,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+        use_cpu_initialization=True, perform_initialization=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
+        batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
+        **recompute_config(case.options.recompute),
+    )
+
+
+def recompute_config(recompute: str) -> dict:
+    """TransformerConfig fields of the case's activation-recompute option."""
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective")
+    if recompute:
+        from harness.errors import BadInput
+
+        raise BadInput(f"recompute {recompute!r}: expected full or selective")
+    return {}
+
+
+def layer_spec(on_cpu: bool, normalization: str, cp: int = 1) -> ModuleSpec:
+    """Local spec on CPU ranks; the Transformer Engine spec on GPU when transformer_engine imports.
+
+    Without TE and with CP > 1, the local spec's core attention (which asserts CP == 1) is replaced
+    by the reference context-parallel attention.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if not on_cpu:
+        try:
+            import transformer_engine  # noqa: F401
+
+            return specs.get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    from harness.adjustments import note
+
+    note("layer spec: megatron's local spec (Transformer Engine's needs CUDA)")
+    spec = specs.get_gpt_layer_local_spec(normalization=normalization)
+    if cp > 1:
+        from harness.engines.cp_attention import ReferenceCPAttention
+
+        note("core attention: the harness's reference CP attention (megatron's local attention asserts CP == 1)")
+        spec.submodules.self_attention.submodules.core_attention = ReferenceCPAttention
+    return spec
+
+
+def _full_init(name: str, full_shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Layout-independent initial value of a parameter: a function of its global name only."""
+    gen = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
+    return torch.randn(full_shape, generator=gen) * 0.02

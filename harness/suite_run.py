@@ -1,0 +1,144 @@
+"""A suite run as data: its cases' results, the checks over them, each case's outcome, the verdict and
+the exit code. The driver fills one (harness/driver.py); reports render it (harness/report/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.checks import CheckResult
+from harness.errors import Interrupted
+from harness.launch.results import CaseResult
+from harness.outcomes import EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
+from harness.suites import Suite
+
+
+@dataclass
+class CaseOutcome:
+    """A case's single verdict for summaries: one of OUTCOMES and, unless it passed, why."""
+
+    result: CaseResult
+    outcome: str
+    reason: str = ""
+    checks: list[CheckResult] = field(default_factory=list)
+
+
+def error_summary(error: str) -> str:
+    """The head line of a case error plus the exception its first traceback ends with, e.g.
+    "case ...: rank 0 failed in phase 'save' - AssertionError: ..."."""
+    lines = error.splitlines() or ["failed"]
+    in_traceback = False
+    for line in lines[1:]:
+        if line.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+        elif in_traceback and line and not line[0].isspace():
+            return f"{lines[0]} - {line.strip()}"
+    return lines[0]
+
+
+def _outcome(result: CaseResult, checks: list[CheckResult], judged: bool = True) -> CaseOutcome:
+    if result.skipped:
+        return CaseOutcome(result, "skipped", (result.error.splitlines() or ["skipped"])[0], checks)
+    if not result.ok:
+        return CaseOutcome(result, "error", error_summary(result.error).removeprefix(f"case {result.case.id}: "), checks)
+    if not judged:  # written while the run goes on: measured, judged at the end
+        return CaseOutcome(result, "pending", "measured; judged when the run ends", checks)
+    if not checks:
+        return CaseOutcome(result, "unjudged", "the case ran but no check judged it", checks)
+    failed = [c for c in checks if not c.passed]
+    if not failed:
+        return CaseOutcome(result, "pass", "", checks)
+    worse = [c for c in failed if not c.improvement]
+    c = (worse or failed)[0]
+    return CaseOutcome(result, "regression" if worse else "improvement", f"{c.check}: {c.message}", checks)
+
+
+@dataclass
+class SuiteRun:
+    suite: Suite
+    model: str
+    world_size: int
+    backend: str
+    engine: str
+    results: list[CaseResult] = field(default_factory=list)
+    checks: list[CheckResult] = field(default_factory=list)
+    wall_s: float = 0.0
+    planned: int = 0  # cases in the plan (results may hold fewer: an interrupted run)
+    judged: bool = False  # the suite's checks ran over the results
+    interrupted: Interrupted | None = None  # the signal that ended the run early
+    label: str | None = None  # the user's name for this run (reports, history)
+    params: Any = None  # the suite's parameters (suite.Params) the cases were planned and are judged with
+
+    @property
+    def passed(self) -> bool:
+        """Something was judged, every case ran (or was skipped for a missing dependency), every case
+        that ran was judged by at least one check, and every check passed."""
+        return self.verdict == "pass"
+
+    @property
+    def verdict(self) -> str:
+        """'pass', 'fail' (a check failed, a case errored or went unjudged), 'nothing judged' (no check
+        ran at all: every case skipped, or none planned) or 'interrupted' (stopped early by a signal)."""
+        if self.interrupted is not None:
+            return "interrupted"
+        if not self.checks and not self.errors:
+            return "nothing judged"
+        outcomes = self.outcomes()
+        if all(o.outcome in ("pass", "skipped") for o in outcomes) and all(c.passed for c in self.checks):
+            return "pass"
+        return "fail"
+
+    def judge(self) -> "SuiteRun":
+        """Run the suite's checks over the cases that ran (a skipped case has nothing to judge). Checks are
+        pure functions of the results and the parameters: what a report does with files (flamegraphs of
+        failures, captures of passes deleted) happens in the report stage (harness/report/artifacts.py)."""
+        for r in self.results:
+            self.describe(r)
+        self.checks = self.suite.check([r for r in self.results if not r.skipped], self.params)
+        self.judged = True
+        return self
+
+    def describe(self, result: CaseResult) -> CaseResult:
+        """The suite's figures of a case, taken once when it arrives (`result.figures`): reports are
+        rendered from them (and from results.json) without the suite's code."""
+        if result.figures is None:
+            result.figures = case_figures(self.suite, result)
+        return result
+
+    def stop_if_interrupted(self) -> "SuiteRun":
+        """Re-raise the interrupt this run was stopped by: for callers that run more than one suite run
+        (repeats, rounds, bisect steps), which must stop too."""
+        if self.interrupted is not None:
+            raise self.interrupted
+        return self
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted is not None:
+            return self.interrupted.exit_code
+        return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "nothing judged": EXIT_NOTHING_JUDGED}[self.verdict]
+
+    @property
+    def errors(self) -> list[str]:
+        """The error text of every case that failed to run (skipped cases are not errors)."""
+        return [r.error for r in self.results if not r.ok and not r.skipped]
+
+    def outcomes(self) -> list[CaseOutcome]:
+        """One outcome per case, in plan order; a check belongs to the case whose id starts its own
+        (cross-layout checks are filed as `<case id>-><target>`)."""
+        by_case: dict[str, list[CheckResult]] = {r.case.id: [] for r in self.results}
+        for c in self.checks:
+            owner = c.case_id if c.case_id in by_case else c.case_id.split("->")[0]
+            by_case.setdefault(owner, []).append(c)
+        return [_outcome(r, by_case[r.case.id], self.judged) for r in self.results]
+
+
+def case_figures(suite: Suite, result: CaseResult) -> dict[str, Any]:
+    """What a report shows of a case beyond the harness's own fields: the suite's metrics, its report data
+    (plots) and, for a baselined suite, the baseline key and samples."""
+    out: dict[str, Any] = {"metrics": suite.metrics(result) or {}}
+    if result.ok and hasattr(suite, "report_data"):
+        out["data"] = suite.report_data(result)
+    if result.ok and hasattr(suite, "samples"):
+        out["baseline_key"], out["samples"] = suite.key(result.case), suite.samples(result)
+    return out
