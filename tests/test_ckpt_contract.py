@@ -24,8 +24,10 @@ class ContractOnly(CkptMemorySuite):
         return contract_cases(self.name, model, world_size, engine, backend, options, self.contract_formats)
 
 
-def _run(engine="mcore", formats=("fully_reshardable",), model="small"):
-    return run_suite(ContractOnly(formats), model, 4, engine=engine, backend="gloo")
+def _run(engine="mcore", formats=("fully_reshardable",)):
+    """On `tiny`: the harness's contract logic and every planted fault show on it; the cpu-suite runs the
+    contract on `small`."""
+    return run_suite(ContractOnly(formats), "tiny", 4, engine=engine, backend="gloo")
 
 
 def _failed(run, check="ckpt-memory.reshard") -> dict[str, str]:
@@ -61,7 +63,7 @@ def test_optimizer_state_not_loaded_is_caught():
 def test_adam_step_reset_by_dp_reshardable_load_is_caught():
     """megatron-core 0.16.1's dp_reshardable load on CPU ranks reset torch Adam's step to 0 (fixed in
     McoreEngine.load_checkpoint); planted again here, it fails at both promised targets."""
-    failed = _failed(_run("tests.faulty_ckpt:LoadResetsAdamStep", ("dp_reshardable",), model="tiny"))
+    failed = _failed(_run("tests.faulty_ckpt:LoadResetsAdamStep", ("dp_reshardable",)))
     assert set(failed) == {"tp1-pp1-cp1-dp4", "tp1-pp1-cp1-dp2"}  # the TP / PP targets refuse, as allowed
     msg = failed["tp1-pp1-cp1-dp2"]
     assert msg.startswith("dp_reshardable saved at tp1-pp1-cp1-dp4, loaded at tp1-pp1-cp1-dp2 (promised): "
@@ -71,7 +73,7 @@ def test_adam_step_reset_by_dp_reshardable_load_is_caught():
 
 def test_optimizer_state_shard_off_after_load_is_caught():
     """A 1e-4 error in one DP shard of exp_avg_sq: the next step alone would not show it."""
-    run = _run("tests.faulty_ckpt:LoadScalesOneDpShard", ("dp_reshardable",), model="tiny")
+    run = _run("tests.faulty_ckpt:LoadScalesOneDpShard", ("dp_reshardable",))
     failed = _failed(run)
     assert set(failed) == {"tp1-pp1-cp1-dp4", "tp1-pp1-cp1-dp2"}
     assert all("optimizer state differs from the saved one: " in m and "#exp_avg_sq rel 1.0" in m
@@ -99,7 +101,7 @@ def test_format_that_does_not_reshard_is_caught():
 
 def test_an_engine_that_cannot_build_at_the_target_is_not_a_refusal():
     """dp_reshardable does not promise tp2; an engine whose build raises there has not been refused by a load."""
-    failed = _failed(_run("tests.faulty_ckpt:BuildFailsOffTp1", ("dp_reshardable",), model="tiny"))
+    failed = _failed(_run("tests.faulty_ckpt:BuildFailsOffTp1", ("dp_reshardable",)))
     assert set(failed) == {"tp2-pp1-cp1-dp2"}  # pp2 is still refused by the load, as allowed
     assert failed["tp2-pp1-cp1-dp2"] == (
         "dp_reshardable saved at tp1-pp1-cp1-dp4, loaded at tp2-pp1-cp1-dp2 (not promised): failed on rank 0 in the "
@@ -108,7 +110,7 @@ def test_an_engine_that_cannot_build_at_the_target_is_not_a_refusal():
 
 
 def test_an_engine_without_optimizer_state_shards_fails_the_adam_comparison():
-    failed = _failed(_run("tests.faulty_ckpt:NoOptimizerStateShards", model="tiny"))
+    failed = _failed(_run("tests.faulty_ckpt:NoOptimizerStateShards"))
     assert set(failed) == {"tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp2"}
     assert all(m.endswith("Adam state not compared: the engine has no optimizer_state_shards() (exp_avg, exp_avg_sq "
                           "and step after the load cannot be checked)") for m in failed.values()), failed

@@ -32,11 +32,18 @@ def _marked(mark: str) -> list[int]:
     return out
 
 
+def _sigint_as_in_a_terminal() -> None:  # runs in the child between fork and exec
+    # A shell starts background jobs with SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler: under `pytest ... &` the harness would never see the Ctrl-C this test sends.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(out: Path, mark: str) -> subprocess.Popen:
     env = {**os.environ, "HARNESS_TEST_MARK": mark, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "--suite", "tests.fake_suites:Sleepy",
                              "--world-size", "2", "--out", str(out)], cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            preexec_fn=_sigint_as_in_a_terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def _finished(out: Path) -> int:
@@ -102,7 +109,7 @@ def test_loops_over_runs_stop_when_a_run_was_interrupted(monkeypatch, tmp_path):
     import signal as sig
 
     from harness import baselines
-    from harness.driver import SuiteRun
+    from harness.suite_run import SuiteRun
     from harness.errors import Interrupted
     from harness.suites.equivalence import EquivalenceSuite
 

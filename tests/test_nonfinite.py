@@ -120,18 +120,18 @@ def _cp_result(mode: str, logprobs: torch.Tensor, grad: torch.Tensor) -> CaseRes
 
 
 def test_dynamic_cp_inf_log_prob_and_nan_gradient_fail():
-    from harness.suites.dynamic_cp import DynamicCPSuite
+    from harness.checks.dynamic_cp import _check_grads, _check_logprobs, _check_loss
 
     lp, g = torch.tensor([-1.0, -2.0, -3.0, -4.0]), torch.ones(3)
     bad_lp, bad_g = lp.clone(), g.clone()
     bad_lp[2], bad_g[1] = -INF, NAN
     ref, res = _cp_result("none", lp, g), _cp_result("static", bad_lp, bad_g)
-    logprobs = DynamicCPSuite._check_logprobs(res, ref, 1e-5)
+    logprobs = _check_logprobs(res, ref, 1e-5)
     assert not logprobs.passed
     assert "log-probs of sample 0 differ from no CP: sample 0: length 4, max abs inf, rel inf, 1 non-finite log-probs" \
         in logprobs.message
-    assert not DynamicCPSuite._check_loss(res, ref, 1e-5).passed
-    grads = DynamicCPSuite._check_grads(res, ref, 1e-5)
+    assert not _check_loss(res, ref, 1e-5).passed
+    grads = _check_grads(res, ref, 1e-5)
     assert not grads.passed
     assert "1/1 gradients differ from no CP; worst w: rel nan > 1e-05" in grads.message
     assert "(non-finite: w: 1/3 elements non-finite (1 NaN, 0 Inf))" in grads.message
