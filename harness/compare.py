@@ -63,12 +63,10 @@ def _in_process_round(side: Side, sel: CaseSelection, args, say) -> dict[str, Ca
 
 
 def _subprocess_round(side: Side, sel: CaseSelection, args, workdir: Path, n: int) -> dict[str, CaseSamples]:
-    import os
+    from harness.bisect import step_env
 
     out_dir = workdir / f"{side.label.replace('/', '_')}-{n}"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*side.pythonpath, str(Path(__file__).resolve().parents[1]),
-                                         *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    env = step_env(side.pythonpath)
     cmd = [side.python or sys.executable, "-m", "harness.cli", "run", *sel.to_argv(skip=("engine", "timed_steps")),
            "--engine", side.engine,
            "--timed-steps", str(args.steps_per_round), "--baselines-dir", str(workdir / "no-baselines"),
@@ -185,9 +183,9 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
         for d in diffs:
             print(f"  {key}: {d}")
     if args.out:
-        from harness.report.files import write_text
+        from harness.files import atomic_write
 
-        write_text(Path(args.out) / "compare.json", json.dumps(
+        atomic_write(Path(args.out) / "compare.json", json.dumps(
             {"a": a.label, "b": b.label, "rounds": args.rounds, "order": order, "min_effect": effect,
              "cases": {k: {"step": vars(s), "exposed": vars(c), "counters_differ": d,
                            "samples_a": samples_a[k].step_ms, "samples_b": samples_b[k].step_ms}

@@ -49,7 +49,8 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     from harness.platform import resolve_backend
     from harness.platform.backend import cuda_device_count
     from harness.tables import table
-    from harness.report.files import prepare_out_dir, write_report, write_text
+    from harness.files import atomic_write
+    from harness.report.files import prepare_out_dir, write_report
 
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
@@ -83,7 +84,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
                                    out_dir=out / item.slug, label=label)
         except BadInput as exc:  # a path whose package is missing, a corrupt baseline file, ...
             reason = str(exc)
-            write_text(out / item.slug / "results.json", json.dumps(
+            atomic_write(out / item.slug / "results.json", json.dumps(
                 {"suite": item.suite, "engine": item.engine, "model": item.model, "world_size": world,
                  "backend": backend, "cases": [], "checks": [], "passed": False, "verdict": "nothing judged",
                  "nothing_judged": reason}))

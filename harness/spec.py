@@ -125,11 +125,6 @@ class CaseOptions:
     lora_dim: int = 0
     lora_alpha: int = 0
 
-    def short(self) -> str:
-        """Non-default options as a compact id fragment."""
-        return id_fragment(self)
-
-
 @dataclass(frozen=True)
 class Case:
     """One unit of work: a model on a layout through an engine, run on layout.world_size ranks."""
@@ -157,7 +152,7 @@ class Case:
     @property
     def variant(self) -> str:
         """The non-default options and suite parameters as a compact fragment ("" when all are default)."""
-        return ",".join(x for x in (self.options.short(), id_fragment(self.params)) if x)
+        return ",".join(x for x in (id_fragment(self.options), id_fragment(self.params)) if x)
 
     @property
     def id(self) -> str:

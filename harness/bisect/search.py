@@ -87,13 +87,18 @@ class GateRefused(BadInput):
         self.tried = tried
 
 
+def flip(verdict: int) -> int:
+    """GOOD and BAD swapped (a fix search looks for the first good one); a skip stays a skip."""
+    return {GOOD: BAD, BAD: GOOD}.get(verdict, verdict)
+
+
 def flipped(judge: Callable[[int], StepResult]) -> Callable[[int], StepResult]:
-    """judge with GOOD and BAD swapped (a fix search looks for the first good one; a skip stays a skip)."""
-    def flip(i: int) -> StepResult:
+    """judge with GOOD and BAD swapped."""
+    def judge_flipped(i: int) -> StepResult:
         r = judge(i)
-        r.verdict = {GOOD: BAD, BAD: GOOD}.get(r.verdict, r.verdict)
+        r.verdict = flip(r.verdict)
         return r
-    return flip
+    return judge_flipped
 
 
 def gate(labels: list[str], judge: Callable[[int], StepResult], say: Callable[[str], None],

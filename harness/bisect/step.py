@@ -8,11 +8,12 @@ import json
 import os
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.bisect.search import BAD, GOOD, SKIP, StepResult, Threshold
 from harness.errors import BadInput
+from harness.files import atomic_write
 
 
 @dataclass
@@ -25,7 +26,6 @@ class StepSpec:
     error_is_bad: bool = False
     baselines_dir: str | None = None  # absolute: steps run in other directories
     fresh_ranks: bool = False
-    extra: list[str] = field(default_factory=list)  # further bisect-step flags (e.g. --find-fix)
 
     def command(self, extra: list[str] | None = None) -> list[str]:
         """The interpreter arguments of `harness bisect-step` judging these cases with this metric."""
@@ -33,11 +33,7 @@ class StepSpec:
         if self.baselines_dir is not None:
             cmd += ["--baselines-dir", self.baselines_dir]
         cmd += [flag for flag, on in (("--error-is-bad", self.error_is_bad), ("--fresh-ranks", self.fresh_ranks)) if on]
-        return cmd + self.extra + (extra or [])
-
-
-def step_command(spec: StepSpec, extra: list[str] | None = None) -> list[str]:
-    return spec.command(extra)
+        return cmd + (extra or [])
 
 
 # -- judging a run ------------------------------------------------------------------------------------
@@ -131,7 +127,7 @@ def run_step(plan_args: tuple, plan_kwargs: dict, spec: StepSpec) -> StepResult:
 # -- the JSON protocol --------------------------------------------------------------------------------
 def write_step_json(path: str | Path, r: StepResult, **extra) -> None:
     """The verdict of a step for the process that runs it (extra: e.g. the commit judged, wall seconds)."""
-    Path(path).write_text(json.dumps({**asdict(r), **extra}))
+    atomic_write(path, json.dumps({**asdict(r), **extra}))
 
 
 def read_step_json(path: str | Path) -> tuple[StepResult, dict]:

@@ -20,3 +20,9 @@ class CheckResult:
     @property
     def status(self) -> str:
         return "pass" if self.passed else "fail"
+
+
+def case_failed(check: str, result) -> CheckResult:
+    """The `<suite>.run` failure of a case that did not run: its error's first line, the rest as details."""
+    lines = (result.error or "failed").splitlines()
+    return CheckResult(check, result.case.id, False, lines[0], lines[1:])

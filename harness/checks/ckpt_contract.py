@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks import CheckResult
+from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, within
 from harness.checks.tensors import assemble, rel_error
 from harness.launch.results import CaseResult
@@ -31,8 +31,7 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
         if not role:
             continue
         if not res.ok:
-            lines = (res.error or "failed").splitlines()
-            out.append(CheckResult("ckpt-memory.reshard", res.case.id, False, lines[0], lines[1:]))
+            out.append(case_failed("ckpt-memory.reshard", res))
             continue
         src_id = res.case.id if role == "reshard" else res.case.after[0]
         src = ran.get(src_id)

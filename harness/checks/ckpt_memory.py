@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from harness.checks import CheckResult
+from harness.checks import CheckResult, case_failed
 from harness.checks.memory_model import discrimination, gathers, rival, save_band
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
@@ -33,8 +33,7 @@ def check(suite: CkptMemorySuite, results: list[CaseResult], params: CkptMemoryP
         if case.params.ckpt_role:
             continue
         if not res.ok:
-            lines = res.error.splitlines() or ["failed"]
-            out.append(CheckResult("ckpt-memory.run", case.id, False, lines[0], lines[1:]))
+            out.append(case_failed("ckpt-memory.run", res))
             continue
         platform = detect_platform(case.backend).key
         path = baselines.baseline_path(params.baselines_dir, platform, suite.name)

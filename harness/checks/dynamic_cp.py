@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from harness.checks import CheckResult
+from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_count, nonfinite_summary, severity, within
 from harness.checks.tensors import rel_error
 from harness.engines.dynamic_cp import TokenOutputs
@@ -38,8 +38,7 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
         for res in group:
             cid = res.case.id
             if not res.ok:
-                lines = (res.error or "failed").splitlines()
-                out.append(CheckResult("dynamic-cp.run", cid, False, lines[0], lines[1:]))
+                out.append(case_failed("dynamic-cp.run", res))
                 continue
             out.append(_check_coverage(res))
             if res is ref:

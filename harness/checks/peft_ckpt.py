@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.checks import CheckResult
+from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.engines.lora import CONFIG_FILE, hf_target_modules
 from harness.launch.results import CaseResult
@@ -41,10 +41,8 @@ def check(results: list[CaseResult]) -> list[CheckResult]:
     ref_hf = _hf(ref) if ref.ok else None
     out: list[CheckResult] = []
     for res in results:
-        cid = res.case.id
         if not res.ok:
-            out.append(CheckResult("peft-ckpt.run", cid, False, res.error.splitlines()[0] if res.error else "failed",
-                                   res.error.splitlines()[1:]))
+            out.append(case_failed("peft-ckpt.run", res))
             continue
         hf = _hf(res)
         out.append(_check_valid(res, hf))

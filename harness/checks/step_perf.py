@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from harness.checks import CheckResult
+from harness.checks import CheckResult, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect
 from harness.launch.results import CaseResult
 
@@ -22,8 +22,7 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
     files: dict[str, dict] = {}
     for res in results:
         if not res.ok:
-            lines = (res.error or "failed").splitlines()
-            out.append(CheckResult("step-perf.run", res.case.id, False, lines[0], lines[1:]))
+            out.append(case_failed("step-perf.run", res))
             continue
         platform = detect_platform(res.case.backend).key
         path = baselines.baseline_path(params.baselines_dir, platform, suite.name)

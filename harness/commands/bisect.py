@@ -195,7 +195,8 @@ def step(args) -> int:
     import subprocess
     import time
 
-    from harness.bisect import BAD, GOOD, VERDICTS, Threshold, run_step, write_step_json
+    from harness.bisect import VERDICTS, Threshold, flip, run_step, write_step_json
+    from harness.files import atomic_write
 
     t0 = time.monotonic()
     try:
@@ -204,13 +205,13 @@ def step(args) -> int:
         r = run_step(sel.plan_args(), sel.plan_kwargs(), _spec(args, sel))
     except BadInput as exc:
         if args.json_dir:  # under git bisect run, where exit 2 would mean "bad": say why, and abort it
-            Path(args.json_dir, "refused.txt").write_text(str(exc))
+            atomic_write(Path(args.json_dir, "refused.txt"), str(exc))
             print(f"harness: error: {exc}", file=sys.stderr)
             return GIT_BISECT_ABORT
         raise
     print(f"bisect-step: {VERDICTS[r.verdict]}: {r.why} ({r.case})")
     if args.find_fix:
-        r.verdict = {GOOD: BAD, BAD: GOOD}.get(r.verdict, r.verdict)
+        r.verdict = flip(r.verdict)
     if args.json:
         write_step_json(args.json, r)
     if args.json_dir:

@@ -217,8 +217,8 @@ def _jsonable(params: Any) -> dict[str, Any]:
 
 def write_results(run: SuiteRun, out_dir: Path) -> Path:
     """DIR/results.json, written atomically."""
-    from harness.report.files import write_text
+    from harness.files import atomic_write
 
     path = out_dir / "results.json"
-    write_text(path, json.dumps(to_json(run), indent=2, default=str))
+    atomic_write(path, json.dumps(to_json(run), indent=2, default=str))
     return path

@@ -100,11 +100,6 @@ def prepare_out_dir(path: Path, flag: str = "--out") -> Path:
     return path
 
 
-def write_text(path: Path, text: str) -> None:
-    """Atomic write: a report file is either the old one or the whole new one."""
-    atomic_write(path, text)
-
-
 def summary_json(runs: list[RunFile], plots: dict[str, list[Path]]) -> dict[str, Any]:
     first = runs[0].data
     return {
@@ -137,7 +132,7 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
              f"- runs: {len(runs)}, cases: " + ", ".join(f"{total[k]} {k}" for k in OUTCOMES if total[k]), ""]
     lines.append(markdown_table(["run", "date", "wall", *OUTCOMES],
                                 [[r.title, r.data.get("date", ""), f"{r.data.get('wall_s', 0):.0f}s",
-                                  *(r.counts()[k] for k in OUTCOMES)] for r in runs]))
+                                  *(n[k] for k in OUTCOMES)] for r in runs for n in [r.counts()]]))
     for r in runs:
         lines += ["", f"## {r.title}", "", f"results: `{r.path}`", ""]
         if r.partial:
@@ -167,7 +162,7 @@ def write_report(directory: Path) -> dict[str, Path]:
     runs = load_runs(directory)
     pngs = plots.render_all(runs, directory / "plots")
     out = {"markdown": directory / "report.md", "json": directory / "report.json", "junit": directory / "junit.xml"}
-    write_text(out["markdown"], markdown(runs, pngs, directory))
-    write_text(out["json"], json.dumps(summary_json(runs, pngs), indent=2))
-    write_text(out["junit"], junit.render(runs))
+    atomic_write(out["markdown"], markdown(runs, pngs, directory))
+    atomic_write(out["json"], json.dumps(summary_json(runs, pngs), indent=2))
+    atomic_write(out["junit"], junit.render(runs))
     return {**out, **{p.stem: p for ps in pngs.values() for p in ps}}

@@ -30,13 +30,12 @@ class Suite(Protocol):
     default_model: str  # the model run when none is given (sized for CPU ranks)
     imports: tuple[str, ...]  # modules a rank imports in its timed "imports" phase
 
-
     def cases(self, model: "ModelSpec", world_size: int, layouts: list["Layout"] | None, *,
-              engine: str, backend: str, options: "CaseOptions") -> list["Case"]: ...
+              engine: str, backend: str, options: "CaseOptions", params: Any = None) -> list["Case"]: ...
 
     def rank_work(self, case: "Case", ctx: "RankContext") -> dict[str, Any]: ...
 
-    def check(self, results: list["CaseResult"]) -> list["CheckResult"]: ...
+    def check(self, results: list["CaseResult"], params: Any = None) -> list["CheckResult"]: ...
 
     def metrics(self, result: "CaseResult") -> dict[str, Any]:
         """Suite-specific figures of a case for results.json and the printed table."""
@@ -46,7 +45,7 @@ class Suite(Protocol):
 def get_suite(name: "str | Suite") -> Suite:
     """A suite by contract name, or by import path `package.module:Class` (tests plant fake suites).
 
-    A suite object is returned as it is (a configured suite, e.g. dynamic-cp with given mixes).
+    A suite object is returned as it is (a configured suite, e.g. a test's subclass).
     """
     if not isinstance(name, str):
         return name

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from harness.checks import CheckResult
+from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, severity, within
 from harness.checks.tensors import assemble, max_abs, rel_error
 from harness.engines import make_engine
@@ -172,8 +172,7 @@ class EquivalenceSuite:
         for res in results:
             cid = res.case.id
             if not res.ok:
-                out.append(CheckResult("equivalence.run", cid, False, res.error.splitlines()[0] if res.error else "failed",
-                                       res.error.splitlines()[1:]))
+                out.append(case_failed("equivalence.run", res))
                 continue
             full = assemble([r.data["params"] for r in res.ranks])
             out.append(self._check_finite(res, full.tensors))

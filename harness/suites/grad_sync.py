@@ -9,7 +9,7 @@ from typing import Any
 
 from collections import Counter
 
-from harness.checks import CheckResult
+from harness.checks import CheckResult, case_failed
 from harness.checks.grad_sync import compare, dp_records, plan
 from harness.checks.numeric import beyond, severity
 from harness.checks.tensors import assemble
@@ -126,8 +126,7 @@ class GradSyncSuite:
         out = []
         for res in results:
             if not res.ok:
-                lines = res.error.splitlines() or ["failed"]
-                out.append(CheckResult("grad-sync.run", res.case.id, False, lines[0], lines[1:]))
+                out.append(case_failed("grad-sync.run", res))
                 continue
             out += [self._check_plan(res), self._check_recorders(res), self._check_replicas(res)]
         return out

@@ -68,6 +68,17 @@ def count_work(engine, step: int) -> dict[str, Any]:
     return {"flops": flops.total, "collectives": collectives, "dp_reductions_in_backward": in_backward}
 
 
+# bf16 dense peak TFLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
+PEAK_BF16_TFLOPS = {"H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key.replace(" ", "").lower() in device_name.replace(" ", "").lower():
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
 @dataclass(frozen=True)
 class StepPerfParams:
     """The step-perf suite's parameters: how many steps it times, its option sets, how it judges."""
@@ -211,8 +222,6 @@ class StepPerfSuite:
                "dp MB (rank 0)": f"{dp_bytes / 1e6:.1f}"}
         device = result.ranks[0].data.get("device") or {}
         if device:
-            from harness.probes.flops import peak_tflops
-
             tflops = max(flops) / (med / 1000) / 1e12
             peak = peak_tflops(device["name"])
             out["TFLOP/s/GPU"] = f"{tflops:.1f}"
