@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from harness.errors import BadInput, Interrupted
-from harness.launch import CaseResult, run_case
+from harness.launch import CaseResult, run_case, zygote
 from harness.launch.pool import pool_for
 from harness.layouts import validate
 from harness.models import load_model
@@ -45,7 +45,9 @@ def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str
 
 def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
          **kwargs) -> tuple[Suite, list[Case]]:
-    """(suite, cases) or BadInput, before anything runs or is written (see planned_run)."""
+    """(suite, cases) or BadInput, before anything runs or is written (see planned_run). The rank fork server
+    starts importing meanwhile: the caller runs the plan next."""
+    zygote.prestart(kwargs.get("backend", "auto"))
     suite, _, cases = planned_run(suite_name, model_name, world_size, layout_ids, **kwargs)
     return suite, cases
 
@@ -97,6 +99,7 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
     stops the run: its ranks are killed, the finished cases are judged and written, and the run is
     returned with `interrupted` set (exit code 143 / 130).
     """
+    zygote.prestart(backend)
     suite, params, cases = planned_run(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
                                        options=options, timeout_s=timeout_s, suite_params=suite_params,
                                        baselines_dir=baselines_dir)

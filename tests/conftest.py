@@ -26,9 +26,12 @@ def live_worker_pids() -> list[int]:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "harness.launch.worker" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+            cmd = " ".join(p.cmdline())
+            # exec'd: harness.launch.worker; forked: a child of the zygote, whose command line it keeps
+            forked = "harness.launch.zygote" in cmd and "harness.launch.zygote" in " ".join(p.parent().cmdline())
+            if ("harness.launch.worker" in cmd or forked) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
             pass
     return out
 

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from harness.launch import run_case
-from harness.launch.runner import _die_with_parent
+from harness.launch.runner import die_with_parent
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
 from tests import fake_suites as fs
@@ -92,8 +92,8 @@ def test_a_rank_whose_parent_died_before_prctl_kills_itself():
     # The race behind an orphan: the parent dies after fork, before the child's PR_SET_PDEATHSIG.
     # The child sees a parent pid that is not the one that spawned it and must not run on.
     code = [sys.executable, "-c", "pass"]
-    assert subprocess.Popen(code, preexec_fn=functools.partial(_die_with_parent, os.getpid())).wait(10) == 0
-    gone = subprocess.Popen(code, preexec_fn=functools.partial(_die_with_parent, os.getpid() + 10**6))
+    assert subprocess.Popen(code, preexec_fn=functools.partial(die_with_parent, os.getpid())).wait(10) == 0
+    gone = subprocess.Popen(code, preexec_fn=functools.partial(die_with_parent, os.getpid() + 10**6))
     assert gone.wait(10) == -signal.SIGKILL
 
 

@@ -1,7 +1,7 @@
 """Warm rank pools: N rank processes per (world size, backend) that run many cases in turn.
 
-Ranks import torch and megatron-core and join one process group once; each case then costs only
-its own work. Megatron's parallel state is rebuilt per case in one place
+Ranks import torch and megatron-core (on CPU: forked from the zygote that imported them,
+harness/launch/zygote.py) and join one process group once; each case then costs only its own work. Megatron's parallel state is rebuilt per case in one place
 (harness/platform/parallel.py) and every rank checks after each case that nothing leaked
 (harness/launch/isolation.py). A case that fails, hangs or leaks retires the pool: its ranks are
 killed and the next case starts fresh ones (the poison-pill rule).
@@ -19,13 +19,14 @@ from pathlib import Path
 from harness.launch.results import CaseResult, write_atomic
 from harness.launch import runner
 from harness.launch.runner import GRACE_S, collect, supervise
+from harness.launch.zygote import ForkedRank
 from harness.spec import Case
 
 
 class RankPool:
     def __init__(self, world_size: int, backend: str):
         self.world_size, self.backend = world_size, backend
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ForkedRank] = []
         self.dir: Path | None = None
         self.cases_run = 0
         self.starts = 0
@@ -44,7 +45,7 @@ class RankPool:
             env["HARNESS_BACKEND"] = self.backend
             # runner.spawn_rank looked up per call: the one place every rank start goes through
             self.procs.append(runner.spawn_rank(["--pool-dir", str(self.dir)], env, self.dir / f"rank{r}.log",
-                                                stdin=subprocess.PIPE))
+                                                self.backend, stdin=subprocess.PIPE))
         self.starts += 1
 
     def run(self, case: Case, grace_s: float = GRACE_S) -> CaseResult:

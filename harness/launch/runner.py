@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.launch import zygote
 from harness.launch.results import CaseResult, RankResult, read, write_atomic
 from harness.spec import Case
 
@@ -28,7 +29,7 @@ STACK_WAIT_S = 1.5  # how long hung ranks get to dump their stacks after SIGUSR1
 _PHASE_RE = re.compile(r"\[harness\] rank \d+ phase (\S+)")
 
 
-def _die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
+def die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -99,16 +100,21 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def spawn_rank(argv: list[str], env: dict[str, str], log: Path, stdin=subprocess.DEVNULL) -> subprocess.Popen:
-    """Start one rank (`python -m harness.launch.worker ARGV`) in its own session, dying with us, logging to log.
+def spawn_rank(argv: list[str], env: dict[str, str], log: Path, backend: str,
+               stdin=subprocess.DEVNULL) -> subprocess.Popen | zygote.ForkedRank:
+    """Start one rank (`python -m harness.launch.worker ARGV`) in its own session, dying with us, logging to log:
+    forked from the zygote (gloo), else exec'd.
 
     Every rank the harness starts - fresh (run_case) or pooled (RankPool) - starts here.
     """
+    server = zygote.get() if zygote.enabled(backend) else None
+    if server is not None:
+        return server.fork(argv, env, log, stdin)
     with open(log, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "harness.launch.worker", *argv], stdin=stdin, stdout=f,
             stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            preexec_fn=functools.partial(die_with_parent, os.getpid()),
         )
 
 
@@ -175,7 +181,7 @@ def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S
     try:
         for r in range(world):
             procs.append(spawn_rank(["--case-file", str(workdir / "case.pkl"), "--result-dir", str(workdir)],
-                                    rank_env(case, r, workdir), logs[r]))
+                                    rank_env(case, r, workdir), logs[r], case.backend))
         codes, timed_out = supervise(procs, workdir, case.timeout_s, grace_s, t0)
         # A rank that wrote its result exits right after (os._exit); give those a moment.
         deadline = time.monotonic() + 2.0

@@ -1,0 +1,276 @@
+"""The fork server of CPU ranks: one process imports torch and megatron-core once, and every gloo rank is
+forked from it.
+
+On CPU a rank's start-up is almost all imports (torch and megatron-core: about 4 s per rank, 9 s for four
+ranks on two cores). A forked rank starts with those modules imported and nothing else: no process group, no
+case, no parameters, no threads, the environment and working directory of the harness at the moment it was
+asked for. NCCL ranks are still exec'd (CUDA must not be initialised in a process that forks), and
+HARNESS_FORK_RANKS=0 execs every rank as before.
+
+Protocol, over a Unix socketpair (SOCK_SEQPACKET): the harness sends {argv, env, cwd, log} as JSON with the
+rank's stdin as a passed file descriptor; the zygote forks and answers {pid}. The harness is not the parent of
+the ranks and cannot wait for them, so the zygote reaps them and writes each exit status to <dir>/<pid>,
+where `ForkedRank.poll` reads it. The zygote dies with the harness and the ranks with the zygote
+(PR_SET_PDEATHSIG), so killing the harness leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# What a rank imports before its first case (POOL_IMPORTS of harness.launch.worker, and the worker itself).
+PRELOAD = ("torch", "torch.distributed", "harness.launch.worker")
+READY_TIMEOUT_S = 600.0  # imports on a loaded 2-core machine; a zygote that dies before is noticed at once
+
+
+def enabled(backend: str) -> bool:
+    """Whether ranks of this backend are forked from the zygote."""
+    return backend == "gloo" and os.environ.get("HARNESS_FORK_RANKS", "1") != "0"
+
+
+class ForkedRank:
+    """A rank forked by the zygote, with the part of subprocess.Popen the runner and the pool use."""
+
+    def __init__(self, pid: int, status: Path, stdin, zygote: Zygote):
+        self.pid, self.stdin, self.returncode = pid, stdin, None
+        self._status, self._zygote = status, zygote
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = int(self._status.read_text())
+            except (FileNotFoundError, ValueError):
+                if not self._zygote.alive and not _exists(self.pid):  # died with its zygote, unreaped by us
+                    self.returncode = -9
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class Zygote:
+    """The harness's end: starts the server process and asks it for ranks."""
+
+    def __init__(self):
+        from harness.launch.runner import die_with_parent
+
+        self.dir = Path(tempfile.mkdtemp(prefix="harness-zygote-"))
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
+        with open(self.dir / "zygote.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "harness.launch.zygote", str(theirs.fileno()), str(self.dir)],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        theirs.close()
+        self.sock = ours
+        self.ready: bool | None = None  # None: not heard from yet
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self) -> bool:
+        """Block until the server has imported what it preloads; False when it died instead."""
+        if self.ready is None:
+            readable, _, _ = select.select([self.sock], [], [], READY_TIMEOUT_S)
+            msg = self.sock.recv(4096) if readable else b""
+            self.ready = bool(msg) and json.loads(msg).get("ready", False)
+        return self.ready
+
+    def fork(self, argv: list[str], env: dict[str, str], log: Path, stdin) -> ForkedRank:
+        """A rank running `harness.launch.worker ARGV` with env, in this process's current directory."""
+        ours = theirs = None
+        if stdin == subprocess.PIPE:
+            theirs, ours = os.pipe()
+        try:
+            request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log)}).encode()
+            socket.send_fds(self.sock, [request], [theirs] if theirs is not None else [])
+            pid = json.loads(self.sock.recv(4096))["pid"]
+        finally:
+            if theirs is not None:
+                os.close(theirs)
+        return ForkedRank(pid, self.dir / str(pid), os.fdopen(ours, "wb") if ours is not None else None, self)
+
+    def close(self) -> None:
+        self.sock.close()  # the server exits on EOF (its ranks die with it); still importing, it is killed
+        try:
+            self.proc.wait(timeout=5 if self.ready else 0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_ZYGOTE: Zygote | None = None
+_FAILED = False  # one that did not start is not tried again by this process
+
+
+def prestart(backend: str) -> None:
+    """Start the zygote's imports now, beside the harness's own planning ("auto": where no NVIDIA device is)."""
+    global _ZYGOTE
+    if backend == "auto" and not os.path.exists("/dev/nvidiactl"):
+        backend = "gloo"
+    if enabled(backend) and _ZYGOTE is None:
+        _ZYGOTE = Zygote()
+
+
+def get() -> Zygote | None:
+    """The process-wide zygote, started on first use (again if it died); None when it cannot start."""
+    global _ZYGOTE, _FAILED
+    if _FAILED:
+        return None
+    if _ZYGOTE is not None and not _ZYGOTE.alive and _ZYGOTE.ready:
+        close()
+    if _ZYGOTE is None:
+        _ZYGOTE = Zygote()
+    if not _ZYGOTE.wait_ready():
+        log = (_ZYGOTE.dir / "zygote.log").read_text(errors="replace").strip().splitlines()[-1:]
+        print(f"harness: the rank fork server did not start ({' '.join(log) or 'no output'}); "
+              "starting ranks with exec", file=sys.stderr)
+        close()
+        _FAILED = True
+        return None
+    return _ZYGOTE
+
+
+def close() -> None:
+    global _ZYGOTE
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
+        _ZYGOTE = None
+
+
+def pid() -> int | None:
+    """The zygote's process id while it runs (it is no rank)."""
+    return _ZYGOTE.proc.pid if _ZYGOTE is not None and _ZYGOTE.alive else None
+
+
+atexit.register(close)
+
+
+# -- the server ---------------------------------------------------------------------------------------
+def serve(sock: socket.socket, status_dir: Path) -> None:
+    import importlib
+
+    from harness.launch.worker import POOL_IMPORTS
+
+    t0 = time.perf_counter()
+    for module in (*PRELOAD, *POOL_IMPORTS):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            if module in PRELOAD:
+                raise
+    sock.send(json.dumps({"ready": True, "imports_s": time.perf_counter() - t0}).encode())
+    zygote_pid = os.getpid()
+    while True:
+        readable, _, _ = select.select([sock], [], [], 0.05)
+        _reap(status_dir)
+        if not readable:
+            continue
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 1)
+        except OSError:
+            return
+        if not msg:
+            return  # the harness closed its end (or died)
+        request = json.loads(msg)
+        started_r, started_w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(started_r)
+            _become_rank(request, fds, sock, started_w, parent=zygote_pid)
+        os.close(started_w)
+        for fd in fds:
+            os.close(fd)
+        # Answer once the child is in its own session (EOF): from then on killpg(pid) reaches it, as with
+        # a Popen(start_new_session=True) that has returned.
+        os.read(started_r, 1)
+        os.close(started_r)
+        # Exit statuses are written only in _reap, on this thread: a stale file of a reused pid goes first.
+        (status_dir / str(child)).unlink(missing_ok=True)
+        sock.send(json.dumps({"pid": child}).encode())
+
+
+def _reap(status_dir: Path) -> None:
+    from harness.files import atomic_write
+
+    while True:
+        try:
+            child, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if child == 0:
+            return
+        try:
+            atomic_write(status_dir / str(child), str(os.waitstatus_to_exitcode(status)))
+        except OSError:
+            pass  # the harness is gone and took the directory with it
+
+
+def _become_rank(request: dict, fds: list[int], sock: socket.socket, started: int, parent: int) -> None:
+    """In the forked child: become the rank the harness asked for; never returns."""
+    code = 1
+    try:
+        from harness.launch import worker
+        from harness.launch.runner import die_with_parent
+
+        sock.close()
+        os.setsid()
+        die_with_parent(parent)
+        os.close(started)
+        os.dup2(fds[0] if fds else os.open(os.devnull, os.O_RDONLY), 0)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        # As an exec'd `python -m` would see it: the harness's directory first, then its PYTHONPATH.
+        os.chdir(request["cwd"])
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[:1] = [request["cwd"], *extra]
+        tempfile.tempdir = None  # TMPDIR of the rank, not of the zygote
+        worker._T0 = time.time()
+        code = worker.main(request["argv"]) or 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # noqa: BLE001 - the child must never return into the server loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    serve(socket.socket(fileno=int(sys.argv[1])), Path(sys.argv[2]))
+    os._exit(0)  # tearing down torch and megatron-core would cost the harness's exit a second

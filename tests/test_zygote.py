@@ -1,0 +1,61 @@
+"""The fork server of CPU ranks (harness/launch/zygote.py): a forked rank is the rank the harness asked for -
+its environment, directory and temporary directory of the moment, its own session - exec is still there
+(HARNESS_FORK_RANKS=0, NCCL), and a fork server that does not start falls back to exec with a message."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+
+from harness.launch import run_case, zygote
+from harness.models import load_model
+from harness.spec import Case, CaseOptions, Layout
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+
+class Where:
+    """Reports what the rank sees."""
+
+    name = "where"
+    imports: tuple[str, ...] = ()
+
+    def rank_work(self, case, ctx):
+        return {"cwd": os.getcwd(), "mark": os.environ.get("HARNESS_TEST_MARK"), "tmp": tempfile.gettempdir(),
+                "path0": sys.path[0], "ppid": os.getppid(), "own_session": os.getsid(0) == os.getpid()}
+
+
+def _where(world: int = 2):
+    res = run_case(Case("tests.test_zygote:Where", load_model("tiny"), Layout(dp=world), "mcore", CaseOptions(), "gloo",
+                        60.0))
+    assert res.status == "ok", res.error
+    return [r.data for r in res.ranks]
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_rank_sees_the_environment_and_directory_of_the_moment_it_was_asked_for(fork, tmp_path, monkeypatch):
+    zygote.get()  # a fork server started before the changes below: a forked rank must not see its start-up state
+    monkeypatch.setenv("HARNESS_FORK_RANKS", fork)
+    monkeypatch.setenv("HARNESS_TEST_MARK", tmp_path.name)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    ranks = _where()
+    parent = zygote.pid() if fork == "1" else os.getpid()
+    assert {r["ppid"] for r in ranks} == {parent}  # forked by the server, or exec'd by this process
+    for r in ranks:
+        assert (r["mark"], r["cwd"], r["tmp"], r["path0"]) == (tmp_path.name, str(tmp_path), str(tmp_path),
+                                                               str(tmp_path)), r
+        assert r["own_session"]  # the runner kills a rank's process group
+
+
+def test_a_fork_server_that_does_not_start_falls_back_to_exec(monkeypatch, capsys):
+    zygote.close()
+    monkeypatch.setattr(zygote, "_FAILED", False)
+    monkeypatch.setattr(zygote, "READY_TIMEOUT_S", 0.0)  # not ready at once: as one that died importing
+    ranks = _where()
+    assert {r["ppid"] for r in ranks} == {os.getpid()}
+    assert capsys.readouterr().err.count("harness: the rank fork server did not start") == 1  # tried once
+    assert zygote.pid() is None  # the one that did not start is gone
