@@ -28,7 +28,7 @@ def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
         assert [r.data["pid"] for r in first.ranks] == [r.data["pid"] for r in second.ranks]
         bad = pool.run(fake(fs.RAISE, timeout_s=60))
         assert bad.status == "error" and "rank 1 failed in phase 'work'" in bad.error
-        hung = pool.run(fake(fs.HANG_COLLECTIVE, timeout_s=15))  # includes the fresh ranks' start-up (as in test_runner)
+        hung = pool.run(fake(fs.HANG_COLLECTIVE, timeout_s=5))  # includes the fresh ranks' start-up: forked
         assert hung.fresh_ranks and hung.status == "timeout" and "rank 1 in 'work'" in hung.error
         after = pool.run(fake(fs.OK))
         assert after.ok and after.fresh_ranks
