@@ -59,3 +59,13 @@ def test_a_fork_server_that_does_not_start_falls_back_to_exec(monkeypatch, capsy
     assert {r["ppid"] for r in ranks} == {os.getpid()}
     assert capsys.readouterr().err.count("harness: the rank fork server did not start") == 1  # tried once
     assert zygote.pid() is None  # the one that did not start is gone
+
+
+def test_a_fork_server_that_died_is_replaced():
+    import signal
+
+    first = zygote.get()
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait()
+    ranks = _where()
+    assert {r["ppid"] for r in ranks} == {zygote.pid()} and zygote.pid() != first.proc.pid

@@ -109,7 +109,10 @@ def spawn_rank(argv: list[str], env: dict[str, str], log: Path, backend: str,
     """
     server = zygote.get() if zygote.enabled(backend) else None
     if server is not None:
-        return server.fork(argv, env, log, stdin)
+        try:
+            return server.fork(argv, env, log, stdin)
+        except (OSError, ValueError):  # it died under us: this rank is exec'd, the next start gets a new one
+            zygote.close()
     with open(log, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "harness.launch.worker", *argv], stdin=stdin, stdout=f,
