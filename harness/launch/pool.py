@@ -1,8 +1,9 @@
 """Warm rank pools: N rank processes per (world size, backend) that run many cases in turn.
 
 Ranks import torch and megatron-core (on CPU: forked from the zygote that imported them,
-harness/launch/zygote.py) and join one process group once; each case then costs only its own work. Megatron's parallel state is rebuilt per case in one place
-(harness/platform/parallel.py) and every rank checks after each case that nothing leaked
+harness/launch/zygote.py) and join one process group once; each case then costs only its own work.
+Megatron's parallel state is rebuilt per case in one place (harness/platform/parallel.py) and every
+rank checks after each case that nothing leaked
 (harness/launch/isolation.py). A case that fails, hangs or leaks retires the pool: its ranks are
 killed and the next case starts fresh ones (the poison-pill rule).
 """

@@ -40,6 +40,12 @@ def die_with_parent(parent: int) -> None:  # runs in the child between fork and 
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def import_path() -> str:
+    """This process's sys.path as PYTHONPATH: ranks import whatever the parent can (user engines, test fault
+    plugins)."""
+    return os.pathsep.join(p for p in sys.path if p)
+
+
 def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
     """The environment of rank `rank` of the case: rendezvous through a FileStore in workdir."""
     world = case.layout.world_size
@@ -47,8 +53,7 @@ def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
     env.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         HARNESS_STORE=str(workdir / "store"), HARNESS_SPAWN_T=repr(time.time()),
-        # Ranks import whatever the parent can (user engines, test fault plugins).
-        PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+        PYTHONPATH=import_path(),
         OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
         PYTHONUNBUFFERED="1",
     )

@@ -22,6 +22,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# What a rank imports before its first case (POOL_IMPORTS of harness.launch.worker, and the worker itself).
+# Imported by the server before any fork, required; then harness.launch.worker's POOL_IMPORTS, where present.
 PRELOAD = ("torch", "torch.distributed", "harness.launch.worker")
 READY_TIMEOUT_S = 600.0  # imports on a loaded 2-core machine; a zygote that dies before is noticed at once
 
@@ -52,7 +53,7 @@ class ForkedRank:
                 self.returncode = int(self._status.read_text())
             except (FileNotFoundError, ValueError):
                 if not self._zygote.alive and not _exists(self.pid):  # died with its zygote, unreaped by us
-                    self.returncode = -9
+                    self.returncode = -signal.SIGKILL
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -78,11 +79,11 @@ class Zygote:
     """The harness's end: starts the server process and asks it for ranks."""
 
     def __init__(self):
-        from harness.launch.runner import die_with_parent
+        from harness.launch.runner import die_with_parent, import_path
 
         self.dir = Path(tempfile.mkdtemp(prefix="harness-zygote-"))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": import_path(), "PYTHONUNBUFFERED": "1"}
         with open(self.dir / "zygote.log", "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "harness.launch.zygote", str(theirs.fileno()), str(self.dir)],
@@ -181,14 +182,13 @@ def serve(sock: socket.socket, status_dir: Path) -> None:
 
     from harness.launch.worker import POOL_IMPORTS
 
-    t0 = time.perf_counter()
     for module in (*PRELOAD, *POOL_IMPORTS):
         try:
             importlib.import_module(module)
         except ImportError:
             if module in PRELOAD:
                 raise
-    sock.send(json.dumps({"ready": True, "imports_s": time.perf_counter() - t0}).encode())
+    sock.send(json.dumps({"ready": True}).encode())
     zygote_pid = os.getpid()
     while True:
         readable, _, _ = select.select([sock], [], [], 0.05)
