@@ -138,9 +138,17 @@ def _planned_buckets() -> int:
 
 @pytest.mark.slow
 def test_unchanged_engine_passes(recorded):
-    run, checks = _run("mcore", recorded[0], NO_ALARM)
-    assert checks["step-perf.counters"].passed, checks["step-perf.counters"].message
-    assert checks["step-perf.time"].passed, checks["step-perf.time"].message
+    # Against a baseline recorded earlier (not interleaved), a noisy stretch of this 2-core machine
+    # can hold for all 12 timed steps: once in about seven full test runs the exposed communication read
+    # x3.8 of the baseline. A false alarm must not repeat: the second run decides, both messages shown.
+    alarms = []
+    for _ in range(2):
+        run, checks = _run("mcore", recorded[0], NO_ALARM)
+        assert checks["step-perf.counters"].passed, checks["step-perf.counters"].message  # exact: no retry
+        if checks["step-perf.time"].passed:
+            break
+        alarms.append(checks["step-perf.time"].message)
+    assert len(alarms) < 2, alarms
     assert run.passed
 
 
