@@ -5,6 +5,7 @@ its environment, directory and temporary directory of the moment, its own sessio
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 
@@ -62,8 +63,6 @@ def test_a_fork_server_that_does_not_start_falls_back_to_exec(monkeypatch, capsy
 
 
 def test_a_fork_server_that_died_is_replaced():
-    import signal
-
     first = zygote.get()
     os.kill(first.proc.pid, signal.SIGKILL)
     first.proc.wait()
