@@ -24,8 +24,11 @@ def baseline_path(baselines_dir: Path | str | None, platform: str, suite: str) -
     return Path(baselines_dir or DEFAULT_DIR) / platform / f"{suite}.json"
 
 
-def record_command(suite: str, model: str, world_size: int) -> str:
-    return f"harness baselines record --suite {suite} --model {model} --world-size {world_size}"
+def record_command(suite: str, model: str, world_size: int, backend: str = "gloo") -> str:
+    """The head of the command that records a suite's baselines on this platform (a case's layout and
+    parameters follow). The backend is named: on a GPU node `auto` would pick gloo for a world size larger
+    than its GPUs, and the baseline would land under another platform."""
+    return f"harness baselines record --suite {suite} --model {model} --world-size {world_size} --backend {backend}"
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -198,10 +201,12 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
         run = run_suite(suite_name, model, world_size, layout_ids, baselines_dir=baselines_dir,
                         **kwargs).stop_if_interrupted()
         suite, backend = run.suite, run.backend
-        failed = [r for r in run.results if not r.ok]
+        failed = [r for r in run.results if not r.ok and not r.skipped]
         if failed:
             raise RuntimeError(f"not recording: case {failed[0].case.id} failed:\n{failed[0].error}")
         for res in run.results:
+            if res.skipped:  # e.g. a case that needs more ranks than this world size: nothing to record
+                continue
             key = suite.key(res.case)
             for metric, value in suite.samples(res).items():
                 samples.setdefault(key, {}).setdefault(metric, []).append(value)

@@ -125,9 +125,12 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
             elapsed = time.monotonic() - t0
             eta = f", ETA {format_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
             say(f"[{i}/{n} {format_clock(elapsed)} elapsed{eta}] {case.id} ...")
-            result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
+            if case.skip:
+                result = CaseResult(case, [], "skipped", error=case.skip, fresh_ranks=False)
+            else:
+                result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
             results[idx] = run.describe(result)
-            warm = "" if result.fresh_ranks else " (warm ranks)"
+            warm = "" if result.fresh_ranks or case.skip else " (warm ranks)"
             why = f": {result.error.splitlines()[0]}" if result.skipped and result.error else ""
             say(f"[{i}/{n}] {case.id} {result.status} in {result.wall_s:.1f}s{warm}{why}")
             for note in result.notes:

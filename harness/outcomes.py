@@ -2,7 +2,14 @@
 
 # "unjudged": the case ran but no check judged it - never a pass (a check that did not run cannot fail).
 # ("pending" marks a measured case in a results file written before the run's checks ran.)
-OUTCOMES = ("pass", "regression", "improvement", "error", "skipped", "unjudged")
+# "inconclusive": every check of the case ran but none could tell right from wrong here (e.g. fsdp2's
+# sharded and full saves write the same files at one rank) - neither a pass nor a failure.
+OUTCOMES = ("pass", "regression", "improvement", "error", "skipped", "inconclusive", "unjudged")
 # Exit codes of `harness run` / `baselines check` / `nightly`. 5 = nothing judged: every case skipped or
 # no check ran, the analogue of pytest's "no tests collected".
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_NOTHING_JUDGED = 0, 1, 2, 5
+
+
+def check_failed(check: dict) -> bool:
+    """Whether a check of a results.json failed (an inconclusive one did not, nor did it pass)."""
+    return not check["passed"] and not check.get("inconclusive", False)

@@ -148,6 +148,13 @@ class Case:
     # set by the driver: `module:Class` of the suite object that planned the case, which the ranks load
     # (so a suite registered only in the parent, or passed as an object, runs the same); "": by `suite`
     suite_ref: str = field(default="", compare=False)
+    # why this case cannot run here (e.g. it needs more ranks than the world size gives, naming how many):
+    # the driver reports it skipped without starting a rank
+    skip: str = field(default="", compare=False)
+
+    def skipped(self, reason: str) -> "Case":
+        """This case, to be reported skipped for `reason` instead of run."""
+        return dataclasses.replace(self, skip=reason)
 
     @property
     def variant(self) -> str:

@@ -45,8 +45,10 @@ def _outcome(result: CaseResult, checks: list[CheckResult], judged: bool = True)
         return CaseOutcome(result, "pending", "measured; judged when the run ends", checks)
     if not checks:
         return CaseOutcome(result, "unjudged", "the case ran but no check judged it", checks)
-    failed = [c for c in checks if not c.passed]
+    failed = [c for c in checks if c.failed]
     if not failed:
+        if all(c.inconclusive for c in checks):
+            return CaseOutcome(result, "inconclusive", f"{checks[0].check}: {checks[0].message}", checks)
         return CaseOutcome(result, "pass", "", checks)
     worse = [c for c in failed if not c.improvement]
     c = (worse or failed)[0]
@@ -78,15 +80,22 @@ class SuiteRun:
     @property
     def verdict(self) -> str:
         """'pass', 'fail' (a check failed, a case errored or went unjudged), 'nothing judged' (no check
-        ran at all: every case skipped, or none planned) or 'interrupted' (stopped early by a signal)."""
+        could judge anything: every case skipped or inconclusive, or none planned) or 'interrupted'
+        (stopped early by a signal)."""
         if self.interrupted is not None:
             return "interrupted"
-        if not self.checks and not self.errors:
+        if not self.conclusive and not self.errors:
             return "nothing judged"
         outcomes = self.outcomes()
-        if all(o.outcome in ("pass", "skipped") for o in outcomes) and all(c.passed for c in self.checks):
+        if all(o.outcome in ("pass", "skipped", "inconclusive") for o in outcomes) and \
+                not any(c.failed for c in self.checks):
             return "pass"
         return "fail"
+
+    @property
+    def conclusive(self) -> list[CheckResult]:
+        """The checks that told right from wrong (passed or failed), not the ones that could not tell."""
+        return [c for c in self.checks if not c.inconclusive]
 
     def judge(self) -> "SuiteRun":
         """Run the suite's checks over the cases that ran (a skipped case has nothing to judge). Checks are

@@ -84,6 +84,9 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
         if harness_opts["results_dir"]:
             slug = label or (name if isinstance(name, str) else result.suite.name)
             report.write_results(result, Path(harness_opts["results_dir"]) / slug)
+        if result.results and all(r.skipped for r in result.results):  # e.g. needs more ranks than given
+            pytest.skip(f"{result.suite.name}: " + "; ".join(dict.fromkeys(r.error.splitlines()[0]
+                                                                        for r in result.results)))
         return result
 
     return run
@@ -92,29 +95,56 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
 def failures(run, check: str | None = None) -> str:
     """Every failed check (of one name) with its details, and every case error, for an assertion message."""
     lines = [f"{c.case_id}: {c.check}: {c.message}\n" + "\n".join(c.details[:12])
-             for c in run.checks if not c.passed and (check is None or c.check == check)]
+             for c in run.checks if c.failed and (check is None or c.check == check)]
     if check is None:
         lines += [r.error for r in run.results if r.error and not r.skipped]
         lines += [f"{o.result.case.id}: {o.outcome}: {o.reason}" for o in run.outcomes() if o.outcome == "unjudged"]
     return "\n".join(lines)
 
 
+_JUDGED = pytest.StashKey[list]()
+
+
 @pytest.fixture(scope="session")
-def judge():
+def judge(request: pytest.FixtureRequest):
     """judge(run) asserts the whole run: something was judged, every case ran and was judged, every
     check passed. judge(run, "suite.check") asserts one check: it ran at least once and never failed.
-    A suite module asserts the whole run once, so no check it runs can be ignored."""
+    A suite module asserts the whole run once, so no check it runs can be ignored.
+
+    What cannot be judged here is skipped, saying why, never passed: a check every one of whose results
+    could not tell right from wrong (inconclusive), or that did not run because the cases it judges were
+    skipped (e.g. they need more ranks than --world-size)."""
+    judged_runs = request.config.stash.setdefault(_JUDGED, [])
 
     def assert_judged(run, check: str | None = None) -> None:
         judged = [c for c in run.checks if check is None or c.check == check]
+        skipped = [r for r in run.results if r.skipped]
+        if not judged and skipped:
+            pytest.skip(f"no {check or 'check'} ran: " + "; ".join(dict.fromkeys(r.error.splitlines()[0] for r in skipped)))
         assert judged, (f"{run.suite.name}: no {check or 'check'} ran "
                         f"({len(run.results)} cases: {', '.join(o.outcome for o in run.outcomes()) or 'none'})")
         if check is None:
-            assert run.passed, f"{run.suite.name}: verdict {run.verdict}\n" + failures(run)
+            assert run.passed or run.verdict == "nothing judged" and not run.errors and not any(
+                c.failed for c in run.checks), f"{run.suite.name}: verdict {run.verdict}\n" + failures(run)
         else:
-            assert all(c.passed for c in judged), failures(run, check)
+            assert not any(c.failed for c in judged), failures(run, check)
+        if all(c.inconclusive for c in judged):
+            pytest.skip(f"cannot tell here: {judged[0].case_id}: {judged[0].check}: {judged[0].message}")
+        judged_runs.append(run.suite.name)
 
     return assert_judged
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A session of the suites in which nothing at all was judged (every suite skipped or inconclusive,
+    e.g. world size 1 for suites that compare layouts) is not a pass: exit 5, as pytest's "no tests"."""
+    ran_suites = session.config.stash.get(_REPORTS, [])
+    if exitstatus == 0 and ran_suites and not session.config.stash.get(_JUDGED, []):
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        if tr is not None:
+            tr.write_line("harness: NOTHING JUDGED - every suite run was skipped or could not tell right from wrong "
+                          "at this world size; this is not a pass (exit 5)", red=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -110,3 +111,21 @@ def test_torchrun_entry_runs_a_suite_in_process(tmp_path):
     # reference: finite, replicas; tp2: finite, replicas, loss, log-probs, params
     assert "equivalence: 7 checks passed, 0 failed" in proc.stdout
     assert (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_entry_at_world_size_1_judges_step_perf(tmp_path):
+    """One rank under torchrun (a one-GPU node's shape, here on gloo): step-perf runs and is judged - against
+    an empty baselines directory, so the verdict is the missing baseline with the command that records it."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    proc = subprocess.run(
+        [*torchrun, "-m", "harness.launch.torchrun", "--suite", "step-perf", "--model", "tiny", "--backend", "gloo",
+         "--baselines-dir", str(tmp_path / "baselines"), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step-perf: 0 checks passed, 8 failed (4 cases" in proc.stdout, proc.stdout[-3000:]
+    assert ("record it with: harness baselines record --suite step-perf --model tiny --world-size 1 --backend gloo "
+            "--layout tp1-pp1-cp1-dp1") in proc.stdout
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["world_size"] == 1 and [c["outcome"] for c in data["cases"]] == ["regression"] * 4

@@ -53,7 +53,7 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
     outcomes = run.outcomes()
-    broken = [o for o in outcomes if o.outcome in ("error", "skipped")]
+    broken = [o for o in outcomes if o.outcome in ("error", "skipped", "inconclusive")]
     if broken:
         o = broken[0]
         verdict = BAD if (error_is_bad and o.outcome == "error") else SKIP

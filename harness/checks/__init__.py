@@ -16,10 +16,26 @@ class CheckResult:
     show: bool = False  # print details even when the check passes (e.g. plan-vs-observed tables)
     improvement: bool = False  # failed only because a figure is better than its baseline (refresh it)
     data: dict = field(default_factory=dict)  # machine-readable figures for reports (JSON-able)
+    # The check ran but cannot tell right from wrong here (this model, world size or layout): neither a
+    # pass nor a failure. Built with `cannot_tell`, which keeps `passed` False, so code that reads only
+    # `passed` errs towards a false alarm, never towards a false pass.
+    inconclusive: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return not self.passed and not self.inconclusive
 
     @property
     def status(self) -> str:
-        return "pass" if self.passed else "fail"
+        return "inconclusive" if self.inconclusive else ("pass" if self.passed else "fail")
+
+
+def cannot_tell(check: str, case_id: str, message: str, details: list[str] | None = None,
+                value: float | None = None, data: dict | None = None) -> CheckResult:
+    """A check that ran but cannot discriminate here; the message says why and what would (e.g. the
+    world size or model that can)."""
+    return CheckResult(check, case_id, False, f"cannot tell: {message}", list(details or []), value, show=True,
+                       data=dict(data or {}), inconclusive=True)
 
 
 def case_failed(check: str, result) -> CheckResult:

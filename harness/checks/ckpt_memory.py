@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from harness.checks import CheckResult, case_failed
+from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import discrimination, gathers, rival, save_band
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
@@ -69,6 +69,12 @@ def _check_contract(res: CaseResult) -> CheckResult:
             f"label written by the engine: {label} ({'agrees' if label == expected else 'DISAGREES'}; "
             f"secondary: the files decide)"]
     want = EXPECTED_ON_DISK.get(expected, expected)
+    fsdp2 = ("fsdp2_sharded", "fsdp2_full")
+    if want in fsdp2 and disk.layout in fsdp2 and res.case.layout.dp * res.case.layout.cp == 1:
+        return cannot_tell("ckpt-memory.contract", res.case.id,
+                           f"{what}: with one DP rank fsdp2's sharded and full saves write the same files (one DCP "
+                           f"writer holding every tensor whole; on disk: {disk.evidence}): needs world size 2 or more",
+                           rows)
     if disk.layout != want:
         return CheckResult("ckpt-memory.contract", res.case.id, False,
                            f"{what}: the checkpoint on disk is {disk.layout}, not {want} ({disk.evidence})", rows)
@@ -90,14 +96,17 @@ def _check_model(res: CaseResult) -> CheckResult:
     that format from its rival (12N too small against the fixed cost, or no DP to gather over)."""
     case = res.case
     fmt = EXPECTED_DEFAULTS.get(case.params.ckpt_format, case.params.ckpt_format)
+    fp, device = case.params.fully_parallel_save, case.backend == "nccl"
     rows, bad, blind = [], [], []
     judged = [r.rank for r in res.ranks if rival(fmt, case.layout, r.rank)]  # ranks where a rival exists
     for r in res.ranks:
-        band = save_band(fmt, case.model, case.layout, r.rank, case.params.fully_parallel_save)
-        why = discrimination(fmt, case.model, case.layout, r.rank, case.params.fully_parallel_save)
-        peak = r.data["save"].host_peak
+        band = save_band(fmt, case.model, case.layout, r.rank, fp, device)
+        why = discrimination(fmt, case.model, case.layout, r.rank, fp, device)
+        save = r.data["save"]
+        peak = save.host_peak
         ok = band.contains(peak)
-        rows.append(f"rank {r.rank}: host peak {peak / MIB:.1f} MiB, model {band.describe()} "
+        pinned = f" (pinned staging {save.pinned_peak / MIB:.1f} MiB of it)" if save.pinned_peak else ""
+        rows.append(f"rank {r.rank}: host peak {peak / MIB:.1f} MiB{pinned}, model {band.describe()} "
                     f"{'ok' if ok else 'OUTSIDE'}" + (f" - cannot tell it from {rival(fmt, case.layout, r.rank)}"
                                                       if why else ""))
         if not ok:
@@ -110,9 +119,9 @@ def _check_model(res: CaseResult) -> CheckResult:
                            f"rank {r.rank} save host peak {peak / MIB:.1f} MiB outside the {fmt} model band "
                            f"{band.describe()}", rows)
     if judged and len(blind) == len(judged):
-        return CheckResult("ckpt-memory.model", case.id, True,
-                           f"cannot discriminate formats for this model and layout (every rank's peak is inside "
-                           f"the {fmt} band, which proves nothing here): {blind[0][1]}", rows, show=True)
+        return cannot_tell("ckpt-memory.model", case.id,
+                           f"every rank's peak is inside the {fmt} band, which overlaps its rival's for this model "
+                           f"and layout: {blind[0][1]}", rows)
     told = [r for r in judged if r not in dict(blind)]
     return CheckResult("ckpt-memory.model", case.id, True,
                        f"every rank inside the {fmt} band; it rules out the rival format on ranks {told}"
@@ -142,8 +151,8 @@ def _check_baseline(suite: CkptMemorySuite, res: CaseResult, data: dict, path: P
                            show=True, data=figures)
     if by_status["missing"]:
         return CheckResult("ckpt-memory.baseline", res.case.id, False,
-                           f"no baseline for {key} {by_status['missing'][0]} in {path}; record it with: "
-                           f"{suite.record_command(res.case)}", rows, data=figures)
+                           f"no baseline for {key} {by_status['missing'][0]} on platform {path.parent.name} "
+                           f"({path}); record it with: {suite.record_command(res.case)}", rows, data=figures)
     # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
     metric = max(by_status["regression"] or by_status["improvement"],
                  key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
@@ -181,10 +190,11 @@ def _gathered_off_dp_rank0(res: CaseResult) -> tuple[bool | None, str]:
     off = [r for r in res.ranks if not gathers(mem_eff, case.layout, r.rank)]
     if not off:
         return None, "cannot tell: every rank is a DP rank 0 (D = 1)"
-    told = [r for r in off if not discrimination(mem_eff, case.model, case.layout, r.rank, fp)]
+    device = case.backend == "nccl"
+    told = [r for r in off if not discrimination(mem_eff, case.model, case.layout, r.rank, fp, device)]
     if not told:
-        return None, "cannot tell: " + discrimination(mem_eff, case.model, case.layout, off[0].rank, fp)
-    s = {r.rank: save_band("fully_reshardable", case.model, case.layout, r.rank, fp).low for r in told}
+        return None, "cannot tell: " + discrimination(mem_eff, case.model, case.layout, off[0].rank, fp, device)
+    s = {r.rank: save_band("fully_reshardable", case.model, case.layout, r.rank, fp, device).low for r in told}
     gathered = [r for r in told if r.data["save"].host_peak >= s[r.rank]]
     r = (gathered or told)[0]
     peak = r.data["save"].host_peak / MIB

@@ -19,6 +19,18 @@ peak = a x S + b per layout, format and rank over `tiny` and `small`): dp_reshar
 every point sits inside its band with room. Bands are upper / lower bounds, not fits: they tell a
 gathering save from a non-gathering one where 12N is large against the fixed cost (`discrimination`),
 while the stored baselines catch smaller drifts.
+
+On a GPU rank (`device=True`) the state lives on the device, and a save copies what the rank writes to
+the host before writing it: megatron's writer preloads every tensor with `.to("cpu", non_blocking=True)`,
+i.e. into pinned blocks of torch's caching host allocator, which rounds each block up to a power of two.
+So the band's top grows by up to 2x the bytes the rank writes from the device (S/D, + P on the replica
+writing the weights; (S + P)/D with the fully parallel wrapper). The measured figure holds that staging
+(probes/memory.py: MemoryPeak.pinned_peak). From the first H100 run (`small`, D = 1, S + P = 92 MiB):
+a `fully_reshardable` save's first-in-process peak 303.7 MiB against 207.2 later = ~96 MiB of new pinned
+blocks for 92 MiB written. Not yet re-measured with the pinned figure (no GPU since).
+
+FSDP2 at D = 1 gathers nothing: the full and the sharded state dict are the same tensors, so both bands
+are "at most what the rank writes" and the two cannot be told apart (`discrimination` says so).
 """
 
 from __future__ import annotations
@@ -67,43 +79,53 @@ def _dp_rank0(layout: Layout, rank: int) -> bool:
     return c.dp == 0 and c.cp == 0
 
 
-def _fsdp2_band(fmt: str, n: int, d: int, rank: int) -> Band:
+def _fsdp2_band(fmt: str, n: int, d: int, rank: int, device: bool) -> Band:
     """FSDP2 (torch Adam, fp32): a rank holds S/D of S = 12 N (params + exp_avg + exp_avg_sq).
-    Sharded (DCP): each rank stages at most its own S/D. Full: rank 0 gathers all of S on the CPU and
-    serialises it (1x-3x S); the others only pass single tensors through the gathers."""
+    Sharded (DCP): each rank stages at most its own S/D (copied off the device on a GPU). Full: rank 0
+    gathers all of S on the CPU and serialises it (1x-3x S); the others only pass single tensors through
+    the gathers. At D = 1 nothing is gathered: full and sharded are the same save."""
     s = STATE_BYTES_PER_PARAM * n
-    if fmt == "fsdp2_full" and rank == 0:
+    staging = 2 * (s // d) if device else 0
+    on = " + device staging <= 2 S/D" if device else ""
+    if fmt == "fsdp2_full" and rank == 0 and d > 1:
         return Band(int(0.8 * s), 3 * s + FIXED_COST, f"fsdp2_full rank 0: 1-3x S, S=12N, N={n / 1e6:.2f}M")
-    if fmt == "fsdp2_full":
+    if fmt == "fsdp2_full" and d > 1:
         return Band(0, 2 * s // d + FIXED_COST, f"fsdp2_full: ~S/D passes through, S=12N, D={d}")
-    return Band(0, s // d + FIXED_COST, f"fsdp2_sharded: <= S/D, S=12N, N={n / 1e6:.2f}M, D={d}")
+    if fmt == "fsdp2_full":  # D = 1: the whole state is the rank's own; a GPU copies it to the CPU (1-3x S)
+        return Band(0, (3 * s if device else s) + FIXED_COST,
+                    f"fsdp2_full at D=1: nothing to gather, <= {'3x ' if device else ''}S, N={n / 1e6:.2f}M")
+    return Band(0, s // d + staging + FIXED_COST, f"fsdp2_sharded: <= S/D{on}, S=12N, N={n / 1e6:.2f}M, D={d}")
 
 
 def gathers(fmt: str, layout: Layout, rank: int) -> bool:
     """Whether the format gathers the shard's whole optimizer state on this rank during a save."""
     if fmt == "fsdp2_full":
-        return rank == 0
+        return rank == 0 and layout.dp * layout.cp > 1
     return fmt == "fully_reshardable" or (fmt == "fully_reshardable_mem_efficient" and _dp_rank0(layout, rank))
 
 
-def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False) -> Band:
+def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False,
+              device: bool = False) -> Band:
     """Expected extra host bytes of a save for this rank and format (fully_parallel: megatron's
-    FullyParallelSaveStrategyWrapper spreads the writes, it does not remove fully_reshardable's gather)."""
+    FullyParallelSaveStrategyWrapper spreads the writes, it does not remove fully_reshardable's gather;
+    device: the state lives on a GPU and what the rank writes is staged in pinned host memory)."""
     n = shard_params(model, layout, rank)
     d = layout.dp * layout.cp
     if fmt.startswith("fsdp2"):
-        return _fsdp2_band(fmt, n, d, rank)
+        return _fsdp2_band(fmt, n, d, rank, device)
     dp_rank0 = _dp_rank0(layout, rank)
     s, p = STATE_BYTES_PER_PARAM * n, WEIGHT_BYTES_PER_PARAM * n
     own = (s + p) // d if fully_parallel else s // d + (p if dp_rank0 else 0)
+    what = "(S + P)/D" if fully_parallel else f"S/D{' + P' if dp_rank0 else ''}"
+    staging, on = (2 * own, f" + device staging <= 2 x {what}") if device else (0, "")
     if fmt in ("dp_reshardable", "fully_sharded_model_space"):
-        what = "(S + P)/D" if fully_parallel else f"S/D{' + P' if dp_rank0 else ''}"
-        return Band(0, own + FIXED_COST, f"{fmt}: <= {what}, S=12N, N={n / 1e6:.2f}M, D={d}")
+        return Band(0, own + staging + FIXED_COST, f"{fmt}: <= {what}{on}, S=12N, N={n / 1e6:.2f}M, D={d}")
     if gathers(fmt, layout, rank):
         where = " on DP rank 0" if fmt.endswith("mem_efficient") else " on every DP rank"
-        return Band(s, 3 * s + p + FIXED_COST, f"{fmt}: 1-3x S gathered{where}, S=12N={s / MIB:.1f} MiB")
+        return Band(s, 3 * s + p + staging + FIXED_COST,
+                    f"{fmt}: 1-3x S gathered{where}{on}, S=12N={s / MIB:.1f} MiB")
     if fmt == "fully_reshardable_mem_efficient":
-        return Band(0, s // d + FIXED_COST, f"{fmt} off DP rank 0: <= S/D, N={n / 1e6:.2f}M, D={d}")
+        return Band(0, s // d + staging + FIXED_COST, f"{fmt} off DP rank 0: <= S/D{on}, N={n / 1e6:.2f}M, D={d}")
     raise ValueError(f"no memory model for checkpoint format {fmt!r}")
 
 
@@ -116,19 +138,23 @@ def rival(fmt: str, layout: Layout, rank: int) -> str | None:
     return "dp_reshardable" if gathers(fmt, layout, rank) else "fully_reshardable"
 
 
-def discrimination(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False) -> str:
+def discrimination(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False,
+                   device: bool = False) -> str:
     """'' when this rank's band for `fmt` does not overlap its rival's (a peak inside it rules the rival
     out); otherwise the one-line reason the measured peak cannot tell the two formats apart here."""
     other = rival(fmt, layout, rank)
     if other is None:
         return ""
-    mine, theirs = (save_band(f, model, layout, rank, fully_parallel) for f in (fmt, other))
+    mine, theirs = (save_band(f, model, layout, rank, fully_parallel, device) for f in (fmt, other))
     if not mine.overlaps(theirs):
         return ""
     s = STATE_BYTES_PER_PARAM * shard_params(model, layout, rank)
+    if layout.dp * layout.cp == 1 and fmt.startswith("fsdp2"):
+        return (f"cannot discriminate {fmt} from {other} at rank {rank}: D = DP x CP = 1, the full and the sharded "
+                f"state dict are the same tensors (nothing to gather): needs world size 2 or more")
     if layout.dp * layout.cp == 1:
         return (f"cannot discriminate {fmt} from {other} at rank {rank}: D = DP x CP = 1, nothing to gather "
-                f"(both stage the whole 12N = {s / MIB:.1f} MiB)")
+                f"(both stage the whole 12N = {s / MIB:.1f} MiB): needs DP x CP >= 2")
     low, high = sorted((mine, theirs), key=lambda b: b.low)
     return (f"cannot discriminate {fmt} from {other} at rank {rank} for this model: 12N = {s / MIB:.2f} MiB, "
             f"the non-gathering bound {low.high / MIB:.2f} MiB (incl. fixed cost {FIXED_COST / MIB:.0f} MiB) "

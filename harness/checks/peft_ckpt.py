@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.checks import CheckResult, case_failed
+from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.engines.lora import CONFIG_FILE, hf_target_modules
 from harness.launch.results import CaseResult
@@ -53,6 +53,10 @@ def check(results: list[CaseResult]) -> list[CheckResult]:
         out.append(_check_reload(res, "legacy"))
         if res is not ref:
             out.append(_check_export(res, hf, ref, ref_hf))
+        elif len(results) == 1:  # one layout (world size 1): no other export to hold this one against
+            out.append(cannot_tell("peft-ckpt.export", res.case.id,
+                                   f"{res.case.layout.id} is the only layout of the run, and the export is judged "
+                                   f"against the pure-DP export of other layouts: needs world size 2 or more"))
     return out
 
 
@@ -224,10 +228,9 @@ def _check_memory(res: CaseResult) -> CheckResult:
            f"the whole model is {4 * m.num_params() / MIB:.1f} MiB")
     if within(peaks[worst], bound):
         if 4 * m.num_params() <= bound:  # a whole-model export would fit in the bound too
-            return CheckResult(name, cid, True, f"{lay}: export host peak {peaks[worst] / MIB:.2f} MiB <= "
-                                                f"{bound / MIB:.2f} MiB, but this cannot tell an adapter export "
-                                                f"from a whole-model one ({why}): judge on `small`",
-                               rows, value=peaks[worst] / MIB, show=True)
+            return cannot_tell(name, cid, f"{lay}: export host peak {peaks[worst] / MIB:.2f} MiB <= "
+                                          f"{bound / MIB:.2f} MiB, but a whole-model export would fit that bound too "
+                                          f"({why}): judge on `small`", rows, value=peaks[worst] / MIB)
         return CheckResult(name, cid, True, f"{lay}: export host peak {peaks[worst] / MIB:.2f} MiB (rank {worst}) "
                                             f"<= {bound / MIB:.2f} MiB ({why})", rows, value=peaks[worst] / MIB)
     return CheckResult(name, cid, False,

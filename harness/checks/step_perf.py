@@ -32,8 +32,8 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
         if entry is None:
             for name in ("counters", "time"):
                 out.append(CheckResult(f"step-perf.{name}", res.case.id, False,
-                                       f"no baseline for {suite.key(res.case)} in {path}; record it with: "
-                                       f"{suite.record_command(res.case)}"))
+                                       f"no baseline for {suite.key(res.case)} on platform {platform} ({path}); "
+                                       f"record it with: {suite.record_command(res.case)}"))
             continue
         out.append(_check_counters(suite, res, entry))
         out.append(_check_time(suite, res, entry, params))

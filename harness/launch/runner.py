@@ -22,6 +22,7 @@ from pathlib import Path
 
 from harness.launch import zygote
 from harness.launch.results import CaseResult, RankResult, read, write_atomic
+from harness.platform.backend import CPU_RANK_ENV
 from harness.spec import Case
 
 GRACE_S = 5.0  # how long peers of a failed rank may still finish before they are killed
@@ -61,6 +62,7 @@ def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
     env.pop("MASTER_PORT", None)
     if case.backend == "gloo":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.update(CPU_RANK_ENV)
     return env
 
 

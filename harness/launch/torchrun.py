@@ -17,6 +17,7 @@ from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.launch.worker import init_distributed, run_rank, shutdown_distributed
+from harness.platform.backend import CPU_RANK_ENV
 from harness.spec import CaseOptions
 
 
@@ -26,15 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--layout", action="append")
     p.add_argument("--engine", default="mcore")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: nccl when every local rank has a GPU of its own, else gloo (ranks on CPU)")
     p.add_argument("--out")
+    p.add_argument("--baselines-dir", default=None, help="baseline files (<platform>/<suite>.json; default: baselines/)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=None, help="process-group timeout per case (s)")
     p.add_argument("--verbose", action="store_true", help="log every rank's phases to stderr")
     args = p.parse_args(argv)
     if not args.verbose:
         os.environ["HARNESS_PHASE_LOG"] = "0"
+    backend = args.backend if args.backend != "auto" else _auto_backend()
+    if backend == "gloo":
+        os.environ.update(CPU_RANK_ENV)  # before torch is imported: a gloo rank sees no GPU
 
-    import torch
     import torch.distributed as dist
 
     from harness import report
@@ -42,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     from harness.suite_run import SuiteRun
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     try:
         suite, params, cases = planned_run(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
-                                           options=CaseOptions(steps=args.steps), timeout_s=args.timeout)
+                                           options=CaseOptions(steps=args.steps), timeout_s=args.timeout,
+                                           baselines_dir=args.baselines_dir)
     except BadInput as exc:
         if rank == 0:
             print(f"harness: error: {exc}", file=sys.stderr)
@@ -59,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     t_run = time.monotonic()
     for case in cases:
         t_case = time.monotonic()
+        if case.skip:  # e.g. needs more ranks than this world: every rank skips it alike
+            if rank == 0:
+                run.results.append(CaseResult(case, [], "skipped", case.skip, fresh_ranks=False))
+                print(f"[{len(run.results)}/{len(cases)}] {case.id} skipped: {case.skip}", file=sys.stderr, flush=True)
+            continue
         ctx = RankContext(rank, world, local_rank, backend, base.workdir)
         rank_result = run_rank(case, ctx, own_process_group=False)
         gathered = [None] * world if rank == 0 else None
@@ -81,6 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier(group=results_group)
     shutdown_distributed(base)
     return code
+
+
+def _auto_backend() -> str:
+    """nccl when this node has a GPU for every local rank, else gloo. Counted from the device files (and
+    CUDA_VISIBLE_DEVICES), not through torch: once torch has asked CUDA, hiding the GPUs from a gloo rank
+    would come too late."""
+    import glob
+    import re
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d for d in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", d)]
+    gpus = len(devices) if visible is None else len([v for v in visible.split(",") if v.strip()])
+    return "nccl" if gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "gloo"
 
 
 if __name__ == "__main__":

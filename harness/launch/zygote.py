@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.platform.backend import CPU_RANK_ENV
+
 # Imported by the server before any fork, required; then harness.launch.worker's POOL_IMPORTS, where present.
 PRELOAD = ("torch", "torch.distributed", "harness.launch.worker")
 READY_TIMEOUT_S = 600.0  # imports on a loaded 2-core machine; a zygote that dies before is noticed at once
@@ -83,7 +85,7 @@ class Zygote:
 
         self.dir = Path(tempfile.mkdtemp(prefix="harness-zygote-"))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "PYTHONPATH": import_path(), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": import_path(), "PYTHONUNBUFFERED": "1", **CPU_RANK_ENV}  # serves gloo ranks
         with open(self.dir / "zygote.log", "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "harness.launch.zygote", str(theirs.fileno()), str(self.dir)],

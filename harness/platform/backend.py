@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from harness.errors import BadInput
 
 BACKENDS = ("auto", "gloo", "nccl")
+# The environment of every gloo (CPU-tier) rank process: it sees no GPU, so on a GPU node (e.g. world size
+# 4 on a one-GPU node, where `auto` picks gloo) the CPU layer runs as on a CPU box instead of refusing a
+# process where CUDA is available, and no rank holds a CUDA context it does not use.
+CPU_RANK_ENV = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 @dataclass(frozen=True)

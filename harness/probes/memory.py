@@ -3,7 +3,9 @@
 Host: memray's heap high-water mark of the rank and, with follow_fork, of every writer process a
 checkpoint save forks (each child writes its own capture file); plus the RSS high-water mark of the
 rank (VmHWM, reset per phase through /proc/self/clear_refs) and a sampler of its children's RSS.
-Device: torch.cuda peak allocated / reserved, reset per phase.
+Device: torch.cuda peak allocated / reserved, reset per phase, and what the phase held of torch's pinned
+host pool (a GPU save's device-to-host copies are cut from it; host memory the heap figures miss once
+the pool has its blocks).
 
 A measurement that cannot be taken raises MeasurementError in the rank (the case errors with the
 reason) instead of reading as 0 bytes: no capture, an unreadable capture, a sampler without a sample.
@@ -55,13 +57,24 @@ class MemoryPeak:
     children_rss_peak: int = 0  # sampled sum of the children's RSS
     device_allocated_peak: int = 0
     device_reserved_peak: int = 0
+    device_allocated_before: int = 0  # torch.cuda.memory_allocated() at the phase's start
+    # torch's caching host (pinned) allocator, device ranks only: the most bytes of its blocks in use during
+    # the phase, and how much the pool grew in it (a block cut during the phase is an mmap memray may see too)
+    pinned_peak: int = 0
+    pinned_grown: int = 0
     capture: str = ""  # memray capture of the rank (kept for flamegraphs)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, rank RSS bytes) samples
 
     @property
     def host_peak(self) -> int:
-        """Extra host memory of the phase: the rank's heap peak plus its writers' peak."""
-        return self.heap_peak + self.children_heap_peak
+        """Extra host memory of the phase: the rank's heap peak plus its writers' peak plus the pinned
+        staging it held (less what the pool grew by in the phase, which the heap figure may hold already)."""
+        return self.heap_peak + self.children_heap_peak + max(0, self.pinned_peak - self.pinned_grown)
+
+    @property
+    def device_peak(self) -> int:
+        """Extra device memory of the phase: its allocated high-water above what was allocated at its start."""
+        return max(0, self.device_allocated_peak - self.device_allocated_before)
 
 
 class _Sampler(threading.Thread):
@@ -111,11 +124,14 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
         os.unlink(old)
     reset_peak_rss()  # VmHWM from the current RSS on
     peak.rss_before = status_field("self", "VmRSS")
+    pinned_before = 0
     if device:
         import torch
 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        peak.device_allocated_before = torch.cuda.memory_allocated()
+        pinned_before = _pinned_pool(reset=True)["allocated_bytes.current"]
     sampler = _Sampler()
     sampler.start()
     tracker = contextlib.nullcontext()
@@ -147,9 +163,28 @@ def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, 
         torch.cuda.synchronize()
         peak.device_allocated_peak = torch.cuda.max_memory_allocated()
         peak.device_reserved_peak = torch.cuda.max_memory_reserved()
+        pool = _pinned_pool()
+        peak.pinned_peak = pool["active_bytes.peak"]
+        peak.pinned_grown = max(0, pool["allocated_bytes.current"] - pinned_before)
     if capture is not None:
         peak.capture = str(capture)
         peak.heap_peak, peak.children_heap_peak, peak.children = read_captures(capture)
+
+
+def _pinned_pool(reset: bool = False) -> dict[str, int]:
+    """torch.cuda.host_memory_stats() (torch >= 2.7), its peaks reset first when asked; MeasurementError on a
+    torch without it: a GPU save's staging in pinned memory would go unmeasured."""
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    reset_peak = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    if stats is None or reset_peak is None:
+        raise MeasurementError("this torch has no torch.cuda.host_memory_stats / reset_peak_host_memory_stats "
+                               "(torch >= 2.7 has them): a GPU save's pinned host staging cannot be measured")
+    if reset:
+        reset_peak()
+    s = stats()  # keys "active_bytes.peak" (torch's docs), "active_bytes.all.peak" in some releases
+    return {k: int(s.get(k, s.get(k.replace(".", ".all.", 1), 0))) for k in ("allocated_bytes.current", "active_bytes.peak")}
 
 
 def read_captures(capture: Path) -> tuple[int, int, int]:

@@ -14,10 +14,12 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
+from harness.outcomes import check_failed
+
 if TYPE_CHECKING:
     from harness.suite_run import SuiteRun
 
-TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "save", "teardown")
+TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "prime", "save", "teardown")
 
 
 def versions() -> dict[str, str]:
@@ -103,7 +105,7 @@ def format_results(data: dict[str, Any]) -> str:
             row.append(" ".join(f"{x:.6f}" for x in v) if isinstance(v, list) else ("-" if v is None else str(v)))
         row += [f"{values[k]:.2e}" if k in values else "-" for k in check_cols]
         outcome = case.get("outcome", "")
-        failing = [c["check"].split(".")[-1] for c in own if not c["passed"]]
+        failing = [c["check"].split(".")[-1] for c in own if check_failed(c)]
         row += [outcome if outcome == "pass" else outcome.upper(), ",".join(failing) or "-"]
         rows.append(row)
     out.append(table(["layout", "options", *metric_keys, *check_cols, "verdict", "failed checks"], rows))
@@ -122,7 +124,14 @@ def format_results(data: dict[str, Any]) -> str:
         for c in shown:
             out.append(f"{c['check']} {c['case_id']}: {c['message']}")
             out += [f"    {d}" for d in c["details"]]
-    failures = [c for c in checks if not c["passed"]]
+    blind = [c for c in checks if c.get("inconclusive")]
+    if blind:
+        out.append("")
+        out.append("inconclusive (these checks ran but cannot tell right from wrong here; neither pass nor fail):")
+        for c in blind:
+            out.append(f"CANNOT TELL {c['check']} {c['case_id']}: {c['message']}")
+            out += [f"    {d}" for d in c["details"][:20]]
+    failures = [c for c in checks if check_failed(c)]
     if failures:
         out.append("")
         out.append("failures:")
@@ -135,14 +144,17 @@ def format_results(data: dict[str, Any]) -> str:
     out.append("summary:")
     out.append(summary_table(cases))
     n_pass = sum(c["passed"] for c in checks)
+    n_blind = len(blind)
     out.append("")
-    out.append(f"{suite}: {n_pass} checks passed, {len(checks) - n_pass} failed "
+    out.append(f"{suite}: {n_pass} checks passed, {len(checks) - n_pass - n_blind} failed"
+               + (f", {n_blind} inconclusive" if n_blind else "") + " "
                f"({len(cases)} cases, {data['wall_s']:.1f}s): {_count([c.get('outcome', '') for c in cases])}")
     if data.get("interrupted"):
         out.append(f"{suite}: INTERRUPTED ({data['interrupted']}) after {len(cases)} of {data['cases_planned']} "
                    f"cases: the finished cases are judged above and kept in results.json (exit {data['exit_code']})")
     elif data.get("verdict") == "nothing judged":
-        out.append(f"{suite}: NOTHING JUDGED - no check ran (every case skipped or none planned); "
+        out.append(f"{suite}: NOTHING JUDGED - no check could judge anything (every case skipped or inconclusive, "
+                   f"or none planned); "
                    f"this is not a pass (exit {data['exit_code']})")
     return "\n".join(out)
 

@@ -29,7 +29,7 @@ def finish(checks: Iterable) -> list[str]:
     notes = []
     for c in checks:
         captures = c.data.get("captures") or []
-        if c.passed:
+        if not c.failed:
             for capture in captures:
                 for f in glob.glob(capture + "*"):  # the capture and its forked children's
                     os.unlink(f)

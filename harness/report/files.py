@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.outcomes import OUTCOMES
+from harness.outcomes import OUTCOMES, check_failed
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.tables import markdown_table, md_escape
@@ -146,7 +146,7 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
                                      for i, c in enumerate(r.data["cases"], 1)]))
         for png in plots.get(str(r.path), []):
             lines += ["", f"![{png.stem}]({png.relative_to(out_dir)})"]
-        failed = [c for c in r.data["checks"] if not c["passed"]]
+        failed = [c for c in r.data["checks"] if check_failed(c)]
         if failed:
             lines += ["", "### Failed checks", ""]
             for c in failed:

@@ -1,11 +1,14 @@
 """JUnit XML for CI test reports: a testsuite per run, a testcase per case; regressions, improvements
-and unjudged cases are failures (the failed checks' messages and details), errors are errors; a run
+and unjudged cases are failures (the failed checks' messages and details), errors are errors, an
+inconclusive case is a skip of type "inconclusive" (the checks that could not tell, and why); a run
 in which nothing was judged gets a failing testcase of its own."""
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
+
+from harness.outcomes import check_failed
 
 if TYPE_CHECKING:
     from harness.report.files import RunFile
@@ -22,7 +25,7 @@ def render(runs: list["RunFile"]) -> str:
         suite = ET.SubElement(root, "testsuite", name=run.title, tests=str(len(d["cases"]) + bool(unjudged_run)),
                               failures=str(n["regression"] + n["improvement"] + n["unjudged"] + bool(unjudged_run)),
                               errors=str(n["error"]),
-                              skipped=str(n["skipped"]), time=f"{d.get('wall_s', 0):.1f}",
+                              skipped=str(n["skipped"] + n["inconclusive"]), time=f"{d.get('wall_s', 0):.1f}",
                               timestamp=str(d.get("date", "")))
         props = ET.SubElement(suite, "properties")
         for k, v in {"platform": d.get("platform", ""), **d.get("versions", {})}.items():
@@ -37,7 +40,7 @@ def render(runs: list["RunFile"]) -> str:
             if outcome == "unjudged":
                 ET.SubElement(tc, "failure", message=reason, type="unjudged")
             elif outcome in ("regression", "improvement"):
-                failed = [x for x in checks.get(c["id"], []) if not x["passed"]]
+                failed = [x for x in checks.get(c["id"], []) if check_failed(x)]
                 text = "\n\n".join("\n".join([f"{x['check']} {x['case_id']}: {x['message']}", *x.get("details", [])])
                                    for x in failed)
                 ET.SubElement(tc, "failure", message=reason, type=outcome).text = text
@@ -45,6 +48,15 @@ def render(runs: list["RunFile"]) -> str:
                 ET.SubElement(tc, "error", message=reason, type="error").text = c.get("error", "")
             elif outcome == "skipped":
                 ET.SubElement(tc, "skipped", message=reason)
+            elif outcome == "inconclusive":  # JUnit has no such outcome: a skip of its own type, with every check
+                blind = [x for x in checks.get(c["id"], []) if x.get("inconclusive")]
+                ET.SubElement(tc, "skipped", message=reason, type="inconclusive").text = "\n".join(
+                    f"{x['check']} {x['case_id']}: {x['message']}" for x in blind)
+            if outcome != "inconclusive" and any(x.get("inconclusive") for x in checks.get(c["id"], [])):
+                props = ET.SubElement(tc, "properties")  # a judged case that some checks could not judge
+                for x in checks[c["id"]]:
+                    if x.get("inconclusive"):
+                        ET.SubElement(props, "property", name=f"inconclusive:{x['check']}", value=x["message"])
         if unjudged_run:
             what = "partial" if run.partial else "nothing judged"
             tc = ET.SubElement(suite, "testcase", classname=f"{d['suite']}.{d['engine']}.{d['model']}", name=what)

@@ -27,9 +27,25 @@ from harness.probes.memory import MeasurementError, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
 CONTRACT_FORMATS = ("dp_reshardable", "fully_reshardable")
-SAVE_LAYOUT = "tp1-pp1-cp1-dp4"
-TARGETS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")  # same world size as the save
-DP_ONLY_TARGET = "tp1-pp1-cp1-dp2"  # another world size: DP 4 -> 2, nothing else changes
+
+
+def save_layout(world_size: int) -> Layout:
+    """Where a reshard case saves: pure DP over the world (tp1-pp1-cp1-dp4 at world size 4)."""
+    return Layout(dp=world_size)
+
+
+def targets(model: ModelSpec, world_size: int) -> list[Layout]:
+    """The layouts a reshard case loads at, all of its world size: the save layout itself, then TP 2 and
+    PP 2 over half the DP where the model allows them (tp2-dp2 and pp2-dp2 at world size 4)."""
+    from harness.layouts import violations
+
+    half = [Layout(tp=2, dp=world_size // 2), Layout(pp=2, dp=world_size // 2)] if world_size % 2 == 0 else []
+    return [save_layout(world_size)] + [lay for lay in half if not violations(lay, model, world_size)]
+
+
+def dp_only_target(world_size: int) -> Layout | None:
+    """Another world size where only DP changes (DP 4 -> 2), or None where DP cannot be halved."""
+    return Layout(dp=world_size // 2) if world_size % 2 == 0 else None
 
 
 @dataclass(frozen=True)
@@ -48,17 +64,20 @@ class CkptCase:
 
 def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, backend: str,
                    options: CaseOptions, formats: tuple[str, ...] = CONTRACT_FORMATS) -> list[Case]:
-    """One reshard case per format at world size 4, and one DP-only load case at world size 2."""
-    if world_size != Layout.parse(SAVE_LAYOUT).world_size:
-        return []
+    """One reshard case per format at the world size, and one DP-only load case at half of it (skipped,
+    saying so, where the world size is odd: 1 on a one-GPU node)."""
     out = []
     opts = dataclasses.replace(options, steps=2, use_distributed_optimizer=True)
     for fmt in formats:
-        saver = Case(name, model, Layout.parse(SAVE_LAYOUT), engine, opts, backend,
+        saver = Case(name, model, save_layout(world_size), engine, opts, backend,
                      params=CkptCase(fmt, ckpt_role="reshard"))
         out.append(saver)
-        out.append(Case(name, model, Layout.parse(DP_ONLY_TARGET), engine, opts, backend, after=(saver.id,),
-                        params=CkptCase(fmt, ckpt_role="reshard-load")))  # loads what `saver` wrote
+        target = dp_only_target(world_size)
+        loader = Case(name, model, target or save_layout(world_size), engine, opts, backend, after=(saver.id,),
+                      params=CkptCase(fmt, ckpt_role="reshard-load"))  # loads what `saver` wrote
+        out.append(loader if target else loader.skipped(
+            f"the DP-only reshard load halves DP at another world size; world size {world_size} cannot be halved: "
+            f"needs world size 2 or more, even"))
     return out
 
 
@@ -191,11 +210,11 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
         data["reference"] = engine.param_shards()
         del engine
         teardown_parallel_state()
-        targets = [Layout.parse(t) for t in TARGETS if Layout.parse(t).world_size == case.layout.world_size]
+        loads = targets(case.model, case.layout.world_size)
     else:
         ckpt = saved_checkpoint(case)
-        targets = [case.layout]
-    for layout in targets:
+        loads = [case.layout]
+    for layout in loads:
         data["targets"].append(_try_load(case, ctx, layout, ckpt))
     return data
 

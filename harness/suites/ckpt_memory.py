@@ -101,18 +101,15 @@ class CkptMemorySuite:
             engine.build()
         with ctx.phase("steps"):
             engine.train_step(0)  # creates the optimizer state the checkpoint holds
-        warm_up_checkpointing(ctx)
+        with ctx.phase("prime"):
+            prime_save(engine, case, ctx)
         ckpt_dir = ctx.workdir / "ckpt"
         if ctx.rank == 0:
             ckpt_dir.mkdir(exist_ok=True)
         dist.barrier()
         captures = artifacts_dir(case.id)
         with ctx.phase("save"), measure("save", captures, ctx.rank, device=not ctx.on_cpu) as peak:
-            if case.params.async_save:
-                engine.save_checkpoint(str(ckpt_dir), case.params.ckpt_format, case.params.fully_parallel_save,
-                                       async_save=True)
-            else:
-                engine.save_checkpoint(str(ckpt_dir), case.params.ckpt_format, case.params.fully_parallel_save)
+            save(engine, case, ckpt_dir)
         dist.barrier()
         out = {"coords": layout_coords(), "save": peak}
         if ctx.rank == 0:
@@ -150,14 +147,15 @@ class CkptMemorySuite:
 
         o = case.params
         engine = "" if case.engine in ("mcore", "fsdp2") else f" --engine {case.engine}"
-        return (baselines.record_command(case.suite, case.model.name, case.layout.world_size)
+        return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
                 + f" --layout {case.layout.id} --ckpt-format {o.ckpt_format}{engine}"
                 + (" --fully-parallel-save" if o.fully_parallel_save else "") + (" --async-save" if o.async_save else ""))
 
     @staticmethod
     def samples(result: CaseResult) -> dict[str, float]:
         """The baselined metrics of a case, MiB: per rank, the save's heap peak in the rank itself and in
-        its forked writer processes (judged apart: the writers' peak depends on fork timing)."""
+        its forked writer processes (judged apart: the writers' peak depends on fork timing); on device
+        ranks also the pinned host staging it held and its device peak above what was allocated before."""
         out = {}
         if result.case.params.ckpt_role:
             return out  # checkpoint contract cases: judged on values, not baselined
@@ -168,6 +166,9 @@ class CkptMemorySuite:
                 continue
             out[f"rank{r.rank}.save_heap_peak_mib"] = r.data["save"].heap_peak / MIB
             out[f"rank{r.rank}.save_writer_peak_mib"] = r.data["save"].children_heap_peak / MIB
+            if result.case.backend == "nccl":
+                out[f"rank{r.rank}.save_pinned_peak_mib"] = r.data["save"].pinned_peak / MIB
+                out[f"rank{r.rank}.save_device_peak_mib"] = r.data["save"].device_peak / MIB
         return out
 
     def check(self, results: list[CaseResult], params: CkptMemoryParams | None = None) -> list[CheckResult]:
@@ -183,44 +184,37 @@ def _label(engine, ckpt_dir) -> dict:
     return dist_checkpointing.load_content_metadata(str(ckpt_dir)) or {}
 
 
-_WARM = False
+def save(engine, case: Case, ckpt_dir) -> None:
+    """The case's save: its format, through the fully parallel wrapper or async where it asks for them."""
+    p = case.params
+    if p.async_save:
+        engine.save_checkpoint(str(ckpt_dir), p.ckpt_format, p.fully_parallel_save, async_save=True)
+    else:
+        engine.save_checkpoint(str(ckpt_dir), p.ckpt_format, p.fully_parallel_save)
 
 
-def warm_up_checkpointing(ctx: RankContext) -> None:
-    """One tiny save per process before any measured one, so one-time costs of the first save in a
-    process (the writer's result-queue manager, lazy imports, caches) are in no measurement, and a
-    case measures the same on fresh and warm ranks."""
-    global _WARM
-    if _WARM:
-        return
-    import torch
+def prime_save(engine, case: Case, ctx: RankContext) -> None:
+    """The case's own save once, unmeasured and deleted, before the measured one.
+
+    What a process pays only at its first save (or first save of a new size) lands here and in no
+    measured peak, whichever case runs first: the pinned host blocks the device-to-host copies of a GPU
+    save are cut from (torch's caching host allocator keeps them; measured on an H100: `default` 200.9 MiB
+    on the first save of a rank process, 1.0 after), the checkpoint writer's result-queue manager, lazy
+    imports, fsdp2's first get_state_dict. The measured save reuses those; what it holds of the pinned pool
+    is measured as such (probes/memory.py: MemoryPeak.pinned_peak), so a GPU figure keeps its staging."""
+    import shutil
+
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
 
-    path = ctx.workdir / "warm-up-ckpt"
+    scratch = ctx.workdir / "prime-ckpt"
     if ctx.rank == 0:
-        path.mkdir(exist_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir()
     dist.barrier()
-    sd = {f"w{ctx.rank}": ShardedTensor.from_rank_offsets(f"w{ctx.rank}", torch.zeros(16))}
-    dist_checkpointing.save(sd, str(path))
+    save(engine, case, scratch)
     dist.barrier()
-    # The fsdp2 engine's path: its first get_state_dict + DCP save of a fully_shard model in a process
-    # cost every rank 1-2 MiB more than later ones (fsdp2_default repeats: 2.4, 0.36, 0.36 MiB).
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).to(ctx.device)
-    fully_shard(model, mesh=init_device_mesh(ctx.device.type, (dist.get_world_size(),)))
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.ones(2, 8, device=ctx.device)).sum().backward()
-    opt.step()
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
-    dist.barrier()
-    _WARM = True
+    if ctx.rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _is_fsdp2(engine: str) -> bool:

@@ -97,8 +97,10 @@ class DynamicCPSuite:
         """Per mix: no CP (reference), static CP at every CP size of the layouts, dynamic CP."""
         p = params or DynamicCPParams()
         check_dynamic_cp_available()
-        if world_size % 2:
-            raise BadInput(f"dynamic CP needs an even DP x CP size (megatron's hybrid groups); world size {world_size}")
+        if world_size < 2 or world_size % 2:
+            return [Case(self.name, model, Layout(dp=world_size), engine, options, backend).skipped(
+                f"dynamic CP needs an even DP x CP size of at least 2 (megatron's hybrid CP groups), world size "
+                f"{world_size} has none: needs world size 2 or more, even (e.g. --world-size 2 or 4)")]
         if layouts is None:
             layouts = [Layout(cp=cp, dp=world_size // cp) for cp in (2, 4) if world_size % cp == 0]
         static = [lay for lay in layouts if lay.cp > 1]

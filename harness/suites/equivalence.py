@@ -146,6 +146,10 @@ class EquivalenceSuite:
         for lay in [reference, *layouts]:
             validate(lay, model, world_size, **batch)
         ordered = [reference] + [lay for lay in layouts if lay != reference]
+        if len(ordered) == 1:  # nothing to compare the reference with: say so, judge nothing
+            return [Case(self.name, model, reference, engine, options, backend).skipped(
+                f"equivalence compares every layout with pure DP, and world size {world_size} has no other valid "
+                f"layout for {model.name}: needs world size 2 or more (e.g. --world-size 2 or 4)")]
         return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:

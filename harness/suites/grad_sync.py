@@ -9,7 +9,7 @@ from typing import Any
 
 from collections import Counter
 
-from harness.checks import CheckResult, case_failed
+from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.grad_sync import compare, dp_records, plan
 from harness.checks.numeric import beyond, severity
 from harness.checks.tensors import assemble
@@ -202,6 +202,10 @@ class GradSyncSuite:
 
     @staticmethod
     def _check_replicas(res: CaseResult) -> CheckResult:
+        lay = res.case.layout
+        if lay.dp * lay.cp == 1:
+            return cannot_tell("grad-sync.replicas", res.case.id,
+                               f"{lay.id} has no DP replicas (DP x CP = 1), so none can drift apart: needs DP x CP >= 2")
         full = assemble([r.data["params"] for r in res.ranks])
         bad = {n: s for n, s in full.replica_spread.items() if beyond(s, 0.0)}
         if not bad:

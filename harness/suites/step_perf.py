@@ -239,7 +239,7 @@ class StepPerfSuite:
     def record_command(case: Case) -> str:
         from harness import baselines
 
-        return (baselines.record_command(case.suite, case.model.name, case.layout.world_size)
+        return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
                 + f" --layout {case.layout.id}" + (f" --engine {case.engine}" if case.engine != "mcore" else ""))
 
     @staticmethod
