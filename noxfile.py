@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import re
 import shutil
+import subprocess
+import sys
+import tomllib
 
 import nox
 
@@ -11,6 +17,31 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 CPU_CONSTRAINTS = "constraints-cpu.txt"  # the CPU build of torch; an unpinned torch pulls GBs of CUDA wheels
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _node_python() -> str:
+    """The interpreter of the environment nox is run from, whose torch (and Transformer Engine) the GPU
+    sessions use: $HARNESS_NODE_PYTHON, else the active virtualenv's or conda env's python (VIRTUAL_ENV,
+    CONDA_PREFIX), else the python3 on PATH, else nox's own."""
+    if os.environ.get("HARNESS_NODE_PYTHON"):
+        return os.environ["HARNESS_NODE_PYTHON"]
+    for var in ("VIRTUAL_ENV", "CONDA_PREFIX"):
+        candidate = os.path.join(os.environ.get(var) or "", "bin", "python")
+        if os.environ.get(var) and os.path.exists(candidate):
+            return candidate
+    return shutil.which("python3") or sys.executable
+
+
+NODE_PYTHON = _node_python()
+
+
+def _gpus() -> int:
+    """NVIDIA devices this node shows (device files, as CUDA_VISIBLE_DEVICES narrows them), without torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip()])
+    return len([d for d in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", d)])
 
 
 def _install_cpu(session: nox.Session, extras: str = "test,mbridge,bridge") -> None:
@@ -43,26 +74,86 @@ def cpu_suite(session: nox.Session) -> None:
                 *session.posargs)
 
 
-@nox.session(name="gpu-suite", venv_params=["--system-site-packages"])
+@nox.session(name="gpu-suite", python=NODE_PYTHON)
 def gpu_suite(session: nox.Session) -> None:
-    """The suites on this node's GPUs (NCCL, one rank per GPU), reusing the node's torch and TE."""
-    session.install("-e", ".[test]")  # torch / TE already in the system site packages are kept
+    """The suites on this node's GPUs (NCCL, one rank per GPU), on the torch / TE of the environment nox runs
+    from. `-- N` sets the world size (default: every GPU); more arguments go to pytest."""
+    _use_node_environment(session)
     world = session.posargs[0] if session.posargs and session.posargs[0].isdigit() else None
     extra = session.posargs[1:] if world else session.posargs
-    session.run("pytest", "suites", "-m", "not nightly", "--backend", "nccl",
-                *(["--world-size", world] if world else []), *extra)
+    session.run("python", "-m", "pytest", "suites", "-m", "not nightly", "--backend", "nccl",
+                "--world-size", world or str(max(1, _gpus())), *extra, env={"PYTHONPATH": HERE})
 
 
-@nox.session(venv_params=["--system-site-packages"])
+@nox.session(python=NODE_PYTHON if _gpus() else None)
 def nightly(session: nox.Session) -> None:
-    """Every suite x models x construction paths on this node (GPUs if any, else 4 CPU ranks), then the
-    report (Markdown, JUnit, PNGs) in nightly-out/. Arguments after -- go to `harness nightly`."""
-    if shutil.which("nvidia-smi"):
-        session.install("-e", ".[test]")  # the node's torch / TE from the system site packages
+    """Every suite x models x construction paths on this node (GPUs if any, on the environment nox runs from;
+    else 4 CPU ranks), then the report (Markdown, JUnit, PNGs) in nightly-out/. Arguments after -- go to
+    `harness nightly`."""
+    if _gpus():
+        _use_node_environment(session)
     else:
         _install_cpu(session)
     args = session.posargs if any(a.startswith("--out") for a in session.posargs) else ["--out", "nightly-out", *session.posargs]
-    session.run("harness", "nightly", *args)
+    session.run("python", "-m", "harness.cli", "nightly", *args, env={"PYTHONPATH": HERE})
+
+
+# What the node environment's python puts on sys.path beyond the standard library: its site-packages,
+# what its .pth files add (editable installs, a conda env's extra dirs), its base's when it has them.
+_SITE_DIRS = """
+import json, os, sys, sysconfig
+std = {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}
+print(json.dumps({"version": list(sys.version_info[:2]), "executable": sys.executable,
+                  "paths": [p for p in sys.path if p and os.path.isdir(p) and p not in std
+                            and not p.endswith("lib-dynload")]}))
+"""
+
+
+def _use_node_environment(session: nox.Session) -> None:
+    """Make the packages of the environment nox runs from (NODE_PYTHON: the active virtualenv or conda env,
+    else python3) importable in the session's virtualenv through a .pth file, and install only what it lacks
+    of the harness's requirements; the harness itself runs from this checkout (PYTHONPATH).
+
+    A virtualenv made with --system-site-packages from a virtualenv's or conda env's python sees the *base*
+    interpreter's packages, not that environment's: on a node whose torch lives in a virtualenv, pip then went
+    to fetch another torch (no network there). Here nothing is downloaded when the environment has everything
+    (pip checks with --no-index first), what is missing comes from $HARNESS_WHEELS when set (a node without
+    network), and torch is never installed: an environment without torch is refused."""
+    node = json.loads(subprocess.run([NODE_PYTHON, "-c", _SITE_DIRS], capture_output=True, text=True,
+                                     check=True).stdout)
+    venv_python = os.path.join(session.bin, "python")
+    probe = subprocess.run([venv_python, "-c", "import json, sys, sysconfig; print(json.dumps("
+                            "[list(sys.version_info[:2]), sysconfig.get_paths()['purelib']]))"],
+                           capture_output=True, text=True, check=True)
+    version, purelib = json.loads(probe.stdout)
+    if version != node["version"]:
+        session.error(f"the session's Python is {'.'.join(map(str, version))} but the node's environment "
+                      f"({node['executable']}) is {'.'.join(map(str, node['version']))}: set HARNESS_NODE_PYTHON "
+                      f"to that interpreter, or run `{node['executable']} -m nox -s {session.name}`")
+    with open(os.path.join(purelib, "harness-node-environment.pth"), "w") as f:
+        f.write("\n".join(node["paths"]) + "\n")
+    if subprocess.run([venv_python, "-c", "import torch"], capture_output=True).returncode != 0:
+        session.error(f"{session.name} runs on the torch of the environment nox is run from ({node['executable']}), "
+                      f"which has none: activate the node's environment or set HARNESS_NODE_PYTHON to its python "
+                      f"(CPU ranks: nox -s cpu-suite)")
+    requirements = _requirements("test")
+    try:  # everything there already: pip looks at no index and installs nothing
+        session.install("--no-index", *requirements, silent=True)
+        return
+    except nox.command.CommandFailed:
+        pass
+    wheels = os.environ.get("HARNESS_WHEELS")
+    if wheels:
+        session.install("--no-index", "--find-links", wheels, *requirements)
+    else:
+        session.install(*requirements)
+
+
+def _requirements(*extras: str) -> list[str]:
+    """The harness's dependencies and those of the given extras, from pyproject.toml."""
+    with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    return [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
 
 
 @nox.session
