@@ -139,3 +139,35 @@ class Sleepy(Mixed):
     def rank_work(self, case, ctx) -> dict[str, Any]:
         time.sleep(1.0)
         return super().rank_work(case, ctx)
+
+
+class Blind(Mixed):
+    """Three cases: one judged (a pass beside a check that cannot tell), one only a check that cannot tell,
+    one that needs more ranks than the run has (skipped before any rank starts)."""
+
+    name = "blind"
+
+    def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
+        from harness.spec import Case, CaseOptions, Layout
+
+        cases = [Case("tests.fake_suites:Blind", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + PASS),
+                      backend, 60.0) for i in range(3)]
+        return cases[:2] + [cases[2].skipped(f"needs world size {2 * world_size}, the run has {world_size}")]
+
+    def check(self, results, params=None):
+        from harness.checks import cannot_tell
+
+        out = super().check(results[:1])
+        return out + [cannot_tell("blind.sees", r.case.id, "both answers look alike at this size: needs more ranks")
+                      for r in results]
+
+
+class AllBlind(Blind):
+    """Two cases whose only check cannot tell: nothing is judged."""
+
+    name = "all-blind"
+
+    def check(self, results, params=None):
+        from harness.checks import cannot_tell
+
+        return [cannot_tell("all-blind.sees", r.case.id, "both answers look alike at this size") for r in results]

@@ -12,7 +12,7 @@ import torch
 from harness import baselines
 from harness.checks.ckpt_contract import _judge, _judge_side_effects
 from harness.checks.ckpt_memory import _check_baseline, _check_contract, _check_model
-from harness.checks.memory_model import MIB, save_band
+from harness.checks.memory_model import MIB, save_band, shard_params
 from harness.engines.base import ParamShard
 from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
@@ -295,9 +295,12 @@ def test_fsdp2_full_state_dict_file_and_dcp_with_one_writer_are_full(tmp_path):
 
 
 def _memory_result(fmt: str, layout: Layout, peaks_mib: list[float], model: str = "small",
-                   on_disk: OnDisk | None = None, label: dict | None = None) -> CaseResult:
-    case = Case("ckpt-memory", load_model(model), layout, "mcore", CaseOptions(steps=1), params=CkptCase(fmt))
-    ranks = [RankResult(r, data={"save": MemoryPeak("save", heap_peak=int(p * MIB))}) for r, p in enumerate(peaks_mib)]
+                   on_disk: OnDisk | None = None, label: dict | None = None, backend: str = "gloo",
+                   pinned_mib: float = 0.0) -> CaseResult:
+    engine = "fsdp2" if fmt.startswith("fsdp2") else "mcore"
+    case = Case("ckpt-memory", load_model(model), layout, engine, CaseOptions(steps=1), backend, params=CkptCase(fmt))
+    ranks = [RankResult(r, data={"save": MemoryPeak("save", heap_peak=int(p * MIB), pinned_peak=int(pinned_mib * MIB))})
+             for r, p in enumerate(peaks_mib)]
     ranks[0].data["on_disk"] = on_disk or OnDisk(fmt, "fabricated")
     ranks[0].data["content_metadata"] = label if label is not None else {"distrib_optim_sharding_type": fmt}
     return CaseResult(case, ranks, "ok")
@@ -330,9 +333,9 @@ def test_mem_efficient_is_judged_by_the_measured_peaks():
 def test_tiny_says_it_cannot_discriminate_formats():
     res = _memory_result("fully_reshardable", DP4, [3.7, 2.45, 2.45, 2.18], model="tiny")
     check = _check_model(res)
-    assert check.passed
-    assert check.message.startswith("cannot discriminate formats for this model and layout (every rank's peak is "
-                                    "inside the fully_reshardable band, which proves nothing here): cannot "
+    assert check.inconclusive and not check.passed and not check.failed and check.status == "inconclusive"
+    assert check.message.startswith("cannot tell: every rank's peak is inside the fully_reshardable band, which "
+                                    "overlaps its rival's for this model and layout: cannot "
                                     "discriminate fully_reshardable from dp_reshardable at rank 0 for this model: "
                                     "12N = 0.94 MiB")
     contract = _check_contract(res)
@@ -349,3 +352,55 @@ def test_small_rules_the_rival_out_and_flags_a_peak_outside_the_band():
     band = save_band("dp_reshardable", load_model("small"), TP2, 0)
     assert not check.passed and check.message == (f"rank 0 save host peak 86.6 MiB outside the dp_reshardable "
                                                   f"model band {band.describe()}")
+
+
+DP1 = Layout.parse("tp1-pp1-cp1-dp1")
+
+
+@pytest.mark.parametrize("fmt", ["fsdp2_sharded", "fsdp2_full", "fsdp2_default"])
+def test_fsdp2_at_one_rank_cannot_tell_sharded_from_full(fmt):
+    """One rank: a sharded and a full save are the same files (the first H100 run failed the contract here)."""
+    disk = OnDisk("fsdp2_full", "DCP with one writer: 54 optimizer tensors in 54 chunks, written by ranks [0]")
+    res = _memory_result(fmt, DP1, [0.4], on_disk=disk, label={"format": "fsdp2_sharded"})
+    contract = _check_contract(res)
+    assert contract.inconclusive, contract.message
+    assert "with one DP rank fsdp2's sharded and full saves write the same files" in contract.message
+    assert contract.message.endswith("needs world size 2 or more")
+    model = _check_model(res)
+    assert model.inconclusive and "the full and the sharded state dict are the same tensors" in model.message
+
+
+def test_fsdp2_at_one_rank_still_fails_a_checkpoint_that_is_not_fsdp2():
+    res = _memory_result("fsdp2_sharded", DP1, [0.4], on_disk=OnDisk("dp_reshardable", "flat buffers"))
+    contract = _check_contract(res)
+    assert contract.failed and "the checkpoint on disk is dp_reshardable, not fsdp2_sharded" in contract.message
+
+
+def test_formats_at_dp1_cannot_be_told_apart_by_memory_but_a_peak_outside_every_band_fails():
+    res = _memory_result("dp_reshardable", DP1, [46.9])
+    check = _check_model(res)
+    assert check.inconclusive and check.message.endswith("(both stage the whole 12N = 69.0 MiB): needs DP x CP >= 2")
+    res = _memory_result("dp_reshardable", DP1, [400.0])
+    assert _check_model(res).failed
+
+
+def test_gpu_band_holds_the_pinned_staging_of_what_the_rank_writes():
+    """On a GPU rank the save's device-to-host copies are staged in pinned blocks (rounded up to powers of two):
+    the first H100 run measured fully_reshardable of `small` at D = 1 at 207 MiB of heap + ~96 MiB of new
+    pinned blocks; with the staging counted the figure is inside the GPU band, outside the CPU one."""
+    small = load_model("small")
+    cpu, gpu = (save_band("fully_reshardable", small, DP1, 0, device=d) for d in (False, True))
+    n = shard_params(small, DP1, 0)
+    assert gpu.low == cpu.low and gpu.high - cpu.high == 2 * 16 * n  # up to 2 x (S + P) = 2 x 92 MiB staged
+    res = _memory_result("fully_reshardable", DP1, [207.2], backend="nccl", pinned_mib=96.0)
+    assert res.ranks[0].data["save"].host_peak == int(207.2 * MIB) + 96 * MIB
+    check = _check_model(res)
+    assert not check.failed and "(pinned staging 96.0 MiB of it)" in check.details[0], check.details
+    on_cpu = _memory_result("fully_reshardable", DP1, [303.2])
+    assert _check_model(on_cpu).failed
+
+
+def test_pinned_blocks_cut_during_the_phase_are_not_counted_twice():
+    peak = MemoryPeak("save", heap_peak=100 * MIB, pinned_peak=96 * MIB, pinned_grown=96 * MIB)
+    assert peak.host_peak == 100 * MIB  # the heap figure holds the blocks cut in the phase
+    assert MemoryPeak("save", heap_peak=1 * MIB, pinned_peak=96 * MIB).host_peak == 97 * MIB

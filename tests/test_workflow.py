@@ -38,7 +38,8 @@ def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys):
 
     assert cli.main(["report", str(tmp_path)]) == 0
     md = (tmp_path / "report.md").read_text()
-    assert "| pass | regression | improvement | error | skipped | unjudged |" in md and "| 15 | 2 | 1 | 1 | 1 | 0 |" in md
+    assert "| pass | regression | improvement | error | skipped | inconclusive | unjudged |" in md
+    assert "| 15 | 2 | 1 | 1 | 1 | 0 | 0 |" in md
     assert "torch" in md and "cpu-gloo" in md  # versions and platform are named
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("20", "3", "1", "1")
@@ -53,7 +54,8 @@ def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_
     out = capsys.readouterr().out
     assert code == 5, out  # its own exit code: neither a pass (0) nor a failed check (1)
     assert "all-skipped: 0 checks passed, 0 failed (3 cases" in out and "3 skipped" in out
-    assert "all-skipped: NOTHING JUDGED - no check ran (every case skipped or none planned); this is not a pass (exit 5)" in out
+    assert ("all-skipped: NOTHING JUDGED - no check could judge anything (every case skipped or inconclusive, or none "
+            "planned); this is not a pass (exit 5)") in out
     results = json.loads((tmp_path / "results.json").read_text())
     assert (results["passed"], results["verdict"]) == (False, "nothing judged")
     assert cli.main(["report", str(tmp_path)]) == 0
@@ -114,3 +116,36 @@ def test_nightly_plan_covers_every_suite_model_and_construction_path():
         ("grad-sync", "small", "mcore"), ("grad-sync", "small", "megatron-bridge"), ("grad-sync", "small", "mbridge"),
         ("ckpt-memory", "small", "mcore")]  # small is ckpt-memory's own model: once
     assert [i.engine for i in plan_items(["grad-sync"], ["default"], "my_rl.engine:make")] == ["my_rl.engine:make"]
+
+
+def test_checks_that_cannot_tell_are_neither_passes_nor_failures(tmp_path, capsys):
+    code = cli.main(["run", "--suite", "tests.fake_suites:Blind", "--world-size", "2", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, out  # one case judged and passed; nothing failed
+    assert "[3/3] tests.fake_suites:Blind/mcore/tiny/tp1-pp1-cp1-dp2[seed=200] skipped in 0.0s: needs world size 4, " \
+           "the run has 2" in err
+    assert re.search(r"^blind: 1 checks passed, 0 failed, 2 inconclusive \(3 cases, [0-9.]+s\): "
+                     r"1 pass, 1 skipped, 1 inconclusive$", out, re.M), out
+    assert "CANNOT TELL blind.sees tests.fake_suites:Blind/mcore/tiny/tp1-pp1-cp1-dp2[seed=100]: cannot tell: both " \
+           "answers look alike at this size: needs more ranks" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [c["outcome"] for c in results["cases"]] == ["pass", "inconclusive", "skipped"]
+    assert [c["status"] for c in results["checks"]] == ["pass", "inconclusive", "inconclusive"]
+    assert results["cases"][1]["reason"] == "blind.sees: cannot tell: both answers look alike at this size: needs more ranks"
+    assert cli.main(["report", str(tmp_path)]) == 0
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("3", "0", "0", "2")
+    first, second, third = suite.findall("testcase")
+    assert first.find("skipped") is None and first.find("properties/property").get("name") == "inconclusive:blind.sees"
+    assert second.find("skipped").get("type") == "inconclusive"
+    assert third.find("skipped").get("message") == "needs world size 4, the run has 2"
+    assert "| 1 | 0 | 0 | 0 | 1 | 1 | 0 |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_run_whose_every_check_cannot_tell_judged_nothing(tmp_path, capsys):
+    code = cli.main(["run", "--suite", "tests.fake_suites:AllBlind", "--world-size", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 5, out
+    assert "all-blind: 0 checks passed, 0 failed, 2 inconclusive" in out and "NOTHING JUDGED" in out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["passed"], results["verdict"]) == (False, "nothing judged")

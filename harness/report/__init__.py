@@ -217,7 +217,7 @@ def to_json(run: "SuiteRun") -> dict[str, Any]:
              **{"metrics": {}, "data": {}, **(run.describe(r).figures or {})}}
             for o in run.outcomes() for r in [o.result]
         ],
-        "checks": [asdict(c) for c in run.checks],
+        "checks": [{**asdict(c), "status": c.status} for c in run.checks],  # status: pass | fail | inconclusive
     }
 
 
