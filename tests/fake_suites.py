@@ -49,7 +49,7 @@ class Misbehave:
                 time.sleep(3600)
             if mode == SLEEP:
                 time.sleep(3600)
-        return {"sum": float(t[0]), "pid": os.getpid()}
+        return {"sum": float(t[0]), "pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 PASS, REGRESS, IMPROVE, ERROR, SKIPPED = range(5)

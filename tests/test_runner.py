@@ -129,3 +129,22 @@ def test_torchrun_entry_at_world_size_1_judges_step_perf(tmp_path):
             "--layout tp1-pp1-cp1-dp1") in proc.stdout
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["world_size"] == 1 and [c["outcome"] for c in data["cases"]] == ["regression"] * 4
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_gloo_ranks_see_no_gpu_on_a_gpu_node(monkeypatch, fork):
+    """On a GPU node a gloo case (e.g. world size 4 on one GPU, where `auto` picks gloo) runs on CPU ranks:
+    forked from the fork server or exec'd, a gloo rank has CUDA_VISIBLE_DEVICES emptied, whatever the
+    harness's own environment shows; the CPU layer would refuse a process where CUDA is available."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("HARNESS_FORK_RANKS", fork)
+    zygote.close()  # a fork server started now, with this environment
+    res = run_case(case(fs.OK))
+    assert res.status == "ok", res.error
+    assert [r.data["cuda_visible"] for r in res.ranks] == ["", ""]
+    if fork == "1":
+        server = zygote.pid()
+        assert server is not None
+        env = dict(kv.split("=", 1) for kv in open(f"/proc/{server}/environ").read().split("\0") if "=" in kv)
+        assert env["CUDA_VISIBLE_DEVICES"] == ""
+    zygote.close()

@@ -54,10 +54,15 @@ def check(results: list[CaseResult]) -> list[CheckResult]:
         if res is not ref:
             out.append(_check_export(res, hf, ref, ref_hf))
         elif len(results) == 1:  # one layout (world size 1): no other export to hold this one against
-            out.append(cannot_tell("peft-ckpt.export", res.case.id,
-                                   f"{res.case.layout.id} is the only layout of the run, and the export is judged "
-                                   f"against the pure-DP export of other layouts: needs world size 2 or more"))
+            out.append(export_alone(res))
     return out
+
+
+def export_alone(res: CaseResult) -> CheckResult:
+    """The export check of a run with one layout: there is nothing to compare the export with."""
+    return cannot_tell("peft-ckpt.export", res.case.id,
+                       f"{res.case.layout.id} is the only layout of the run, and the export is judged against the "
+                       f"pure-DP export of other layouts: needs world size 2 or more")
 
 
 def _check_valid(res: CaseResult, hf: dict) -> CheckResult:
