@@ -197,8 +197,9 @@ def test_recompute_switched_on_fails_on_flops_exactly(recorded):
 def test_a_missing_baseline_fails_with_the_record_command(tmp_path):
     _, checks = _run("mcore", tmp_path)
     assert checks["step-perf.counters"].message == (
-        f"no baseline for tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1 in {tmp_path}/cpu-gloo/step-perf.json; record it "
-        f"with: harness baselines record --suite step-perf --model tiny --world-size 2 --layout tp1-pp1-cp1-dp2")
+        f"no baseline for tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1 on platform cpu-gloo "
+        f"({tmp_path}/cpu-gloo/step-perf.json); record it with: harness baselines record --suite step-perf --model tiny "
+        f"--world-size 2 --backend gloo --layout tp1-pp1-cp1-dp2")
 
 
 @pytest.mark.slow
@@ -210,3 +211,40 @@ def test_bisect_judges_step_time_with_the_same_statistics(recorded):
     assert step.verdict == BAD, step.why
     assert re.match(r"step_time_ms [0-9.]+ ms vs [0-9.]+ ms: x1\.\d{3} \[.*\] 95% CI, Mann-Whitney p=\S+ \(n=12/36\), "
                     r"min effect 10%: significantly slower$", step.why), step.why
+
+
+def _timed_result(step_ms: list[float]):
+    """A fabricated one-rank step-perf case whose timed steps took step_ms (no ranks run)."""
+    from harness.launch.results import CaseResult, RankResult
+    from harness.probes.timers import StepTiming
+    from harness.spec import Case
+
+    steps = [StepTiming(ms / 1000, ms / 1000, {"forward": ms / 3000, "grad-sync": 0.001}) for ms in step_ms]
+    case = Case("step-perf", load_model("tiny"), Layout(), "mcore", CaseOptions(steps=len(step_ms)))
+    return CaseResult(case, [RankResult(0, data={"steps": steps, "calibration": [0.001]})], "ok")
+
+
+def _entry(repeat_medians: list[float]) -> dict:
+    samples = [m + d for m in repeat_medians for d in (-2.0, -1.0, 0.0, 1.0, 2.0)]
+    return {"step_time_ms": {"value": sorted(repeat_medians)[1], "values": repeat_medians, "samples": samples},
+            "exposed_comm_ms": {"value": 1.0, "values": [1.0, 1.0, 1.0], "samples": [1.0] * len(samples)}}
+
+
+@pytest.mark.parametrize("repeats,measured,status", [
+    ([500.0, 505.0, 510.0], 600.0, "fail"),  # repeats agree: x1.19 is a regression beyond the 15% minimum effect
+    ([500.0, 505.0, 510.0], 505.0, "pass"),
+    ([508.0, 401.0, 433.0], 520.0, "inconclusive"),  # x1.20: beyond 15%, within the x1.27 the repeats differ by
+    ([508.0, 401.0, 433.0], 700.0, "fail"),  # x1.62: beyond anything the repeats explain
+    ([508.0, 401.0, 433.0], 433.0, "pass"),
+])
+def test_time_within_the_drift_of_the_baselines_own_repeats_cannot_be_told(repeats, measured, status):
+    """The drifting repeats are the recorded tp1-pp1-cp1-dp1 `small` case of this 2-core box (overlap on)."""
+    from harness.checks.step_perf import _check_time
+    from harness.suites.step_perf import StepPerfParams, StepPerfSuite
+
+    res = _timed_result([measured + d for d in (-2.0, -1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 1.5, -1.5, 0.0)])
+    check = _check_time(StepPerfSuite(), res, _entry(repeats), StepPerfParams(min_effect=0.15))
+    assert check.status == status, check.message
+    if status == "inconclusive":
+        assert check.message.startswith("cannot tell: tp1-pp1-cp1-dp1: step time x1.20")
+        assert "within the x1.27 by which the baseline's own repeats differ (508, 401, 433 ms)" in check.message

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import TYPE_CHECKING
 
-from harness.checks import CheckResult, case_failed
+from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect
 from harness.launch.results import CaseResult
 
@@ -112,6 +112,21 @@ def _check_time(suite: StepPerfSuite, res: CaseResult, entry: dict, params: Step
                 "median": v.median_b, "baseline_median": v.median_a, "verdict": v.verdict}
             for m, v in verdicts.items()}
     data["baseline_samples"] = {m: entry[m]["samples"] for m in verdicts}
+    # The baseline's own repeats (their medians) differ by `drift`: a change of the step time within that is
+    # what this machine does between runs, not something this check can attribute to the code.
+    repeats = entry["step_time_ms"].get("values") or []
+    drift = max(repeats) / min(repeats) - 1 if len(repeats) > 1 and min(repeats) > 0 else 0.0
+    within_drift = drift > step.min_effect and (
+        (step.slower and step.ratio <= 1 + drift) or (step.faster and step.ratio >= 1 / (1 + drift)))
+    if within_drift:
+        return cannot_tell("step-perf.time", res.case.id,
+                           f"{res.case.layout.id}: step time x{step.ratio:.3f} is beyond the {step.min_effect:.0%} "
+                           f"minimum effect but within the x{1 + drift:.2f} by which the baseline's own repeats differ "
+                           f"({', '.join(f'{v:.0f}' for v in repeats)} ms): this machine's drift, not attributable "
+                           f"({step.describe()}); re-record on a quieter machine or compare A/B interleaved "
+                           f"(harness compare)", rows, value=step.ratio, data=data)
+    if drift > step.min_effect:
+        rows.append(f"  the baseline's repeats differ by x{1 + drift:.2f}: only a change beyond that is judged")
     if step.slower:
         msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "
                f"(compute {mine:.0f} ms vs {others:.0f} ms)")
