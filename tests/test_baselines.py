@@ -32,7 +32,7 @@ def _fake_runs(monkeypatch, values):
 
     def run_suite(*args, **kwargs):
         suite.calls.append(1)
-        run = SimpleNamespace(suite=suite, backend="gloo", results=[SimpleNamespace(ok=True, case=None)])
+        run = SimpleNamespace(suite=suite, backend="gloo", results=[SimpleNamespace(ok=True, skipped=False, case=None)])
         run.stop_if_interrupted = lambda: run  # a run that was not interrupted
         return run
     monkeypatch.setattr(driver, "run_suite", run_suite)

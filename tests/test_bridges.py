@@ -39,7 +39,7 @@ def _installed(engine: str):
 
 
 def _failures(run) -> list[str]:
-    return [c.message for c in run.checks if not c.passed] + [r.error for r in run.results if r.error]
+    return [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
 
 
 # -- wrap config ----------------------------------------------------------------------------------
@@ -134,8 +134,8 @@ def test_r2_override_only_ddp_config_is_caught():
                     engine="tests.faulty_engines:MbridgeOverrideOnly")
     off = [r.case.id for r in run.results if not r.case.options.use_distributed_optimizer]
     assert off and not run.passed
-    plan = {c.case_id: c.message for c in run.checks if c.check == "grad-sync.plan" and not c.passed}
-    drift = {c.case_id for c in run.checks if c.check == "grad-sync.replicas" and not c.passed}
+    plan = {c.case_id: c.message for c in run.checks if c.check == "grad-sync.plan" and c.failed}
+    drift = {c.case_id for c in run.checks if c.check == "grad-sync.replicas" and c.failed}
     for cid in off:
         assert plan[cid].startswith("grad-sync: rank 0: configured all-reduce (use_distributed_optimizer=False")
         assert "but observed reduce_scatter_tensor_coalesced_ on dp-cp group (0, 1)" in plan[cid]

@@ -110,7 +110,7 @@ def _run(engine="mcore", formats=("default",), baselines_dir=None, model="small"
 
 
 def _failed(run, check):
-    return [c for c in run.checks if c.check == check and not c.passed]
+    return [c for c in run.checks if c.check == check and c.failed]
 
 
 @pytest.mark.slow

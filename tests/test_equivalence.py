@@ -59,7 +59,7 @@ def test_world_size_2_layouts_match():
     run = run_suite("equivalence", "tiny", 2, backend="gloo")
     assert [r.case.layout.id for r in run.results] == ["tp1-pp1-cp1-dp2", "tp1-pp1-cp2-dp1", "tp1-pp2-cp1-dp1",
                                                        "tp2-pp1-cp1-dp1"]
-    assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results]
+    assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results]
 
 
 @pytest.mark.slow
@@ -67,7 +67,7 @@ def test_planted_tp_gradient_bug_fails_the_suite():
     run = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo",
                     engine="tests.faulty_engines:SkipOneTpGradReduce")
     assert all(r.ok for r in run.results), [r.error for r in run.results]
-    failed = {c.check: c for c in run.checks if not c.passed}
+    failed = {c.check: c for c in run.checks if c.failed}
     # what README promises: the losses, the first step's log-probs, the full parameters and the
     # TP-replicated copies all fail
     assert set(failed) == {"equivalence.loss", "equivalence.logprobs", "equivalence.params", "equivalence.replicas"}, \
@@ -89,7 +89,7 @@ def test_planted_tp_gradient_bug_fails_the_suite():
 @pytest.mark.slow
 def test_context_parallel_layout_matches_with_the_reference_attention():
     run = run_suite("equivalence", "tiny", 2, ["tp1-pp1-cp2-dp1"], backend="gloo")
-    assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results]
+    assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results]
 
 
 def test_cases_condition_adam_eps_unless_the_user_set_it():
@@ -102,7 +102,7 @@ def test_cases_condition_adam_eps_unless_the_user_set_it():
 def _cp_fault(engine: str):
     run = run_suite("equivalence", "tiny", 2, ["tp1-pp1-cp2-dp1"], backend="gloo", engine=engine)
     assert all(r.ok for r in run.results), [r.error for r in run.results]
-    return {c.check: c for c in run.checks if not c.passed and "cp2" in c.case_id}
+    return {c.check: c for c in run.checks if c.failed and "cp2" in c.case_id}
 
 
 @pytest.mark.slow

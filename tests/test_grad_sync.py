@@ -49,13 +49,13 @@ def test_plan_follows_configuration_not_engine():
 def test_world_size_2_passes_and_prints_plan_tables():
     run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo")
     assert len(run.results) == 4  # distributed optimizer x overlap_grad_reduce
-    assert run.passed, [c.message for c in run.checks if not c.passed]
+    assert run.passed, [c.message for c in run.checks if c.failed]
     tables = [c for c in run.checks if c.check == "grad-sync.plan"]
     assert all(c.show and any("DP gradient reduction" in d for d in c.details) for c in tables)
 
 
 def _failures(run):
-    return {c.check: c.message for c in run.checks if not c.passed}
+    return {c.check: c.message for c in run.checks if c.failed}
 
 
 @pytest.mark.slow
@@ -64,12 +64,12 @@ def test_reduce_scatter_with_plain_optimizer_is_caught():
     run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
                     engine="tests.faulty_engines:DistDdpPlainOptimizer")
     configured_off = [r for r in run.results if not r.case.options.use_distributed_optimizer]
-    failed = {c.case_id: c.message for c in run.checks if not c.passed and c.check == "grad-sync.plan"}
+    failed = {c.case_id: c.message for c in run.checks if c.failed and c.check == "grad-sync.plan"}
     for res in configured_off:
         msg = failed[res.case.id]
         assert msg.startswith("grad-sync: rank 0: configured all-reduce (use_distributed_optimizer=False")
         assert "but observed reduce_scatter_tensor_coalesced_ on dp-cp group (0, 1), 82304 x fp32, 3 calls" in msg
-    drift = [c for c in run.checks if c.check == "grad-sync.replicas" and not c.passed]
+    drift = [c for c in run.checks if c.check == "grad-sync.replicas" and c.failed]
     assert drift and all("DP replicas drifted after 3 steps" in c.message for c in drift)
 
 
@@ -78,7 +78,7 @@ def test_missing_parameter_all_gather_is_caught():
     run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
                     engine="tests.faulty_engines:SkipParamAllGather")
     on = [r.case.id for r in run.results if r.case.options.use_distributed_optimizer]
-    plan_fail = {c.case_id: c.message for c in run.checks if c.check == "grad-sync.plan" and not c.passed}
+    plan_fail = {c.case_id: c.message for c in run.checks if c.check == "grad-sync.plan" and c.failed}
     for cid in on:
         assert "the DP parameter all-gather (all_gather on dp-cp group (0, 1), 82304 x fp32, 3 calls) was not observed" \
             in plan_fail[cid]

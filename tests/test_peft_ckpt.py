@@ -25,7 +25,7 @@ def _run(engine: str, model: str = "tiny", layouts=TP2):
 
 def _failed(run) -> dict[tuple[str, str], str]:
     """(check, layout) -> message of every failed check."""
-    return {(c.check, c.case_id.split("/")[3].split("[")[0]): c.message for c in run.checks if not c.passed}
+    return {(c.check, c.case_id.split("/")[3].split("[")[0]): c.message for c in run.checks if c.failed}
 
 
 # -- the harness's own arithmetic -----------------------------------------------------------------

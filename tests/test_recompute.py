@@ -26,7 +26,7 @@ LAYOUTS = ["tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp2
 def _run(recompute: str):
     run = run_suite("equivalence", "tiny", 2, LAYOUTS, backend="gloo", options=CaseOptions(recompute=recompute))
     assert [r.case.layout.id for r in run.results] == LAYOUTS
-    assert run.passed, [c.message for c in run.checks if not c.passed] + [r.error for r in run.results if r.error]
+    assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
     return run
 
 

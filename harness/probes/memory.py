@@ -172,15 +172,19 @@ def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, 
 
 
 def _pinned_pool(reset: bool = False) -> dict[str, int]:
-    """torch.cuda.host_memory_stats() (torch >= 2.7), its peaks reset first when asked; MeasurementError on a
-    torch without it: a GPU save's staging in pinned memory would go unmeasured."""
+    """torch.cuda.host_memory_stats() (torch >= 2.7), its peaks reset first when asked. On a torch without it
+    the case is skipped with the reason (MissingDependency): a GPU save's pinned host staging would go
+    unmeasured, and a host figure without it is not what the model and the baselines judge."""
     import torch
 
     stats = getattr(torch.cuda, "host_memory_stats", None)
     reset_peak = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
     if stats is None or reset_peak is None:
-        raise MeasurementError("this torch has no torch.cuda.host_memory_stats / reset_peak_host_memory_stats "
-                               "(torch >= 2.7 has them): a GPU save's pinned host staging cannot be measured")
+        from harness.errors import MissingDependency
+
+        raise MissingDependency(f"torch {torch.__version__} has no torch.cuda.host_memory_stats / "
+                                "reset_peak_host_memory_stats: a GPU save's pinned host staging cannot be measured "
+                                "(torch >= 2.7 has them)")
     if reset:
         reset_peak()
     s = stats()  # keys "active_bytes.peak" (torch's docs), "active_bytes.all.peak" in some releases
