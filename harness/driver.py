@@ -76,6 +76,7 @@ def planned_run(suite_name: "str | Suite", model_name: str | None, world_size: i
     cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options, params=params)
     if timeout_s is not None:
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
+    refuse_what_does_not_fit(cases, backend, world_size)
     if hasattr(suite, "samples") and cases:
         from harness import baselines
         from harness.platform import detect_platform
@@ -83,6 +84,22 @@ def planned_run(suite_name: "str | Suite", model_name: str | None, world_size: i
         baselines.load(baselines.baseline_path(getattr(params, "baselines_dir", None),
                                                detect_platform(backend).key, suite.name))
     return suite, params, cases
+
+
+def refuse_what_does_not_fit(cases: list[Case], backend: str, world_size: int) -> None:
+    """DoesNotFit (exit 2, a skip in pytest) for the first case the training-memory model predicts will not fit
+    the memory a rank has, before any rank starts."""
+    from harness.checks.training_memory import refusal
+    from harness.errors import DoesNotFit
+    from harness.platform.backend import memory_per_rank
+
+    if not cases:
+        return
+    available = memory_per_rank(backend, world_size)
+    for case in cases:
+        why = "" if case.skip else refusal(case, available)
+        if why:
+            raise DoesNotFit(why)
 
 
 def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,

@@ -9,6 +9,11 @@ class MissingDependency(BadInput):
     """An engine or path needs a package that is not installed; the message names the install command."""
 
 
+class DoesNotFit(BadInput):
+    """The training-memory model predicts a case will not fit the memory it would run in; the message names the
+    predicted and available GiB and the nearest setting that fits. Refused before any rank starts."""
+
+
 class Interrupted(BaseException):
     """The run was asked to stop (SIGTERM from CI, Ctrl-C): finished results are kept, the exit code is
     128 + the signal (143 for SIGTERM, 130 for SIGINT)."""

@@ -56,3 +56,10 @@ def enumerate_layouts(model: ModelSpec, world_size: int, **batch) -> list[Layout
                 if not violations(layout, model, world_size, **batch):
                     found.append(layout)
     return found
+
+
+def reference_layouts(model: ModelSpec, world_size: int) -> list[Layout]:
+    """Pure DP, then TP 2 and PP 2 over half the DP where the model allows them (tp1-pp1-cp1-dp4,
+    tp2-pp1-cp1-dp2, tp1-pp2-cp1-dp2 at world size 4; only pure DP at an odd world size)."""
+    half = [Layout(tp=2, dp=world_size // 2), Layout(pp=2, dp=world_size // 2)] if world_size % 2 == 0 else []
+    return [Layout(dp=world_size)] + [lay for lay in half if not violations(lay, model, world_size)]

@@ -63,7 +63,7 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
     first (3 repeats), then run again against the new file. A missing dependency skips the test."""
     from harness import report
     from harness.driver import run_suite
-    from harness.errors import MissingDependency
+    from harness.errors import DoesNotFit, MissingDependency
     from harness.platform import resolve_backend
     from harness.suites import get_suite
 
@@ -89,7 +89,7 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
                 publish(f"recorded {path}:\n{diff}")
             result = run_suite(name, harness_opts["model"], harness_opts["world_size"],
                                fresh_ranks=harness_opts["fresh_ranks"], **common)
-        except MissingDependency as exc:
+        except (MissingDependency, DoesNotFit) as exc:  # not installed here / predicted not to fit this device
             pytest.skip(str(exc))
         if result.interrupted is not None:
             raise KeyboardInterrupt(str(result.interrupted))  # pytest stops the session

@@ -260,3 +260,21 @@ class MildStraggler(Straggler):
     """The straggler at +15% of a step (harness compare's detection-power figure)."""
 
     STRAGGLE = 0.15
+
+
+class KeepsWeightCopy(McoreEngine):
+    """Keeps an fp32 copy of every parameter after the build (a leftover of a conversion, say): +4N bytes."""
+
+    def build(self) -> None:
+        super().build()
+        self._copy = [p.detach().float().clone() for m in self.models for p in m.parameters()]
+
+
+class RecomputeIgnored(McoreEngine):
+    """The case asks for activation recompute; the engine builds the model without it."""
+
+    def __init__(self, case, ctx):
+        import dataclasses
+
+        super().__init__(dataclasses.replace(case, options=dataclasses.replace(case.options, recompute="")), ctx)
+        self.case_as_asked = case

@@ -8,15 +8,72 @@ KNOWN_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_reshardable_mem_e
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("project-memory", help="predicted host memory of a checkpoint save at scale")
+    p = sub.add_parser("project-memory", help="predicted memory at scale: a checkpoint save's host peak, or "
+                                               "(--training) a training rank's device memory")
     p.add_argument("--model", required=True)
     p.add_argument("--layout", required=True)
     p.add_argument("--format", default=None)
     p.add_argument("--ranks-per-node", type=int, default=8)
+    t = p.add_argument_group("training memory (--training)")
+    t.add_argument("--training", action="store_true", help="project a training rank's memory instead of a save's")
+    t.add_argument("--device-gib", type=float, default=None, help="the device's memory, GiB (a verdict: fits or not)")
+    t.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    t.add_argument("--micro-batch-size", type=int, default=None, help="default: the model's")
+    t.add_argument("--seq-length", type=int, default=None, help="default: the model's")
+    t.add_argument("--global-batch-size", type=int, default=None, help="default: the model's")
+    t.add_argument("--distributed-optimizer", action="store_true")
+    t.add_argument("--grad-reduce-in-fp32", action="store_true")
+    t.add_argument("--recompute", default="", choices=["", "full", "selective"])
     p.set_defaults(func=main)
 
 
+def training(args) -> int:
+    """Each component of the worst rank's training memory in GiB, and whether it fits --device-gib."""
+    import dataclasses
+
+    from harness.checks.training_memory import GIB, Training, nearest_fitting, worst_rank
+    from harness.layouts import validate
+    from harness.models import load_model
+    from harness.spec import Layout
+
+    model = load_model(args.model)
+    if args.seq_length is not None and args.seq_length < 1:
+        raise BadInput(f"--seq-length must be >= 1, got {args.seq_length}")
+    if args.seq_length:
+        model = dataclasses.replace(model, seq_length=args.seq_length)
+    mbs = model.micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
+    gbs = model.global_batch_size if args.global_batch_size is None else args.global_batch_size
+    if mbs < 1 or gbs < 1:
+        raise BadInput(f"--micro-batch-size and --global-batch-size must be >= 1, got {mbs} and {gbs}")
+    layout = validate(Layout.parse(args.layout), model, global_batch_size=gbs, micro_batch_size=mbs)
+    if args.device_gib is not None and args.device_gib <= 0:
+        raise BadInput(f"--device-gib must be > 0, got {args.device_gib}")
+    tr = Training(dtype=args.dtype, micro_batch_size=mbs, num_microbatches=gbs // (mbs * layout.dp),
+                  use_distributed_optimizer=args.distributed_optimizer, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+                  recompute=args.recompute)
+    m = worst_rank(model, layout, tr)
+    print(f"model {model.name} ({model.num_params() / 1e9:.2f}B params), layout {layout.id}, {args.dtype}, seq "
+          f"{model.seq_length}, micro-batch {mbs}, {tr.num_microbatches} micro-batches per step, distributed "
+          f"optimizer {'on' if tr.use_distributed_optimizer else 'off'}, recompute {tr.recompute or 'off'}")
+    print(f"worst rank {m.rank} (GiB):")
+    for name, value in m.rows():
+        print(f"  {name:<16} {value / GIB:9.2f}")
+    print(f"  {'peak':<16} {m.peak / GIB:9.2f}")
+    if args.device_gib is None:
+        return 0
+    available = int(args.device_gib * GIB)
+    if m.peak <= available:
+        print(f"verdict: fits in {args.device_gib:g} GiB ({(available - m.peak) / GIB:.2f} GiB to spare)")
+        return 0
+    fix = nearest_fitting(model, layout, tr, available, layout.world_size)
+    print(f"verdict: does NOT fit in {args.device_gib:g} GiB: {(m.peak - available) / GIB:.2f} GiB short"
+          + (f"; nearest setting that fits: {fix}" if fix else "; no nearby setting fits"))
+    return 1
+
+
 def main(args) -> int:
+    if args.training:
+        return training(args)
     from harness.checks.memory_model import MIB, project, save_band
     from harness.layouts import validate
     from harness.models import load_model

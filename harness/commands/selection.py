@@ -14,7 +14,8 @@ from harness.spec import CaseOptions
 # (flag, CaseOptions field, argparse dest) of the training options a flag sets
 _OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--dtype", "dtype", "dtype"),
                  ("--distributed-optimizer", "use_distributed_optimizer", "distributed_optimizer"),
-                 ("--overlap-grad-reduce", "overlap_grad_reduce", "overlap_grad_reduce"))
+                 ("--overlap-grad-reduce", "overlap_grad_reduce", "overlap_grad_reduce"),
+                 ("--recompute", "recompute", "recompute"), ("--micro-batch-size", "micro_batch_size", "micro_batch_size"))
 _OPTION_DEFAULTS = CaseOptions()
 # (flag, suite parameter, argparse dest) of the per-suite parameters; the driver refuses a parameter the
 # suite's parameter type does not have ("--<flag> does not apply to the <suite> suite")
@@ -32,7 +33,7 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
         p.add_argument("--engine", action="append", help="A then B (twice), or the engine of both sides (once)")
     else:
         p.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp, step-perf, "
-                                                      "peft-ckpt, or package.module:Suite")
+                                                      "peft-ckpt, train-memory, or package.module:Suite")
     p.add_argument("--model", default=None, help="model spec (default: the suite's CPU model, tiny or small)")
     p.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, help="ranks per case (default 4)")
     p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")
@@ -44,6 +45,9 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
     p.add_argument("--dtype", default=_OPTION_DEFAULTS.dtype, choices=["fp32", "bf16"])
     p.add_argument("--distributed-optimizer", action="store_true", help="use_distributed_optimizer=True")
     p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--recompute", default=_OPTION_DEFAULTS.recompute, choices=["", "full", "selective"],
+                   help="activation recompute: full (every layer) or selective (core attention); default off")
+    p.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default: the model's)")
     p.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
     p.add_argument("--ckpt-format", action="append", help="ckpt-memory: only these formats (repeatable)")
     p.add_argument("--fully-parallel-save", action="store_true",
@@ -79,6 +83,8 @@ class CaseSelection:
             raise BadInput(f"--steps must be >= 1, got {args.steps}")
         if args.seed < 0:
             raise BadInput(f"--seed must be >= 0, got {args.seed}")
+        if args.micro_batch_size is not None and args.micro_batch_size < 1:
+            raise BadInput(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
         if args.timeout is not None and not args.timeout > 0:
             raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
         params: dict = {}

@@ -21,6 +21,7 @@ SUITES = {
     "dynamic-cp": "harness.suites.dynamic_cp:DynamicCPSuite",
     "step-perf": "harness.suites.step_perf:StepPerfSuite",
     "peft-ckpt": "harness.suites.peft_ckpt:PeftCkptSuite",
+    "train-memory": "harness.suites.train_memory:TrainMemorySuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 

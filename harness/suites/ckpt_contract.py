@@ -37,10 +37,9 @@ def save_layout(world_size: int) -> Layout:
 def targets(model: ModelSpec, world_size: int) -> list[Layout]:
     """The layouts a reshard case loads at, all of its world size: the save layout itself, then TP 2 and
     PP 2 over half the DP where the model allows them (tp2-dp2 and pp2-dp2 at world size 4)."""
-    from harness.layouts import violations
+    from harness.layouts import reference_layouts
 
-    half = [Layout(tp=2, dp=world_size // 2), Layout(pp=2, dp=world_size // 2)] if world_size % 2 == 0 else []
-    return [save_layout(world_size)] + [lay for lay in half if not violations(lay, model, world_size)]
+    return reference_layouts(model, world_size)
 
 
 def dp_only_target(world_size: int) -> Layout | None:

@@ -1,0 +1,104 @@
+"""Judges of train-memory: each rank's measured phases against the training-memory model, and the baselines."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks.training_memory import MIB, predict, training_of
+from harness.launch.results import CaseResult
+
+if TYPE_CHECKING:
+    from harness.suites.train_memory import TrainMemoryParams, TrainMemorySuite
+
+# How far a measured phase may lie from the model's prediction, relative, plus an absolute slack for what
+# a phase allocates beyond tensors (Python objects, module construction, megatron's bookkeeping). Measured on
+# CPU ranks (fp32, memray heap, 2026-11-25): `small` at world sizes 2 and 4 over every default case (pure DP,
+# TP 2, PP 2, with and without the distributed optimizer, full and selective recompute), 16-40 points each:
+# every phase within -10% / +26% of the model; `tiny`: +0.4 to +1.4 MiB above the model in every phase (its
+# tensors are < 1 MiB: the fixed costs dominate), so there the check cannot tell and says so.
+REL_TOL = 0.30
+ABS_SLACK = 1.5 * MIB
+
+
+def expected_phases(case, rank: int) -> dict[str, int]:
+    """Bytes the model says each measured phase adds on this rank (TrainingMemory.phases)."""
+    m = predict(case.model, case.layout, training_of(case), rank, "gpu" if case.backend == "nccl" else "cpu")
+    return m.phases(case.options.steps)
+
+
+def band(expected: int) -> tuple[float, float]:
+    return (1 - REL_TOL) * expected - ABS_SLACK, (1 + REL_TOL) * expected + ABS_SLACK
+
+
+def check(suite: TrainMemorySuite, results: list[CaseResult], params: TrainMemoryParams) -> list[CheckResult]:
+    from harness import baselines
+    from harness.platform import detect_platform
+    from harness.suites.train_memory import phase_figures
+
+    out: list[CheckResult] = []
+    files: dict[str, dict] = {}
+    for res in results:
+        if not res.ok:
+            out.append(case_failed("train-memory.run", res))
+            continue
+        rows, bad = [], []
+        for r in res.ranks:
+            measured = phase_figures(r.data, res.case.backend)
+            for phase, want in expected_phases(res.case, r.rank).items():
+                got = measured[phase]
+                low, high = band(want)
+                ok = low <= got <= high and math.isfinite(got)
+                err = (got - want) / want if want else math.inf
+                rows.append(f"rank {r.rank} {phase}: measured {got / MIB:.2f} MiB, model {want / MIB:.2f} MiB "
+                            f"({err:+.0%}), band [{max(low, 0) / MIB:.2f}, {high / MIB:.2f}]{'' if ok else ' OUTSIDE'}")
+                if not ok:
+                    bad.append((r.rank, phase, got, want, low, high))
+        biggest = max(w for r in res.ranks for w in expected_phases(res.case, r.rank).values())
+        if bad:
+            rank, phase, got, want, low, high = bad[0]
+            out.append(CheckResult("train-memory.model", res.case.id, False,
+                                   f"rank {rank} {phase}: measured {got / MIB:.2f} MiB outside the model's band "
+                                   f"[{max(low, 0) / MIB:.2f}, {high / MIB:.2f}] MiB (model {want / MIB:.2f} MiB)",
+                                   rows))
+        elif biggest < ABS_SLACK:
+            out.append(cannot_tell("train-memory.model", res.case.id,
+                                   f"the model's largest phase is {biggest / MIB:.2f} MiB, below the {ABS_SLACK / MIB:.1f} "
+                                   f"MiB a phase allocates beyond its tensors: a doubled tensor would hide in the band; "
+                                   f"judge on a larger model (small)", rows))
+        else:
+            out.append(CheckResult("train-memory.model", res.case.id, True,
+                                   f"every rank's build and steps inside the model's band (+-{REL_TOL:.0%} + "
+                                   f"{ABS_SLACK / MIB:.1f} MiB)", rows, show=True))
+        platform = detect_platform(res.case.backend).key
+        path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
+        data = files.setdefault(str(path), baselines.load(path))
+        out.append(_check_baseline(suite, res, data, path))
+    return out
+
+
+def _check_baseline(suite: TrainMemorySuite, res: CaseResult, data: dict, path) -> CheckResult:
+    from harness import baselines
+
+    key = suite.key(res.case)
+    verdicts = {m: baselines.compare(data, key, m, v) for m, v in suite.samples(res).items()}
+    rows = [f"{m}: {v.measured:.2f} MiB, baseline " + ("-" if v.baseline is None else f"{v.baseline:.2f} +- "
+                                                        f"{v.tolerance:.2f}") + f": {v.status}"
+            for m, v in verdicts.items()]
+    missing = [m for m, v in verdicts.items() if v.status == "missing"]
+    if missing:
+        return CheckResult("train-memory.baseline", res.case.id, False,
+                           f"no baseline for {key} {missing[0]} on platform {path.parent.name} ({path}); record it "
+                           f"with: {suite.record_command(res.case)}", rows)
+    worse = [m for m, v in verdicts.items() if v.status == "regression"]
+    better = [m for m, v in verdicts.items() if v.status == "improvement"]
+    if worse or better:
+        m = max(worse or better, key=lambda x: abs(verdicts[x].delta))
+        v = verdicts[m]
+        verb = "above" if worse else "below (improvement: refresh the baseline with " \
+            f"`{suite.record_command(res.case)}`)"
+        return CheckResult("train-memory.baseline", res.case.id, False,
+                           f"{m} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline {v.baseline:.2f} +- "
+                           f"{v.tolerance:.2f} MiB", rows, improvement=not worse)
+    return CheckResult("train-memory.baseline", res.case.id, True, f"within baseline ({key})", rows)

@@ -1,0 +1,304 @@
+"""An analytic model of the memory a training rank holds: weights, gradient buffers, optimizer state,
+activations of the micro-batches in flight, and a fixed overhead; pure arithmetic (no torch), so
+`harness project-memory --training` runs anywhere and the driver can refuse a case before any rank starts.
+
+Counted per rank from its TP x PP shard (`memory_model.shard_params`: every virtual stage it holds), in the
+dtypes megatron-core uses:
+
+- weights: N x bytes of the param dtype;
+- gradients: megatron DDP's grad buffer, N x (4 if grad_reduce_in_fp32 or fp32 params, else the param
+  dtype's bytes);
+- optimizer: Adam's exp_avg and exp_avg_sq in fp32 (8N) plus, for bf16 / fp16 params, the fp32 master
+  copy (4N); with the distributed optimizer all of it is sharded over the DP x CP ranks (/D);
+- activations: what autograd keeps of one transformer layer for one micro-batch, counted tensor by tensor
+  for the layer megatron builds (RMSNorm, QKV with GQA, unfused core attention: the softmax output of
+  a x s_q x s_k per sample, the output projection, SwiGLU), divided by TP for the TP-split tensors and by
+  CP for the sequence; full recompute keeps only each layer's input (plus one layer's activations while
+  it is recomputed); selective recompute drops the core attention's; times the layers of the stage
+  and the micro-batches in flight on the first pipeline stage (1F1B: min(PP, micro-batches); interleaved:
+  megatron's penalty 1 + (PP - 1) / (PP x VPP)); plus the embedding output, and on the last stage the logits
+  (in the param dtype and their fp32 softmax in the vocab-parallel cross entropy);
+- transients: the distributed optimizer's parameter buffer while DDP builds (the weights once more), the
+  optimizer's per-parameter temporaries (the largest parameter shard: Adam's, and on CPU ranks the float64
+  copy of the CPU layer's norms), and on gloo ranks the flat copy a coalesced collective makes of a gradient
+  bucket (reduce / reduce-scatter) or a parameter bucket (the distributed optimizer's all-gather) - NCCL
+  works in place;
+- a fixed overhead (FIXED_OVERHEAD: a measured constant per device kind).
+
+What a phase adds (`phases`): build = weights + gradient buffers + master copies (+ the parameter buffer's
+copy); a step = the largest of its forward-backward (activations, one layer's transient, logits), its
+gradient sync (the collective copy) and its optimizer step (the first step also creates Adam's moments,
+next to the all-gather's copy or the optimizer's temporaries) - measured on CPU ranks, the three do not
+overlap in time without overlap_grad_reduce.
+
+The Korthikanti et al. count ("Reducing Activation Recomputation in Large Transformer Models", Table 2:
+s b h (34 + 5 a s / h) bytes per layer in fp16 with dropout masks) and Megatron-LM's
+`theoretical_memory_usage.py` (18 bytes per parameter for bf16 without the distributed optimizer) were read
+for the structure; the per-tensor count here follows the modules this harness builds (no dropout: p = 0,
+GQA, SwiGLU with its own FFN size), and `tests/test_training_memory.py` holds it against measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.checks.memory_model import shard_params
+from harness.spec import Layout, ModelSpec
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# What a rank holds beyond the model's tensors. GPU: the CUDA context, cuBLAS / NCCL workspaces and the
+# caching allocator's fragmentation, outside torch's allocated bytes (not yet measured on a GPU with this
+# model: a conservative 2 GiB). CPU: nothing beyond the heap figures the model is judged against.
+FIXED_OVERHEAD = {"gpu": 2 * GIB, "cpu": 0}
+# What a gloo rank process holds before any tensor of the case: the interpreter with torch and megatron-core
+# imported (~350 MB RSS measured, MEGATRON_FACTS.md) - counted when deciding whether a case fits the host.
+CPU_PROCESS = GIB // 2
+# A prediction within 5% of the memory available is not a fit: the allocator's fragmentation and workspaces
+# are not counted tensor by tensor (the first H100 run OOMed `1b` at seq 4096, predicted 79.3 of 79.6 GiB).
+FIT_MARGIN = 0.95
+
+
+@dataclass(frozen=True)
+class Training:
+    """What sets a rank's training memory beside the model and the layout."""
+
+    dtype: str = "bf16"
+    micro_batch_size: int = 1
+    num_microbatches: int = 1  # per DP rank and step
+    use_distributed_optimizer: bool = False
+    grad_reduce_in_fp32: bool = False
+    recompute: str = ""  # "", "full", "selective"
+    seq_length: int | None = None  # None: the model's
+    overlap_grad_reduce: bool = False
+    bucket_size: int | None = None  # DDP bucket size in elements (None: megatron's default)
+    # a fused / flash attention kernel (Transformer Engine) keeps no a x s x s probabilities; megatron's local
+    # spec (what the harness builds without TE) keeps them
+    fused_attention: bool = False
+
+    def seq(self, model: ModelSpec) -> int:
+        return self.seq_length or model.seq_length
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """Predicted bytes of one rank by component; `peak` is what the device must hold at once."""
+
+    rank: int
+    weights: int
+    gradients: int
+    optimizer: int  # Adam's moments and the master copies
+    activations: int  # of every micro-batch in flight, the first stage's schedule
+    transient: int  # one layer's activations more while a layer is recomputed / its backward runs
+    logits: int
+    overhead: int
+    masters: int = 0  # of `optimizer`: the fp32 master copies (bf16 / fp16 params), made when the optimizer is built
+    build_transient: int = 0  # the distributed optimizer's parameter buffer filled from the weights
+    collective: int = 0  # gloo ranks: the flat copy of the largest bucket a coalesced collective makes
+    optimizer_transient: int = 0  # the optimizer step's temporaries
+    parts: dict[str, int] = field(default_factory=dict)  # the activation count's terms, for the report
+
+    @property
+    def static(self) -> int:
+        """What the rank holds between steps: weights, gradient buffers, optimizer state."""
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def forward_backward(self) -> int:
+        return self.activations + self.transient + self.logits
+
+    @property
+    def peak(self) -> int:
+        """The most the rank holds at once: after the build, every step's largest sub-phase on top of the
+        state it keeps; or the build's own peak."""
+        step = max(self.forward_backward, self.collective, self.optimizer_transient)
+        build = self.weights + self.gradients + self.masters + self.build_transient
+        return max(self.static + step, build) + self.overhead
+
+    def phases(self, steps: int) -> dict[str, int]:
+        """What each measured phase adds on top of what the rank held before it: build, step0, step1, ..."""
+        moments = self.optimizer - self.masters
+        # the first step creates the moments; next to them: the distributed optimizer's parameter all-gather
+        # (its copy on gloo) or the optimizer's temporaries
+        beside = self.collective if self.build_transient else self.optimizer_transient
+        out = {"build": self.weights + self.gradients + self.masters + self.build_transient,
+               "step0": max(self.forward_backward, self.collective, moments + beside)}
+        out.update({f"step{i}": max(self.forward_backward, self.collective, self.optimizer_transient)
+                    for i in range(1, steps)})
+        return out
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("weights", self.weights), ("gradients", self.gradients), ("optimizer state", self.optimizer),
+                ("activations", self.activations), ("transient", self.transient), ("logits", self.logits),
+                ("fixed overhead", self.overhead)]
+
+
+def training_of(case) -> Training:
+    """The model's view of a case's options (the harness builds megatron's local spec: unfused attention,
+    unless Transformer Engine's spec is in use on a GPU)."""
+    o = case.options
+    return Training(dtype=o.dtype, micro_batch_size=case.micro_batch_size, num_microbatches=case.num_microbatches,
+                    use_distributed_optimizer=o.use_distributed_optimizer, grad_reduce_in_fp32=o.grad_reduce_in_fp32,
+                    recompute=o.recompute, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.bucket_size)
+
+
+def _stage(layout: Layout, rank: int) -> int:
+    from harness.checks.grad_sync import coords_of
+
+    return coords_of(layout, rank).pp
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, training: Training) -> dict[str, float]:
+    """Bytes autograd keeps of one transformer layer for one micro-batch on one rank, by tensor."""
+    t, cp = layout.tp, layout.cp
+    s, b = training.seq(model), training.micro_batch_size
+    tokens = s * b / cp  # this rank's tokens of the micro-batch
+    h, f, a = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    kv = model.kv_channels
+    q_width, kv_width = a * kv, model.num_query_groups * kv
+    gate = 2 if model.swiglu else 1
+    e = BYTES[training.dtype]
+    # unfused core attention: megatron's softmax runs in fp32 (attention_softmax_in_fp32) and keeps its fp32
+    # output, the batched matmul with V keeps the probabilities in the param dtype: 4 (+2 in bf16) bytes per
+    # element of a x s_q x s_k per sample (the scores are freed once softmaxed); under CP each rank's queries
+    # see the whole sequence's keys. A fused kernel keeps only the softmax statistics (a x s_q, fp32).
+    probs = 4 * a / t * tokens if training.fused_attention else a / t * (s / cp) * s * b * (4 + (e if e != 4 else 0))
+    parts = {
+        "input norm (input, normalised)": 2 * h * tokens * e,
+        "qkv projection output (q, k, v)": (q_width + 2 * kv_width) / t * tokens * e,
+        "rotary q, k": (q_width + kv_width) / t * tokens * e,
+        "attention probabilities": probs,
+        "attention context": q_width / t * tokens * e,
+        "pre-MLP norm (input, normalised)": 2 * h * tokens * e,
+        "fc1 output": gate * f / t * tokens * e,
+        "activation output (fc2 input)": f / t * tokens * e,
+        "residual sums (after attention, after MLP)": 2 * h * tokens * e,
+    }
+    if cp > 1:  # the reference CP attention keeps the all-gathered K and V
+        parts["gathered k, v (CP)"] = 2 * kv_width / t * s * b * e
+    if training.recompute == "selective":
+        for k in ("attention probabilities", "attention context", "gathered k, v (CP)"):
+            parts.pop(k, None)
+    return parts
+
+
+def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0, device: str = "gpu") -> TrainingMemory:
+    """The model's prediction for one rank."""
+    n = shard_params(model, layout, rank)
+    pbytes = BYTES[training.dtype]
+    gbytes = 4 if (training.grad_reduce_in_fp32 or training.dtype == "fp32") else pbytes
+    d = layout.dp * layout.cp
+    share = d if training.use_distributed_optimizer else 1
+    masters = 0 if training.dtype == "fp32" else 4 * n // share
+    optimizer = 8 * n // share + masters
+    parts = layer_activation_bytes(model, layout, training)
+    per_layer = sum(parts.values())
+    s, b, t, cp = training.seq(model), training.micro_batch_size, layout.tp, layout.cp
+    tokens = s * b / cp
+    layer_input = model.hidden_size * tokens * pbytes
+    stages = layout.pp * layout.vpp
+    layers = model.num_layers // stages * layout.vpp  # every virtual stage of this rank
+    stage = _stage(layout, rank)
+    if layout.pp == 1:
+        in_flight = 1.0
+    elif layout.vpp > 1:
+        in_flight = layout.pp * (1 + (layout.pp - 1) / (layout.pp * layout.vpp))
+    else:
+        in_flight = min(layout.pp - stage, training.num_microbatches)
+    kept = layer_input if training.recompute == "full" else per_layer
+    activations = int(kept * layers * in_flight / layout.vpp if layout.vpp > 1 else kept * layers * in_flight)
+    embedding = layer_input * (in_flight if stage == 0 else 0)
+    transient = int(per_layer)  # a layer recomputed, or the gradients of the one in backward
+    last = stage == layout.pp - 1
+    logits = int(model.vocab_size / t * tokens * (pbytes + 4)) if last else 0
+    buckets, largest = _buckets(model, layout, training, rank)
+    collective = 0
+    if device == "cpu":  # gloo's coalesced collectives flatten a bucket into a new tensor; NCCL works in place
+        collective = largest * max(gbytes, pbytes if training.use_distributed_optimizer else 0)
+    build_transient = n * pbytes if training.use_distributed_optimizer else 0
+    optimizer_transient = buckets * (12 if device == "cpu" else 8)
+    return TrainingMemory(rank, n * pbytes, n * gbytes, optimizer, activations + int(embedding), transient, logits,
+                          FIXED_OVERHEAD[device], masters, build_transient, collective, optimizer_transient,
+                          {k: int(v) for k, v in parts.items()})
+
+
+def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) -> tuple[int, int]:
+    """(elements of the rank's largest parameter shard, elements of its largest gradient bucket), by the
+    grad-sync plan's own arithmetic of megatron's buffers."""
+    from harness.checks.grad_sync import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params, coords_of
+
+    c = coords_of(layout, rank)
+    d = layout.dp * layout.cp
+    largest_param, largest_bucket = 0, 0
+    for vp in range(layout.vpp):
+        params = chunk_params(model, layout, c.pp, vp)
+        largest_param = max([largest_param, *(numel for _, numel, _ in params)])
+        size = None
+        if training.overlap_grad_reduce and c.pp == 0 and vp == 0:
+            size = training.bucket_size or max(DEFAULT_BUCKET_ELEMS, 1_000_000 * d)
+        largest_bucket = max([largest_bucket, *chunk_buckets(params, distopt=training.use_distributed_optimizer,
+                                                             dp_cp=d, bucket_size=size)])
+    return largest_param, largest_bucket
+
+
+def worst_rank(model: ModelSpec, layout: Layout, training: Training, device: str = "gpu") -> TrainingMemory:
+    """The rank predicted to need the most."""
+    return max((predict(model, layout, training, r, device) for r in range(layout.world_size)), key=lambda m: m.peak)
+
+
+def fits(model: ModelSpec, layout: Layout, training: Training, available: int, device: str = "gpu"
+         ) -> tuple[bool, TrainingMemory]:
+    m = worst_rank(model, layout, training, device)
+    need = m.peak + (CPU_PROCESS if device == "cpu" else 0)
+    return need <= FIT_MARGIN * available, m
+
+
+def nearest_fitting(model: ModelSpec, layout: Layout, training: Training, available: int, world_size: int,
+                    device: str = "gpu") -> str:
+    """The nearest setting that the model predicts will fit: recompute, a smaller micro-batch, a larger
+    TP or PP at the same world size; '' where none of them does."""
+    import dataclasses
+
+    from harness.layouts import violations
+
+    tries: list[tuple[str, Layout, Training]] = []
+    if training.recompute != "selective":
+        tries.append(("selective activation recompute (--recompute selective)", layout,
+                      dataclasses.replace(training, recompute="selective")))
+    if training.recompute != "full":
+        tries.append(("full activation recompute (--recompute full)", layout, dataclasses.replace(training, recompute="full")))
+    if training.micro_batch_size > 1:
+        tries.append((f"micro-batch {training.micro_batch_size // 2} (--micro-batch-size)", layout,
+                      dataclasses.replace(training, micro_batch_size=training.micro_batch_size // 2)))
+    if not training.use_distributed_optimizer and layout.dp * layout.cp > 1:
+        tries.append(("the distributed optimizer", layout, dataclasses.replace(training, use_distributed_optimizer=True)))
+    for grow in ("tp", "pp"):
+        for k in (2, 4, 8):
+            if layout.dp % k:
+                continue
+            bigger = dataclasses.replace(layout, dp=layout.dp // k, **{grow: getattr(layout, grow) * k})
+            if not violations(bigger, model, world_size):
+                tries.append((f"layout {bigger.id}", bigger, training))
+    for what, lay, tr in tries:
+        ok, m = fits(model, lay, tr, available, device)
+        if ok:
+            return f"{what} ({m.peak / GIB:.1f} GiB)"
+    return ""
+
+
+def refusal(case, available: int) -> str:
+    """'' when the model predicts the case fits `available` bytes per rank; else one line naming the predicted
+    and the available GiB and the nearest setting that fits."""
+    device = "gpu" if case.backend == "nccl" else "cpu"
+    training = training_of(case)
+    ok, m = fits(case.model, case.layout, training, available, device)
+    if ok:
+        return ""
+    fix = nearest_fitting(case.model, case.layout, training, available, case.layout.world_size, device)
+    where = "its GPU" if device == "gpu" else "its share of the host's available memory"
+    return (f"case {case.id} will not fit: the training-memory model predicts {m.peak / GIB:.1f} GiB on rank {m.rank} "
+            f"(weights {m.weights / GIB:.1f}, gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, "
+            f"activations {(m.activations + m.transient + m.logits) / GIB:.1f}) against {available / GIB:.1f} GiB of "
+            f"{where} (fit margin {FIT_MARGIN:.0%}); " + (f"nearest setting that fits: {fix}" if fix else
+                                                          "no nearby setting fits: use more ranks"))

@@ -1,0 +1,192 @@
+"""The training-memory model: its arithmetic against published rules, `project-memory --training`, refusal of
+a case that will not fit before any rank starts, and (on CPU ranks) the model against measured heap peaks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import cli
+from harness.checks.memory_model import shard_params
+from harness.checks.training_memory import GIB, Training, fits, nearest_fitting, predict, worst_rank
+from harness.models import load_model
+from harness.spec import Layout
+
+
+def test_static_bytes_per_parameter_follow_megatrons_rule():
+    """Megatron-LM's theoretical memory report (bf16 params, fp32 main grads, fp32 master params and Adam):
+    18 bytes per parameter, 6 + 12 / DP with the distributed optimizer."""
+    m, lay = load_model("8b"), Layout(tp=8, dp=4)
+    n = shard_params(m, lay, 0)
+    plain = predict(m, lay, Training(grad_reduce_in_fp32=True), 0)
+    assert plain.static == 18 * n
+    dist = predict(m, lay, Training(grad_reduce_in_fp32=True, use_distributed_optimizer=True), 0)
+    assert dist.static == 6 * n + 12 * n // 4
+    fp32 = predict(load_model("small"), Layout(dp=4), Training(dtype="fp32"), 0)
+    n_small = shard_params(load_model("small"), Layout(dp=4), 0)
+    assert (fp32.weights, fp32.gradients, fp32.optimizer) == (4 * n_small, 4 * n_small, 8 * n_small)  # no master copy
+
+
+def test_activations_follow_the_layout():
+    m, tr = load_model("1b"), Training(seq_length=2048)
+    base = predict(m, Layout(), tr).activations
+    assert predict(m, Layout(tp=2), tr).activations == pytest.approx(base / 2, rel=0.35)  # TP splits most of it
+    assert predict(m, Layout(pp=2), tr, rank=0).activations > predict(m, Layout(pp=2), tr, rank=1).activations
+    full = predict(m, Layout(), Training(seq_length=2048, recompute="full")).activations
+    selective = predict(m, Layout(), Training(seq_length=2048, recompute="selective")).activations
+    assert full < selective < base
+    fused = predict(m, Layout(), Training(seq_length=2048, fused_attention=True)).activations
+    assert fused < base / 2  # the a x s x s probabilities are most of an unfused layer at seq 2048
+
+
+def test_the_first_gpu_runs_fit_or_not_as_they_did():
+    """One H100 80GB (79.6 GiB), `1b`, bf16, local spec: seq 4096 OOMed after 67-72 s, seq 2048 ran."""
+    h100 = int(79.6 * GIB)
+    ok_4096, m4096 = fits(load_model("1b"), Layout(), Training(num_microbatches=8), h100)
+    ok_2048, _ = fits(load_model("1b"), Layout(), Training(num_microbatches=8, seq_length=2048), h100)
+    assert (ok_4096, ok_2048) == (False, True), m4096.peak / GIB
+    fix = nearest_fitting(load_model("1b"), Layout(), Training(num_microbatches=8), h100, 1)
+    assert fix.startswith("selective activation recompute")
+
+
+def test_project_memory_training_prints_components_and_a_verdict(capsys):
+    code = cli.main(["project-memory", "--training", "--model", "1b", "--layout", "tp1-pp1-cp1-dp1",
+                     "--global-batch-size", "8", "--device-gib", "79.6"])
+    out = capsys.readouterr().out
+    assert code == 1
+    for name in ("weights", "gradients", "optimizer state", "activations", "logits", "fixed overhead", "peak"):
+        assert f"  {name}" in out
+    assert "verdict: does NOT fit in 79.6 GiB" in out and "nearest setting that fits: selective activation" in out
+    assert cli.main(["project-memory", "--training", "--model", "1b", "--layout", "tp1-pp1-cp1-dp1",
+                     "--global-batch-size", "8", "--seq-length", "2048", "--device-gib", "80"]) == 0
+    assert "verdict: fits in 80 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--device-gib", "0"], ["--micro-batch-size", "0"], ["--seq-length", "-1"],
+                                  ["--layout", "tp3-pp1-cp1-dp1"]])
+def test_project_memory_training_refuses_bad_input(argv, capsys):
+    base = ["project-memory", "--training", "--model", "1b", "--layout", "tp1-pp1-cp1-dp1"]
+    assert cli.main(base[:4] + [a for a in base[4:] if "--layout" not in argv] + argv) == 2
+    assert capsys.readouterr().err.startswith("harness: error: ")
+
+
+def test_a_case_that_will_not_fit_is_refused_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    import dataclasses
+
+    import harness.platform.backend as backend
+    from harness.checks.training_memory import CPU_PROCESS, FIT_MARGIN, training_of
+    from harness.driver import plan
+    from harness.launch import runner
+
+    _, cases = plan("train-memory", "small", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
+                    suite_params={"distributed_optimizer": (False,), "recompute": ()})
+    (case,) = cases
+    need = {r: worst_rank(case.model, case.layout, dataclasses.replace(training_of(case), recompute=r), "cpu").peak
+            for r in ("", "selective")}
+    available = int((need[""] + need["selective"]) / 2 + CPU_PROCESS) / FIT_MARGIN  # selective fits, none does not
+    monkeypatch.setattr(backend, "memory_per_rank", lambda backend, world: int(available))
+    monkeypatch.setattr(runner, "spawn_rank", lambda *a, **k: pytest.fail("a rank was started"))
+    out = tmp_path / "out"
+    code = cli.main(["run", "--suite", "train-memory", "--world-size", "2", "--layout", "tp1-pp1-cp1-dp2",
+                     "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("harness: error: case train-memory/mcore/small/tp1-pp1-cp1-dp2[micro_batch_size=2] will "
+                           "not fit: the training-memory model predicts ")
+    assert f"against {available / GIB:.1f} GiB of its share of the host's available memory" in line
+    assert "nearest setting that fits: selective activation recompute (--recompute selective)" in line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_worst_rank_is_the_first_pipeline_stage_for_activations():
+    m = worst_rank(load_model("8b"), Layout(tp=8, pp=4), Training(num_microbatches=16, use_distributed_optimizer=True))
+    assert m.rank < 8  # pipeline stage 0: the most micro-batches in flight
+
+
+def test_results_of_the_model_are_json_able():
+    m = predict(load_model("small"), Layout(dp=4), Training(dtype="fp32"))
+    assert json.loads(json.dumps(dict(m.rows())))["weights"] == m.weights
+
+
+# -- the model against measured peaks on CPU ranks (memray heap per phase) ----------------------------------
+
+def _run(model="small", world_size=2, layouts=None, engine="mcore", baselines_dir=None, options=None, **params):
+    from harness.driver import run_suite
+    from harness.spec import CaseOptions
+
+    run = run_suite("train-memory", model, world_size, layouts, engine=engine, backend="gloo",
+                    baselines_dir=baselines_dir, suite_params=params or None, options=options or CaseOptions())
+    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    return run
+
+
+def _errors(run) -> list[str]:
+    """'case rank phase: measured vs model (error)' for every point of the run."""
+    from harness.checks.train_memory import expected_phases
+    from harness.suites.train_memory import phase_figures
+
+    out = []
+    for res in run.results:
+        for r in res.ranks:
+            want = expected_phases(res.case, r.rank)
+            for phase, got in phase_figures(r.data, "gloo").items():
+                out.append((res.case.layout.id, res.case.variant, r.rank, phase, got, want[phase]))
+    return out
+
+
+@pytest.mark.slow
+def test_the_model_holds_against_measured_peaks_of_small():
+    """Every default case of `small` at world size 2 (pure DP, TP 2, PP 2, with and without the distributed
+    optimizer, full and selective recompute): each rank's build and steps within the model's band."""
+    from harness.checks.train_memory import ABS_SLACK, REL_TOL
+
+    run = _run()
+    model = [c for c in run.checks if c.check == "train-memory.model"]
+    assert len(model) == 8 and all(c.passed for c in model), [c.message for c in model if not c.passed]
+    points = _errors(run)
+    worst = max(points, key=lambda p: abs(p[4] - p[5]) / p[5])
+    print("\n".join(f"{lay} [{var}] rank {r} {ph}: measured {got / 2**20:.2f} MiB, model {want / 2**20:.2f} MiB, "
+                    f"error {(got - want) / want:+.1%}" for lay, var, r, ph, got, want in points))
+    assert abs(worst[4] - worst[5]) <= REL_TOL * worst[5] + ABS_SLACK
+
+
+@pytest.mark.slow
+def test_tiny_is_below_what_the_model_can_tell_and_says_so():
+    """`tiny` at one sample per micro-batch: every phase under 1.1 MiB, inside the slack for fixed costs."""
+    from harness.spec import CaseOptions
+
+    run = _run("tiny", layouts=["tp1-pp1-cp1-dp2"], options=CaseOptions(micro_batch_size=1),
+               distributed_optimizer=(False,), recompute=())
+    (model,) = [c for c in run.checks if c.check == "train-memory.model"]
+    assert model.inconclusive and "below the 1.5 MiB a phase allocates beyond its tensors" in model.message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine,layout,params,phase", [
+    ("tests.faulty_engines:KeepsWeightCopy", "tp1-pp1-cp1-dp2", {"distributed_optimizer": (False,)}, "build"),
+    # R2's memory signature: DDP with the distributed optimizer's parameter buffer, the user asked for none
+    ("tests.faulty_engines:DistDdpPlainOptimizer", "tp1-pp1-cp1-dp2", {"distributed_optimizer": (False,)}, "build"),
+])
+def test_a_planted_extra_copy_fails_the_model_in_its_phase(engine, layout, params, phase):
+    run = _run(layouts=[layout], engine=engine, recompute=(), **params)
+    (model,) = [c for c in run.checks if c.check == "train-memory.model"]
+    assert model.failed and f"rank 0 {phase}: measured " in model.message and "outside the model's band" in model.message
+
+
+@pytest.mark.slow
+def test_recompute_that_is_not_applied_fails_the_steps():
+    run = _run(layouts=["tp2-pp1-cp1-dp1"], engine="tests.faulty_engines:RecomputeIgnored",
+               distributed_optimizer=(), recompute=("full",))
+    (model,) = [c for c in run.checks if c.check == "train-memory.model"]
+    assert model.failed and "rank 0 step" in model.message, model.message
+
+
+@pytest.mark.slow
+def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
+    run = _run(layouts=["tp1-pp1-cp1-dp2"], baselines_dir=str(tmp_path), distributed_optimizer=(False,), recompute=())
+    (base,) = [c for c in run.checks if c.check == "train-memory.baseline"]
+    assert base.failed and base.message.startswith("no baseline for small/tp1-pp1-cp1-dp2/fp32/mbs2/distopt=0 ")
+    assert base.message.endswith("record it with: harness baselines record --suite train-memory --model small "
+                                 "--world-size 2 --backend gloo --layout tp1-pp1-cp1-dp2")
