@@ -21,7 +21,7 @@ from harness.models import load_model
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
 from harness.suite_run import SuiteRun
-from harness.suites import Suite, get_suite
+from harness.suites import Suite, default_model, get_suite
 
 
 # a parameter whose flag is not `--<name with dashes>`
@@ -61,10 +61,10 @@ def planned_run(suite_name: "str | Suite", model_name: str | None, world_size: i
     before any rank)."""
     suite = get_suite(suite_name)
     params = suite_parameters(suite, suite_params, baselines_dir)
-    model = load_model(model_name or suite.default_model)
     if world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {world_size}")
     backend = resolve_backend(backend, world_size)
+    model = load_model(model_name or default_model(suite, backend))
     if engine != "mcore":
         from harness.engines import resolve_factory
 
@@ -121,7 +121,8 @@ def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int
                                        options=options, timeout_s=timeout_s, suite_params=suite_params,
                                        baselines_dir=baselines_dir)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    run = SuiteRun(suite, model_name or suite.default_model, world_size, cases[0].backend if cases else backend,
+    run = SuiteRun(suite, cases[0].model.name if cases else model_name or suite.default_model, world_size,
+                   cases[0].backend if cases else backend,
                    cases[0].engine if cases else engine, planned=len(cases), label=label,
                    params=params)  # a suite may pick its engine
     t0 = time.monotonic()

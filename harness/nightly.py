@@ -13,7 +13,7 @@ from harness.errors import BadInput
 SUITES = ("equivalence", "grad-sync", "ckpt-memory", "dynamic-cp", "step-perf", "peft-ckpt", "train-memory")
 # R2: every construction path; R4: LoRA adapters exist on the megatron-bridge path only
 PATHS = {"grad-sync": ("mcore", "megatron-bridge", "mbridge"), "peft-ckpt": ("megatron-bridge",)}
-DEFAULT_MODELS = {"gloo": ("default", "small"), "nccl": ("default", "small", "1b")}
+DEFAULT_MODELS = {"gloo": ("default", "small"), "nccl": ("default", "small", "1b-2k")}
 
 
 @dataclass(frozen=True)

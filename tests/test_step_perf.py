@@ -248,3 +248,67 @@ def test_time_within_the_drift_of_the_baselines_own_repeats_cannot_be_told(repea
     if status == "inconclusive":
         assert check.message.startswith("cannot tell: tp1-pp1-cp1-dp1: step time x1.20")
         assert "within the x1.27 by which the baseline's own repeats differ (508, 401, 433 ms)" in check.message
+
+
+# -- analytic FLOPs and MFU -------------------------------------------------------------------------------
+
+def test_analytic_flops_equal_the_counted_ones_of_the_committed_baselines():
+    """Every rank.flops counter recorded in baselines/cpu-gloo/step-perf.json (small at dp1, dp4, tp2, pp2 -
+    both stages - and cp2) equals the analytic count of the config."""
+    from harness import baselines
+    from harness.checks.flops_model import step_flops
+
+    data = baselines.load(baselines.baseline_path(None, "cpu-gloo", "step-perf"))
+    seen = set()
+    for key, metrics in data["entries"].items():
+        model, layout, _ = key.split("/")
+        m, lay = load_model(model), Layout.parse(layout)
+        for name, entry in metrics.items():
+            if name.endswith(".flops"):
+                rank = int(name.split(".")[0][len("rank"):])
+                assert entry["value"] == step_flops(m, lay, rank, global_batch_size=m.global_batch_size,
+                                                    micro_batch_size=m.micro_batch_size), (key, name)
+                seen.add((layout, rank))
+    assert len({lay for lay, _ in seen}) >= 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_analytic_flops_equal_the_counted_ones_with_recompute(recompute):
+    """tiny at TP 2 and PP 2 with activation recompute: the counter (the aten matmuls that ran, the recomputed
+    forward included) and the analytic count agree exactly on every rank."""
+    from harness.checks.flops_model import step_flops
+    from harness.driver import run_suite
+
+    run = run_suite("step-perf", "tiny", 2, ["tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1"], backend="gloo",
+                    options=CaseOptions(recompute=recompute),
+                    suite_params=dict(warmup_steps=1, timed_steps=3, option_sets=((False, False),)))
+    for res in run.results:
+        assert res.ok, res.error
+        for r in res.ranks:
+            want = step_flops(res.case.model, res.case.layout, r.rank, global_batch_size=res.case.global_batch_size,
+                              micro_batch_size=res.case.micro_batch_size, recompute=recompute)
+            assert r.data["counters"]["flops"] == want, (res.case.id, r.rank)
+
+
+def test_the_flops_used_for_mfu_say_where_they_come_from():
+    """Where the counter saw less than the config implies (TE's GEMMs are invisible to it) the analytic count
+    is used, and the report says so; the MFU peak is the one of the dtype the matmuls ran in."""
+    from harness.checks.flops_model import matmul_dtype, peak_tflops, step_flops
+    from harness.launch.results import CaseResult, RankResult
+    from harness.spec import Case
+    from harness.suites.step_perf import flops_used
+
+    case = Case("step-perf", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions())
+    full = step_flops(case.model, case.layout, 0, global_batch_size=8, micro_batch_size=1)
+    res = CaseResult(case, [RankResult(r, data={"counters": {"flops": full}}) for r in range(2)], "ok")
+    assert flops_used(res) == ([full, full], "counted")
+    for r in res.ranks:
+        r.data["counters"]["flops"] = full // 4  # only the attention matmuls dispatched through torch
+    assert flops_used(res) == ([full, full], "analytic (the counter saw 25%: kernels it cannot see)")
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == (989.4, "")
+    assert peak_tflops("NVIDIA H100 PCIe", matmul_dtype("fp32", tf32=True)) == (378.0, "")
+    assert peak_tflops("NVIDIA H100 80GB HBM3", matmul_dtype("fp32", tf32=False)) == (66.9, "")
+    assert peak_tflops("NVIDIA L40S", "bf16") == (362.0, "")
+    peak, why = peak_tflops("Tesla T4", "bf16")
+    assert peak is None and why.startswith("no peak known for 'Tesla T4'")

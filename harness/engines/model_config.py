@@ -32,12 +32,56 @@ def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
         context_parallel_size=lay.cp, sequence_parallel=False,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
         use_cpu_initialization=True, perform_initialization=True,
-        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        **fusions(on_cpu),
         # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
         **recompute_config(case.options.recompute),
     )
+
+
+FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
+           "gradient_accumulation_fusion", "persist_layer_norm")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def fusions(on_cpu: bool) -> dict[str, bool]:
+    """Megatron's fusions as a user's GPU config has them (Megatron-LM turns these on by default), each on where
+    its kernel exists here; every one left off is listed among the harness's adjustments with the reason.
+    CPU ranks: all off (CUDA kernels)."""
+    from harness.adjustments import note
+
+    if on_cpu:
+        note("fusions off on CPU ranks (CUDA kernels): " + ", ".join(FUSIONS))
+        return dict.fromkeys(FUSIONS, False)
+    te = _importable("transformer_engine")
+    rope = False
+    if te:
+        from megatron.core.models.common.embeddings import rope_utils
+
+        rope = rope_utils.fused_apply_rotary_pos_emb is not None
+    kernels = {
+        "bias_activation_fusion": (True, ""),  # torch-jitted bias + SwiGLU / GeLU
+        "bias_dropout_fusion": (True, ""),  # torch-jitted
+        "masked_softmax_fusion": (_importable("scaled_upper_triang_masked_softmax_cuda"),
+                                  "apex's fused softmax kernels are not installed"),
+        "apply_rope_fusion": (rope, "Transformer Engine's fused RoPE is not available"),
+        # TE's linears accumulate into main_grad themselves; the local spec's need apex's kernel
+        "gradient_accumulation_fusion": (te or _importable("fused_weight_gradient_mlp_cuda"),
+                                         "neither Transformer Engine nor apex's fused_weight_gradient_mlp_cuda"),
+        "persist_layer_norm": (_importable("fast_layer_norm"), "apex's persistent layer norm is not installed"),
+    }
+    for name, (ok, why) in kernels.items():
+        if not ok:
+            note(f"fusion {name} off: {why}")
+    return {name: ok for name, (ok, _) in kernels.items()}
 
 
 def recompute_config(recompute: str) -> dict:

@@ -24,6 +24,14 @@ SUITES = {
     "train-memory": "harness.suites.train_memory:TrainMemorySuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
+# The model a suite runs on GPU ranks when none is given, where its CPU model says nothing there: `small` is
+# launch-bound on an H100 (0.2 TFLOP/s, MFU 0.0%), so step-perf times the 1B shape that fits one GPU.
+GPU_DEFAULT_MODELS = {"step-perf": "1b-2k"}
+
+
+def default_model(suite: "Suite", backend: str) -> str:
+    """The model a suite runs when none is given: its own (sized for CPU ranks), or on NCCL ranks its GPU one."""
+    return GPU_DEFAULT_MODELS.get(suite.name, suite.default_model) if backend == "nccl" else suite.default_model
 
 
 class Suite(Protocol):

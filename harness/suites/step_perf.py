@@ -68,15 +68,21 @@ def count_work(engine, step: int) -> dict[str, Any]:
     return {"flops": flops.total, "collectives": collectives, "dp_reductions_in_backward": in_backward}
 
 
-# bf16 dense peak TFLOP/s per GPU (vendor datasheets, no sparsity), for MFU.
-PEAK_BF16_TFLOPS = {"H100 SXM": 989.4, "H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 312.0}
+def flops_used(result: CaseResult) -> tuple[list[int], str]:
+    """Per rank the FLOPs of one step that TFLOP/s and MFU divide by, and where they come from: the counter's
+    when it saw every matmul the config implies (megatron's local spec), else the analytic count
+    (harness/checks/flops_model.py) - Transformer Engine's GEMMs and fused attention are invisible to it."""
+    from harness.checks.flops_model import step_flops
 
-
-def peak_tflops(device_name: str) -> float | None:
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key.replace(" ", "").lower() in device_name.replace(" ", "").lower():
-            return PEAK_BF16_TFLOPS[key]
-    return None
+    case = result.case
+    counted = [r.data["counters"]["flops"] for r in result.ranks]
+    analytic = [step_flops(case.model, case.layout, r.rank, global_batch_size=case.global_batch_size,
+                           micro_batch_size=case.micro_batch_size, recompute=case.options.recompute)
+                for r in result.ranks]
+    if counted == analytic:
+        return counted, "counted"
+    seen = sum(counted) / sum(analytic) if sum(analytic) else 0.0
+    return analytic, f"analytic (the counter saw {seen:.0%}: kernels it cannot see)"
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,8 @@ class StepPerfSuite:
         if not ctx.on_cpu:
             import torch
 
-            device = {"name": torch.cuda.get_device_name(), "max_allocated": torch.cuda.max_memory_allocated()}
+            device = {"name": torch.cuda.get_device_name(), "max_allocated": torch.cuda.max_memory_allocated(),
+                      "tf32": torch.backends.cuda.matmul.allow_tf32}  # fp32 matmuls on tensor cores
         return {"coords": layout_coords(), "steps": steps, "calibration": calibration, "counters": counters,
                 "device": device}
 
@@ -222,10 +229,15 @@ class StepPerfSuite:
                "dp MB (rank 0)": f"{dp_bytes / 1e6:.1f}"}
         device = result.ranks[0].data.get("device") or {}
         if device:
-            tflops = max(flops) / (med / 1000) / 1e12
-            peak = peak_tflops(device["name"])
+            from harness.checks.flops_model import matmul_dtype, peak_tflops
+
+            used, source = flops_used(result)
+            tflops = max(used) / (med / 1000) / 1e12
+            dtype = matmul_dtype(case.options.dtype, device.get("tf32", False))
+            peak, why = peak_tflops(device["name"], dtype)
             out["TFLOP/s/GPU"] = f"{tflops:.1f}"
-            out["MFU"] = f"{tflops / peak:.1%}" if peak else "-"
+            out["MFU"] = f"{tflops / peak:.1%} of {dtype} {peak:g}" if peak else f"- ({why})"
+            out["FLOPs"] = source
         return out
 
     # -- baselines ------------------------------------------------------------------------------

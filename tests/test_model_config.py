@@ -1,0 +1,45 @@
+"""The engine as users run it: megatron's fusions on GPU ranks wherever their kernels exist, each one left off
+listed among the harness's adjustments with the reason; all off on CPU ranks."""
+
+from __future__ import annotations
+
+from harness import adjustments
+from harness.engines import model_config
+
+
+class _Notes(list):
+    """The adjustments noted inside the block (adjustments.take() before and after)."""
+
+    def __enter__(self):
+        adjustments.take()
+        return self
+
+    def __exit__(self, *exc):
+        self.extend(n for n in adjustments.take() if not n.startswith("CPU layer"))
+
+
+def test_fusions_on_a_gpu_without_te_or_apex_are_the_jitted_ones(monkeypatch):
+    monkeypatch.setattr(model_config, "_importable", lambda module: False)
+    with _Notes() as notes:
+        flags = model_config.fusions(on_cpu=False)
+    assert flags == {"bias_activation_fusion": True, "bias_dropout_fusion": True, "masked_softmax_fusion": False,
+                     "apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False}
+    assert "fusion masked_softmax_fusion off: apex's fused softmax kernels are not installed" in notes
+    assert ("fusion gradient_accumulation_fusion off: neither Transformer Engine nor apex's "
+            "fused_weight_gradient_mlp_cuda") in notes
+
+
+def test_fusions_with_apex_kernels_are_on(monkeypatch):
+    monkeypatch.setattr(model_config, "_importable", lambda module: module != "transformer_engine")
+    with _Notes() as notes:
+        flags = model_config.fusions(on_cpu=False)
+    assert all(flags[k] for k in ("masked_softmax_fusion", "gradient_accumulation_fusion", "persist_layer_norm"))
+    assert flags["apply_rope_fusion"] is False and notes == ["fusion apply_rope_fusion off: Transformer Engine's fused "
+                                                             "RoPE is not available"]
+
+
+def test_every_fusion_is_off_on_cpu_ranks_and_said_so():
+    with _Notes() as notes:
+        flags = model_config.fusions(on_cpu=True)
+    assert not any(flags.values()) and set(flags) == set(model_config.FUSIONS)
+    assert notes == ["fusions off on CPU ranks (CUDA kernels): " + ", ".join(model_config.FUSIONS)]
