@@ -76,6 +76,9 @@ class Training:
     # a fused / flash attention kernel (Transformer Engine) keeps no a x s x s probabilities; megatron's local
     # spec (what the harness builds without TE) keeps them
     fused_attention: bool = False
+    # sequence parallelism: what TP replicates (norms, residuals, layer inputs) is split over TP as well; the
+    # harness runs without it, projections of users' configs may ask for it
+    sequence_parallel: bool = False
 
     def seq(self, model: ModelSpec) -> int:
         return self.seq_length or model.seq_length
@@ -137,10 +140,14 @@ class TrainingMemory:
 def training_of(case) -> Training:
     """The model's view of a case's options (the harness builds megatron's local spec: unfused attention,
     unless Transformer Engine's spec is in use on a GPU)."""
+    import importlib.util
+
     o = case.options
+    te = case.backend == "nccl" and importlib.util.find_spec("transformer_engine") is not None  # no import
     return Training(dtype=o.dtype, micro_batch_size=case.micro_batch_size, num_microbatches=case.num_microbatches,
                     use_distributed_optimizer=o.use_distributed_optimizer, grad_reduce_in_fp32=o.grad_reduce_in_fp32,
-                    recompute=o.recompute, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.bucket_size)
+                    recompute=o.recompute, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.bucket_size,
+                    fused_attention=te)
 
 
 def _stage(layout: Layout, rank: int) -> int:
@@ -164,16 +171,17 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, training: Training)
     # element of a x s_q x s_k per sample (the scores are freed once softmaxed); under CP each rank's queries
     # see the whole sequence's keys. A fused kernel keeps only the softmax statistics (a x s_q, fp32).
     probs = 4 * a / t * tokens if training.fused_attention else a / t * (s / cp) * s * b * (4 + (e if e != 4 else 0))
+    rep = h * tokens * e / (t if training.sequence_parallel else 1)  # one TP-replicated [tokens, h] tensor
     parts = {
-        "input norm (input, normalised)": 2 * h * tokens * e,
+        "input norm (input, normalised)": 2 * rep,
         "qkv projection output (q, k, v)": (q_width + 2 * kv_width) / t * tokens * e,
         "rotary q, k": (q_width + kv_width) / t * tokens * e,
         "attention probabilities": probs,
         "attention context": q_width / t * tokens * e,
-        "pre-MLP norm (input, normalised)": 2 * h * tokens * e,
+        "pre-MLP norm (input, normalised)": 2 * rep,
         "fc1 output": gate * f / t * tokens * e,
         "activation output (fc2 input)": f / t * tokens * e,
-        "residual sums (after attention, after MLP)": 2 * h * tokens * e,
+        "residual sums (after attention, after MLP)": 2 * rep,
     }
     if cp > 1:  # the reference CP attention keeps the all-gathered K and V
         parts["gathered k, v (CP)"] = 2 * kv_width / t * s * b * e
@@ -196,7 +204,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
     per_layer = sum(parts.values())
     s, b, t, cp = training.seq(model), training.micro_batch_size, layout.tp, layout.cp
     tokens = s * b / cp
-    layer_input = model.hidden_size * tokens * pbytes
+    layer_input = model.hidden_size * tokens * pbytes / (t if training.sequence_parallel else 1)
     stages = layout.pp * layout.vpp
     layers = model.num_layers // stages * layout.vpp  # every virtual stage of this rank
     stage = _stage(layout, rank)

@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     t.add_argument("--distributed-optimizer", action="store_true")
     t.add_argument("--grad-reduce-in-fp32", action="store_true")
     t.add_argument("--recompute", default="", choices=["", "full", "selective"])
+    t.add_argument("--sequence-parallel", action="store_true")
+    t.add_argument("--fused-attention", action="store_true",
+                   help="a fused / flash attention kernel (Transformer Engine): no a x s x s probabilities kept")
     p.set_defaults(func=main)
 
 
@@ -50,11 +53,14 @@ def training(args) -> int:
         raise BadInput(f"--device-gib must be > 0, got {args.device_gib}")
     tr = Training(dtype=args.dtype, micro_batch_size=mbs, num_microbatches=gbs // (mbs * layout.dp),
                   use_distributed_optimizer=args.distributed_optimizer, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
-                  recompute=args.recompute)
+                  recompute=args.recompute, fused_attention=args.fused_attention,
+                  sequence_parallel=args.sequence_parallel)
     m = worst_rank(model, layout, tr)
     print(f"model {model.name} ({model.num_params() / 1e9:.2f}B params), layout {layout.id}, {args.dtype}, seq "
           f"{model.seq_length}, micro-batch {mbs}, {tr.num_microbatches} micro-batches per step, distributed "
-          f"optimizer {'on' if tr.use_distributed_optimizer else 'off'}, recompute {tr.recompute or 'off'}")
+          f"optimizer {'on' if tr.use_distributed_optimizer else 'off'}, recompute {tr.recompute or 'off'}, "
+          f"attention {'fused' if tr.fused_attention else 'unfused (local spec)'}"
+          + (", sequence parallel" if tr.sequence_parallel else ""))
     print(f"worst rank {m.rank} (GiB):")
     for name, value in m.rows():
         print(f"  {name:<16} {value / GIB:9.2f}")
