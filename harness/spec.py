@@ -167,6 +167,14 @@ class Case:
         return f"{self.suite}/{self.engine}/{self.model.name}/{self.layout.id}" + (f"[{opts}]" if opts else "")
 
     @property
+    def te_spec(self) -> bool:
+        """Whether megatron's engines build Transformer Engine's layer spec for this case: on NCCL ranks where
+        transformer_engine is installed (harness.engines.model_config.layer_spec); the local spec otherwise."""
+        import importlib.util
+
+        return self.backend == "nccl" and importlib.util.find_spec("transformer_engine") is not None
+
+    @property
     def global_batch_size(self) -> int:
         return self.options.global_batch_size or self.model.global_batch_size
 

@@ -51,29 +51,45 @@ def dp_cp_ranks(layout: Layout, rank: int) -> tuple[int, ...]:
                         for cp in range(layout.cp) for dp in range(layout.dp)))
 
 
-def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int) -> list[tuple[str, int, bool]]:
-    """(name, local numel, shared_embedding) of one model chunk, in registration order."""
+def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int,
+                 te: bool = False) -> list[tuple[str, int, bool]]:
+    """(name, local numel, shared_embedding) of one model chunk, in registration order.
+
+    te: Transformer Engine's layer spec, whose norms live inside the following linear
+    (TELayerNormColumnParallelLinear registers `layer_norm_weight` / `layer_norm_bias` before `weight`);
+    the local spec has separate input / pre-MLP norm modules. The order decides where megatron's
+    bucket boundaries and the distributed optimizer's 64-element alignment fall.
+    """
     tp, h, kv = layout.tp, model.hidden_size, model.kv_channels
     stages = layout.pp * layout.vpp
     per_stage = model.num_layers // stages
     first = pp_rank == 0 and vp_stage == 0
     last = pp_rank == layout.pp - 1 and vp_stage == layout.vpp - 1
-    norm = h * (1 if model.normalization == "RMSNorm" else 2)
+    norm_params = ("weight",) if model.normalization == "RMSNorm" else ("weight", "bias")
     shared = layout.pp > 1 and model.tie_embeddings
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * kv // tp * h
+    proj = h * (model.num_attention_heads * kv // tp)
+    fc1 = (2 if model.swiglu else 1) * model.ffn_hidden_size // tp * h
+    fc2 = h * (model.ffn_hidden_size // tp)
     out: list[tuple[str, int, bool]] = []
     if first:
         out.append(("embedding.word_embeddings.weight", model.vocab_size // tp * h, shared and not last))
     for _ in range(per_stage):
-        out += [
-            ("input_layernorm.weight", norm, False),
-            ("self_attention.linear_proj.weight", h * (model.num_attention_heads * kv // tp), False),
-            ("self_attention.linear_qkv.weight", (model.num_attention_heads + 2 * model.num_query_groups) * kv // tp * h, False),
-            ("pre_mlp_layernorm.weight", norm, False),
-            ("mlp.linear_fc1.weight", (2 if model.swiglu else 1) * model.ffn_hidden_size // tp * h, False),
-            ("mlp.linear_fc2.weight", h * (model.ffn_hidden_size // tp), False),
-        ]
+        if te:
+            fused_norm = [f"layer_norm_{p}" for p in norm_params]
+            out += [("self_attention.linear_proj.weight", proj, False)]
+            out += [(f"self_attention.linear_qkv.{p}", h, False) for p in fused_norm]
+            out += [("self_attention.linear_qkv.weight", qkv, False)]
+            out += [(f"mlp.linear_fc1.{p}", h, False) for p in fused_norm]
+            out += [("mlp.linear_fc1.weight", fc1, False), ("mlp.linear_fc2.weight", fc2, False)]
+            continue
+        out += [(f"input_layernorm.{p}", h, False) for p in norm_params]
+        out += [("self_attention.linear_proj.weight", proj, False),
+                ("self_attention.linear_qkv.weight", qkv, False)]
+        out += [(f"pre_mlp_layernorm.{p}", h, False) for p in norm_params]
+        out += [("mlp.linear_fc1.weight", fc1, False), ("mlp.linear_fc2.weight", fc2, False)]
     if last:
-        out.append(("decoder.final_layernorm.weight", norm, False))
+        out += [(f"decoder.final_layernorm.{p}", h, False) for p in norm_params]
         if not model.tie_embeddings or (shared and not first):
             out.append(("output_layer.weight", model.vocab_size // tp * h, shared and not first))
     return out
@@ -146,7 +162,7 @@ def plan(case: Case, rank: int) -> list[Planned]:
         bucket_size = None
         if o.overlap_grad_reduce and c.pp == 0 and vp == 0:
             bucket_size = o.bucket_size or max(DEFAULT_BUCKET_ELEMS, 1_000_000 * dp_cp)
-        for numel in chunk_buckets(chunk_params(m, lay, c.pp, vp), distopt=o.use_distributed_optimizer,
+        for numel in chunk_buckets(chunk_params(m, lay, c.pp, vp, te=case.te_spec), distopt=o.use_distributed_optimizer,
                                    dp_cp=dp_cp, bucket_size=bucket_size):
             sizes[numel] += o.steps
     for numel, calls in sorted(sizes.items(), reverse=True):

@@ -140,10 +140,8 @@ class TrainingMemory:
 def training_of(case) -> Training:
     """The model's view of a case's options (the harness builds megatron's local spec: unfused attention,
     unless Transformer Engine's spec is in use on a GPU)."""
-    import importlib.util
-
     o = case.options
-    te = case.backend == "nccl" and importlib.util.find_spec("transformer_engine") is not None  # no import
+    te = case.te_spec
     return Training(dtype=o.dtype, micro_batch_size=case.micro_batch_size, num_microbatches=case.num_microbatches,
                     use_distributed_optimizer=o.use_distributed_optimizer, grad_reduce_in_fp32=o.grad_reduce_in_fp32,
                     recompute=o.recompute, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.bucket_size,
@@ -240,7 +238,7 @@ def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) ->
     d = layout.dp * layout.cp
     largest_param, largest_bucket = 0, 0
     for vp in range(layout.vpp):
-        params = chunk_params(model, layout, c.pp, vp)
+        params = chunk_params(model, layout, c.pp, vp, te=training.fused_attention)
         largest_param = max([largest_param, *(numel for _, numel, _ in params)])
         size = None
         if training.overlap_grad_reduce and c.pp == 0 and vp == 0:
