@@ -278,3 +278,35 @@ class RecomputeIgnored(McoreEngine):
 
         super().__init__(dataclasses.replace(case, options=dataclasses.replace(case.options, recompute="")), ctx)
         self.case_as_asked = case
+
+
+class CostlyInstrumentation(McoreEngine):
+    """The harness's instrumentation, not the engine, is slow: while step-perf's timer has megatron's seams
+    wrapped, each step busy-waits COST x the median uninstrumented step (as a probe that synchronised or
+    copied inside the step would cost)."""
+
+    COST = 1.0  # a step's worth: beyond the noise of tiny's ~30 ms steps on a busy 2-core machine
+
+    def __init__(self, case, ctx):
+        from megatron.core.pipeline_parallel import schedules
+
+        super().__init__(case, ctx)
+        self._plain_forward = schedules.forward_step
+        self._plain_s: list[float] = []
+
+    def train_step(self, step: int):
+        import statistics
+        import time
+
+        from megatron.core.pipeline_parallel import schedules
+
+        instrumented = schedules.forward_step is not self._plain_forward
+        t0 = time.perf_counter()
+        out = super().train_step(step)
+        if not instrumented:
+            self._plain_s.append(time.perf_counter() - t0)
+        elif self._plain_s:
+            end = time.perf_counter() + self.COST * statistics.median(self._plain_s)
+            while time.perf_counter() < end:
+                pass
+        return out

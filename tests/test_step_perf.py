@@ -312,3 +312,59 @@ def test_the_flops_used_for_mfu_say_where_they_come_from():
     assert peak_tflops("NVIDIA L40S", "bf16") == (362.0, "")
     peak, why = peak_tflops("Tesla T4", "bf16")
     assert peak is None and why.startswith("no peak known for 'Tesla T4'")
+
+
+# -- the harness's own overhead (--overhead) --------------------------------------------------------------
+
+def _paired_result(plain_ms: list[float], timed_ms: list[float]):
+    """A fabricated one-rank step-perf case run with --overhead (no ranks run)."""
+    import dataclasses
+
+    from harness.suites.step_perf import StepPerfParams
+
+    res = _timed_result(timed_ms)
+    res.ranks[0].data["plain_s"] = [ms / 1000 for ms in plain_ms]
+    return dataclasses.replace(res, case=dataclasses.replace(res.case, params=StepPerfParams(overhead=True)))
+
+
+@pytest.mark.parametrize("cost,noise,status", [(0.0, 0.002, "pass"), (0.10, 0.002, "fail"), (0.0, 0.2, "inconclusive")])
+def test_overhead_is_judged_against_the_2_percent_goal(cost, noise, status):
+    from harness.checks.step_perf import check_overhead
+    from harness.suites.step_perf import StepPerfSuite
+
+    rng = random.Random(3)
+    plain = [500 * (1 + rng.gauss(0, noise)) for _ in range(20)]
+    timed = [p * (1 + cost) * (1 + rng.gauss(0, noise)) for p in plain]
+    check = check_overhead(StepPerfSuite(), _paired_result(plain, timed))
+    assert check.status == status, check.message
+    if status == "fail":
+        assert re.match(r"the harness's instrumentation costs \+(9\.9|10\.\d)% of a step", check.message)
+        assert "beyond the 2% goal" in check.message and "n=20 pairs" in check.message
+    if status == "inconclusive":
+        assert "spans the 2% goal at this noise: more pairs (--timed-steps) narrow it" in check.message
+
+
+def test_overhead_without_paired_steps_fails_naming_the_counts():
+    from harness.checks.step_perf import check_overhead
+    from harness.suites.step_perf import StepPerfSuite
+
+    check = check_overhead(StepPerfSuite(), _paired_result([], [500.0] * 5))
+    assert check.failed and "0 uninstrumented steps were timed for 5 timed ones" in check.message
+
+
+@pytest.mark.slow
+def test_costly_instrumentation_fails_the_overhead_check_and_the_engine_alone_does_not():
+    from harness.driver import run_suite
+    from harness.suites.step_perf import StepPerfSuite
+
+    checks = {}
+    for engine in ("mcore", "tests.faulty_engines:CostlyInstrumentation"):
+        run = run_suite("step-perf", "tiny", 1, ["tp1-pp1-cp1-dp1"], engine=engine, backend="gloo",
+                        options=OPTIONS, suite_params=dict(_params(), timed_steps=16, overhead=True))
+        assert all(r.ok for r in run.results), [r.error for r in run.results]
+        checks[engine] = next(c for c in run.checks if c.check == "step-perf.overhead")
+        assert re.fullmatch(r"[+-]\d+\.\d% \[[+-]\d+\.\d%, [+-]\d+\.\d%\]",
+                            StepPerfSuite().metrics(run.results[0])["harness overhead"])
+    assert not checks["mcore"].failed, checks["mcore"].message
+    costly = checks["tests.faulty_engines:CostlyInstrumentation"]
+    assert costly.failed and costly.message.startswith("the harness's instrumentation costs +"), costly.message

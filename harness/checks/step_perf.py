@@ -6,7 +6,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult, cannot_tell, case_failed
-from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect
+from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio
 from harness.launch.results import CaseResult
 
 if TYPE_CHECKING:
@@ -24,6 +24,8 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
         if not res.ok:
             out.append(case_failed("step-perf.run", res))
             continue
+        if params.overhead:
+            out.append(check_overhead(suite, res))
         platform = detect_platform(res.case.backend).key
         path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
         if str(path) not in files:
@@ -38,6 +40,36 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
         out.append(_check_counters(suite, res, entry))
         out.append(_check_time(suite, res, entry, params))
     return out
+
+
+# The harness's own cost of a step (its seams wrapped, barrier-aligned boundaries) against the same engine's
+# uninstrumented steps: what step-perf reports must be the engine's time, not the harness's.
+OVERHEAD_GOAL = 0.02
+
+
+def check_overhead(suite: StepPerfSuite, res: CaseResult) -> CheckResult:
+    """Timed steps against the uninstrumented steps paired with them (--overhead): fails when the harness
+    costs significantly more than OVERHEAD_GOAL of a step, passes when the interval lies within it, and
+    cannot tell when the interval straddles it."""
+    timed, plain = suite.step_ms(res), suite.plain_ms(res)
+    name, cid = "step-perf.overhead", res.case.id
+    if len(plain) != len(timed) or len(plain) < 3:
+        return CheckResult(name, cid, False, f"--overhead asked for, but {len(plain)} uninstrumented steps were "
+                                             f"timed for {len(timed)} timed ones (need >= 3 pairs)")
+    cost = paired_ratio(plain, timed)
+    said = (f"the harness's instrumented step vs the same engine's uninstrumented step: {cost.describe()}; "
+            f"medians {statistics.median(timed):.1f} vs {statistics.median(plain):.1f} ms")
+    goal = 1 + OVERHEAD_GOAL
+    if cost.ci_low > goal and cost.p_greater < 0.01:
+        return CheckResult(name, cid, False, f"the harness's instrumentation costs {cost.ratio - 1:+.1%} of a step, "
+                                             f"beyond the {OVERHEAD_GOAL:.0%} goal: step-perf's times are the "
+                                             f"harness's as much as the engine's ({said})", value=cost.ratio)
+    if cost.ci_high <= goal:
+        return CheckResult(name, cid, True, f"harness overhead {cost.ratio - 1:+.1%}, within {OVERHEAD_GOAL:.0%} "
+                                            f"({said})", value=cost.ratio, show=True)
+    return cannot_tell(name, cid, f"harness overhead {cost.ratio - 1:+.1%}, but its interval "
+                                  f"[{cost.ci_low - 1:+.1%}, {cost.ci_high - 1:+.1%}] spans the {OVERHEAD_GOAL:.0%} "
+                                  f"goal at this noise: more pairs (--timed-steps) narrow it ({said})")
 
 
 def _check_counters(suite: StepPerfSuite, res: CaseResult, entry: dict) -> CheckResult:

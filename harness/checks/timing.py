@@ -102,3 +102,38 @@ def minimum_detectable_effect(samples: list[float], n_measured: int, *, alpha: f
     z = stats.norm.ppf(1 - alpha) + stats.norm.ppf(power)
     shift = z * sd * math.sqrt((1 / n_a + 1 / n_b) / (3 / math.pi))
     return max(floor, shift / med)
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """B against A over pairs run back to back: the median per-pair ratio b_i / a_i."""
+
+    ratio: float
+    ci_low: float
+    ci_high: float
+    p_greater: float  # one-sided Wilcoxon signed-rank: b_i > a_i
+    n: int
+
+    def describe(self) -> str:
+        return (f"x{self.ratio:.3f} [{self.ci_low:.3f}, {self.ci_high:.3f}] {CONFIDENCE:.0%} CI, "
+                f"Wilcoxon p={self.p_greater:.2g} (n={self.n} pairs)")
+
+
+def paired_ratio(a: list[float], b: list[float], *, seed: int = 0) -> PairedRatio:
+    """Median of b_i / a_i with a bootstrap CI over the pairs. Each pair ran back to back in a random order,
+    so the machine's drift (the reason consecutive steps are not independent) cancels within a pair, and the
+    pairs are the resampled units."""
+    import numpy as np
+    from scipy import stats
+
+    if len(a) != len(b) or len(a) < 3:
+        raise ValueError(f"need at least 3 pairs, got {len(a)} and {len(b)} samples")
+    ratios = np.asarray(b, dtype=float) / np.asarray(a, dtype=float)
+    if not np.isfinite(ratios).all():
+        raise ValueError("non-finite step times cannot be judged")
+    rng = np.random.default_rng(seed)
+    boot = np.median(rng.choice(ratios, (BOOTSTRAP_RESAMPLES, len(ratios))), axis=1)
+    tail = (1 - CONFIDENCE) / 2
+    low, high = (float(x) for x in np.quantile(boot, [tail, 1 - tail]))
+    p = float(stats.wilcoxon(np.log(ratios), alternative="greater").pvalue) if np.any(ratios != 1) else 1.0
+    return PairedRatio(float(np.median(ratios)), low, high, p, len(ratios))

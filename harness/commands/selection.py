@@ -21,7 +21,7 @@ _OPTION_DEFAULTS = CaseOptions()
 # suite's parameter type does not have ("--<flag> does not apply to the <suite> suite")
 _PARAM_FLAGS = (("--ckpt-format", "formats", "ckpt_format"), ("--fully-parallel-save", "fully_parallel_save", "fully_parallel_save"),
                 ("--async-save", "async_save", "async_save"), ("--timed-steps", "timed_steps", "timed_steps"),
-                ("--min-effect", "min_effect", "min_effect"))
+                ("--min-effect", "min_effect", "min_effect"), ("--overhead", "overhead", "overhead"))
 DEFAULT_WORLD_SIZE = 4
 
 
@@ -55,6 +55,9 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
     p.add_argument("--async-save", action="store_true",
                    help="ckpt-memory: megatron's async save (the write in a forked process)")
     p.add_argument("--timed-steps", type=int, default=None, help="step-perf: timed steps per case (default 20)")
+    p.add_argument("--overhead", action="store_true",
+                   help="step-perf: pair every timed step with an uninstrumented one of the same engine and "
+                        "judge the harness's own cost of a step (goal: within 2%%)")
     p.add_argument("--min-effect", type=float, default=None,
                    help="step-perf: smallest slowdown that fails, as a fraction (default against baselines 0.15 on "
                         "CPU, 0.05 on GPU; compare, interleaved: 0.05 / 0.03)")
@@ -90,7 +93,7 @@ class CaseSelection:
         params: dict = {}
         if args.ckpt_format:
             params["formats"] = tuple(args.ckpt_format)
-        for flag in ("fully_parallel_save", "async_save"):
+        for flag in ("fully_parallel_save", "async_save", "overhead"):
             if getattr(args, flag):
                 params[flag] = True
         if args.timed_steps is not None:

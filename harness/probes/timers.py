@@ -139,6 +139,18 @@ class PhaseTimer:
         return StepTiming(wall, busy, phases), out
 
 
+    def plain_step(self, fn: Callable[[], object], barrier: Callable[[], None]) -> float:
+        """Seconds of fn() between the same barrier-aligned boundaries as `step`, with no seam wrapped (call it
+        while the timer is not installed): what an uninstrumented loop of the same engine measures."""
+        barrier()
+        self.clock.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.clock.sync()
+        barrier()
+        return time.perf_counter() - t0
+
+
 def calibrate(ctx: RankContext) -> list[float]:
     """Seconds of a fixed workload per repetition: 4 GEMMs of 256 x 256 and an all-reduce of 1 MiB."""
     import torch

@@ -17,7 +17,7 @@ Judged in the parent (harness/checks/step_perf.py) against baselines/<platform>/
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.checks import CheckResult
@@ -85,16 +85,25 @@ def flops_used(result: CaseResult) -> tuple[list[int], str]:
     return analytic, f"analytic (the counter saw {seen:.0%}: kernels it cannot see)"
 
 
+_RUN_LEVEL = {"in_id": False}  # how the run times and judges, not what a case is: not part of case ids
+
+
 @dataclass(frozen=True)
 class StepPerfParams:
-    """The step-perf suite's parameters: how many steps it times, its option sets, how it judges."""
+    """The step-perf suite's parameters: how many steps it times, its option sets, how it judges; every case
+    carries them (`Case.params`), and `overhead` is part of its id."""
 
-    warmup_steps: int = WARMUP_STEPS
-    timed_steps: int = TIMED_STEPS  # --timed-steps
-    option_sets: tuple[tuple[bool, bool], ...] | None = None  # (distopt, overlap); None: the default matrix's
-    min_effect: float | None = None  # --min-effect; None: MIN_EFFECT of the tier
-    normalise: bool = NORMALISE  # judge times scaled by the calibration workload's (baseline / now)
-    baselines_dir: str | None = None  # None: the repository's baselines/
+    warmup_steps: int = field(default=WARMUP_STEPS, metadata=_RUN_LEVEL)
+    timed_steps: int = field(default=TIMED_STEPS, metadata=_RUN_LEVEL)  # --timed-steps
+    # (distopt, overlap); None: the default matrix's
+    option_sets: tuple[tuple[bool, bool], ...] | None = field(default=None, metadata=_RUN_LEVEL)
+    min_effect: float | None = field(default=None, metadata=_RUN_LEVEL)  # --min-effect; None: MIN_EFFECT of the tier
+    # judge times scaled by the calibration workload's (baseline / now)
+    normalise: bool = field(default=NORMALISE, metadata=_RUN_LEVEL)
+    baselines_dir: str | None = field(default=None, metadata=_RUN_LEVEL)  # None: the repository's baselines/
+    # --overhead: each timed step paired with an uninstrumented step of the same engine (no seam wrapped, no
+    # counter), in random order per pair; judged: the harness's own cost of a step (checks/step_perf.py)
+    overhead: bool = False
 
     def __post_init__(self):
         if self.timed_steps < 3:
@@ -139,11 +148,14 @@ class StepPerfSuite:
                 opts = dataclasses.replace(options, steps=p.timed_steps, warmup_steps=p.warmup_steps,
                                            use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                                            bucket_size=bucket)
-                out.append(Case(self.name, model, lay, engine, opts, backend))
+                out.append(Case(self.name, model, lay, engine, opts, backend, params=p))
         return out
 
     # -- in the ranks ---------------------------------------------------------------------------
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+        import functools
+        import random
+
         import torch.distributed as dist
 
         from harness.probes.timers import PhaseTimer, calibrate
@@ -159,27 +171,46 @@ class StepPerfSuite:
         with ctx.phase("calibrate"):
             calibration = calibrate(ctx)
         timer = PhaseTimer(engine, ctx.on_cpu)
-        steps = []
-        with ctx.phase("steps"), timer.installed():
-            for step in range(warmup, warmup + timed):
-                timing, _ = timer.step(lambda: engine.train_step(step), dist.barrier)
-                steps.append(timing)
+        steps, plain = [], []
+        overhead = isinstance(case.params, StepPerfParams) and case.params.overhead
+        order = random.Random(case.options.seed)  # the same draws on every rank: their barriers pair up
+        step = warmup
+        with ctx.phase("steps"):
+            for _ in range(timed):
+                kinds = ["timed", "plain"] if overhead else ["timed"]
+                order.shuffle(kinds)
+                for kind in kinds:
+                    run = functools.partial(engine.train_step, step)
+                    if kind == "plain":
+                        plain.append(timer.plain_step(run, dist.barrier))
+                    else:
+                        with timer.installed():
+                            timing, _ = timer.step(run, dist.barrier)
+                        steps.append(timing)
+                    step += 1
         with ctx.phase("counters"):
-            counters = count_work(engine, warmup + timed)
+            counters = count_work(engine, step)
         device = {}
         if not ctx.on_cpu:
             import torch
 
             device = {"name": torch.cuda.get_device_name(), "max_allocated": torch.cuda.max_memory_allocated(),
                       "tf32": torch.backends.cuda.matmul.allow_tf32}  # fp32 matmuls on tensor cores
-        return {"coords": layout_coords(), "steps": steps, "calibration": calibration, "counters": counters,
-                "device": device}
+        return {"coords": layout_coords(), "steps": steps, "plain_s": plain, "calibration": calibration,
+                "counters": counters, "device": device}
 
     # -- figures ----------------------------------------------------------------------------------
     @staticmethod
     def step_ms(result: CaseResult) -> list[float]:
         """Per timed step: the slowest rank's barrier-to-barrier time, ms."""
         per_rank = [[s.wall_s for s in r.data["steps"]] for r in result.ranks]
+        return [1000 * max(col) for col in zip(*per_rank)]
+
+    @staticmethod
+    def plain_ms(result: CaseResult) -> list[float]:
+        """Per uninstrumented step (--overhead; paired with the timed step of the same index): the slowest
+        rank's barrier-to-barrier time, ms; [] without --overhead."""
+        per_rank = [r.data.get("plain_s") or [] for r in result.ranks]
         return [1000 * max(col) for col in zip(*per_rank)]
 
     @staticmethod
@@ -227,6 +258,12 @@ class StepPerfSuite:
                                                                                   "optimizer")),
                "GFLOP/rank": " ".join(f"{f / 1e9:.2f}" for f in flops),
                "dp MB (rank 0)": f"{dp_bytes / 1e6:.1f}"}
+        plain = self.plain_ms(result)
+        if len(plain) >= 3:
+            from harness.checks.timing import paired_ratio
+
+            cost = paired_ratio(plain, times)
+            out["harness overhead"] = f"{cost.ratio - 1:+.1%} [{cost.ci_low - 1:+.1%}, {cost.ci_high - 1:+.1%}]"
         device = result.ranks[0].data.get("device") or {}
         if device:
             from harness.checks.flops_model import matmul_dtype, peak_tflops
@@ -304,6 +341,7 @@ class StepPerfSuite:
     def report_data(result: CaseResult) -> dict[str, Any]:
         """Per-step times and per-rank phase medians, for plots and pytest-benchmark."""
         return {"step_ms": StepPerfSuite.step_ms(result), "exposed_comm_ms": StepPerfSuite.exposed_ms(result),
+                "plain_step_ms": StepPerfSuite.plain_ms(result),
                 "calibration_ms": StepPerfSuite.calibration_ms(result),
                 "phases_ms": {str(r): m for r, m in StepPerfSuite.phase_medians(result).items()},
                 "counters": {str(r.rank): r.data["counters"] for r in result.ranks}}
