@@ -119,20 +119,23 @@ def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
 
 
 def build_entries(samples: dict[str, dict[str, list[float]]], tolerance=None,
-                  raw: dict[str, dict[str, list[float]]] | None = None) -> dict[str, dict[str, dict]]:
+                  raw: dict[str, dict[str, list[float]]] | None = None, digits: int | None = 3
+                  ) -> dict[str, dict[str, dict]]:
     """{key: {metric: [values over repeats]}} -> baseline entries. tolerance(metric, values): a suite's
-    own policy (default tolerance_for); raw: per-sample figures stored beside their metric ("samples")."""
+    own policy (default tolerance_for); raw: per-sample figures stored beside their metric ("samples");
+    digits: decimals kept (None: full precision, for figures judged at 1e-5 relative)."""
+    def r(v: float) -> float:
+        return v if digits is None else round(v, digits)
+
     out: dict[str, dict[str, dict]] = {}
     for key, metrics in sorted(samples.items()):
         out[key] = {}
         for name, values in sorted(metrics.items()):
             tol = tolerance(name, values) if tolerance else tolerance_for(values)
-            out[key][name] = {"value": round(statistics.median(values), 3),
-                              "spread": round(max(values) - min(values), 3),
-                              "tolerance": round(tol, 3), "repeats": len(values),
-                              "values": [round(v, 3) for v in values]}
+            out[key][name] = {"value": r(statistics.median(values)), "spread": r(max(values) - min(values)),
+                              "tolerance": r(tol), "repeats": len(values), "values": [r(v) for v in values]}
             if raw and name in raw.get(key, {}):
-                out[key][name]["samples"] = [round(v, 3) for v in raw[key][name]]
+                out[key][name]["samples"] = [r(v) for v in raw[key][name]]
     return out
 
 
@@ -222,5 +225,5 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     platform = detect_platform(backend).key
     path = baseline_path(baselines_dir, platform, suite.name)
     provenance = {**report.versions(), "date": report.now(), "repeats": repeats}
-    entries = build_entries(samples, getattr(suite, "tolerance", None), raw)
+    entries = build_entries(samples, getattr(suite, "tolerance", None), raw, getattr(suite, "digits", 3))
     return path, write(path, suite.name, platform, entries, provenance)

@@ -115,6 +115,7 @@ class CaseOptions:
     grad_reduce_in_fp32: bool = False
     lr: float = 1e-3
     adam_eps: float = 1e-8  # megatron's default
+    clip_grad: float = 1.0  # megatron's default: clip the global gradient norm at 1.0 (0: off)
     # activation recompute: "" off, "full" (every layer, megatron's uniform method) or "selective" (core attention)
     recompute: str = ""
     bucket_size: int | None = None  # DDP gradient bucket size in elements (None: megatron's default)
@@ -124,6 +125,13 @@ class CaseOptions:
     # 0 = full training): what trains is a training option, whichever suite runs it (peft-ckpt does)
     lora_dim: int = 0
     lora_alpha: int = 0
+    # megatron's OptimizerConfig flag: count the zero gradient elements at each step (golden records them);
+    # off elsewhere: the count is one more model-parallel all-reduce per step in step-perf's counters
+    log_num_zeros_in_grad: bool = False
+    # mask a tail of each sample out of the loss (its length a function of the sample's index in the global
+    # batch) and normalise the loss per token (megatron's calculate_per_token_loss), as a real data pipeline
+    # with padding does: per-token and per-micro-batch normalisation then differ (golden turns it on)
+    loss_mask: bool = False
 
 @dataclass(frozen=True)
 class Case:

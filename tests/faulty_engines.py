@@ -310,3 +310,69 @@ class CostlyInstrumentation(McoreEngine):
             while time.perf_counter() < end:
                 pass
         return out
+
+
+# -- numerics that move every layout alike (equivalence cannot see them; golden must) ----------------------
+
+class AdamBeta1Changed(McoreEngine):
+    """Adam's beta1 default changed from megatron's 0.9 to 0.8."""
+
+    def optimizer_config(self, use_distributed_optimizer: bool):
+        config = super().optimizer_config(use_distributed_optimizer)
+        config.adam_beta1 = 0.8
+        return config
+
+
+class ClippingOff(McoreEngine):
+    """Gradient clipping switched off (clip_grad 0)."""
+
+    def optimizer_config(self, use_distributed_optimizer: bool):
+        config = super().optimizer_config(use_distributed_optimizer)
+        config.clip_grad = 0.0
+        return config
+
+
+class InitStdChanged(McoreEngine):
+    """Weights initialised with std 0.021 instead of 0.02 (every layout alike: by global name)."""
+
+    def reinit(self, chunk) -> None:
+        super().reinit(chunk)
+        import torch
+
+        with torch.no_grad():
+            for p in chunk.parameters():
+                if p.dim() >= 2:
+                    p.mul_(1.05)
+
+
+class LayerNormEpsChanged(McoreEngine):
+    """The norms' epsilon changed from megatron's 1e-5 to 1e-6 (as a config default that moved would)."""
+
+    def build_chunks(self) -> list:
+        from harness.engines import mcore
+
+        original = mcore.transformer_config
+
+        def changed(case, on_cpu):
+            config = original(case, on_cpu)
+            self.change(config)
+            return config
+
+        mcore.transformer_config = changed
+        try:
+            return super().build_chunks()
+        finally:
+            mcore.transformer_config = original
+
+    @staticmethod
+    def change(config) -> None:
+        config.layernorm_epsilon = 1e-6
+
+
+class LossPerMicrobatch(LayerNormEpsChanged):
+    """The loss normalised per micro-batch (each micro-batch's mean, averaged) instead of per token, as when
+    calculate_per_token_loss is lost: with masked tokens, samples that count fewer tokens weigh more."""
+
+    @staticmethod
+    def change(config) -> None:
+        config.calculate_per_token_loss = False

@@ -48,6 +48,11 @@ class StepOutput:
     loss_sum: float | None
     num_tokens: int | None
     token_logprobs: list[TokenLogprobs] | None = None
+    # what the optimizer's step reported (every rank the same): the global gradient norm before clipping, the
+    # zero gradient elements (None unless CaseOptions.log_num_zeros_in_grad) and the learning rate it applied
+    grad_norm: float | None = None
+    num_zeros: int | None = None
+    lr: float | None = None
 
 
 class Engine(Protocol):

@@ -27,8 +27,24 @@ def microbatches(case: Case, step: int, dp_rank: int) -> list[dict[str, torch.Te
     mbs = case.micro_batch_size
     seq = case.model.seq_length
     position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, seq).contiguous()
-    return [
+    out = [
         {"tokens": mine[i:i + mbs, :-1].contiguous(), "labels": mine[i:i + mbs, 1:].contiguous(),
          "position_ids": position_ids}
         for i in range(0, per_dp, mbs)
     ]
+    if case.options.loss_mask:
+        first = dp_rank * per_dp
+        for i, mb in zip(range(0, per_dp, mbs), out):
+            mb["loss_mask"] = torch.stack([loss_mask(case, first + i + j) for j in range(mbs)])
+    return out
+
+
+def loss_mask(case: Case, sample: int) -> torch.Tensor:
+    """[seq_length] 1.0 where a token counts in the loss: a tail of (sample x 7) mod (seq / 2) tokens of the
+    sample (by its index in the global batch) is masked, as padding is, so samples count different numbers."""
+    seq = case.model.seq_length
+    mask = torch.ones(seq)
+    masked = (sample * 7) % (seq // 2)
+    if masked:
+        mask[seq - masked:] = 0.0
+    return mask

@@ -55,7 +55,8 @@ class McoreEngine(McoreCheckpoints):
 
             note(f"Adam eps {o.adam_eps:g} (megatron-core's default {MEGATRON_ADAM_EPS:g}), from the case options")
         return OptimizerConfig(
-            optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=1.0,
+            optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=o.clip_grad,
+            log_num_zeros_in_grad=o.log_num_zeros_in_grad,
             bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=_DTYPES[o.dtype],
             use_distributed_optimizer=use_distributed_optimizer,
         )
@@ -180,21 +181,28 @@ class McoreEngine(McoreCheckpoints):
         mb = next(data_iterator)
         dev = self.ctx.device
         output = model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
+        mask = mb["loss_mask"].to(dev) if "loss_mask" in mb else None
         if self._captured is not None and "samples" in mb:
-            return output, functools.partial(self._capture_then_loss, mb)
-        return output, self.loss_func
+            return output, functools.partial(self._capture_then_loss, mb, mask)
+        return output, functools.partial(self.loss_func, loss_mask=mask)
 
-    def _capture_then_loss(self, mb, output_tensor):
+    def _capture_then_loss(self, mb, mask, output_tensor):
         """Keep the micro-batch's per-token log-probs (minus the per-token loss), then megatron's loss."""
         self._captured.append(TokenLogprobs(mb["samples"], mb["positions"],
                                             -output_tensor.detach().float().cpu().reshape(len(mb["samples"]), -1)))
-        return self.loss_func(output_tensor)
+        return self.loss_func(output_tensor, loss_mask=mask)
 
     @staticmethod
-    def loss_func(output_tensor):
-        """Sum of per-token losses and the token count (megatron normalises by the count)."""
-        loss_sum = output_tensor.float().sum()
-        num_tokens = torch.tensor(output_tensor.numel(), dtype=torch.int, device=output_tensor.device)
+    def loss_func(output_tensor, loss_mask=None):
+        """Sum of per-token losses and the token count (megatron normalises by the count), over the tokens the
+        loss mask keeps (all without one)."""
+        losses = output_tensor.float()
+        if loss_mask is None:
+            loss_sum, count = losses.sum(), output_tensor.numel()
+        else:
+            mask = loss_mask.reshape(losses.shape).float()
+            loss_sum, count = (losses * mask).sum(), mask.sum()
+        num_tokens = torch.as_tensor(count, device=output_tensor.device).to(torch.int)
         return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
     def train_step(self, step: int) -> StepOutput:
@@ -238,13 +246,17 @@ class McoreEngine(McoreCheckpoints):
                 num_microbatches=len(mbs), seq_length=self.case.model.seq_length,
                 micro_batch_size=self.case.micro_batch_size, forward_only=forward_only,
             )
+        reported: dict = {}
         if not forward_only:
-            self.optimizer.step()
+            lr = self.optimizer.param_groups[0]["lr"]
+            _, grad_norm, num_zeros = self.optimizer.step()
+            reported = dict(grad_norm=None if grad_norm is None else float(grad_norm),
+                            num_zeros=None if num_zeros is None else int(num_zeros), lr=float(lr))
         captured, self._captured = self._captured, None
         if not losses:
-            return StepOutput(None, None, captured)
+            return StepOutput(None, None, captured, **reported)
         total = torch.stack([d["lm loss"] for d in losses]).sum(0)
-        return StepOutput(float(total[0]), int(total[1]), captured)
+        return StepOutput(float(total[0]), int(total[1]), captured, **reported)
 
     # -- outputs ------------------------------------------------------------------------------
     def param_shards(self) -> list[ParamShard]:
@@ -256,4 +268,34 @@ class McoreEngine(McoreCheckpoints):
             for name, p in self.global_names(model.module).items():
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 out.append(ParamShard(name, p.detach().float().cpu().clone(), dim, tp_rank, tp, self.tp_parts(name)))
+        return out
+
+    def moment_shards(self) -> dict[str, list[ParamShard]] | None:
+        """Adam's moments (exp_avg, exp_avg_sq) of every parameter, as shards of the parameter's layout (as
+        param_shards gives them); None with the distributed optimizer, whose state is sharded over DP ranks."""
+        from megatron.core import parallel_state as ps
+
+        if self.case.options.use_distributed_optimizer:
+            return None
+        state: dict[int, dict] = {}
+        # megatron's optimizers: a ChainedOptimizer of per-group ones, each wrapping a torch Adam whose state
+        # is keyed by the parameter it steps - the model's own (fp32) or its fp32 main copy (bf16 / fp16)
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            main_of = {id(m): main for model_group, main_group in zip(getattr(sub, "float16_groups", []),
+                                                                     getattr(sub, "fp32_from_float16_groups", []))
+                       for m, main in zip(model_group, main_group)}
+            for model_param in (p for g in sub.optimizer.param_groups for p in g["params"]):
+                state[id(model_param)] = sub.optimizer.state.get(model_param, {})
+            for model_id, main in main_of.items():
+                state[model_id] = sub.optimizer.state.get(main, {})
+        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        out: dict[str, list[ParamShard]] = {"exp_avg": [], "exp_avg_sq": []}
+        for model in self.models:
+            for name, p in self.global_names(model.module).items():
+                st = state.get(id(p), {})
+                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                for moment in out:
+                    if moment in st:
+                        out[moment].append(ParamShard(name, st[moment].detach().float().cpu().clone(), dim, tp_rank,
+                                                      tp, self.tp_parts(name)))
         return out

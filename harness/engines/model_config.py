@@ -35,6 +35,7 @@ def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
         **fusions(on_cpu),
         # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
+        calculate_per_token_loss=case.options.loss_mask,
         **recompute_config(case.options.recompute),
     )
 

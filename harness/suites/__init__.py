@@ -22,6 +22,7 @@ SUITES = {
     "step-perf": "harness.suites.step_perf:StepPerfSuite",
     "peft-ckpt": "harness.suites.peft_ckpt:PeftCkptSuite",
     "train-memory": "harness.suites.train_memory:TrainMemorySuite",
+    "golden": "harness.suites.golden:GoldenSuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 # The model a suite runs on GPU ranks when none is given, where its CPU model says nothing there: `small` is

@@ -1,0 +1,142 @@
+"""Judges of the golden suite: a case's trajectory against the stored one of its model and dtype.
+
+Tolerances come from measurement: a recorded metric's tolerance is SPREAD_FACTOR x its spread over every
+layout and repeat that recorded it, at least RTOL of its value for the dtype (the floor is applied when
+judging, where the dtype is known). A recording whose figures spread beyond MAX_SPREAD of their value is
+refused: a trajectory that does not repeat cannot judge anything.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import TYPE_CHECKING
+
+from harness.checks import CheckResult
+
+if TYPE_CHECKING:
+    from harness.launch.results import CaseResult
+    from harness.suites.golden import GoldenParams, GoldenSuite
+
+# Relative floor per dtype. fp32 on CPU ranks: see the README's golden section for the measured spread.
+RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
+MAX_SPREAD = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
+SPREAD_FACTOR = 4
+# figures that count things or are set, not computed: judged exactly against their recorded spread
+EXACT = ("num_zeros", "lr")
+
+
+def _dtype_of(key: str) -> str:
+    return key.split("/")[1] if key.count("/") >= 2 else "fp32"
+
+
+def tolerance(metric: str, values: list[float]) -> float:
+    """SPREAD_FACTOR x the recorded spread (the dtype's relative floor is added when judging)."""
+    return SPREAD_FACTOR * (max(values) - min(values))
+
+
+def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
+    """Metrics whose recorded values (every layout, every repeat) spread beyond MAX_SPREAD of their median."""
+    out = []
+    for key, metrics in sorted(samples.items()):
+        limit = MAX_SPREAD[_dtype_of(key)]
+        for metric, values in sorted(metrics.items()):
+            if not all(math.isfinite(v) for v in values):
+                out.append(f"{key} {metric}: non-finite values {values}")
+                continue
+            spread, med = max(values) - min(values), abs(statistics.median(values))
+            exact = metric.split(".")[-1] in EXACT
+            if (exact and spread > 0) or (not exact and spread > limit * max(med, 1e-12)):
+                out.append(f"{key} {metric}: spread {spread:.3g} over {len(values)} runs (layouts x repeats) > "
+                           f"{'0 (a count)' if exact else f'{limit:g} of {med:.6g}'}")
+    return out
+
+
+def _allowed(metric: str, want: float, stored_tol: float, dtype: str) -> float:
+    if metric.split(".")[-1] in EXACT:
+        return stored_tol
+    return max(stored_tol, RTOL[dtype] * abs(want))
+
+
+def _rel(got: float, want: float) -> float:
+    return abs(got - want) / abs(want) if want else abs(got - want)
+
+
+def check(suite: GoldenSuite, results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
+    """Each case's per-step figures and final fingerprints against the golden trajectory of its model and dtype."""
+    from harness import baselines
+    from harness.platform import detect_platform
+    from harness.suites.golden import trajectory
+
+    out: list[CheckResult] = []
+    files: dict[str, dict] = {}
+    for res in results:
+        platform = detect_platform(res.case.backend).key
+        path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
+        if str(path) not in files:
+            files[str(path)] = baselines.load(path)
+        key = suite.key(res.case)
+        entry = files[str(path)].get("entries", {}).get(key)
+        if entry is None:
+            msg = (f"no golden trajectory for {key} on platform {platform} ({path}); record it with: "
+                   f"{suite.record_command(res.case)}")
+            out += [CheckResult("golden.trajectory", res.case.id, False, msg),
+                    CheckResult("golden.params", res.case.id, False, msg)]
+            continue
+        measured = trajectory(res)
+        out += judge(res.case.id, key, res.case.options.dtype, measured, entry)
+    return out
+
+
+def judge(case_id: str, key: str, dtype: str, measured: dict[str, float], entry: dict) -> list[CheckResult]:
+    """The trajectory check (per step, the first step that left the tolerance) and the fingerprint check."""
+    rows: list[tuple[str, float, float, float, bool]] = []  # metric, got, want, allowed, ok
+    for metric in sorted(set(entry) & set(measured)):
+        got, want = measured[metric], float(entry[metric]["value"])
+        allowed = _allowed(metric, want, float(entry[metric]["tolerance"]), dtype)
+        ok = math.isfinite(got) and abs(got - want) <= allowed
+        rows.append((metric, got, want, allowed, ok))
+    params = [r for r in rows if not r[0].startswith("step")]
+    moved = sorted(params, key=lambda r: -_rel(r[1], r[2]))
+    weights = [r for r in moved if r[0].startswith("param.")]
+    largest = (f"largest parameter change: {weights[0][0][len('param.'):]} norm rel {_rel(weights[0][1], weights[0][2]):.1e}"
+               if weights else "no parameter fingerprints")
+
+    def describe(r) -> str:
+        metric, got, want, allowed, _ = r
+        figure = metric.split(".", 1)[1] if metric.startswith("step") else metric
+        return (f"{figure} {got:.8g} vs golden {want:.8g} (rel {_rel(got, want):.1e} > "
+                f"{allowed / abs(want) if want else allowed:.0e})")
+
+    steps = [r for r in rows if r[0].startswith("step")]
+    missing = sorted(m for m in entry if m.startswith("step") and m not in measured)
+    extra = sorted(m for m in measured if m not in entry)
+    details = [f"  {'ok ' if r[4] else 'NO '} {r[0]}: {r[1]:.8g} vs {r[2]:.8g} (allowed +-{r[3]:.2g})" for r in rows]
+    out = []
+    bad_steps = [r for r in steps if not r[4]]
+    if bad_steps or missing:
+        if bad_steps:
+            first = min(int(r[0][4:6]) for r in bad_steps)
+            at = [r for r in bad_steps if int(r[0][4:6]) == first]
+            msg = f"step {first}: " + "; ".join(describe(r) for r in at) + f"; {largest}"
+        else:
+            msg = f"the run reported no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (in the golden trajectory)"
+        out.append(CheckResult("golden.trajectory", case_id, False, msg, details))
+    else:
+        worst = max(steps, key=lambda r: _rel(r[1], r[2]), default=None)
+        n = len({r[0][:6] for r in steps})
+        out.append(CheckResult("golden.trajectory", case_id, True,
+                               f"{n} steps within the golden trajectory of {key}" +
+                               (f" (largest deviation: {worst[0]} rel {_rel(worst[1], worst[2]):.1e})" if worst else ""),
+                               details, value=_rel(worst[1], worst[2]) if worst else 0.0))
+    bad_params = [r for r in params if not r[4]]
+    if bad_params or extra:
+        head = (f"after the last step: {len(bad_params)} of {len(params)} fingerprints left the golden values; "
+                f"{describe(moved[0])}" if bad_params else
+                f"{', '.join(extra[:3])} not in the golden trajectory (a parameter or figure it never saw)")
+        out.append(CheckResult("golden.params", case_id, False, head, details))
+    else:
+        out.append(CheckResult("golden.params", case_id, True,
+                               f"{len(params)} parameter and moment norms within the golden values ({largest})",
+                               value=_rel(moved[0][1], moved[0][2]) if moved else 0.0))
+    return out
