@@ -376,3 +376,28 @@ class LossPerMicrobatch(LayerNormEpsChanged):
     @staticmethod
     def change(config) -> None:
         config.calculate_per_token_loss = False
+
+
+class OptimizerStateNotRestored(McoreEngine):
+    """A load that restores the model's weights but not the optimizer's state (Adam starts over)."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load({"model": self.models[0].module.sharded_state_dict()}, ckpt_dir)
+        self.models[0].module.load_state_dict(state["model"])
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            opt.reload_model_params()  # the main copies from the loaded weights, as a model-only load does
+
+
+class StepCounterReset(McoreEngine):
+    """A load that restores Adam's moments but resets its step counter (bias correction restarts)."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        super().load_checkpoint(ckpt_dir, fmt)
+        import torch
+
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for st in opt.optimizer.state.values():
+                if "step" in st:
+                    st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], torch.Tensor) else 0

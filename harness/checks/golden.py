@@ -23,7 +23,7 @@ RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
 MAX_SPREAD = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
 SPREAD_FACTOR = 4
 # figures that count things or are set, not computed: judged exactly against their recorded spread
-EXACT = ("num_zeros", "lr")
+EXACT = ("num_zeros", "lr", "step")
 
 
 def _dtype_of(key: str) -> str:
@@ -70,6 +70,7 @@ def check(suite: GoldenSuite, results: list[CaseResult], params: GoldenParams) -
 
     out: list[CheckResult] = []
     files: dict[str, dict] = {}
+    by_id = {r.case.id: r for r in results}
     for res in results:
         platform = detect_platform(res.case.backend).key
         path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
@@ -83,9 +84,36 @@ def check(suite: GoldenSuite, results: list[CaseResult], params: GoldenParams) -
             out += [CheckResult("golden.trajectory", res.case.id, False, msg),
                     CheckResult("golden.params", res.case.id, False, msg)]
             continue
-        measured = trajectory(res)
-        out += judge(res.case.id, key, res.case.options.dtype, measured, entry)
+        role = res.case.params.role
+        if role == "":
+            out += judge(res.case.id, key, res.case.options.dtype, trajectory(res), entry)
+        elif role == "first-half":  # its steps here; the rest with the resume after it
+            half = {m: e for m, e in entry.items() if m.startswith("step") and int(m[4:6]) <= res.case.options.steps // 2}
+            out.append(judge(res.case.id, key, res.case.options.dtype, trajectory(res), half)[0])
+        elif role == "resume":
+            out.append(_check_resume(res, by_id.get(res.case.after[0]), key, entry))
     return out
+
+
+def _check_resume(res: CaseResult, first: CaseResult | None, key: str, entry: dict) -> CheckResult:
+    """The first half's steps, the resumed second half's and its final fingerprints, against the unbroken
+    trajectory: a format that drops or misplaces optimizer state, the step counter or the learning rate
+    leaves it at the first step after the load."""
+    from harness.suites.golden import trajectory
+
+    p, half = res.case.params, res.case.options.steps // 2
+    where = f"resumed at {res.case.layout.id} from a {p.ckpt_format} checkpoint saved after step {half}"
+    if first is None:
+        return CheckResult("golden.resume", res.case.id, False, f"{where}: the first half did not run")
+    if first.case.layout != res.case.layout:
+        where = where.replace("saved after", f"saved at {first.case.layout.id} after")
+    measured = {**trajectory(first), **trajectory(res, first_step=half + 1)}
+    steps, params = judge(res.case.id, key, res.case.options.dtype, measured, entry)
+    if steps.failed:
+        return CheckResult("golden.resume", res.case.id, False, f"{where}: {steps.message}", steps.details)
+    if params.failed:
+        return CheckResult("golden.resume", res.case.id, False, f"{where}: {params.message}", params.details)
+    return CheckResult("golden.resume", res.case.id, True, f"{where}: {steps.message}", value=steps.value)
 
 
 def judge(case_id: str, key: str, dtype: str, measured: dict[str, float], entry: dict) -> list[CheckResult]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -61,3 +61,11 @@ class Engine(Protocol):
     def train_step(self, step: int) -> StepOutput: ...
 
     def param_shards(self) -> list[ParamShard]: ...
+
+
+@runtime_checkable
+class HasOptimizerState(Protocol):
+    """An engine that hands out its Adam state (exp_avg, exp_avg_sq, step) as `<global name>#<key>` shards of the
+    parameter's layout, whole over DP, from DP rank 0 (other ranks: []) - McoreCheckpoints does."""
+
+    def optimizer_state_shards(self) -> list[ParamShard]: ...

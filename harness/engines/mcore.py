@@ -270,32 +270,3 @@ class McoreEngine(McoreCheckpoints):
                 out.append(ParamShard(name, p.detach().float().cpu().clone(), dim, tp_rank, tp, self.tp_parts(name)))
         return out
 
-    def moment_shards(self) -> dict[str, list[ParamShard]] | None:
-        """Adam's moments (exp_avg, exp_avg_sq) of every parameter, as shards of the parameter's layout (as
-        param_shards gives them); None with the distributed optimizer, whose state is sharded over DP ranks."""
-        from megatron.core import parallel_state as ps
-
-        if self.case.options.use_distributed_optimizer:
-            return None
-        state: dict[int, dict] = {}
-        # megatron's optimizers: a ChainedOptimizer of per-group ones, each wrapping a torch Adam whose state
-        # is keyed by the parameter it steps - the model's own (fp32) or its fp32 main copy (bf16 / fp16)
-        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            main_of = {id(m): main for model_group, main_group in zip(getattr(sub, "float16_groups", []),
-                                                                     getattr(sub, "fp32_from_float16_groups", []))
-                       for m, main in zip(model_group, main_group)}
-            for model_param in (p for g in sub.optimizer.param_groups for p in g["params"]):
-                state[id(model_param)] = sub.optimizer.state.get(model_param, {})
-            for model_id, main in main_of.items():
-                state[model_id] = sub.optimizer.state.get(main, {})
-        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        out: dict[str, list[ParamShard]] = {"exp_avg": [], "exp_avg_sq": []}
-        for model in self.models:
-            for name, p in self.global_names(model.module).items():
-                st = state.get(id(p), {})
-                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
-                for moment in out:
-                    if moment in st:
-                        out[moment].append(ParamShard(name, st[moment].detach().float().cpu().clone(), dim, tp_rank,
-                                                      tp, self.tp_parts(name)))
-        return out

@@ -220,6 +220,7 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
 
 def _optimizer_state(engine) -> list | None:
     """The engine's optimizer state shards by global name, or None if it has no optimizer_state_shards()."""
-    shards = getattr(engine, "optimizer_state_shards", None)
-    return shards() if callable(shards) else None
+    from harness.engines.base import HasOptimizerState
+
+    return engine.optimizer_state_shards() if isinstance(engine, HasOptimizerState) else None
 

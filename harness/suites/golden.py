@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any
 
 from harness.checks import CheckResult, case_failed
+from harness.engines.base import HasOptimizerState
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import enumerate_layouts, validate
@@ -30,11 +33,29 @@ STEP_FIGURES = ("loss", "grad_norm", "num_zeros", "lr")
 CLIP_GRAD = 0.5
 
 
+RESUME_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's checkpoint formats
+
+
 @dataclass(frozen=True)
 class GoldenParams:
-    """The golden suite's parameters."""
+    """The golden suite's parameters; `role` and `ckpt_format` are a case's own (resume cases)."""
 
     baselines_dir: str | None = dataclasses.field(default=None, metadata={"in_id": False})
+    # formats whose resume is judged (--ckpt-format); () none
+    formats: tuple[str, ...] = dataclasses.field(default=RESUME_FORMATS, metadata={"in_id": False})
+    # "" the unbroken trajectory; "first-half" trains the first half and saves; "resume" loads what the case it
+    # runs after saved (at its own layout, which may differ) and trains the second half
+    role: str = ""
+    ckpt_format: str = ""
+
+
+def checkpoint_dir(case: Case) -> Path:
+    """Where a first-half case saves (its output directory), and where the resume case after it loads from."""
+    from harness.probes.memory import artifacts_dir
+
+    if case.params.role == "first-half":
+        return Path(case.out_dir or artifacts_dir(case.id)) / "ckpt"
+    return Path(case.inputs[0] if case.inputs else artifacts_dir(case.after[0])) / "ckpt"
 
 
 def step_metric(step: int, figure: str) -> str:
@@ -42,35 +63,37 @@ def step_metric(step: int, figure: str) -> str:
     return f"step{step:02d}.{figure}"
 
 
-def trajectory(result: CaseResult) -> dict[str, float]:
+def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
     """The case's figures as baseline metrics: per step loss, grad_norm, num_zeros, lr; after the last step
-    param.<name> (L2 norm of the full parameter) and exp_avg.<name> / exp_avg_sq.<name> (of its moments)."""
+    param.<name> (L2 norm of the full parameter), exp_avg.<name> / exp_avg_sq.<name> (of its Adam moments, where
+    the engine hands out its optimizer state) and optimizer.step (Adam's step counter)."""
     from harness.checks.tensors import assemble
     from harness.suites.equivalence import step_losses
 
     out: dict[str, float] = {}
-    for i, loss in enumerate(step_losses(result), start=1):
+    for i, loss in enumerate(step_losses(result), start=first_step):
         out[step_metric(i, "loss")] = loss
-    first = result.ranks[0].data["steps"]
-    for i, s in enumerate(first, start=1):
+    for i, s in enumerate(result.ranks[0].data["steps"], start=first_step):
         for figure in ("grad_norm", "num_zeros", "lr"):
             value = getattr(s, figure)
             if value is not None:
                 out[step_metric(i, figure)] = float(value)
-    for prefix, key in (("param", "params"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
-        shards = [r.data.get(key) for r in result.ranks]
-        if any(s is None for s in shards):
-            continue
-        for name, tensor in sorted(assemble(shards).tensors.items()):
-            out[f"{prefix}.{name}"] = float(tensor.double().norm())
+    if "params" not in result.ranks[0].data:  # the first half of a resumed run: steps only
+        return out
+    for name, tensor in sorted(assemble([r.data["params"] for r in result.ranks]).tensors.items()):
+        out[f"param.{name}"] = float(tensor.double().norm())
+    state = [r.data.get("optimizer") for r in result.ranks]
+    if all(s is not None for s in state):  # the engine hands out its Adam state
+        steps = []
+        for key, tensor in sorted(assemble(state).tensors.items()):
+            name, _, moment = key.rpartition("#")
+            if moment == "step":
+                steps.append(float(tensor.max()))
+            else:
+                out[f"{moment}.{name}"] = float(tensor.double().norm())
+        if steps:
+            out["optimizer.step"] = max(steps)  # Adam's step counter (bias correction)
     return out
-
-
-@runtime_checkable
-class AdamMoments(Protocol):
-    """An engine that can hand out its Adam moments per parameter (McoreEngine; None where it cannot)."""
-
-    def moment_shards(self) -> dict[str, list] | None: ...
 
 
 class GoldenSuite:
@@ -94,33 +117,73 @@ class GoldenSuite:
         opts = dataclasses.replace(with_equivalence_eps(options), steps=STEPS if options.steps == CaseOptions.steps
                                    else options.steps, log_num_zeros_in_grad=True, loss_mask=True,
                                    clip_grad=CLIP_GRAD if options.clip_grad == CaseOptions.clip_grad else options.clip_grad)
-        return [Case(self.name, model, lay, engine, opts, backend, params=params or GoldenParams()) for lay in chosen]
+        p = params or GoldenParams()
+        out = [Case(self.name, model, lay, engine, opts, backend, params=p) for lay in chosen]
+        return out + self.resume_cases(model, world_size, chosen[0], engine, backend, opts, p)
+
+    def resume_cases(self, model: ModelSpec, world_size: int, layout: Layout, engine: str, backend: str,
+                     options: CaseOptions, params: GoldenParams) -> list[Case]:
+        """Per format: the first half of the steps and a save at `layout` with the distributed optimizer, then
+        a resume there; for a fully reshardable format also a resume at another layout of the world size."""
+        from harness.layouts import reference_layouts
+
+        opts = dataclasses.replace(options, use_distributed_optimizer=True)
+        out = []
+        for fmt in params.formats:
+            first = Case(self.name, model, layout, engine, opts, backend,
+                         params=dataclasses.replace(params, role="first-half", ckpt_format=fmt))
+            loads = [layout]
+            if fmt.startswith("fully_reshardable"):  # promises TP / PP / DP changes
+                loads += [lay for lay in reference_layouts(model, world_size) if lay != layout][:1]
+            out.append(first)
+            out += [Case(self.name, model, lay, engine, opts, backend, after=(first.id,),
+                         params=dataclasses.replace(params, role="resume", ckpt_format=fmt)) for lay in loads]
+        return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
         from harness.engines import make_engine
         from harness.suites import layout_coords
 
+        import torch.distributed as dist
+
         engine = make_engine(case, ctx)
         with ctx.phase("build"):
             engine.build()
+        role, half = case.params.role, case.options.steps // 2
+        if role == "resume":
+            with ctx.phase("load"):
+                engine.load_checkpoint(str(checkpoint_dir(case)), case.params.ckpt_format)
+        todo = {"": range(case.options.steps), "first-half": range(half),
+                "resume": range(half, case.options.steps)}[role]
         steps = []
-        for step in range(case.options.steps):
+        for step in todo:
             with ctx.phase("steps"):
                 steps.append(engine.train_step(step))
+        if role == "first-half":
+            ckpt = checkpoint_dir(case)
+            if ctx.rank == 0:
+                shutil.rmtree(ckpt, ignore_errors=True)
+                ckpt.mkdir(parents=True)
+            dist.barrier()
+            with ctx.phase("save"):
+                engine.save_checkpoint(str(ckpt), case.params.ckpt_format)
+            dist.barrier()
+            return {"coords": layout_coords(), "steps": steps}
         with ctx.phase("collect"):
             shards = engine.param_shards()
-            moments = engine.moment_shards() if isinstance(engine, AdamMoments) else None
-        return {"coords": layout_coords(), "steps": steps, "params": shards,
-                "exp_avg": moments and moments["exp_avg"], "exp_avg_sq": moments and moments["exp_avg_sq"]}
+            state = engine.optimizer_state_shards() if isinstance(engine, HasOptimizerState) else None
+        return {"coords": layout_coords(), "steps": steps, "params": shards, "optimizer": state}
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
             return {}
-        t = trajectory(result)
+        t = trajectory(result, 1 + (result.case.options.steps // 2 if result.case.params.role == "resume" else 0))
         last = max((int(k[4:6]) for k in t if k.startswith("step")), default=0)
-        return {"loss first/last": f"{t.get(step_metric(1, 'loss'), math.nan):.6f} / "
+        first = min((int(k[4:6]) for k in t if k.startswith("step")), default=0)
+        return {"steps": f"{first}-{last}",
+                "loss first/last": f"{t.get(step_metric(first, 'loss'), math.nan):.6f} / "
                                    f"{t.get(step_metric(last, 'loss'), math.nan):.6f}",
-                "grad norm first/last": f"{t.get(step_metric(1, 'grad_norm'), math.nan):.4f} / "
+                "grad norm first/last": f"{t.get(step_metric(first, 'grad_norm'), math.nan):.4f} / "
                                         f"{t.get(step_metric(last, 'grad_norm'), math.nan):.4f}"}
 
     # -- baselines ------------------------------------------------------------------------------
@@ -137,7 +200,8 @@ class GoldenSuite:
 
     @staticmethod
     def samples(result: CaseResult) -> dict[str, float]:
-        return trajectory(result)
+        """The unbroken trajectory (resume cases are judged against it, not recorded)."""
+        return trajectory(result) if not result.case.params.role else {}
 
     # Stored to full precision: the figures differ in their 6th-8th significant digit between layouts
     digits = None

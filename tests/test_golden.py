@@ -1,0 +1,159 @@
+"""golden: the judge's messages, the recording policy, and numerics changes that move every layout alike -
+each passing `equivalence` (shown) and failing `golden` naming the first step that left the tolerance."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.checks.golden import judge, noisy_metrics
+from harness.spec import CaseOptions
+
+
+def _entry(values: dict[str, float], spread: float = 0.0) -> dict:
+    return {m: {"value": v, "tolerance": 4 * spread, "spread": spread, "repeats": 3, "values": [v] * 3}
+            for m, v in values.items()}
+
+
+GOLDEN = {"step01.loss": 4.8705, "step02.loss": 4.8712, "step03.loss": 4.8705, "step01.grad_norm": 0.61,
+          "step02.grad_norm": 0.60, "step03.grad_norm": 0.59, "step01.lr": 1e-3, "step02.lr": 1e-3, "step03.lr": 1e-3,
+          "step01.num_zeros": 0.0, "step02.num_zeros": 0.0, "step03.num_zeros": 0.0,
+          "param.decoder.layers.1.mlp.linear_fc1.weight": 2.6, "param.embedding.word_embeddings.weight": 1.8,
+          "exp_avg.embedding.word_embeddings.weight": 0.1}
+
+
+def _checks(measured: dict[str, float]) -> dict:
+    return {c.check: c for c in judge("golden/mcore/tiny/tp2-pp1-cp1-dp2", "tiny/fp32/steps=3", "fp32", measured,
+                                      _entry(GOLDEN))}
+
+
+def test_the_golden_trajectory_itself_passes():
+    checks = _checks(dict(GOLDEN))
+    assert checks["golden.trajectory"].passed and checks["golden.params"].passed
+    assert checks["golden.trajectory"].message.startswith("3 steps within the golden trajectory of tiny/fp32/steps=3")
+
+
+def test_the_first_step_that_left_the_tolerance_is_named_with_the_largest_parameter_change():
+    measured = dict(GOLDEN)
+    measured["step03.loss"] = 4.8712  # rel 1.4e-4
+    measured["step02.grad_norm"] = 0.6001  # rel 1.7e-4: step 2 is the first
+    measured["param.decoder.layers.1.mlp.linear_fc1.weight"] = 2.6 * (1 + 3.1e-3)
+    checks = _checks(measured)
+    trajectory = checks["golden.trajectory"]
+    assert trajectory.failed
+    assert trajectory.message == ("step 2: grad_norm 0.6001 vs golden 0.6 (rel 1.7e-04 > 1e-05); largest parameter "
+                                  "change: decoder.layers.1.mlp.linear_fc1.weight norm rel 3.1e-03")
+    assert checks["golden.params"].failed
+    assert checks["golden.params"].message.startswith("after the last step: 1 of 3 fingerprints left the golden "
+                                                      "values; param.decoder.layers.1.mlp.linear_fc1.weight")
+
+
+def test_counts_and_the_learning_rate_are_exact():
+    measured = dict(GOLDEN, **{"step01.num_zeros": 1.0})
+    assert _checks(measured)["golden.trajectory"].message.startswith("step 1: num_zeros 1 vs golden 0")
+    measured = dict(GOLDEN, **{"step03.lr": 1.0000001e-3})
+    assert _checks(measured)["golden.trajectory"].message.startswith("step 3: lr")
+
+
+def test_a_non_finite_figure_fails():
+    measured = dict(GOLDEN, **{"step01.loss": float("nan")})
+    assert _checks(measured)["golden.trajectory"].message.startswith("step 1: loss nan vs golden 4.8705")
+
+
+def test_a_step_the_run_did_not_report_fails():
+    measured = {m: v for m, v in GOLDEN.items() if m != "step03.grad_norm"}
+    assert "the run reported no step03.grad_norm" in _checks(measured)["golden.trajectory"].message
+
+
+def test_a_trajectory_that_does_not_repeat_is_refused_at_recording():
+    samples = {"tiny/fp32/steps=12": {"step01.loss": [4.87, 4.87, 4.8705], "step01.num_zeros": [0.0, 0.0, 1.0],
+                                       "step02.loss": [4.8700001, 4.87, 4.87]}}
+    noisy = noisy_metrics(samples)
+    assert len(noisy) == 2, noisy
+    assert noisy[0].startswith("tiny/fp32/steps=12 step01.loss: spread 0.0005 over 3 runs (layouts x repeats) > 0.0001")
+    assert "step01.num_zeros: spread 1 over 3 runs (layouts x repeats) > 0 (a count)" in noisy[1]
+
+
+def test_tolerances_are_measured_and_floored_by_dtype():
+    from harness.checks.golden import RTOL, tolerance
+
+    assert tolerance("step01.loss", [4.87, 4.8700002, 4.8700001]) == pytest.approx(8e-7)
+    bf16 = judge("c", "tiny/bf16/steps=3", "bf16", dict(GOLDEN, **{"step01.loss": 4.8705 * (1 + RTOL["bf16"] / 2)}),
+                 _entry(GOLDEN))
+    assert all(c.passed for c in bf16)
+
+
+# -- planted numerics changes, on real ranks -----------------------------------------------------------
+
+FAULTS = ["AdamBeta1Changed", "InitStdChanged", "LayerNormEpsChanged", "LossPerMicrobatch", "ClippingOff"]
+
+
+def _golden_options() -> CaseOptions:
+    """The options the golden suite runs with (its cases' own), for equivalence to run the same config."""
+    from harness.models import load_model
+    from harness.spec import Layout
+    from harness.suites.golden import GoldenSuite
+
+    case = GoldenSuite().cases(load_model("tiny"), 2, [Layout(dp=2)])[0]
+    return case.options
+
+
+@pytest.fixture(scope="module")
+def golden_dir(tmp_path_factory):
+    from harness.baselines import record_suite
+
+    directory = tmp_path_factory.mktemp("golden-baselines")
+    record_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1"], baselines_dir=str(directory),
+                 backend="gloo")
+    return directory
+
+
+@pytest.mark.slow
+def test_the_unchanged_engine_passes_on_another_layout(golden_dir):
+    from harness.driver import run_suite
+
+    run = run_suite("golden", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo", baselines_dir=str(golden_dir))
+    assert run.passed, [c.message for c in run.checks if c.failed]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_change_that_moves_every_layout_alike_passes_equivalence_and_fails_golden(golden_dir, fault):
+    from harness.driver import run_suite
+
+    engine = f"tests.faulty_engines:{fault}"
+    same = run_suite("equivalence", "tiny", 2, ["tp1-pp2-cp1-dp1"], engine=engine, backend="gloo",
+                     options=_golden_options())
+    assert same.passed, [c.message for c in same.checks if c.failed]
+    run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], engine=engine, backend="gloo",
+                    baselines_dir=str(golden_dir))
+    checks = {c.check: c for c in run.checks}
+    assert checks["golden.trajectory"].failed, checks["golden.trajectory"].message
+    assert checks["golden.params"].failed
+    msg = checks["golden.trajectory"].message
+    assert msg.startswith("step ") and " vs golden " in msg and "; largest parameter change: " in msg, msg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["OptimizerStateNotRestored", "StepCounterReset"])
+def test_a_resume_that_loses_optimizer_state_fails_at_the_first_step_after_the_load(golden_dir, fault):
+    from harness.driver import run_suite
+
+    run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], engine=f"tests.faulty_engines:{fault}", backend="gloo",
+                    baselines_dir=str(golden_dir), suite_params={"formats": ("dp_reshardable",)})
+    checks = {(c.check, c.case_id): c for c in run.checks}
+    unbroken = [c for (name, _), c in checks.items() if name == "golden.trajectory" and "role=" not in c.case_id]
+    assert unbroken and all(c.passed for c in unbroken)  # the fault is in the load alone
+    resume = [c for (name, _), c in checks.items() if name == "golden.resume"]
+    assert len(resume) == 1 and resume[0].failed
+    assert resume[0].message.startswith("resumed at tp1-pp1-cp1-dp2 from a dp_reshardable checkpoint saved after "
+                                        "step 6: step 8: "), resume[0].message
+
+
+@pytest.mark.slow
+def test_resume_passes_for_every_format_and_at_another_layout(golden_dir):
+    from harness.driver import run_suite
+
+    run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", baselines_dir=str(golden_dir))
+    resume = [c for c in run.checks if c.check == "golden.resume"]
+    assert {c.case_id.split("/")[3] for c in resume} == {"tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1"}
+    assert len(resume) == 3 and all(c.passed for c in resume), [c.message for c in resume if c.failed]
