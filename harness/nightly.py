@@ -10,7 +10,7 @@ from typing import Callable
 
 from harness.errors import BadInput
 
-SUITES = ("equivalence", "grad-sync", "ckpt-memory", "dynamic-cp", "step-perf", "peft-ckpt", "train-memory")
+SUITES = ("equivalence", "grad-sync", "ckpt-memory", "dynamic-cp", "step-perf", "peft-ckpt", "train-memory", "golden")
 # R2: every construction path; R4: LoRA adapters exist on the megatron-bridge path only
 PATHS = {"grad-sync": ("mcore", "megatron-bridge", "mbridge"), "peft-ckpt": ("megatron-bridge",)}
 DEFAULT_MODELS = {"gloo": ("default", "small"), "nccl": ("default", "small", "1b-2k")}

@@ -47,7 +47,7 @@ def test_the_first_step_that_left_the_tolerance_is_named_with_the_largest_parame
                                                       "values; param.decoder.layers.1.mlp.linear_fc1.weight")
 
 
-def test_counts_and_the_learning_rate_are_exact():
+def test_the_learning_rate_is_exact_and_a_zero_count_of_zero_too():
     measured = dict(GOLDEN, **{"step01.num_zeros": 1.0})
     assert _checks(measured)["golden.trajectory"].message.startswith("step 1: num_zeros 1 vs golden 0")
     measured = dict(GOLDEN, **{"step03.lr": 1.0000001e-3})
@@ -65,12 +65,13 @@ def test_a_step_the_run_did_not_report_fails():
 
 
 def test_a_trajectory_that_does_not_repeat_is_refused_at_recording():
-    samples = {"tiny/fp32/steps=12": {"step01.loss": [4.87, 4.87, 4.8705], "step01.num_zeros": [0.0, 0.0, 1.0],
-                                       "step02.loss": [4.8700001, 4.87, 4.87]}}
+    samples = {"tiny/fp32/steps=12": {"step01.loss": [4.87, 4.87, 4.8705], "step01.lr": [1e-3, 1e-3, 1.1e-3],
+                                       "step02.loss": [4.8700001, 4.87, 4.87],
+                                       "step01.num_zeros": [812345.0, 812346.0, 812345.0]}}
     noisy = noisy_metrics(samples)
     assert len(noisy) == 2, noisy
     assert noisy[0].startswith("tiny/fp32/steps=12 step01.loss: spread 0.0005 over 3 runs (layouts x repeats) > 0.0001")
-    assert "step01.num_zeros: spread 1 over 3 runs (layouts x repeats) > 0 (a count)" in noisy[1]
+    assert "step01.lr: spread 0.0001 over 3 runs (layouts x repeats) > 0 (set, not computed)" in noisy[1]
 
 
 def test_tolerances_are_measured_and_floored_by_dtype():

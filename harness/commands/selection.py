@@ -33,7 +33,7 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
         p.add_argument("--engine", action="append", help="A then B (twice), or the engine of both sides (once)")
     else:
         p.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp, step-perf, "
-                                                      "peft-ckpt, train-memory, or package.module:Suite")
+                                                      "peft-ckpt, train-memory, golden, or package.module:Suite")
     p.add_argument("--model", default=None, help="model spec (default: the suite's CPU model, tiny or small)")
     p.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, help="ranks per case (default 4)")
     p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")
