@@ -190,8 +190,14 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
              "cases": {k: {"step": vars(s), "exposed": vars(c), "counters_differ": d,
                            "samples_a": samples_a[k].step_ms, "samples_b": samples_b[k].step_ms}
                        for k, (s, c, d) in verdicts.items()}}, indent=1))
+    different = [key for key, (_, _, diffs) in verdicts.items() if diffs]
     if slower:
         print(f"B is slower than A beyond {effect:.0%} (significant) on {len(slower)} case(s): {', '.join(slower)}")
+    if different:
+        # exact counters (FLOPs, collective calls and bytes) are not noise: B does other work than A
+        print(f"B does different work than A on {len(different)} case(s): its exact counters differ "
+              f"({', '.join(different)})")
+    if slower or different:
         return 1
-    print("B is not significantly slower than A beyond the minimum effect on any case")
+    print("B is not significantly slower than A beyond the minimum effect on any case, and does the same work")
     return 0

@@ -368,3 +368,52 @@ def test_costly_instrumentation_fails_the_overhead_check_and_the_engine_alone_do
     assert not checks["mcore"].failed, checks["mcore"].message
     costly = checks["tests.faulty_engines:CostlyInstrumentation"]
     assert costly.failed and costly.message.startswith("the harness's instrumentation costs +"), costly.message
+
+
+# -- exposed communication ------------------------------------------------------------------------------------
+
+def _result_with_exposed(step_ms: list[float], exposed_ms: list[float]):
+    from harness.launch.results import CaseResult, RankResult
+    from harness.probes.timers import StepTiming
+    from harness.spec import Case
+
+    steps = [StepTiming(s / 1000, s / 1000, {"forward": s / 3000, "grad-sync": e / 1000})
+             for s, e in zip(step_ms, exposed_ms)]
+    case = Case("step-perf", load_model("tiny"), Layout(), "mcore", CaseOptions(steps=len(step_ms)))
+    return CaseResult(case, [RankResult(0, data={"steps": steps, "calibration": [0.001]})], "ok")
+
+
+def _exposed_entry(step_ms: float, exposed_ms: float) -> dict:
+    wiggle = [-2.0, -1.0, 0.0, 1.0, 2.0] * 4
+    return {"step_time_ms": {"value": step_ms, "values": [step_ms] * 3, "samples": [step_ms + w for w in wiggle]},
+            "exposed_comm_ms": {"value": exposed_ms, "values": [exposed_ms] * 3,
+                                "samples": [max(0.0, exposed_ms + w / 10) for w in wiggle]}}
+
+
+@pytest.mark.parametrize("base_exposed,exposed,status", [
+    (0.0, 0.0, "pass"),  # no exposed communication at all: nothing to divide by, nothing grew
+    (1.0, 0.0, "pass"),
+    (0.0, 100.0, "fail"),  # from none to a fifth of the step
+    (1.0, 100.0, "fail"),
+])
+def test_exposed_communication_grown_alone_fails_and_zero_is_judged(base_exposed, exposed, status):
+    """The step did not grow (its compute got faster by as much): the exposed-communication branch."""
+    from harness.checks.step_perf import _check_time
+    from harness.suites.step_perf import StepPerfParams, StepPerfSuite
+
+    wiggle = [-2.0, -1.0, 0.0, 1.0, 2.0] * 3
+    res = _result_with_exposed([500 + w for w in wiggle], [max(0.0, exposed + w / 10) for w in wiggle])
+    check = _check_time(StepPerfSuite(), res, _exposed_entry(500.0, base_exposed), StepPerfParams(min_effect=0.15))
+    assert check.status == status, check.message
+    if status == "fail":
+        assert re.match(r"tp1-pp1-cp1-dp1: exposed communication grew by (99|100)\.\d ms \(> 15% of the 500\.0 ms "
+                        r"step\): ", check.message), check.message
+
+
+@pytest.mark.slow
+def test_a_serialised_reduction_fails_naming_the_exposed_communication(recorded):
+    run, checks = _run("tests.faulty_engines:SerialisedReduction", recorded[0])
+    msg = checks["step-perf.time"].message
+    assert checks["step-perf.time"].failed and "step time regressed" in msg, msg
+    assert re.search(r"exposed communication grew by [\d.]+ ms of the [\d.]+ ms: the step waits for the DP reduction",
+                     msg), msg

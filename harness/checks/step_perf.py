@@ -159,14 +159,18 @@ def _check_time(suite: StepPerfSuite, res: CaseResult, entry: dict, params: Step
                            f"(harness compare)", rows, value=step.ratio, data=data)
     if drift > step.min_effect:
         rows.append(f"  the baseline's repeats differ by x{1 + drift:.2f}: only a change beyond that is judged")
+    comm_growth = comm.median_b - comm.median_a
     if step.slower:
         msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "
                f"(compute {mine:.0f} ms vs {others:.0f} ms)")
+        step_growth = step.median_b - step.median_a
+        if comm.slower and comm_growth > 0.5 * step_growth:  # the step waits for what it used to overlap
+            msg += (f"; exposed communication grew by {comm_growth:.1f} ms of the {step_growth:.1f} ms: the step "
+                    f"waits for the DP reduction (serialised, or overlap lost)")
         return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
     # Exposed communication is a few ms with a heavy tail on CPU ranks: it fails only when its growth is
     # also a real share of the step (the minimum effect of the baseline's step median), not 4 ms of
-    # scheduling noise on a 2-core machine.
-    comm_growth = comm.median_b - comm.median_a
+    # scheduling noise on a 2-core machine. A step that did not grow with it ran its compute faster.
     if comm.slower and comm_growth > comm.min_effect * step.median_a:
         msg = (f"{res.case.layout.id}: exposed communication grew by {comm_growth:.1f} ms "
                f"(> {comm.min_effect:.0%} of the {step.median_a:.1f} ms step): {comm.describe()}")

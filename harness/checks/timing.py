@@ -79,12 +79,25 @@ def compare_samples(baseline: list[float], measured: list[float], min_effect: fl
     rng = np.random.default_rng(seed)
     ra = np.median(rng.choice(a, (BOOTSTRAP_RESAMPLES, len(a))), axis=1)
     rb = np.median(rng.choice(b, (BOOTSTRAP_RESAMPLES, len(b))), axis=1)
-    ratios = rb / ra
+    ratios = _ratio(rb, ra)
     tail = (1 - CONFIDENCE) / 2
     low, high = (float(x) for x in np.quantile(ratios, [tail, 1 - tail]))
-    p_slower = float(stats.mannwhitneyu(b, a, alternative="greater").pvalue)
-    p_faster = float(stats.mannwhitneyu(b, a, alternative="less").pvalue)
-    return Comparison(med_b / med_a, low, high, p_slower, p_faster, len(a), len(b), med_a, med_b, min_effect, alpha)
+    if np.ptp(np.concatenate([a, b])) == 0:  # every sample the same (e.g. no exposed communication at all)
+        p_slower = p_faster = 1.0
+    else:
+        p_slower = float(stats.mannwhitneyu(b, a, alternative="greater").pvalue)
+        p_faster = float(stats.mannwhitneyu(b, a, alternative="less").pvalue)
+    return Comparison(float(_ratio(np.float64(med_b), np.float64(med_a))), low, high, p_slower, p_faster, len(a),
+                      len(b), med_a, med_b, min_effect, alpha)
+
+
+def _ratio(b, a):
+    """b / a where a zero median of A (a figure that was 0: no exposed communication) reads x1 against a zero
+    B and infinitely slower against anything more."""
+    import numpy as np
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(a > 0, b / np.where(a > 0, a, 1.0), np.where(b > 0, np.inf, 1.0))
 
 
 def minimum_detectable_effect(samples: list[float], n_measured: int, *, alpha: float = ALPHA, power: float = 0.9,
@@ -94,7 +107,7 @@ def minimum_detectable_effect(samples: list[float], n_measured: int, *, alpha: f
     test, asymptotic relative efficiency 3/pi against the t-test); at least `floor` (the minimum effect)."""
     from scipy import stats
 
-    if len(samples) < 3:
+    if len(samples) < 3 or statistics.median(samples) <= 0:  # nothing to be a fraction of
         return math.inf
     sd = statistics.stdev(samples)
     med = statistics.median(samples)
