@@ -193,9 +193,34 @@ class _DispatchRecorder(TorchDispatchMode):
                 if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
                     group = dist.ProcessGroup.unbox(a)
                     break
-            op = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
-            self.recorder._record(op, group, _tensor_groups(args), "dispatch")
+            self.recorder._record(_op_name(func), group, _tensor_groups(args), "dispatch")
+        elif func.namespace in FUNCTIONAL_NAMESPACES and kind_of(_op_name(func)) in _KINDS.values():
+            # (not their bookkeeping ops: wait_tensor, _wrap_tensor_autograd)
+            # torch's functional collectives (DTensor, FSDP2): the group is named by a string argument
+            group = _functional_group(args, kwargs or {})
+            self.recorder._record(_op_name(func), group, _tensor_groups(args), "dispatch")
         return func(*args, **(kwargs or {}))
+
+
+# the ops of torch.distributed._functional_collectives (the legacy namespace without the underscore too)
+FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+def _op_name(func) -> str:
+    return func._opname if isinstance(getattr(func, "_opname", None), str) else str(func).split(".")[-2]
+
+
+def _functional_group(args, kwargs) -> dist.ProcessGroup | None:
+    """The process group a functional collective names (its group_name string argument)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    names = [a for a in (*args, *kwargs.values()) if isinstance(a, str)]
+    for name in reversed(names):  # the group name is the last string argument (a reduce op comes before it)
+        try:
+            return _resolve_process_group(name)
+        except (RuntimeError, ValueError, KeyError):
+            continue
+    return None
 
 
 @contextlib.contextmanager
