@@ -1,4 +1,5 @@
-"""The `harness` command. Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 5 nothing judged,
+"""The `harness` command. Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 3 cases errored and no
+check failed (the run could not measure), 5 nothing judged,
 143 / 130 interrupted by SIGTERM / Ctrl-C (finished cases kept). Each subcommand is a module of
 harness/commands/ (its flags and its body); this module builds the parser and runs one."""
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness.errors import BadInput
+from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_PASS
 
 SUITES = ("equivalence", "grad-sync", "ckpt-memory", "dynamic-cp", "step-perf", "peft-ckpt", "train-memory", "golden")
 # R2: every construction path; R4: LoRA adapters exist on the megatron-bridge path only
@@ -74,6 +75,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     prepare_out_dir(out)
     say(f"nightly: {len(items)} runs at world size {world} ({backend}) into {out}")
     t0, rows, passed, stop, judged = time.monotonic(), [], True, None, False
+    failing: list[str] = []  # the verdicts of the runs that did not pass
     for i, item in enumerate(items, 1):
         say(f"== run {i}/{len(items)} ({format_clock(time.monotonic() - t0)} elapsed): "
             f"{item.suite} {item.model} {item.engine}")
@@ -89,6 +91,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
                  "backend": backend, "cases": [], "checks": [], "passed": False, "verdict": "nothing judged",
                  "nothing_judged": reason}))
             passed = False
+            failing.append("nothing judged")
             rows.append([item.suite, item.model, item.engine, "NOTHING JUDGED", "-", reason[:100]])
             say(f"   nothing judged: {reason}")
             continue
@@ -98,6 +101,8 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
         cannot = run.verdict == "nothing judged" and bool(run.results) and not run.errors and \
             all(r.case.skip or not r.skipped for r in run.results)  # skipped for the world size, not a missing package
         passed &= run.passed or cannot
+        if not (run.passed or cannot):
+            failing.append(run.verdict)
         judged |= bool(run.conclusive)
         rows.append([item.suite, item.model, item.engine, "pass" if run.passed else
                      "NOT JUDGED HERE" if cannot else run.verdict.upper(),
@@ -119,4 +124,9 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
           f"{format_clock(time.monotonic() - t0)} in all" + (f"; INTERRUPTED ({stop})" if stop else ""))
     if not judged and not stop:
         print("nightly: NOTHING JUDGED - no run could judge anything at this world size; this is not a pass")
-    return stop.exit_code if stop else 0 if passed and judged else 1
+    if stop:
+        return stop.exit_code
+    if passed and judged:
+        return EXIT_PASS
+    # every run that did not pass only errored: the environment could not measure, no code regressed
+    return EXIT_ERRORED if failing and all(v == "errored" for v in failing) else EXIT_FAIL

@@ -5,9 +5,11 @@
 # "inconclusive": every check of the case ran but none could tell right from wrong here (e.g. fsdp2's
 # sharded and full saves write the same files at one rank) - neither a pass nor a failure.
 OUTCOMES = ("pass", "regression", "improvement", "error", "skipped", "inconclusive", "unjudged")
-# Exit codes of `harness run` / `baselines check` / `nightly`. 5 = nothing judged: every case skipped or
-# no check ran, the analogue of pytest's "no tests collected".
-EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_NOTHING_JUDGED = 0, 1, 2, 5
+# Exit codes of `harness run` / `baselines check` / `nightly`. 3 = could not measure: cases errored (a
+# rank died, a module missing in the engine's environment) and no check failed - the environment's owner is
+# paged, not the code's. 5 = nothing judged: every case skipped or no check ran, the analogue of pytest's
+# "no tests collected".
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_ERRORED, EXIT_NOTHING_JUDGED = 0, 1, 2, 3, 5
 
 
 def check_failed(check: dict) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 from harness.checks import CheckResult
 from harness.errors import Interrupted
 from harness.launch.results import CaseResult
-from harness.outcomes import EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
+from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
 from harness.suites import Suite
 
 
@@ -79,18 +79,21 @@ class SuiteRun:
 
     @property
     def verdict(self) -> str:
-        """'pass', 'fail' (a check failed, a case errored or went unjudged), 'nothing judged' (no check
-        could judge anything: every case skipped or inconclusive, or none planned) or 'interrupted'
-        (stopped early by a signal)."""
+        """'pass', 'fail' (a check failed or a case went unjudged), 'errored' (cases could not run - a rank
+        died, a module is missing - and nothing that ran failed), 'nothing judged' (no check could judge
+        anything: every case skipped or inconclusive, or none planned) or 'interrupted' (stopped early by a
+        signal)."""
         if self.interrupted is not None:
             return "interrupted"
         if not self.conclusive and not self.errors:
             return "nothing judged"
         outcomes = self.outcomes()
-        if all(o.outcome in ("pass", "skipped", "inconclusive") for o in outcomes) and \
-                not any(c.failed for c in self.checks):
-            return "pass"
-        return "fail"
+        errored = {o.result.case.id for o in outcomes if o.outcome == "error"}
+        # a case that errored fails its `<suite>.run` check; only the other failures are the code's
+        failed = [c for c in self.checks if c.failed and c.case_id not in errored]
+        if failed or any(o.outcome in ("regression", "improvement", "unjudged") for o in outcomes):
+            return "fail"
+        return "errored" if errored else "pass"
 
     @property
     def conclusive(self) -> list[CheckResult]:
@@ -125,7 +128,8 @@ class SuiteRun:
     def exit_code(self) -> int:
         if self.interrupted is not None:
             return self.interrupted.exit_code
-        return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "nothing judged": EXIT_NOTHING_JUDGED}[self.verdict]
+        return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "errored": EXIT_ERRORED,
+                "nothing judged": EXIT_NOTHING_JUDGED}[self.verdict]
 
     @property
     def errors(self) -> list[str]:

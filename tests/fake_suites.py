@@ -171,3 +171,16 @@ class AllBlind(Blind):
         from harness.checks import cannot_tell
 
         return [cannot_tell("all-blind.sees", r.case.id, "both answers look alike at this size") for r in results]
+
+
+class BrokenEnvironment(Mixed):
+    """Three cases: two pass, one errors (a rank raises, as a module missing in the engine's environment
+    would) - the run could not measure everything, and nothing regressed."""
+
+    name = "broken-environment"
+
+    def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
+        from harness.spec import Case, CaseOptions, Layout
+
+        return [Case("tests.fake_suites:BrokenEnvironment", model, Layout(dp=world_size), engine,
+                     CaseOptions(seed=100 * i + mode), backend, 60.0) for i, mode in enumerate((PASS, ERROR, PASS))]

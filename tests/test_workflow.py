@@ -149,3 +149,33 @@ def test_a_run_whose_every_check_cannot_tell_judged_nothing(tmp_path, capsys):
     assert "all-blind: 0 checks passed, 0 failed, 2 inconclusive" in out and "NOTHING JUDGED" in out
     results = json.loads((tmp_path / "results.json").read_text())
     assert (results["passed"], results["verdict"]) == (False, "nothing judged")
+
+
+def test_cases_that_errored_without_a_failed_check_exit_3_not_1(tmp_path, capsys):
+    """A broken environment (a case errored) and a regression are told apart: exit 3 and verdict 'errored'."""
+    code = cli.main(["run", "--suite", "tests.fake_suites:BrokenEnvironment", "--world-size", "2",
+                     "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 3, out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["verdict"], results["exit_code"]) == ("errored", 3)
+    assert [c["outcome"] for c in results["cases"]] == ["pass", "error", "pass"]
+    assert cli.main(["report", str(tmp_path)]) == 0
+    suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
+    assert (suite.get("errors"), suite.get("failures")) == ("1", "0")
+    # one regression beside the error: the code's failure decides
+    code = cli.main(["run", "--suite", "tests.fake_suites:Mixed", "--world-size", "2"])
+    assert code == 1
+
+
+def test_a_nightly_whose_runs_only_errored_exits_3(tmp_path, capsys, monkeypatch):
+    from harness import driver, nightly
+
+    real = driver.run_suite
+    monkeypatch.setattr("harness.driver.run_suite", lambda suite, *a, **k: real("tests.fake_suites:BrokenEnvironment",
+                                                                               *a, **k))
+    monkeypatch.setattr("harness.driver.plan", lambda *a, **k: None)
+    code = nightly.run_nightly(tmp_path, ["equivalence"], ["tiny"], 2, "gloo", None, lambda msg: None)
+    out = capsys.readouterr().out
+    assert code == 3, out
+    assert "ERRORED" in out
