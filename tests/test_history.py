@@ -140,7 +140,8 @@ def test_show_names_the_night_the_versions_and_the_bisect_command(history, tmp_p
     assert "change at 2026-10-21" in out, out
     assert "last night before 2026-10-20, first after 2026-10-21; changed: megatron-core 0.16.0 -> 0.16.1" in out
     assert ("harness bisect --package megatron-core 0.16.0..0.16.1 --suite ckpt-memory --model small --world-size 4 "
-            "--layout tp1-pp1-cp1-dp4 --engine mcore --metric rank0.save_heap_peak_mib --max ") in out
+            "--layout tp1-pp1-cp1-dp4 --ckpt-format dp_reshardable --engine mcore --metric rank0.save_heap_peak_mib "
+            "--max ") in out
     pngs = list(plots.glob("*.png"))
     assert len(pngs) == 1 and pngs[0].stat().st_size > 1000
     assert cli.main(["history", "show", "--metric", "rank0.save_heap_peak_mib", "--db", str(db),
@@ -185,3 +186,69 @@ def test_show_refuses_an_unwritable_plots_directory(history, tmp_path, capsys):
                      "--plots", "/proc/forbidden"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--plots /proc/forbidden: cannot write there" in err[0], err
+
+
+# -- the printed bisect command reproduces the case --------------------------------------------------------
+
+def _planned_ids(command: str) -> set[str]:
+    """The case ids `harness bisect` would plan from a printed command (parsed by the harness's own parser)."""
+    import shlex
+
+    from harness.commands.selection import CaseSelection
+    from harness.driver import plan
+
+    args = cli.build_parser().parse_args(shlex.split(command)[1:])
+    sel = CaseSelection.from_args(args)
+    _, cases = plan(sel.suite, sel.model, sel.world_size, sel.layout_ids, engine=sel.engine, backend="gloo",
+                    options=sel.options, suite_params=sel.suite_params)
+    return {c.id for c in cases}
+
+
+@pytest.mark.parametrize("suite,layout,pick", [
+    ("ckpt-memory", "tp1-pp1-cp1-dp4", "ckpt_format=fully_reshardable"),
+    ("step-perf", "tp1-pp1-cp1-dp4", "use_distributed_optimizer=True,bucket_size"),
+])
+def test_the_printed_bisect_command_selects_the_same_case(suite, layout, pick):
+    from harness.driver import plan
+    from harness.history.changes import Change
+    from harness.history.show import bisect_commands
+
+    _, cases = plan(suite, "small", 4, [layout], backend="gloo")
+    case_id = next(c.id for c in cases if pick in c.id and "ckpt_role" not in c.id and "fully_parallel" not in c.id
+                   and "async" not in c.id)
+    (command,) = bisect_commands(case_id, "rank0.flops", 4, Change("step", 10, 100.0, 110.0),
+                                 {"megatron-core": ("0.16.0", "0.16.1")})
+    assert _planned_ids(command) == {case_id}, command  # that case alone: no other case's figure decides
+
+
+def test_a_timed_metric_is_bisected_with_a_relative_effect_and_every_changed_package_gets_one():
+    from harness.history.changes import Change
+    from harness.history.show import bisect_commands
+
+    commands = bisect_commands("step-perf/mcore/small/tp1-pp1-cp1-dp4[steps=20]", "step_time_ms", 4,
+                               Change("step", 10, 500.0, 600.0),
+                               {"transformers": ("4.1", "4.2"), "megatron-core": ("0.16.0", "0.16.1"),
+                                "harness_commit": ("abc", "def")})
+    assert len(commands) == 2
+    assert commands[0].startswith("harness bisect --package megatron-core 0.16.0..0.16.1 ")  # the engine's first
+    assert commands[1].startswith("harness bisect --package transformers 4.1..4.2 ")
+    assert all(c.endswith("--metric step_time_ms --max baseline+10%") for c in commands), commands
+
+
+def test_runs_of_another_label_are_another_series(tmp_path, capsys):
+    """Nights of a second configuration (label 'bf16', 30% lower) must not read as a change of the first."""
+    root = tmp_path / "nightly"
+    for night in range(20):
+        path = _results(root, night, 100.0 + 0.01 * night, "0.16.0")
+        if night % 2:
+            data = json.loads(path.read_text())
+            data["label"], data["cases"][0]["samples"]["rank0.save_heap_peak_mib"] = "bf16", 70.0 + 0.01 * night
+            path.write_text(json.dumps(data))
+    db = tmp_path / "h.sqlite"
+    assert cli.main(["history", "ingest", str(root), "--db", str(db)]) == 0
+    capsys.readouterr()
+    assert cli.main(["history", "show", "--metric", "rank0.save_heap_peak_mib", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "change at" not in out and "creep" not in out, out
+    rows = [line for line in out.splitlines() if line.startswith("cpu-gloo")]
+    assert len(rows) == 2 and rows[0].split()[1] == "-" and rows[1].split()[1] == "bf16", out

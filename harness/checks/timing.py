@@ -23,6 +23,9 @@ BOOTSTRAP_RESAMPLES = 2000
 # median ratios 0.92-1.14 (sd of log ratio 0.014-0.054); at 10% one run in 10 false-alarmed (x1.141),
 # hence 15% on CPU. Interleaved A/B runs (harness compare) cancel the drift: MIN_EFFECT_INTERLEAVED.
 MIN_EFFECT = {"cpu": 0.15, "gpu": 0.05}
+# the figures judged by these statistics against stored samples (step-perf), where `harness bisect --max`
+# takes a relative effect (baseline+P%), not an absolute threshold
+TIMED_METRICS = ("step_time_ms", "exposed_comm_ms")
 MIN_EFFECT_INTERLEAVED = {"cpu": 0.05, "gpu": 0.03}
 
 

@@ -63,6 +63,25 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
                         "CPU, 0.05 on GPU; compare, interleaved: 0.05 / 0.03)")
 
 
+# case-id fields of the suites' own parameters that a flag sets (`Case.variant` names them by field)
+_VARIANT_PARAM_FLAGS = {"ckpt_format": "--ckpt-format", "fully_parallel_save": "--fully-parallel-save",
+                        "async_save": "--async-save", "overhead": "--overhead"}
+
+
+def variant_argv(variant: str) -> list[str]:
+    """The flags that select a case's variant again (`Case.variant`, e.g. 'use_distributed_optimizer=True,
+    ckpt_format=dp_reshardable'); fields without a flag are the suite's own settings, which it plans again."""
+    flags = {**{name: flag for flag, name, _ in _OPTION_FLAGS}, **_VARIANT_PARAM_FLAGS}
+    out: list[str] = []
+    for part in filter(None, variant.split(",")):
+        name, _, value = part.partition("=")
+        flag = flags.get(name)
+        if flag is None or value == "False":
+            continue
+        out += [flag] if value == "True" else [flag, value]
+    return out
+
+
 @dataclass(frozen=True)
 class CaseSelection:
     """A suite's cases as the user selected them. `suite_params` holds only the per-suite parameters the

@@ -21,26 +21,41 @@ def changed_between(a: Point, b: Point) -> dict[str, tuple[str | None, str | Non
 
 
 def case_selection(case_id: str) -> dict[str, str]:
-    """suite / engine / model / layout of a case id `suite/engine/model/layout[options]`."""
+    """suite / engine / model / layout / variant of a case id `suite/engine/model/layout[variant]`."""
     suite, engine, model, rest = case_id.split("/", 3)
-    return {"suite": suite, "engine": engine, "model": model, "layout": re.sub(r"\[.*$", "", rest)}
+    m = re.fullmatch(r"([^\[]*)(?:\[(.*)\])?", rest)
+    return {"suite": suite, "engine": engine, "model": model, "layout": m.group(1), "variant": m.group(2) or ""}
 
 
-def bisect_command(case_id: str, metric: str, world_size: int | None, change: Change,
-                   diff: dict[str, tuple[str | None, str | None]]) -> str | None:
-    """`harness bisect --package NAME A..B ...` for the first package whose version changed, with the
-    midpoint of the values before and after as the threshold; None when no package changed."""
-    packages = [(k, ab) for k, ab in diff.items() if k not in NOT_BISECTABLE and all(ab)]
-    if not packages:
-        return None
-    name, (a, b) = packages[0]
+# the distribution most likely behind a change, when several changed between two nights: the engine's
+LIKELY_FIRST = ("megatron-core", "megatron-bridge", "mbridge", "transformer-engine", "torch")
+
+
+def bisect_commands(case_id: str, metric: str, world_size: int | None, change: Change,
+                    diff: dict[str, tuple[str | None, str | None]]) -> list[str]:
+    """One `harness bisect --package NAME A..B ...` per package whose version changed (the engine's first),
+    selecting the case again (its layout and variant) with a threshold between the values before and after:
+    absolute for an exact figure, `baseline+P%` for a timed one (bisect judges those by statistics)."""
+    from harness.checks.timing import TIMED_METRICS
+    from harness.commands.selection import variant_argv
+
+    packages = sorted(((k, ab) for k, ab in diff.items() if k not in NOT_BISECTABLE and all(ab)),
+                      key=lambda p: (LIKELY_FIRST.index(p[0]) if p[0] in LIKELY_FIRST else len(LIKELY_FIRST), p[0]))
     sel = case_selection(case_id)
-    argv = ["harness", "bisect", "--package", name, f"{a}..{b}", "--suite", sel["suite"], "--model", sel["model"],
-            *(["--world-size", str(world_size)] if world_size else []), "--layout", sel["layout"],
-            "--engine", sel["engine"], "--metric", metric, "--max", f"{(change.before + change.after) / 2:.6g}"]
-    if change.after < change.before:  # the metric fell: the search is for the first good candidate
-        argv.append("--find-fix")
-    return shlex.join(argv)
+    middle = (change.before + change.after) / 2
+    if metric in TIMED_METRICS:
+        threshold = f"baseline+{abs(middle / change.before - 1) * 100:.3g}%"
+    else:
+        threshold = f"{middle:.6g}"
+    out = []
+    for name, (a, b) in packages:
+        argv = ["harness", "bisect", "--package", name, f"{a}..{b}", "--suite", sel["suite"], "--model", sel["model"],
+                *(["--world-size", str(world_size)] if world_size else []), "--layout", sel["layout"],
+                *variant_argv(sel["variant"]), "--engine", sel["engine"], "--metric", metric, "--max", threshold]
+        if change.after < change.before:  # the metric fell: the search is for the first good candidate
+            argv.append("--find-fix")
+        out.append(shlex.join(argv))
+    return out
 
 
 def describe(case_id: str, metric: str, points: list[Point], changes: list[Change],
@@ -59,9 +74,11 @@ def describe(case_id: str, metric: str, points: list[Point], changes: list[Chang
             "no package version or harness commit changed: the machine or the environment did"
         lines.append(f"  change at {after.date[:10]}: {c.before:.4g} -> {c.after:.4g} ({(c.ratio - 1) * 100:+.1f}%); "
                      f"last night before {before.date[:10]}, first after {after.date[:10]}; changed: {what}")
-        cmd = bisect_command(case_id, metric, world_size, c, diff)
-        if cmd:
-            lines.append(f"    {cmd}")
+        commands = bisect_commands(case_id, metric, world_size, c, diff)
+        if len(commands) > 1:
+            lines.append(f"    {len(commands)} packages changed between the nights: one bisect each, the engine's "
+                         f"first; the one whose gate reproduces the change is responsible")
+        lines += [f"    {cmd}" for cmd in commands]
     return lines
 
 
@@ -104,21 +121,22 @@ def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | 
                        f"{f' since {since}' if since else ''}{hint}")
     world = dict(con.execute("SELECT id, world_size FROM runs"))
     rows, notes, pngs = [], [], []
-    for (platform, case_id), points in sorted(data.items()):
+    for (platform, label, case_id), points in sorted(data.items()):
         changes = detect([p.value for p in points])
         vers = sorted({p.versions.get("megatron-core", "?") for p in points})
         when = (lambda p: p.date[:16].replace("T", " ")) if points[0].date[:10] == points[-1].date[:10] \
             else (lambda p: p.date[:10])  # nights of one day (reruns) by the minute
-        rows.append([platform, case_id, str(len(points)), when(points[0]), when(points[-1]),
+        rows.append([platform, label or "-", case_id, str(len(points)), when(points[0]), when(points[-1]),
                      f"{points[-1].value:.4g}", ", ".join(vers),
                      "; ".join(f"{c.kind} {(c.ratio - 1) * 100:+.1f}%" + (f" at {points[c.index].date[:10]}"
                                                                             if c.kind == "step" else "")
                                for c in changes) or "-"])
         if changes:
-            notes.append(f"{case_id} ({platform}):")
+            notes.append(f"{case_id} ({platform}{f', label {label}' if label else ''}):")
             notes += describe(case_id, metric, points, changes, world.get(points[-1].run_id))
         if plots_dir is not None:
-            slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{platform}-{case_id}-{metric}")
+            slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{platform}-{label + '-' if label else ''}{case_id}-{metric}")
             pngs.append(plot(Path(plots_dir) / f"{slug}.png", case_id, metric, points, changes))
-    table = text_table(["platform", "case", "nights", "first", "last", "latest", "megatron-core", "changes"], rows)
+    table = text_table(["platform", "label", "case", "nights", "first", "last", "latest", "megatron-core", "changes"],
+                       rows)
     return "\n".join([f"{metric}:", table, *([""] + notes if notes else [])]), pngs

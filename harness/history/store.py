@@ -161,15 +161,17 @@ def ingest(con: sqlite3.Connection, root: Path) -> tuple[int, int]:
 
 
 def series(con: sqlite3.Connection, metric: str, case_glob: str = "*", since: str | None = None
-           ) -> dict[tuple[str, str], list[Point]]:
-    """(platform, case id) -> the metric's points, oldest first."""
+           ) -> dict[tuple[str, str, str], list[Point]]:
+    """(platform, run label, case id) -> the metric's points, oldest first. Runs of different labels (another
+    configuration of the same cases, e.g. a `--label bf16` night) are separate series ("" unlabelled)."""
     rows = con.execute(
         "SELECT r.platform, f.case_id, r.date, f.value, r.id, r.versions, r.label FROM figures f "
         "JOIN runs r ON r.id = f.run_id WHERE f.metric = ? AND f.case_id GLOB ? AND r.date >= ? "
         "ORDER BY r.date, r.id", (metric, case_glob, since or "")).fetchall()
-    out: dict[tuple[str, str], list[Point]] = {}
+    out: dict[tuple[str, str, str], list[Point]] = {}
     for platform, case_id, date, value, run_id, versions, label in rows:
-        out.setdefault((platform, case_id), []).append(Point(date, value, run_id, json.loads(versions), label))
+        out.setdefault((platform, label or "", case_id), []).append(Point(date, value, run_id, json.loads(versions),
+                                                                          label))
     return out
 
 
