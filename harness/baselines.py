@@ -224,6 +224,8 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
                            f"the variance or record on a quieter machine:\n  " + "\n  ".join(noisy))
     platform = detect_platform(backend).key
     path = baseline_path(baselines_dir, platform, suite.name)
-    provenance = {**report.versions(), "date": report.now(), "repeats": repeats}
+    from harness.platform.backend import machine_fingerprint
+
+    provenance = {**report.versions(), "date": report.now(), "repeats": repeats, "machine": machine_fingerprint(backend)}
     entries = build_entries(samples, getattr(suite, "tolerance", None), raw, getattr(suite, "digits", 3))
     return path, write(path, suite.name, platform, entries, provenance)

@@ -417,3 +417,17 @@ def test_a_serialised_reduction_fails_naming_the_exposed_communication(recorded)
     assert checks["step-perf.time"].failed and "step time regressed" in msg, msg
     assert re.search(r"exposed communication grew by [\d.]+ ms of the [\d.]+ ms: the step waits for the DP reduction",
                      msg), msg
+
+
+@pytest.mark.slow
+def test_on_another_machine_time_is_not_judged_and_counters_are(recorded, monkeypatch):
+    """A baseline's step times say nothing about the code on another machine: not a pass, not a failure."""
+    monkeypatch.setattr("harness.platform.backend.machine_fingerprint", lambda backend: "Another CPU x64")
+    run, checks = _run("tests.faulty_engines:SmallBuckets", recorded[0])  # more calls: the counters must still fail
+    time = checks["step-perf.time"]
+    assert time.inconclusive and "not judged: no baseline for this machine" in time.message
+    assert "this is Another CPU x64" in time.message and "harness compare" in time.message
+    assert checks["step-perf.counters"].failed
+    run, checks = _run("mcore", recorded[0])
+    assert checks["step-perf.counters"].passed and checks["step-perf.time"].inconclusive
+    assert run.verdict == "pass"  # the counters judged it; the time could not

@@ -18,9 +18,13 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
     from harness import baselines
     from harness.platform import detect_platform
 
+    from harness.platform.backend import machine_fingerprint
+
     out: list[CheckResult] = []
     files: dict[str, dict] = {}
+    machines: dict[str, str] = {}
     for res in results:
+        machine = machines.setdefault(res.case.backend, machine_fingerprint(res.case.backend))
         if not res.ok:
             out.append(case_failed("step-perf.run", res))
             continue
@@ -38,6 +42,15 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
                                        f"record it with: {suite.record_command(res.case)}"))
             continue
         out.append(_check_counters(suite, res, entry))
+        recorded_on = files[str(path)].get("provenance", {}).get(suite.key(res.case), {}).get("machine")
+        if recorded_on != machine:
+            out.append(cannot_tell(
+                "step-perf.time", res.case.id,
+                f"not judged: no baseline for this machine - {suite.key(res.case)} was recorded on "
+                f"{recorded_on or 'an unrecorded machine'}, this is {machine}; a step time says nothing about the "
+                f"code across machines. Judge time here with `harness compare` (A and B interleaved in one run), "
+                f"or record this machine's baseline: {suite.record_command(res.case)}"))
+            continue
         out.append(_check_time(suite, res, entry, params))
     return out
 

@@ -31,6 +31,23 @@ class Platform:
         return f"nccl-{slug}"
 
 
+def machine_fingerprint(backend: str) -> str:
+    """What a step time depends on besides the code: the CPU model and core count on gloo ranks, the GPU model
+    (and count) on NCCL ranks. Time baselines judge only the machine they were recorded on."""
+    if backend == "nccl":
+        return f"{detect_platform('nccl').device_name} x{cuda_device_count()}"
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model} x{os.cpu_count()}"
+
+
 def cuda_device_count() -> int:
     import torch
 
