@@ -124,6 +124,22 @@ def judge(a: dict[str, CaseSamples], b: dict[str, CaseSamples], min_effect: floa
     return out
 
 
+def pinned_package(args) -> tuple[str, str] | None:
+    """(name, version) of the package release B runs with (--package NAME==VERSION, or --megatron-core VERSION
+    for short), None when B is not a release; BadInput for a malformed or a doubled one."""
+    package, mcore = args.package, args.megatron_core
+    if package and mcore:
+        raise BadInput("give B once: --package NAME==VERSION or --megatron-core VERSION, not both")
+    if mcore:
+        return "megatron-core", mcore
+    if not package:
+        return None
+    name, sep, version = package.partition("==")
+    if not sep or not name.strip() or not version.strip():
+        raise BadInput(f"--package {package!r}: expected NAME==VERSION (e.g. megatron-bridge==0.3.1)")
+    return name.strip(), version.strip()
+
+
 def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
     engines = args.engine or []
     if len(engines) == 2:
@@ -132,19 +148,22 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
     if len(engines) > 2:
         raise BadInput(f"--engine given {len(engines)} times; compare takes two engines (A then B) or one")
     here = Side("A=this environment", engine, python=sys.executable)
-    if args.megatron_core:
+    pinned = pinned_package(args)
+    if pinned:
         from harness.bisect import version_env
 
+        name, version = pinned
         try:
-            python = version_env("megatron-core", args.megatron_core, cache)
+            python = version_env(name, version, cache)
         except RuntimeError as exc:
-            raise BadInput(f"--megatron-core {args.megatron_core}: {exc}") from None
-        return here, Side(f"B=megatron-core {args.megatron_core}", engine, python=python)
+            raise BadInput(f"B = {name}=={version}: {exc}") from None
+        return here, Side(f"B={name} {version}", engine, python=python)
     if args.repo:
         if not args.rev:
             raise BadInput("--repo needs --rev (the commit to compare this checkout against)")
         return here, Side(f"B={args.rev}", engine, pythonpath=["<worktree>"])
-    raise BadInput("give two engines (--engine A --engine B), or --megatron-core VERSION, or --repo PATH --rev REV")
+    raise BadInput("give two engines (--engine A --engine B), or --package NAME==VERSION (--megatron-core VERSION), "
+                   "or --repo PATH --rev REV")
 
 
 def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:

@@ -23,7 +23,8 @@ def _compare(monkeypatch, capsys, b_mean: float, b_counters: dict[str, float]) -
     a = _samples(100.0, {"rank0.flops": 1e9, "rank0.dp-cp/reduce_scatter.calls": 7.0}, 1)
     b = _samples(b_mean, b_counters, 2)
     monkeypatch.setattr(compare, "run_rounds", lambda *args, **kw: (a, b, ["A", "B"]))
-    args = argparse.Namespace(engine=["mcore", "tests.faulty_engines:SmallBuckets"], megatron_core=None, repo=None,
+    args = argparse.Namespace(engine=["mcore", "tests.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
+                              repo=None,
                               cache=None, rounds=5, steps_per_round=6, out=None)
     code = compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None)
     return code, capsys.readouterr().out
@@ -50,3 +51,26 @@ def test_a_significant_slowdown_fails_and_a_speed_up_does_not(monkeypatch, capsy
     assert got == code, out
     if code:
         assert "B is slower than A beyond 5% (significant) on 1 case(s)" in out
+
+
+def test_b_can_be_a_release_of_any_package(monkeypatch, tmp_path):
+    from harness import bisect, compare
+
+    built = []
+    monkeypatch.setattr(bisect, "version_env", lambda name, version, cache: built.append((name, version)) or "/venv/py")
+    args = argparse.Namespace(engine=None, megatron_core=None, package="megatron-bridge==0.3.1", repo=None)
+    a, b = compare.sides_from_args(args, tmp_path)
+    assert built == [("megatron-bridge", "0.3.1")] and (b.label, b.python) == ("B=megatron-bridge 0.3.1", "/venv/py")
+    args.package, args.megatron_core = None, "0.16.0"
+    assert compare.sides_from_args(args, tmp_path)[1].label == "B=megatron-core 0.16.0"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--package", "megatron-bridge"], "--package 'megatron-bridge': expected NAME==VERSION"),
+    (["--package", "megatron-bridge==0.3.1", "--megatron-core", "0.16.0"], "give B once"),
+])
+def test_a_malformed_package_is_bad_input(argv, message, capsys):
+    from harness import cli
+
+    assert cli.main(["compare", "--model", "tiny", "--world-size", "2", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -14,6 +14,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=5, help="rounds per side, A/B order drawn each round (default 5)")
     p.add_argument("--steps-per-round", type=int, default=10, help="timed steps per case per round (default 10)")
     p.add_argument("--megatron-core", default=None, metavar="VERSION", help="B: this megatron-core release")
+    p.add_argument("--package", default=None, metavar="NAME==VERSION",
+                   help="B: this release of any package the engine depends on (megatron-bridge, your framework), "
+                        "installed as bisect installs its candidates")
     p.add_argument("--repo", help="B: a commit of this local checkout (with --rev)")
     p.add_argument("--rev", help="--repo: the commit to compare against")
     p.add_argument("--path-in-repo", default=".", help="--repo: the directory put on the path (default: root)")
@@ -29,6 +32,9 @@ def main(args) -> int:
 
     if args.suite != "step-perf":
         raise BadInput(f"compare judges step times: --suite step-perf (got {args.suite!r})")
+    from harness.compare import pinned_package
+
+    pinned_package(args)  # a malformed --package, or two B sides, before anything runs
     sel = CaseSelection.from_args(args)
     if args.steps_per_round < 3:
         raise BadInput(f"--steps-per-round must be >= 3, got {args.steps_per_round}")
