@@ -91,12 +91,36 @@ def test_fc1_without_tp_deinterleave_fails_at_tp2_only():
 
 @pytest.mark.slow
 def test_alpha_written_as_rank_and_dropped_target_module_are_named():
-    failed = _failed(_run("tests.faulty_peft:AlphaWrittenAsRank", layouts=["tp1-pp1-cp1-dp1"]))
-    assert "adapter_config.json lora_alpha = 8, configured 16" in failed[("peft-ckpt.valid", "tp1-pp1-cp1-dp1")]
+    """megatron-bridge 0.3.1 exports adapter tensors only; adapter_config.json is the harness's. Its fields are
+    not judged as the engine's (a check of what the harness wrote would be circular): a wrong alpha there shows
+    in the log-probs PEFT computes with it, a dropped target module in the keys PEFT does not expect."""
+    run = _run("tests.faulty_peft:AlphaWrittenAsRank", layouts=["tp1-pp1-cp1-dp1"])
+    failed = _failed(run)
+    assert ("peft-ckpt.valid", "tp1-pp1-cp1-dp1") not in failed
+    valid = next(c for c in run.checks if c.check == "peft-ckpt.valid")
+    assert "adapter_config.json was written by the harness (the engine exports tensors only)" in valid.message
     assert ("peft-ckpt.logprobs", "tp1-pp1-cp1-dp1") in failed
     failed = _failed(_run("tests.faulty_peft:TargetModuleDropped", layouts=["tp1-pp1-cp1-dp1"]))
     msg = failed[("peft-ckpt.valid", "tp1-pp1-cp1-dp1")]
-    assert "adapter_config.json target_modules" in msg and "v_proj" in msg and "PEFT does not expect" in msg
+    assert "v_proj" in msg and "PEFT does not expect" in msg
+
+
+def test_config_fields_are_judged_where_the_engine_wrote_them():
+    from harness.checks.peft_ckpt import _check_valid
+    from harness.launch.results import CaseResult
+    from harness.models import load_model
+    from harness.spec import Case, CaseOptions, Layout
+
+    case = Case("peft-ckpt", load_model("tiny"), Layout(), "megatron-bridge", CaseOptions(lora_dim=8, lora_alpha=16))
+    res = CaseResult(case, [], "ok")
+    hf = {"config": {"peft_type": "LORA", "r": 8, "lora_alpha": 8, "lora_dropout": 0.0,
+                     "target_modules": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]},
+          "missing": [], "unexpected": [], "base_missing": [], "base_unexpected": [], "tensors": {},
+          "peft_version": "0.0"}
+    engine = _check_valid(res, {**hf, "config_by": "engine"})
+    assert engine.failed and "adapter_config.json lora_alpha = 8, configured 16" in engine.message
+    harness = _check_valid(res, {**hf, "config_by": "harness"})
+    assert harness.passed and "its fields are not judged" in harness.message
 
 
 @pytest.mark.slow

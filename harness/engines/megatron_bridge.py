@@ -131,18 +131,20 @@ class MegatronBridgeEngine(McoreEngine):
         modules = sorted({key.split(".")[-3] for key in tensors})
         return adapter_config(self.peft.dim, self.peft.alpha, modules, self.peft.dropout)
 
-    def export_peft_adapter(self, path: str) -> None:
+    def export_peft_adapter(self, path: str) -> str:
         """The adapter as an HF PEFT directory (collective; rank 0 writes): the bridge's own writer where
-        it has one (AutoBridge.save_hf_adapter), else its adapter export written by the harness."""
+        it has one (AutoBridge.save_hf_adapter), else its adapter export written by the harness. Returns who
+        wrote adapter_config.json: "engine", or "harness" (its fields are then the harness's, not judged)."""
         import torch.distributed as dist
 
-        save = getattr(self.bridge, "save_hf_adapter", None)
+        save = getattr(self.bridge, "save_hf_adapter", None)  # megatron-bridge > 0.3.1 (version probe)
         if save is not None:
             save(self.models, path, self.peft)
-            return
+            return "engine"
         tensors = self.adapter_tensors()
         if dist.get_rank() == 0:
             write_adapter_dir(Path(path), tensors, self.adapter_config(tensors))
+        return "harness"
 
     def load_peft_adapter(self, path: str) -> None:
         """An HF PEFT directory into this model's adapters, at this layout. megatron-bridge 0.3.1 has no

@@ -155,13 +155,14 @@ class PeftCkptSuite:
         path = adapter_dir(case)
         dist.barrier()
         with ctx.phase("export"), measure("export", artifacts_dir(case.id), ctx.rank, device=not ctx.on_cpu) as peak:
-            engine.export_peft_adapter(str(path))
+            # who wrote adapter_config.json ("harness" where the engine exports tensors only); None: the engine
+            config_by = engine.export_peft_adapter(str(path)) or "engine"
         if peak.capture and os.path.exists(peak.capture):
             os.unlink(peak.capture)  # the peak is read; the flamegraph of an adapter export is not kept
         dist.barrier()
         with ctx.phase("reference"):
             base = engine.hf_base_state_dict(ctx.workdir)  # collective: every rank takes part
-            hf = hf_side(case, path, base) if ctx.rank == 0 else None
+            hf = {**hf_side(case, path, base), "config_by": config_by} if ctx.rank == 0 else None
         with ctx.phase("collect"):
             adapters = [s for s in engine.param_shards() if ".adapter." in s.name]
         legacy = path.parent / "adapter-dist-ckpt"
