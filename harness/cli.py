@@ -11,11 +11,12 @@ import os
 import signal
 import sys
 
-from harness.commands import baselines, bisect, compare, history, layouts, nightly, project_memory, report, run
+from harness.commands import (baselines, bisect, compare, history, layouts, nightly, power, project_memory,
+                               report, run)
 from harness.errors import BadInput, Interrupted
 
 # in the order of `harness --help`
-COMMANDS = (layouts, run, baselines, report, bisect, compare, nightly, history, project_memory)
+COMMANDS = (layouts, run, baselines, report, bisect, compare, nightly, history, project_memory, power)
 
 
 def build_parser() -> argparse.ArgumentParser:

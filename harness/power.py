@@ -1,0 +1,154 @@
+"""`harness power`: the detection power of step time judgements, measured by planting slowdowns.
+
+Planted engines (`harness.power:Step05`, `harness.power:Comm10`, ...) busy-wait a fraction of their own
+median warm-up step after the warm-up: in every step on every rank (`Step*`: the step got slower) or inside
+the gradient sync (`Comm*`: the communication alone). Each size runs `trials` times, in a random order per
+trial so the machine's drift falls on every size alike:
+- against a baseline: step-perf's time check against a baseline of the unplanted engine recorded here at the
+  start (3 repeats), at the tier's minimum effect - detected = a regression;
+- interleaved: `harness compare` A = mcore, B = planted, `rounds` rounds - detected = B significantly slower.
+Printed: the detection rate per size with its Wilson 95% interval; at 0% that rate is the false alarms.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from harness.engines.mcore import McoreEngine
+
+SIZES = (0.0, 0.03, 0.05, 0.10, 0.25)
+WHERE = ("step", "comm")
+
+
+class PlantedSlowdown(McoreEngine):
+    """Busy-waits SIZE x the median of its own warm-up steps per step after the warm-up, in the step (WHERE
+    "step") or inside finalize_model_grads, the gradient sync the step waits for ("comm"). Busy, not asleep:
+    a sleeping rank hands its core to the others on 2 cores."""
+
+    SIZE = 0.0
+    WHERE = "step"
+
+    def __init__(self, case, ctx):
+        super().__init__(case, ctx)
+        self._own: list[float] = []
+        self._wait_s = 0.0
+        self._wrapped = False
+
+    @staticmethod
+    def _busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def train_step(self, step: int):
+        if self.WHERE == "comm" and not self._wrapped and self.config.finalize_model_grads_func is not None:
+            finalize = self.config.finalize_model_grads_func
+
+            def waiting(*args, **kwargs):
+                self._busy(self._wait_s)
+                return finalize(*args, **kwargs)
+
+            self.config.finalize_model_grads_func = waiting
+            self._wrapped = True
+        warmup = self.case.options.warmup_steps
+        self._wait_s = self.SIZE * statistics.median(self._own) if step >= warmup and self._own else 0.0
+        if self.WHERE == "step":
+            self._busy(self._wait_s)
+        t0 = time.perf_counter()
+        out = super().train_step(step)
+        if step < warmup:
+            self._own.append(time.perf_counter() - t0)
+        return out
+
+
+def engine_name(where: str, size: float) -> str:
+    return f"{where.capitalize()}{round(size * 100):02d}"
+
+
+for _where in WHERE:  # Step00, Step03, ..., Comm25: importable by ranks as harness.power:<name>
+    for _size in SIZES:
+        globals()[engine_name(_where, _size)] = type(engine_name(_where, _size), (PlantedSlowdown,),
+                                                     {"SIZE": _size, "WHERE": _where})
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion (95%): sound at 0 / n and n / n, where the normal one is not."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class Tally:
+    mode: str  # "vs baseline" | "interleaved"
+    where: str
+    size: float
+    hits: int = 0
+    trials: int = 0
+
+    def row(self) -> list[str]:
+        low, high = wilson(self.hits, self.trials)
+        what = "false alarms" if self.size == 0 else "detected"
+        return [self.mode, self.where, f"{self.size:.0%}", f"{self.hits}/{self.trials}",
+                f"{self.hits / self.trials:.0%} [{low:.0%}, {high:.0%}] {what}" if self.trials else "-"]
+
+
+def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int, timed_steps: int,
+              modes: tuple[str, ...], say: Callable[[str], None]) -> list[Tally]:
+    import argparse
+
+    from harness.baselines import record_suite
+    from harness.commands.selection import CaseSelection
+    from harness.compare import Side, judge, run_rounds
+    from harness.checks.timing import MIN_EFFECT_INTERLEAVED
+    from harness.driver import run_suite
+    from harness.spec import CaseOptions
+
+    options = CaseOptions(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    params = {"timed_steps": timed_steps, "option_sets": ((True, True),)}
+    tallies: dict[tuple, Tally] = {}
+    rng = random.Random(0)
+    if "baseline" in modes:
+        baselines = tempfile.mkdtemp(prefix="harness-power-")
+        say(f"recording the unplanted engine's baseline ({model}, {layout}, 3 repeats)")
+        record_suite("step-perf", model, world_size, [layout], baselines_dir=baselines, backend="gloo",
+                     options=options, suite_params=params)
+        plan = [(w, s) for w in WHERE for s in SIZES]
+        for trial in range(trials):
+            rng.shuffle(plan)
+            for where, size in plan:
+                run = run_suite("step-perf", model, world_size, [layout], engine=f"harness.power:{engine_name(where, size)}",
+                                backend="gloo", options=options, baselines_dir=baselines, suite_params=params,
+                                progress=lambda msg: None).stop_if_interrupted()
+                time_check = next(c for c in run.checks if c.check == "step-perf.time")
+                t = tallies.setdefault(("vs baseline", where, size), Tally("vs baseline", where, size))
+                t.trials += 1
+                t.hits += int(time_check.failed and not time_check.improvement)
+                say(f"trial {trial + 1}/{trials} vs baseline {where} +{size:.0%}: "
+                    f"{'DETECTED' if time_check.failed and not time_check.improvement else 'not detected'}")
+    if "compare" in modes:
+        sel = CaseSelection("step-perf", model, world_size, (layout,), backend="gloo", options=options)
+        sizes = list(SIZES)
+        for trial in range(trials):
+            rng.shuffle(sizes)
+            for size in sizes:
+                args = argparse.Namespace(rounds=rounds, steps_per_round=timed_steps, order_seed=trial)
+                a = Side("A=mcore", "mcore")
+                b = Side(f"B=+{size:.0%}", f"harness.power:{engine_name('step', size)}")
+                samples_a, samples_b, _ = run_rounds(a, b, sel, args, lambda msg: None)
+                step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED["cpu"]).values()))
+                t = tallies.setdefault(("interleaved", "step", size), Tally("interleaved", "step", size))
+                t.trials += 1
+                t.hits += int(step.slower)
+                say(f"trial {trial + 1}/{trials} interleaved step +{size:.0%}: x{step.ratio:.3f} "
+                    f"{'DETECTED' if step.slower else 'not detected'}")
+    return [tallies[k] for k in sorted(tallies, key=lambda k: (k[0], k[1], k[2]))]
