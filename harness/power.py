@@ -126,8 +126,9 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
         for trial in range(trials):
             rng.shuffle(plan)
             for where, size in plan:
-                run = run_suite("step-perf", model, world_size, [layout], engine=f"harness.power:{engine_name(where, size)}",
-                                backend="gloo", options=options, baselines_dir=baselines, suite_params=params,
+                engine = f"harness.power:{engine_name(where, size)}"
+                run = run_suite("step-perf", model, world_size, [layout], engine=engine, backend="gloo",
+                                options=options, baselines_dir=baselines, suite_params=params,
                                 progress=lambda msg: None).stop_if_interrupted()
                 time_check = next(c for c in run.checks if c.check == "step-perf.time")
                 t = tallies.setdefault(("vs baseline", where, size), Tally("vs baseline", where, size))

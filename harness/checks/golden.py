@@ -90,7 +90,8 @@ def check(suite: GoldenSuite, results: list[CaseResult], params: GoldenParams) -
         if role == "":
             out += judge(res.case.id, key, res.case.options.dtype, trajectory(res), entry)
         elif role == "first-half":  # its steps here; the rest with the resume after it
-            half = {m: e for m, e in entry.items() if m.startswith("step") and int(m[4:6]) <= res.case.options.steps // 2}
+            last = res.case.options.steps // 2
+            half = {m: e for m, e in entry.items() if m.startswith("step") and int(m[4:6]) <= last}
             out.append(judge(res.case.id, key, res.case.options.dtype, trajectory(res), half)[0])
         elif role == "resume":
             out.append(_check_resume(res, by_id.get(res.case.after[0]), key, entry))
@@ -129,8 +130,10 @@ def judge(case_id: str, key: str, dtype: str, measured: dict[str, float], entry:
     params = [r for r in rows if not r[0].startswith("step")]
     moved = sorted(params, key=lambda r: -_rel(r[1], r[2]))
     weights = [r for r in moved if r[0].startswith("param.")]
-    largest = (f"largest parameter change: {weights[0][0][len('param.'):]} norm rel {_rel(weights[0][1], weights[0][2]):.1e}"
-               if weights else "no parameter fingerprints")
+    largest = "no parameter fingerprints"
+    if weights:
+        name, got, want = weights[0][0][len("param."):], weights[0][1], weights[0][2]
+        largest = f"largest parameter change: {name} norm rel {_rel(got, want):.1e}"
 
     def describe(r) -> str:
         metric, got, want, allowed, _ = r
@@ -150,14 +153,16 @@ def judge(case_id: str, key: str, dtype: str, measured: dict[str, float], entry:
             at = [r for r in bad_steps if int(r[0][4:6]) == first]
             msg = f"step {first}: " + "; ".join(describe(r) for r in at) + f"; {largest}"
         else:
-            msg = f"the run reported no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (in the golden trajectory)"
+            more = " ..." if len(missing) > 3 else ""
+            msg = f"the run reported no {', '.join(missing[:3])}{more} (in the golden trajectory)"
         out.append(CheckResult("golden.trajectory", case_id, False, msg, details))
     else:
         worst = max(steps, key=lambda r: _rel(r[1], r[2]), default=None)
         n = len({r[0][:6] for r in steps})
         out.append(CheckResult("golden.trajectory", case_id, True,
                                f"{n} steps within the golden trajectory of {key}" +
-                               (f" (largest deviation: {worst[0]} rel {_rel(worst[1], worst[2]):.1e})" if worst else ""),
+                               (f" (largest deviation: {worst[0]} rel {_rel(worst[1], worst[2]):.1e})"
+                                if worst else ""),
                                details, value=_rel(worst[1], worst[2]) if worst else 0.0))
     bad_params = [r for r in params if not r[4]]
     if bad_params or extra:
