@@ -130,7 +130,7 @@ def judge(case_id: str, key: str, dtype: str, measured: dict[str, float], entry:
     params = [r for r in rows if not r[0].startswith("step")]
     moved = sorted(params, key=lambda r: -_rel(r[1], r[2]))
     weights = [r for r in moved if r[0].startswith("param.")]
-    largest = "no parameter fingerprints"
+    largest = ""  # the first half of a resumed run has no fingerprints
     if weights:
         name, got, want = weights[0][0][len("param."):], weights[0][1], weights[0][2]
         largest = f"largest parameter change: {name} norm rel {_rel(got, want):.1e}"
@@ -151,7 +151,7 @@ def judge(case_id: str, key: str, dtype: str, measured: dict[str, float], entry:
         if bad_steps:
             first = min(int(r[0][4:6]) for r in bad_steps)
             at = [r for r in bad_steps if int(r[0][4:6]) == first]
-            msg = f"step {first}: " + "; ".join(describe(r) for r in at) + f"; {largest}"
+            msg = f"step {first}: " + "; ".join(describe(r) for r in at) + (f"; {largest}" if largest else "")
         else:
             more = " ..." if len(missing) > 3 else ""
             msg = f"the run reported no {', '.join(missing[:3])}{more} (in the golden trajectory)"
@@ -172,6 +172,7 @@ def judge(case_id: str, key: str, dtype: str, measured: dict[str, float], entry:
         out.append(CheckResult("golden.params", case_id, False, head, details))
     else:
         out.append(CheckResult("golden.params", case_id, True,
-                               f"{len(params)} parameter and moment norms within the golden values ({largest})",
+                               f"{len(params)} parameter and moment norms within the golden values"
+                               + (f" ({largest})" if largest else ""),
                                value=_rel(moved[0][1], moved[0][2]) if moved else 0.0))
     return out
