@@ -71,5 +71,5 @@ def test_the_parser_imports_nothing_heavy():
 def test_every_command_is_registered_in_order():
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
-    assert "{layouts,run,baselines,report,bisect,bisect-step,compare,nightly,history,project-memory}" in \
+    assert "{layouts,run,baselines,report,bisect,bisect-step,compare,nightly,history,project-memory,power}" in \
         "".join(proc.stdout.split()), proc.stdout
