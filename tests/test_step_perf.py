@@ -85,10 +85,11 @@ OPTIONS = CaseOptions(bucket_size=12_000)
 LAYOUT = ["tp1-pp1-cp1-dp2"]
 
 
-# Minimum effects: the planted faults are judged at the suite's CPU default (10%; the straggler costs
-# +25-40%); the unchanged engine at 25%, the run-to-run drift a loaded 2-core machine can show between
-# the recording and the check (a false alarm here would fail CI, not find a regression).
-DETECT, NO_ALARM = 0.10, 0.25
+# Minimum effects: the planted faults are judged at 10% (the straggler costs +25-40%); the unchanged engine at
+# the gloo suites' 50% (GLOO_MIN_EFFECT): a fresh 2-core CI machine read an unchanged engine x1.37 slower than
+# the baseline it had recorded seconds before, twice in a row (rank 1's compute 56 vs 45 ms) - drift of the
+# machine, which a false alarm here would report as a regression.
+DETECT, NO_ALARM = 0.10, 0.50
 
 
 def _params(min_effect: float = DETECT) -> dict:
