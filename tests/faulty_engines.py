@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from harness.engines.mcore import McoreEngine
+from harness.power import PlantedSlowdown
 
 
 class _DoneHandle:
@@ -403,32 +404,10 @@ class StepCounterReset(McoreEngine):
                     st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], torch.Tensor) else 0
 
 
-class SerialisedReduction(Straggler):
-    """Every rank waits in the gradient sync (finalize_model_grads: the DP reduction not overlapped), for
-    STRAGGLE x the median of its own warm-up steps, after the warm-up: exposed communication grows."""
+class SerialisedReduction(PlantedSlowdown):
+    """Every rank waits in the gradient sync (finalize_model_grads: the DP reduction not overlapped), for half
+    the median of its own warm-up steps, after the warm-up: exposed communication grows. (harness power's
+    planted slowdown in the communication, at 50%.)"""
 
-    def __init__(self, case, ctx):
-        super().__init__(case, ctx)
-        self._wrapped = False
-
-    def train_step(self, step: int):
-        import time
-
-        if not self._wrapped and self.config is not None and self.config.finalize_model_grads_func is not None:
-            finalize, engine = self.config.finalize_model_grads_func, self
-
-            def waiting(*args, **kwargs):
-                end = time.perf_counter() + engine._wait_s
-                while time.perf_counter() < end:
-                    pass
-                return finalize(*args, **kwargs)
-
-            self.config.finalize_model_grads_func = waiting
-            self._wrapped = True
-        warmup = self.case.options.warmup_steps
-        self._wait_s = self.STRAGGLE * __import__("statistics").median(self._own) if step >= warmup and self._own else 0.0
-        t0 = time.perf_counter()
-        out = super(Straggler, self).train_step(step)
-        if step < warmup:
-            self._own.append(time.perf_counter() - t0)
-        return out
+    SIZE = 0.5
+    WHERE = "comm"

@@ -17,14 +17,12 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
     """Every case against its entry in the platform's baseline file; the suite gives the figures."""
     from harness import baselines
     from harness.platform import detect_platform
-
     from harness.platform.backend import machine_fingerprint
 
     out: list[CheckResult] = []
     files: dict[str, dict] = {}
-    machines: dict[str, str] = {}
+    machines: dict[str, str] = {}  # backend -> fingerprint, read once per run (/proc/cpuinfo, or torch on GPUs)
     for res in results:
-        machine = machines.setdefault(res.case.backend, machine_fingerprint(res.case.backend))
         if not res.ok:
             out.append(case_failed("step-perf.run", res))
             continue
@@ -42,6 +40,9 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
                                        f"record it with: {suite.record_command(res.case)}"))
             continue
         out.append(_check_counters(suite, res, entry))
+        if res.case.backend not in machines:
+            machines[res.case.backend] = machine_fingerprint(res.case.backend)
+        machine = machines[res.case.backend]
         recorded_on = files[str(path)].get("provenance", {}).get(suite.key(res.case), {}).get("machine")
         if recorded_on != machine:
             out.append(cannot_tell(

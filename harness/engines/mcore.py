@@ -269,4 +269,3 @@ class McoreEngine(McoreCheckpoints):
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
                 out.append(ParamShard(name, p.detach().float().cpu().clone(), dim, tp_rank, tp, self.tp_parts(name)))
         return out
-

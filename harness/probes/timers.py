@@ -117,19 +117,28 @@ class PhaseTimer:
             cfg.finalize_model_grads_func, opt.step = saved[2], saved[3]
             group_cls.start_param_sync = saved[4]
 
-    def step(self, fn: Callable[[], object], barrier: Callable[[], None]) -> tuple[StepTiming, object]:
-        """Barrier, time fn() with its phases, barrier; (timing, fn's result)."""
-        self._spans.clear()
+    def _bracketed(self, fn: Callable[[], object], barrier: Callable[[], None]) -> tuple[object, float, float]:
+        """The boundaries every timed step shares: barrier, sync, fn(), sync (busy), barrier (wall);
+        (fn's result, busy seconds, wall seconds)."""
         barrier()
         self.clock.sync()
         t0 = time.perf_counter()
-        start = self.clock.mark()
         out = fn()
-        end = self.clock.mark()
         self.clock.sync()
         busy = time.perf_counter() - t0
         barrier()
-        wall = time.perf_counter() - t0
+        return out, busy, time.perf_counter() - t0
+
+    def step(self, fn: Callable[[], object], barrier: Callable[[], None]) -> tuple[StepTiming, object]:
+        """Barrier, time fn() with its phases, barrier; (timing, fn's result)."""
+        self._spans.clear()
+
+        def marked():
+            start = self.clock.mark()
+            result = fn()
+            return start, result, self.clock.mark()
+
+        (start, out, end), busy, wall = self._bracketed(marked, barrier)
         phases = {p: 0.0 for p in PHASES}
         for phase, s, e in self._spans:
             phases[phase] += self.clock.elapsed(s, e)
@@ -138,17 +147,10 @@ class PhaseTimer:
         phases["other"] = max(0.0, step_s - sum(v for k, v in phases.items() if k != "other"))
         return StepTiming(wall, busy, phases), out
 
-
     def plain_step(self, fn: Callable[[], object], barrier: Callable[[], None]) -> float:
         """Seconds of fn() between the same barrier-aligned boundaries as `step`, with no seam wrapped (call it
         while the timer is not installed): what an uninstrumented loop of the same engine measures."""
-        barrier()
-        self.clock.sync()
-        t0 = time.perf_counter()
-        fn()
-        self.clock.sync()
-        barrier()
-        return time.perf_counter() - t0
+        return self._bracketed(fn, barrier)[2]
 
 
 def calibrate(ctx: RankContext) -> list[float]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from harness.checks import CheckResult
 from harness.checks import step_perf as judges
-from harness.checks.timing import MIN_EFFECT, Comparison
+from harness.checks.timing import MIN_EFFECT, TIMED_METRICS, Comparison
 from harness.engines import make_engine
 from harness.errors import BadInput
 from harness.launch.context import RankContext
@@ -314,7 +314,7 @@ class StepPerfSuite:
     def raw_samples(self, result: CaseResult) -> dict[str, list[float]]:
         return {"step_time_ms": self.step_ms(result), "exposed_comm_ms": self.exposed_ms(result)}
 
-    TIMED = ("step_time_ms", "exposed_comm_ms", "calibration_ms")
+    TIMED = (*TIMED_METRICS, "calibration_ms")
 
     def tolerance(self, metric: str, values: list[float]) -> float:
         """Counters are exact (tolerance 0). Timed figures are judged by statistics on their samples, not
