@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.engines.fsdp2 import FSDP2Engine
 from harness.engines.mcore import McoreEngine
 from harness.power import PlantedSlowdown
 
@@ -402,6 +403,18 @@ class StepCounterReset(McoreEngine):
             for st in opt.optimizer.state.values():
                 if "step" in st:
                     st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], torch.Tensor) else 0
+
+
+class FSDP2OptimizerStateNotRestored(FSDP2Engine):
+    """fsdp2: a sharded load that restores the model's weights but not torch Adam's state (it starts over)."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        state = {"model": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        set_model_state_dict(self.model, state["model"])
 
 
 class SerialisedReduction(PlantedSlowdown):

@@ -83,6 +83,33 @@ def test_tolerances_are_measured_and_floored_by_dtype():
     assert all(c.passed for c in bf16)
 
 
+def test_fsdp2_resumes_run_on_the_pure_dp_layout_beside_its_own_unbroken_trajectory():
+    from harness.models import load_model
+    from harness.suites.golden import GoldenSuite
+
+    suite = GoldenSuite()
+    cases = suite.cases(load_model("tiny"), 4, None)
+    fsdp2 = [(c.layout.id, c.params.role, c.params.ckpt_format) for c in cases if c.engine == "fsdp2"]
+    assert fsdp2 == [("tp1-pp1-cp1-dp4", "", ""), ("tp1-pp1-cp1-dp4", "first-half", "fsdp2_sharded"),
+                     ("tp1-pp1-cp1-dp4", "resume", "fsdp2_sharded"), ("tp1-pp1-cp1-dp4", "first-half", "fsdp2_full"),
+                     ("tp1-pp1-cp1-dp4", "resume", "fsdp2_full")]
+    assert {suite.key(c) for c in cases} == {"tiny/fp32/steps=12", "tiny/fp32/steps=12/fsdp2"}
+    own = suite.cases(load_model("tiny"), 2, None, engine="tests.faulty_engines:FSDP2OptimizerStateNotRestored")
+    assert {c.layout.id for c in own} == {"tp1-pp1-cp1-dp2"}  # an fsdp2 engine: fsdp2's formats only
+    assert {c.params.ckpt_format for c in own} == {"", "fsdp2_sharded", "fsdp2_full"}
+    assert {suite.key(c) for c in own} == {"tiny/fp32/steps=12/fsdp2"}
+
+
+def test_a_run_of_two_engines_names_each_cases_engine_in_its_tables():
+    from harness.report import summary_table
+
+    cases = [{"id": "golden/mcore/tiny/tp1-pp1-cp1-dp2", "layout": "tp1-pp1-cp1-dp2", "outcome": "pass"},
+             {"id": "golden/fsdp2/tiny/tp1-pp1-cp1-dp2", "layout": "tp1-pp1-cp1-dp2", "outcome": "pass"}]
+    lines = summary_table(cases).splitlines()
+    assert lines[0].split()[:3] == ["#", "engine", "layout"] and lines[3].split()[:3] == ["2", "fsdp2", "tp1-pp1-cp1-dp2"]
+    assert "engine" not in summary_table(cases[:1])
+
+
 # -- planted numerics changes, on real ranks -----------------------------------------------------------
 
 FAULTS = ["AdamBeta1Changed", "InitStdChanged", "LayerNormEpsChanged", "LossPerMicrobatch", "ClippingOff"]
@@ -105,6 +132,9 @@ def golden_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("golden-baselines")
     record_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1"], baselines_dir=str(directory),
                  backend="gloo", suite_params={"formats": ()})  # the unbroken trajectory is what is recorded
+    # and the fsdp2 engine's own (torch Adam, no loss mask), which its resumes are judged against
+    record_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], engine="fsdp2", baselines_dir=str(directory),
+                 backend="gloo", suite_params={"formats": ()})
     return directory
 
 
@@ -136,18 +166,20 @@ def test_a_change_that_moves_every_layout_alike_passes_equivalence_and_fails_gol
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["OptimizerStateNotRestored", "StepCounterReset"])
-def test_a_resume_that_loses_optimizer_state_fails_at_the_first_step_after_the_load(golden_dir, fault):
+@pytest.mark.parametrize("fault, fmt", [("OptimizerStateNotRestored", "dp_reshardable"),
+                                        ("StepCounterReset", "dp_reshardable"),
+                                        ("FSDP2OptimizerStateNotRestored", "fsdp2_sharded")])
+def test_a_resume_that_loses_optimizer_state_fails_at_the_first_step_after_the_load(golden_dir, fault, fmt):
     from harness.driver import run_suite
 
     run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], engine=f"tests.faulty_engines:{fault}", backend="gloo",
-                    baselines_dir=str(golden_dir), suite_params={"formats": ("dp_reshardable",)})
+                    baselines_dir=str(golden_dir), suite_params={"formats": (fmt,)})
     checks = {(c.check, c.case_id): c for c in run.checks}
     unbroken = [c for (name, _), c in checks.items() if name == "golden.trajectory" and "role=" not in c.case_id]
     assert unbroken and all(c.passed for c in unbroken)  # the fault is in the load alone
     resume = [c for (name, _), c in checks.items() if name == "golden.resume"]
     assert len(resume) == 1 and resume[0].failed
-    assert resume[0].message.startswith("resumed at tp1-pp1-cp1-dp2 from a dp_reshardable checkpoint saved after "
+    assert resume[0].message.startswith(f"resumed at tp1-pp1-cp1-dp2 from a {fmt} checkpoint saved after "
                                         "step 6: step 8: "), resume[0].message
 
 
@@ -158,4 +190,8 @@ def test_resume_passes_for_every_format_and_at_another_layout(golden_dir):
     run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", baselines_dir=str(golden_dir))
     resume = [c for c in run.checks if c.check == "golden.resume"]
     assert {c.case_id.split("/")[3].split("[")[0] for c in resume} == {"tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1"}
-    assert len(resume) == 3 and all(c.passed for c in resume), [c.message for c in resume if c.failed]
+    formats = sorted(c.case_id.rsplit("ckpt_format=", 1)[1].rstrip("]") for c in resume)
+    assert formats == ["dp_reshardable", "fsdp2_full", "fsdp2_sharded", "fully_reshardable", "fully_reshardable"]
+    assert all(c.passed for c in resume), [c.message for c in resume if c.failed]
+    fsdp2 = [c for c in run.checks if c.case_id.startswith("golden/fsdp2/") and c.check == "golden.trajectory"]
+    assert len(fsdp2) == 3 and all(c.passed for c in fsdp2)  # its own unbroken trajectory and two first halves

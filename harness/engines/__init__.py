@@ -47,3 +47,15 @@ def resolve_factory(name: str) -> Callable[["Case", "RankContext"], "Engine"]:
 
 def make_engine(case: "Case", ctx: "RankContext") -> "Engine":
     return resolve_factory(case.engine)(case, ctx)
+
+
+def is_fsdp2(engine: str) -> bool:
+    """Whether the engine (name or import path) is the fsdp2 engine or derives from it."""
+    if engine == "fsdp2":
+        return True
+    if ":" not in engine:
+        return False
+    from harness.engines.fsdp2 import FSDP2Engine
+
+    factory = resolve_factory(engine)
+    return isinstance(factory, type) and issubclass(factory, FSDP2Engine)

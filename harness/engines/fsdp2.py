@@ -1,6 +1,7 @@
 """The `fsdp2` engine: the same GPTModel, sharded with torch's `fully_shard` (FSDP2) over all ranks,
-trained with torch Adam, and checkpointed either as a sharded state dict (torch.distributed.checkpoint,
-every rank writes its shard) or as a full state dict (gathered, written by rank 0) - regression R5.
+trained with torch Adam (gradient norm clipped at the case's clip_grad), and checkpointed either as a sharded
+state dict (torch.distributed.checkpoint, every rank writes its shard) or as a full state dict (gathered,
+written by rank 0) - regression R5. It loads both, which the golden suite's resume cases judge.
 
 Only pure-DP layouts (TP = PP = CP = 1): FSDP shards over the data-parallel ranks. megatron's parallel
 state is still initialised (the model's layers read it) with TP = 1.
@@ -13,7 +14,7 @@ import os
 import torch
 
 from harness.engines import data
-from harness.engines.base import StepOutput
+from harness.engines.base import ParamShard, StepOutput
 from harness.engines.mcore import McoreEngine
 from harness.errors import BadInput
 
@@ -37,7 +38,7 @@ class FSDP2Engine(McoreEngine):
             fully_shard(layer, mesh=mesh)
         fully_shard(chunk, mesh=mesh)
         self.model = chunk
-        self.optimizer = torch.optim.Adam(chunk.parameters(), lr=self.case.options.lr)
+        self.optimizer = torch.optim.Adam(chunk.parameters(), lr=self.case.options.lr, eps=self.case.options.adam_eps)
 
     def train_step(self, step: int) -> StepOutput:
         from megatron.core import parallel_state as ps
@@ -51,9 +52,28 @@ class FSDP2Engine(McoreEngine):
             loss.backward()
             loss_sum += float(out.detach().float().sum())
             tokens += out.numel()
+        grad_norm, num_zeros = self._clip_and_count()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return StepOutput(loss_sum, tokens)
+        return StepOutput(loss_sum, tokens, grad_norm=grad_norm, num_zeros=num_zeros,
+                          lr=float(self.optimizer.param_groups[0]["lr"]))
+
+    def _clip_and_count(self) -> tuple[float, int | None]:
+        """The global gradient norm before clipping (clipped at clip_grad; 0: not clipped) and, where the case
+        logs it, the number of zero gradient elements - what megatron's optimizer step reports."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.case.options.clip_grad
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if not self.case.options.log_num_zeros_in_grad:
+            return float(norm), None
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        zeros = torch.tensor([sum(int((g == 0).sum()) for g in local)], dtype=torch.float64, device=norm.device)
+        dist.all_reduce(zeros)
+        return float(norm), int(zeros.item())
 
     def resolve_format(self, fmt: str) -> str:
         fmt = self.default_ckpt_format if fmt == "fsdp2_default" else fmt
@@ -76,6 +96,54 @@ class FSDP2Engine(McoreEngine):
         if dist.get_rank() == 0:
             torch.save({"model": model_sd, "optim": optim_sd}, os.path.join(ckpt_dir, "full_state_dict.pt"))
         dist.barrier()
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        """Either format into this engine's (fresh) model and optimizer: model weights, Adam moments and step."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        if self.resolve_format(fmt) == "fsdp2_sharded":
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # initialises the Adam state to fill
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=ckpt_dir)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+            return
+        # every rank reads the one file and keeps its shard (torch's broadcast_from_rank0 hangs on gloo, 2.13)
+        state = torch.load(os.path.join(ckpt_dir, "full_state_dict.pt"), weights_only=False)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+
+    def param_shards(self) -> list[ParamShard]:
+        """Every parameter whole (gathered from its FSDP shards), under its global name, from every rank."""
+        from torch.distributed.tensor import DTensor
+
+        out = []
+        for name, p in self.global_names(self.model).items():
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            out.append(ParamShard(name, full.detach().float().cpu().clone(), None, 0, 1))
+        return out
+
+    def optimizer_state_shards(self) -> list[ParamShard]:
+        """torch Adam's state (exp_avg, exp_avg_sq gathered whole; step) per global name, from rank 0 only."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        out = []
+        for name, p in self.global_names(self.model).items():
+            state = self.optimizer.state.get(p, {})
+            for key in self.OPTIMIZER_STATE_KEYS:
+                value = state.get(key)
+                if key == "step":
+                    step = float(value) if value is not None else float("-inf")
+                    out.append(ParamShard(f"{name}#step", torch.tensor([step]), None, 0, 1))
+                    continue
+                if value is None:  # every rank alike: no state before the first step
+                    full = torch.zeros(p.shape)
+                else:
+                    full = value.full_tensor() if isinstance(value, DTensor) else value
+                out.append(ParamShard(f"{name}#{key}", full.detach().float().cpu().clone(), None, 0, 1))
+        return out if dist.get_rank() == 0 else []
 
     @staticmethod
     def saved_metadata(ckpt_dir: str) -> dict:

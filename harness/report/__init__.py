@@ -95,11 +95,12 @@ def format_results(data: dict[str, Any]) -> str:
         by_case.setdefault(c["case_id"], []).append(c)
     metric_keys = list(dict.fromkeys(k for case in cases for k in case.get("metrics") or {}))
     check_cols = list(dict.fromkeys(c["check"].split(".", 1)[-1] for c in checks if c.get("value") is not None))
+    mixed = _mixed_engines(cases)
     rows = []
     for case in cases:
         own = by_case.get(case["id"], [])
         values = {c["check"].split(".", 1)[-1]: c["value"] for c in own if c.get("value") is not None}
-        row = [case["layout"], case.get("variant") or "-"]
+        row = ([_engine_of(case)] if mixed else []) + [case["layout"], case.get("variant") or "-"]
         for k in metric_keys:
             v = (case.get("metrics") or {}).get(k)
             row.append(" ".join(f"{x:.6f}" for x in v) if isinstance(v, list) else ("-" if v is None else str(v)))
@@ -108,7 +109,8 @@ def format_results(data: dict[str, Any]) -> str:
         failing = [c["check"].split(".")[-1] for c in own if check_failed(c)]
         row += [outcome if outcome == "pass" else outcome.upper(), ",".join(failing) or "-"]
         rows.append(row)
-    out.append(table(["layout", "options", *metric_keys, *check_cols, "verdict", "failed checks"], rows))
+    out.append(table([*(["engine"] if mixed else []), "layout", "options", *metric_keys, *check_cols, "verdict",
+                      "failed checks"], rows))
     out.append("")
     out.append("phase timings (s, slowest rank):")
     trows = [[case["layout"], *(f"{case['timings'][p]:.2f}" if p in case["timings"] else "-" for p in TIMING_PHASES),
@@ -184,12 +186,25 @@ def summary_table(cases: list[dict[str, Any]], width: int = 140) -> str:
     """One row per case (results.json's cases): number, layout, options, outcome and, unless it passed, why."""
     from harness.tables import table
 
+    mixed = _mixed_engines(cases)
     rows = []
     for i, case in enumerate(cases, 1):
         reason = case.get("reason") or ""
         reason = reason if len(reason) <= width else reason[: width - 3] + "..."
-        rows.append([str(i), case["layout"], case.get("variant") or "-", case.get("outcome", ""), reason or "-"])
-    return table(["#", "layout", "options", "outcome", "reason"], rows)
+        rows.append([str(i), *([_engine_of(case)] if mixed else []), case["layout"], case.get("variant") or "-",
+                     case.get("outcome", ""), reason or "-"])
+    return table(["#", *(["engine"] if mixed else []), "layout", "options", "outcome", "reason"], rows)
+
+
+def _engine_of(case: dict[str, Any]) -> str:
+    """The engine of a results.json case, from its id (suite/engine/model/layout[variant])."""
+    return case["id"].split("/")[1]
+
+
+def _mixed_engines(cases: list[dict[str, Any]]) -> bool:
+    """Whether a run's cases use more than one engine (golden's fsdp2 resumes beside mcore): then the tables
+    name each case's engine."""
+    return len({_engine_of(c) for c in cases}) > 1
 
 
 def to_json(run: "SuiteRun") -> dict[str, Any]:

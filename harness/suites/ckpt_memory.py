@@ -9,7 +9,7 @@ from typing import Any
 from harness.checks import CheckResult
 from harness.checks import ckpt_memory as judges
 from harness.checks.ckpt_contract import check_reshard
-from harness.engines import make_engine
+from harness.engines import is_fsdp2, make_engine
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -68,7 +68,7 @@ class CkptMemorySuite:
                 or [Layout(dp=world_size)]
         for lay in layouts:
             validate(lay, model, world_size)
-        fsdp2 = _is_fsdp2(engine)
+        fsdp2 = is_fsdp2(engine)
         mcore_engine, fsdp2_engine = ("mcore", engine) if fsdp2 else (engine, "fsdp2")
         memory = []
         for lay in layouts:
@@ -215,16 +215,3 @@ def prime_save(engine, case: Case, ctx: RankContext) -> None:
     dist.barrier()
     if ctx.rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _is_fsdp2(engine: str) -> bool:
-    """Whether the engine (name or import path) is the fsdp2 engine or derives from it."""
-    if engine == "fsdp2":
-        return True
-    if ":" not in engine:
-        return False
-    from harness.engines import resolve_factory
-    from harness.engines.fsdp2 import FSDP2Engine
-
-    factory = resolve_factory(engine)
-    return isinstance(factory, type) and issubclass(factory, FSDP2Engine)

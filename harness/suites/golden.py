@@ -33,6 +33,8 @@ CLIP_GRAD = 0.5
 
 
 RESUME_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's checkpoint formats
+# the fsdp2 engine's (torch fully_shard, torch Adam): its own trajectory, on the pure-DP layout
+FSDP2_FORMATS = ("fsdp2_sharded", "fsdp2_full")
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class GoldenParams:
 
     baselines_dir: str | None = dataclasses.field(default=None, metadata={"in_id": False})
     # formats whose resume is judged (--ckpt-format); () none
-    formats: tuple[str, ...] = dataclasses.field(default=RESUME_FORMATS, metadata={"in_id": False})
+    formats: tuple[str, ...] = dataclasses.field(default=RESUME_FORMATS + FSDP2_FORMATS, metadata={"in_id": False})
     # "" the unbroken trajectory; "first-half" trains the first half and saves; "resume" loads what the case it
     # runs after saved (at its own layout, which may differ) and trains the second half
     role: str = ""
@@ -108,7 +110,10 @@ class GoldenSuite:
         """Every valid layout of the world size (default), STEPS steps each, zero gradients counted."""
         from harness.suites.equivalence import with_equivalence_eps
 
-        chosen = layouts or enumerate_layouts(model, world_size)
+        from harness.engines import is_fsdp2
+
+        # the fsdp2 engine shards over data parallel only
+        chosen = layouts or ([Layout(dp=world_size)] if is_fsdp2(engine) else enumerate_layouts(model, world_size))
         for lay in chosen:
             validate(lay, model, world_size)
         # the equivalence suite's Adam eps: with megatron's 1e-8 the layouts' rounding differences grow
@@ -125,20 +130,33 @@ class GoldenSuite:
     def resume_cases(self, model: ModelSpec, world_size: int, layout: Layout, engine: str, backend: str,
                      options: CaseOptions, params: GoldenParams) -> list[Case]:
         """Per format: the first half of the steps and a save at `layout` with the distributed optimizer, then
-        a resume there; for a fully reshardable format also a resume at another layout of the world size."""
+        a resume there; for a fully reshardable format also a resume at another layout of the world size.
+        fsdp2's formats: the same on the pure-DP layout with the fsdp2 engine, whose own unbroken trajectory
+        (another optimizer, not megatron's) runs beside them."""
+        from harness.engines import is_fsdp2
         from harness.layouts import reference_layouts
 
-        opts = dataclasses.replace(options, use_distributed_optimizer=True)
-        out = []
+        own_fsdp2 = is_fsdp2(engine)
+        dp = Layout(dp=world_size)
+        out: list[Case] = []
         for fmt in params.formats:
-            first = Case(self.name, model, layout, engine, opts, backend,
+            if fmt in FSDP2_FORMATS:
+                eng = engine if own_fsdp2 else "fsdp2"
+                if not own_fsdp2 and not any(c.engine == eng and not c.params.role for c in out):
+                    out.append(Case(self.name, model, dp, eng, options, backend, params=params))
+                lay, opts, loads = dp, options, [dp]
+            elif own_fsdp2:
+                continue  # the distributed optimizer's formats: not the fsdp2 engine's
+            else:
+                lay, eng, opts = layout, engine, dataclasses.replace(options, use_distributed_optimizer=True)
+                loads = [layout]
+                if fmt.startswith("fully_reshardable"):  # promises TP / PP / DP changes
+                    loads += [x for x in reference_layouts(model, world_size) if x != layout][:1]
+            first = Case(self.name, model, lay, eng, opts, backend,
                          params=dataclasses.replace(params, role="first-half", ckpt_format=fmt))
-            loads = [layout]
-            if fmt.startswith("fully_reshardable"):  # promises TP / PP / DP changes
-                loads += [lay for lay in reference_layouts(model, world_size) if lay != layout][:1]
             out.append(first)
-            out += [Case(self.name, model, lay, engine, opts, backend, after=(first.id,),
-                         params=dataclasses.replace(params, role="resume", ckpt_format=fmt)) for lay in loads]
+            out += [Case(self.name, model, x, eng, opts, backend, after=(first.id,),
+                         params=dataclasses.replace(params, role="resume", ckpt_format=fmt)) for x in loads]
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
@@ -190,8 +208,12 @@ class GoldenSuite:
     # -- baselines ------------------------------------------------------------------------------
     @staticmethod
     def key(case: Case) -> str:
-        """One trajectory per model, dtype and step count: every layout is judged against it."""
-        return f"{case.model.name}/{case.options.dtype}/steps={case.options.steps}"
+        """One trajectory per model, dtype and step count: every layout is judged against it. The fsdp2 engine
+        (torch Adam, no loss mask) trains another one, stored beside it."""
+        from harness.engines import is_fsdp2
+
+        engine = "/fsdp2" if is_fsdp2(case.engine) else ""
+        return f"{case.model.name}/{case.options.dtype}/steps={case.options.steps}{engine}"
 
     @staticmethod
     def record_command(case: Case) -> str:
