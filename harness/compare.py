@@ -1,9 +1,11 @@
 """`harness compare`: A against B in one run - two engines, or this environment against another
 megatron-core release or commit - with the step-perf cases of both run in rounds whose A/B order is
 drawn at random each round (randomized multiple interleaved trials), so drift of a shared machine
-falls on both sides alike. Per case: the ratio of B's median step time to A's with its bootstrap CI
-and a Mann-Whitney U test (harness/checks/timing.py), and every counter that differs. Exit 1 when B is
-significantly slower than A beyond the minimum effect on any case.
+falls on both sides alike. Per case: the ratio of B's step time to A's over the rounds (one ratio of
+medians per round: steps within a round are correlated, rounds are the units) with its t interval and a
+paired t-test (harness/checks/timing.py compare_rounds), and every counter that differs. Exit 1 when B is
+significantly slower than A beyond the minimum effect on any case, or does other work (exact counters);
+exit 5 when some case cannot tell (the interval still reaches beyond the minimum effect) and none failed.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class Side:
 
 @dataclass
 class CaseSamples:
-    """What one side measured for one case, pooled over rounds."""
+    """What one side measured for one case: per round its step times and exposed communication."""
 
-    step_ms: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # every round's, pooled
     exposed_ms: list[float] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
+    rounds_step_ms: list[list[float]] = field(default_factory=list)
+    rounds_exposed_ms: list[list[float]] = field(default_factory=list)
 
 
 def _in_process_round(side: Side, sel: CaseSelection, args, say) -> dict[str, CaseSamples]:
@@ -107,20 +111,22 @@ def run_rounds(a: Side, b: Side, sel: CaseSelection, args, say: Callable[[str], 
                 acc = pooled[side.label].setdefault(key, CaseSamples(counters=s.counters))
                 acc.step_ms += s.step_ms
                 acc.exposed_ms += s.exposed_ms
+                acc.rounds_step_ms.append(list(s.step_ms))
+                acc.rounds_exposed_ms.append(list(s.exposed_ms))
     return pooled[a.label], pooled[b.label], order
 
 
 def judge(a: dict[str, CaseSamples], b: dict[str, CaseSamples], min_effect: float):
-    """Per case key: (Comparison of step times, Comparison of exposed comm, differing counters)."""
-    from harness.checks.timing import compare_samples
+    """Per case key: (Comparison of step times, Comparison of exposed comm, differing counters), over rounds."""
+    from harness.checks.timing import compare_rounds
 
     out = {}
     for key in sorted(set(a) & set(b)):
         counters = sorted(m for m in set(a[key].counters) | set(b[key].counters)
                           if a[key].counters.get(m) != b[key].counters.get(m))
         diffs = [f"{m}: {a[key].counters.get(m, '-')} -> {b[key].counters.get(m, '-')}" for m in counters]
-        out[key] = (compare_samples(a[key].step_ms, b[key].step_ms, min_effect),
-                    compare_samples(a[key].exposed_ms, b[key].exposed_ms, min_effect), diffs)
+        out[key] = (compare_rounds(a[key].rounds_step_ms, b[key].rounds_step_ms, min_effect),
+                    compare_rounds(a[key].rounds_exposed_ms, b[key].rounds_exposed_ms, min_effect), diffs)
     return out
 
 
@@ -168,7 +174,8 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
 
 def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
     """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds."""
-    from harness.checks.timing import MIN_EFFECT_INTERLEAVED
+    from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED
+    from harness.outcomes import EXIT_NOTHING_JUDGED
     from harness.tables import table
 
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
@@ -188,16 +195,21 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
         if worktree:
             worktree.close()
     verdicts = judge(samples_a, samples_b, effect)
-    rows, slower = [], []
+    rows, slower, undecided = [], [], []
     for key, (step, comm, diffs) in verdicts.items():
+        verdict = "CANNOT TELL" if step.undecided else step.verdict
         rows.append([key, f"{step.median_a:.1f}", f"{step.median_b:.1f}", f"x{step.ratio:.3f}",
                      f"[{step.ci_low:.3f}, {step.ci_high:.3f}]", f"{min(step.p_slower, step.p_faster):.2g}",
-                     f"x{comm.ratio:.2f}", step.verdict, f"{len(diffs)}"])
+                     f"x{comm.ratio:.2f}", verdict, f"{len(diffs)}"])
         if step.slower:
             slower.append(key)
+        elif step.undecided:
+            undecided.append(key)
     print(f"compare: {a.label} vs {b.label}, {args.rounds} rounds of {args.steps_per_round} steps per side "
           f"(order {' '.join(x[0] for x in order)}), min effect {effect:.0%}")
     print(table(["case", "A ms", "B ms", "B/A", "95% CI", "p", "exposed B/A", "verdict", "counters differ"], rows))
+    print(f"(B/A: per round the ratio of medians, their geometric mean over {args.rounds} rounds; CI and p: a paired "
+          f"t-test over the rounds)")
     for key, (_, _, diffs) in verdicts.items():
         for d in diffs:
             print(f"  {key}: {d}")
@@ -207,7 +219,7 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
         atomic_write(Path(args.out) / "compare.json", json.dumps(
             {"a": a.label, "b": b.label, "rounds": args.rounds, "order": order, "min_effect": effect,
              "cases": {k: {"step": vars(s), "exposed": vars(c), "counters_differ": d,
-                           "samples_a": samples_a[k].step_ms, "samples_b": samples_b[k].step_ms}
+                           "rounds_a": samples_a[k].rounds_step_ms, "rounds_b": samples_b[k].rounds_step_ms}
                        for k, (s, c, d) in verdicts.items()}}, indent=1))
     different = [key for key, (_, _, diffs) in verdicts.items() if diffs]
     if slower:
@@ -218,5 +230,9 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
               f"({', '.join(different)})")
     if slower or different:
         return 1
+    if undecided:
+        print(f"cannot tell on {len(undecided)} case(s) ({', '.join(undecided)}): the {CONFIDENCE:.0%} interval "
+              f"still reaches beyond x{1 + effect:.2f}; run more --rounds (the rounds are the units)")
+        return EXIT_NOTHING_JUDGED
     print("B is not significantly slower than A beyond the minimum effect on any case, and does the same work")
     return 0

@@ -94,12 +94,14 @@ class Tally:
     size: float
     hits: int = 0
     trials: int = 0
+    undecided: int = 0  # neither detected nor ruled out: the verdict was "cannot tell"
 
     def row(self) -> list[str]:
         low, high = wilson(self.hits, self.trials)
         what = "false alarms" if self.size == 0 else "detected"
         return [self.mode, self.where, f"{self.size:.0%}", f"{self.hits}/{self.trials}",
-                f"{self.hits / self.trials:.0%} [{low:.0%}, {high:.0%}] {what}" if self.trials else "-"]
+                f"{self.hits / self.trials:.0%} [{low:.0%}, {high:.0%}] {what}" if self.trials else "-",
+                f"{self.undecided}/{self.trials}"]
 
 
 def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int, timed_steps: int,
@@ -134,6 +136,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                 t = tallies.setdefault(("vs baseline", where, size), Tally("vs baseline", where, size))
                 t.trials += 1
                 t.hits += int(time_check.failed and not time_check.improvement)
+                t.undecided += int(time_check.inconclusive)
                 say(f"trial {trial + 1}/{trials} vs baseline {where} +{size:.0%}: "
                     f"{'DETECTED' if time_check.failed and not time_check.improvement else 'not detected'}")
     if "compare" in modes:
@@ -150,6 +153,8 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                 t = tallies.setdefault(("interleaved", "step", size), Tally("interleaved", "step", size))
                 t.trials += 1
                 t.hits += int(step.slower)
+                t.undecided += int(step.undecided)
                 say(f"trial {trial + 1}/{trials} interleaved step +{size:.0%}: x{step.ratio:.3f} "
-                    f"{'DETECTED' if step.slower else 'not detected'}")
+                    f"[{step.ci_low:.3f}, {step.ci_high:.3f}] "
+                    f"{'DETECTED' if step.slower else 'cannot tell' if step.undecided else 'not detected'}")
     return [tallies[k] for k in sorted(tallies, key=lambda k: (k[0], k[1], k[2]))]

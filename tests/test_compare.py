@@ -11,21 +11,29 @@ from harness.commands.selection import CaseSelection
 from harness.compare import CaseSamples
 
 
-def _samples(mean: float, counters: dict[str, float], seed: int) -> dict[str, CaseSamples]:
+def _samples(mean: float, counters: dict[str, float], seed: int, round_sd: float = 0.0,
+             rounds: int = 5) -> dict[str, CaseSamples]:
+    """`rounds` rounds of 6 steps; each round's steps share a drift of the machine (sd `round_sd`)."""
     rng = random.Random(seed)
-    steps = [mean * (1 + rng.gauss(0, 0.01)) for _ in range(30)]
-    return {"tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1": CaseSamples(steps, [1.0] * 30, dict(counters))}
+    per_round = []
+    for _ in range(rounds):
+        drift = 1 + rng.gauss(0, round_sd)
+        per_round.append([mean * drift * (1 + rng.gauss(0, 0.01)) for _ in range(6)])
+    steps = [x for r in per_round for x in r]
+    return {"tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1": CaseSamples(
+        steps, [1.0] * len(steps), dict(counters), per_round, [[1.0] * 6 for _ in per_round])}
 
 
-def _compare(monkeypatch, capsys, b_mean: float, b_counters: dict[str, float]) -> tuple[int, str]:
+def _compare(monkeypatch, capsys, b_mean: float, b_counters: dict[str, float], round_sd: float = 0.0,
+             seeds: tuple[int, int] = (1, 2), rounds: int = 5) -> tuple[int, str]:
     from harness import compare
 
-    a = _samples(100.0, {"rank0.flops": 1e9, "rank0.dp-cp/reduce_scatter.calls": 7.0}, 1)
-    b = _samples(b_mean, b_counters, 2)
+    a = _samples(100.0, {"rank0.flops": 1e9, "rank0.dp-cp/reduce_scatter.calls": 7.0}, seeds[0], round_sd, rounds)
+    b = _samples(b_mean, b_counters, seeds[1], round_sd, rounds)
     monkeypatch.setattr(compare, "run_rounds", lambda *args, **kw: (a, b, ["A", "B"]))
     args = argparse.Namespace(engine=["mcore", "tests.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
                               repo=None,
-                              cache=None, rounds=5, steps_per_round=6, out=None)
+                              cache=None, rounds=rounds, steps_per_round=6, out=None)
     code = compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None)
     return code, capsys.readouterr().out
 
@@ -53,6 +61,38 @@ def test_a_significant_slowdown_fails_and_a_speed_up_does_not(monkeypatch, capsy
         assert "B is slower than A beyond 5% (significant) on 1 case(s)" in out
 
 
+def test_rounds_are_the_units_a_drift_between_rounds_is_not_a_slowdown():
+    """Steps of one round share the machine's state: between two identical engines whose rounds drift (sd 5%),
+    a test over pooled steps finds 'significant' slowdowns (4 in 40 at a 2% minimum effect, alpha 1%);
+    over rounds none - most of those comparisons cannot tell at 5 rounds, and say so."""
+    from harness.checks.timing import compare_samples
+    from harness.compare import judge
+
+    pooled_alarms, round_alarms, undecided = 0, 0, 0
+    for seed in range(40):
+        a = _samples(100.0, SAME, 2 * seed, round_sd=0.05)
+        b = _samples(100.0, SAME, 2 * seed + 1, round_sd=0.05)
+        (key,) = a
+        pooled_alarms += compare_samples(a[key].step_ms, b[key].step_ms, 0.02).slower
+        step, _, _ = judge(a, b, 0.02)[key]
+        round_alarms += step.slower
+        undecided += step.undecided
+    assert pooled_alarms >= 2, pooled_alarms
+    assert round_alarms == 0 and undecided >= 20, (round_alarms, undecided)
+
+
+def test_a_comparison_that_cannot_tell_exits_5_and_says_why(monkeypatch, capsys):
+    code, out = _compare(monkeypatch, capsys, 100.0, SAME, round_sd=0.08, seeds=(3, 4), rounds=3)
+    assert code == 5, out
+    assert "cannot tell on 1 case(s)" in out and "run more --rounds" in out and "CANNOT TELL" in out
+
+
+def test_a_slowdown_beyond_the_drift_between_rounds_is_still_found(monkeypatch, capsys):
+    code, out = _compare(monkeypatch, capsys, 125.0, SAME, round_sd=0.03, rounds=8)
+    assert code == 1, out
+    assert "paired t-test over the rounds" in out
+
+
 def test_b_can_be_a_release_of_any_package(monkeypatch, tmp_path):
     from harness import bisect, compare
 
@@ -74,3 +114,11 @@ def test_a_malformed_package_is_bad_input(argv, message, capsys):
 
     assert cli.main(["compare", "--model", "tiny", "--world-size", "2", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_no_exposed_communication_in_any_round_reads_x1_and_nothing_more():
+    from harness.checks.timing import compare_rounds
+
+    none = compare_rounds([[0.0] * 6] * 3, [[0.0] * 6] * 3, 0.05)
+    assert none.ratio == 1.0 and not none.slower and not none.undecided
+    assert compare_rounds([[0.0] * 6] * 3, [[2.0] * 6] * 3, 0.05).ratio == float("inf")

@@ -44,6 +44,8 @@ class Comparison:
     median_b: float
     min_effect: float
     alpha: float = ALPHA
+    test: str = "Mann-Whitney"  # the significance test behind p_slower / p_faster
+    unit: str = ""  # what n counts when not steps (e.g. "rounds")
 
     @property
     def slower(self) -> bool:
@@ -56,6 +58,11 @@ class Comparison:
         return self.p_faster < self.alpha and self.ratio < 1 / (1 + self.min_effect)
 
     @property
+    def undecided(self) -> bool:
+        """Neither slower nor ruled out: the interval still reaches a slowdown beyond the minimum effect."""
+        return not self.slower and self.ci_high > 1 + self.min_effect
+
+    @property
     def verdict(self) -> str:
         return "regression" if self.slower else "improvement" if self.faster else "pass"
 
@@ -63,8 +70,8 @@ class Comparison:
         """e.g. '123.4 ms vs 110.2 ms: x1.12 [1.08, 1.16] 95% CI, Mann-Whitney p=0.0003 (n=20/60), min effect 10%'."""
         p = self.p_slower if self.ratio >= 1 else self.p_faster
         return (f"{self.median_b:.1f} {unit} vs {self.median_a:.1f} {unit}: x{self.ratio:.3f} "
-                f"[{self.ci_low:.3f}, {self.ci_high:.3f}] {CONFIDENCE:.0%} CI, Mann-Whitney p={p:.2g} "
-                f"(n={self.n_b}/{self.n_a}), min effect {self.min_effect:.0%}")
+                f"[{self.ci_low:.3f}, {self.ci_high:.3f}] {CONFIDENCE:.0%} CI, {self.test} p={p:.2g} "
+                f"(n={self.n_b}/{self.n_a}{' ' + self.unit if self.unit else ''}), min effect {self.min_effect:.0%}")
 
 
 def compare_samples(baseline: list[float], measured: list[float], min_effect: float, *, alpha: float = ALPHA,
@@ -84,7 +91,8 @@ def compare_samples(baseline: list[float], measured: list[float], min_effect: fl
     rb = np.median(rng.choice(b, (BOOTSTRAP_RESAMPLES, len(b))), axis=1)
     ratios = _ratio(rb, ra)
     tail = (1 - CONFIDENCE) / 2
-    low, high = (float(x) for x in np.quantile(ratios, [tail, 1 - tail]))
+    with np.errstate(invalid="ignore"):  # infinite ratios (A's figure 0): inf - inf between neighbours
+        low, high = (float(x) for x in np.quantile(ratios, [tail, 1 - tail]))
     if np.ptp(np.concatenate([a, b])) == 0:  # every sample the same (e.g. no exposed communication at all)
         p_slower = p_faster = 1.0
     else:
@@ -92,6 +100,39 @@ def compare_samples(baseline: list[float], measured: list[float], min_effect: fl
         p_faster = float(stats.mannwhitneyu(b, a, alternative="less").pvalue)
     return Comparison(float(_ratio(np.float64(med_b), np.float64(med_a))), low, high, p_slower, p_faster, len(a),
                       len(b), med_a, med_b, min_effect, alpha)
+
+
+def compare_rounds(a_rounds: list[list[float]], b_rounds: list[list[float]], min_effect: float, *,
+                   alpha: float = ALPHA) -> Comparison:
+    """B against A from rounds run interleaved (round i of A and of B back to back, in a random order): the
+    rounds are the units, not the steps. Steps of one round share its state of the machine (correlated), so
+    a test over pooled steps calls a round-to-round drift significant; here each round gives one log ratio
+    of medians, log(B_i / A_i), and the ratio is exp(their mean) with a t interval and a one-sided paired
+    t-test over the rounds. A figure that is 0 in some round (no exposed communication) falls back to the
+    pooled steps."""
+    import numpy as np
+    from scipy import stats
+
+    if len(a_rounds) != len(b_rounds) or len(a_rounds) < 2:
+        raise ValueError(f"need at least 2 paired rounds, got {len(a_rounds)} and {len(b_rounds)}")
+    med_a = np.array([np.median(r) for r in a_rounds], dtype=float)
+    med_b = np.array([np.median(r) for r in b_rounds], dtype=float)
+    if not (np.isfinite(med_a).all() and np.isfinite(med_b).all()):
+        raise ValueError("non-finite step times cannot be judged")
+    if (med_a <= 0).any() or (med_b <= 0).any():
+        return compare_samples([x for r in a_rounds for x in r], [x for r in b_rounds for x in r], min_effect,
+                               alpha=alpha)
+    d = np.log(med_b / med_a)
+    n, mean = len(d), float(d.mean())
+    se = float(d.std(ddof=1)) / math.sqrt(n)
+    half = float(stats.t.ppf(1 - (1 - CONFIDENCE) / 2, n - 1)) * se
+    if se == 0:  # every round the same ratio: nothing to be unsure about
+        p_slower, p_faster = (0.0 if mean > 0 else 1.0), (0.0 if mean < 0 else 1.0)
+    else:
+        t = mean / se
+        p_slower, p_faster = float(stats.t.sf(t, n - 1)), float(stats.t.cdf(t, n - 1))
+    return Comparison(math.exp(mean), math.exp(mean - half), math.exp(mean + half), p_slower, p_faster, n, n,
+                      float(np.median(med_a)), float(np.median(med_b)), min_effect, alpha, "paired t", "rounds")
 
 
 def _ratio(b, a):

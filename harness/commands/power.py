@@ -35,5 +35,6 @@ def main(args) -> int:
 
     tallies = run_power(args.model, args.world_size, layout.id, args.trials, args.rounds, args.timed_steps,
                         tuple(args.mode or ("baseline", "compare")), say)
-    print(table(["judged", "planted in", "slowdown", "hits", "rate [95% Wilson]"], [t.row() for t in tallies]))
+    print(table(["judged", "planted in", "slowdown", "hits", "rate [95% Wilson]", "cannot tell"],
+                [t.row() for t in tallies]))
     return 0
