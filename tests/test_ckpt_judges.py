@@ -404,3 +404,23 @@ def test_pinned_blocks_cut_during_the_phase_are_not_counted_twice():
     peak = MemoryPeak("save", heap_peak=100 * MIB, pinned_peak=96 * MIB, pinned_grown=96 * MIB)
     assert peak.host_peak == 100 * MIB  # the heap figure holds the blocks cut in the phase
     assert MemoryPeak("save", heap_peak=1 * MIB, pinned_peak=96 * MIB).host_peak == 97 * MIB
+
+
+def test_a_device_measurement_records_device_peaks_and_the_pinned_pool_growth(monkeypatch, tmp_path):
+    """The GPU path of probes.memory.measure on a CPU box, torch.cuda's counters stood in: the pinned pool's
+    growth is its allocation after the phase minus before it (a name error here once failed every GPU save)."""
+    import torch
+
+    from harness.probes.memory import MIB, measure
+
+    pool = {"allocated_bytes.current": 10 * MIB, "active_bytes.peak": 10 * MIB}
+    fake = {"synchronize": lambda: None, "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 5 * MIB,
+            "max_memory_allocated": lambda: 70 * MIB, "max_memory_reserved": lambda: 80 * MIB,
+            "host_memory_stats": lambda: dict(pool), "reset_peak_host_memory_stats": lambda: None}
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn, raising=False)
+    with measure("save", tmp_path, 0, use_memray=False, device=True) as peak:
+        pool.update({"allocated_bytes.current": 42 * MIB, "active_bytes.peak": 40 * MIB})
+    assert (peak.device_allocated_before, peak.device_allocated_peak, peak.device_reserved_peak) == \
+        (5 * MIB, 70 * MIB, 80 * MIB)
+    assert (peak.pinned_peak, peak.pinned_grown) == (40 * MIB, 32 * MIB)

@@ -147,10 +147,11 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
         sampler.stop_event.set()
         sampler.join()
     # only after a phase that completed: a failure inside it keeps its own exception
-    _fill(peak, sampler, capture if use_memray else None, rank, device)
+    _fill(peak, sampler, capture if use_memray else None, rank, device, pinned_before)
 
 
-def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, device: bool) -> None:
+def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, device: bool,
+          pinned_before: int = 0) -> None:
     if not sampler.timeline:
         raise MeasurementError(f"the RSS sampler took no sample during {peak.phase} on rank {rank} "
                                f"({sampler.error or 'it never ran'})")
