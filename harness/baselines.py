@@ -149,11 +149,13 @@ def diff_entries(old: dict, new: dict, removed: bool = False) -> str:
                 lines.append(f"+ {key} {name}: {m['value']} (tolerance {m['tolerance']}, spread {m['spread']})")
             elif before["value"] != m["value"] or before["tolerance"] != m["tolerance"]:
                 rel = f", {(m['value'] - before['value']) / before['value']:+.1%}" if before["value"] else ""
-                lines.append(f"~ {key} {name}: {before['value']} -> {m['value']} ({m['value'] - before['value']:+.3f}{rel}; "
+                lines.append(f"~ {key} {name}: {before['value']} -> {m['value']} "
+                             f"({m['value'] - before['value']:+.3f}{rel}; "
                              f"tolerance {before['tolerance']} -> {m['tolerance']})")
     if removed:
         for key, metrics in sorted(old.items()):
-            lines += [f"- {key} {name}: {m['value']}" for name, m in sorted(metrics.items()) if name not in new.get(key, {})]
+            lines += [f"- {key} {name}: {m['value']}" for name, m in sorted(metrics.items())
+                      if name not in new.get(key, {})]
     return "\n".join(lines) or "(no change)"
 
 
@@ -226,6 +228,7 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     path = baseline_path(baselines_dir, platform, suite.name)
     from harness.platform.backend import machine_fingerprint
 
-    provenance = {**report.versions(), "date": report.now(), "repeats": repeats, "machine": machine_fingerprint(backend)}
+    provenance = {**report.versions(), "date": report.now(), "repeats": repeats,
+                  "machine": machine_fingerprint(backend)}
     entries = build_entries(samples, getattr(suite, "tolerance", None), raw, getattr(suite, "digits", 3))
     return path, write(path, suite.name, platform, entries, provenance)

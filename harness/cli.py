@@ -11,8 +11,7 @@ import os
 import signal
 import sys
 
-from harness.commands import (baselines, bisect, compare, history, layouts, nightly, power, project_memory,
-                               report, run)
+from harness.commands import baselines, bisect, compare, history, layouts, nightly, power, project_memory, report, run
 from harness.errors import BadInput, Interrupted
 
 # in the order of `harness --help`

@@ -15,9 +15,10 @@ import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from harness.errors import BadInput
 
@@ -75,7 +76,8 @@ def _subprocess_round(side: Side, sel: CaseSelection, args, workdir: Path, n: in
            "--engine", side.engine,
            "--timed-steps", str(args.steps_per_round), "--baselines-dir", str(workdir / "no-baselines"),
            "--out", str(out_dir)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=side.pythonpath[0] if side.pythonpath else None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          cwd=side.pythonpath[0] if side.pythonpath else None)
     results = out_dir / "results.json"
     if proc.returncode == 2 or not results.exists():
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]

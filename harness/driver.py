@@ -10,8 +10,9 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from harness.errors import BadInput, Interrupted
 from harness.launch import CaseResult, run_case, zygote
@@ -22,7 +23,6 @@ from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
 from harness.suite_run import SuiteRun
 from harness.suites import Suite, default_model, get_suite
-
 
 # a parameter whose flag is not `--<name with dashes>`
 FLAGS = {"formats": "--ckpt-format"}
@@ -43,7 +43,7 @@ def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str
     return params_type(**given) if params_type else None
 
 
-def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
+def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
          **kwargs) -> tuple[Suite, list[Case]]:
     """(suite, cases) or BadInput, before anything runs or is written (see planned_run). The rank fork server
     starts importing meanwhile: the caller runs the plan next."""
@@ -52,7 +52,7 @@ def plan(suite_name: "str | Suite", model_name: str | None, world_size: int, lay
     return suite, cases
 
 
-def planned_run(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
+def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
                 *, engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
                 timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None):
     """(suite, params, cases) or BadInput, before anything runs or is written. model_name None: the suite's
@@ -102,7 +102,7 @@ def refuse_what_does_not_fit(cases: list[Case], backend: str, world_size: int) -
             raise DoesNotFit(why)
 
 
-def run_suite(suite_name: "str | Suite", model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
+def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
               engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
               timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
               fresh_ranks: bool = False, shuffle_seed: int | None = None,

@@ -4,9 +4,9 @@ results.json under one directory, then `harness report` over it. Keeps going aft
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from harness.errors import BadInput
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_PASS
@@ -47,11 +47,11 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
 
     from harness import driver, report
     from harness.driver import format_clock
+    from harness.files import atomic_write
     from harness.platform import resolve_backend
     from harness.platform.backend import cuda_device_count
-    from harness.tables import table
-    from harness.files import atomic_write
     from harness.report.files import prepare_out_dir, write_report
+    from harness.tables import table
 
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:

@@ -17,8 +17,8 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from harness.engines.mcore import McoreEngine
 
@@ -109,9 +109,9 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     import argparse
 
     from harness.baselines import record_suite
+    from harness.checks.timing import MIN_EFFECT_INTERLEAVED
     from harness.commands.selection import CaseSelection
     from harness.compare import Side, judge, run_rounds
-    from harness.checks.timing import MIN_EFFECT_INTERLEAVED
     from harness.driver import run_suite
     from harness.spec import CaseOptions
 

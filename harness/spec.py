@@ -73,7 +73,7 @@ class Layout:
         return self.id
 
     @classmethod
-    def parse(cls, text: str) -> "Layout":
+    def parse(cls, text: str) -> Layout:
         m = _LAYOUT_RE.match(text.strip())
         if not m:
             raise BadInput(
@@ -160,7 +160,7 @@ class Case:
     # the driver reports it skipped without starting a rank
     skip: str = field(default="", compare=False)
 
-    def skipped(self, reason: str) -> "Case":
+    def skipped(self, reason: str) -> Case:
         """This case, to be reported skipped for `reason` instead of run."""
         return dataclasses.replace(self, skip=reason)
 

@@ -40,7 +40,8 @@ def _outcome(result: CaseResult, checks: list[CheckResult], judged: bool = True)
     if result.skipped:
         return CaseOutcome(result, "skipped", (result.error.splitlines() or ["skipped"])[0], checks)
     if not result.ok:
-        return CaseOutcome(result, "error", error_summary(result.error).removeprefix(f"case {result.case.id}: "), checks)
+        return CaseOutcome(result, "error", error_summary(result.error).removeprefix(f"case {result.case.id}: "),
+                           checks)
     if not judged:  # written while the run goes on: measured, judged at the end
         return CaseOutcome(result, "pending", "measured; judged when the run ends", checks)
     if not checks:
@@ -100,7 +101,7 @@ class SuiteRun:
         """The checks that told right from wrong (passed or failed), not the ones that could not tell."""
         return [c for c in self.checks if not c.inconclusive]
 
-    def judge(self) -> "SuiteRun":
+    def judge(self) -> SuiteRun:
         """Run the suite's checks over the cases that ran (a skipped case has nothing to judge). Checks are
         pure functions of the results and the parameters: what a report does with files (flamegraphs of
         failures, captures of passes deleted) happens in the report stage (harness/report/artifacts.py)."""
@@ -117,7 +118,7 @@ class SuiteRun:
             result.figures = case_figures(self.suite, result)
         return result
 
-    def stop_if_interrupted(self) -> "SuiteRun":
+    def stop_if_interrupted(self) -> SuiteRun:
         """Re-raise the interrupt this run was stopped by: for callers that run more than one suite run
         (repeats, rounds, bisect steps), which must stop too."""
         if self.interrupted is not None:

@@ -8,15 +8,40 @@ candidate is judged in a fresh process, so nothing imported for one leaks into t
 itself is harness/commands/bisect.py.
 """
 
-from harness.bisect.candidates import (CommitCandidates, Environment, PackageCandidates, Worktree, commits_between,
-                                       expand_versions, index_versions, local_versions, pypi_versions, version_env)
-from harness.bisect.search import (BAD, FIX, GOOD, REGRESSION, SKIP, VERDICTS, GateRefused, StepResult, Terms,
-                                   Threshold, Tried, flip, flipped, format_table, gate, search)
-from harness.bisect.step import (StepSpec, judge_run, read_step_json, run_in, run_step, step_env,
-                                 write_step_json)
+from harness.bisect.candidates import (
+                                       CommitCandidates,
+                                       Environment,
+                                       PackageCandidates,
+                                       Worktree,
+                                       commits_between,
+                                       expand_versions,
+                                       index_versions,
+                                       local_versions,
+                                       pypi_versions,
+                                       version_env,
+)
+from harness.bisect.search import (
+                                       BAD,
+                                       FIX,
+                                       GOOD,
+                                       REGRESSION,
+                                       SKIP,
+                                       VERDICTS,
+                                       GateRefused,
+                                       StepResult,
+                                       Terms,
+                                       Threshold,
+                                       Tried,
+                                       flip,
+                                       flipped,
+                                       format_table,
+                                       gate,
+                                       search,
+)
+from harness.bisect.step import StepSpec, judge_run, read_step_json, run_in, run_step, step_env, write_step_json
 
 __all__ = ["BAD", "FIX", "GOOD", "REGRESSION", "SKIP", "VERDICTS", "CommitCandidates", "Environment", "GateRefused",
            "PackageCandidates", "StepResult", "StepSpec", "Terms", "Threshold", "Tried", "Worktree", "commits_between",
-           "expand_versions", "flip", "flipped", "format_table", "gate", "index_versions", "judge_run", "local_versions",
-           "pypi_versions", "read_step_json", "run_in", "run_step", "search", "step_env",
+           "expand_versions", "flip", "flipped", "format_table", "gate", "index_versions", "judge_run",
+           "local_versions", "pypi_versions", "read_step_json", "run_in", "run_step", "search", "step_env",
            "version_env", "write_step_json"]

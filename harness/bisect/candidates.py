@@ -10,9 +10,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from harness.errors import BadInput
 
@@ -38,8 +38,13 @@ def find_links_dirs(find_links: list[str] | None = None) -> list[Path]:
 
 def local_versions(package: str, dirs: list[Path]) -> list[str]:
     """Versions of `package` among the wheels (and sdists) in these directories, from their file names."""
-    from packaging.utils import (InvalidSdistFilename, InvalidWheelFilename, canonicalize_name,
-                                 parse_sdist_filename, parse_wheel_filename)
+    from packaging.utils import (
+        InvalidSdistFilename,
+        InvalidWheelFilename,
+        canonicalize_name,
+        parse_sdist_filename,
+        parse_wheel_filename,
+    )
 
     want, found = canonicalize_name(package), set()
     for d in dirs:
@@ -117,7 +122,8 @@ def expand_versions(specs: list[str], available: Callable[[], list[str]], prerel
                 lo, hi = (Version(x) for x in spec.split("..", 1))
             except InvalidVersion:
                 raise BadInput(f"{spec!r} is not a version range (give e.g. 0.15.0..0.16.1)") from None
-            inside = [v for v in available() if lo <= Version(v) <= hi and (prereleases or not Version(v).is_prerelease)]
+            inside = [v for v in available()
+                      if lo <= Version(v) <= hi and (prereleases or not Version(v).is_prerelease)]
             if not inside:
                 raise BadInput(f"no released version in {spec} on the package index")
             out += sorted(inside, key=Version)

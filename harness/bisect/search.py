@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from harness.errors import BadInput
 
@@ -112,7 +112,8 @@ def gate(labels: list[str], judge: Callable[[int], StepResult], say: Callable[[s
                           tried)
     r = probe(labels, 0, f"gate: {terms.old}", judge, say, terms, tried)
     if r.verdict != GOOD:
-        raise GateRefused(f"the {terms.old} end {labels[0]} is not {terms.old}: {terms.name(r.verdict)} ({r.why})", tried)
+        raise GateRefused(f"the {terms.old} end {labels[0]} is not {terms.old}: {terms.name(r.verdict)} ({r.why})",
+                          tried)
     return tried
 
 

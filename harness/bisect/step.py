@@ -102,7 +102,8 @@ def _judge_timed(run, result, metric: str, case_entry: dict, threshold: Threshol
     baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's)."""
     cmp = run.suite.timed_comparison(result, metric, case_entry, threshold.relative_effect, params=run.params)
     return StepResult(BAD if cmp.slower else GOOD, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,
-                      f"{metric} {cmp.describe()}: {'significantly slower' if cmp.slower else 'not significantly slower'}",
+                      f"{metric} {cmp.describe()}: "
+                      f"{'significantly slower' if cmp.slower else 'not significantly slower'}",
                       vers)
 
 

@@ -104,7 +104,8 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, 
     peaks = " ".join(f"{d['load'].heap_peak / MIB:.0f}" for d in per_rank)
     if set(loaded) != set(saved):
         return CheckResult("ckpt-memory.reshard", cid, False,
-                           f"{head}: parameter names differ from the saved ones: {sorted(set(loaded) ^ set(saved))[:5]}")
+                           f"{head}: parameter names differ from the saved ones: "
+                           f"{sorted(set(loaded) ^ set(saved))[:5]}")
     worst_load, load_err = _worst({n: rel_error(loaded[n], saved[n]) for n in saved})
     worst_step, step_err = _worst({n: rel_error(stepped[n], reference[n]) for n in reference})
     rows = [f"  load host peak MiB/rank: {peaks}",

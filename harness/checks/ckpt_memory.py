@@ -64,7 +64,8 @@ def _check_contract(res: CaseResult) -> CheckResult:
     expected = EXPECTED_DEFAULTS.get(asked, asked)
     disk = next(r.data["on_disk"] for r in res.ranks if "on_disk" in r.data)
     label = labelled_format(res)
-    what = f"{res.case.engine} default format (expected {expected})" if asked in EXPECTED_DEFAULTS else f"format {asked}"
+    what = (f"{res.case.engine} default format (expected {expected})" if asked in EXPECTED_DEFAULTS
+            else f"format {asked}")
     rows = [f"on disk: {disk.layout}: {disk.evidence}",
             f"label written by the engine: {label} ({'agrees' if label == expected else 'DISAGREES'}; "
             f"secondary: the files decide)"]
@@ -141,7 +142,8 @@ def _check_baseline(suite: CkptMemorySuite, res: CaseResult, data: dict, path: P
                     + (f"; detects {_detects(v)}" if v.baseline is not None else ""))
         figures[metric] = {"measured": value, "baseline": v.baseline, "tolerance": v.tolerance, "status": v.status}
     figures = {"key": key, "metrics": figures}
-    by_status = {st: [m for m, v in verdicts.items() if v.status == st] for st in ("missing", "regression", "improvement")}
+    by_status = {st: [m for m, v in verdicts.items() if v.status == st]
+                 for st in ("missing", "regression", "improvement")}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
     figures["captures"] = [r.data["save"].capture for r in res.ranks if r.data["save"].capture]
     if not any(by_status.values()):

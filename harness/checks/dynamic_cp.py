@@ -44,7 +44,8 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
             if res is ref:
                 continue
             if ref is None or not ref.ok:
-                out.append(CheckResult("dynamic-cp.logprobs", cid, False, "the no-CP reference of this mix did not run"))
+                out.append(CheckResult("dynamic-cp.logprobs", cid, False,
+                                       "the no-CP reference of this mix did not run"))
                 continue
             rtol = RTOL[res.case.options.dtype]
             out.append(_check_logprobs(res, ref, rtol))

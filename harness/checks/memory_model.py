@@ -61,7 +61,7 @@ class Band:
     def contains(self, value: int) -> bool:
         return self.low <= value <= self.high
 
-    def overlaps(self, other: "Band") -> bool:
+    def overlaps(self, other: Band) -> bool:
         return self.low <= other.high and other.low <= self.high
 
     def describe(self) -> str:

@@ -264,7 +264,7 @@ class TensorDiff:
     worst: str | None
 
     @classmethod
-    def of(cls, got: dict, want: dict, rtol: float) -> "TensorDiff":
+    def of(cls, got: dict, want: dict, rtol: float) -> TensorDiff:
         from harness.checks.tensors import rel_error
 
         extra, lost = sorted(set(got) - set(want)), sorted(set(want) - set(got))

@@ -64,9 +64,9 @@ def check(suite: TrainMemorySuite, results: list[CaseResult], params: TrainMemor
                                    rows))
         elif biggest < ABS_SLACK:
             out.append(cannot_tell("train-memory.model", res.case.id,
-                                   f"the model's largest phase is {biggest / MIB:.2f} MiB, below the {ABS_SLACK / MIB:.1f} "
-                                   f"MiB a phase allocates beyond its tensors: a doubled tensor would hide in the band; "
-                                   f"judge on a larger model (small)", rows))
+                                   f"the model's largest phase is {biggest / MIB:.2f} MiB, below the "
+                                   f"{ABS_SLACK / MIB:.1f} MiB a phase allocates beyond its tensors: a doubled tensor "
+                                   f"would hide in the band; judge on a larger model (small)", rows))
         else:
             out.append(CheckResult("train-memory.model", res.case.id, True,
                                    f"every rank's build and steps inside the model's band (+-{REL_TOL:.0%} + "

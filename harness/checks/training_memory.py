@@ -273,12 +273,14 @@ def nearest_fitting(model: ModelSpec, layout: Layout, training: Training, availa
         tries.append(("selective activation recompute (--recompute selective)", layout,
                       dataclasses.replace(training, recompute="selective")))
     if training.recompute != "full":
-        tries.append(("full activation recompute (--recompute full)", layout, dataclasses.replace(training, recompute="full")))
+        tries.append(("full activation recompute (--recompute full)", layout,
+                      dataclasses.replace(training, recompute="full")))
     if training.micro_batch_size > 1:
         tries.append((f"micro-batch {training.micro_batch_size // 2} (--micro-batch-size)", layout,
                       dataclasses.replace(training, micro_batch_size=training.micro_batch_size // 2)))
     if not training.use_distributed_optimizer and layout.dp * layout.cp > 1:
-        tries.append(("the distributed optimizer", layout, dataclasses.replace(training, use_distributed_optimizer=True)))
+        tries.append(("the distributed optimizer", layout,
+                      dataclasses.replace(training, use_distributed_optimizer=True)))
     for grow in ("tp", "pp"):
         for k in (2, 4, 8):
             if layout.dp % k:

@@ -13,7 +13,8 @@ from harness.errors import BadInput
 
 
 def add_parser(sub) -> None:
-    for name, helptext in (("bisect", "find the first megatron-core version or commit where a metric crosses a threshold"),
+    for name, helptext in (("bisect", "find the first megatron-core version or commit where a metric crosses "
+                                      "a threshold"),
                            ("bisect-step", "judge the current checkout / environment for `git bisect run` "
                                            "(exit 0 good, 1 bad, 125 cannot tell)")):
         p = sub.add_parser(name, help=helptext)
@@ -34,14 +35,17 @@ def add_parser(sub) -> None:
                            help="a distribution, then its releases oldest first (good .. bad) or a range A..B from "
                                 "the package index: megatron-core, megatron-bridge, mbridge, transformer-engine, "
                                 "your framework; each installed --no-deps into a cached environment over this one")
-            p.add_argument("--megatron-core", nargs="+", metavar="VERSION", help="short for --package megatron-core ...")
+            p.add_argument("--megatron-core", nargs="+", metavar="VERSION",
+                           help="short for --package megatron-core ...")
             p.add_argument("--pre", action="store_true", help="a range A..B includes pre-releases")
             p.add_argument("--repo", help="a local git checkout of the engine (Megatron-LM, your framework)")
-            p.add_argument("--good", help="--repo: a commit without the regression (with --find-fix: the later, fixed one)")
+            p.add_argument("--good",
+                           help="--repo: a commit without the regression (with --find-fix: the later, fixed one)")
             p.add_argument("--bad", help="--repo: a later commit with it (with --find-fix: the earlier, broken one)")
             p.add_argument("--path-in-repo", default=".", help="--repo: the directory put on the path (default: root)")
             p.add_argument("--git-bisect-run", action="store_true",
-                           help="--repo: after the gate, hand the search to `git bisect run` with `harness bisect-step`")
+                           help="--repo: after the gate, hand the search to `git bisect run` "
+                                "with `harness bisect-step`")
             p.add_argument("--cache", default=None, help="virtualenvs and worktrees (default ~/.cache/harness-bisect)")
             p.set_defaults(func=main)
         else:
@@ -69,7 +73,8 @@ def main(args) -> int:
     if args.package and args.megatron_core:
         raise BadInput("give --package NAME VERSIONS or --megatron-core VERSIONS, not both")
     if args.package and len(args.package) < 2:
-        raise BadInput("--package takes the distribution then its versions, e.g. --package megatron-core 0.16.0..0.16.1")
+        raise BadInput("--package takes the distribution then its versions, "
+                       "e.g. --package megatron-core 0.16.0..0.16.1")
     package, versions = (args.package[0], args.package[1:]) if args.package else \
         ("megatron-core", args.megatron_core) if args.megatron_core else (None, None)
     if args.repo and not Path(args.repo, ".git").exists():
@@ -90,8 +95,20 @@ def bisect(args, spec, package: str | None, versions: list[str] | None) -> int:
     import shutil
     import tempfile
 
-    from harness.bisect import (FIX, GOOD, REGRESSION, SKIP, CommitCandidates, GateRefused, PackageCandidates,
-                                StepResult, flipped, format_table, run_in, search)
+    from harness.bisect import (
+        FIX,
+        GOOD,
+        REGRESSION,
+        SKIP,
+        CommitCandidates,
+        GateRefused,
+        PackageCandidates,
+        StepResult,
+        flipped,
+        format_table,
+        run_in,
+        search,
+    )
 
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
     cache.mkdir(parents=True, exist_ok=True)

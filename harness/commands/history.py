@@ -48,7 +48,8 @@ def ingest(args) -> int:
 def show(args) -> int:
     from datetime import date
 
-    from harness.history import show as history_show, store
+    from harness.history import show as history_show
+    from harness.history import store
     from harness.report.files import prepare_out_dir
 
     if args.since:

@@ -98,7 +98,8 @@ def main(args) -> int:
     gib = 1024 * MIB
     for fmt, p in zip(formats, projections):
         band = save_band(fmt, model, layout, p.worst_rank)
-        print(f"{fmt:<34} per rank (worst: rank {p.worst_rank}) {p.per_rank_low / gib:8.1f} - {p.per_rank_high / gib:8.1f} GiB"
+        print(f"{fmt:<34} per rank (worst: rank {p.worst_rank}) "
+              f"{p.per_rank_low / gib:8.1f} - {p.per_rank_high / gib:8.1f} GiB"
               f"   per node up to {p.per_node_high / gib:9.1f} GiB   [{band.why}]")
     print("model: bounds from 12N optimizer state and 4N weights plus a 2 MiB fixed cost measured on CPU ranks; "
           "the ckpt-memory suite checks measured peaks of tiny / small on 4 gloo ranks against these bands "

@@ -15,11 +15,13 @@ from harness.spec import CaseOptions
 _OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--dtype", "dtype", "dtype"),
                  ("--distributed-optimizer", "use_distributed_optimizer", "distributed_optimizer"),
                  ("--overlap-grad-reduce", "overlap_grad_reduce", "overlap_grad_reduce"),
-                 ("--recompute", "recompute", "recompute"), ("--micro-batch-size", "micro_batch_size", "micro_batch_size"))
+                 ("--recompute", "recompute", "recompute"),
+                 ("--micro-batch-size", "micro_batch_size", "micro_batch_size"))
 _OPTION_DEFAULTS = CaseOptions()
 # (flag, suite parameter, argparse dest) of the per-suite parameters; the driver refuses a parameter the
 # suite's parameter type does not have ("--<flag> does not apply to the <suite> suite")
-_PARAM_FLAGS = (("--ckpt-format", "formats", "ckpt_format"), ("--fully-parallel-save", "fully_parallel_save", "fully_parallel_save"),
+_PARAM_FLAGS = (("--ckpt-format", "formats", "ckpt_format"),
+                ("--fully-parallel-save", "fully_parallel_save", "fully_parallel_save"),
                 ("--async-save", "async_save", "async_save"), ("--timed-steps", "timed_steps", "timed_steps"),
                 ("--min-effect", "min_effect", "min_effect"), ("--overhead", "overhead", "overhead"))
 DEFAULT_WORLD_SIZE = 4
@@ -98,7 +100,7 @@ class CaseSelection:
     suite_params: dict = field(default_factory=dict)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "CaseSelection":
+    def from_args(cls, args: argparse.Namespace) -> CaseSelection:
         """From parsed `add_case_args` flags; BadInput for a value out of range (before anything runs).
         compare's --engine (a list, A then B) selects its first engine here."""
         if args.steps < 1:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from harness.errors import BadInput, MissingDependency
 
@@ -20,7 +21,7 @@ BUILTIN = {
 }
 
 
-def resolve_factory(name: str) -> Callable[["Case", "RankContext"], "Engine"]:
+def resolve_factory(name: str) -> Callable[[Case, RankContext], Engine]:
     """A built-in engine name or `package.module:factory`; BadInput when it cannot be imported."""
     target = BUILTIN.get(name, name)
     if ":" not in target:
@@ -45,7 +46,7 @@ def resolve_factory(name: str) -> Callable[["Case", "RankContext"], "Engine"]:
     return factory
 
 
-def make_engine(case: "Case", ctx: "RankContext") -> "Engine":
+def make_engine(case: Case, ctx: RankContext) -> Engine:
     return resolve_factory(case.engine)(case, ctx)
 
 

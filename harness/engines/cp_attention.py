@@ -5,8 +5,9 @@ layer spec when CP > 1. Each rank holds the query chunks megatron's zigzag split
 and 2cp-1-r of 2cp); K and V are all-gathered over the CP group (forward all-gather, backward
 all-reduce + slice, which gloo supports), the causal mask is applied on global positions, and GQA
 heads are expanded. Packed (THD) batches are supported too: per sequence zigzag over its padded
-length (`cu_seqlens_q_padded`), attention only within a sequence, padding keys masked out. The CP group comes from `packed_seq_params.cp_group` when the caller gives one
-(per-micro-batch groups of dynamic CP) and from the static CP group otherwise.
+length (`cu_seqlens_q_padded`), attention only within a sequence, padding keys masked out. The CP
+group comes from `packed_seq_params.cp_group` when the caller gives one (per-micro-batch groups of
+dynamic CP) and from the static CP group otherwise.
 """
 
 from __future__ import annotations

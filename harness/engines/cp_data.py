@@ -51,7 +51,8 @@ def local_thd_positions(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> 
     return torch.cat(seq_ids), torch.cat(positions)
 
 
-def pack_thd(samples: list[dict[str, torch.Tensor]], cp: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+def pack_thd(samples: list[dict[str, torch.Tensor]], cp: int
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """Samples (dicts of [L_i] tensors) -> one [1, T_padded] pack, cu_seqlens, cu_seqlens_padded.
 
     Padding tokens are zeros (loss_mask 0), appended after each sequence, so causal attention keeps

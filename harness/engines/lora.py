@@ -77,7 +77,7 @@ def adapter_values(model, dim: int, targets: tuple[str, ...] = MEGATRON_TARGETS)
     return model.num_layers * per_layer
 
 
-def expected_hf_adapter(params: dict[str, "torch.Tensor"], model) -> dict[str, "torch.Tensor"]:
+def expected_hf_adapter(params: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """The PEFT tensors an export of these Megatron adapter parameters must hold, by the harness's own
     arithmetic (not the bridge's): full (TP-assembled) `decoder.layers.N.<linear>.adapter.linear_{in,out}.weight`
     -> `base_model.model.model.layers.N.<module>.lora_{A,B}.weight`. A fused linear's A is every split
@@ -94,7 +94,8 @@ def expected_hf_adapter(params: dict[str, "torch.Tensor"], model) -> dict[str, "
         lora = "lora_A" if which == "linear_in" else "lora_B"
         if linear == "linear_qkv" and which == "linear_out":
             g = t.reshape(groups, heads_per_group + 2, d, t.shape[-1])
-            split = {"q_proj": g[:, :heads_per_group], "k_proj": g[:, heads_per_group], "v_proj": g[:, heads_per_group + 1]}
+            split = {"q_proj": g[:, :heads_per_group], "k_proj": g[:, heads_per_group],
+                     "v_proj": g[:, heads_per_group + 1]}
             for module, rows in split.items():
                 out[f"{hf}{module}.{lora}.weight"] = rows.reshape(-1, t.shape[-1])
         elif linear == "linear_fc1" and which == "linear_out" and model.swiglu:
@@ -106,7 +107,7 @@ def expected_hf_adapter(params: dict[str, "torch.Tensor"], model) -> dict[str, "
     return out
 
 
-def megatron_adapter_from_hf(tensors: dict[str, "torch.Tensor"], model) -> dict[str, "torch.Tensor"]:
+def megatron_adapter_from_hf(tensors: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """The inverse of expected_hf_adapter: PEFT tensors -> full Megatron adapter parameters by global name.
     A fused linear has one A, so its HF modules must share it; ValueError names the one that does not."""
     import torch
@@ -115,14 +116,14 @@ def megatron_adapter_from_hf(tensors: dict[str, "torch.Tensor"], model) -> dict[
     heads_per_group = model.num_attention_heads // groups
     out = {}
 
-    def get(layer: int, module: str, lora: str) -> "torch.Tensor":
+    def get(layer: int, module: str, lora: str) -> torch.Tensor:
         block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
         key = f"{PEFT_PREFIX}model.layers.{layer}.{block}.{module}.{lora}.weight"
         if key not in tensors:
             raise ValueError(f"the adapter has no {key}")
         return tensors[key]
 
-    def shared_a(layer: int, modules: tuple[str, ...]) -> "torch.Tensor":
+    def shared_a(layer: int, modules: tuple[str, ...]) -> torch.Tensor:
         a = get(layer, modules[0], "lora_A")
         for m in modules[1:]:
             if not torch.equal(get(layer, m, "lora_A"), a):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -99,17 +100,19 @@ class McoreCheckpoints:
         sd = self.sharded_state_dict(fmt)
         strategy = get_default_save_sharded_strategy()
         if fully_parallel:
-            strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
+            strategy = FullyParallelSaveStrategyWrapper(strategy,
+                                                        ps.get_data_parallel_group(with_context_parallel=True))
         if not async_save:
-            dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy, content_metadata=self.checkpoint_metadata(fmt))
+            dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy,
+                                    content_metadata=self.checkpoint_metadata(fmt))
             return
         import inspect
 
         if "async_sharded_save" not in inspect.signature(dist_checkpointing.save).parameters:
             from harness.errors import MissingDependency
 
-            raise MissingDependency("async save needs megatron-core with dist_checkpointing.save(async_sharded_save=...)"
-                                    " (0.10 or later)")
+            raise MissingDependency("async save needs megatron-core with "
+                                    "dist_checkpointing.save(async_sharded_save=...) (0.10 or later)")
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         queue = AsyncCallsQueue()

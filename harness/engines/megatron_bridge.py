@@ -27,8 +27,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.engines.lora import (MEGATRON_TARGETS, PEFT_PREFIX, adapter_config, megatron_adapter_from_hf,
-                                  read_adapter_dir, write_adapter_dir)
+from harness.engines.lora import (
+    MEGATRON_TARGETS,
+    PEFT_PREFIX,
+    adapter_config,
+    megatron_adapter_from_hf,
+    read_adapter_dir,
+    write_adapter_dir,
+)
 from harness.engines.mbridge import hf_llama_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.megatron_bridge_import import check_available, import_bridge

@@ -25,7 +25,7 @@ class WrapConfig:
     average_in_collective: bool = False
 
     @classmethod
-    def from_options(cls, options: CaseOptions) -> "WrapConfig":
+    def from_options(cls, options: CaseOptions) -> WrapConfig:
         return cls(use_distributed_optimizer=options.use_distributed_optimizer,
                    overlap_grad_reduce=options.overlap_grad_reduce,
                    grad_reduce_in_fp32=options.grad_reduce_in_fp32)

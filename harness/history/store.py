@@ -11,9 +11,10 @@ import hashlib
 import json
 import math
 import sqlite3
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from harness.errors import BadInput
 
@@ -63,7 +64,8 @@ def open_db(path: Path, create: bool = True) -> sqlite3.Connection:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise BadInput(f"--db {path}: cannot create its directory ({exc.strerror or exc}); give a writable path") from None
+            raise BadInput(f"--db {path}: cannot create its directory ({exc.strerror or exc}); "
+                           f"give a writable path") from None
     try:
         con = sqlite3.connect(str(path))
     except sqlite3.Error as exc:
@@ -78,7 +80,8 @@ def open_db(path: Path, create: bool = True) -> sqlite3.Connection:
                 con.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             return con
         if "meta" not in tables:
-            raise BadInput(f"{path} is an SQLite database but not a harness history (no meta table); give --db another path")
+            raise BadInput(f"{path} is an SQLite database but not a harness history (no meta table); "
+                           f"give --db another path")
         row = con.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         version = int(row[0]) if row else 0
         if version != SCHEMA_VERSION:
@@ -135,7 +138,8 @@ def ingest(con: sqlite3.Connection, root: Path) -> tuple[int, int]:
             try:
                 data = json.loads(raw)
             except json.JSONDecodeError as exc:
-                raise BadInput(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); nothing was ingested") from None
+                raise BadInput(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+                               f"nothing was ingested") from None
             if not data.get("judged", True) or "date" not in data:
                 continue  # written while its run went on (the final file replaces it), or a run that judged nothing
             digest = hashlib.sha256(raw).hexdigest()

@@ -52,7 +52,8 @@ def snapshot() -> dict[str, Any]:
         except (ImportError, AttributeError):
             continue
         for attr in attrs:
-            raw = owner.__dict__.get(attr, getattr(owner, attr, None)) if isinstance(owner, type) else getattr(owner, attr, None)
+            raw = (owner.__dict__.get(attr, getattr(owner, attr, None)) if isinstance(owner, type)
+                   else getattr(owner, attr, None))
             snap[f"{path}.{attr}"] = id(raw)
     snap["torch function modes"] = torch._C._len_torch_function_stack()
     snap["torch dispatch modes"] = torch._C._len_torch_dispatch_stack()

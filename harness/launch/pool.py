@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.launch.results import CaseResult, write_atomic
 from harness.launch import runner
+from harness.launch.results import CaseResult, write_atomic
 from harness.launch.runner import GRACE_S, collect, supervise
 from harness.launch.zygote import ForkedRank
 from harness.spec import Case

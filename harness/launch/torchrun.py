@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="auto: nccl when every local rank has a GPU of its own, else gloo (ranks on CPU)")
     p.add_argument("--out")
-    p.add_argument("--baselines-dir", default=None, help="baseline files (<platform>/<suite>.json; default: baselines/)")
+    p.add_argument("--baselines-dir", default=None,
+                   help="baseline files (<platform>/<suite>.json; default: baselines/)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=None, help="process-group timeout per case (s)")
     p.add_argument("--verbose", action="store_true", help="log every rank's phases to stderr")
@@ -49,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        suite, params, cases = planned_run(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
-                                           options=CaseOptions(steps=args.steps), timeout_s=args.timeout,
-                                           baselines_dir=args.baselines_dir)
+        suite, params, cases = planned_run(args.suite, args.model, world, args.layout, engine=args.engine,
+                                           backend=backend, options=CaseOptions(steps=args.steps),
+                                           timeout_s=args.timeout, baselines_dir=args.baselines_dir)
     except BadInput as exc:
         if rank == 0:
             print(f"harness: error: {exc}", file=sys.stderr)

@@ -31,14 +31,16 @@ def init_distributed(ctx: RankContext, timeout_s: float) -> None:
         from harness.platform import cpu_layer
 
         cpu_layer.activate()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1)
+                                  // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))))
     timeout = timedelta(seconds=timeout_s)
     store_path = os.environ.get("HARNESS_STORE")
     if store_path:
         store = dist.FileStore(store_path, ctx.world_size)
         dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
     else:
-        dist.init_process_group(ctx.backend, init_method="env://", rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+        dist.init_process_group(ctx.backend, init_method="env://", rank=ctx.rank, world_size=ctx.world_size,
+                                timeout=timeout)
 
 
 def shutdown_distributed(ctx: RankContext) -> None:

@@ -53,7 +53,8 @@ def teardown_parallel_state() -> None:
     # destroy_model_parallel misses some globals (0.16: _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*);
     # any group left referenced keeps its gloo threads alive in a warm rank.
     for name, value in list(vars(parallel_state).items()):
-        if name.startswith("_") and isinstance(value, dict) and any(isinstance(x, dist.ProcessGroup) for x in value.values()):
+        if (name.startswith("_") and isinstance(value, dict)
+                and any(isinstance(x, dist.ProcessGroup) for x in value.values())):
             value.clear()  # megatron updates these in place (0.16: _HYBRID_DP_CP_GROUPS)
             continue
         items = value if isinstance(value, (list, tuple)) else [value]

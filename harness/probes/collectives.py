@@ -166,7 +166,7 @@ class CollectiveRecorder:
         ))
         self.overhead_s += time.perf_counter() - t0
 
-    def __enter__(self) -> "CollectiveRecorder":
+    def __enter__(self) -> CollectiveRecorder:
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(_DispatchRecorder(self))
         self._stack.enter_context(_alias_recorder(self))

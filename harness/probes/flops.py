@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 

@@ -189,7 +189,8 @@ def _pinned_pool(reset: bool = False) -> dict[str, int]:
     if reset:
         reset_peak()
     s = stats()  # keys "active_bytes.peak" (torch's docs), "active_bytes.all.peak" in some releases
-    return {k: int(s.get(k, s.get(k.replace(".", ".all.", 1), 0))) for k in ("allocated_bytes.current", "active_bytes.peak")}
+    return {k: int(s.get(k, s.get(k.replace(".", ".all.", 1), 0)))
+            for k in ("allocated_bytes.current", "active_bytes.peak")}
 
 
 def read_captures(capture: Path) -> tuple[int, int, int]:

@@ -7,12 +7,10 @@ from __future__ import annotations
 import functools
 import json
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness.outcomes import check_failed
 
@@ -36,14 +34,15 @@ def versions() -> dict[str, str]:
     return out
 
 
-@functools.lru_cache(maxsize=None)  # results.json is written after every case; the installed set does not change
+@functools.cache  # results.json is written after every case; the installed set does not change
 def engine_distribution(engine: str) -> dict[str, str | None]:
     """The installed distribution that provides an engine, and its version: for `pkg.mod:factory` the
     distribution of `pkg` (None when it is not installed as one, e.g. a module on PYTHONPATH)."""
     from harness.engines import BUILTIN
 
     if engine in BUILTIN:  # a built-in engine: what is judged is the package it builds with
-        name = {"mbridge": "mbridge", "megatron-bridge": "megatron-bridge", "fsdp2": "torch"}.get(engine, "megatron-core")
+        name = {"mbridge": "mbridge", "megatron-bridge": "megatron-bridge",
+                "fsdp2": "torch"}.get(engine, "megatron-core")
     else:
         top = engine.partition(":")[0].split(".")[0]
         name = (metadata.packages_distributions().get(top) or [None])[0]
@@ -54,7 +53,7 @@ def engine_distribution(engine: str) -> dict[str, str | None]:
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def _installed() -> bool:
@@ -77,7 +76,7 @@ def _git_commit() -> str:
         return ""
 
 
-def format_run(run: "SuiteRun") -> str:
+def format_run(run: SuiteRun) -> str:
     """The human report of a run: rendered from its results data (as results.json holds it)."""
     return format_results(to_json(run))
 
@@ -161,7 +160,7 @@ def format_results(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def run_adjustments(run: "SuiteRun") -> dict[str, int]:
+def run_adjustments(run: SuiteRun) -> dict[str, int]:
     """Each harness adjustment of the run with the number of cases it applied to, in first-seen order."""
     from collections import Counter
 
@@ -207,7 +206,7 @@ def _mixed_engines(cases: list[dict[str, Any]]) -> bool:
     return len({_engine_of(c) for c in cases}) > 1
 
 
-def to_json(run: "SuiteRun") -> dict[str, Any]:
+def to_json(run: SuiteRun) -> dict[str, Any]:
     """A run as data (results.json): everything a report shows, so reports are rendered without the suite."""
     from dataclasses import asdict
 
@@ -216,7 +215,7 @@ def to_json(run: "SuiteRun") -> dict[str, Any]:
     return {
         "suite": run.suite.name, "model": run.model, "world_size": run.world_size, "engine": run.engine,
         "backend": run.backend, "platform": detect_platform(run.backend).key, "versions": versions(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "wall_s": run.wall_s,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": run.wall_s,
         "passed": run.passed, "verdict": run.verdict, "exit_code": run.exit_code, "adjustments": run_adjustments(run),
         "judged": run.judged, "interrupted": str(run.interrupted) if run.interrupted else None,
         "cases_planned": run.planned, "label": run.label, "engine_dist": dict(engine_distribution(run.engine)),

@@ -8,7 +8,7 @@ import glob
 import os
 import subprocess
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def flamegraph_path(capture: str) -> str:

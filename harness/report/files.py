@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.outcomes import OUTCOMES, check_failed
 from harness.errors import BadInput
 from harness.files import atomic_write
+from harness.outcomes import OUTCOMES, check_failed
 from harness.tables import markdown_table, md_escape
 
 
@@ -96,7 +96,8 @@ def prepare_out_dir(path: Path, flag: str = "--out") -> Path:
     except OSError as exc:
         if created and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
-        raise BadInput(f"{flag} {path}: cannot write there ({exc.strerror or exc}); give a writable directory") from None
+        raise BadInput(f"{flag} {path}: cannot write there ({exc.strerror or exc}); "
+                       f"give a writable directory") from None
     return path
 
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from harness.report.files import RunFile
 
 
-def render(runs: list["RunFile"]) -> str:
+def render(runs: list[RunFile]) -> str:
     root = ET.Element("testsuites")
     for run in runs:
         d = run.data

@@ -45,12 +45,12 @@ def case_label(case: dict[str, Any]) -> str:
     return " ".join(bits)
 
 
-def _baseline_checks(run: "RunFile") -> dict[str, dict]:
+def _baseline_checks(run: RunFile) -> dict[str, dict]:
     return {c["case_id"]: c.get("data", {}).get("metrics", {}) for c in run.data["checks"]
             if c["check"].endswith(".baseline")}
 
 
-def ckpt_peaks(run: "RunFile", path: Path) -> Path | None:
+def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
     """Per case, per rank: host peak of the save (rank heap + forked writers) as stacked bars, and the
     baseline band (sum of both baselines +- the sum of their tolerances); device peaks beside them on GPU."""
     cases = [c for c in run.data["cases"] if c.get("data", {}).get("save")]
@@ -60,7 +60,8 @@ def ckpt_peaks(run: "RunFile", path: Path) -> Path | None:
     bases = _baseline_checks(run)
     ranks = max(len(c["data"]["save"]) for c in cases)
     device = any(p.get("device_allocated_peak") for c in cases for p in c["data"]["save"].values())
-    fig, axes = plt.subplots(2 if device else 1, 1, figsize=(max(8, 0.9 * len(cases) * ranks / 4 + 2), 9 if device else 5.5),
+    fig, axes = plt.subplots(2 if device else 1, 1,
+                             figsize=(max(8, 0.9 * len(cases) * ranks / 4 + 2), 9 if device else 5.5),
                              squeeze=False)
     ax = axes[0][0]
     width = 0.8 / ranks
@@ -109,7 +110,7 @@ def ckpt_peaks(run: "RunFile", path: Path) -> Path | None:
     return path
 
 
-def ckpt_timelines(run: "RunFile", path: Path) -> Path | None:
+def ckpt_timelines(run: RunFile, path: Path) -> Path | None:
     """Small multiples: each rank's RSS above its level at the start of the save, over the save."""
     cases = [c for c in run.data["cases"]
              if any(p.get("timeline") for p in c.get("data", {}).get("save", {}).values())]
@@ -141,7 +142,7 @@ def ckpt_timelines(run: "RunFile", path: Path) -> Path | None:
     return path
 
 
-def collective_bytes(run: "RunFile", path: Path) -> Path | None:
+def collective_bytes(run: RunFile, path: Path) -> Path | None:
     """Per case, the bytes all ranks' collectives moved, stacked by group role and collective kind."""
     cases = [c for c in run.data["cases"] if c.get("data", {}).get("collective_bytes")]
     if not cases:
@@ -166,7 +167,7 @@ def collective_bytes(run: "RunFile", path: Path) -> Path | None:
                             "collective bytes by group role / kind", rotation=70)
 
 
-def _finish_per_case(plt, fig, ax, run: "RunFile", cases: list[dict], path: Path, ylabel: str, title: str,
+def _finish_per_case(plt, fig, ax, run: RunFile, cases: list[dict], path: Path, ylabel: str, title: str,
                      rotation: int = 30, legend: bool = True) -> Path:
     """Case labels on the x axis (red for cases that did not pass), labels, legend, grid; saved and closed."""
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=rotation, ha="right", fontsize=7)
@@ -182,7 +183,7 @@ def _finish_per_case(plt, fig, ax, run: "RunFile", cases: list[dict], path: Path
     return path
 
 
-def _failed_cases(run: "RunFile") -> set[str]:
+def _failed_cases(run: RunFile) -> set[str]:
     return {c["id"] for c in run.data["cases"] if c.get("outcome") not in (None, "pass", "skipped")}
 
 
@@ -193,7 +194,7 @@ def _mark_failed(ax, cases: list[dict], failed: set[str]) -> None:
             label.set_color("red")
 
 
-def step_phases(run: "RunFile", path: Path) -> Path | None:
+def step_phases(run: RunFile, path: Path) -> Path | None:
     """Per case and rank, the median ms of each phase of a step, stacked (a straggler's bar stands out)."""
     cases = [c for c in run.data["cases"] if c.get("data", {}).get("phases_ms")]
     if not cases:
@@ -215,7 +216,7 @@ def step_phases(run: "RunFile", path: Path) -> Path | None:
                             "step phases per rank")
 
 
-def step_times(run: "RunFile", path: Path) -> Path | None:
+def step_times(run: RunFile, path: Path) -> Path | None:
     """Per case, the distribution of step times (this run) beside the baseline's stored samples."""
     cases = [c for c in run.data["cases"] if c.get("data", {}).get("step_ms")]
     if not cases:
@@ -238,7 +239,7 @@ PLOTS = {"peaks": ckpt_peaks, "save-timeline": ckpt_timelines, "collective-bytes
          "step-phases": step_phases, "step-times": step_times}
 
 
-def render_all(runs: list["RunFile"], out_dir: Path) -> dict[str, list[Path]]:
+def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Path]]:
     """Every plot that applies to each run, as out_dir/<run slug>-<plot>.png; {results path: [pngs]}."""
     out: dict[str, list[Path]] = {}
     seen: dict[str, int] = {}

@@ -30,7 +30,7 @@ PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 GPU_DEFAULT_MODELS = {"step-perf": "1b-2k"}
 
 
-def default_model(suite: "Suite", backend: str) -> str:
+def default_model(suite: Suite, backend: str) -> str:
     """The model a suite runs when none is given: its own (sized for CPU ranks), or on NCCL ranks its GPU one."""
     return GPU_DEFAULT_MODELS.get(suite.name, suite.default_model) if backend == "nccl" else suite.default_model
 
@@ -40,19 +40,19 @@ class Suite(Protocol):
     default_model: str  # the model run when none is given (sized for CPU ranks)
     imports: tuple[str, ...]  # modules a rank imports in its timed "imports" phase
 
-    def cases(self, model: "ModelSpec", world_size: int, layouts: list["Layout"] | None, *,
-              engine: str, backend: str, options: "CaseOptions", params: Any = None) -> list["Case"]: ...
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str, backend: str, options: CaseOptions, params: Any = None) -> list[Case]: ...
 
-    def rank_work(self, case: "Case", ctx: "RankContext") -> dict[str, Any]: ...
+    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]: ...
 
-    def check(self, results: list["CaseResult"], params: Any = None) -> list["CheckResult"]: ...
+    def check(self, results: list[CaseResult], params: Any = None) -> list[CheckResult]: ...
 
-    def metrics(self, result: "CaseResult") -> dict[str, Any]:
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
         """Suite-specific figures of a case for results.json and the printed table."""
         ...
 
 
-def get_suite(name: "str | Suite") -> Suite:
+def get_suite(name: str | Suite) -> Suite:
     """A suite by contract name, or by import path `package.module:Class` (tests plant fake suites).
 
     A suite object is returned as it is (a configured suite, e.g. a test's subclass).

@@ -138,7 +138,8 @@ class CkptMemorySuite:
     @staticmethod
     def key(case: Case) -> str:
         return f"{case.model.name}/{case.layout.id}/{case.params.ckpt_format}" + \
-            ("/fully-parallel" if case.params.fully_parallel_save else "") + ("/async" if case.params.async_save else "")
+            ("/fully-parallel" if case.params.fully_parallel_save else "") + \
+            ("/async" if case.params.async_save else "")
 
     @staticmethod
     def record_command(case: Case) -> str:
@@ -149,7 +150,8 @@ class CkptMemorySuite:
         engine = "" if case.engine in ("mcore", "fsdp2") else f" --engine {case.engine}"
         return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
                 + f" --layout {case.layout.id} --ckpt-format {o.ckpt_format}{engine}"
-                + (" --fully-parallel-save" if o.fully_parallel_save else "") + (" --async-save" if o.async_save else ""))
+                + (" --fully-parallel-save" if o.fully_parallel_save else "")
+                + (" --async-save" if o.async_save else ""))
 
     @staticmethod
     def samples(result: CaseResult) -> dict[str, float]:

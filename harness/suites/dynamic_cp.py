@@ -67,7 +67,8 @@ def check_mix(lengths: tuple[int, ...]) -> None:
     bad = [n for n in lengths if not 1 <= n <= MAX_SEQLEN]
     if not lengths or bad:
         raise BadInput(f"sequence-length mix {lengths}: every length must be in 1..{MAX_SEQLEN} "
-                       f"(128 tokens after padding = the whole DP x CP group at max_seqlen_per_dp_cp_rank = 128 / world size)")
+                       f"(128 tokens after padding = the whole DP x CP group at "
+                       f"max_seqlen_per_dp_cp_rank = 128 / world size)")
 
 
 @dataclass(frozen=True)

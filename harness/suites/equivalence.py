@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,7 +85,7 @@ class LogprobDiff:
     worst: float  # the largest relative error (inf where a value is NaN)
 
     @classmethod
-    def of(cls, values: torch.Tensor, ref_values: torch.Tensor, rtol: float) -> "LogprobDiff":
+    def of(cls, values: torch.Tensor, ref_values: torch.Tensor, rtol: float) -> LogprobDiff:
         err = (values - ref_values).abs() / (float(ref_values.abs().max()) or 1.0)
         return cls(~(err <= rtol), float(err.nan_to_num(float("inf")).max()))
 
@@ -218,7 +218,8 @@ class EquivalenceSuite:
                                value=0.0)
         worst = max(bad, key=lambda n: severity(bad[n]))
         return CheckResult("equivalence.replicas", cid, False,
-                           f"{len(bad)} params differ between copies that must be identical (DP/CP replicas, TP-replicated params, tied embeddings); worst {worst}: max abs {bad[worst]:.3g}",
+                           f"{len(bad)} params differ between copies that must be identical (DP/CP replicas, "
+                           f"TP-replicated params, tied embeddings); worst {worst}: max abs {bad[worst]:.3g}",
                            [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())], value=bad[worst])
 
     @staticmethod

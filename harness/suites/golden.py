@@ -5,9 +5,9 @@ changed default, initialisation, constant, optimizer or clipping behaviour) pass
 trains each case from a fixed seed on fixed data for STEPS steps (enough that Adam's second moment matters:
 it has no effect on the first update) and records per step the loss, the gradient norm before clipping,
 the number of zero gradient elements and the learning rate; after the last step the L2 norm of every
-parameter (full, TP-unsharded, by global name), of its Adam moments and Adam's step counter. Layouts are equivalent, so one
-stored trajectory per model and dtype (baselines/<platform>/golden.json) judges every layout, world size 1
-included.
+parameter (full, TP-unsharded, by global name), of its Adam moments and Adam's step counter. Layouts are
+equivalent, so one stored trajectory per model and dtype (baselines/<platform>/golden.json) judges every
+layout, world size 1 included.
 """
 
 from __future__ import annotations
@@ -108,9 +108,8 @@ class GoldenSuite:
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
               params: GoldenParams | None = None) -> list[Case]:
         """Every valid layout of the world size (default), STEPS steps each, zero gradients counted."""
-        from harness.suites.equivalence import with_equivalence_eps
-
         from harness.engines import is_fsdp2
+        from harness.suites.equivalence import with_equivalence_eps
 
         # the fsdp2 engine shards over data parallel only
         chosen = layouts or ([Layout(dp=world_size)] if is_fsdp2(engine) else enumerate_layouts(model, world_size))
@@ -160,10 +159,10 @@ class GoldenSuite:
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+        import torch.distributed as dist
+
         from harness.engines import make_engine
         from harness.suites import layout_coords
-
-        import torch.distributed as dist
 
         engine = make_engine(case, ctx)
         with ctx.phase("build"):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any
-
 from collections import Counter
+from typing import Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.grad_sync import compare, dp_records, plan
@@ -135,7 +134,8 @@ class GradSyncSuite:
     def _configured(case: Case) -> str:
         o = case.options
         what = "reduce-scatter + param all-gather" if o.use_distributed_optimizer else "all-reduce"
-        return f"{what} (use_distributed_optimizer={o.use_distributed_optimizer}, overlap_grad_reduce={o.overlap_grad_reduce})"
+        return (f"{what} (use_distributed_optimizer={o.use_distributed_optimizer}, "
+                f"overlap_grad_reduce={o.overlap_grad_reduce})")
 
     def _check_plan(self, res: CaseResult) -> CheckResult:
         case = res.case
@@ -159,10 +159,12 @@ class GradSyncSuite:
             for x, n in cmp.unexpected:
                 rows.append([r.rank, "(nothing)", f"{x.op} on {x.role} {x.ranks}, {x.numel} x {x.dtype} x{n}", "NO"])
             for p in cmp.missing:
-                wrong = [x for x, _ in cmp.unexpected if x.kind in ("reduce_scatter", "all_reduce") and p.kind in ("reduce_scatter", "all_reduce")]
+                wrong = [x for x, _ in cmp.unexpected
+                         if x.kind in ("reduce_scatter", "all_reduce") and p.kind in ("reduce_scatter", "all_reduce")]
                 if wrong and p.what == "DP gradient reduction":
                     x = wrong[0]
-                    n = sum(1 for y in records if (y.kind, y.ranks, y.numel, y.dtype) == (x.kind, x.ranks, x.numel, x.dtype))
+                    n = sum(1 for y in records
+                            if (y.kind, y.ranks, y.numel, y.dtype) == (x.kind, x.ranks, x.numel, x.dtype))
                     problems.append(f"rank {r.rank}: configured {self._configured(case)} but observed {x.op} on "
                                     f"{x.role} group {x.ranks}, {x.numel} x {x.dtype}, {n} call{'s' if n != 1 else ''}")
                 else:
@@ -170,10 +172,11 @@ class GradSyncSuite:
                                     f"({p.describe()}) was not observed")
             for x, n in cmp.unexpected:
                 if not any(x.kind in (q.kind,) for q in cmp.missing):
-                    problems.append(f"rank {r.rank}: unexpected {x.op} on {x.role} group {x.ranks}, {x.numel} x {x.dtype}, "
-                                    f"{n} call{'s' if n != 1 else ''}")
+                    problems.append(f"rank {r.rank}: unexpected {x.op} on {x.role} group {x.ranks}, "
+                                    f"{x.numel} x {x.dtype}, {n} call{'s' if n != 1 else ''}")
             for p, phases in cmp.wrong_phase:
-                problems.append(f"rank {r.rank}: {p.what} issued in {dict(phases)}, expected only in {sorted(p.phases)}")
+                problems.append(f"rank {r.rank}: {p.what} issued in {dict(phases)}, "
+                                f"expected only in {sorted(p.phases)}")
             if case.options.overlap_grad_reduce:
                 reduce_phases = Counter(x.phase for x in records if x.kind != "all_gather")
                 if reduce_phases and "backward" not in reduce_phases:
@@ -205,7 +208,8 @@ class GradSyncSuite:
         lay = res.case.layout
         if lay.dp * lay.cp == 1:
             return cannot_tell("grad-sync.replicas", res.case.id,
-                               f"{lay.id} has no DP replicas (DP x CP = 1), so none can drift apart: needs DP x CP >= 2")
+                               f"{lay.id} has no DP replicas (DP x CP = 1), so none can drift apart: "
+                               f"needs DP x CP >= 2")
         full = assemble([r.data["params"] for r in res.ranks])
         bad = {n: s for n, s in full.replica_spread.items() if beyond(s, 0.0)}
         if not bad:

@@ -30,8 +30,8 @@ from harness.errors import BadInput, MissingDependency
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
-from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.platform.parallel import teardown_parallel_state
+from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
 INSTALL = "pip install peft (the peft-ckpt suite loads the exported adapter with it)"
@@ -120,7 +120,8 @@ class PeftCkptSuite:
                            "that trains LoRA adapters and exports them (built-in: megatron-bridge)")
         _require_peft()  # in the parent: a missing peft is named before any rank starts
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps,
-                                      lora_dim=options.lora_dim or LORA_DIM, lora_alpha=options.lora_alpha or LORA_ALPHA)
+                                      lora_dim=options.lora_dim or LORA_DIM,
+                                      lora_alpha=options.lora_alpha or LORA_ALPHA)
         from harness.suites.equivalence import with_equivalence_eps
 
         options = with_equivalence_eps(options)

@@ -109,7 +109,8 @@ class StepPerfParams:
         if self.timed_steps < 3:
             raise BadInput(f"--timed-steps must be >= 3 (the statistics need samples), got {self.timed_steps}")
         if self.min_effect is not None and not 0 < self.min_effect < 10:
-            raise BadInput(f"--min-effect is a fraction of the baseline median (e.g. 0.1 for 10%), got {self.min_effect}")
+            raise BadInput(f"--min-effect is a fraction of the baseline median (e.g. 0.1 for 10%), "
+                           f"got {self.min_effect}")
 
 
 class StepPerfSuite:
