@@ -1,4 +1,4 @@
-"""Sessions: tests, cpu-suite (CPU ranks, gloo), gpu-suite (NCCL, one rank per GPU), nightly, baselines, bisect."""
+"""Sessions: tests, lint, cpu-suite (CPU ranks, gloo), gpu-suite (NCCL, one rank per GPU), nightly, baselines, bisect."""
 
 from __future__ import annotations
 
@@ -49,6 +49,18 @@ def _install_cpu(session: nox.Session, extras: str = "test,mbridge,bridge") -> N
     session.install("-c", CPU_CONSTRAINTS, "-e", f".[{extras}]")
     # megatron-bridge's wheel pins CUDA-only packages; the harness imports it behind a scoped stub.
     session.install("--no-deps", "megatron-bridge==0.3.1")
+
+
+LINTERS = ("ruff==0.17.6", "mypy==2.4.1", "types-tabulate", "types-psutil")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff and mypy on harness/ (configured in pyproject.toml), against the packages the tests run with."""
+    _install_cpu(session)
+    session.install(*LINTERS)
+    session.run("ruff", "check", "harness")
+    session.run("mypy")
 
 
 @nox.session

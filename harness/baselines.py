@@ -195,16 +195,20 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     from harness import report
     from harness.driver import run_suite
     from harness.platform import detect_platform
+    from harness.suites import Baselined, RawSamples, RecordingPolicy
 
     if repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {repeats}")
     samples: dict[str, dict[str, list[float]]] = {}
     raw: dict[str, dict[str, list[float]]] = {}  # per-sample figures (e.g. step times), pooled over repeats
-    suite, backend = None, None
+    suite: Baselined | None = None
+    backend = ""
     for i in range(repeats):
         print(f"repeat {i + 1}/{repeats}", file=sys.stderr, flush=True)
         run = run_suite(suite_name, model, world_size, layout_ids, baselines_dir=baselines_dir,
                         **kwargs).stop_if_interrupted()
+        if not isinstance(run.suite, Baselined):
+            raise BadInput(f"suite {run.suite.name!r} has no baselines")
         suite, backend = run.suite, run.backend
         failed = [r for r in run.results if not r.ok and not r.skipped]
         if failed:
@@ -215,10 +219,11 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
             key = suite.key(res.case)
             for metric, value in suite.samples(res).items():
                 samples.setdefault(key, {}).setdefault(metric, []).append(value)
-            for metric, values in (suite.raw_samples(res) if hasattr(suite, "raw_samples") else {}).items():
+            for metric, values in (suite.raw_samples(res) if isinstance(suite, RawSamples) else {}).items():
                 raw.setdefault(key, {}).setdefault(metric, []).extend(values)
+    assert suite is not None  # repeats >= 3
     # a suite may judge its metrics by its own policy (step-perf: exact counters, timed figures by statistics)
-    noisy = suite.noisy_metrics(samples) if hasattr(suite, "noisy_metrics") else noisy_metrics(samples)
+    noisy = suite.noisy_metrics(samples) if isinstance(suite, RecordingPolicy) else noisy_metrics(samples)
     if noisy:
         raise RuntimeError(f"not recording: {len(noisy)} metric(s) too noisy to baseline (by the suite's policy; "
                            f"memory: a spread over the repeats larger than the tolerance max({REL_TOLERANCE:.0%} of "
@@ -230,5 +235,6 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
 
     provenance = {**report.versions(), "date": report.now(), "repeats": repeats,
                   "machine": machine_fingerprint(backend)}
-    entries = build_entries(samples, getattr(suite, "tolerance", None), raw, getattr(suite, "digits", 3))
+    policy = suite if isinstance(suite, RecordingPolicy) else None
+    entries = build_entries(samples, policy.tolerance if policy else None, raw, policy.digits if policy else 3)
     return path, write(path, suite.name, platform, entries, provenance)

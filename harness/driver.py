@@ -22,7 +22,7 @@ from harness.models import load_model
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
 from harness.suite_run import SuiteRun
-from harness.suites import Suite, default_model, get_suite
+from harness.suites import Baselined, Suite, default_model, get_suite
 
 # a parameter whose flag is not `--<name with dashes>`
 FLAGS = {"formats": "--ckpt-format"}
@@ -77,7 +77,7 @@ def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int
     if timeout_s is not None:
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
     refuse_what_does_not_fit(cases, backend, world_size)
-    if hasattr(suite, "samples") and cases:
+    if isinstance(suite, Baselined) and cases:
         from harness import baselines
         from harness.platform import detect_platform
 

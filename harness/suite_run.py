@@ -10,7 +10,7 @@ from harness.checks import CheckResult
 from harness.errors import Interrupted
 from harness.launch.results import CaseResult
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
-from harness.suites import Suite
+from harness.suites import Baselined, ReportsData, Suite
 
 
 @dataclass
@@ -151,8 +151,8 @@ def case_figures(suite: Suite, result: CaseResult) -> dict[str, Any]:
     """What a report shows of a case beyond the harness's own fields: the suite's metrics, its report data
     (plots) and, for a baselined suite, the baseline key and samples."""
     out: dict[str, Any] = {"metrics": suite.metrics(result) or {}}
-    if result.ok and hasattr(suite, "report_data"):
+    if result.ok and isinstance(suite, ReportsData):
         out["data"] = suite.report_data(result)
-    if result.ok and hasattr(suite, "samples"):
+    if result.ok and isinstance(suite, Baselined):
         out["baseline_key"], out["samples"] = suite.key(result.case), suite.samples(result)
     return out

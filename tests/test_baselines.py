@@ -26,6 +26,10 @@ class FakeSuite:
     def key(case):
         return "small/tp1-pp1-cp1-dp4/default"
 
+    @staticmethod
+    def record_command(case):
+        return "harness baselines record --suite ckpt-memory"
+
 
 def _fake_runs(monkeypatch, values):
     suite = FakeSuite(values)

@@ -204,7 +204,7 @@ def commits_between(repo: Path, old: str, new: str) -> list[tuple[str, str]]:
                        f"(--good for a regression, --bad with --find-fix)")
     lines = git(repo, "log", "--reverse", "--ancestry-path", "--format=%H %s", f"{old_sha}..{new_sha}").splitlines()
     subject = git(repo, "log", "-1", "--format=%s", old_sha)
-    return [(old_sha, subject)] + [tuple(line.split(" ", 1)) if " " in line else (line, "") for line in lines]
+    return [(old_sha, subject)] + [(sha, subj) for sha, _, subj in (line.partition(" ") for line in lines)]
 
 
 # -- candidates ---------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import time
@@ -50,6 +51,7 @@ def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False
 def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) -> StepResult:
     from harness import baselines
     from harness.report import versions
+    from harness.suites import Baselined, TimedBaselines
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
     outcomes = run.outcomes()
@@ -64,7 +66,7 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
         return StepResult(BAD if failed else GOOD, case=o.result.case.id, why=o.reason or "every check passed",
                           versions=vers)
     suite = run.suite
-    if not hasattr(suite, "samples"):
+    if not isinstance(suite, Baselined):
         raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")
     data: dict[str, dict] = {}
     worst: StepResult | None = None
@@ -77,14 +79,14 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
             data[str(path)] = baselines.load(path)
         case_entry = data[str(path)].get("entries", {}).get(suite.key(o.result.case), {})
         entry = case_entry.get(metric)
-        if entry and "samples" in entry and hasattr(suite, "timed_comparison"):
+        if entry and "samples" in entry and isinstance(suite, TimedBaselines):
             step = _judge_timed(run, o.result, metric, case_entry, threshold, vers)
         else:
             limit = threshold.resolve(entry["value"] if entry else None)
             value = samples[metric]
             step = StepResult(BAD if value > limit else GOOD, value, limit, o.result.case.id,
                               f"{metric} {value:.2f} {'>' if value > limit else '<='} {limit:.2f}", vers)
-        if worst is None or step.value - step.threshold > worst.value - worst.threshold:
+        if worst is None or _margin(step) > _margin(worst):
             worst = step
     if worst is None:
         known = sorted({m for o in outcomes for m in suite.samples(o.result)})
@@ -95,6 +97,13 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
 def _baselines_dir(run) -> str | None:
     """The run's baselines directory, from its suite parameters (None: the repository's baselines/)."""
     return getattr(run.params, "baselines_dir", None)
+
+
+def _margin(step: StepResult) -> float:
+    """How far a step's figure lies beyond its threshold (-inf: it has none)."""
+    if step.value is None or step.threshold is None:
+        return -math.inf
+    return step.value - step.threshold
 
 
 def _judge_timed(run, result, metric: str, case_entry: dict, threshold: Threshold, vers: dict) -> StepResult:

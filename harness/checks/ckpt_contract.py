@@ -61,7 +61,7 @@ def _assemble_optional(per_rank: list) -> dict | None:
 
 def _worst(err: dict[str, float]) -> tuple[str, float]:
     """The name with the largest error; a NaN error counts as the largest."""
-    name = next((n for n, e in err.items() if math.isnan(e)), None) or max(err, key=err.get)
+    name = next((n for n, e in err.items() if math.isnan(e)), None) or max(err, key=err.__getitem__)
     return name, err[name]
 
 

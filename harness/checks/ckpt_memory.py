@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import discrimination, gathers, rival, save_band
@@ -129,19 +129,22 @@ def _check_model(res: CaseResult) -> CheckResult:
                        + (f" (not on {[b[0] for b in blind]}: 12N too small or D = 1)" if blind else ""), rows)
 
 
-def _check_baseline(suite: CkptMemorySuite, res: CaseResult, data: dict, path: Path | str) -> CheckResult:
+def _check_baseline(suite: CkptMemorySuite, res: CaseResult, data: dict, path: Path) -> CheckResult:
     """The case's samples (suite.samples) against its entry (suite.key) in the baseline file's data."""
     from harness import baselines
 
     key = suite.key(res.case)
-    rows, verdicts, figures = [], {}, {}
+    rows: list[str] = []
+    verdicts: dict[str, Verdict] = {}
+    per_metric: dict[str, dict[str, Any]] = {}
     for metric, value in suite.samples(res).items():
         v = verdicts[metric] = baselines.compare(data, key, metric, value)
         base = "-" if v.baseline is None else f"{v.baseline:.2f} +- {v.tolerance:.2f}"
         rows.append(f"{metric}: {value:.2f} MiB, baseline {base}, delta {v.delta:+.2f} MiB: {v.status}"
                     + (f"; detects {_detects(v)}" if v.baseline is not None else ""))
-        figures[metric] = {"measured": value, "baseline": v.baseline, "tolerance": v.tolerance, "status": v.status}
-    figures = {"key": key, "metrics": figures}
+        per_metric[metric] = {"measured": value, "baseline": v.baseline, "tolerance": v.tolerance,
+                              "status": v.status}
+    figures: dict[str, Any] = {"key": key, "metrics": per_metric}
     by_status = {st: [m for m, v in verdicts.items() if v.status == st]
                  for st in ("missing", "regression", "improvement")}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
@@ -175,12 +178,12 @@ def _check_baseline(suite: CkptMemorySuite, res: CaseResult, data: dict, path: P
 
 
 def _relative_tolerance(v: Verdict) -> float:
-    return v.tolerance / v.baseline if v.baseline else math.inf
+    return (v.tolerance or 0.0) / v.baseline if v.baseline else math.inf
 
 
 def _detects(v: Verdict) -> str:
     """The smallest rise over the baseline that fails, in MiB and relative to the baseline."""
-    rel = f" (+{v.tolerance / v.baseline:.0%})" if v.baseline else ""
+    rel = f" (+{(v.tolerance or 0.0) / v.baseline:.0%})" if v.baseline else ""
     return f"> +{v.tolerance:.2f} MiB{rel}"
 
 

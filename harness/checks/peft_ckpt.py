@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
@@ -71,7 +72,7 @@ def _check_valid(res: CaseResult, hf: dict) -> CheckResult:
     if "load_error" in hf:
         return CheckResult(name, cid, False, f"{lay}: PEFT refused the exported adapter: {hf['load_error']}")
     cfg = hf["config"]
-    want = {"peft_type": "LORA", "r": o.lora_dim, "lora_alpha": o.lora_alpha, "lora_dropout": 0.0,
+    want: dict[str, Any] = {"peft_type": "LORA", "r": o.lora_dim, "lora_alpha": o.lora_alpha, "lora_dropout": 0.0,
             "target_modules": hf_target_modules(swiglu=res.case.model.swiglu)}
     got = {k: sorted(cfg.get(k)) if k == "target_modules" and isinstance(cfg.get(k), list) else cfg.get(k)
            for k in want}
@@ -120,7 +121,7 @@ def _check_tensors(res: CaseResult, hf: dict) -> CheckResult:
         k = diff.shapes[0]
         return CheckResult(name, cid, False, f"{lay}: {k} has shape {tuple(got[k].shape)}, the model's adapter "
                                              f"{tuple(want[k].shape)} ({len(diff.shapes)} tensors differ in shape)")
-    errs, bad, worst = diff.errs, diff.bad, diff.worst
+    errs, bad, worst = diff.errs, diff.bad, diff.worst or ""
     if bad:
         return CheckResult(name, cid, False,
                            f"{lay}: {len(bad)}/{len(errs)} exported tensors are not the model's adapter; worst "
@@ -217,7 +218,7 @@ def _check_export(res: CaseResult, hf: dict, ref: CaseResult, ref_hf: dict | Non
         k = diff.shapes[0]
         return CheckResult(name, cid, False, f"{lay}: {len(diff.shapes)} tensors have other shapes than {rlay}'s; "
                                              f"{k}: {tuple(got[k].shape)} vs {tuple(want[k].shape)}")
-    errs, bad, worst = diff.errs, diff.bad, diff.worst
+    errs, bad, worst = diff.errs, diff.bad, diff.worst or ""
     if bad:
         return CheckResult(name, cid, False,
                            f"{lay}: {len(bad)}/{len(errs)} exported adapter tensors differ from {rlay}'s; worst "

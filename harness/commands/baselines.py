@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     from harness import baselines, report
     from harness.driver import plan, run_suite
+    from harness.suites import Baselined
 
     if args.action == "diff":
         return diff(args)
@@ -34,7 +35,7 @@ def main(args) -> int:
     if args.repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {args.repeats}")
     suite, _ = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())
-    if not hasattr(suite, "samples"):
+    if not isinstance(suite, Baselined):
         raise BadInput(f"suite {args.suite!r} has no baselines")
     if args.action == "check":
         run = run_suite(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())

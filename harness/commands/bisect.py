@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from harness.commands.common import say
@@ -113,33 +114,35 @@ def bisect(args, spec, package: str | None, versions: list[str] | None) -> int:
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
     cache.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="harness-bisect-"))
-    candidates = None
+    candidates: PackageCandidates | CommitCandidates | None = None
     try:
         if package:
-            candidates = PackageCandidates(package, versions, cache, prereleases=args.pre)
+            candidates = PackageCandidates(package, versions or [], cache, prereleases=args.pre)
         else:
             repo = Path(args.repo).resolve()
             old, new = (args.bad, args.good) if args.find_fix else (args.good, args.bad)
             candidates = CommitCandidates(repo, old, new, cache, args.path_in_repo)
         labels = candidates.labels
+        chosen = candidates
 
         def judge(i: int) -> StepResult:
             try:
-                env = candidates.environment(i)
+                env = chosen.environment(i)
             except RuntimeError as exc:  # a release that does not install: cannot tell
                 return StepResult(SKIP, why=str(exc))
             return run_in(env.python, spec, env.pythonpath, workdir)
 
         terms = FIX if args.find_fix else REGRESSION
+        judged: Callable[[int], StepResult] = judge
         if args.find_fix:  # search for the first good one: swap the states (a skip stays a skip)
-            judge = flipped(judge)
+            judged = flipped(judge)
         what = "bad" if args.metric == "fail" else f"{args.metric} > {args.max} is bad"
         say(f"bisect over {len(labels)} candidates ({what}), for the first {terms.new}: {labels[0]} .. {labels[-1]}")
         try:
             if args.git_bisect_run:
-                first, tried = _git_bisect_run(candidates, spec, judge, terms, workdir, args.find_fix)
+                first, tried = _git_bisect_run(candidates, spec, judged, terms, workdir, args.find_fix)
             else:
-                first, tried = search(labels, judge, say, terms)
+                first, tried = search(labels, judged, say, terms)
         except GateRefused as exc:
             print(format_table(exc.tried, args.metric, None, terms, package))
             raise

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -18,6 +19,11 @@ class ParamShard:
     tp_rank: int
     tp_size: int
     tp_parts: int = 1  # >1: the full tensor is that many blocks along partition_dim, each sharded (SwiGLU fc1)
+
+
+def partition_dim(param: Any) -> int | None:
+    """The dim megatron shards a tensor-parallel parameter along (its own attributes); None: not TP-sharded."""
+    return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
 
 
 def tp_shard(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, parts: int = 1) -> torch.Tensor:
@@ -69,3 +75,44 @@ class HasOptimizerState(Protocol):
     parameter's layout, whole over DP, from DP rank 0 (other ranks: []) - McoreCheckpoints does."""
 
     def optimizer_state_shards(self) -> list[ParamShard]: ...
+
+
+@runtime_checkable
+class Checkpointing(Engine, Protocol):
+    """An engine that saves and loads distributed checkpoints in named formats (ckpt-memory, golden's resumes)."""
+
+    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False,
+                        async_save: bool = False) -> None: ...
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None: ...
+
+
+@runtime_checkable
+class PeftExporting(Engine, Protocol):
+    """An engine that trains LoRA adapters and exports them as a HF PEFT adapter (the peft-ckpt suite)."""
+
+    def eval_step(self, step: int) -> StepOutput: ...
+
+    def export_peft_adapter(self, path: str) -> str | None: ...
+
+    def hf_base_state_dict(self, workdir: Path) -> dict[str, torch.Tensor]: ...
+
+    def save_adapter_checkpoint(self, ckpt_dir: str) -> None: ...
+
+
+def _lacks(engine: object, capability: type, name: str) -> TypeError:
+    return TypeError(f"engine {name!r} ({type(engine).__name__}) is not {capability.__name__}: {capability.__doc__}")
+
+
+def checkpointing(engine: Engine, name: str) -> Checkpointing:
+    """The engine as a Checkpointing one, or a TypeError naming what it lacks."""
+    if not isinstance(engine, Checkpointing):
+        raise _lacks(engine, Checkpointing, name)
+    return engine
+
+
+def peft_exporting(engine: Engine, name: str) -> PeftExporting:
+    """The engine as a PeftExporting one, or a TypeError naming what it lacks."""
+    if not isinstance(engine, PeftExporting):
+        raise _lacks(engine, PeftExporting, name)
+    return engine

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from harness.engines.cp_data import pack_thd, thd_batch_on_this_cp_rank
-from harness.engines.dynamic_cp_api import dynamic_cp_api
+from harness.engines.dynamic_cp_api import DynamicCPApi, dynamic_cp_api
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, transformer_config
 from harness.errors import BadInput
@@ -171,7 +171,7 @@ class CPEngine(McoreEngine):
 
         from megatron.core import parallel_state as ps
 
-        BalancedCPScheduler = importlib.import_module(self.api.schedule_module).BalancedCPScheduler
+        BalancedCPScheduler = importlib.import_module(self.dynamic_api.schedule_module).BalancedCPScheduler
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
         padded = [pad_sample(s, 2 * dp_cp.size()) for s in batch]
         scheduler = BalancedCPScheduler(self.config.max_seqlen_per_dp_cp_rank, dp_cp)
@@ -196,9 +196,16 @@ class CPEngine(McoreEngine):
         """The local CP size megatron's schedule set for this sample."""
         return int(sample.pop("local_cp_size"))
 
+    @property
+    def dynamic_api(self) -> DynamicCPApi:
+        """megatron's dynamic-CP names (a case in the "dynamic" mode only)."""
+        if self.api is None:
+            raise RuntimeError(f"cp_mode {self.mode!r}: megatron's dynamic-CP API is used in the 'dynamic' mode only")
+        return self.api
+
     def split_dynamic(self, sample: dict[str, Any], local_cp: int):
         """One sample -> this rank's zigzag share over its local CP group, PackedSeqParams."""
-        return self.api.split(sample, local_cp)
+        return self.dynamic_api.split(sample, local_cp)
 
     def forward_step(self, data_iterator, model):
         mb = next(data_iterator)
@@ -216,7 +223,7 @@ class CPEngine(McoreEngine):
                        packed_seq_params=params)
         self._record(mb, output, local_cp)
         loss_mask = mb["loss_mask"].to(dev).float()
-        return output, lambda out: self.loss_func(loss_mask, out)
+        return output, lambda out: self.per_token_loss(loss_mask, out)
 
     def _record(self, mb, output, local_cp: int) -> None:
         keep = mb["loss_mask"].reshape(-1) > 0
@@ -228,7 +235,7 @@ class CPEngine(McoreEngine):
             self.records.append(TokenOutputs(int(sid), pos[sel].clone(), logprobs[sel].clone(), local_cp,
                                              dist.get_rank()))
 
-    def loss_func(self, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    def per_token_loss(self, loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         """Per-token loss: the masked loss sum and its token count (normalised over the global batch)."""
         loss_sum = (output_tensor.float().reshape(-1) * loss_mask.reshape(-1)).sum()
         num_tokens = self.token_count(loss_mask)
@@ -258,11 +265,11 @@ class CPEngine(McoreEngine):
         return merged
 
     def gather_records(self) -> list[TokenOutputs]:
-        gathered: list[list] = [None] * dist.get_world_size()
+        gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, [dataclasses.astuple(r) for r in self.records])
         return [TokenOutputs(*t) for rank_records in gathered for t in rank_records]
 
     def grads(self) -> dict[str, torch.Tensor]:
         """Full gradients by global parameter name (TP = 1: every rank holds them all)."""
-        return {name: p.main_grad.detach().float().cpu().clone()
-                for name, p in self.global_names(self.models[0].module).items()}
+        params: dict[str, Any] = self.global_names(self.models[0].module)  # megatron's DDP sets main_grad
+        return {name: p.main_grad.detach().float().cpu().clone() for name, p in params.items()}

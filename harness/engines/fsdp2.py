@@ -10,6 +10,7 @@ state is still initialised (the model's layers read it) with TP = 1.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -81,8 +82,11 @@ class FSDP2Engine(McoreEngine):
             raise BadInput(f"engine fsdp2 saves {', '.join(FORMATS)} (or fsdp2_default), not {fmt!r}")
         return fmt
 
-    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False) -> None:
+    def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False,
+                        async_save: bool = False) -> None:
         """Sharded: DCP, every rank writes its shard. Full: gathered to rank 0 (CPU), torch.save there."""
+        if async_save:
+            raise BadInput("engine fsdp2 saves synchronously: its formats have no --async-save")
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -104,14 +108,14 @@ class FSDP2Engine(McoreEngine):
 
         if self.resolve_format(fmt) == "fsdp2_sharded":
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # initialises the Adam state to fill
-            state = {"model": model_sd, "optim": optim_sd}
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, checkpoint_id=ckpt_dir)
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
             return
         # every rank reads the one file and keeps its shard (torch's broadcast_from_rank0 hangs on gloo, 2.13)
-        state = torch.load(os.path.join(ckpt_dir, "full_state_dict.pt"), weights_only=False)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+        full: dict[str, Any] = torch.load(os.path.join(ckpt_dir, "full_state_dict.pt"), weights_only=False)
+        set_state_dict(self.model, self.optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
                        options=StateDictOptions(full_state_dict=True))
 
     def param_shards(self) -> list[ParamShard]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from typing import Any
 
 import torch
 
 from harness.engines import data
-from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, tp_shard
+from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _DTYPES, _full_init, layer_spec, transformer_config
@@ -28,7 +29,7 @@ class McoreEngine(McoreCheckpoints):
         self.case, self.ctx = case, ctx
         self.models: list = []
         self.optimizer = None
-        self.config = None
+        self.config: Any = None  # megatron's TransformerConfig, once built
         self._captured: list[TokenLogprobs] | None = None  # the current step's log-probs, when captured
 
     # -- build --------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class McoreEngine(McoreCheckpoints):
         done = []
         with torch.no_grad():
             for name, p in self.global_names(chunk).items():
-                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                dim = partition_dim(p)
                 full_shape = list(p.shape)
                 if dim is not None:
                     full_shape[dim] *= tp
@@ -266,6 +267,6 @@ class McoreEngine(McoreCheckpoints):
         out = []
         for model in self.models:
             for name, p in self.global_names(model.module).items():
-                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                dim = partition_dim(p)
                 out.append(ParamShard(name, p.detach().float().cpu().clone(), dim, tp_rank, tp, self.tp_parts(name)))
         return out

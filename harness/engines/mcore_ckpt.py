@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from harness.engines.base import ParamShard
+from harness.engines.base import ParamShard, partition_dim
 
 
 class McoreCheckpoints:
@@ -16,6 +16,8 @@ class McoreCheckpoints:
 
     models: list
     optimizer: Any
+    global_names: Callable[[Any], dict[str, torch.nn.Parameter]]  # McoreEngine's
+    tp_parts: Callable[[str], int]
 
     default_ckpt_format = "dp_reshardable"  # what a save uses when the user names no format
     OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
@@ -48,7 +50,7 @@ class McoreCheckpoints:
         for model in self.models:
             for name, p in self.global_names(model.module).items():
                 state, rng = owner.get(p, ({}, (0, 0)))
-                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+                dim = partition_dim(p)
                 for key in self.OPTIMIZER_STATE_KEYS:
                     if key == "step":  # one scalar, the same on every DP rank holding a piece of the parameter
                         value = state["step"].detach().float().reshape(1).to(p.device, copy=True) if "step" in state \

@@ -50,7 +50,7 @@ _CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout
 
 class MegatronBridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
-    peft = None  # megatron-bridge's LoRA when the case asks for adapters
+    peft: Any = None  # megatron-bridge's LoRA when the case asks for adapters
     check_available = staticmethod(check_available)
 
     def bridge_ddp_config(self) -> dict[str, Any]:
@@ -85,7 +85,7 @@ class MegatronBridgeEngine(McoreEngine):
         for name, value in fields.items():
             setattr(provider, name, value)
 
-    def lora(self):
+    def lora(self) -> Any:
         """megatron-bridge's LoRA on every linear for a case with lora_dim (None: no adapters)."""
         o = self.case.options
         if not o.lora_dim:

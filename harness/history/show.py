@@ -24,6 +24,8 @@ def case_selection(case_id: str) -> dict[str, str]:
     """suite / engine / model / layout / variant of a case id `suite/engine/model/layout[variant]`."""
     suite, engine, model, rest = case_id.split("/", 3)
     m = re.fullmatch(r"([^\[]*)(?:\[(.*)\])?", rest)
+    if m is None:  # the pattern matches any string; for the type checker
+        raise ValueError(f"not a case id: {case_id!r}")
     return {"suite": suite, "engine": engine, "model": model, "layout": m.group(1), "variant": m.group(2) or ""}
 
 

@@ -65,8 +65,9 @@ class RankPool:
         write_atomic(case_dir / "case.pkl", case)
         for p in self.procs:
             try:
-                p.stdin.write(f"{case_dir}\n".encode())
-                p.stdin.flush()
+                if p.stdin is not None:
+                    p.stdin.write(f"{case_dir}\n".encode())
+                    p.stdin.flush()
             except (BrokenPipeError, OSError):
                 pass
         codes, timed_out = supervise(self.procs, case_dir, case.timeout_s, grace_s, t0)
@@ -90,8 +91,9 @@ class RankPool:
         """Ask the ranks to exit (kill: at once, e.g. mid-case on an interrupt), then kill what is left."""
         for p in self.procs if not kill else ():
             try:
-                p.stdin.write(b"exit\n")
-                p.stdin.close()
+                if p.stdin is not None:
+                    p.stdin.write(b"exit\n")
+                    p.stdin.close()
             except (BrokenPipeError, OSError, ValueError):
                 pass
         deadline = time.monotonic() + (0 if kill else 5)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness.launch import zygote
@@ -82,7 +83,7 @@ def _last_phase(log: Path) -> str:
     return found[-1] if found else "start-up"
 
 
-def kill_ranks(procs: list[subprocess.Popen]) -> None:
+def kill_ranks(procs: Sequence[subprocess.Popen | zygote.ForkedRank]) -> None:
     """SIGKILL every rank's process group (the rank and anything it started) and reap the ranks."""
     for p in procs:
         try:
@@ -128,7 +129,7 @@ def spawn_rank(argv: list[str], env: dict[str, str], log: Path, backend: str,
         )
 
 
-def supervise(procs: list[subprocess.Popen], result_dir: Path, timeout_s: float, grace_s: float,
+def supervise(procs: Sequence[subprocess.Popen | zygote.ForkedRank], result_dir: Path, timeout_s: float, grace_s: float,
               t0: float) -> tuple[list[int | None], bool]:
     """Wait until every rank wrote its result (or exited); stop early when one fails or time runs out.
 
@@ -185,7 +186,7 @@ def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S
     world = case.layout.world_size
     workdir = Path(tempfile.mkdtemp(prefix="harness-case-"))
     write_atomic(workdir / "case.pkl", case)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | zygote.ForkedRank] = []
     logs = [workdir / f"rank{r}.log" for r in range(world)]
     t0 = time.monotonic()
     try:

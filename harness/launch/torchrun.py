@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from harness.errors import BadInput
 from harness.launch.context import RankContext
@@ -73,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ctx = RankContext(rank, world, local_rank, backend, base.workdir)
         rank_result = run_rank(case, ctx, own_process_group=False)
-        gathered = [None] * world if rank == 0 else None
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(rank_result, gathered, dst=0, group=results_group)
-        if rank == 0:
+        if gathered is not None:  # rank 0
             failed = [r for r in gathered if not r.ok]
             error = f"case {case.id}: rank {failed[0].rank} failed in phase '{failed[0].phase}'\n{failed[0].error}" \
                 if failed else ""

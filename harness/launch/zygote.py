@@ -46,7 +46,8 @@ class ForkedRank:
     """A rank forked by the zygote, with the part of subprocess.Popen the runner and the pool use."""
 
     def __init__(self, pid: int, status: Path, stdin, zygote: Zygote):
-        self.pid, self.stdin, self.returncode = pid, stdin, None
+        self.pid, self.stdin = pid, stdin
+        self.returncode: int | None = None
         self._status, self._zygote = status, zygote
 
     def poll(self) -> int | None:
@@ -60,11 +61,11 @@ class ForkedRank:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0.0)
             time.sleep(0.01)
-        return self.returncode
+        return code
 
 
 def _exists(pid: int) -> bool:

@@ -117,7 +117,8 @@ class GroupRoles:
             for g in group if isinstance(group, list) else [group]:
                 if g is not None:
                     self.by_name[g.group_name] = role
-        self.by_name.setdefault(dist.group.WORLD.group_name if dist.is_initialized() else "", "world")
+        world = dist.group.WORLD if dist.is_initialized() else None
+        self.by_name.setdefault(world.group_name if world is not None else "", "world")
 
     def role(self, group: dist.ProcessGroup) -> str:
         return self.by_name.get(group.group_name, "world" if group is dist.group.WORLD else "other")
@@ -217,7 +218,7 @@ def _functional_group(args, kwargs) -> dist.ProcessGroup | None:
     names = [a for a in (*args, *kwargs.values()) if isinstance(a, str)]
     for name in reversed(names):  # the group name is the last string argument (a reduce op comes before it)
         try:
-            return _resolve_process_group(name)
+            return _resolve_process_group(name)  # type: ignore[arg-type]  # GroupName: a NewType of str
         except (RuntimeError, ValueError, KeyError):
             continue
     return None

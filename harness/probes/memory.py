@@ -134,7 +134,7 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
         pinned_before = _pinned_pool(reset=True)["allocated_bytes.current"]
     sampler = _Sampler()
     sampler.start()
-    tracker = contextlib.nullcontext()
+    tracker: contextlib.AbstractContextManager = contextlib.nullcontext()
     if use_memray:
         import memray
 

@@ -21,11 +21,12 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from harness.launch.context import RankContext
 
+T = TypeVar("T")
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-gather", "other")
 CALIBRATION_REPS = 5
 
@@ -118,7 +119,7 @@ class PhaseTimer:
             cfg.finalize_model_grads_func, opt.step = saved[2], saved[3]
             group_cls.start_param_sync = saved[4]
 
-    def _bracketed(self, fn: Callable[[], object], barrier: Callable[[], None]) -> tuple[object, float, float]:
+    def _bracketed(self, fn: Callable[[], T], barrier: Callable[[], None]) -> tuple[T, float, float]:
         """The boundaries every timed step shares: barrier, sync, fn(), sync (busy), barrier (wall);
         (fn's result, busy seconds, wall seconds)."""
         barrier()

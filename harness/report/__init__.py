@@ -45,7 +45,7 @@ def engine_distribution(engine: str) -> dict[str, str | None]:
                 "fsdp2": "torch"}.get(engine, "megatron-core")
     else:
         top = engine.partition(":")[0].split(".")[0]
-        name = (metadata.packages_distributions().get(top) or [None])[0]
+        name = (metadata.packages_distributions().get(top) or [""])[0]
     try:
         return {"name": name, "version": metadata.version(name) if name else None}
     except metadata.PackageNotFoundError:
@@ -238,7 +238,7 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
 def _jsonable(params: Any) -> dict[str, Any]:
     from dataclasses import asdict, is_dataclass
 
-    return asdict(params) if is_dataclass(params) else {}
+    return asdict(params) if is_dataclass(params) and not isinstance(params, type) else {}
 
 
 def write_results(run: SuiteRun, out_dir: Path) -> Path:

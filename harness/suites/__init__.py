@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harness.errors import BadInput
 
 if TYPE_CHECKING:
     from harness.checks import CheckResult
+    from harness.checks.timing import Comparison
     from harness.launch.context import RankContext
     from harness.launch.results import CaseResult
     from harness.spec import Case, CaseOptions, Layout, ModelSpec
@@ -50,6 +51,55 @@ class Suite(Protocol):
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         """Suite-specific figures of a case for results.json and the printed table."""
         ...
+
+
+# Optional capabilities of a suite, each checked with isinstance where it is used (grep the name to find
+# every suite that offers one).
+@runtime_checkable
+class Baselined(Protocol):
+    """A suite whose figures are recorded as baselines (ckpt-memory, step-perf, train-memory, golden)."""
+
+    name: str
+
+    def key(self, case: Case) -> str: ...
+
+    def samples(self, result: CaseResult) -> dict[str, float]: ...
+
+    def record_command(self, case: Case) -> str: ...
+
+
+@runtime_checkable
+class RecordingPolicy(Protocol):
+    """A baselined suite's own recording policy: which metrics are too noisy to record, the tolerance of one,
+    and the significant digits stored (None: full precision)."""
+
+    digits: int | None
+
+    def tolerance(self, metric: str, values: list[float]) -> float: ...
+
+    def noisy_metrics(self, samples: dict[str, dict[str, list[float]]]) -> list[str]: ...
+
+
+@runtime_checkable
+class RawSamples(Protocol):
+    """A baselined suite that stores per-sample figures (step times) beside the per-run ones."""
+
+    def raw_samples(self, result: CaseResult) -> dict[str, list[float]]: ...
+
+
+@runtime_checkable
+class TimedBaselines(Protocol):
+    """A suite whose timed figures are judged against baseline samples by statistics (`harness bisect` too)."""
+
+    def timed_comparison(self, res: CaseResult, metric: str, entry: dict, effect: float | None = None,
+                         params: Any = None) -> Comparison: ...
+
+
+@runtime_checkable
+class ReportsData(Protocol):
+    """A suite that hands the report per-case data for its plots."""
+
+    def report_data(self, result: CaseResult) -> dict[str, Any]: ...
 
 
 def get_suite(name: str | Suite) -> Suite:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.engines import make_engine
+from harness.engines.base import checkpointing
 from harness.launch.context import RankContext
 from harness.probes.memory import MeasurementError, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
@@ -101,7 +102,7 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[
     from harness.platform.parallel import teardown_parallel_state
 
     target = dataclasses.replace(case, layout=layout)
-    engine = make_engine(target, ctx)
+    engine = checkpointing(make_engine(target, ctx), target.engine)
     out: dict[str, Any] = {"layout": layout.id}
     phase = "build"
     try:
@@ -186,7 +187,7 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
         if ctx.rank == 0:
             shutil.rmtree(ckpt, ignore_errors=True)
             ckpt.mkdir(parents=True)
-        engine = make_engine(case, ctx)
+        engine = checkpointing(make_engine(case, ctx), case.engine)
         with ctx.phase("build"):
             engine.build()
         with ctx.phase("steps"):
@@ -202,12 +203,12 @@ def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
         del engine
         teardown_parallel_state()
         # the uninterrupted run: the same two steps without a save
-        engine = make_engine(case, ctx)
-        engine.build()
-        engine.train_step(0)
-        engine.train_step(1)
-        data["reference"] = engine.param_shards()
-        del engine
+        reference = make_engine(case, ctx)
+        reference.build()
+        reference.train_step(0)
+        reference.train_step(1)
+        data["reference"] = reference.param_shards()
+        del reference
         teardown_parallel_state()
         loads = targets(case.model, case.layout.world_size)
     else:

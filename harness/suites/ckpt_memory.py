@@ -85,7 +85,8 @@ class CkptMemorySuite:
             for variant, formats in (("async_save", ASYNC_FORMATS), ("fully_parallel_save", FULLY_PARALLEL_FORMATS)):
                 for fmt in formats:
                     memory.append(Case(self.name, model, layouts[0], mcore_engine, opts, backend,
-                                       params=CkptCase(fmt, **{variant: True})))
+                                       params=CkptCase(fmt, async_save=variant == "async_save",
+                                                       fully_parallel_save=variant == "fully_parallel_save")))
         return memory + (contract_cases(self.name, model, world_size, mcore_engine, backend, options)
                          if contract else [])
 
@@ -158,7 +159,7 @@ class CkptMemorySuite:
         """The baselined metrics of a case, MiB: per rank, the save's heap peak in the rank itself and in
         its forked writer processes (judged apart: the writers' peak depends on fork timing); on device
         ranks also the pinned host staging it held and its device peak above what was allocated before."""
-        out = {}
+        out: dict[str, float] = {}
         if result.case.params.ckpt_role:
             return out  # checkpoint contract cases: judged on values, not baselined
         for r in result.ranks:

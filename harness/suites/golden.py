@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.checks import CheckResult, case_failed
-from harness.engines.base import HasOptimizerState
+from harness.engines.base import HasOptimizerState, checkpointing
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import enumerate_layouts, validate
@@ -84,9 +84,10 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
     for name, tensor in sorted(assemble([r.data["params"] for r in result.ranks]).tensors.items()):
         out[f"param.{name}"] = float(tensor.double().norm())
     state = [r.data.get("optimizer") for r in result.ranks]
-    if all(s is not None for s in state):  # the engine hands out its Adam state
+    handed_out = [s for s in state if s is not None]
+    if len(handed_out) == len(state):  # the engine hands out its Adam state
         steps = []
-        for key, tensor in sorted(assemble(state).tensors.items()):
+        for key, tensor in sorted(assemble(handed_out).tensors.items()):
             name, _, moment = key.rpartition("#")
             if moment == "step":
                 steps.append(float(tensor.max()))
@@ -170,7 +171,7 @@ class GoldenSuite:
         role, half = case.params.role, case.options.steps // 2
         if role == "resume":
             with ctx.phase("load"):
-                engine.load_checkpoint(str(checkpoint_dir(case)), case.params.ckpt_format)
+                checkpointing(engine, case.engine).load_checkpoint(str(checkpoint_dir(case)), case.params.ckpt_format)
         todo = {"": range(case.options.steps), "first-half": range(half),
                 "resume": range(half, case.options.steps)}[role]
         steps = []
@@ -184,7 +185,7 @@ class GoldenSuite:
                 ckpt.mkdir(parents=True)
             dist.barrier()
             with ctx.phase("save"):
-                engine.save_checkpoint(str(ckpt), case.params.ckpt_format)
+                checkpointing(engine, case.engine).save_checkpoint(str(ckpt), case.params.ckpt_format)
             dist.barrier()
             return {"coords": layout_coords(), "steps": steps}
         with ctx.phase("collect"):

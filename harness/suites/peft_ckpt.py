@@ -25,6 +25,7 @@ from typing import Any
 
 from harness.checks import CheckResult
 from harness.checks.peft_ckpt import check as judge
+from harness.engines.base import PeftExporting, peft_exporting
 from harness.engines.lora import read_adapter_dir
 from harness.errors import BadInput, MissingDependency
 from harness.launch.context import RankContext
@@ -82,7 +83,7 @@ def hf_side(case: Case, path: Path, base: dict) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the missing keys are judged below, from the load result
             pm = peft.PeftModel.from_pretrained(model, str(path)).eval()
-        loaded = set_peft_model_state_dict(pm, tensors)
+        loaded: Any = set_peft_model_state_dict(pm, tensors)  # torch load_state_dict result (keys)
     except Exception as exc:  # a directory PEFT refuses is the finding, not a crash of the case
         out["load_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         return out
@@ -115,7 +116,8 @@ class PeftCkptSuite:
             engine = "megatron-bridge"
         from harness.engines import resolve_factory
 
-        if not hasattr(resolve_factory(engine), "export_peft_adapter"):
+        factory = resolve_factory(engine)
+        if not (isinstance(factory, type) and issubclass(factory, PeftExporting)):
             raise BadInput(f"engine {engine!r} has no export_peft_adapter(path): the peft-ckpt suite needs an engine "
                            "that trains LoRA adapters and exports them (built-in: megatron-bridge)")
         _require_peft()  # in the parent: a missing peft is named before any rank starts
@@ -144,7 +146,7 @@ class PeftCkptSuite:
         from harness.engines import make_engine
         from harness.suites import layout_coords
 
-        engine = make_engine(case, ctx)
+        engine = peft_exporting(make_engine(case, ctx), case.engine)
         with ctx.phase("build"):
             engine.build()
         steps = []
@@ -203,7 +205,7 @@ def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> dict[str, Any
     from harness.suites import layout_coords
     from harness.suites.ckpt_contract import describe_exception, refusal_kind
 
-    engine = make_engine(dataclasses.replace(case, layout=layout), ctx)
+    engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)
     out: dict[str, Any] = {"layout": layout.id}
     phase = "build"
     try:

@@ -119,6 +119,7 @@ class StepPerfSuite:
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
     Params = StepPerfParams
+    digits = 3  # significant digits of a recorded figure
     # Timed on ranks that ran nothing but this suite: warm pool ranks that ran peft-ckpt before (megatron-
     # bridge, transformers and peft imported) stepped 1.10-1.25x slower locally and 1.2-1.6x in CI
     # (cpu-suite) than ranks that had not; on fresh ranks the same run measured 0.99-1.02x its baseline.
