@@ -42,9 +42,10 @@ class Side:
 
 @dataclass
 class CaseSamples:
-    """What one side measured for one case: per round its step times and exposed communication."""
+    """What one side measured for one case: a round's step times and exposed communication (step_ms,
+    exposed_ms), or, gathered by run_rounds, every round's (rounds_*: the rounds are the units)."""
 
-    step_ms: list[float] = field(default_factory=list)  # every round's, pooled
+    step_ms: list[float] = field(default_factory=list)
     exposed_ms: list[float] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)
     rounds_step_ms: list[list[float]] = field(default_factory=list)
@@ -114,8 +115,6 @@ def run_rounds(a: Side, b: Side, sel: CaseSelection, args, say: Callable[[str], 
                    else _subprocess_round(side, sel, args, workdir, n))
             for key, s in got.items():
                 acc = pooled[side.label].setdefault(key, CaseSamples(counters=s.counters))
-                acc.step_ms += s.step_ms
-                acc.exposed_ms += s.exposed_ms
                 acc.rounds_step_ms.append(list(s.step_ms))
                 acc.rounds_exposed_ms.append(list(s.exposed_ms))
     return pooled[a.label], pooled[b.label], order
