@@ -54,20 +54,17 @@ class CaseSamples:
 
 def _in_process_round(side: Side, sel: CaseSelection, args, say) -> dict[str, CaseSamples]:
     from harness.driver import run_suite
-    from harness.suites.step_perf import StepPerfSuite
+    from harness.suites.step_perf import figures
 
     run = run_suite("step-perf", sel.model, sel.world_size, sel.layout_ids, engine=side.engine, backend=sel.backend,
                     options=sel.options, timeout_s=sel.timeout, progress=say,
                     suite_params={"timed_steps": args.steps_per_round},
                     baselines_dir=tempfile.mkdtemp(prefix="harness-compare-nb-")).stop_if_interrupted()
-    suite = run.suite
-    if not isinstance(suite, StepPerfSuite):
-        raise TypeError(f"compare runs step-perf, got suite {suite.name!r}")
     out = {}
     for r in run.results:
         if not r.ok:
             raise RuntimeError(f"{side.label}: case {r.case.id} failed: {r.error.splitlines()[0] if r.error else ''}")
-        out[suite.key(r.case)] = CaseSamples(suite.step_ms(r), suite.exposed_ms(r), suite.counters(r))
+        out[figures.key(r.case)] = CaseSamples(figures.step_ms(r), figures.exposed_ms(r), figures.counters(r))
     return out
 
 

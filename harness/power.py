@@ -108,11 +108,11 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
               modes: tuple[str, ...], say: Callable[[str], None]) -> list[Tally]:
     import argparse
 
-    from harness.baselines import record_suite
     from harness.checks.timing import MIN_EFFECT_INTERLEAVED
     from harness.commands.selection import CaseSelection
     from harness.compare import Side, judge, run_rounds
     from harness.driver import run_suite
+    from harness.recording import record_suite
     from harness.spec import CaseOptions
 
     options = CaseOptions(use_distributed_optimizer=True, overlap_grad_reduce=True)

@@ -83,7 +83,7 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
                       suite_params=suite_params)
         try:
             if c.getoption("--update-baselines") and hasattr(get_suite(name), "samples"):
-                from harness.baselines import record_suite
+                from harness.recording import record_suite
 
                 path, diff = record_suite(name, harness_opts["model"], harness_opts["world_size"], **common)
                 publish(f"recorded {path}:\n{diff}")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import baselines, cli, driver
+from harness import baselines, cli, driver, recording
 
 
 @dataclass
@@ -45,7 +45,7 @@ def _fake_runs(monkeypatch, values):
 def test_noisy_metric_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
     _fake_runs(monkeypatch, [10.0, 10.5, 13.0])  # spread 3.0 > max(20% of 10.5, 0.25)
     with pytest.raises(RuntimeError) as exc:
-        baselines.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
+        recording.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
     assert "not recording: 1 metric(s) too noisy to baseline" in str(exc.value)
     assert ("small/tp1-pp1-cp1-dp4/default rank0.save_heap_peak_mib: spread 3.000 over 3 repeats > tolerance 2.100 "
             "(values 10.000, 10.500, 13.000)") in str(exc.value)
@@ -54,7 +54,7 @@ def test_noisy_metric_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
 
 def test_quiet_metric_is_recorded_with_provenance(tmp_path, monkeypatch):
     _fake_runs(monkeypatch, [10.0, 10.5, 11.0])
-    path, diff = baselines.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
+    path, diff = recording.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
     assert diff == "+ small/tp1-pp1-cp1-dp4/default rank0.save_heap_peak_mib: 10.5 (tolerance 4.0, spread 1.0)"
     data = json.loads(path.read_text())
     prov = data["provenance"]["small/tp1-pp1-cp1-dp4/default"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checks.ckpt_contract import promised
+from harness.suites.ckpt_memory.contract_judge import promised
 from harness.driver import run_suite
-from harness.suites.ckpt_contract import contract_cases
+from harness.suites.ckpt_memory.contract import contract_cases
 from harness.suites.ckpt_memory import CkptMemorySuite
 from harness.spec import Layout
 

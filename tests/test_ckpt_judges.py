@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from harness import baselines
-from harness.checks.ckpt_contract import _judge, _judge_side_effects
-from harness.checks.ckpt_memory import _check_baseline, _check_contract, _check_model
 from harness.checks.memory_model import MIB, save_band, shard_params
 from harness.engines.base import ParamShard
 from harness.launch.results import CaseResult, RankResult
@@ -20,9 +18,12 @@ from harness.probes import proc
 from harness.probes.ckpt_format import OnDisk, inspect
 from harness.probes.memory import MeasurementError, MemoryPeak, measure, read_captures
 from harness.spec import Case, CaseOptions, Layout
-from harness.suites import ckpt_contract
-from harness.suites.ckpt_contract import CkptCase, refusal_kind
-from harness.suites.ckpt_memory import CkptMemorySuite
+from harness.suites.ckpt_memory import contract as ckpt_contract
+from harness.suites.ckpt_memory.contract import refusal_kind
+from harness.suites.ckpt_memory.contract_judge import _judge, _judge_side_effects
+from harness.suites.ckpt_memory.figures import key
+from harness.suites.ckpt_memory.judge import _check_baseline, _check_contract, _check_model
+from harness.suites.ckpt_memory.params import CkptCaseParams
 
 NAN, INF = float("nan"), float("inf")
 DP4, TP2 = Layout.parse("tp1-pp1-cp1-dp4"), Layout.parse("tp2-pp1-cp1-dp2")
@@ -34,7 +35,7 @@ def _shards(values: dict[str, torch.Tensor]) -> list[ParamShard]:
 
 def _reshard_result(fmt: str = "fully_reshardable") -> CaseResult:
     case = Case("ckpt-memory", load_model("tiny"), DP4, "mcore", CaseOptions(steps=2),
-                params=CkptCase(fmt, ckpt_role="reshard"))
+                params=CkptCaseParams(fmt, ckpt_role="reshard"))
     return CaseResult(case, [RankResult(0)], "ok")
 
 
@@ -103,31 +104,22 @@ def test_a_non_finite_measurement_is_a_regression():
 
 
 def test_baseline_check_names_a_nan_figure():
-    class NanSamples(CkptMemorySuite):
-        @staticmethod
-        def samples(result):
-            return {"rank0.save_heap_peak_mib": NAN}
-
-    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCase())
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
     res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
-    data = {"entries": {NanSamples.key(case): {"rank0.save_heap_peak_mib": {"value": 29.0, "tolerance": 5.8}}}}
-    check = _check_baseline(NanSamples(), res, data, "baselines.json")
+    data = {"entries": {key(case): {"rank0.save_heap_peak_mib": {"value": 29.0, "tolerance": 5.8}}}}
+    check = _check_baseline(res, {"rank0.save_heap_peak_mib": NAN}, data, "baselines.json")
     assert not check.passed
     assert check.message.startswith("rank0.save_heap_peak_mib measured nan MiB (not a finite number) against "
                                     "baseline 29.00 +- 5.80 MiB")
 
 
 def test_baseline_rows_state_the_smallest_detectable_regression():
-    class Fixed(CkptMemorySuite):
-        @staticmethod
-        def samples(result):
-            return {"rank0.save_heap_peak_mib": 29.1, "rank0.save_writer_peak_mib": 0.15}
-
-    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCase())
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
     res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
-    entries = baselines.build_entries({Fixed.key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0],
+    entries = baselines.build_entries({key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0],
                                                          "rank0.save_writer_peak_mib": [0.16, 0.15, 0.16]}})
-    check = _check_baseline(Fixed(), res, {"entries": entries}, "baselines.json")
+    check = _check_baseline(res, {"rank0.save_heap_peak_mib": 29.1, "rank0.save_writer_peak_mib": 0.15},
+                            {"entries": entries}, "baselines.json")
     assert check.passed
     assert "rank0.save_heap_peak_mib: 29.10 MiB, baseline 29.00 +- 5.80, delta +0.10 MiB: pass; detects > +5.80 MiB " \
            "(+20%)" in check.details
@@ -298,7 +290,7 @@ def _memory_result(fmt: str, layout: Layout, peaks_mib: list[float], model: str 
                    on_disk: OnDisk | None = None, label: dict | None = None, backend: str = "gloo",
                    pinned_mib: float = 0.0) -> CaseResult:
     engine = "fsdp2" if fmt.startswith("fsdp2") else "mcore"
-    case = Case("ckpt-memory", load_model(model), layout, engine, CaseOptions(steps=1), backend, params=CkptCase(fmt))
+    case = Case("ckpt-memory", load_model(model), layout, engine, CaseOptions(steps=1), backend, params=CkptCaseParams(fmt))
     ranks = [RankResult(r, data={"save": MemoryPeak("save", heap_peak=int(p * MIB), pinned_peak=int(pinned_mib * MIB))})
              for r, p in enumerate(peaks_mib)]
     ranks[0].data["on_disk"] = on_disk or OnDisk(fmt, "fabricated")

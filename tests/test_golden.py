@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checks.golden import judge, noisy_metrics
+from harness.suites.golden.judge import judge, noisy_metrics
 from harness.spec import CaseOptions
 
 
@@ -75,7 +75,7 @@ def test_a_trajectory_that_does_not_repeat_is_refused_at_recording():
 
 
 def test_tolerances_are_measured_and_floored_by_dtype():
-    from harness.checks.golden import RTOL, tolerance
+    from harness.suites.golden.judge import RTOL, tolerance
 
     assert tolerance("step01.loss", [4.87, 4.8700002, 4.8700001]) == pytest.approx(8e-7)
     bf16 = judge("c", "tiny/bf16/steps=3", "bf16", dict(GOLDEN, **{"step01.loss": 4.8705 * (1 + RTOL["bf16"] / 2)}),
@@ -127,7 +127,7 @@ def _golden_options() -> CaseOptions:
 
 @pytest.fixture(scope="module")
 def golden_dir(tmp_path_factory):
-    from harness.baselines import record_suite
+    from harness.recording import record_suite
 
     directory = tmp_path_factory.mktemp("golden-baselines")
     record_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1"], baselines_dir=str(directory),

@@ -160,7 +160,7 @@ def test_show_of_an_unknown_metric_lists_the_known_ones(history, tmp_path, capsy
 # -- failing cases in the report's plots ----------------------------------------------------------
 def test_failed_cases_are_marked_in_the_checkpoint_and_collective_plots(tmp_path, monkeypatch):
     from harness.report import plots
-    from harness.report.files import RunFile
+    from harness.report.runs import RunFile
 
     peak = {"heap_peak": 2 * 2**20, "children_heap_peak": 0, "device_allocated_peak": 0, "device_reserved_peak": 0,
             "rss_before": 0, "timeline": [(0.0, 0), (0.1, 2**20)]}

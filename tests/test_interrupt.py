@@ -108,7 +108,7 @@ def test_loops_over_runs_stop_when_a_run_was_interrupted(monkeypatch, tmp_path):
     """baselines record (repeats), compare (rounds), bisect-step: an interrupted run stops the loop."""
     import signal as sig
 
-    from harness import baselines
+    from harness import recording
     from harness.suite_run import SuiteRun
     from harness.errors import Interrupted
     from harness.suites.equivalence import EquivalenceSuite
@@ -121,5 +121,5 @@ def test_loops_over_runs_stop_when_a_run_was_interrupted(monkeypatch, tmp_path):
 
     monkeypatch.setattr("harness.driver.run_suite", interrupted_run)
     with pytest.raises(Interrupted):
-        baselines.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
+        recording.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
     assert calls == [1] and not list(tmp_path.rglob("*"))  # no second repeat, nothing recorded

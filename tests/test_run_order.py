@@ -8,7 +8,7 @@ import pytest
 from harness.driver import new_run_dir, run_order, run_suite
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from harness.suites.ckpt_contract import contract_cases
+from harness.suites.ckpt_memory.contract import contract_cases
 from harness.suites.ckpt_memory import CkptMemorySuite
 
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from harness.launch import run_case, zygote
-from harness.launch.runner import die_with_parent
+from harness.launch.children import die_with_parent
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
 from tests import fake_suites as fs

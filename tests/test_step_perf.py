@@ -98,7 +98,7 @@ def _params(min_effect: float = DETECT) -> dict:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    from harness.baselines import record_suite
+    from harness.recording import record_suite
 
     directory = tmp_path_factory.mktemp("step-perf-baselines")
     path, diff = record_suite("step-perf", "tiny", 2, LAYOUT, baselines_dir=str(directory), backend="gloo",
@@ -240,11 +240,11 @@ def _entry(repeat_medians: list[float]) -> dict:
 ])
 def test_time_within_the_drift_of_the_baselines_own_repeats_cannot_be_told(repeats, measured, status):
     """The drifting repeats are the recorded tp1-pp1-cp1-dp1 `small` case of this 2-core box (overlap on)."""
-    from harness.checks.step_perf import _check_time
-    from harness.suites.step_perf import StepPerfParams, StepPerfSuite
+    from harness.suites.step_perf import StepPerfParams
+    from harness.suites.step_perf.judge import _check_time
 
     res = _timed_result([measured + d for d in (-2.0, -1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 1.5, -1.5, 0.0)])
-    check = _check_time(StepPerfSuite(), res, _entry(repeats), StepPerfParams(min_effect=0.15))
+    check = _check_time(res, _entry(repeats), StepPerfParams(min_effect=0.15))
     assert check.status == status, check.message
     if status == "inconclusive":
         assert check.message.startswith("cannot tell: tp1-pp1-cp1-dp1: step time x1.20")
@@ -298,7 +298,7 @@ def test_the_flops_used_for_mfu_say_where_they_come_from():
     from harness.checks.flops_model import matmul_dtype, peak_tflops, step_flops
     from harness.launch.results import CaseResult, RankResult
     from harness.spec import Case
-    from harness.suites.step_perf import flops_used
+    from harness.suites.step_perf.figures import flops_used
 
     case = Case("step-perf", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions())
     full = step_flops(case.model, case.layout, 0, global_batch_size=8, micro_batch_size=1)
@@ -330,13 +330,12 @@ def _paired_result(plain_ms: list[float], timed_ms: list[float]):
 
 @pytest.mark.parametrize("cost,noise,status", [(0.0, 0.002, "pass"), (0.10, 0.002, "fail"), (0.0, 0.2, "inconclusive")])
 def test_overhead_is_judged_against_the_2_percent_goal(cost, noise, status):
-    from harness.checks.step_perf import check_overhead
-    from harness.suites.step_perf import StepPerfSuite
+    from harness.suites.step_perf.judge import check_overhead
 
     rng = random.Random(3)
     plain = [500 * (1 + rng.gauss(0, noise)) for _ in range(20)]
     timed = [p * (1 + cost) * (1 + rng.gauss(0, noise)) for p in plain]
-    check = check_overhead(StepPerfSuite(), _paired_result(plain, timed))
+    check = check_overhead(_paired_result(plain, timed))
     assert check.status == status, check.message
     if status == "fail":
         assert re.match(r"the harness's instrumentation costs \+(9\.9|10\.\d)% of a step", check.message)
@@ -346,10 +345,9 @@ def test_overhead_is_judged_against_the_2_percent_goal(cost, noise, status):
 
 
 def test_overhead_without_paired_steps_fails_naming_the_counts():
-    from harness.checks.step_perf import check_overhead
-    from harness.suites.step_perf import StepPerfSuite
+    from harness.suites.step_perf.judge import check_overhead
 
-    check = check_overhead(StepPerfSuite(), _paired_result([], [500.0] * 5))
+    check = check_overhead(_paired_result([], [500.0] * 5))
     assert check.failed and "0 uninstrumented steps were timed for 5 timed ones" in check.message
 
 
@@ -399,12 +397,12 @@ def _exposed_entry(step_ms: float, exposed_ms: float) -> dict:
 ])
 def test_exposed_communication_grown_alone_fails_and_zero_is_judged(base_exposed, exposed, status):
     """The step did not grow (its compute got faster by as much): the exposed-communication branch."""
-    from harness.checks.step_perf import _check_time
-    from harness.suites.step_perf import StepPerfParams, StepPerfSuite
+    from harness.suites.step_perf import StepPerfParams
+    from harness.suites.step_perf.judge import _check_time
 
     wiggle = [-2.0, -1.0, 0.0, 1.0, 2.0] * 3
     res = _result_with_exposed([500 + w for w in wiggle], [max(0.0, exposed + w / 10) for w in wiggle])
-    check = _check_time(StepPerfSuite(), res, _exposed_entry(500.0, base_exposed), StepPerfParams(min_effect=0.15))
+    check = _check_time(res, _exposed_entry(500.0, base_exposed), StepPerfParams(min_effect=0.15))
     assert check.status == status, check.message
     if status == "fail":
         assert re.match(r"tp1-pp1-cp1-dp1: exposed communication grew by (99|100)\.\d ms \(> 15% of the 500\.0 ms "

@@ -41,7 +41,7 @@ def test_ckpt_memory_at_world_size_1_runs_its_contract_except_the_dp_only_load()
 
 
 def test_ckpt_memory_contract_at_world_size_2_loads_at_tp2_pp2_and_dp1():
-    from harness.suites.ckpt_contract import dp_only_target, targets
+    from harness.suites.ckpt_memory.contract import dp_only_target, targets
 
     assert [lay.id for lay in targets(load_model("small"), 2)] == ["tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1",
                                                                  "tp1-pp2-cp1-dp1"]

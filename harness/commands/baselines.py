@@ -25,8 +25,9 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness import baselines, report
+    from harness import report
     from harness.driver import plan, run_suite
+    from harness.recording import record_suite
     from harness.suites import Baselined
 
     if args.action == "diff":
@@ -42,8 +43,8 @@ def main(args) -> int:
         print(report.format_run(run))
         return run.exit_code
     try:
-        path, changes = baselines.record_suite(*sel.plan_args(), repeats=args.repeats,
-                                               baselines_dir=args.baselines_dir, **sel.plan_kwargs())
+        path, changes = record_suite(*sel.plan_args(), repeats=args.repeats, baselines_dir=args.baselines_dir,
+                                     **sel.plan_kwargs())
     except RuntimeError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
         return 1

@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.report.files import load_runs, prepare_out_dir, write_report
+    from harness.report.files import prepare_out_dir, write_report
+    from harness.report.runs import load_runs
 
     load_runs(Path(args.dir))  # a directory with readable results, before anything is written
     prepare_out_dir(Path(args.dir), "DIR")

@@ -8,7 +8,6 @@ every rank's process group is SIGKILLed before run_case returns: no orphans.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import re
@@ -22,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harness.launch import zygote
+from harness.launch.children import die_with_parent, import_path
 from harness.launch.results import CaseResult, RankResult, read, write_atomic
 from harness.platform.backend import CPU_RANK_ENV
 from harness.spec import Case
@@ -29,23 +29,6 @@ from harness.spec import Case
 GRACE_S = 5.0  # how long peers of a failed rank may still finish before they are killed
 STACK_WAIT_S = 1.5  # how long hung ranks get to dump their stacks after SIGUSR1
 _PHASE_RE = re.compile(r"\[harness\] rank \d+ phase (\S+)")
-
-
-def die_with_parent(parent: int) -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    # A parent that died between our fork and the prctl sends no signal: we would live on as an orphan.
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def import_path() -> str:
-    """This process's sys.path as PYTHONPATH: ranks import whatever the parent can (user engines, test fault
-    plugins)."""
-    return os.pathsep.join(p for p in sys.path if p)
 
 
 def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:

@@ -82,7 +82,7 @@ class Zygote:
     """The harness's end: starts the server process and asks it for ranks."""
 
     def __init__(self):
-        from harness.launch.runner import die_with_parent, import_path
+        from harness.launch.children import die_with_parent, import_path
 
         self.dir = Path(tempfile.mkdtemp(prefix="harness-zygote-"))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -243,7 +243,7 @@ def _become_rank(request: dict, fds: list[int], sock: socket.socket, started: in
     code = 1
     try:
         from harness.launch import worker
-        from harness.launch.runner import die_with_parent
+        from harness.launch.children import die_with_parent
 
         sock.close()
         os.setsid()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from harness.outcomes import check_failed
 
 if TYPE_CHECKING:
-    from harness.report.files import RunFile
+    from harness.report.runs import RunFile
 
 
 def render(runs: list[RunFile]) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from harness.errors import MissingDependency
 
 if TYPE_CHECKING:
-    from harness.report.files import RunFile
+    from harness.report.runs import RunFile
 
 MIB = 1024 * 1024
 

@@ -203,7 +203,7 @@ def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> dict[str, Any
     from harness.engines import make_engine
     from harness.platform.parallel import teardown_parallel_state
     from harness.suites import layout_coords
-    from harness.suites.ckpt_contract import describe_exception, refusal_kind
+    from harness.suites.ckpt_memory.contract import describe_exception, refusal_kind
 
     engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)
     out: dict[str, Any] = {"layout": layout.id}

@@ -7,7 +7,7 @@ there, which must equal an uninterrupted run of both steps (a save has no side e
 every target layout of its world size (itself included), it builds a fresh engine, loads (host
 peak measured), compares the loaded parameters and takes the same second step. A "reshard-load"
 case does the same at another world size from the reshard case's checkpoint (the DP-only change).
-The parent (harness/checks/ckpt_contract.py) compares full parameters and Adam state (exp_avg,
+The parent (contract_judge.py) compares full parameters and Adam state (exp_avg,
 exp_avg_sq, step) by global name: loaded == saved bit for bit, and after the second step == the
 uninterrupted run.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,7 @@ from harness.engines.base import checkpointing
 from harness.launch.context import RankContext
 from harness.probes.memory import MeasurementError, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-
-CONTRACT_FORMATS = ("dp_reshardable", "fully_reshardable")
+from harness.suites.ckpt_memory.params import CONTRACT_FORMATS, CkptCaseParams
 
 
 def save_layout(world_size: int) -> Layout:
@@ -48,20 +46,6 @@ def dp_only_target(world_size: int) -> Layout | None:
     return Layout(dp=world_size // 2) if world_size % 2 == 0 else None
 
 
-@dataclass(frozen=True)
-class CkptCase:
-    """A checkpoint case's own parameters (`Case.params` of the ckpt-memory suite)."""
-
-    # the distributed optimizer's format (distrib_optim_sharding_type), with "fully_reshardable_mem_efficient"
-    # for fully_reshardable + the mem_efficient flag, "default" for what the engine saves unasked, fsdp2_*
-    ckpt_format: str = "dp_reshardable"
-    fully_parallel_save: bool = False  # through megatron's fully parallel save wrapper
-    async_save: bool = False  # megatron's async save: the write runs in a forked process
-    # "" a memory case; "reshard" saves and loads back at other layouts of its world size; "reshard-load"
-    # loads what the case it runs after (`Case.after`) saved, at another world size
-    ckpt_role: str = ""
-
-
 def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, backend: str,
                    options: CaseOptions, formats: tuple[str, ...] = CONTRACT_FORMATS) -> list[Case]:
     """One reshard case per format at the world size, and one DP-only load case at half of it (skipped,
@@ -70,11 +54,11 @@ def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, ba
     opts = dataclasses.replace(options, steps=2, use_distributed_optimizer=True)
     for fmt in formats:
         saver = Case(name, model, save_layout(world_size), engine, opts, backend,
-                     params=CkptCase(fmt, ckpt_role="reshard"))
+                     params=CkptCaseParams(fmt, ckpt_role="reshard"))
         out.append(saver)
         target = dp_only_target(world_size)
         loader = Case(name, model, target or save_layout(world_size), engine, opts, backend, after=(saver.id,),
-                      params=CkptCase(fmt, ckpt_role="reshard-load"))  # loads what `saver` wrote
+                      params=CkptCaseParams(fmt, ckpt_role="reshard-load"))  # loads what `saver` wrote
         out.append(loader if target else loader.skipped(
             f"the DP-only reshard load halves DP at another world size; world size {world_size} cannot be halved: "
             f"needs world size 2 or more, even"))

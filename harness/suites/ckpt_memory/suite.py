@@ -1,56 +1,33 @@
-"""`ckpt-memory`: per-rank host (and device) memory peaks of a checkpoint save, per optimizer format."""
+"""The ckpt-memory suite: its cases (memory and reshard contract) and the rank work of a measured save."""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.checks import ckpt_memory as judges
-from harness.checks.ckpt_contract import check_reshard
 from harness.engines import is_fsdp2, make_engine
-from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suites.ckpt_contract import CkptCase, contract_cases, reshard_work
-
-# fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
-# is not supported"; it can still be asked for with --ckpt-format.
-# "default" is whatever the engine saves when the user names no format: R1 was that default flipping.
-# fsdp2_*: the fsdp2 engine (torch fully_shard) on the pure-DP layout; fsdp2_default is whatever it
-# saves when no format is named: R5 was that becoming the full (gathered) state dict.
-MCORE_FORMATS = ("default", "dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
-FSDP2_FORMATS = ("fsdp2_default", "fsdp2_sharded", "fsdp2_full")
-FORMATS = MCORE_FORMATS + FSDP2_FORMATS
-ALL_FORMATS = FORMATS + ("fully_sharded_model_space",)
-# also saved async, and through megatron's fully parallel save wrapper, in the default matrix
-ASYNC_FORMATS = FULLY_PARALLEL_FORMATS = ("dp_reshardable", "fully_reshardable")
-DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
-
-
-@dataclass(frozen=True)
-class CkptMemoryParams:
-    """The ckpt-memory suite's parameters: which formats, how they are saved, against which baselines."""
-
-    formats: tuple[str, ...] = FORMATS  # --ckpt-format
-    contract: bool = True  # also the reshard contract cases (harness/suites/ckpt_contract.py), default matrix only
-    fully_parallel_save: bool = False
-    async_save: bool = False
-    baselines_dir: str | None = None  # None: the repository's baselines/
-
-    def __post_init__(self):
-        object.__setattr__(self, "formats", tuple(self.formats))
-        unknown = sorted(set(self.formats) - set(ALL_FORMATS))
-        if unknown:
-            raise BadInput(f"unknown checkpoint format(s) {unknown}; known: {', '.join(ALL_FORMATS)}")
+from harness.suites.ckpt_memory import figures, judge
+from harness.suites.ckpt_memory.contract import contract_cases, reshard_work
+from harness.suites.ckpt_memory.contract_judge import check_reshard
+from harness.suites.ckpt_memory.params import (
+    ASYNC_FORMATS,
+    DEFAULT_LAYOUTS,
+    FORMATS,
+    FULLY_PARALLEL_FORMATS,
+    SUITE,
+    CkptCaseParams,
+    CkptMemoryParams,
+)
 
 
 class CkptMemorySuite:
-    name = "ckpt-memory"
+    name = SUITE
     default_model = "small"  # the CPU tier's model when none is given
     Params = CkptMemoryParams
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
@@ -79,13 +56,13 @@ class CkptMemorySuite:
                     continue  # FSDP2 shards over DP only; the fully parallel wrapper and async save are megatron's
                 opts = dataclasses.replace(options, steps=1, use_distributed_optimizer=not is_fsdp2_format)
                 memory.append(Case(self.name, model, lay, fsdp2_engine if is_fsdp2_format else mcore_engine, opts,
-                                   backend, params=CkptCase(fmt, p.fully_parallel_save, p.async_save)))
+                                   backend, params=CkptCaseParams(fmt, p.fully_parallel_save, p.async_save)))
         if contract:  # the default matrix: async and fully parallel saves of both main formats at the first layout
             opts = dataclasses.replace(options, steps=1, use_distributed_optimizer=True)
             for variant, formats in (("async_save", ASYNC_FORMATS), ("fully_parallel_save", FULLY_PARALLEL_FORMATS)):
                 for fmt in formats:
                     memory.append(Case(self.name, model, layouts[0], mcore_engine, opts, backend,
-                                       params=CkptCase(fmt, async_save=variant == "async_save",
+                                       params=CkptCaseParams(fmt, async_save=variant == "async_save",
                                                        fully_parallel_save=variant == "fully_parallel_save")))
         return memory + (contract_cases(self.name, model, world_size, mcore_engine, backend, options)
                          if contract else [])
@@ -136,46 +113,12 @@ class CkptMemorySuite:
 
         return {"save": {str(r.rank): asdict(r.data["save"]) for r in result.ranks}}
 
-    @staticmethod
-    def key(case: Case) -> str:
-        return f"{case.model.name}/{case.layout.id}/{case.params.ckpt_format}" + \
-            ("/fully-parallel" if case.params.fully_parallel_save else "") + \
-            ("/async" if case.params.async_save else "")
-
-    @staticmethod
-    def record_command(case: Case) -> str:
-        """The command that records exactly this case's baseline."""
-        from harness import baselines
-
-        o = case.params
-        engine = "" if case.engine in ("mcore", "fsdp2") else f" --engine {case.engine}"
-        return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
-                + f" --layout {case.layout.id} --ckpt-format {o.ckpt_format}{engine}"
-                + (" --fully-parallel-save" if o.fully_parallel_save else "")
-                + (" --async-save" if o.async_save else ""))
-
-    @staticmethod
-    def samples(result: CaseResult) -> dict[str, float]:
-        """The baselined metrics of a case, MiB: per rank, the save's heap peak in the rank itself and in
-        its forked writer processes (judged apart: the writers' peak depends on fork timing); on device
-        ranks also the pinned host staging it held and its device peak above what was allocated before."""
-        out: dict[str, float] = {}
-        if result.case.params.ckpt_role:
-            return out  # checkpoint contract cases: judged on values, not baselined
-        for r in result.ranks:
-            if result.case.params.ckpt_format == "fsdp2_full" and r.rank != 0:
-                # Only gathers pass through these ranks; their peak is bimodal across reruns (8 or 12 MiB
-                # for `small`: one more full tensor alive or not), so only the model band judges them.
-                continue
-            out[f"rank{r.rank}.save_heap_peak_mib"] = r.data["save"].heap_peak / MIB
-            out[f"rank{r.rank}.save_writer_peak_mib"] = r.data["save"].children_heap_peak / MIB
-            if result.case.backend == "nccl":
-                out[f"rank{r.rank}.save_pinned_peak_mib"] = r.data["save"].pinned_peak / MIB
-                out[f"rank{r.rank}.save_device_peak_mib"] = r.data["save"].device_peak / MIB
-        return out
+    key = staticmethod(figures.key)
+    record_command = staticmethod(figures.record_command)
+    samples = staticmethod(figures.samples)
 
     def check(self, results: list[CaseResult], params: CkptMemoryParams | None = None) -> list[CheckResult]:
-        return check_reshard(results) + judges.check(self, results, params or CkptMemoryParams())
+        return check_reshard(results) + judge.check(results, params or CkptMemoryParams())
 
 
 def _label(engine, ckpt_dir) -> dict:

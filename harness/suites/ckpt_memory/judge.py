@@ -10,18 +10,21 @@ from harness.checks.memory_model import discrimination, gathers, rival, save_ban
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.report.artifacts import flamegraph_path
+from harness.suites.ckpt_memory import figures
+from harness.suites.ckpt_memory.figures import key as key_of
+from harness.suites.ckpt_memory.figures import record_command
+from harness.suites.ckpt_memory.params import SUITE, CkptMemoryParams
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from harness.baselines import Verdict
-    from harness.suites.ckpt_memory import CkptMemoryParams, CkptMemorySuite
 
 EXPECTED_DEFAULT = "dp_reshardable"  # Megatron-LM / Megatron-Bridge default since R1
 EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharded"}
 
 
-def check(suite: CkptMemorySuite, results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResult]:
+def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResult]:
     """Every save case (the contract cases are check_reshard's): contract, model band, baseline."""
     from harness import baselines
     from harness.platform import detect_platform
@@ -36,12 +39,12 @@ def check(suite: CkptMemorySuite, results: list[CaseResult], params: CkptMemoryP
             out.append(case_failed("ckpt-memory.run", res))
             continue
         platform = detect_platform(case.backend).key
-        path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
+        path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
         if platform not in data_by_platform:
             data_by_platform[platform] = baselines.load(path)
         out.append(_check_contract(res))
         out.append(_check_model(res))
-        out.append(_check_baseline(suite, res, data_by_platform[platform], path))
+        out.append(_check_baseline(res, figures.samples(res), data_by_platform[platform], path))
     return out
 
 
@@ -129,52 +132,52 @@ def _check_model(res: CaseResult) -> CheckResult:
                        + (f" (not on {[b[0] for b in blind]}: 12N too small or D = 1)" if blind else ""), rows)
 
 
-def _check_baseline(suite: CkptMemorySuite, res: CaseResult, data: dict, path: Path) -> CheckResult:
-    """The case's samples (suite.samples) against its entry (suite.key) in the baseline file's data."""
+def _check_baseline(res: CaseResult, samples: dict[str, float], data: dict, path: Path) -> CheckResult:
+    """The case's samples (figures.samples) against its entry (figures.key) in the baseline file's data."""
     from harness import baselines
 
-    key = suite.key(res.case)
+    key = key_of(res.case)
     rows: list[str] = []
     verdicts: dict[str, Verdict] = {}
     per_metric: dict[str, dict[str, Any]] = {}
-    for metric, value in suite.samples(res).items():
+    for metric, value in samples.items():
         v = verdicts[metric] = baselines.compare(data, key, metric, value)
         base = "-" if v.baseline is None else f"{v.baseline:.2f} +- {v.tolerance:.2f}"
         rows.append(f"{metric}: {value:.2f} MiB, baseline {base}, delta {v.delta:+.2f} MiB: {v.status}"
                     + (f"; detects {_detects(v)}" if v.baseline is not None else ""))
         per_metric[metric] = {"measured": value, "baseline": v.baseline, "tolerance": v.tolerance,
                               "status": v.status}
-    figures: dict[str, Any] = {"key": key, "metrics": per_metric}
+    shown: dict[str, Any] = {"key": key, "metrics": per_metric}
     by_status = {st: [m for m, v in verdicts.items() if v.status == st]
                  for st in ("missing", "regression", "improvement")}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
-    figures["captures"] = [r.data["save"].capture for r in res.ranks if r.data["save"].capture]
+    shown["captures"] = [r.data["save"].capture for r in res.ranks if r.data["save"].capture]
     if not any(by_status.values()):
         coarsest = max(verdicts, key=lambda m: _relative_tolerance(verdicts[m]), default=None)
         sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
         return CheckResult("ckpt-memory.baseline", res.case.id, True, f"within baseline ({key}){sees}", rows,
-                           show=True, data=figures)
+                           show=True, data=shown)
     if by_status["missing"]:
         return CheckResult("ckpt-memory.baseline", res.case.id, False,
                            f"no baseline for {key} {by_status['missing'][0]} on platform {path.parent.name} "
-                           f"({path}); record it with: {suite.record_command(res.case)}", rows, data=figures)
+                           f"({path}); record it with: {record_command(res.case)}", rows, data=shown)
     # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
     metric = max(by_status["regression"] or by_status["improvement"],
                  key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
     v = verdicts[metric]
     capture = res.ranks[int(metric.split(".")[0][4:])].data["save"].capture
-    figures["flamegraph_of"] = capture
+    shown["flamegraph_of"] = capture
     flame = flamegraph_path(capture)
     if not math.isfinite(v.measured):
         return CheckResult("ckpt-memory.baseline", res.case.id, False,
                            f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
-                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows, data=figures)
+                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows, data=shown)
     verb = "above" if v.status == "regression" else "below (improvement: refresh the baseline with " \
-        f"`{suite.record_command(res.case)}`)"
+        f"`{record_command(res.case)}`)"
     return CheckResult("ckpt-memory.baseline", res.case.id, False,
                        f"{metric} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline "
                        f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows,
-                       improvement=not by_status["regression"], data=figures)
+                       improvement=not by_status["regression"], data=shown)
 
 
 def _relative_tolerance(v: Verdict) -> float:

@@ -1,54 +1,23 @@
-"""`train-memory`: what a training rank holds, per phase, against the training-memory model and baselines.
-
-Per case: build (model chunks, DDP grad buffers, optimizer) and each training step measured on every rank -
-the heap high-water of the phase (memray, as ckpt-memory measures) and, on GPU ranks, the device's allocated
-peak above what was allocated at the phase's start. Judged in the parent against the analytic model of
-harness/checks/training_memory.py (build: weights + gradient buffers + master copies; first step: the
-optimizer state it creates + the step's activations; later steps: the activations alone) and against the
-stored baselines. The first step of a rank process pays one-time costs (lazy imports, allocator pools):
-the case runs a priming step on a throwaway engine first, as ckpt-memory primes its saves.
-"""
+"""The train-memory suite: its cases and rank work; figures and judges in their own modules."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import reference_layouts, validate
 from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-
-STEPS = 2  # the first creates the optimizer state; the second holds activations only
-# Two samples per micro-batch (the model specs say one): on CPU ranks the activations of `small` at one sample
-# (~12 MiB at pure DP) are below the flat copy a gloo collective makes of the gradient buffer (23 MiB), so a
-# step's peak would say nothing about activations; at two they lead wherever TP or PP splits the weights.
-MICRO_BATCH = 2
-RECOMPUTE = ("full", "selective")
-
-
-@dataclass(frozen=True)
-class TrainMemoryParams:
-    """The train-memory suite's parameters."""
-
-    distributed_optimizer: tuple[bool, ...] = (False, True)  # per layout of the default matrix
-    recompute: tuple[str, ...] = RECOMPUTE  # also run at the first layout with the distributed optimizer
-    baselines_dir: str | None = None  # None: the repository's baselines/
-
-    def __post_init__(self):
-        object.__setattr__(self, "recompute", tuple(self.recompute))
-        bad = sorted(set(self.recompute) - set(RECOMPUTE))
-        if bad:
-            raise BadInput(f"--recompute {bad}: expected {' or '.join(RECOMPUTE)}")
+from harness.suites.train_memory import figures, judge
+from harness.suites.train_memory.params import MICRO_BATCH, STEPS, SUITE, TrainMemoryParams
 
 
 class TrainMemorySuite:
-    name = "train-memory"
+    name = SUITE
     default_model = "small"
     Params = TrainMemoryParams
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
@@ -101,38 +70,15 @@ class TrainMemorySuite:
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
             return {}
-        figures = [phase_figures(r.data, result.case.backend) for r in result.ranks]
-        return {f"{name} MiB/rank": " ".join(f"{f[name] / MIB:.1f}" for f in figures) for name in figures[0]}
+        per_rank = [figures.phase_figures(r.data, result.case.backend) for r in result.ranks]
+        return {f"{name} MiB/rank": " ".join(f"{f[name] / MIB:.1f}" for f in per_rank) for name in per_rank[0]}
 
-    @staticmethod
-    def key(case: Case) -> str:
-        o = case.options
-        return (f"{case.model.name}/{case.layout.id}/{o.dtype}/mbs{case.micro_batch_size}/"
-                f"distopt={int(o.use_distributed_optimizer)}" + (f",recompute={o.recompute}" if o.recompute else ""))
-
-    @staticmethod
-    def record_command(case: Case) -> str:
-        from harness import baselines
-
-        return baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend) + \
-            f" --layout {case.layout.id}"
-
-    @staticmethod
-    def samples(result: CaseResult) -> dict[str, float]:
-        """Per rank and phase, MiB: the heap high-water on CPU ranks, the device's allocated peak on GPUs."""
-        return {f"rank{r.rank}.{phase}_mib": value / MIB for r in result.ranks
-                for phase, value in phase_figures(r.data, result.case.backend).items()}
+    key = staticmethod(figures.key)
+    record_command = staticmethod(figures.record_command)
+    samples = staticmethod(figures.samples)
 
     def check(self, results: list[CaseResult], params: TrainMemoryParams | None = None) -> list[CheckResult]:
-        from harness.checks import train_memory as judges
-
-        return judges.check(self, results, params or TrainMemoryParams())
-
-
-def phase_figures(data: dict, backend: str) -> dict[str, int]:
-    """The measured bytes of each phase of one rank: heap (CPU) or device allocated (GPU) above its start."""
-    pick = (lambda p: p.device_peak) if backend == "nccl" else (lambda p: p.heap_peak)
-    return {"build": pick(data["build"]), **{f"step{i}": pick(p) for i, p in enumerate(data["steps"])}}
+        return judge.check(results, params or TrainMemoryParams())
 
 
 def _drop_capture(capture: str) -> None:

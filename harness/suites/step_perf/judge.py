@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio
 from harness.launch.results import CaseResult
+from harness.suites.step_perf import figures
+from harness.suites.step_perf.figures import TIMED, key, record_command
+from harness.suites.step_perf.params import SUITE, StepPerfParams
 
-if TYPE_CHECKING:
-    from harness.suites.step_perf import StepPerfParams, StepPerfSuite
 
-
-def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParams) -> list[CheckResult]:
-    """Every case against its entry in the platform's baseline file; the suite gives the figures."""
+def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult]:
+    """Every case against its entry in the platform's baseline file."""
     from harness import baselines
     from harness.platform import detect_platform
     from harness.platform.backend import machine_fingerprint
@@ -27,32 +26,32 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
             out.append(case_failed("step-perf.run", res))
             continue
         if params.overhead:
-            out.append(check_overhead(suite, res))
+            out.append(check_overhead(res))
         platform = detect_platform(res.case.backend).key
-        path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
+        path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
         if str(path) not in files:
             files[str(path)] = baselines.load(path)
-        entry = files[str(path)].get("entries", {}).get(suite.key(res.case))
+        entry = files[str(path)].get("entries", {}).get(key(res.case))
         if entry is None:
             for name in ("counters", "time"):
                 out.append(CheckResult(f"step-perf.{name}", res.case.id, False,
-                                       f"no baseline for {suite.key(res.case)} on platform {platform} ({path}); "
-                                       f"record it with: {suite.record_command(res.case)}"))
+                                       f"no baseline for {key(res.case)} on platform {platform} ({path}); "
+                                       f"record it with: {record_command(res.case)}"))
             continue
-        out.append(_check_counters(suite, res, entry))
+        out.append(_check_counters(res, entry))
         if res.case.backend not in machines:
             machines[res.case.backend] = machine_fingerprint(res.case.backend)
         machine = machines[res.case.backend]
-        recorded_on = files[str(path)].get("provenance", {}).get(suite.key(res.case), {}).get("machine")
+        recorded_on = files[str(path)].get("provenance", {}).get(key(res.case), {}).get("machine")
         if recorded_on != machine:
             out.append(cannot_tell(
                 "step-perf.time", res.case.id,
-                f"not judged: no baseline for this machine - {suite.key(res.case)} was recorded on "
+                f"not judged: no baseline for this machine - {key(res.case)} was recorded on "
                 f"{recorded_on or 'an unrecorded machine'}, this is {machine}; a step time says nothing about the "
                 f"code across machines. Judge time here with `harness compare` (A and B interleaved in one run), "
-                f"or record this machine's baseline: {suite.record_command(res.case)}"))
+                f"or record this machine's baseline: {record_command(res.case)}"))
             continue
-        out.append(_check_time(suite, res, entry, params))
+        out.append(_check_time(res, entry, params))
     return out
 
 
@@ -61,11 +60,11 @@ def check(suite: StepPerfSuite, results: list[CaseResult], params: StepPerfParam
 OVERHEAD_GOAL = 0.02
 
 
-def check_overhead(suite: StepPerfSuite, res: CaseResult) -> CheckResult:
+def check_overhead(res: CaseResult) -> CheckResult:
     """Timed steps against the uninstrumented steps paired with them (--overhead): fails when the harness
     costs significantly more than OVERHEAD_GOAL of a step, passes when the interval lies within it, and
     cannot tell when the interval straddles it."""
-    timed, plain = suite.step_ms(res), suite.plain_ms(res)
+    timed, plain = figures.step_ms(res), figures.plain_ms(res)
     name, cid = "step-perf.overhead", res.case.id
     if len(plain) != len(timed) or len(plain) < 3:
         return CheckResult(name, cid, False, f"--overhead asked for, but {len(plain)} uninstrumented steps were "
@@ -86,9 +85,9 @@ def check_overhead(suite: StepPerfSuite, res: CaseResult) -> CheckResult:
                                   f"goal at this noise: more pairs (--timed-steps) narrow it ({said})")
 
 
-def _check_counters(suite: StepPerfSuite, res: CaseResult, entry: dict) -> CheckResult:
-    measured = suite.counters(res)
-    wanted = {m: e["value"] for m, e in entry.items() if m not in suite.TIMED}
+def _check_counters(res: CaseResult, entry: dict) -> CheckResult:
+    measured = figures.counters(res)
+    wanted = {m: e["value"] for m, e in entry.items() if m not in TIMED}
     rows, problems = [], []
     for metric in sorted(set(measured) | set(wanted)):
         got, want = measured.get(metric), wanted.get(metric)
@@ -106,7 +105,7 @@ def _check_counters(suite: StepPerfSuite, res: CaseResult, entry: dict) -> Check
     o = res.case.options
     overlap = [p for p in problems if "dp_reductions_in_backward" in p]
     if overlap and o.overlap_grad_reduce and measured.get("rank0.dp_reductions_in_backward") == 0:
-        exposed = statistics.median(suite.exposed_ms(res))
+        exposed = statistics.median(figures.exposed_ms(res))
         base = entry.get("exposed_comm_ms", {}).get("value")
         rows.insert(0, f"  overlap_grad_reduce=True but no DP gradient reduction was issued in backward: the "
                        f"reduction is not overlapped; exposed communication {exposed:.1f} ms"
@@ -121,34 +120,34 @@ def _check_counters(suite: StepPerfSuite, res: CaseResult, entry: dict) -> Check
                        value=float(len(problems)))
 
 
-def timed_comparison(suite: StepPerfSuite, res: CaseResult, metric: str, entry: dict, effect: float | None,
+def timed_comparison(res: CaseResult, metric: str, entry: dict, effect: float | None,
                      params: StepPerfParams) -> Comparison:
     """A timed figure of a case against the samples of its baseline entry (the case's, all metrics);
     also what `harness bisect` judges by."""
-    measured = {"step_time_ms": suite.step_ms, "exposed_comm_ms": suite.exposed_ms}[metric](res)
+    measured = {"step_time_ms": figures.step_ms, "exposed_comm_ms": figures.exposed_ms}[metric](res)
     calibration = entry.get("calibration_ms", {}).get("value")
     if params.normalise and calibration:
-        scale = calibration / suite.calibration_ms(res)
+        scale = calibration / figures.calibration_ms(res)
         measured = [m * scale for m in measured]
     tier = "gpu" if res.case.backend == "nccl" else "cpu"
     effect = effect if effect is not None else params.min_effect if params.min_effect is not None else MIN_EFFECT[tier]
     return compare_samples(entry[metric]["samples"], measured, effect)
 
 
-def _check_time(suite: StepPerfSuite, res: CaseResult, entry: dict, params: StepPerfParams) -> CheckResult:
+def _check_time(res: CaseResult, entry: dict, params: StepPerfParams) -> CheckResult:
     rows = []
     verdicts = {}
     for metric in ("step_time_ms", "exposed_comm_ms"):
         base = entry.get(metric, {}).get("samples")
         if not base:
             return CheckResult("step-perf.time", res.case.id, False,
-                               f"the baseline of {suite.key(res.case)} has no {metric} samples; re-record it with: "
-                               f"{suite.record_command(res.case)}")
-        cmp = verdicts[metric] = timed_comparison(suite, res, metric, entry, None, params)
+                               f"the baseline of {key(res.case)} has no {metric} samples; re-record it with: "
+                               f"{record_command(res.case)}")
+        cmp = verdicts[metric] = timed_comparison(res, metric, entry, None, params)
         mde = minimum_detectable_effect(base, cmp.n_b, floor=cmp.min_effect)
         rows.append(f"  {metric}: {cmp.describe()}; {cmp.verdict}; detects >= {mde:.0%} slower")
-    rank, mine, others = suite.slowest_rank(res)
-    med = suite.phase_medians(res)
+    rank, mine, others = figures.slowest_rank(res)
+    med = figures.phase_medians(res)
     rows.append(f"  slowest rank {rank}: compute {mine:.0f} ms vs {others:.0f} ms median of the others")
     for r, m in sorted(med.items()):
         rows.append(f"    rank {r}: " + ", ".join(f"{p} {v:.0f}" for p, v in m.items()) + " ms")
@@ -194,7 +193,7 @@ def _check_time(suite: StepPerfSuite, res: CaseResult, entry: dict, params: Step
     if step.faster:
         return CheckResult("step-perf.time", res.case.id, False,
                            f"{res.case.layout.id}: step time improved beyond the baseline: {step.describe()}; "
-                           f"refresh it with `{suite.record_command(res.case)}`", rows, value=step.ratio,
+                           f"refresh it with `{record_command(res.case)}`", rows, value=step.ratio,
                            improvement=True, data=data)
     return CheckResult("step-perf.time", res.case.id, True,
                        f"{res.case.layout.id}: {step.describe()}; {tokens_s:.0f} tokens/s", rows,

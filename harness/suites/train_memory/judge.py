@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.training_memory import MIB, predict, training_of
 from harness.launch.results import CaseResult
-
-if TYPE_CHECKING:
-    from harness.suites.train_memory import TrainMemoryParams, TrainMemorySuite
+from harness.suites.train_memory.figures import key as key_of
+from harness.suites.train_memory.figures import phase_figures, record_command, samples
+from harness.suites.train_memory.params import SUITE, TrainMemoryParams
 
 # How far a measured phase may lie from the model's prediction, relative, plus an absolute slack for what
 # a phase allocates beyond tensors (Python objects, module construction, megatron's bookkeeping). Measured on
@@ -32,10 +31,9 @@ def band(expected: int) -> tuple[float, float]:
     return (1 - REL_TOL) * expected - ABS_SLACK, (1 + REL_TOL) * expected + ABS_SLACK
 
 
-def check(suite: TrainMemorySuite, results: list[CaseResult], params: TrainMemoryParams) -> list[CheckResult]:
+def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckResult]:
     from harness import baselines
     from harness.platform import detect_platform
-    from harness.suites.train_memory import phase_figures
 
     out: list[CheckResult] = []
     files: dict[str, dict] = {}
@@ -72,17 +70,17 @@ def check(suite: TrainMemorySuite, results: list[CaseResult], params: TrainMemor
                                    f"every rank's build and steps inside the model's band (+-{REL_TOL:.0%} + "
                                    f"{ABS_SLACK / MIB:.1f} MiB)", rows, show=True))
         platform = detect_platform(res.case.backend).key
-        path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
+        path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
         data = files.setdefault(str(path), baselines.load(path))
-        out.append(_check_baseline(suite, res, data, path))
+        out.append(_check_baseline(res, data, path))
     return out
 
 
-def _check_baseline(suite: TrainMemorySuite, res: CaseResult, data: dict, path) -> CheckResult:
+def _check_baseline(res: CaseResult, data: dict, path) -> CheckResult:
     from harness import baselines
 
-    key = suite.key(res.case)
-    verdicts = {m: baselines.compare(data, key, m, v) for m, v in suite.samples(res).items()}
+    key = key_of(res.case)
+    verdicts = {m: baselines.compare(data, key, m, v) for m, v in samples(res).items()}
     rows = [f"{m}: {v.measured:.2f} MiB, baseline " + ("-" if v.baseline is None else f"{v.baseline:.2f} +- "
                                                         f"{v.tolerance:.2f}") + f": {v.status}"
             for m, v in verdicts.items()]
@@ -90,14 +88,14 @@ def _check_baseline(suite: TrainMemorySuite, res: CaseResult, data: dict, path) 
     if missing:
         return CheckResult("train-memory.baseline", res.case.id, False,
                            f"no baseline for {key} {missing[0]} on platform {path.parent.name} ({path}); record it "
-                           f"with: {suite.record_command(res.case)}", rows)
+                           f"with: {record_command(res.case)}", rows)
     worse = [m for m, v in verdicts.items() if v.status == "regression"]
     better = [m for m, v in verdicts.items() if v.status == "improvement"]
     if worse or better:
         m = max(worse or better, key=lambda x: abs(verdicts[x].delta))
         v = verdicts[m]
         verb = "above" if worse else "below (improvement: refresh the baseline with " \
-            f"`{suite.record_command(res.case)}`)"
+            f"`{record_command(res.case)}`)"
         return CheckResult("train-memory.baseline", res.case.id, False,
                            f"{m} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline {v.baseline:.2f} +- "
                            f"{v.tolerance:.2f} MiB", rows, improvement=not worse)

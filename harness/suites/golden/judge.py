@@ -13,10 +13,12 @@ import statistics
 from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult
+from harness.suites.golden.figures import key as key_of
+from harness.suites.golden.figures import record_command, trajectory
+from harness.suites.golden.params import SUITE, GoldenParams
 
 if TYPE_CHECKING:
     from harness.launch.results import CaseResult
-    from harness.suites.golden import GoldenParams, GoldenSuite
 
 # Relative floor per dtype. fp32 on CPU ranks: see the README's golden section for the measured spread.
 RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
@@ -64,25 +66,24 @@ def _rel(got: float, want: float) -> float:
     return abs(got - want) / abs(want) if want else abs(got - want)
 
 
-def check(suite: GoldenSuite, results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
+def check(results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
     """Each case's per-step figures and final fingerprints against the golden trajectory of its model and dtype."""
     from harness import baselines
     from harness.platform import detect_platform
-    from harness.suites.golden import trajectory
 
     out: list[CheckResult] = []
     files: dict[str, dict] = {}
     by_id = {r.case.id: r for r in results}
     for res in results:
         platform = detect_platform(res.case.backend).key
-        path = baselines.baseline_path(params.baselines_dir, platform, suite.name)
+        path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
         if str(path) not in files:
             files[str(path)] = baselines.load(path)
-        key = suite.key(res.case)
+        key = key_of(res.case)
         entry = files[str(path)].get("entries", {}).get(key)
         if entry is None:
             msg = (f"no golden trajectory for {key} on platform {platform} ({path}); record it with: "
-                   f"{suite.record_command(res.case)}")
+                   f"{record_command(res.case)}")
             out += [CheckResult("golden.trajectory", res.case.id, False, msg),
                     CheckResult("golden.params", res.case.id, False, msg)]
             continue
@@ -102,7 +103,6 @@ def _check_resume(res: CaseResult, first: CaseResult | None, key: str, entry: di
     """The first half's steps, the resumed second half's and its final fingerprints, against the unbroken
     trajectory: a format that drops or misplaces optimizer state, the step counter or the learning rate
     leaves it at the first step after the load."""
-    from harness.suites.golden import trajectory
 
     p, half = res.case.params, res.case.options.steps // 2
     where = f"resumed at {res.case.layout.id} from a {p.ckpt_format} checkpoint saved after step {half}"

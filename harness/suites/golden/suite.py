@@ -1,21 +1,10 @@
-"""`golden`: the training trajectory of a reference config, judged against the stored one of its model and dtype.
-
-Every other numerics check compares layouts with each other, so a change that moves every layout alike (a
-changed default, initialisation, constant, optimizer or clipping behaviour) passes them all. This suite
-trains each case from a fixed seed on fixed data for STEPS steps (enough that Adam's second moment matters:
-it has no effect on the first update) and records per step the loss, the gradient norm before clipping,
-the number of zero gradient elements and the learning rate; after the last step the L2 norm of every
-parameter (full, TP-unsharded, by global name), of its Adam moments and Adam's step counter. Layouts are
-equivalent, so one stored trajectory per model and dtype (baselines/<platform>/golden.json) judges every
-layout, world size 1 included.
-"""
+"""The golden suite: its cases (unbroken, first half + save, resume), rank work and the judges it hands on."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +14,9 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import enumerate_layouts, validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-
-STEPS = 12
-# A clip that binds: `tiny`'s gradient norm is 0.54-0.70 over its 12 steps, below megatron's default of 1.0,
-# where clipping switched off would change nothing the trajectory can show.
-CLIP_GRAD = 0.5
-
-
-RESUME_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's checkpoint formats
-# the fsdp2 engine's (torch fully_shard, torch Adam): its own trajectory, on the pure-DP layout
-FSDP2_FORMATS = ("fsdp2_sharded", "fsdp2_full")
-
-
-@dataclass(frozen=True)
-class GoldenParams:
-    """The golden suite's parameters; `role` and `ckpt_format` are a case's own (resume cases)."""
-
-    baselines_dir: str | None = dataclasses.field(default=None, metadata={"in_id": False})
-    # formats whose resume is judged (--ckpt-format); () none
-    formats: tuple[str, ...] = dataclasses.field(default=RESUME_FORMATS + FSDP2_FORMATS, metadata={"in_id": False})
-    # "" the unbroken trajectory; "first-half" trains the first half and saves; "resume" loads what the case it
-    # runs after saved (at its own layout, which may differ) and trains the second half
-    role: str = ""
-    ckpt_format: str = ""
+from harness.suites.golden import figures, judge
+from harness.suites.golden.figures import step_metric, trajectory
+from harness.suites.golden.params import CLIP_GRAD, FSDP2_FORMATS, STEPS, SUITE, GoldenParams
 
 
 def checkpoint_dir(case: Case) -> Path:
@@ -59,47 +28,8 @@ def checkpoint_dir(case: Case) -> Path:
     return Path(case.inputs[0] if case.inputs else artifacts_dir(case.after[0])) / "ckpt"
 
 
-def step_metric(step: int, figure: str) -> str:
-    """The baseline metric of a figure at a step (1-based, as people count steps)."""
-    return f"step{step:02d}.{figure}"
-
-
-def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
-    """The case's figures as baseline metrics: per step loss, grad_norm, num_zeros, lr; after the last step
-    param.<name> (L2 norm of the full parameter), exp_avg.<name> / exp_avg_sq.<name> (of its Adam moments, where
-    the engine hands out its optimizer state) and optimizer.step (Adam's step counter)."""
-    from harness.checks.tensors import assemble
-    from harness.suites.equivalence import step_losses
-
-    out: dict[str, float] = {}
-    for i, loss in enumerate(step_losses(result), start=first_step):
-        out[step_metric(i, "loss")] = loss
-    for i, s in enumerate(result.ranks[0].data["steps"], start=first_step):
-        for figure in ("grad_norm", "num_zeros", "lr"):
-            value = getattr(s, figure)
-            if value is not None:
-                out[step_metric(i, figure)] = float(value)
-    if "params" not in result.ranks[0].data:  # the first half of a resumed run: steps only
-        return out
-    for name, tensor in sorted(assemble([r.data["params"] for r in result.ranks]).tensors.items()):
-        out[f"param.{name}"] = float(tensor.double().norm())
-    state = [r.data.get("optimizer") for r in result.ranks]
-    handed_out = [s for s in state if s is not None]
-    if len(handed_out) == len(state):  # the engine hands out its Adam state
-        steps = []
-        for key, tensor in sorted(assemble(handed_out).tensors.items()):
-            name, _, moment = key.rpartition("#")
-            if moment == "step":
-                steps.append(float(tensor.max()))
-            else:
-                out[f"{moment}.{name}"] = float(tensor.double().norm())
-        if steps:
-            out["optimizer.step"] = max(steps)  # Adam's step counter (bias correction)
-    return out
-
-
 class GoldenSuite:
-    name = "golden"
+    name = SUITE
     default_model = "tiny"  # the CPU tier's model when none is given
     Params = GoldenParams
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
@@ -206,20 +136,8 @@ class GoldenSuite:
                                         f"{t.get(step_metric(last, 'grad_norm'), math.nan):.4f}"}
 
     # -- baselines ------------------------------------------------------------------------------
-    @staticmethod
-    def key(case: Case) -> str:
-        """One trajectory per model, dtype and step count: every layout is judged against it. The fsdp2 engine
-        (torch Adam, no loss mask) trains another one, stored beside it."""
-        from harness.engines import is_fsdp2
-
-        engine = "/fsdp2" if is_fsdp2(case.engine) else ""
-        return f"{case.model.name}/{case.options.dtype}/steps={case.options.steps}{engine}"
-
-    @staticmethod
-    def record_command(case: Case) -> str:
-        from harness import baselines
-
-        return baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
+    key = staticmethod(figures.key)
+    record_command = staticmethod(figures.record_command)
 
     @staticmethod
     def samples(result: CaseResult) -> dict[str, float]:
@@ -230,20 +148,14 @@ class GoldenSuite:
     digits = None
 
     def tolerance(self, metric: str, values: list[float]) -> float:
-        from harness.checks.golden import tolerance
-
-        return tolerance(metric, values)
+        return judge.tolerance(metric, values)
 
     def noisy_metrics(self, samples: dict[str, dict[str, list[float]]]) -> list[str]:
-        from harness.checks.golden import noisy_metrics
-
-        return noisy_metrics(samples)
+        return judge.noisy_metrics(samples)
 
     def check(self, results: list[CaseResult], params: GoldenParams | None = None) -> list[CheckResult]:
-        from harness.checks import golden as judges
-
         out = []
         for res in results:
             if not res.ok:
                 out.append(case_failed("golden.run", res))
-        return out + judges.check(self, [r for r in results if r.ok], params or GoldenParams())
+        return out + judge.check([r for r in results if r.ok], params or GoldenParams())

@@ -1,0 +1,61 @@
+"""Recording baselines: a suite run `repeats` times, its figures' median, spread and tolerance written to
+baselines/<platform>/<suite>.json (harness/baselines.py reads, compares and writes that file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.baselines import ABS_FLOOR, REL_TOLERANCE, baseline_path, build_entries, noisy_metrics, write
+from harness.errors import BadInput
+
+
+def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[str] | None = None, *,
+                 repeats: int = 3, baselines_dir: str | None = None, **kwargs) -> tuple[Path, str]:
+    """Run the suite `repeats` times, store median / spread / tolerance per metric; (path, diff)."""
+    import sys
+
+    from harness import report
+    from harness.driver import run_suite  # looked up per call: tests plant a fake driver
+    from harness.platform import detect_platform
+    from harness.platform.backend import machine_fingerprint
+    from harness.suites import Baselined, RawSamples, RecordingPolicy
+
+    if repeats < 3:
+        raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {repeats}")
+    samples: dict[str, dict[str, list[float]]] = {}
+    raw: dict[str, dict[str, list[float]]] = {}  # per-sample figures (e.g. step times), pooled over repeats
+    suite: Baselined | None = None
+    backend = ""
+    for i in range(repeats):
+        print(f"repeat {i + 1}/{repeats}", file=sys.stderr, flush=True)
+        run = run_suite(suite_name, model, world_size, layout_ids, baselines_dir=baselines_dir,
+                        **kwargs).stop_if_interrupted()
+        if not isinstance(run.suite, Baselined):
+            raise BadInput(f"suite {run.suite.name!r} has no baselines")
+        suite, backend = run.suite, run.backend
+        failed = [r for r in run.results if not r.ok and not r.skipped]
+        if failed:
+            raise RuntimeError(f"not recording: case {failed[0].case.id} failed:\n{failed[0].error}")
+        for res in run.results:
+            if res.skipped:  # e.g. a case that needs more ranks than this world size: nothing to record
+                continue
+            key = suite.key(res.case)
+            for metric, value in suite.samples(res).items():
+                samples.setdefault(key, {}).setdefault(metric, []).append(value)
+            for metric, values in (suite.raw_samples(res) if isinstance(suite, RawSamples) else {}).items():
+                raw.setdefault(key, {}).setdefault(metric, []).extend(values)
+    assert suite is not None  # repeats >= 3
+    # a suite may judge its metrics by its own policy (step-perf: exact counters, timed figures by statistics)
+    noisy = suite.noisy_metrics(samples) if isinstance(suite, RecordingPolicy) else noisy_metrics(samples)
+    if noisy:
+        raise RuntimeError(f"not recording: {len(noisy)} metric(s) too noisy to baseline (by the suite's policy; "
+                           f"memory: a spread over the repeats larger than the tolerance max({REL_TOLERANCE:.0%} of "
+                           f"the median, {ABS_FLOOR} MiB); step-perf: a counter that varies); find the source of "
+                           f"the variance or record on a quieter machine:\n  " + "\n  ".join(noisy))
+    platform = detect_platform(backend).key
+    path = baseline_path(baselines_dir, platform, suite.name)
+    provenance = {**report.versions(), "date": report.now(), "repeats": repeats,
+                  "machine": machine_fingerprint(backend)}
+    policy = suite if isinstance(suite, RecordingPolicy) else None
+    entries = build_entries(samples, policy.tolerance if policy else None, raw, policy.digits if policy else 3)
+    return path, write(path, suite.name, platform, entries, provenance)

@@ -1,0 +1,12 @@
+"""`ckpt-memory`: per-rank host (and device) memory peaks of a checkpoint save, per optimizer format, and the
+checkpoint contract (a checkpoint loads where its format promises, with the values it saved).
+
+The package: params.py (formats, CkptMemoryParams, a case's CkptCaseParams), figures.py (baselined peaks, key),
+judge.py (format on disk, model band, baseline), contract.py and contract_judge.py (the reshard cases: rank work
+and judges), suite.py (the Suite the registry names: cases and the measured save).
+"""
+
+from harness.suites.ckpt_memory.params import CkptCaseParams, CkptMemoryParams
+from harness.suites.ckpt_memory.suite import CkptMemorySuite
+
+__all__ = ["CkptCaseParams", "CkptMemoryParams", "CkptMemorySuite"]

@@ -1,0 +1,53 @@
+"""ckpt-memory's parameters: the formats it saves, how, and each case's own (format, save variant, role)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.errors import BadInput
+
+SUITE = "ckpt-memory"
+# fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
+# is not supported"; it can still be asked for with --ckpt-format.
+# "default" is whatever the engine saves when the user names no format: R1 was that default flipping.
+# fsdp2_*: the fsdp2 engine (torch fully_shard) on the pure-DP layout; fsdp2_default is whatever it
+# saves when no format is named: R5 was that becoming the full (gathered) state dict.
+MCORE_FORMATS = ("default", "dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
+FSDP2_FORMATS = ("fsdp2_default", "fsdp2_sharded", "fsdp2_full")
+FORMATS = MCORE_FORMATS + FSDP2_FORMATS
+ALL_FORMATS = FORMATS + ("fully_sharded_model_space",)
+# also saved async, and through megatron's fully parallel save wrapper, in the default matrix
+ASYNC_FORMATS = FULLY_PARALLEL_FORMATS = ("dp_reshardable", "fully_reshardable")
+DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
+
+
+@dataclass(frozen=True)
+class CkptMemoryParams:
+    """The ckpt-memory suite's parameters: which formats, how they are saved, against which baselines."""
+
+    formats: tuple[str, ...] = FORMATS  # --ckpt-format
+    contract: bool = True  # also the reshard contract cases (contract.py), default matrix only
+    fully_parallel_save: bool = False
+    async_save: bool = False
+    baselines_dir: str | None = None  # None: the repository's baselines/
+
+    def __post_init__(self):
+        object.__setattr__(self, "formats", tuple(self.formats))
+        unknown = sorted(set(self.formats) - set(ALL_FORMATS))
+        if unknown:
+            raise BadInput(f"unknown checkpoint format(s) {unknown}; known: {', '.join(ALL_FORMATS)}")
+CONTRACT_FORMATS = ("dp_reshardable", "fully_reshardable")  # the reshard contract's (contract.py)
+
+
+@dataclass(frozen=True)
+class CkptCaseParams:
+    """A checkpoint case's own parameters (`Case.params` of the ckpt-memory suite)."""
+
+    # the distributed optimizer's format (distrib_optim_sharding_type), with "fully_reshardable_mem_efficient"
+    # for fully_reshardable + the mem_efficient flag, "default" for what the engine saves unasked, fsdp2_*
+    ckpt_format: str = "dp_reshardable"
+    fully_parallel_save: bool = False  # through megatron's fully parallel save wrapper
+    async_save: bool = False  # megatron's async save: the write runs in a forked process
+    # "" a memory case; "reshard" saves and loads back at other layouts of its world size; "reshard-load"
+    # loads what the case it runs after (`Case.after`) saved, at another world size
+    ckpt_role: str = ""

@@ -1,0 +1,60 @@
+"""golden's figures of a finished case: its trajectory as baseline metrics, and the key it is stored under."""
+
+from __future__ import annotations
+
+from harness.launch.results import CaseResult
+from harness.spec import Case
+
+
+def step_metric(step: int, figure: str) -> str:
+    """The baseline metric of a figure at a step (1-based, as people count steps)."""
+    return f"step{step:02d}.{figure}"
+
+
+def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
+    """The case's figures as baseline metrics: per step loss, grad_norm, num_zeros, lr; after the last step
+    param.<name> (L2 norm of the full parameter), exp_avg.<name> / exp_avg_sq.<name> (of its Adam moments, where
+    the engine hands out its optimizer state) and optimizer.step (Adam's step counter)."""
+    from harness.checks.tensors import assemble
+    from harness.suites.equivalence import step_losses
+
+    out: dict[str, float] = {}
+    for i, loss in enumerate(step_losses(result), start=first_step):
+        out[step_metric(i, "loss")] = loss
+    for i, s in enumerate(result.ranks[0].data["steps"], start=first_step):
+        for figure in ("grad_norm", "num_zeros", "lr"):
+            value = getattr(s, figure)
+            if value is not None:
+                out[step_metric(i, figure)] = float(value)
+    if "params" not in result.ranks[0].data:  # the first half of a resumed run: steps only
+        return out
+    for name, tensor in sorted(assemble([r.data["params"] for r in result.ranks]).tensors.items()):
+        out[f"param.{name}"] = float(tensor.double().norm())
+    state = [r.data.get("optimizer") for r in result.ranks]
+    handed_out = [s for s in state if s is not None]
+    if len(handed_out) == len(state):  # the engine hands out its Adam state
+        steps = []
+        for key, tensor in sorted(assemble(handed_out).tensors.items()):
+            name, _, moment = key.rpartition("#")
+            if moment == "step":
+                steps.append(float(tensor.max()))
+            else:
+                out[f"{moment}.{name}"] = float(tensor.double().norm())
+        if steps:
+            out["optimizer.step"] = max(steps)  # Adam's step counter (bias correction)
+    return out
+
+
+def key(case: Case) -> str:
+    """One trajectory per model, dtype and step count: every layout is judged against it. The fsdp2 engine
+    (torch Adam, no loss mask) trains another one, stored beside it."""
+    from harness.engines import is_fsdp2
+
+    engine = "/fsdp2" if is_fsdp2(case.engine) else ""
+    return f"{case.model.name}/{case.options.dtype}/steps={case.options.steps}{engine}"
+
+
+def record_command(case: Case) -> str:
+    from harness import baselines
+
+    return baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)

@@ -1,0 +1,28 @@
+"""golden's parameters: steps, the clip that binds, the checkpoint formats whose resume is judged."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SUITE = "golden"
+STEPS = 12
+# A clip that binds: `tiny`'s gradient norm is 0.54-0.70 over its 12 steps, below megatron's default of 1.0,
+# where clipping switched off would change nothing the trajectory can show.
+CLIP_GRAD = 0.5
+RESUME_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed optimizer's checkpoint formats
+# the fsdp2 engine's (torch fully_shard, torch Adam): its own trajectory, on the pure-DP layout
+FSDP2_FORMATS = ("fsdp2_sharded", "fsdp2_full")
+
+
+@dataclass(frozen=True)
+class GoldenParams:
+    """The golden suite's parameters; `role` and `ckpt_format` are a case's own (resume cases)."""
+
+    baselines_dir: str | None = dataclasses.field(default=None, metadata={"in_id": False})
+    # formats whose resume is judged (--ckpt-format); () none
+    formats: tuple[str, ...] = dataclasses.field(default=RESUME_FORMATS + FSDP2_FORMATS, metadata={"in_id": False})
+    # "" the unbroken trajectory; "first-half" trains the first half and saves; "resume" loads what the case it
+    # runs after saved (at its own layout, which may differ) and trains the second half
+    role: str = ""
+    ckpt_format: str = ""

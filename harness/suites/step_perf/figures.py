@@ -1,0 +1,98 @@
+"""step-perf's figures of a finished case, read from what its ranks returned: step and exposed-communication
+times, phase medians, the exact counters, and the baseline key a case is stored under."""
+
+from __future__ import annotations
+
+import statistics
+
+from harness.checks.timing import TIMED_METRICS
+from harness.launch.results import CaseResult
+from harness.spec import Case
+
+TIMED = (*TIMED_METRICS, "calibration_ms")  # judged by statistics on samples; the rest are exact counters
+
+
+def step_ms(result: CaseResult) -> list[float]:
+    """Per timed step: the slowest rank's barrier-to-barrier time, ms."""
+    per_rank = [[s.wall_s for s in r.data["steps"]] for r in result.ranks]
+    return [1000 * max(col) for col in zip(*per_rank)]
+
+
+def plain_ms(result: CaseResult) -> list[float]:
+    """Per uninstrumented step (--overhead; paired with the timed step of the same index): the slowest
+    rank's barrier-to-barrier time, ms; [] without --overhead."""
+    per_rank = [r.data.get("plain_s") or [] for r in result.ranks]
+    return [1000 * max(col) for col in zip(*per_rank)]
+
+
+def exposed_ms(result: CaseResult) -> list[float]:
+    """Per timed step: the largest exposed DP communication (grad-sync + param-gather) over ranks, ms."""
+    per_rank = [[s.exposed_comm_s for s in r.data["steps"]] for r in result.ranks]
+    return [1000 * max(col) for col in zip(*per_rank)]
+
+
+def calibration_ms(result: CaseResult) -> float:
+    return 1000 * statistics.median(x for r in result.ranks for x in r.data["calibration"])
+
+
+def phase_medians(result: CaseResult) -> dict[int, dict[str, float]]:
+    """rank -> phase -> median ms over the timed steps (plus 'compute': busy time minus exposed comm)."""
+    out = {}
+    for r in result.ranks:
+        steps = r.data["steps"]
+        med = {p: 1000 * statistics.median(s.phases.get(p, 0.0) for s in steps) for p in steps[0].phases}
+        med["compute"] = 1000 * statistics.median(s.busy_s - s.exposed_comm_s for s in steps)
+        out[r.rank] = med
+    return out
+
+
+def slowest_rank(result: CaseResult) -> tuple[int, float, float]:
+    """(rank, its compute ms, the median compute ms of the others): who the others wait for."""
+    med = phase_medians(result)
+    rank = max(med, key=lambda r: med[r]["compute"])
+    others = [m["compute"] for r, m in med.items() if r != rank] or [med[rank]["compute"]]
+    return rank, med[rank]["compute"], statistics.median(others)
+
+
+def counters(result: CaseResult) -> dict[str, float]:
+    """The exact counters of a case as flat metrics."""
+    out: dict[str, float] = {}
+    for r in result.ranks:
+        c = r.data["counters"]
+        out[f"rank{r.rank}.flops"] = float(c["flops"])
+        out[f"rank{r.rank}.dp_reductions_in_backward"] = float(c["dp_reductions_in_backward"])
+        for what, v in c["collectives"].items():
+            out[f"rank{r.rank}.{what}.calls"] = float(v["calls"])
+            out[f"rank{r.rank}.{what}.bytes"] = float(v["bytes"])
+    return out
+
+
+def flops_used(result: CaseResult) -> tuple[list[int], str]:
+    """Per rank the FLOPs of one step that TFLOP/s and MFU divide by, and where they come from: the counter's
+    when it saw every matmul the config implies (megatron's local spec), else the analytic count
+    (harness/checks/flops_model.py) - Transformer Engine's GEMMs and fused attention are invisible to it."""
+    from harness.checks.flops_model import step_flops
+
+    case = result.case
+    counted = [r.data["counters"]["flops"] for r in result.ranks]
+    analytic = [step_flops(case.model, case.layout, r.rank, global_batch_size=case.global_batch_size,
+                           micro_batch_size=case.micro_batch_size, recompute=case.options.recompute)
+                for r in result.ranks]
+    if counted == analytic:
+        return counted, "counted"
+    seen = sum(counted) / sum(analytic) if sum(analytic) else 0.0
+    return analytic, f"analytic (the counter saw {seen:.0%}: kernels it cannot see)"
+
+
+def key(case: Case) -> str:
+    """The case's entry in baselines/<platform>/step-perf.json."""
+    o = case.options
+    return (f"{case.model.name}/{case.layout.id}/distopt={int(o.use_distributed_optimizer)}"
+            f",overlap={int(o.overlap_grad_reduce)}")
+
+
+def record_command(case: Case) -> str:
+    from harness import baselines
+
+    return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
+            + f" --layout {case.layout.id}" + (f" --engine {case.engine}" if case.engine != "mcore" else ""))

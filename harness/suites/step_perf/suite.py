@@ -1,0 +1,139 @@
+"""The step-perf suite: its cases, and the figures and judges it hands the driver, baselines and reports."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from harness.checks import CheckResult
+from harness.checks.timing import MIN_EFFECT, Comparison
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.layouts import validate
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suites.step_perf import figures, judge, rank
+from harness.suites.step_perf.figures import TIMED
+from harness.suites.step_perf.params import CPU_BUCKET_ELEMS, DEFAULT_LAYOUTS, OPTION_SETS, SUITE, StepPerfParams
+
+
+class StepPerfSuite:
+    name = SUITE
+    default_model = "small"  # the CPU tier's model when none is given
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+               "megatron.core.optimizer", "megatron.core.pipeline_parallel")
+    Params = StepPerfParams
+    digits = 3  # significant digits of a recorded figure
+    # Timed on ranks that ran nothing but this suite: warm pool ranks that ran peft-ckpt before (megatron-
+    # bridge, transformers and peft imported) stepped 1.10-1.25x slower locally and 1.2-1.6x in CI
+    # (cpu-suite) than ranks that had not; on fresh ranks the same run measured 0.99-1.02x its baseline.
+    fresh_pool = True
+
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: StepPerfParams | None = None) -> list[Case]:
+        import dataclasses
+
+        p = params or StepPerfParams()
+        explicit = layouts is not None
+        if layouts is None:
+            layouts = [Layout.parse(i) for i in DEFAULT_LAYOUTS if Layout.parse(i).world_size == world_size] \
+                or [Layout(dp=world_size)]
+        out = []
+        option_sets = p.option_sets
+        if option_sets is None and (options.use_distributed_optimizer or options.overlap_grad_reduce):
+            # --distributed-optimizer / --overlap-grad-reduce given: that option set only
+            option_sets = ((options.use_distributed_optimizer, options.overlap_grad_reduce),)
+        for lay in layouts:
+            validate(lay, model, world_size)
+            pure_dp = (lay.tp, lay.pp, lay.cp) == (1, 1, 1)
+            for distopt, overlap in option_sets or OPTION_SETS:
+                if not explicit and option_sets is None and not pure_dp and not (distopt and overlap):
+                    continue
+                bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == "gloo" else None)
+                opts = dataclasses.replace(options, steps=p.timed_steps, warmup_steps=p.warmup_steps,
+                                           use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
+                                           bucket_size=bucket)
+                out.append(Case(self.name, model, lay, engine, opts, backend, params=p))
+        return out
+
+    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+        return rank.rank_work(case, ctx)
+
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
+        if not result.ok:
+            return {}
+        case = result.case
+        times = figures.step_ms(result)
+        med = statistics.median(times)
+        tokens = case.global_batch_size * case.model.seq_length
+        r0 = figures.phase_medians(result)[0]
+        flops = [r.data["counters"]["flops"] for r in result.ranks]
+        dp_bytes = sum(v["bytes"] for k, v in result.ranks[0].data["counters"]["collectives"].items()
+                       if k.startswith("dp-cp/") or k.startswith("dp/"))
+        out = {"step ms": f"{med:.0f}", "tokens/s": f"{tokens / med * 1000:.0f}",
+               "fwd/bwd/sync/opt ms (rank 0)": "/".join(f"{r0[p]:.0f}" for p in ("forward", "backward", "grad-sync",
+                                                                                  "optimizer")),
+               "GFLOP/rank": " ".join(f"{f / 1e9:.2f}" for f in flops),
+               "dp MB (rank 0)": f"{dp_bytes / 1e6:.1f}"}
+        plain = figures.plain_ms(result)
+        if len(plain) >= 3:
+            from harness.checks.timing import paired_ratio
+
+            cost = paired_ratio(plain, times)
+            out["harness overhead"] = f"{cost.ratio - 1:+.1%} [{cost.ci_low - 1:+.1%}, {cost.ci_high - 1:+.1%}]"
+        device = result.ranks[0].data.get("device") or {}
+        if device:
+            from harness.checks.flops_model import matmul_dtype, peak_tflops
+
+            used, source = figures.flops_used(result)
+            tflops = max(used) / (med / 1000) / 1e12
+            dtype = matmul_dtype(case.options.dtype, device.get("tf32", False))
+            peak, why = peak_tflops(device["name"], dtype)
+            out["TFLOP/s/GPU"] = f"{tflops:.1f}"
+            out["MFU"] = f"{tflops / peak:.1%} of {dtype} {peak:g}" if peak else f"- ({why})"
+            out["FLOPs"] = source
+        return out
+
+    # -- baselines ------------------------------------------------------------------------------
+    key = staticmethod(figures.key)
+    record_command = staticmethod(figures.record_command)
+    TIMED = TIMED
+
+    def samples(self, result: CaseResult) -> dict[str, float]:
+        """Baselined figures: the counters, and the medians of the timed figures (their raw samples are
+        stored beside them by raw_samples)."""
+        return {**figures.counters(result), "step_time_ms": statistics.median(figures.step_ms(result)),
+                "exposed_comm_ms": statistics.median(figures.exposed_ms(result)),
+                "calibration_ms": figures.calibration_ms(result)}
+
+    def raw_samples(self, result: CaseResult) -> dict[str, list[float]]:
+        return {"step_time_ms": figures.step_ms(result), "exposed_comm_ms": figures.exposed_ms(result)}
+
+    def tolerance(self, metric: str, values: list[float]) -> float:
+        """Counters are exact (tolerance 0). Timed figures are judged by statistics on their samples, not
+        by a band; their stored tolerance is the minimum effect, for people reading the file."""
+        return MIN_EFFECT["cpu"] * statistics.median(values) if metric in TIMED else 0.0
+
+    def noisy_metrics(self, samples: dict[str, dict[str, list[float]]]) -> list[str]:
+        """A counter that differs between repeats cannot be judged exactly: the work of a step is not
+        deterministic (timed figures vary by nature and are judged by statistics)."""
+        return [f"{key} {metric}: a counter that differs between repeats ({', '.join(f'{v:g}' for v in values)})"
+                for key, metrics in sorted(samples.items()) for metric, values in sorted(metrics.items())
+                if metric not in TIMED and len(set(values)) > 1]
+
+    # -- checks (judge.py) ------------------------------------------------------------------------
+    def check(self, results: list[CaseResult], params: StepPerfParams | None = None) -> list[CheckResult]:
+        return judge.check(results, params or StepPerfParams())
+
+    def timed_comparison(self, res: CaseResult, metric: str, entry: dict, effect: float | None = None,
+                         params: StepPerfParams | None = None) -> Comparison:
+        """What `harness bisect` judges a timed figure by: the same comparison as `check`."""
+        return judge.timed_comparison(res, metric, entry, effect, params or StepPerfParams())
+
+    @staticmethod
+    def report_data(result: CaseResult) -> dict[str, Any]:
+        """Per-step times and per-rank phase medians, for plots and pytest-benchmark."""
+        return {"step_ms": figures.step_ms(result), "exposed_comm_ms": figures.exposed_ms(result),
+                "plain_step_ms": figures.plain_ms(result), "calibration_ms": figures.calibration_ms(result),
+                "phases_ms": {str(r): m for r, m in figures.phase_medians(result).items()},
+                "counters": {str(r.rank): r.data["counters"] for r in result.ranks}}

@@ -1,0 +1,33 @@
+"""train-memory's figures of a finished case: bytes per rank and phase, and the key it is stored under."""
+
+from __future__ import annotations
+
+from harness.launch.results import CaseResult
+from harness.probes.memory import MIB
+from harness.spec import Case
+
+
+def phase_figures(data: dict, backend: str) -> dict[str, int]:
+    """The measured bytes of each phase of one rank: heap (CPU) or device allocated (GPU) above its start."""
+    pick = (lambda p: p.device_peak) if backend == "nccl" else (lambda p: p.heap_peak)
+    return {"build": pick(data["build"]), **{f"step{i}": pick(p) for i, p in enumerate(data["steps"])}}
+
+
+def key(case: Case) -> str:
+    """The case's entry in baselines/<platform>/train-memory.json."""
+    o = case.options
+    return (f"{case.model.name}/{case.layout.id}/{o.dtype}/mbs{case.micro_batch_size}/"
+            f"distopt={int(o.use_distributed_optimizer)}" + (f",recompute={o.recompute}" if o.recompute else ""))
+
+
+def record_command(case: Case) -> str:
+    from harness import baselines
+
+    return baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend) + \
+        f" --layout {case.layout.id}"
+
+
+def samples(result: CaseResult) -> dict[str, float]:
+    """Per rank and phase, MiB: the heap high-water on CPU ranks, the device's allocated peak on GPUs."""
+    return {f"rank{r.rank}.{phase}_mib": value / MIB for r in result.ranks
+            for phase, value in phase_figures(r.data, result.case.backend).items()}
