@@ -22,7 +22,7 @@ from harness.models import load_model
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
 from harness.suite_run import SuiteRun
-from harness.suites import Baselined, Suite, default_model, get_suite
+from harness.suites import Baselined, FreshRanks, Parameterised, Suite, baselines_dir_of, default_model, get_suite
 
 # a parameter whose flag is not `--<name with dashes>`
 FLAGS = {"formats": "--ckpt-format"}
@@ -32,7 +32,7 @@ def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str
     """The suite's parameters (`suite.Params`, defaults: its default matrix) with the values the user
     gave; BadInput for a parameter the suite does not have or a value it refuses."""
     given = dict(given or {})
-    params_type = getattr(suite, "Params", None)
+    params_type = suite.Params if isinstance(suite, Parameterised) else None
     names = {f.name for f in dataclasses.fields(params_type)} if params_type else set()
     if baselines_dir is not None and "baselines_dir" in names:
         given["baselines_dir"] = baselines_dir
@@ -81,7 +81,7 @@ def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int
         from harness import baselines
         from harness.platform import detect_platform
 
-        baselines.load(baselines.baseline_path(getattr(params, "baselines_dir", None),
+        baselines.load(baselines.baseline_path(baselines_dir_of(params),
                                                detect_platform(backend).key, suite.name))
     return suite, params, cases
 
@@ -126,7 +126,7 @@ def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, 
                    cases[0].engine if cases else engine, planned=len(cases), label=label,
                    params=params)  # a suite may pick its engine
     t0 = time.monotonic()
-    if getattr(suite, "fresh_pool", False) and not fresh_ranks:
+    if isinstance(suite, FreshRanks) and suite.fresh_pool and not fresh_ranks:
         from harness.launch.pool import retire_pools_used_by_others
 
         # the suite's timings must not depend on what other suites left in the warm ranks (its own

@@ -111,9 +111,9 @@ def test_grad_sync_nan_replica_fails():
 # -- dynamic-cp ----------------------------------------------------------------------------------
 
 def _cp_result(mode: str, logprobs: torch.Tensor, grad: torch.Tensor) -> CaseResult:
-    from harness.engines.dynamic_cp import CPCase
+    from harness.engines.dynamic_cp import CPCaseParams
 
-    case = Case("dynamic-cp", load_model("tiny"), Layout(dp=1), params=CPCase("m", (4,), mode))
+    case = Case("dynamic-cp", load_model("tiny"), Layout(dp=1), params=CPCaseParams("m", (4,), mode))
     record = (0, torch.arange(4), logprobs, 1, 0)
     return CaseResult(case, [RankResult(0, data={"records": [record], "merged": [logprobs], "grads": {"w": grad},
                                                  "loss_sum": float(-logprobs.sum()), "num_tokens": 4})], "ok")

@@ -23,7 +23,7 @@ class ToyParams:
 
 
 @dataclass(frozen=True)
-class ToyCase:
+class ToyCaseParams:
     """A toy case's own parameters (`Case.params`)."""
 
     index: int = 0
@@ -39,7 +39,7 @@ class ToySuite:
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None) -> list[Case]:
         p = params or ToyParams()
         return [Case(self.name, model, Layout(dp=world_size), engine, options, backend,
-                     params=ToyCase(i, p.offset)) for i in range(p.cases)]
+                     params=ToyCaseParams(i, p.offset)) for i in range(p.cases)]
 
     def rank_work(self, case: Case, ctx) -> dict[str, Any]:
         import torch

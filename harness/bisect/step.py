@@ -96,7 +96,9 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
 
 def _baselines_dir(run) -> str | None:
     """The run's baselines directory, from its suite parameters (None: the repository's baselines/)."""
-    return getattr(run.params, "baselines_dir", None)
+    from harness.suites import baselines_dir_of
+
+    return baselines_dir_of(run.params)
 
 
 def _margin(step: StepResult) -> float:

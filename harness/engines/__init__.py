@@ -40,9 +40,12 @@ def resolve_factory(name: str) -> Callable[[Case, RankContext], Engine]:
     # An engine whose packages may be missing (the bridges) exposes check_available(), on the factory
     # (so subclasses in other modules inherit it) or on its module: MissingDependency with the install
     # command, raised here in the parent before any rank starts.
-    check = getattr(factory, "check_available", None) or getattr(module, "check_available", None)
-    if check is not None:
-        check()
+    from harness.engines.base import ChecksAvailability
+
+    for owner in (factory, module):  # the factory first: subclasses in other modules inherit it
+        if isinstance(owner, ChecksAvailability):
+            owner.check_available()
+            break
     return factory
 
 

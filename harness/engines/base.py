@@ -100,6 +100,22 @@ class PeftExporting(Engine, Protocol):
     def save_adapter_checkpoint(self, ckpt_dir: str) -> None: ...
 
 
+@runtime_checkable
+class LabelsCheckpoints(Protocol):
+    """An engine that labels its checkpoints itself (fsdp2); megatron's are labelled by dist_checkpointing's
+    content metadata."""
+
+    def saved_metadata(self, ckpt_dir: str) -> dict: ...
+
+
+@runtime_checkable
+class ChecksAvailability(Protocol):
+    """An engine factory, or its module, whose packages may be missing (the bridges): check_available() raises
+    MissingDependency with the install command, in the parent before any rank starts."""
+
+    def check_available(self) -> None: ...
+
+
 def _lacks(engine: object, capability: type, name: str) -> TypeError:
     return TypeError(f"engine {name!r} ({type(engine).__name__}) is not {capability.__name__}: {capability.__doc__}")
 

@@ -1,7 +1,7 @@
 """The context-parallel engine of the dynamic-cp suite: one global batch of variable-length samples,
 run with no CP, static CP or dynamic (hybrid) CP, returning per-token log-probs, loss and gradients.
 
-Modes (CPCase.cp_mode):
+Modes (CPCaseParams.cp_mode):
 - "none": every sample whole, as its own micro-batch, on DP rank (i mod DP): the reference.
 - "static": each DP rank packs its samples into one THD micro-batch (per sequence padded to a
   multiple of 2*CP), split over the layout's CP group by the pure-torch THD split.
@@ -42,7 +42,7 @@ MODES = ("none", "static", "dynamic")
 
 
 @dataclass(frozen=True)
-class CPCase:
+class CPCaseParams:
     """A dynamic-cp case's own parameters (`Case.params`)."""
 
     mix: str = ""  # the name of the global batch's sequence-length mix

@@ -96,6 +96,35 @@ class TimedBaselines(Protocol):
 
 
 @runtime_checkable
+class Parameterised(Protocol):
+    """A suite with parameters: `Params`, a frozen dataclass of them whose defaults are its default matrix
+    (every case carries them as `Case.params`)."""
+
+    Params: type
+
+
+@runtime_checkable
+class FreshRanks(Protocol):
+    """A suite timed on ranks that ran nothing but it (step-perf): the driver retires warm ranks other suites
+    used before it runs."""
+
+    name: str
+    fresh_pool: bool
+
+
+@runtime_checkable
+class WithBaselinesDir(Protocol):
+    """Suite parameters that name the baselines directory (None: the repository's baselines/)."""
+
+    baselines_dir: str | None
+
+
+def baselines_dir_of(params: object) -> str | None:
+    """The baselines directory a run's parameters name (None: the repository's, also for suites without one)."""
+    return params.baselines_dir if isinstance(params, WithBaselinesDir) else None
+
+
+@runtime_checkable
 class ReportsData(Protocol):
     """A suite that hands the report per-case data for its plots."""
 

@@ -16,7 +16,7 @@ from typing import Any
 from harness.checks import CheckResult
 from harness.checks.dynamic_cp import judge, loss_per_token
 from harness.engines import resolve_factory
-from harness.engines.dynamic_cp import CPCase, CPEngine, TokenOutputs
+from harness.engines.dynamic_cp import CPCaseParams, CPEngine, TokenOutputs
 from harness.engines.dynamic_cp_api import check_dynamic_cp_available
 from harness.errors import BadInput
 from harness.launch.context import RankContext
@@ -122,7 +122,7 @@ class DynamicCPSuite:
                    [(Layout(dp=world_size), "dynamic")]
             for lay, mode in plan:
                 out.append(Case(self.name, model, lay, engine, options, backend,
-                                params=CPCase(name, tuple(lengths), mode, max_seqlen_per_rank(world_size))))
+                                params=CPCaseParams(name, tuple(lengths), mode, max_seqlen_per_rank(world_size))))
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:

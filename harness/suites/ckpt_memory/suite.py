@@ -7,6 +7,7 @@ from typing import Any
 
 from harness.checks import CheckResult
 from harness.engines import is_fsdp2, make_engine
+from harness.engines.base import LabelsCheckpoints
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
@@ -123,7 +124,7 @@ class CkptMemorySuite:
 
 def _label(engine, ckpt_dir) -> dict:
     """The engine's own label of the checkpoint (kept as a secondary row of the contract)."""
-    if hasattr(engine, "saved_metadata"):
+    if isinstance(engine, LabelsCheckpoints):
         return engine.saved_metadata(str(ckpt_dir))
     from megatron.core import dist_checkpointing
 
