@@ -1,0 +1,141 @@
+"""The house as docs/architecture.md draws it: no import circle anywhere in harness/ (a judge never imports its
+suite, recording sits above the driver, ...), and optional capabilities asked for with isinstance on a
+Protocol, never with a hasattr probe (a typo would be a silent "no")."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# hasattr / getattr-with-default probes of an attribute named in the code, that ask a third-party object (or
+# version) and not a harness capability: (file, attribute) -> why. A new entry needs its reason.
+THIRD_PARTY_PROBES = {
+    ("harness/benchmark.py", "_timer"): "pytest-benchmark's fixture: a disabled benchmark has none",
+    ("harness/bisect/candidates.py", "reason"): "urllib's URLError.reason",
+    ("harness/cli.py", "_run_exitfuncs"): "CPython's atexit internals",
+    ("harness/engines/base.py", "tensor_model_parallel"): "megatron's parameter attribute",
+    ("harness/engines/cp_attention.py", "cp"): "megatron's pg_collection",
+    ("harness/engines/cp_attention.py", "cp_group"): "megatron's PackedSeqParams",
+    ("harness/engines/cp_attention.py", "qkv_format"): "megatron's PackedSeqParams",
+    ("harness/engines/dynamic_cp_api.py", "BalancedCPScheduler"): "megatron-core version probe (hybrid CP)",
+    ("harness/engines/mcore.py", "decoder"): "megatron's model chunk (pipeline stages without one)",
+    ("harness/engines/mcore.py", "share_embeddings_and_output_weights"): "megatron's model chunk",
+    ("harness/engines/mcore_ckpt.py", "chained_optimizers"): "megatron's ChainedOptimizer",
+    ("harness/engines/mcore_ckpt.py", "model_param_group_index_map"): "megatron's DistributedOptimizer",
+    ("harness/engines/megatron_bridge.py", "HAVE_TE"): "megatron-core: Transformer Engine installed",
+    ("harness/engines/megatron_bridge.py", "save_hf_adapter"): "megatron-bridge version probe (> 0.3.1)",
+    ("harness/probes/ckpt_format.py", "size"): "torch DCP metadata entries",
+    ("harness/probes/collectives.py", "_opname"): "torch's OpOverload",
+    ("harness/probes/memory.py", "host_memory_stats"): "torch version probe",
+    ("harness/probes/memory.py", "reset_peak_host_memory_stats"): "torch version probe",
+    ("harness/suites/ckpt_memory/contract.py", "failures"): "torch's CheckpointException",
+}
+PROBE = re.compile(r"""\bhasattr\([^()]*,\s*["']([^"']+)["']\s*\)|\bgetattr\([^()]*,\s*["']([^"']+)["']\s*,""")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (lazy and TYPE_CHECKING imports included: a reader
+    follows them all); `from pkg import sub` names the submodule, not the package's __init__."""
+    files = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for module, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative
+                    anchor = module.split(".") if is_pkg else module.split(".")[:-1]
+                    anchor = anchor[:len(anchor) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files]
+                targets = subs + ([base] if len(subs) < len(node.names) else [])
+            graph[module].update(t for t in targets if t in files and t != module)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_harness_has_no_import_circle():
+    found = circles(import_graph(ROOT, "harness"))
+    assert not found, "import circles in harness/ (break them: see docs/architecture.md, Rooms):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_a_planted_circle_is_found(tmp_path):
+    pkg = tmp_path / "house"
+    (pkg / "suite").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "suite" / "__init__.py").write_text("from house.suite.params import P\n")
+    (pkg / "suite" / "params.py").write_text("P = 1\n")
+    (pkg / "suite" / "judge.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                            "    from house.suite.suite import Suite\n")
+    (pkg / "suite" / "suite.py").write_text("from house.suite import judge, params\n")
+    graph = import_graph(tmp_path, "house")
+    assert graph["house.suite.suite"] == {"house.suite.judge", "house.suite.params"}  # submodules, not the face
+    assert circles(graph) == [["house.suite.judge", "house.suite.suite"]]
+    (pkg / "suite" / "judge.py").write_text("from house.suite import params\n")
+    assert circles(import_graph(tmp_path, "house")) == []
+
+
+def test_no_hasattr_capability_probe_in_harness():
+    probes = []
+    for path in sorted((ROOT / "harness").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in PROBE.finditer(line):
+                if (rel, m.group(1) or m.group(2)) not in THIRD_PARTY_PROBES:
+                    probes.append(f"{rel}:{n}: {line.strip()}")
+    assert not probes, ("capability probes by attribute name; ask with isinstance on a typing.Protocol "
+                        "(harness/suites/__init__.py, harness/engines/base.py) or, for a third-party object, list "
+                        "it in THIRD_PARTY_PROBES with the reason:\n" + "\n".join(probes))
+
+
+def test_the_probe_pattern_sees_both_kinds():
+    assert PROBE.search('if hasattr(engine, "saved_metadata"):').group(1) == "saved_metadata"
+    assert PROBE.search('fresh = getattr(suite, "fresh_pool", False)').group(2) == "fresh_pool"
+    assert not PROBE.search("value = getattr(module, attr)")  # a lookup by a computed name, no default
+    assert not PROBE.search('value = getattr(module, "name")')  # no default: raises, asks nothing
