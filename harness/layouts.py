@@ -1,6 +1,9 @@
-"""Which TP x PP x CP x DP layouts a model admits on a world size, and why a layout is refused."""
+"""Which TP x PP x CP x DP layouts a model admits on a world size, why a layout is refused, and where a rank
+sits in one (megatron's default rank order)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from harness.errors import BadInput
 from harness.spec import Layout, ModelSpec
@@ -63,3 +66,30 @@ def reference_layouts(model: ModelSpec, world_size: int) -> list[Layout]:
     tp2-pp1-cp1-dp2, tp1-pp2-cp1-dp2 at world size 4; only pure DP at an odd world size)."""
     half = [Layout(tp=2, dp=world_size // 2), Layout(pp=2, dp=world_size // 2)] if world_size % 2 == 0 else []
     return [Layout(dp=world_size)] + [lay for lay in half if not violations(lay, model, world_size)]
+
+
+@dataclass(frozen=True)
+class Coords:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+def coords_of(layout: Layout, rank: int) -> Coords:
+    """megatron's default rank order tp-cp-ep-dp-pp (tp fastest)."""
+    tp, rest = rank % layout.tp, rank // layout.tp
+    cp, rest = rest % layout.cp, rest // layout.cp
+    dp, pp = rest % layout.dp, rest // layout.dp
+    return Coords(tp, cp, dp, pp)
+
+
+def rank_of(layout: Layout, c: Coords) -> int:
+    return c.tp + layout.tp * (c.cp + layout.cp * (c.dp + layout.dp * c.pp))
+
+
+def dp_cp_ranks(layout: Layout, rank: int) -> tuple[int, ...]:
+    """The ranks that hold the same TP/PP shard: megatron reduces gradients over all of them."""
+    c = coords_of(layout, rank)
+    return tuple(sorted(rank_of(layout, Coords(c.tp, cp, dp, c.pp))
+                        for cp in range(layout.cp) for dp in range(layout.dp)))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checks.grad_sync import chunk_buckets, chunk_params, coords_of, dp_cp_ranks, plan
+from harness.checks.grad_sync import chunk_buckets, chunk_params, plan
+from harness.layouts import coords_of, dp_cp_ranks
 from harness.driver import run_suite
 from harness.models import load_model
 from harness.probes.collectives import kind_of

@@ -15,7 +15,7 @@ import torch
 from harness.checks.tensors import assemble
 from harness.driver import run_suite
 from harness.spec import CaseOptions
-from harness.suites.equivalence import step_losses
+from harness.checks.step_outputs import step_losses
 
 # Every layout of world size 2: DP (the reference), TP, PP and CP (the harness's reference CP
 # attention, which selective recompute checkpoints in place of megatron's local core attention).

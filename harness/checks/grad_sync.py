@@ -14,41 +14,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harness.layouts import coords_of, dp_cp_ranks
 from harness.spec import Case, Layout, ModelSpec
 
 if TYPE_CHECKING:  # records are only read here; harness.probes.collectives imports torch, and the
-    # arithmetic below (coords_of, chunk_params) serves `harness project-memory`, which must not
+    # arithmetic below (chunk_params, chunk_buckets) serves `harness project-memory`, which must not
     from harness.probes.collectives import Collective
 
 DEFAULT_BUCKET_ELEMS = 40_000_000  # megatron DDP: max(40M, 1M * dp) when overlap_grad_reduce
 GRAD_OPS = {"reduce_scatter", "all_reduce", "all_gather"}
-
-
-@dataclass(frozen=True)
-class Coords:
-    tp: int
-    cp: int
-    dp: int
-    pp: int
-
-
-def coords_of(layout: Layout, rank: int) -> Coords:
-    """megatron's default rank order tp-cp-ep-dp-pp (tp fastest)."""
-    tp, rest = rank % layout.tp, rank // layout.tp
-    cp, rest = rest % layout.cp, rest // layout.cp
-    dp, pp = rest % layout.dp, rest // layout.dp
-    return Coords(tp, cp, dp, pp)
-
-
-def rank_of(layout: Layout, c: Coords) -> int:
-    return c.tp + layout.tp * (c.cp + layout.cp * (c.dp + layout.dp * c.pp))
-
-
-def dp_cp_ranks(layout: Layout, rank: int) -> tuple[int, ...]:
-    """The ranks that hold the same TP/PP shard: megatron reduces gradients over all of them."""
-    c = coords_of(layout, rank)
-    return tuple(sorted(rank_of(layout, Coords(c.tp, cp, dp, c.pp))
-                        for cp in range(layout.cp) for dp in range(layout.dp)))
 
 
 def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int,

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.checks.grad_sync import chunk_params, coords_of
+from harness.checks.grad_sync import chunk_params
+from harness.layouts import coords_of
 from harness.spec import Layout, ModelSpec
 
 MIB = 1024 * 1024

@@ -132,7 +132,7 @@ def _check_tensors(res: CaseResult, hf: dict) -> CheckResult:
 
 
 def _check_logprobs(res: CaseResult, hf: dict) -> CheckResult:
-    from harness.suites.equivalence import LogprobDiff, coverage_problem, first_step_logprobs
+    from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs
 
     cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.logprobs"
     if "load_error" in hf:
@@ -170,7 +170,7 @@ def _check_reload(res: CaseResult, which: str) -> CheckResult:
     held-out log-probs of the model that exported it. legacy: the adapter-only distributed checkpoint
     (the layout before HF PEFT export) must load there too (megatron's sharded tensors promise TP / PP
     changes), giving the same log-probs; a refusal fails with the load's own reason."""
-    from harness.suites.equivalence import LogprobDiff, assemble_logprobs, coverage_problem, first_step_logprobs
+    from harness.checks.step_outputs import LogprobDiff, assemble_logprobs, coverage_problem, first_step_logprobs
 
     cid, lay, name = res.case.id, res.case.layout.id, f"peft-ckpt.{which}"
     what = {"roundtrip": "the exported HF PEFT adapter", "legacy": "the adapter-only distributed checkpoint"}[which]

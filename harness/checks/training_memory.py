@@ -149,7 +149,7 @@ def training_of(case) -> Training:
 
 
 def _stage(layout: Layout, rank: int) -> int:
-    from harness.checks.grad_sync import coords_of
+    from harness.layouts import coords_of
 
     return coords_of(layout, rank).pp
 
@@ -232,7 +232,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
 def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) -> tuple[int, int]:
     """(elements of the rank's largest parameter shard, elements of its largest gradient bucket), by the
     grad-sync plan's own arithmetic of megatron's buffers."""
-    from harness.checks.grad_sync import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params, coords_of
+    from harness.checks.grad_sync import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params
+    from harness.layouts import coords_of
 
     c = coords_of(layout, rank)
     d = layout.dp * layout.cp

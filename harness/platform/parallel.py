@@ -76,3 +76,14 @@ def teardown_parallel_state() -> None:
         nmc.destroy_num_microbatches_calculator()
     except (ImportError, AttributeError):
         pass
+
+
+def layout_coords() -> dict[str, int]:
+    """This rank's position in megatron's parallel state (after it is initialised)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(), "dp": ps.get_data_parallel_rank(),
+        "last_stage": int(ps.is_pipeline_last_stage(ignore_virtual=True)),
+    }

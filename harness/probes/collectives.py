@@ -252,3 +252,35 @@ def _alias_recorder(recorder: CollectiveRecorder):
         pgb.dist_reduce_scatter_func = saved["rs"]
         pgb.dist_all_gather_func = saved["ag"]
         dist.all_reduce = saved["ar"]
+
+
+@contextlib.contextmanager
+def instrument(engine, recorder: CollectiveRecorder):
+    """Label megatron's step stages as recorder phases: grad-finalize, optimizer-step, param-gather."""
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    def labelled(fn, phase):
+        def wrapper(*args, **kwargs):
+            with recorder.phase(phase):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    cfg = engine.config
+    saved_cfg = {k: getattr(cfg, k, None) for k in ("finalize_model_grads_func", "grad_sync_func")}
+    if saved_cfg["finalize_model_grads_func"] is not None:
+        cfg.finalize_model_grads_func = labelled(saved_cfg["finalize_model_grads_func"], "grad-finalize")
+    gs = saved_cfg["grad_sync_func"]
+    if gs is not None:
+        cfg.grad_sync_func = [labelled(f, "backward") for f in gs] if isinstance(gs, list) else labelled(gs, "backward")
+    saved_step = engine.optimizer.step
+    engine.optimizer.step = labelled(saved_step, "optimizer-step")
+    group_cls = pgb._ParamAndGradBucketGroup
+    saved_sync = group_cls.start_param_sync
+    group_cls.start_param_sync = labelled(saved_sync, "param-gather")
+    try:
+        yield
+    finally:
+        for k, v in saved_cfg.items():
+            setattr(cfg, k, v)
+        engine.optimizer.step = saved_step
+        group_cls.start_param_sync = saved_sync

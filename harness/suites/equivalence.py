@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, severity, within
+from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs, position_ranges, step_losses
 from harness.checks.tensors import assemble, max_abs, rel_error
 from harness.engines import make_engine
 from harness.launch.context import RankContext
@@ -38,91 +36,6 @@ def with_equivalence_eps(options: CaseOptions) -> CaseOptions:
     if options.adam_eps == CaseOptions.adam_eps:
         return dataclasses.replace(options, adam_eps=EQUIVALENCE_ADAM_EPS)
     return options
-
-
-def first_step_logprobs(result: CaseResult, key: str = "steps") -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(log-probs [global batch, seq], how many ranks reported each token) of the first step in the ranks'
-    `key` list, assembled from the last-stage, TP-rank-0 ranks in the original token order (NaN where
-    none did); None when the engine captured none."""
-    return assemble_logprobs(result.case, [r.data for r in result.ranks], key)
-
-
-def assemble_logprobs(case: Case, rank_data: list[dict], key: str = "steps"
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """first_step_logprobs over the data dicts of a case's ranks (each with `coords` and `key`)."""
-    gbs, seq = case.global_batch_size, case.model.seq_length
-    values = torch.full((gbs, seq), float("nan"), dtype=torch.float64)
-    counts = torch.zeros((gbs, seq), dtype=torch.long)
-    for data in rank_data:
-        c = data.get("coords", {})
-        if not c.get("last_stage") or c.get("tp") != 0:
-            continue
-        steps = data.get(key, [])
-        if not steps or steps[0].token_logprobs is None:
-            return None
-        for part in steps[0].token_logprobs:
-            rows, cols = part.samples.view(-1, 1), part.positions.view(1, -1)
-            values[rows, cols] = part.logprobs.double()
-            counts[rows, cols] += 1
-    return values, counts
-
-
-def coverage_problem(counts: torch.Tensor) -> str:
-    """'' when every token was computed by exactly one rank; else how many were not, and the first."""
-    if not (counts != 1).any():
-        return ""
-    never, dup = int((counts == 0).sum()), int((counts > 1).sum())
-    s, p = (counts != 1).nonzero()[0].tolist()
-    return (f"{never} tokens computed by no rank, {dup} by more than one "
-            f"(first: sample {s} position {p}, {int(counts[s, p])} times)")
-
-
-@dataclass
-class LogprobDiff:
-    """Per-token log-probs against reference ones, relative to the reference's largest magnitude."""
-
-    bad: torch.Tensor  # [batch, seq] True where beyond the tolerance (NaN counts as beyond)
-    worst: float  # the largest relative error (inf where a value is NaN)
-
-    @classmethod
-    def of(cls, values: torch.Tensor, ref_values: torch.Tensor, rtol: float) -> LogprobDiff:
-        err = (values - ref_values).abs() / (float(ref_values.abs().max()) or 1.0)
-        return cls(~(err <= rtol), float(err.nan_to_num(float("inf")).max()))
-
-    @property
-    def first_sample(self) -> int:
-        return int(self.bad.any(dim=1).nonzero()[0])
-
-    def positions(self, sample: int) -> str:
-        return _ranges(self.bad[sample].nonzero().flatten().tolist())
-
-
-def _ranges(positions: list[int]) -> str:
-    """[0, 1, 2, 7, 9, 10] -> '0-2, 7, 9-10'."""
-    out, start = [], None
-    for i, p in enumerate(positions):
-        if start is None:
-            start = p
-        if i + 1 == len(positions) or positions[i + 1] != p + 1:
-            out.append(f"{start}-{p}" if p > start else f"{start}")
-            start = None
-    return ", ".join(out)
-
-
-def step_losses(result: CaseResult) -> list[float]:
-    """Global per-token mean loss per step, from the last-stage, TP-rank-0 ranks."""
-    sums: dict[int, list[float]] = {}
-    for r in result.ranks:
-        c = r.data.get("coords", {})
-        if not c.get("last_stage") or c.get("tp") != 0:
-            continue
-        for i, out in enumerate(r.data.get("steps", [])):
-            if out.loss_sum is None:
-                continue
-            acc = sums.setdefault(i, [0.0, 0.0])
-            acc[0] += out.loss_sum
-            acc[1] += out.num_tokens
-    return [s / n for _, (s, n) in sorted(sums.items())]
 
 
 class EquivalenceSuite:
@@ -153,7 +66,7 @@ class EquivalenceSuite:
         return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
-        from harness.suites import layout_coords
+        from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
         with ctx.phase("build"):
@@ -263,7 +176,8 @@ class EquivalenceSuite:
         for sample in bad.any(dim=1).nonzero().flatten().tolist():
             where = bad[sample].nonzero().flatten().tolist()
             i = where[0]
-            rows.append(f"  sample {sample}: {len(where)} tokens off at positions {_ranges(where)}; position {i}: "
+            rows.append(f"  sample {sample}: {len(where)} tokens off at positions {position_ranges(where)}; "
+                        f"position {i}: "
                         f"{float(values[sample, i]):.6f} vs {float(ref_values[sample, i]):.6f}")
         first = diff.first_sample
         return CheckResult("equivalence.logprobs", cid, False,

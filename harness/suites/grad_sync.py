@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections import Counter
@@ -16,43 +15,11 @@ from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import enumerate_layouts, validate
-from harness.probes.collectives import CollectiveRecorder, GroupRoles
+from harness.probes.collectives import CollectiveRecorder, GroupRoles, instrument
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.tables import table as text_table
 
 STEPS = 3  # replica consistency is judged after 3 steps
-
-
-@contextlib.contextmanager
-def instrument(engine, recorder: CollectiveRecorder):
-    """Label megatron's step stages as recorder phases: grad-finalize, optimizer-step, param-gather."""
-    from megatron.core.distributed import param_and_grad_buffer as pgb
-
-    def labelled(fn, phase):
-        def wrapper(*args, **kwargs):
-            with recorder.phase(phase):
-                return fn(*args, **kwargs)
-        return wrapper
-
-    cfg = engine.config
-    saved_cfg = {k: getattr(cfg, k, None) for k in ("finalize_model_grads_func", "grad_sync_func")}
-    if saved_cfg["finalize_model_grads_func"] is not None:
-        cfg.finalize_model_grads_func = labelled(saved_cfg["finalize_model_grads_func"], "grad-finalize")
-    gs = saved_cfg["grad_sync_func"]
-    if gs is not None:
-        cfg.grad_sync_func = [labelled(f, "backward") for f in gs] if isinstance(gs, list) else labelled(gs, "backward")
-    saved_step = engine.optimizer.step
-    engine.optimizer.step = labelled(saved_step, "optimizer-step")
-    group_cls = pgb._ParamAndGradBucketGroup
-    saved_sync = group_cls.start_param_sync
-    group_cls.start_param_sync = labelled(saved_sync, "param-gather")
-    try:
-        yield
-    finally:
-        for k, v in saved_cfg.items():
-            setattr(cfg, k, v)
-        engine.optimizer.step = saved_step
-        group_cls.start_param_sync = saved_sync
 
 
 class GradSyncSuite:
@@ -78,7 +45,7 @@ class GradSyncSuite:
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
-        from harness.suites import layout_coords
+        from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
         with ctx.phase("build"):

@@ -144,7 +144,7 @@ class PeftCkptSuite:
         import torch.distributed as dist
 
         from harness.engines import make_engine
-        from harness.suites import layout_coords
+        from harness.platform.parallel import layout_coords
 
         engine = peft_exporting(make_engine(case, ctx), case.engine)
         with ctx.phase("build"):
@@ -201,8 +201,7 @@ def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> dict[str, Any
     import traceback
 
     from harness.engines import make_engine
-    from harness.platform.parallel import teardown_parallel_state
-    from harness.suites import layout_coords
+    from harness.platform.parallel import layout_coords, teardown_parallel_state
     from harness.suites.ckpt_memory.contract import describe_exception, refusal_kind
 
     engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)

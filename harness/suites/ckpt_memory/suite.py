@@ -73,7 +73,7 @@ class CkptMemorySuite:
 
         if case.params.ckpt_role:
             return reshard_work(case, ctx)
-        from harness.suites import layout_coords
+        from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
         with ctx.phase("build"):

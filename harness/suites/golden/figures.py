@@ -15,8 +15,8 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
     """The case's figures as baseline metrics: per step loss, grad_norm, num_zeros, lr; after the last step
     param.<name> (L2 norm of the full parameter), exp_avg.<name> / exp_avg_sq.<name> (of its Adam moments, where
     the engine hands out its optimizer state) and optimizer.step (Adam's step counter)."""
+    from harness.checks.step_outputs import step_losses
     from harness.checks.tensors import assemble
-    from harness.suites.equivalence import step_losses
 
     out: dict[str, float] = {}
     for i, loss in enumerate(step_losses(result), start=first_step):

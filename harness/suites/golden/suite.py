@@ -93,7 +93,7 @@ class GoldenSuite:
         import torch.distributed as dist
 
         from harness.engines import make_engine
-        from harness.suites import layout_coords
+        from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
         with ctx.phase("build"):

@@ -14,9 +14,8 @@ from harness.suites.step_perf.params import StepPerfParams
 def count_work(engine, step: int) -> dict[str, Any]:
     """One untimed step with the counters installed: FLOPs, collectives by role/kind, overlap."""
     from harness.checks.grad_sync import dp_records
-    from harness.probes.collectives import CollectiveRecorder, GroupRoles
+    from harness.probes.collectives import CollectiveRecorder, GroupRoles, instrument
     from harness.probes.flops import FlopCounter
-    from harness.suites.grad_sync import instrument
 
     recorder = CollectiveRecorder(GroupRoles())
     with instrument(engine, recorder), recorder, FlopCounter() as flops, recorder.phase("forward-backward"):
@@ -37,8 +36,8 @@ def rank_work(case: Case, ctx: RankContext) -> dict[str, Any]:
 
     import torch.distributed as dist
 
+    from harness.platform.parallel import layout_coords
     from harness.probes.timers import PhaseTimer, calibrate
-    from harness.suites import layout_coords
 
     engine = make_engine(case, ctx)
     with ctx.phase("build"):

@@ -43,8 +43,7 @@ class TrainMemorySuite:
 
     def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
         from harness.engines import make_engine
-        from harness.platform.parallel import teardown_parallel_state
-        from harness.suites import layout_coords
+        from harness.platform.parallel import layout_coords, teardown_parallel_state
 
         with ctx.phase("prime"):  # a throwaway engine's build and step: one-time costs of the process land here
             engine = make_engine(case, ctx)

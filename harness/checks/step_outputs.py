@@ -1,0 +1,97 @@
+"""A step's outputs assembled over a case's ranks: the global per-token loss per step and the first step's
+per-token log-probs in the original token order (from the last-stage, TP-rank-0 ranks), and how log-probs
+differ from reference ones. Read by equivalence, golden and peft-ckpt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harness.launch.results import CaseResult
+from harness.spec import Case
+
+
+def first_step_logprobs(result: CaseResult, key: str = "steps") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log-probs [global batch, seq], how many ranks reported each token) of the first step in the ranks'
+    `key` list, assembled from the last-stage, TP-rank-0 ranks in the original token order (NaN where
+    none did); None when the engine captured none."""
+    return assemble_logprobs(result.case, [r.data for r in result.ranks], key)
+
+
+def assemble_logprobs(case: Case, rank_data: list[dict], key: str = "steps"
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """first_step_logprobs over the data dicts of a case's ranks (each with `coords` and `key`)."""
+    gbs, seq = case.global_batch_size, case.model.seq_length
+    values = torch.full((gbs, seq), float("nan"), dtype=torch.float64)
+    counts = torch.zeros((gbs, seq), dtype=torch.long)
+    for data in rank_data:
+        c = data.get("coords", {})
+        if not c.get("last_stage") or c.get("tp") != 0:
+            continue
+        steps = data.get(key, [])
+        if not steps or steps[0].token_logprobs is None:
+            return None
+        for part in steps[0].token_logprobs:
+            rows, cols = part.samples.view(-1, 1), part.positions.view(1, -1)
+            values[rows, cols] = part.logprobs.double()
+            counts[rows, cols] += 1
+    return values, counts
+
+
+def coverage_problem(counts: torch.Tensor) -> str:
+    """'' when every token was computed by exactly one rank; else how many were not, and the first."""
+    if not (counts != 1).any():
+        return ""
+    never, dup = int((counts == 0).sum()), int((counts > 1).sum())
+    s, p = (counts != 1).nonzero()[0].tolist()
+    return (f"{never} tokens computed by no rank, {dup} by more than one "
+            f"(first: sample {s} position {p}, {int(counts[s, p])} times)")
+
+
+@dataclass
+class LogprobDiff:
+    """Per-token log-probs against reference ones, relative to the reference's largest magnitude."""
+
+    bad: torch.Tensor  # [batch, seq] True where beyond the tolerance (NaN counts as beyond)
+    worst: float  # the largest relative error (inf where a value is NaN)
+
+    @classmethod
+    def of(cls, values: torch.Tensor, ref_values: torch.Tensor, rtol: float) -> LogprobDiff:
+        err = (values - ref_values).abs() / (float(ref_values.abs().max()) or 1.0)
+        return cls(~(err <= rtol), float(err.nan_to_num(float("inf")).max()))
+
+    @property
+    def first_sample(self) -> int:
+        return int(self.bad.any(dim=1).nonzero()[0])
+
+    def positions(self, sample: int) -> str:
+        return position_ranges(self.bad[sample].nonzero().flatten().tolist())
+
+
+def position_ranges(positions: list[int]) -> str:
+    """[0, 1, 2, 7, 9, 10] -> '0-2, 7, 9-10'."""
+    out, start = [], None
+    for i, p in enumerate(positions):
+        if start is None:
+            start = p
+        if i + 1 == len(positions) or positions[i + 1] != p + 1:
+            out.append(f"{start}-{p}" if p > start else f"{start}")
+            start = None
+    return ", ".join(out)
+
+
+def step_losses(result: CaseResult) -> list[float]:
+    """Global per-token mean loss per step, from the last-stage, TP-rank-0 ranks."""
+    sums: dict[int, list[float]] = {}
+    for r in result.ranks:
+        c = r.data.get("coords", {})
+        if not c.get("last_stage") or c.get("tp") != 0:
+            continue
+        for i, out in enumerate(r.data.get("steps", [])):
+            if out.loss_sum is None:
+                continue
+            acc = sums.setdefault(i, [0.0, 0.0])
+            acc[0] += out.loss_sum
+            acc[1] += out.num_tokens
+    return [s / n for _, (s, n) in sorted(sums.items())]
