@@ -54,7 +54,7 @@ class CaseSamples:
 
 def _in_process_round(side: Side, sel: CaseSelection, args, say) -> dict[str, CaseSamples]:
     from harness.driver import run_suite
-    from harness.suites.step_perf import figures
+    from harness.suite_defs.step_perf import figures
 
     run = run_suite("step-perf", sel.model, sel.world_size, sel.layout_ids, engine=side.engine, backend=sel.backend,
                     options=sel.options, timeout_s=sel.timeout, progress=say,

@@ -21,8 +21,8 @@ from harness.layouts import validate
 from harness.models import load_model
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
+from harness.suite_defs import Baselined, FreshRanks, Parameterised, Suite, baselines_dir_of, default_model, get_suite
 from harness.suite_run import SuiteRun
-from harness.suites import Baselined, FreshRanks, Parameterised, Suite, baselines_dir_of, default_model, get_suite
 
 # a parameter whose flag is not `--<name with dashes>`
 FLAGS = {"formats": "--ckpt-format"}

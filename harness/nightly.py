@@ -29,7 +29,7 @@ class Item:
 
 
 def plan_items(suites: list[str], models: list[str], engine: str | None) -> list[Item]:
-    from harness.suites import get_suite
+    from harness.suite_defs import get_suite
 
     items: list[Item] = []
     for name in suites:

@@ -18,7 +18,7 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     from harness.driver import run_suite  # looked up per call: tests plant a fake driver
     from harness.platform import detect_platform
     from harness.platform.backend import machine_fingerprint
-    from harness.suites import Baselined, RawSamples, RecordingPolicy
+    from harness.suite_defs import Baselined, RawSamples, RecordingPolicy
 
     if repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {repeats}")

@@ -10,7 +10,7 @@ from harness.checks import CheckResult
 from harness.errors import Interrupted
 from harness.launch.results import CaseResult
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
-from harness.suites import Baselined, ReportsData, Suite
+from harness.suite_defs import Baselined, ReportsData, Suite
 
 
 @dataclass

@@ -65,7 +65,7 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
     from harness.driver import run_suite
     from harness.errors import DoesNotFit, MissingDependency
     from harness.platform import resolve_backend
-    from harness.suites import get_suite
+    from harness.suite_defs import get_suite
 
     c = request.config
     baselines_dir = c.getoption("--baselines-dir")

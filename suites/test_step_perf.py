@@ -35,7 +35,7 @@ def test_step_matches_baseline(step_perf_run, judge, check):
 
 def test_benchmark(step_perf_run, case_id, benchmark):
     from harness import benchmark as bench
-    from harness.suites.step_perf import StepPerfSuite
+    from harness.suite_defs.step_perf import StepPerfSuite
 
     result = next(r for r in step_perf_run.results if r.case.id == case_id)
     if not result.ok:

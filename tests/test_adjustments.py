@@ -10,7 +10,7 @@ from harness.suite_run import SuiteRun
 from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from harness.suites.equivalence import EquivalenceSuite
+from harness.suite_defs.equivalence import EquivalenceSuite
 
 
 def test_notes_are_deduplicated_and_taken_once():

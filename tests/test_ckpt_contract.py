@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from harness.suites.ckpt_memory.contract_judge import promised
+from harness.suite_defs.ckpt_memory.contract_judge import promised
 from harness.driver import run_suite
-from harness.suites.ckpt_memory.contract import contract_cases
-from harness.suites.ckpt_memory import CkptMemorySuite
+from harness.suite_defs.ckpt_memory.contract import contract_cases
+from harness.suite_defs.ckpt_memory import CkptMemorySuite
 from harness.spec import Layout
 
 pytestmark = pytest.mark.slow

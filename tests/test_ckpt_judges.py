@@ -18,12 +18,12 @@ from harness.probes import proc
 from harness.probes.ckpt_format import OnDisk, inspect
 from harness.probes.memory import MeasurementError, MemoryPeak, measure, read_captures
 from harness.spec import Case, CaseOptions, Layout
-from harness.suites.ckpt_memory import contract as ckpt_contract
-from harness.suites.ckpt_memory.contract import refusal_kind
-from harness.suites.ckpt_memory.contract_judge import _judge, _judge_side_effects
-from harness.suites.ckpt_memory.figures import key
-from harness.suites.ckpt_memory.judge import _check_baseline, _check_contract, _check_model
-from harness.suites.ckpt_memory.params import CkptCaseParams
+from harness.suite_defs.ckpt_memory import contract as ckpt_contract
+from harness.suite_defs.ckpt_memory.contract import refusal_kind
+from harness.suite_defs.ckpt_memory.contract_judge import _judge, _judge_side_effects
+from harness.suite_defs.ckpt_memory.figures import key
+from harness.suite_defs.ckpt_memory.judge import _check_baseline, _check_contract, _check_model
+from harness.suite_defs.ckpt_memory.params import CkptCaseParams
 
 NAN, INF = float("nan"), float("inf")
 DP4, TP2 = Layout.parse("tp1-pp1-cp1-dp4"), Layout.parse("tp2-pp1-cp1-dp2")

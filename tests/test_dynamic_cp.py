@@ -8,7 +8,7 @@ import pytest
 from harness.driver import plan, run_suite
 from harness.errors import BadInput
 from harness.checks.dynamic_cp import expected_local_cp
-from harness.suites.dynamic_cp import NAMED_MIXES
+from harness.suite_defs.dynamic_cp import NAMED_MIXES
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from harness.engines.base import ParamShard, StepOutput, tp_shard
 from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from harness.suites.equivalence import EQUIVALENCE_ADAM_EPS, EquivalenceSuite
+from harness.suite_defs.equivalence import EQUIVALENCE_ADAM_EPS, EquivalenceSuite
 
 
 def test_tp_unshard_inverts_shard_for_glu_blocks():

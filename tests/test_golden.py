@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.suites.golden.judge import judge, noisy_metrics
+from harness.suite_defs.golden.judge import judge, noisy_metrics
 from harness.spec import CaseOptions
 
 
@@ -75,7 +75,7 @@ def test_a_trajectory_that_does_not_repeat_is_refused_at_recording():
 
 
 def test_tolerances_are_measured_and_floored_by_dtype():
-    from harness.suites.golden.judge import RTOL, tolerance
+    from harness.suite_defs.golden.judge import RTOL, tolerance
 
     assert tolerance("step01.loss", [4.87, 4.8700002, 4.8700001]) == pytest.approx(8e-7)
     bf16 = judge("c", "tiny/bf16/steps=3", "bf16", dict(GOLDEN, **{"step01.loss": 4.8705 * (1 + RTOL["bf16"] / 2)}),
@@ -85,7 +85,7 @@ def test_tolerances_are_measured_and_floored_by_dtype():
 
 def test_fsdp2_resumes_run_on_the_pure_dp_layout_beside_its_own_unbroken_trajectory():
     from harness.models import load_model
-    from harness.suites.golden import GoldenSuite
+    from harness.suite_defs.golden import GoldenSuite
 
     suite = GoldenSuite()
     cases = suite.cases(load_model("tiny"), 4, None)
@@ -119,7 +119,7 @@ def _golden_options() -> CaseOptions:
     """The options the golden suite runs with (its cases' own), for equivalence to run the same config."""
     from harness.models import load_model
     from harness.spec import Layout
-    from harness.suites.golden import GoldenSuite
+    from harness.suite_defs.golden import GoldenSuite
 
     case = GoldenSuite().cases(load_model("tiny"), 2, [Layout(dp=2)])[0]
     return case.options

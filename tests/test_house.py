@@ -31,7 +31,7 @@ THIRD_PARTY_PROBES = {
     ("harness/probes/collectives.py", "_opname"): "torch's OpOverload",
     ("harness/probes/memory.py", "host_memory_stats"): "torch version probe",
     ("harness/probes/memory.py", "reset_peak_host_memory_stats"): "torch version probe",
-    ("harness/suites/ckpt_memory/contract.py", "failures"): "torch's CheckpointException",
+    ("harness/suite_defs/ckpt_memory/contract.py", "failures"): "torch's CheckpointException",
 }
 PROBE = re.compile(r"""\bhasattr\([^()]*,\s*["']([^"']+)["']\s*\)|\bgetattr\([^()]*,\s*["']([^"']+)["']\s*,""")
 
@@ -130,7 +130,7 @@ def test_no_hasattr_capability_probe_in_harness():
                 if (rel, m.group(1) or m.group(2)) not in THIRD_PARTY_PROBES:
                     probes.append(f"{rel}:{n}: {line.strip()}")
     assert not probes, ("capability probes by attribute name; ask with isinstance on a typing.Protocol "
-                        "(harness/suites/__init__.py, harness/engines/base.py) or, for a third-party object, list "
+                        "(harness/suite_defs/__init__.py, harness/engines/base.py) or, for a third-party object, list "
                         "it in THIRD_PARTY_PROBES with the reason:\n" + "\n".join(probes))
 
 

@@ -111,7 +111,7 @@ def test_loops_over_runs_stop_when_a_run_was_interrupted(monkeypatch, tmp_path):
     from harness import recording
     from harness.suite_run import SuiteRun
     from harness.errors import Interrupted
-    from harness.suites.equivalence import EquivalenceSuite
+    from harness.suite_defs.equivalence import EquivalenceSuite
 
     calls = []
 

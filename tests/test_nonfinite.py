@@ -50,7 +50,7 @@ def _equivalence_result(layout: Layout, w: torch.Tensor, losses=(4.0, 3.5), repl
 
 
 def _equivalence_checks(ref, other):
-    from harness.suites.equivalence import EquivalenceSuite
+    from harness.suite_defs.equivalence import EquivalenceSuite
 
     out: dict[str, dict[str, object]] = {}
     for c in EquivalenceSuite().check([ref, other]):
@@ -97,7 +97,7 @@ def test_nan_replica_fails_the_replica_check():
 
 
 def test_grad_sync_nan_replica_fails():
-    from harness.suites.grad_sync import GradSyncSuite
+    from harness.suite_defs.grad_sync import GradSyncSuite
 
     bad = torch.ones(4)
     bad[0] = NAN

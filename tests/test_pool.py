@@ -49,7 +49,7 @@ def test_leaking_case_is_detected_and_the_pool_recovers():
         assert any("_ParamAndGradBucketGroup.start_param_sync was replaced and not restored" in n for n in leaky.notes)
         clean = pool.run(Case("grad-sync", tiny, Layout(dp=2), "mcore", opts))
         assert clean.fresh_ranks and not clean.notes
-        from harness.suites.grad_sync import GradSyncSuite
+        from harness.suite_defs.grad_sync import GradSyncSuite
 
         checks = {c.check: c for c in GradSyncSuite().check([clean])}
         assert checks["grad-sync.plan"].passed, checks["grad-sync.plan"].message
@@ -83,7 +83,7 @@ def test_shuffled_warm_ranks_give_the_same_verdicts_and_values(suite):
 def test_a_timing_suite_gets_ranks_that_ran_no_other_suite(monkeypatch):
     """step-perf (fresh_pool) retires warm ranks that ran another suite, keeps its own warm ones."""
     from harness.launch import pool as pool_mod
-    from harness.suites.step_perf import StepPerfSuite
+    from harness.suite_defs.step_perf import StepPerfSuite
 
     assert StepPerfSuite.fresh_pool
     closed = []

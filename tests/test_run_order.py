@@ -8,8 +8,8 @@ import pytest
 from harness.driver import new_run_dir, run_order, run_suite
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from harness.suites.ckpt_memory.contract import contract_cases
-from harness.suites.ckpt_memory import CkptMemorySuite
+from harness.suite_defs.ckpt_memory.contract import contract_cases
+from harness.suite_defs.ckpt_memory import CkptMemorySuite
 
 
 def _cases() -> list[Case]:

@@ -69,7 +69,7 @@ def test_replayed_step_times_are_what_pytest_benchmark_reports(benchmark):
 
 
 def test_counters_that_vary_between_repeats_are_refused_and_times_are_not():
-    from harness.suites.step_perf import StepPerfSuite
+    from harness.suite_defs.step_perf import StepPerfSuite
 
     suite = StepPerfSuite()
     noisy = suite.noisy_metrics({"k": {"rank0.flops": [1.0, 1.0, 2.0], "step_time_ms": [10.0, 14.0, 9.0],
@@ -129,7 +129,7 @@ def _planned_buckets() -> int:
     import dataclasses
 
     from harness.checks.grad_sync import plan
-    from harness.suites.step_perf import StepPerfParams, StepPerfSuite
+    from harness.suite_defs.step_perf import StepPerfParams, StepPerfSuite
 
     case = StepPerfSuite().cases(load_model("tiny"), 2, [Layout(dp=2)], options=OPTIONS,
                                  params=StepPerfParams(**_params()))[0]
@@ -240,8 +240,8 @@ def _entry(repeat_medians: list[float]) -> dict:
 ])
 def test_time_within_the_drift_of_the_baselines_own_repeats_cannot_be_told(repeats, measured, status):
     """The drifting repeats are the recorded tp1-pp1-cp1-dp1 `small` case of this 2-core box (overlap on)."""
-    from harness.suites.step_perf import StepPerfParams
-    from harness.suites.step_perf.judge import _check_time
+    from harness.suite_defs.step_perf import StepPerfParams
+    from harness.suite_defs.step_perf.judge import _check_time
 
     res = _timed_result([measured + d for d in (-2.0, -1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 1.5, -1.5, 0.0)])
     check = _check_time(res, _entry(repeats), StepPerfParams(min_effect=0.15))
@@ -298,7 +298,7 @@ def test_the_flops_used_for_mfu_say_where_they_come_from():
     from harness.checks.flops_model import matmul_dtype, peak_tflops, step_flops
     from harness.launch.results import CaseResult, RankResult
     from harness.spec import Case
-    from harness.suites.step_perf.figures import flops_used
+    from harness.suite_defs.step_perf.figures import flops_used
 
     case = Case("step-perf", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions())
     full = step_flops(case.model, case.layout, 0, global_batch_size=8, micro_batch_size=1)
@@ -321,7 +321,7 @@ def _paired_result(plain_ms: list[float], timed_ms: list[float]):
     """A fabricated one-rank step-perf case run with --overhead (no ranks run)."""
     import dataclasses
 
-    from harness.suites.step_perf import StepPerfParams
+    from harness.suite_defs.step_perf import StepPerfParams
 
     res = _timed_result(timed_ms)
     res.ranks[0].data["plain_s"] = [ms / 1000 for ms in plain_ms]
@@ -330,7 +330,7 @@ def _paired_result(plain_ms: list[float], timed_ms: list[float]):
 
 @pytest.mark.parametrize("cost,noise,status", [(0.0, 0.002, "pass"), (0.10, 0.002, "fail"), (0.0, 0.2, "inconclusive")])
 def test_overhead_is_judged_against_the_2_percent_goal(cost, noise, status):
-    from harness.suites.step_perf.judge import check_overhead
+    from harness.suite_defs.step_perf.judge import check_overhead
 
     rng = random.Random(3)
     plain = [500 * (1 + rng.gauss(0, noise)) for _ in range(20)]
@@ -345,7 +345,7 @@ def test_overhead_is_judged_against_the_2_percent_goal(cost, noise, status):
 
 
 def test_overhead_without_paired_steps_fails_naming_the_counts():
-    from harness.suites.step_perf.judge import check_overhead
+    from harness.suite_defs.step_perf.judge import check_overhead
 
     check = check_overhead(_paired_result([], [500.0] * 5))
     assert check.failed and "0 uninstrumented steps were timed for 5 timed ones" in check.message
@@ -354,7 +354,7 @@ def test_overhead_without_paired_steps_fails_naming_the_counts():
 @pytest.mark.slow
 def test_costly_instrumentation_fails_the_overhead_check_and_the_engine_alone_does_not():
     from harness.driver import run_suite
-    from harness.suites.step_perf import StepPerfSuite
+    from harness.suite_defs.step_perf import StepPerfSuite
 
     checks = {}
     for engine in ("mcore", "tests.faulty_engines:CostlyInstrumentation"):
@@ -397,8 +397,8 @@ def _exposed_entry(step_ms: float, exposed_ms: float) -> dict:
 ])
 def test_exposed_communication_grown_alone_fails_and_zero_is_judged(base_exposed, exposed, status):
     """The step did not grow (its compute got faster by as much): the exposed-communication branch."""
-    from harness.suites.step_perf import StepPerfParams
-    from harness.suites.step_perf.judge import _check_time
+    from harness.suite_defs.step_perf import StepPerfParams
+    from harness.suite_defs.step_perf.judge import _check_time
 
     wiggle = [-2.0, -1.0, 0.0, 1.0, 2.0] * 3
     res = _result_with_exposed([500 + w for w in wiggle], [max(0.0, exposed + w / 10) for w in wiggle])

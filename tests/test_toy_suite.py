@@ -1,5 +1,5 @@
 """Adding a suite touches only its own module and the registry: tests/toy_suite.py, registered here
-in harness.suites.SUITES, runs through `harness run`, the driver's parameters and judging, and
+in harness.suite_defs.SUITES, runs through `harness run`, the driver's parameters and judging, and
 `harness report`, which renders its results.json in a process where neither torch nor any suite
 module can be imported."""
 
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from harness import suites
+from harness import suite_defs
 from harness.cli import main
 from harness.driver import run_suite
 from harness.errors import BadInput
@@ -20,7 +20,7 @@ from harness.errors import BadInput
 
 @pytest.fixture
 def toy_registered(monkeypatch):
-    monkeypatch.setitem(suites.SUITES, "toy", "tests.toy_suite:ToySuite")
+    monkeypatch.setitem(suite_defs.SUITES, "toy", "tests.toy_suite:ToySuite")
 
 
 def test_a_registered_toy_suite_runs_through_the_cli(toy_registered, tmp_path, capsys):
@@ -53,7 +53,7 @@ _NO_TORCH = textwrap.dedent("""
     import sys
 
     class Refuse:
-        BLOCKED = ("torch", "megatron", "harness.suites", "harness.driver", "harness.launch", "tests.toy_suite")
+        BLOCKED = ("torch", "megatron", "harness.suite_defs", "harness.driver", "harness.launch", "tests.toy_suite")
 
         def find_spec(self, name, path=None, target=None):
             if any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
@@ -78,7 +78,7 @@ def test_report_renders_from_results_json_without_torch_or_suites(toy_registered
         data = json.loads(open({str(tmp_path / "run" / "results.json")!r}).read())
         print(format_results(data) + "\\n--- report")
         print("--- exit", main(["report", {str(tmp_path / "run")!r}]))
-        assert not any(m == "torch" or m.startswith(("torch.", "harness.suites")) for m in sys.modules), sorted(sys.modules)
+        assert not any(m == "torch" or m.startswith(("torch.", "harness.suite_defs")) for m in sys.modules), sorted(sys.modules)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -124,8 +124,8 @@ def _run(model="small", world_size=2, layouts=None, engine="mcore", baselines_di
 
 def _errors(run) -> list[str]:
     """'case rank phase: measured vs model (error)' for every point of the run."""
-    from harness.suites.train_memory.judge import expected_phases
-    from harness.suites.train_memory.figures import phase_figures
+    from harness.suite_defs.train_memory.judge import expected_phases
+    from harness.suite_defs.train_memory.figures import phase_figures
 
     out = []
     for res in run.results:
@@ -140,7 +140,7 @@ def _errors(run) -> list[str]:
 def test_the_model_holds_against_measured_peaks_of_small():
     """Every default case of `small` at world size 2 (pure DP, TP 2, PP 2, with and without the distributed
     optimizer, full and selective recompute): each rank's build and steps within the model's band."""
-    from harness.suites.train_memory.judge import ABS_SLACK, REL_TOL
+    from harness.suite_defs.train_memory.judge import ABS_SLACK, REL_TOL
 
     run = _run()
     model = [c for c in run.checks if c.check == "train-memory.model"]

@@ -13,7 +13,7 @@ from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
 from harness.probes.memory import MIB, MemoryPeak
 from harness.spec import Case, CaseOptions, Layout
-from harness.suites.grad_sync import GradSyncSuite
+from harness.suite_defs.grad_sync import GradSyncSuite
 
 
 def test_equivalence_at_world_size_1_is_skipped_with_the_ranks_it_needs():
@@ -41,7 +41,7 @@ def test_ckpt_memory_at_world_size_1_runs_its_contract_except_the_dp_only_load()
 
 
 def test_ckpt_memory_contract_at_world_size_2_loads_at_tp2_pp2_and_dp1():
-    from harness.suites.ckpt_memory.contract import dp_only_target, targets
+    from harness.suite_defs.ckpt_memory.contract import dp_only_target, targets
 
     assert [lay.id for lay in targets(load_model("small"), 2)] == ["tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1",
                                                                  "tp1-pp2-cp1-dp1"]

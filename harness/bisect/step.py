@@ -51,7 +51,7 @@ def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False
 def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) -> StepResult:
     from harness import baselines
     from harness.report import versions
-    from harness.suites import Baselined, TimedBaselines
+    from harness.suite_defs import Baselined, TimedBaselines
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
     outcomes = run.outcomes()
@@ -96,7 +96,7 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
 
 def _baselines_dir(run) -> str | None:
     """The run's baselines directory, from its suite parameters (None: the repository's baselines/)."""
-    from harness.suites import baselines_dir_of
+    from harness.suite_defs import baselines_dir_of
 
     return baselines_dir_of(run.params)
 

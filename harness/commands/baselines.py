@@ -28,7 +28,7 @@ def main(args) -> int:
     from harness import report
     from harness.driver import plan, run_suite
     from harness.recording import record_suite
-    from harness.suites import Baselined
+    from harness.suite_defs import Baselined
 
     if args.action == "diff":
         return diff(args)
@@ -56,7 +56,7 @@ def diff(args) -> int:
     """The suite's baseline file against a git revision of it (--against) or another file (--old)."""
     from harness import baselines
     from harness.platform import detect_platform, resolve_backend
-    from harness.suites import get_suite
+    from harness.suite_defs import get_suite
 
     suite = get_suite(args.suite)
     platform = args.platform or detect_platform(resolve_backend(args.backend, args.world_size)).key

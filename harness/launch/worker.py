@@ -74,7 +74,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
 
             import torch  # noqa: F401
 
-            from harness.suites import get_suite
+            from harness.suite_defs import get_suite
 
             suite = get_suite(case.suite_ref or case.suite)
             for module in suite.imports:

@@ -6,7 +6,7 @@ judge.py (format on disk, model band, baseline), contract.py and contract_judge.
 and judges), suite.py (the Suite the registry names: cases and the measured save).
 """
 
-from harness.suites.ckpt_memory.params import CkptCaseParams, CkptMemoryParams
-from harness.suites.ckpt_memory.suite import CkptMemorySuite
+from harness.suite_defs.ckpt_memory.params import CkptCaseParams, CkptMemoryParams
+from harness.suite_defs.ckpt_memory.suite import CkptMemorySuite
 
 __all__ = ["CkptCaseParams", "CkptMemoryParams", "CkptMemorySuite"]

@@ -7,9 +7,9 @@ import statistics
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio
 from harness.launch.results import CaseResult
-from harness.suites.step_perf import figures
-from harness.suites.step_perf.figures import TIMED, key, record_command
-from harness.suites.step_perf.params import SUITE, StepPerfParams
+from harness.suite_defs.step_perf import figures
+from harness.suite_defs.step_perf.figures import TIMED, key, record_command
+from harness.suite_defs.step_perf.params import SUITE, StepPerfParams
 
 
 def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult]:

@@ -124,7 +124,7 @@ class PeftCkptSuite:
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps,
                                       lora_dim=options.lora_dim or LORA_DIM,
                                       lora_alpha=options.lora_alpha or LORA_ALPHA)
-        from harness.suites.equivalence import with_equivalence_eps
+        from harness.suite_defs.equivalence import with_equivalence_eps
 
         options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
@@ -202,7 +202,7 @@ def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> dict[str, Any
 
     from harness.engines import make_engine
     from harness.platform.parallel import layout_coords, teardown_parallel_state
-    from harness.suites.ckpt_memory.contract import describe_exception, refusal_kind
+    from harness.suite_defs.ckpt_memory.contract import describe_exception, refusal_kind
 
     engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)
     out: dict[str, Any] = {"layout": layout.id}

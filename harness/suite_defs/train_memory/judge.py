@@ -7,9 +7,9 @@ import math
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.training_memory import MIB, predict, training_of
 from harness.launch.results import CaseResult
-from harness.suites.train_memory.figures import key as key_of
-from harness.suites.train_memory.figures import phase_figures, record_command, samples
-from harness.suites.train_memory.params import SUITE, TrainMemoryParams
+from harness.suite_defs.train_memory.figures import key as key_of
+from harness.suite_defs.train_memory.figures import phase_figures, record_command, samples
+from harness.suite_defs.train_memory.params import SUITE, TrainMemoryParams
 
 # How far a measured phase may lie from the model's prediction, relative, plus an absolute slack for what
 # a phase allocates beyond tensors (Python objects, module construction, megatron's bookkeeping). Measured on

@@ -14,9 +14,9 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import enumerate_layouts, validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suites.golden import figures, judge
-from harness.suites.golden.figures import step_metric, trajectory
-from harness.suites.golden.params import CLIP_GRAD, FSDP2_FORMATS, STEPS, SUITE, GoldenParams
+from harness.suite_defs.golden import figures, judge
+from harness.suite_defs.golden.figures import step_metric, trajectory
+from harness.suite_defs.golden.params import CLIP_GRAD, FSDP2_FORMATS, STEPS, SUITE, GoldenParams
 
 
 def checkpoint_dir(case: Case) -> Path:
@@ -40,7 +40,7 @@ class GoldenSuite:
               params: GoldenParams | None = None) -> list[Case]:
         """Every valid layout of the world size (default), STEPS steps each, zero gradients counted."""
         from harness.engines import is_fsdp2
-        from harness.suites.equivalence import with_equivalence_eps
+        from harness.suite_defs.equivalence import with_equivalence_eps
 
         # the fsdp2 engine shards over data parallel only
         chosen = layouts or ([Layout(dp=world_size)] if is_fsdp2(engine) else enumerate_layouts(model, world_size))

@@ -16,14 +16,14 @@ if TYPE_CHECKING:
 
 # Contract names (docs/architecture.md, README); the ones not yet implemented are refused with that reason.
 SUITES = {
-    "equivalence": "harness.suites.equivalence:EquivalenceSuite",
-    "grad-sync": "harness.suites.grad_sync:GradSyncSuite",
-    "ckpt-memory": "harness.suites.ckpt_memory:CkptMemorySuite",
-    "dynamic-cp": "harness.suites.dynamic_cp:DynamicCPSuite",
-    "step-perf": "harness.suites.step_perf:StepPerfSuite",
-    "peft-ckpt": "harness.suites.peft_ckpt:PeftCkptSuite",
-    "train-memory": "harness.suites.train_memory:TrainMemorySuite",
-    "golden": "harness.suites.golden:GoldenSuite",
+    "equivalence": "harness.suite_defs.equivalence:EquivalenceSuite",
+    "grad-sync": "harness.suite_defs.grad_sync:GradSyncSuite",
+    "ckpt-memory": "harness.suite_defs.ckpt_memory:CkptMemorySuite",
+    "dynamic-cp": "harness.suite_defs.dynamic_cp:DynamicCPSuite",
+    "step-perf": "harness.suite_defs.step_perf:StepPerfSuite",
+    "peft-ckpt": "harness.suite_defs.peft_ckpt:PeftCkptSuite",
+    "train-memory": "harness.suite_defs.train_memory:TrainMemorySuite",
+    "golden": "harness.suite_defs.golden:GoldenSuite",
 }
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 # The model a suite runs on GPU ranks when none is given, where its CPU model says nothing there: `small` is

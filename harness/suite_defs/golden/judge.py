@@ -13,9 +13,9 @@ import statistics
 from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult
-from harness.suites.golden.figures import key as key_of
-from harness.suites.golden.figures import record_command, trajectory
-from harness.suites.golden.params import SUITE, GoldenParams
+from harness.suite_defs.golden.figures import key as key_of
+from harness.suite_defs.golden.figures import record_command, trajectory
+from harness.suite_defs.golden.params import SUITE, GoldenParams
 
 if TYPE_CHECKING:
     from harness.launch.results import CaseResult

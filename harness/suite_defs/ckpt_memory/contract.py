@@ -25,7 +25,7 @@ from harness.engines.base import checkpointing
 from harness.launch.context import RankContext
 from harness.probes.memory import MeasurementError, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suites.ckpt_memory.params import CONTRACT_FORMATS, CkptCaseParams
+from harness.suite_defs.ckpt_memory.params import CONTRACT_FORMATS, CkptCaseParams
 
 
 def save_layout(world_size: int) -> Layout:

@@ -12,7 +12,7 @@ The package: params.py (TrainMemoryParams), figures.py (bytes per phase, baselin
 baseline checks), suite.py (the Suite the registry names: cases and rank work).
 """
 
-from harness.suites.train_memory.params import TrainMemoryParams
-from harness.suites.train_memory.suite import TrainMemorySuite
+from harness.suite_defs.train_memory.params import TrainMemoryParams
+from harness.suite_defs.train_memory.suite import TrainMemorySuite
 
 __all__ = ["TrainMemoryParams", "TrainMemorySuite"]

@@ -10,10 +10,10 @@ from harness.checks.memory_model import discrimination, gathers, rival, save_ban
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.report.artifacts import flamegraph_path
-from harness.suites.ckpt_memory import figures
-from harness.suites.ckpt_memory.figures import key as key_of
-from harness.suites.ckpt_memory.figures import record_command
-from harness.suites.ckpt_memory.params import SUITE, CkptMemoryParams
+from harness.suite_defs.ckpt_memory import figures
+from harness.suite_defs.ckpt_memory.figures import key as key_of
+from harness.suite_defs.ckpt_memory.figures import record_command
+from harness.suite_defs.ckpt_memory.params import SUITE, CkptMemoryParams
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -12,8 +12,8 @@ from harness.launch.results import CaseResult
 from harness.layouts import reference_layouts, validate
 from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suites.train_memory import figures, judge
-from harness.suites.train_memory.params import MICRO_BATCH, STEPS, SUITE, TrainMemoryParams
+from harness.suite_defs.train_memory import figures, judge
+from harness.suite_defs.train_memory.params import MICRO_BATCH, STEPS, SUITE, TrainMemoryParams
 
 
 class TrainMemorySuite:

@@ -11,9 +11,9 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suites.step_perf import figures, judge, rank
-from harness.suites.step_perf.figures import TIMED
-from harness.suites.step_perf.params import CPU_BUCKET_ELEMS, DEFAULT_LAYOUTS, OPTION_SETS, SUITE, StepPerfParams
+from harness.suite_defs.step_perf import figures, judge, rank
+from harness.suite_defs.step_perf.figures import TIMED
+from harness.suite_defs.step_perf.params import CPU_BUCKET_ELEMS, DEFAULT_LAYOUTS, OPTION_SETS, SUITE, StepPerfParams
 
 
 class StepPerfSuite:

@@ -8,7 +8,7 @@ from typing import Any
 from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.spec import Case
-from harness.suites.step_perf.params import StepPerfParams
+from harness.suite_defs.step_perf.params import StepPerfParams
 
 
 def count_work(engine, step: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ The package: params.py (GoldenParams, steps, formats), figures.py (a case's traj
 judge.py (the checks and tolerances), suite.py (the Suite the registry names: cases and rank work).
 """
 
-from harness.suites.golden.params import GoldenParams
-from harness.suites.golden.suite import GoldenSuite
+from harness.suite_defs.golden.params import GoldenParams
+from harness.suite_defs.golden.suite import GoldenSuite
 
 __all__ = ["GoldenParams", "GoldenSuite"]

@@ -17,7 +17,7 @@ The package: params.py (the matrix and StepPerfParams), rank.py (what a rank run
 from the ranks' results), judge.py (the checks), suite.py (the Suite the registry names).
 """
 
-from harness.suites.step_perf.params import StepPerfParams
-from harness.suites.step_perf.suite import StepPerfSuite
+from harness.suite_defs.step_perf.params import StepPerfParams
+from harness.suite_defs.step_perf.suite import StepPerfSuite
 
 __all__ = ["StepPerfParams", "StepPerfSuite"]

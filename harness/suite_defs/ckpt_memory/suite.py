@@ -13,10 +13,10 @@ from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suites.ckpt_memory import figures, judge
-from harness.suites.ckpt_memory.contract import contract_cases, reshard_work
-from harness.suites.ckpt_memory.contract_judge import check_reshard
-from harness.suites.ckpt_memory.params import (
+from harness.suite_defs.ckpt_memory import figures, judge
+from harness.suite_defs.ckpt_memory.contract import contract_cases, reshard_work
+from harness.suite_defs.ckpt_memory.contract_judge import check_reshard
+from harness.suite_defs.ckpt_memory.params import (
     ASYNC_FORMATS,
     DEFAULT_LAYOUTS,
     FORMATS,
