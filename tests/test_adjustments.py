@@ -36,7 +36,7 @@ def test_the_cpu_layer_is_listed_while_active():
 
 def _run() -> SuiteRun:
     case = Case("equivalence", load_model("tiny"), Layout(dp=2), options=CaseOptions(adam_eps=1e-6))
-    ranks = [RankResult(r, data={"adjustments": ["Adam eps 1e-06", *(["stub x"] if r else [])]}) for r in range(2)]
+    ranks = [RankResult(r, adjustments=["Adam eps 1e-06", *(["stub x"] if r else [])]) for r in range(2)]
     run = SuiteRun(EquivalenceSuite(), "tiny", 2, "gloo", "mcore", results=[CaseResult(case, ranks, "ok")])
     run.checks = [CheckResult("equivalence.replicas", case.id, True, "ok")]
     return run

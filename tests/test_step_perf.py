@@ -3,6 +3,7 @@ planted slowdown failing with the case, the figure, the ratio and its CI or the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -12,6 +13,7 @@ import pytest
 from harness.checks.timing import compare_samples, minimum_detectable_effect
 from harness.models import load_model
 from harness.spec import CaseOptions, Layout
+from harness.suite_defs.step_perf.payload import Counters, StepPerfRankData
 
 
 def _normal(rng: random.Random, n: int, mean: float, cv: float) -> list[float]:
@@ -126,8 +128,6 @@ def test_recorded_baseline_holds_counters_exactly_and_raw_samples(recorded):
 
 def _planned_buckets() -> int:
     """Gradient buckets of one step by the grad-sync plan's own arithmetic (megatron's padding rules)."""
-    import dataclasses
-
     from harness.checks.grad_sync import plan
     from harness.suite_defs.step_perf import StepPerfParams, StepPerfSuite
 
@@ -222,7 +222,7 @@ def _timed_result(step_ms: list[float]):
 
     steps = [StepTiming(ms / 1000, ms / 1000, {"forward": ms / 3000, "grad-sync": 0.001}) for ms in step_ms]
     case = Case("step-perf", load_model("tiny"), Layout(), "mcore", CaseOptions(steps=len(step_ms)))
-    return CaseResult(case, [RankResult(0, data={"steps": steps, "calibration": [0.001]})], "ok")
+    return CaseResult(case, [RankResult(0, data=StepPerfRankData(steps, [0.001], Counters(0)))], "ok")
 
 
 def _entry(repeat_medians: list[float]) -> dict:
@@ -289,7 +289,7 @@ def test_analytic_flops_equal_the_counted_ones_with_recompute(recompute):
         for r in res.ranks:
             want = step_flops(res.case.model, res.case.layout, r.rank, global_batch_size=res.case.global_batch_size,
                               micro_batch_size=res.case.micro_batch_size, recompute=recompute)
-            assert r.data["counters"]["flops"] == want, (res.case.id, r.rank)
+            assert r.data.counters.flops == want, (res.case.id, r.rank)
 
 
 def test_the_flops_used_for_mfu_say_where_they_come_from():
@@ -302,10 +302,10 @@ def test_the_flops_used_for_mfu_say_where_they_come_from():
 
     case = Case("step-perf", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions())
     full = step_flops(case.model, case.layout, 0, global_batch_size=8, micro_batch_size=1)
-    res = CaseResult(case, [RankResult(r, data={"counters": {"flops": full}}) for r in range(2)], "ok")
+    res = CaseResult(case, [RankResult(r, data=StepPerfRankData([], [], Counters(full))) for r in range(2)], "ok")
     assert flops_used(res) == ([full, full], "counted")
-    for r in res.ranks:
-        r.data["counters"]["flops"] = full // 4  # only the attention matmuls dispatched through torch
+    for r in res.ranks:  # only the attention matmuls dispatched through torch
+        r.data = dataclasses.replace(r.data, counters=Counters(full // 4))
     assert flops_used(res) == ([full, full], "analytic (the counter saw 25%: kernels it cannot see)")
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == (989.4, "")
     assert peak_tflops("NVIDIA H100 PCIe", matmul_dtype("fp32", tf32=True)) == (378.0, "")
@@ -319,12 +319,10 @@ def test_the_flops_used_for_mfu_say_where_they_come_from():
 
 def _paired_result(plain_ms: list[float], timed_ms: list[float]):
     """A fabricated one-rank step-perf case run with --overhead (no ranks run)."""
-    import dataclasses
-
     from harness.suite_defs.step_perf import StepPerfParams
 
     res = _timed_result(timed_ms)
-    res.ranks[0].data["plain_s"] = [ms / 1000 for ms in plain_ms]
+    res.ranks[0].data = dataclasses.replace(res.ranks[0].data, plain_s=[ms / 1000 for ms in plain_ms])
     return dataclasses.replace(res, case=dataclasses.replace(res.case, params=StepPerfParams(overhead=True)))
 
 
@@ -379,7 +377,7 @@ def _result_with_exposed(step_ms: list[float], exposed_ms: list[float]):
     steps = [StepTiming(s / 1000, s / 1000, {"forward": s / 3000, "grad-sync": e / 1000})
              for s, e in zip(step_ms, exposed_ms)]
     case = Case("step-perf", load_model("tiny"), Layout(), "mcore", CaseOptions(steps=len(step_ms)))
-    return CaseResult(case, [RankResult(0, data={"steps": steps, "calibration": [0.001]})], "ok")
+    return CaseResult(case, [RankResult(0, data=StepPerfRankData(steps, [0.001], Counters(0)))], "ok")
 
 
 def _exposed_entry(step_ms: float, exposed_ms: float) -> dict:

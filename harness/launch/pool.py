@@ -74,7 +74,7 @@ class RankPool:
         logs = [self.dir / f"rank{r}.log" for r in range(self.world_size)]
         result = collect(case, case_dir, logs, codes, timed_out, time.monotonic() - t0)
         result.fresh_ranks = fresh
-        leaked = sorted({item for r in result.ranks for item in r.data.get("leaks", [])})
+        leaked = sorted({item for r in result.ranks for item in r.leaks})
         if leaked:
             result.notes.append(f"retired the warm ranks after this case: it left {'; '.join(leaked)}")
         if not result.ok or leaked:

@@ -11,6 +11,15 @@ from harness.files import atomic_write
 from harness.spec import Case
 
 
+@dataclass(frozen=True)
+class RankMemory:
+    """The rank process's own memory over the case (warm ranks: the peak is reset per case)."""
+
+    rss_before_mib: float
+    rss_peak_mib: float
+    threads: int
+
+
 @dataclass
 class RankResult:
     rank: int
@@ -19,7 +28,11 @@ class RankResult:
     phase: str = ""  # where the rank is; after an error, the phase that raised it
     skip_reason: str = ""  # set when the rank raised MissingDependency (the case is skipped, not failed)
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds
-    data: dict[str, Any] = field(default_factory=dict)  # suite-specific measurements
+    data: Any = field(default_factory=dict)  # what the suite's rank_work returned (step-perf: StepPerfRankData)
+    # the harness's own, beside the suite's data:
+    adjustments: list[str] = field(default_factory=list)  # what it changed in the engine (harness/adjustments.py)
+    memory: RankMemory | None = None
+    leaks: list[str] = field(default_factory=list)  # what the case left in a warm rank (launch/isolation.py)
 
 
 @dataclass
@@ -43,7 +56,7 @@ class CaseResult:
 
     def adjustments(self) -> list[str]:
         """What the harness changed in the engine under test for this case, over all ranks (harness/adjustments.py)."""
-        return list(dict.fromkeys(a for r in self.ranks for a in r.data.get("adjustments", [])))
+        return list(dict.fromkeys(a for r in self.ranks for a in r.adjustments))
 
     def timings(self) -> dict[str, float]:
         """Per-phase seconds, max over ranks (the slowest rank sets the case's pace)."""

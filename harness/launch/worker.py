@@ -15,7 +15,7 @@ from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from harness.launch.context import RankContext  # noqa: E402
-from harness.launch.results import RankResult, read, write_atomic  # noqa: E402
+from harness.launch.results import RankMemory, RankResult, read, write_atomic  # noqa: E402
 from harness.probes import proc  # noqa: E402
 from harness.spec import Case  # noqa: E402
 
@@ -84,10 +84,9 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
                 init_distributed(ctx, case.timeout_s)
         result.phase = "rank_work"  # outside any timed phase of the suite's own
         result.data = suite.rank_work(case, ctx) or {}
-        result.data["adjustments"] = adjustments.take()
+        result.adjustments = adjustments.take()
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
-        result.data["rank_memory"] = {"rss_before_mib": rss_before, "rss_peak_mib": _status_mib("VmHWM"),
-                                      "threads": proc.thread_count()}
+        result.memory = RankMemory(rss_before, _status_mib("VmHWM"), proc.thread_count())
     except BaseException as exc:  # noqa: BLE001 - a rank reports everything, including SystemExit
         from harness.errors import MissingDependency
 
@@ -168,7 +167,7 @@ def pool_main(pool_dir: Path) -> None:
             first = False
         result = run_rank(case, ctx, own_process_group=False)
         leaked = isolation.leaks(baseline, isolation.snapshot())
-        result.data["leaks"] = leaked
+        result.leaks = leaked
         write_result(case_dir, result)
         if leaked or not result.ok:
             break

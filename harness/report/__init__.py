@@ -226,7 +226,7 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
              "status": r.status, "outcome": o.outcome, "reason": o.reason, "error": r.error,
              "wall_s": r.wall_s, "timings": r.timings(),
              "rank_timings": {str(x.rank): x.timings for x in r.ranks},
-             "rank_memory": {str(x.rank): x.data.get("rank_memory") for x in r.ranks},
+             "rank_memory": {str(x.rank): asdict(x.memory) if x.memory else None for x in r.ranks},
              "fresh_ranks": r.fresh_ranks, "notes": r.notes, "adjustments": r.adjustments(),
              **{"metrics": {}, "data": {}, **(run.describe(r).figures or {})}}
             for o in run.outcomes() for r in [o.result]

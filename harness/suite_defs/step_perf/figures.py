@@ -6,40 +6,48 @@ from __future__ import annotations
 import statistics
 
 from harness.checks.timing import TIMED_METRICS
-from harness.launch.results import CaseResult
+from harness.launch.results import CaseResult, RankResult
 from harness.spec import Case
+from harness.suite_defs.step_perf.payload import StepPerfRankData
 
 TIMED = (*TIMED_METRICS, "calibration_ms")  # judged by statistics on samples; the rest are exact counters
 
 
+def rank_data(rank: RankResult) -> StepPerfRankData:
+    """What the rank returned, as step-perf's payload."""
+    if not isinstance(rank.data, StepPerfRankData):
+        raise TypeError(f"rank {rank.rank} returned {type(rank.data).__name__}, not step-perf's StepPerfRankData")
+    return rank.data
+
+
 def step_ms(result: CaseResult) -> list[float]:
     """Per timed step: the slowest rank's barrier-to-barrier time, ms."""
-    per_rank = [[s.wall_s for s in r.data["steps"]] for r in result.ranks]
+    per_rank = [[s.wall_s for s in rank_data(r).steps] for r in result.ranks]
     return [1000 * max(col) for col in zip(*per_rank)]
 
 
 def plain_ms(result: CaseResult) -> list[float]:
     """Per uninstrumented step (--overhead; paired with the timed step of the same index): the slowest
     rank's barrier-to-barrier time, ms; [] without --overhead."""
-    per_rank = [r.data.get("plain_s") or [] for r in result.ranks]
+    per_rank = [rank_data(r).plain_s for r in result.ranks]
     return [1000 * max(col) for col in zip(*per_rank)]
 
 
 def exposed_ms(result: CaseResult) -> list[float]:
     """Per timed step: the largest exposed DP communication (grad-sync + param-gather) over ranks, ms."""
-    per_rank = [[s.exposed_comm_s for s in r.data["steps"]] for r in result.ranks]
+    per_rank = [[s.exposed_comm_s for s in rank_data(r).steps] for r in result.ranks]
     return [1000 * max(col) for col in zip(*per_rank)]
 
 
 def calibration_ms(result: CaseResult) -> float:
-    return 1000 * statistics.median(x for r in result.ranks for x in r.data["calibration"])
+    return 1000 * statistics.median(x for r in result.ranks for x in rank_data(r).calibration)
 
 
 def phase_medians(result: CaseResult) -> dict[int, dict[str, float]]:
     """rank -> phase -> median ms over the timed steps (plus 'compute': busy time minus exposed comm)."""
     out = {}
     for r in result.ranks:
-        steps = r.data["steps"]
+        steps = rank_data(r).steps
         med = {p: 1000 * statistics.median(s.phases.get(p, 0.0) for s in steps) for p in steps[0].phases}
         med["compute"] = 1000 * statistics.median(s.busy_s - s.exposed_comm_s for s in steps)
         out[r.rank] = med
@@ -58,10 +66,10 @@ def counters(result: CaseResult) -> dict[str, float]:
     """The exact counters of a case as flat metrics."""
     out: dict[str, float] = {}
     for r in result.ranks:
-        c = r.data["counters"]
-        out[f"rank{r.rank}.flops"] = float(c["flops"])
-        out[f"rank{r.rank}.dp_reductions_in_backward"] = float(c["dp_reductions_in_backward"])
-        for what, v in c["collectives"].items():
+        c = rank_data(r).counters
+        out[f"rank{r.rank}.flops"] = float(c.flops)
+        out[f"rank{r.rank}.dp_reductions_in_backward"] = float(c.dp_reductions_in_backward)
+        for what, v in c.collectives.items():
             out[f"rank{r.rank}.{what}.calls"] = float(v["calls"])
             out[f"rank{r.rank}.{what}.bytes"] = float(v["bytes"])
     return out
@@ -74,7 +82,7 @@ def flops_used(result: CaseResult) -> tuple[list[int], str]:
     from harness.checks.flops_model import step_flops
 
     case = result.case
-    counted = [r.data["counters"]["flops"] for r in result.ranks]
+    counted = [rank_data(r).counters.flops for r in result.ranks]
     analytic = [step_flops(case.model, case.layout, r.rank, global_batch_size=case.global_batch_size,
                            micro_batch_size=case.micro_batch_size, recompute=case.options.recompute)
                 for r in result.ranks]

@@ -3,15 +3,14 @@ paired with an uninstrumented one), then one untimed step with the counters inst
 
 from __future__ import annotations
 
-from typing import Any
-
 from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.spec import Case
 from harness.suite_defs.step_perf.params import StepPerfParams
+from harness.suite_defs.step_perf.payload import Counters, StepPerfRankData
 
 
-def count_work(engine, step: int) -> dict[str, Any]:
+def count_work(engine, step: int) -> Counters:
     """One untimed step with the counters installed: FLOPs, collectives by role/kind, overlap."""
     from harness.checks.grad_sync import dp_records
     from harness.probes.collectives import CollectiveRecorder, GroupRoles, instrument
@@ -27,10 +26,10 @@ def count_work(engine, step: int) -> dict[str, Any]:
         entry["bytes"] += c.bytes
     in_backward = sum(1 for c in dp_records(recorder.by_source("dispatch"))
                       if c.kind in ("all_reduce", "reduce_scatter") and c.phase == "backward")
-    return {"flops": flops.total, "collectives": collectives, "dp_reductions_in_backward": in_backward}
+    return Counters(flops.total, collectives, in_backward)
 
 
-def rank_work(case: Case, ctx: RankContext) -> dict[str, Any]:
+def rank_work(case: Case, ctx: RankContext) -> StepPerfRankData:
     import functools
     import random
 
@@ -74,5 +73,4 @@ def rank_work(case: Case, ctx: RankContext) -> dict[str, Any]:
 
         device = {"name": torch.cuda.get_device_name(), "max_allocated": torch.cuda.max_memory_allocated(),
                   "tf32": torch.backends.cuda.matmul.allow_tf32}  # fp32 matmuls on tensor cores
-    return {"coords": layout_coords(), "steps": steps, "plain_s": plain, "calibration": calibration,
-            "counters": counters, "device": device}
+    return StepPerfRankData(steps, calibration, counters, plain, layout_coords(), device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import asdict
 from typing import Any
 
 from harness.checks import CheckResult
@@ -14,6 +15,7 @@ from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.step_perf import figures, judge, rank
 from harness.suite_defs.step_perf.figures import TIMED
 from harness.suite_defs.step_perf.params import CPU_BUCKET_ELEMS, DEFAULT_LAYOUTS, OPTION_SETS, SUITE, StepPerfParams
+from harness.suite_defs.step_perf.payload import StepPerfRankData
 
 
 class StepPerfSuite:
@@ -56,7 +58,7 @@ class StepPerfSuite:
                 out.append(Case(self.name, model, lay, engine, opts, backend, params=p))
         return out
 
-    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> StepPerfRankData:
         return rank.rank_work(case, ctx)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
@@ -67,8 +69,9 @@ class StepPerfSuite:
         med = statistics.median(times)
         tokens = case.global_batch_size * case.model.seq_length
         r0 = figures.phase_medians(result)[0]
-        flops = [r.data["counters"]["flops"] for r in result.ranks]
-        dp_bytes = sum(v["bytes"] for k, v in result.ranks[0].data["counters"]["collectives"].items()
+        data = [figures.rank_data(r) for r in result.ranks]
+        flops = [d.counters.flops for d in data]
+        dp_bytes = sum(v["bytes"] for k, v in data[0].counters.collectives.items()
                        if k.startswith("dp-cp/") or k.startswith("dp/"))
         out = {"step ms": f"{med:.0f}", "tokens/s": f"{tokens / med * 1000:.0f}",
                "fwd/bwd/sync/opt ms (rank 0)": "/".join(f"{r0[p]:.0f}" for p in ("forward", "backward", "grad-sync",
@@ -81,7 +84,7 @@ class StepPerfSuite:
 
             cost = paired_ratio(plain, times)
             out["harness overhead"] = f"{cost.ratio - 1:+.1%} [{cost.ci_low - 1:+.1%}, {cost.ci_high - 1:+.1%}]"
-        device = result.ranks[0].data.get("device") or {}
+        device = data[0].device
         if device:
             from harness.checks.flops_model import matmul_dtype, peak_tflops
 
@@ -136,4 +139,4 @@ class StepPerfSuite:
         return {"step_ms": figures.step_ms(result), "exposed_comm_ms": figures.exposed_ms(result),
                 "plain_step_ms": figures.plain_ms(result), "calibration_ms": figures.calibration_ms(result),
                 "phases_ms": {str(r): m for r, m in figures.phase_medians(result).items()},
-                "counters": {str(r.rank): r.data["counters"] for r in result.ranks}}
+                "counters": {str(r.rank): asdict(figures.rank_data(r).counters) for r in result.ranks}}
