@@ -24,6 +24,7 @@ from harness.suite_defs.ckpt_memory.contract_judge import _judge, _judge_side_ef
 from harness.suite_defs.ckpt_memory.figures import key
 from harness.suite_defs.ckpt_memory.judge import _check_baseline, _check_contract, _check_model
 from harness.suite_defs.ckpt_memory.params import CkptCaseParams
+from harness.suite_defs.ckpt_memory.payload import SaveRankData
 
 NAN, INF = float("nan"), float("inf")
 DP4, TP2 = Layout.parse("tp1-pp1-cp1-dp4"), Layout.parse("tp2-pp1-cp1-dp2")
@@ -105,7 +106,7 @@ def test_a_non_finite_measurement_is_a_regression():
 
 def test_baseline_check_names_a_nan_figure():
     case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
-    res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
+    res = CaseResult(case, [RankResult(0, data=SaveRankData(MemoryPeak("save")))], "ok")
     data = {"entries": {key(case): {"rank0.save_heap_peak_mib": {"value": 29.0, "tolerance": 5.8}}}}
     check = _check_baseline(res, {"rank0.save_heap_peak_mib": NAN}, data, "baselines.json")
     assert not check.passed
@@ -115,7 +116,7 @@ def test_baseline_check_names_a_nan_figure():
 
 def test_baseline_rows_state_the_smallest_detectable_regression():
     case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
-    res = CaseResult(case, [RankResult(0, data={"save": MemoryPeak("save")})], "ok")
+    res = CaseResult(case, [RankResult(0, data=SaveRankData(MemoryPeak("save")))], "ok")
     entries = baselines.build_entries({key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0],
                                                          "rank0.save_writer_peak_mib": [0.16, 0.15, 0.16]}})
     check = _check_baseline(res, {"rank0.save_heap_peak_mib": 29.1, "rank0.save_writer_peak_mib": 0.15},
@@ -291,10 +292,10 @@ def _memory_result(fmt: str, layout: Layout, peaks_mib: list[float], model: str 
                    pinned_mib: float = 0.0) -> CaseResult:
     engine = "fsdp2" if fmt.startswith("fsdp2") else "mcore"
     case = Case("ckpt-memory", load_model(model), layout, engine, CaseOptions(steps=1), backend, params=CkptCaseParams(fmt))
-    ranks = [RankResult(r, data={"save": MemoryPeak("save", heap_peak=int(p * MIB), pinned_peak=int(pinned_mib * MIB))})
-             for r, p in enumerate(peaks_mib)]
-    ranks[0].data["on_disk"] = on_disk or OnDisk(fmt, "fabricated")
-    ranks[0].data["content_metadata"] = label if label is not None else {"distrib_optim_sharding_type": fmt}
+    peaks = [MemoryPeak("save", heap_peak=int(p * MIB), pinned_peak=int(pinned_mib * MIB)) for p in peaks_mib]
+    ranks = [RankResult(r, data=SaveRankData(p)) for r, p in enumerate(peaks)]
+    ranks[0].data = SaveRankData(peaks[0], on_disk=on_disk or OnDisk(fmt, "fabricated"),
+                                 content_metadata=label if label is not None else {"distrib_optim_sharding_type": fmt})
     return CaseResult(case, ranks, "ok")
 
 
@@ -385,7 +386,7 @@ def test_gpu_band_holds_the_pinned_staging_of_what_the_rank_writes():
     n = shard_params(small, DP1, 0)
     assert gpu.low == cpu.low and gpu.high - cpu.high == 2 * 16 * n  # up to 2 x (S + P) = 2 x 92 MiB staged
     res = _memory_result("fully_reshardable", DP1, [207.2], backend="nccl", pinned_mib=96.0)
-    assert res.ranks[0].data["save"].host_peak == int(207.2 * MIB) + 96 * MIB
+    assert res.ranks[0].data.save.host_peak == int(207.2 * MIB) + 96 * MIB
     check = _check_model(res)
     assert not check.failed and "(pinned staging 96.0 MiB of it)" in check.details[0], check.details
     on_cpu = _memory_result("fully_reshardable", DP1, [303.2])

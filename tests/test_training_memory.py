@@ -131,7 +131,7 @@ def _errors(run) -> list[str]:
     for res in run.results:
         for r in res.ranks:
             want = expected_phases(res.case, r.rank)
-            for phase, got in phase_figures(r.data, "gloo").items():
+            for phase, got in phase_figures(r, "gloo").items():
                 out.append((res.case.layout.id, res.case.variant, r.rank, phase, got, want[phase]))
     return out
 

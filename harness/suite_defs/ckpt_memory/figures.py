@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from harness.launch.results import CaseResult
+from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
+from harness.suite_defs.ckpt_memory.payload import SaveRankData
+
+
+def save_data(rank: RankResult) -> SaveRankData:
+    """What a save case's rank returned, as ckpt-memory's payload."""
+    if not isinstance(rank.data, SaveRankData):
+        raise TypeError(f"rank {rank.rank} returned {type(rank.data).__name__}, not ckpt-memory's SaveRankData")
+    return rank.data
 
 
 def key(case: Case) -> str:
@@ -37,9 +45,9 @@ def samples(result: CaseResult) -> dict[str, float]:
             # Only gathers pass through these ranks; their peak is bimodal across reruns (8 or 12 MiB
             # for `small`: one more full tensor alive or not), so only the model band judges them.
             continue
-        out[f"rank{r.rank}.save_heap_peak_mib"] = r.data["save"].heap_peak / MIB
-        out[f"rank{r.rank}.save_writer_peak_mib"] = r.data["save"].children_heap_peak / MIB
+        out[f"rank{r.rank}.save_heap_peak_mib"] = save_data(r).save.heap_peak / MIB
+        out[f"rank{r.rank}.save_writer_peak_mib"] = save_data(r).save.children_heap_peak / MIB
         if result.case.backend == "nccl":
-            out[f"rank{r.rank}.save_pinned_peak_mib"] = r.data["save"].pinned_peak / MIB
-            out[f"rank{r.rank}.save_device_peak_mib"] = r.data["save"].device_peak / MIB
+            out[f"rank{r.rank}.save_pinned_peak_mib"] = save_data(r).save.pinned_peak / MIB
+            out[f"rank{r.rank}.save_device_peak_mib"] = save_data(r).save.device_peak / MIB
     return out

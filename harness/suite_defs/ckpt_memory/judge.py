@@ -12,7 +12,7 @@ from harness.probes.memory import MIB
 from harness.report.artifacts import flamegraph_path
 from harness.suite_defs.ckpt_memory import figures
 from harness.suite_defs.ckpt_memory.figures import key as key_of
-from harness.suite_defs.ckpt_memory.figures import record_command
+from harness.suite_defs.ckpt_memory.figures import record_command, save_data
 from harness.suite_defs.ckpt_memory.params import SUITE, CkptMemoryParams
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResu
 
 def labelled_format(res: CaseResult) -> str:
     """The format the engine's own label says (content metadata / the engine's saved_metadata)."""
-    meta = next((r.data.get("content_metadata") for r in res.ranks if r.data.get("content_metadata")), None) or {}
+    meta = next((m for r in res.ranks if (m := save_data(r).content_metadata)), None) or {}
     if "format" in meta:
         return meta["format"]
     sharding = meta.get("distrib_optim_sharding_type", "?")
@@ -65,7 +65,7 @@ def _check_contract(res: CaseResult) -> CheckResult:
 
     asked = res.case.params.ckpt_format
     expected = EXPECTED_DEFAULTS.get(asked, asked)
-    disk = next(r.data["on_disk"] for r in res.ranks if "on_disk" in r.data)
+    disk = next(d for r in res.ranks if (d := save_data(r).on_disk) is not None)
     label = labelled_format(res)
     what = (f"{res.case.engine} default format (expected {expected})" if asked in EXPECTED_DEFAULTS
             else f"format {asked}")
@@ -106,7 +106,7 @@ def _check_model(res: CaseResult) -> CheckResult:
     for r in res.ranks:
         band = save_band(fmt, case.model, case.layout, r.rank, fp, device)
         why = discrimination(fmt, case.model, case.layout, r.rank, fp, device)
-        save = r.data["save"]
+        save = save_data(r).save
         peak = save.host_peak
         ok = band.contains(peak)
         pinned = f" (pinned staging {save.pinned_peak / MIB:.1f} MiB of it)" if save.pinned_peak else ""
@@ -151,7 +151,7 @@ def _check_baseline(res: CaseResult, samples: dict[str, float], data: dict, path
     by_status = {st: [m for m, v in verdicts.items() if v.status == st]
                  for st in ("missing", "regression", "improvement")}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
-    shown["captures"] = [r.data["save"].capture for r in res.ranks if r.data["save"].capture]
+    shown["captures"] = [save_data(r).save.capture for r in res.ranks if save_data(r).save.capture]
     if not any(by_status.values()):
         coarsest = max(verdicts, key=lambda m: _relative_tolerance(verdicts[m]), default=None)
         sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
@@ -165,7 +165,7 @@ def _check_baseline(res: CaseResult, samples: dict[str, float], data: dict, path
     metric = max(by_status["regression"] or by_status["improvement"],
                  key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
     v = verdicts[metric]
-    capture = res.ranks[int(metric.split(".")[0][4:])].data["save"].capture
+    capture = save_data(res.ranks[int(metric.split(".")[0][4:])]).save.capture
     shown["flamegraph_of"] = capture
     flame = flamegraph_path(capture)
     if not math.isfinite(v.measured):
@@ -203,9 +203,9 @@ def _gathered_off_dp_rank0(res: CaseResult) -> tuple[bool | None, str]:
     if not told:
         return None, "cannot tell: " + discrimination(mem_eff, case.model, case.layout, off[0].rank, fp, device)
     s = {r.rank: save_band("fully_reshardable", case.model, case.layout, r.rank, fp, device).low for r in told}
-    gathered = [r for r in told if r.data["save"].host_peak >= s[r.rank]]
+    gathered = [r for r in told if save_data(r).save.host_peak >= s[r.rank]]
     r = (gathered or told)[0]
-    peak = r.data["save"].host_peak / MIB
+    peak = save_data(r).save.host_peak / MIB
     if gathered:
         return True, (f"ranks off DP rank 0 gathered the state: rank {r.rank} peak {peak:.1f} MiB >= "
                       f"12N = {s[r.rank] / MIB:.1f} MiB ({len(gathered)} of {len(told)} ranks)")

@@ -25,6 +25,7 @@ from harness.suite_defs.ckpt_memory.params import (
     CkptCaseParams,
     CkptMemoryParams,
 )
+from harness.suite_defs.ckpt_memory.payload import SaveRankData
 
 
 class CkptMemorySuite:
@@ -68,7 +69,7 @@ class CkptMemorySuite:
         return memory + (contract_cases(self.name, model, world_size, mcore_engine, backend, options)
                          if contract else [])
 
-    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> SaveRankData | dict[str, Any]:
         import torch.distributed as dist
 
         if case.params.ckpt_role:
@@ -90,18 +91,17 @@ class CkptMemorySuite:
         with ctx.phase("save"), measure("save", captures, ctx.rank, device=not ctx.on_cpu) as peak:
             save(engine, case, ckpt_dir)
         dist.barrier()
-        out = {"coords": layout_coords(), "save": peak}
-        if ctx.rank == 0:
-            from harness.probes.ckpt_format import inspect
+        if ctx.rank != 0:
+            return SaveRankData(peak, layout_coords())
+        from harness.probes.ckpt_format import inspect
 
-            out["on_disk"] = inspect(ckpt_dir)  # what the files are
-            out["content_metadata"] = _label(engine, ckpt_dir)  # what the engine says they are
-        return out
+        # what the files are, and what the engine says they are
+        return SaveRankData(peak, layout_coords(), inspect(ckpt_dir), _label(engine, ckpt_dir))
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok or result.case.params.ckpt_role:
             return {}
-        peaks = [r.data["save"] for r in result.ranks]
+        peaks = [figures.save_data(r).save for r in result.ranks]
         return {"host peak MiB/rank": " ".join(f"{p.host_peak / MIB:.0f}" for p in peaks),
                 "rss peak MiB/rank": " ".join(f"{(p.rss_peak - p.rss_before) / MIB:.0f}" for p in peaks)}
 
@@ -112,7 +112,7 @@ class CkptMemorySuite:
             return {}
         from dataclasses import asdict
 
-        return {"save": {str(r.rank): asdict(r.data["save"]) for r in result.ranks}}
+        return {"save": {str(r.rank): asdict(figures.save_data(r).save) for r in result.ranks}}
 
     key = staticmethod(figures.key)
     record_command = staticmethod(figures.record_command)

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from harness.launch.results import CaseResult
+from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
+from harness.suite_defs.train_memory.payload import TrainMemoryRankData
 
 
-def phase_figures(data: dict, backend: str) -> dict[str, int]:
+def phase_figures(rank: RankResult, backend: str) -> dict[str, int]:
     """The measured bytes of each phase of one rank: heap (CPU) or device allocated (GPU) above its start."""
+    data = rank.data
+    if not isinstance(data, TrainMemoryRankData):
+        raise TypeError(f"rank {rank.rank} returned {type(data).__name__}, not train-memory's TrainMemoryRankData")
     pick = (lambda p: p.device_peak) if backend == "nccl" else (lambda p: p.heap_peak)
-    return {"build": pick(data["build"]), **{f"step{i}": pick(p) for i, p in enumerate(data["steps"])}}
+    return {"build": pick(data.build), **{f"step{i}": pick(p) for i, p in enumerate(data.steps)}}
 
 
 def key(case: Case) -> str:
@@ -30,4 +34,4 @@ def record_command(case: Case) -> str:
 def samples(result: CaseResult) -> dict[str, float]:
     """Per rank and phase, MiB: the heap high-water on CPU ranks, the device's allocated peak on GPUs."""
     return {f"rank{r.rank}.{phase}_mib": value / MIB for r in result.ranks
-            for phase, value in phase_figures(r.data, result.case.backend).items()}
+            for phase, value in phase_figures(r, result.case.backend).items()}

@@ -43,7 +43,7 @@ def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckRes
             continue
         rows, bad = [], []
         for r in res.ranks:
-            measured = phase_figures(r.data, res.case.backend)
+            measured = phase_figures(r, res.case.backend)
             for phase, want in expected_phases(res.case, r.rank).items():
                 got = measured[phase]
                 low, high = band(want)

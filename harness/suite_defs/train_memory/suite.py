@@ -14,6 +14,7 @@ from harness.probes.memory import MIB, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.train_memory import figures, judge
 from harness.suite_defs.train_memory.params import MICRO_BATCH, STEPS, SUITE, TrainMemoryParams
+from harness.suite_defs.train_memory.payload import TrainMemoryRankData
 
 
 class TrainMemorySuite:
@@ -41,7 +42,7 @@ class TrainMemorySuite:
                 for r in p.recompute if not options.recompute]
         return out
 
-    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> TrainMemoryRankData:
         from harness.engines import make_engine
         from harness.platform.parallel import layout_coords, teardown_parallel_state
 
@@ -64,12 +65,12 @@ class TrainMemorySuite:
             steps.append(peak)
         for peak in (build, *steps):  # the figures are kept; the captures are not needed past the rank
             _drop_capture(peak.capture)
-        return {"coords": layout_coords(), "build": build, "steps": steps}
+        return TrainMemoryRankData(build, steps, layout_coords())
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
             return {}
-        per_rank = [figures.phase_figures(r.data, result.case.backend) for r in result.ranks]
+        per_rank = [figures.phase_figures(r, result.case.backend) for r in result.ranks]
         return {f"{name} MiB/rank": " ".join(f"{f[name] / MIB:.1f}" for f in per_rank) for name in per_rank[0]}
 
     key = staticmethod(figures.key)
