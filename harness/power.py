@@ -122,23 +122,28 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     if "baseline" in modes:
         baselines = tempfile.mkdtemp(prefix="harness-power-")
         say(f"recording the unplanted engine's baseline ({model}, {layout}, 3 repeats)")
+        # Fresh ranks for the recording and every trial: a warm pool's ranks gather threads and heap case after
+        # case (measured on `small` at world size 2: 64 -> 382 threads, 290 -> 986 MiB RSS per rank over 12
+        # step-perf cases, step time +5-9%), so trials late in a warm pool read as slower than a baseline
+        # recorded in its first cases - a drift of the pool's age, not of the planted size.
         record_suite("step-perf", model, world_size, [layout], baselines_dir=baselines, backend="gloo",
-                     options=options, suite_params=params)
+                     options=options, suite_params=params, fresh_ranks=True)
         plan = [(w, s) for w in WHERE for s in SIZES]
         for trial in range(trials):
             rng.shuffle(plan)
             for where, size in plan:
                 engine = f"harness.power:{engine_name(where, size)}"
                 run = run_suite("step-perf", model, world_size, [layout], engine=engine, backend="gloo",
-                                options=options, baselines_dir=baselines, suite_params=params,
+                                options=options, baselines_dir=baselines, suite_params=params, fresh_ranks=True,
                                 progress=lambda msg: None).stop_if_interrupted()
                 time_check = next(c for c in run.checks if c.check == "step-perf.time")
                 t = tallies.setdefault(("vs baseline", where, size), Tally("vs baseline", where, size))
                 t.trials += 1
                 t.hits += int(time_check.failed and not time_check.improvement)
                 t.undecided += int(time_check.inconclusive)
-                say(f"trial {trial + 1}/{trials} vs baseline {where} +{size:.0%}: "
-                    f"{'DETECTED' if time_check.failed and not time_check.improvement else 'not detected'}")
+                verdict = "DETECTED" if time_check.failed and not time_check.improvement else \
+                    "cannot tell" if time_check.inconclusive else "not detected"
+                say(f"trial {trial + 1}/{trials} vs baseline {where} +{size:.0%}: {verdict} ({time_check.message})")
     if "compare" in modes:
         sel = CaseSelection("step-perf", model, world_size, (layout,), backend="gloo", options=options)
         sizes = list(SIZES)
