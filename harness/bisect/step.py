@@ -51,7 +51,7 @@ def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False
 def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) -> StepResult:
     from harness import baselines
     from harness.report import versions
-    from harness.suite_defs import Baselined, TimedBaselines
+    from harness.suite_defs import Baselined, TimedBaselines, baselines_dir_of
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
     outcomes = run.outcomes()
@@ -74,7 +74,7 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
         samples = suite.samples(o.result)
         if metric not in samples:
             continue
-        path = baselines.baseline_path(_baselines_dir(run), _platform(o.result), suite.name)
+        path = baselines.baseline_path(baselines_dir_of(run.params), _platform(o.result), suite.name)
         if str(path) not in data:
             data[str(path)] = baselines.load(path)
         case_entry = data[str(path)].get("entries", {}).get(suite.key(o.result.case), {})
@@ -92,13 +92,6 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
         known = sorted({m for o in outcomes for m in suite.samples(o.result)})
         raise BadInput(f"no case of the selection has metric {metric!r}; metrics: {', '.join(known) or 'none'}")
     return worst
-
-
-def _baselines_dir(run) -> str | None:
-    """The run's baselines directory, from its suite parameters (None: the repository's baselines/)."""
-    from harness.suite_defs import baselines_dir_of
-
-    return baselines_dir_of(run.params)
 
 
 def _margin(step: StepResult) -> float:

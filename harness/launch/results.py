@@ -5,10 +5,12 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from harness.files import atomic_write
 from harness.spec import Case
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,12 @@ class RankResult:
     adjustments: list[str] = field(default_factory=list)  # what it changed in the engine (harness/adjustments.py)
     memory: RankMemory | None = None
     leaks: list[str] = field(default_factory=list)  # what the case left in a warm rank (launch/isolation.py)
+
+    def payload_as(self, kind: type[T]) -> T:
+        """`data` as the suite's payload dataclass; TypeError naming the rank and what it returned otherwise."""
+        if not isinstance(self.data, kind):
+            raise TypeError(f"rank {self.rank} returned {type(self.data).__name__}, not {kind.__name__}")
+        return self.data
 
 
 @dataclass

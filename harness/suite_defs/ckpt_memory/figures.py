@@ -10,9 +10,7 @@ from harness.suite_defs.ckpt_memory.payload import SaveRankData
 
 def save_data(rank: RankResult) -> SaveRankData:
     """What a save case's rank returned, as ckpt-memory's payload."""
-    if not isinstance(rank.data, SaveRankData):
-        raise TypeError(f"rank {rank.rank} returned {type(rank.data).__name__}, not ckpt-memory's SaveRankData")
-    return rank.data
+    return rank.payload_as(SaveRankData)
 
 
 def key(case: Case) -> str:

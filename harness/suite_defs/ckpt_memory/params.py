@@ -19,6 +19,7 @@ ALL_FORMATS = FORMATS + ("fully_sharded_model_space",)
 # also saved async, and through megatron's fully parallel save wrapper, in the default matrix
 ASYNC_FORMATS = FULLY_PARALLEL_FORMATS = ("dp_reshardable", "fully_reshardable")
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
+CONTRACT_FORMATS = ("dp_reshardable", "fully_reshardable")  # the reshard contract's (contract.py)
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,6 @@ class CkptMemoryParams:
         unknown = sorted(set(self.formats) - set(ALL_FORMATS))
         if unknown:
             raise BadInput(f"unknown checkpoint format(s) {unknown}; known: {', '.join(ALL_FORMATS)}")
-CONTRACT_FORMATS = ("dp_reshardable", "fully_reshardable")  # the reshard contract's (contract.py)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,7 @@ TIMED = (*TIMED_METRICS, "calibration_ms")  # judged by statistics on samples; t
 
 def rank_data(rank: RankResult) -> StepPerfRankData:
     """What the rank returned, as step-perf's payload."""
-    if not isinstance(rank.data, StepPerfRankData):
-        raise TypeError(f"rank {rank.rank} returned {type(rank.data).__name__}, not step-perf's StepPerfRankData")
-    return rank.data
+    return rank.payload_as(StepPerfRankData)
 
 
 def step_ms(result: CaseResult) -> list[float]:

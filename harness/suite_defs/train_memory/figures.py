@@ -10,9 +10,7 @@ from harness.suite_defs.train_memory.payload import TrainMemoryRankData
 
 def phase_figures(rank: RankResult, backend: str) -> dict[str, int]:
     """The measured bytes of each phase of one rank: heap (CPU) or device allocated (GPU) above its start."""
-    data = rank.data
-    if not isinstance(data, TrainMemoryRankData):
-        raise TypeError(f"rank {rank.rank} returned {type(data).__name__}, not train-memory's TrainMemoryRankData")
+    data = rank.payload_as(TrainMemoryRankData)
     pick = (lambda p: p.device_peak) if backend == "nccl" else (lambda p: p.heap_peak)
     return {"build": pick(data.build), **{f"step{i}": pick(p) for i, p in enumerate(data.steps)}}
 
