@@ -65,6 +65,20 @@ class SkipParamAllGather(McoreEngine):
         super().build()
 
 
+_KEPT_GROUPS: list = []
+
+
+class KeepsGroupAlive(McoreEngine):
+    """Keeps a reference to its DP process group after the case (as an lru_cache on a method did): the group
+    is destroyed but its gloo threads run on in the warm rank."""
+
+    def build(self) -> None:
+        from megatron.core import parallel_state
+
+        super().build()
+        _KEPT_GROUPS.append(parallel_state.get_data_parallel_group())
+
+
 class GradReduceOnWorld(McoreEngine):
     """Gradients reduced over the whole world instead of the DP x CP group (sums different TP shards)."""
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.driver import run_suite
@@ -53,6 +55,30 @@ def test_leaking_case_is_detected_and_the_pool_recovers():
 
         checks = {c.check: c for c in GradSyncSuite().check([clean])}
         assert checks["grad-sync.plan"].passed, checks["grad-sync.plan"].message
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_warm_ranks_keep_their_threads_and_a_kept_group_retires_the_pool():
+    """Case after case a warm rank ends with the threads it had: megatron 0.16's lru_cache on
+    RotaryEmbedding.forward kept every finished case's rotary module and its CP group (three gloo threads
+    each: +3 threads per case) until the teardown cleared megatron's caches. A case that keeps a group
+    alive itself is a leak: the pool is retired and the next case gets fresh ranks."""
+    pool = RankPool(2, "gloo")
+    tiny = load_model("tiny")
+    opts = CaseOptions(steps=1)
+    try:
+        runs = [pool.run(Case("grad-sync", tiny, Layout(dp=2), "mcore", opts)) for _ in range(3)]
+        assert all(r.ok and not r.notes for r in runs), [r.notes for r in runs]
+        threads = [[r.memory.threads for r in run.ranks if r.memory] for run in runs]
+        assert threads[0] == threads[1] == threads[2], threads
+        kept = pool.run(Case("grad-sync", tiny, Layout(dp=2), "tests.faulty_engines:KeepsGroupAlive", opts))
+        assert kept.ok
+        assert any(re.search(r"left threads: \d+ -> \d+ \(a process group or pool the case made outlived it\)", n)
+                   for n in kept.notes), kept.notes
+        after = pool.run(Case("grad-sync", tiny, Layout(dp=2), "mcore", opts))
+        assert after.ok and after.fresh_ranks and not after.notes
     finally:
         pool.close()
 

@@ -1,4 +1,4 @@
-"""What a case may not leave behind in a warm rank: patched functions, modes, groups, megatron globals.
+"""What a case may not leave behind in a warm rank: patched functions, modes, groups, threads, megatron globals.
 
 A pooled rank snapshots these before its first case and compares after each one; any difference
 retires the pool (the next case gets fresh ranks) and is reported with the case.
@@ -45,6 +45,8 @@ def snapshot() -> dict[str, Any]:
     import torch
     from torch.distributed import distributed_c10d as c10d
 
+    from harness.probes import proc
+
     snap: dict[str, Any] = {}
     for path, attrs in _WATCHED.items():
         try:
@@ -58,6 +60,7 @@ def snapshot() -> dict[str, Any]:
     snap["torch function modes"] = torch._C._len_torch_function_stack()
     snap["torch dispatch modes"] = torch._C._len_torch_dispatch_stack()
     snap["process groups"] = len(c10d._world.pg_map)
+    snap["threads"] = proc.thread_count()
     snap["default dtype"] = str(torch.get_default_dtype())
     snap["grad enabled"] = torch.is_grad_enabled()
     try:
@@ -77,6 +80,12 @@ def leaks(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     for key, value in after.items():
         if key not in before:
             continue  # a module first imported by this case
+        if key == "threads":
+            # a destroyed process group still referenced keeps its gloo threads (three per group) running,
+            # and a warm rank's next case would share the machine with them
+            if value > before[key]:
+                out.append(f"threads: {before[key]} -> {value} (a process group or pool the case made outlived it)")
+            continue
         if before[key] != value:
             if key.endswith(("modes", "groups", "dtype", "enabled", "initialised")):
                 out.append(f"{key}: {before[key]} -> {value}")

@@ -140,6 +140,7 @@ def pool_main(pool_dir: Path) -> None:
     import importlib
 
     from harness.launch import isolation
+    from harness.platform.parallel import release_memory
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = os.environ["HARNESS_BACKEND"]
@@ -154,6 +155,7 @@ def pool_main(pool_dir: Path) -> None:
                 pass
     with startup.phase("init"):
         init_distributed(startup, float(os.environ.get("HARNESS_PG_TIMEOUT", "1800")))
+    freeze_long_lived()
     baseline = isolation.snapshot()
     first = True
     for line in sys.stdin:
@@ -166,6 +168,10 @@ def pool_main(pool_dir: Path) -> None:
             ctx.result.timings.update(startup.result.timings)
             first = False
         result = run_rank(case, ctx, own_process_group=False)
+        # What the case left collected and its heap given back before the next: after a grad-sync case with the
+        # distributed optimizer its DDP (a reference cycle through the gradient hooks) and with it 16 destroyed
+        # gloo groups (48 threads) outlived the teardown's collection and ran through the whole next case.
+        release_memory()
         leaked = isolation.leaks(baseline, isolation.snapshot())
         result.leaks = leaked
         write_result(case_dir, result)
@@ -174,6 +180,16 @@ def pool_main(pool_dir: Path) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def freeze_long_lived() -> None:
+    """Move what the rank holds for its whole life (modules, the process group) out of the garbage collector's
+    sight: a full collection then scans a case's objects only. Measured on a warm `tiny` rank: the teardown's
+    gc.collect took 0.2-0.37 s of 0.26-0.44 s per case over ~400k import-time objects."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def write_result(result_dir: Path, result: RankResult) -> None:

@@ -191,6 +191,12 @@ def serve(sock: socket.socket, status_dir: Path) -> None:
         except ImportError:
             if module in PRELOAD:
                 raise
+    import gc
+
+    # What the imports made is never garbage: out of every later collection (each rank's, case after case) and
+    # out of the pages a collection would write to in every forked rank.
+    gc.collect()
+    gc.freeze()
     sock.send(json.dumps({"ready": True}).encode())
     zygote_pid = os.getpid()
     while True:
