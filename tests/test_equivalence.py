@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from harness.checks.step_outputs import TrainedRankData
 from harness.checks.tensors import assemble
 from harness.driver import run_suite
 from harness.engines.base import ParamShard, StepOutput, tp_shard
@@ -34,11 +35,9 @@ def test_assemble_reports_replica_spread_and_missing_shards():
 
 def _fake_result(layout: Layout, losses: list[float], w: torch.Tensor) -> CaseResult:
     case = Case("equivalence", load_model("tiny"), layout)
-    rank = RankResult(0, data={
-        "coords": {"tp": 0, "pp": 0, "cp": 0, "dp": 0, "last_stage": 1},
-        "steps": [StepOutput(l * 64, 64) for l in losses],
-        "params": [ParamShard("w", w, None, 0, 1)],
-    })
+    rank = RankResult(0, data=TrainedRankData({"tp": 0, "pp": 0, "cp": 0, "dp": 0, "last_stage": 1},
+                                              [StepOutput(l * 64, 64) for l in losses],
+                                              [ParamShard("w", w, None, 0, 1)]))
     return CaseResult(case, [rank], "ok")
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from harness.checks.numeric import beyond, nonfinite_summary, within, worst
+from harness.checks.step_outputs import TrainedRankData
 from harness.checks.tensors import assemble
 from harness.engines.base import ParamShard, StepOutput
 from harness.launch.results import CaseResult, RankResult
@@ -40,12 +41,12 @@ def test_a_nan_replica_is_not_identical_to_its_copies():
 
 def _equivalence_result(layout: Layout, w: torch.Tensor, losses=(4.0, 3.5), replica: torch.Tensor | None = None):
     case = Case("equivalence", load_model("tiny"), layout)
-    ranks = [RankResult(0, data={"coords": {"tp": 0, "pp": 0, "cp": 0, "dp": 0, "last_stage": 1},
-                                 "steps": [StepOutput(x * 64, 64) for x in losses],
-                                 "params": [ParamShard("w", w, None, 0, 1)]})]
+    ranks = [RankResult(0, data=TrainedRankData({"tp": 0, "pp": 0, "cp": 0, "dp": 0, "last_stage": 1},
+                                                [StepOutput(x * 64, 64) for x in losses],
+                                                [ParamShard("w", w, None, 0, 1)]))]
     if replica is not None:
-        ranks.append(RankResult(1, data={"coords": {"tp": 0, "pp": 0, "cp": 0, "dp": 1, "last_stage": 1},
-                                         "steps": [], "params": [ParamShard("w", replica, None, 0, 1)]}))
+        ranks.append(RankResult(1, data=TrainedRankData({"tp": 0, "pp": 0, "cp": 0, "dp": 1, "last_stage": 1}, [],
+                                                        [ParamShard("w", replica, None, 0, 1)])))
     return CaseResult(case, ranks, "ok")
 
 
@@ -96,16 +97,23 @@ def test_nan_replica_fails_the_replica_check():
     assert checks["equivalence.replicas"].message.endswith("worst w: max abs nan")
 
 
+def _grad_sync_data(params):
+    from harness.suite_defs.grad_sync import GradSyncRankData
+
+    return GradSyncRankData({}, [], params, [], 0.0, 0.0)
+
+
 def test_grad_sync_nan_replica_fails():
     from harness.suite_defs.grad_sync import GradSyncSuite
 
     bad = torch.ones(4)
     bad[0] = NAN
     case = Case("grad-sync", load_model("tiny"), Layout(dp=2), options=CaseOptions(steps=3))
-    res = CaseResult(case, [RankResult(0, data={"params": [ParamShard("w", torch.ones(4), None, 0, 1)]}),
-                            RankResult(1, data={"params": [ParamShard("w", bad, None, 0, 1)]})], "ok")
+    res = CaseResult(case, [RankResult(0, data=_grad_sync_data([ParamShard("w", torch.ones(4), None, 0, 1)])),
+                            RankResult(1, data=_grad_sync_data([ParamShard("w", bad, None, 0, 1)]))], "ok")
     check = GradSyncSuite._check_replicas(res)
-    assert not check.passed and "DP replicas drifted after 3 steps: 1 params differ, worst w max abs nan" in check.message
+    assert not check.passed
+    assert "DP replicas drifted after 3 steps: 1 params differ, worst w max abs nan" in check.message
 
 
 # -- dynamic-cp ----------------------------------------------------------------------------------
@@ -114,9 +122,12 @@ def _cp_result(mode: str, logprobs: torch.Tensor, grad: torch.Tensor) -> CaseRes
     from harness.engines.dynamic_cp import CPCaseParams
 
     case = Case("dynamic-cp", load_model("tiny"), Layout(dp=1), params=CPCaseParams("m", (4,), mode))
-    record = (0, torch.arange(4), logprobs, 1, 0)
-    return CaseResult(case, [RankResult(0, data={"records": [record], "merged": [logprobs], "grads": {"w": grad},
-                                                 "loss_sum": float(-logprobs.sum()), "num_tokens": 4})], "ok")
+    from harness.checks.dynamic_cp import DynamicCPRankData
+    from harness.engines.dynamic_cp import TokenOutputs
+
+    record = TokenOutputs(0, torch.arange(4), logprobs, 1, 0)
+    return CaseResult(case, [RankResult(0, data=DynamicCPRankData([record], float(-logprobs.sum()), 4, [logprobs],
+                                                                  {"w": grad}))], "ok")
 
 
 def test_dynamic_cp_inf_log_prob_and_nan_gradient_fail():

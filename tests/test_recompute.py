@@ -15,7 +15,7 @@ import torch
 from harness.checks.tensors import assemble
 from harness.driver import run_suite
 from harness.spec import CaseOptions
-from harness.checks.step_outputs import step_losses
+from harness.checks.step_outputs import step_losses, trained
 
 # Every layout of world size 2: DP (the reference), TP, PP and CP (the harness's reference CP
 # attention, which selective recompute checkpoints in place of megatron's local core attention).
@@ -43,8 +43,8 @@ def test_recompute_trains_exactly_like_no_recompute(recompute):
         lay = on.case.layout.id
         assert on.case.options.recompute == recompute and off.case.options.recompute == ""
         assert step_losses(on) == step_losses(off), (lay, step_losses(on), step_losses(off))
-        got = assemble([r.data["params"] for r in on.ranks]).tensors
-        want = assemble([r.data["params"] for r in off.ranks]).tensors
+        got = assemble([trained(r).params for r in on.ranks]).tensors
+        want = assemble([trained(r).params for r in off.ranks]).tensors
         assert set(got) == set(want), (lay, set(got) ^ set(want))
         differ = {n: _worst_rel(got[n], want[n]) for n in want if not torch.equal(got[n], want[n])}
         assert not differ, f"{lay}: {len(differ)}/{len(want)} params differ after {on.case.options.steps} steps " \

@@ -13,7 +13,7 @@ from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
 from harness.probes.memory import MIB, MemoryPeak
 from harness.spec import Case, CaseOptions, Layout
-from harness.suite_defs.grad_sync import GradSyncSuite
+from harness.suite_defs.grad_sync import GradSyncRankData, GradSyncSuite
 
 
 def test_equivalence_at_world_size_1_is_skipped_with_the_ranks_it_needs():
@@ -66,7 +66,8 @@ def test_grad_sync_replicas_cannot_tell_without_dp_replicas():
                                                     "so none can drift apart: needs DP x CP >= 2")
     shards = [ParamShard("w", torch.ones(2), None, 0, 1)]
     dp2 = CaseResult(Case("grad-sync", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions(steps=3)),
-                     [RankResult(0, data={"params": shards}), RankResult(1, data={"params": shards})], "ok")
+                     [RankResult(0, data=GradSyncRankData({}, [], shards, [], 0.0, 0.0)),
+                      RankResult(1, data=GradSyncRankData({}, [], shards, [], 0.0, 0.0))], "ok")
     assert GradSyncSuite._check_replicas(dp2).passed
 
 
@@ -74,7 +75,8 @@ def test_peft_export_at_one_layout_cannot_tell_and_the_memory_check_on_tiny_neit
     from harness.checks import peft_ckpt
 
     case = Case("peft-ckpt", load_model("tiny"), Layout(), "megatron-bridge", CaseOptions(lora_dim=8, lora_alpha=16))
-    res = CaseResult(case, [RankResult(0, data={"export": MemoryPeak("export", heap_peak=MIB)})], "ok")
+    export = MemoryPeak("export", heap_peak=MIB)
+    res = CaseResult(case, [RankResult(0, data=peft_ckpt.PeftRankData({}, [], export=export))], "ok")
     memory = peft_ckpt._check_memory(res)
     assert memory.inconclusive and "a whole-model export would fit that bound too" in memory.message
     alone = peft_ckpt.export_alone(res)  # what check() files for a run of one layout (its HF side needs real ranks)

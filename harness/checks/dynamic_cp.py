@@ -3,7 +3,7 @@ reference, from the tensors the ranks returned (coverage of every token, log-pro
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,11 +11,28 @@ from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_count, nonfinite_summary, severity, within
 from harness.checks.tensors import rel_error
 from harness.engines.dynamic_cp import TokenOutputs
-from harness.launch.results import CaseResult
+from harness.launch.results import CaseResult, RankResult
 
 # fp32 on CPU: CP changes only the reduction order (attention over gathered K/V, gradient sums);
 # measured errors are ~1e-7 (log-probs) to ~2e-6 (gradients); a wrong chunk, sample or scale is >= 1e-2.
 RTOL = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+@dataclass(frozen=True)
+class DynamicCPRankData:
+    """What a dynamic-cp rank returns: the log-probs it computed, per part of a sample and with the local CP size
+    it ran at, its loss sum and token count; rank 0 also the engine's merged log-probs per sample (in the
+    original order) and the full gradient of every parameter."""
+
+    records: list[TokenOutputs]
+    loss_sum: float
+    num_tokens: int
+    merged: list[torch.Tensor] = field(default_factory=list)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def cp_data(rank: RankResult) -> DynamicCPRankData:
+    return rank.payload_as(DynamicCPRankData)
 
 
 def expected_local_cp(length: int, max_per_rank: int) -> int:
@@ -62,7 +79,7 @@ def _check_coverage(res: CaseResult) -> CheckResult:
     local_cp: dict[int, set[int]] = {}
     problems = []
     for rank in res.ranks:
-        for rec in map(_record, rank.data["records"]):
+        for rec in cp_data(rank).records:
             if not 0 <= rec.sample < len(lengths):
                 problems.append(f"rank {rank.rank} computed tokens of sample {rec.sample}, which is not in the batch")
                 continue
@@ -101,7 +118,7 @@ def _check_coverage(res: CaseResult) -> CheckResult:
 
 def _check_logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
     lengths = res.case.params.seqlens
-    got = _rank0(res)["merged"]
+    got = _rank0(res).merged
     want = _reference_logprobs(ref)
     head = f"{res.case.layout.id} {res.case.params.cp_mode}"
     if len(got) != len(want):
@@ -144,7 +161,7 @@ def _check_loss(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
 
 
 def _check_grads(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
-    got, want = _rank0(res)["grads"], _rank0(ref)["grads"]
+    got, want = _rank0(res).grads, _rank0(ref).grads
     head = f"{res.case.layout.id} {res.case.params.cp_mode}"
     if set(got) != set(want):
         return CheckResult("dynamic-cp.grads", res.case.id, False,
@@ -165,12 +182,8 @@ def _check_grads(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
                        value=errs[worst])
 
 
-def _record(t: tuple) -> TokenOutputs:
-    return TokenOutputs(*t)
-
-
-def _rank0(res: CaseResult) -> dict[str, Any]:
-    return next(r.data for r in res.ranks if r.rank == 0)
+def _rank0(res: CaseResult) -> DynamicCPRankData:
+    return next(cp_data(r) for r in res.ranks if r.rank == 0)
 
 
 def _reference_logprobs(ref: CaseResult) -> list[torch.Tensor]:
@@ -178,16 +191,16 @@ def _reference_logprobs(ref: CaseResult) -> list[torch.Tensor]:
     lengths = ref.case.params.seqlens
     out = [torch.full((n,), float("nan")) for n in lengths]
     for rank in ref.ranks:
-        for rec in map(_record, rank.data["records"]):
+        for rec in cp_data(rank).records:
             if 0 <= rec.sample < len(lengths):
                 out[rec.sample][rec.positions] = rec.logprobs
     return out
 
 
 def loss_per_token(res: CaseResult) -> float:
-    s = sum(r.data["loss_sum"] for r in res.ranks)
+    s = sum(cp_data(r).loss_sum for r in res.ranks)
     return s / max(_tokens(res), 1)
 
 
 def _tokens(res: CaseResult) -> int:
-    return sum(r.data["num_tokens"] for r in res.ranks)
+    return sum(cp_data(r).num_tokens for r in res.ranks)

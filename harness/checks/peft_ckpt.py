@@ -2,15 +2,53 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
+from harness.checks.step_outputs import TrainedRankData
+from harness.engines.base import ParamShard, StepOutput
 from harness.engines.lora import CONFIG_FILE, hf_target_modules
-from harness.launch.results import CaseResult
-from harness.probes.memory import MIB
+from harness.launch.results import CaseResult, RankResult
+from harness.probes.memory import MIB, MemoryPeak
 from harness.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Reload:
+    """An adapter loaded into a fresh Megatron model at another layout: the held-out batch's outputs, or where
+    and why it failed (refusal: the kind of refusal a format gives for a layout it does not promise)."""
+
+    layout: str
+    coords: dict[str, int] = field(default_factory=dict)
+    eval: list[StepOutput] = field(default_factory=list)
+    error: str = ""
+    phase: str = ""  # build | load | after the load
+    refusal: str = ""
+    traceback: str = ""
+
+
+@dataclass(frozen=True)
+class PeftRankData(TrainedRankData):
+    """What a peft-ckpt rank returns: its training steps (TrainedRankData) and the held-out batch's outputs, the
+    export's host peak, rank 0's HF + PEFT side (hf_side: tensors, config, log-probs; None elsewhere), the
+    model's adapter shards, and the two reloads (the HF PEFT export; the adapter-only distributed checkpoint)."""
+
+    eval: list[StepOutput] = field(default_factory=list)
+    export: MemoryPeak | None = None
+    hf: dict[str, Any] | None = None
+    adapters: list[ParamShard] = field(default_factory=list)
+    roundtrip: Reload | None = None
+    legacy: Reload | None = None
+
+
+def peft_data(rank: RankResult) -> PeftRankData:
+    return rank.payload_as(PeftRankData)
+
+
+def _held_out(data: TrainedRankData) -> list[StepOutput]:
+    return data.eval if isinstance(data, PeftRankData) else []
 
 # fp32 on CPU: HF and Megatron differ by reduction order (~1e-7); a wrong slice moves tokens by >= 1e-3
 LOGPROB_RTOL = 1e-5
@@ -107,7 +145,7 @@ def _check_tensors(res: CaseResult, hf: dict) -> CheckResult:
     from harness.engines.lora import expected_hf_adapter
 
     cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.tensors"
-    want = expected_hf_adapter(assemble([r.data["adapters"] for r in res.ranks]).tensors, res.case.model)
+    want = expected_hf_adapter(assemble([peft_data(r).adapters for r in res.ranks]).tensors, res.case.model)
     got = hf["tensors"]
     if not want:
         return CheckResult(name, cid, False, f"{lay}: the engine reported no adapter parameters (.adapter. names)")
@@ -137,7 +175,7 @@ def _check_logprobs(res: CaseResult, hf: dict) -> CheckResult:
     cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.logprobs"
     if "load_error" in hf:
         return CheckResult(name, cid, False, f"{lay}: not computed: PEFT refused the adapter")
-    got = first_step_logprobs(res, key="eval")
+    got = first_step_logprobs(res, _held_out)
     if got is None:
         return CheckResult(name, cid, False, f"{lay}: the engine captured no log-probs of the held-out batch")
     megatron, counts = got
@@ -174,17 +212,17 @@ def _check_reload(res: CaseResult, which: str) -> CheckResult:
 
     cid, lay, name = res.case.id, res.case.layout.id, f"peft-ckpt.{which}"
     what = {"roundtrip": "the exported HF PEFT adapter", "legacy": "the adapter-only distributed checkpoint"}[which]
-    parts = [r.data[which] for r in res.ranks]
-    target = parts[0]["layout"]
-    errors = [(r.rank, p) for r, p in zip(res.ranks, parts) if "error" in p]
+    parts = [_reload_of(r, which) for r in res.ranks]
+    target = parts[0].layout
+    errors = [(r.rank, p) for r, p in zip(res.ranks, parts) if p.error]
     if errors:
         rank, p = errors[0]
-        kind = f" ({p['refusal']})" if p.get("refusal") else ""
-        verb = "was refused" if p["phase"] == "load" else f"failed in {p['phase']}"
-        return CheckResult(name, cid, False, f"{lay} -> {target}: {what} {verb} on rank {rank}{kind}: {p['error']}",
-                           p.get("traceback", "").splitlines()[-8:])
-    reloaded = assemble_logprobs(res.case, parts, key="eval")
-    source = first_step_logprobs(res, key="eval")
+        kind = f" ({p.refusal})" if p.refusal else ""
+        verb = "was refused" if p.phase == "load" else f"failed in {p.phase}"
+        return CheckResult(name, cid, False, f"{lay} -> {target}: {what} {verb} on rank {rank}{kind}: {p.error}",
+                           p.traceback.splitlines()[-8:])
+    reloaded = assemble_logprobs(res.case, [(p.coords, p.eval) for p in parts])
+    source = first_step_logprobs(res, _held_out)
     if reloaded is None or source is None:
         return CheckResult(name, cid, False, f"{lay} -> {target}: no held-out log-probs captured")
     (got, counts), (want, _) = reloaded, source
@@ -235,7 +273,7 @@ def _check_memory(res: CaseResult) -> CheckResult:
     name = "peft-ckpt.memory"
     bound = export_bound(m, o.lora_dim)
     adapter = 4 * adapter_values(m, o.lora_dim)
-    peaks = {r.rank: r.data["export"].host_peak for r in res.ranks}
+    peaks = {r.rank: _export_peak(r).host_peak for r in res.ranks}
     worst = max(peaks, key=lambda r: peaks[r])
     rows = [f"  rank {r}: {p / MIB:.2f} MiB" for r, p in sorted(peaks.items())]
     why = (f"adapter {adapter / MIB:.2f} MiB x {EXPORT_COPIES} + {EXPORT_FIXED / MIB:.0f} MiB fixed; "
@@ -277,5 +315,23 @@ class TensorDiff:
         return cls([], [], [], errs, bad, max(errs, key=lambda k: severity(errs[k])) if errs else None)
 
 
+def _reload_of(rank: RankResult, which: str) -> Reload:
+    data = peft_data(rank)
+    reload = data.roundtrip if which == "roundtrip" else data.legacy
+    if reload is None:
+        raise TypeError(f"rank {rank.rank} returned no {which} reload")
+    return reload
+
+
+def _export_peak(rank: RankResult) -> MemoryPeak:
+    peak = peft_data(rank).export
+    if peak is None:
+        raise TypeError(f"rank {rank.rank} returned no export peak")
+    return peak
+
+
 def _hf(result: CaseResult) -> dict:
-    return next(r.data["hf"] for r in result.ranks if r.rank == 0)
+    hf = next(peft_data(r).hf for r in result.ranks if r.rank == 0)
+    if hf is None:
+        raise TypeError("rank 0 returned no HF + PEFT side of the export")
+    return hf

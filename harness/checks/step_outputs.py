@@ -4,32 +4,49 @@ differ from reference ones. Read by equivalence, golden and peft-ckpt."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from harness.launch.results import CaseResult
+from harness.engines.base import ParamShard, StepOutput
+from harness.launch.results import CaseResult, RankResult
 from harness.spec import Case
 
 
-def first_step_logprobs(result: CaseResult, key: str = "steps") -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(log-probs [global batch, seq], how many ranks reported each token) of the first step in the ranks'
-    `key` list, assembled from the last-stage, TP-rank-0 ranks in the original token order (NaN where
-    none did); None when the engine captured none."""
-    return assemble_logprobs(result.case, [r.data for r in result.ranks], key)
+@dataclass(frozen=True)
+class TrainedRankData:
+    """What a rank that trained returns (equivalence's payload; golden's and peft-ckpt's extend it): its place
+    in the layout, each step's outputs, and its parameter shards after the last step."""
+
+    coords: dict[str, int]  # harness.platform.parallel.layout_coords
+    steps: list[StepOutput]
+    params: list[ParamShard] = field(default_factory=list)
 
 
-def assemble_logprobs(case: Case, rank_data: list[dict], key: str = "steps"
+def trained(rank: RankResult) -> TrainedRankData:
+    """A rank's payload as TrainedRankData (or a subclass); TypeError naming the rank otherwise."""
+    return rank.payload_as(TrainedRankData)
+
+
+def first_step_logprobs(result: CaseResult, outputs: Callable[[TrainedRankData], list[StepOutput]] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(log-probs [global batch, seq], how many ranks reported each token) of the first of each rank's
+    `outputs` (default: its training steps), assembled from the last-stage, TP-rank-0 ranks in the original
+    token order (NaN where none did); None when the engine captured none."""
+    pick = outputs or (lambda d: d.steps)
+    return assemble_logprobs(result.case, [(d.coords, pick(d)) for d in map(trained, result.ranks)])
+
+
+def assemble_logprobs(case: Case, rank_outputs: list[tuple[dict[str, int], list[StepOutput]]]
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """first_step_logprobs over the data dicts of a case's ranks (each with `coords` and `key`)."""
+    """first_step_logprobs over (coords, step outputs) of a case's ranks."""
     gbs, seq = case.global_batch_size, case.model.seq_length
     values = torch.full((gbs, seq), float("nan"), dtype=torch.float64)
     counts = torch.zeros((gbs, seq), dtype=torch.long)
-    for data in rank_data:
-        c = data.get("coords", {})
+    for c, steps in rank_outputs:
         if not c.get("last_stage") or c.get("tp") != 0:
             continue
-        steps = data.get(key, [])
         if not steps or steps[0].token_logprobs is None:
             return None
         for part in steps[0].token_logprobs:
@@ -84,12 +101,12 @@ def position_ranges(positions: list[int]) -> str:
 def step_losses(result: CaseResult) -> list[float]:
     """Global per-token mean loss per step, from the last-stage, TP-rank-0 ranks."""
     sums: dict[int, list[float]] = {}
-    for r in result.ranks:
-        c = r.data.get("coords", {})
+    for data in map(trained, result.ranks):
+        c = data.coords
         if not c.get("last_stage") or c.get("tp") != 0:
             continue
-        for i, out in enumerate(r.data.get("steps", [])):
-            if out.loss_sum is None:
+        for i, out in enumerate(data.steps):
+            if out.loss_sum is None or out.num_tokens is None:
                 continue
             acc = sums.setdefault(i, [0.0, 0.0])
             acc[0] += out.loss_sum

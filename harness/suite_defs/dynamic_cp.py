@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.checks.dynamic_cp import judge, loss_per_token
+from harness.checks.dynamic_cp import DynamicCPRankData, judge, loss_per_token
 from harness.engines import resolve_factory
 from harness.engines.dynamic_cp import CPCaseParams, CPEngine, TokenOutputs
 from harness.engines.dynamic_cp_api import check_dynamic_cp_available
@@ -125,7 +125,7 @@ class DynamicCPSuite:
                                 params=CPCaseParams(name, tuple(lengths), mode, max_seqlen_per_rank(world_size))))
         return out
 
-    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> DynamicCPRankData:
         engine = make_cp_engine(case, ctx)
         with ctx.phase("build"):
             engine.build()
@@ -133,12 +133,8 @@ class DynamicCPSuite:
             engine.run()
         with ctx.phase("collect"):
             merged = engine.merge(engine.gather_records(), len(case.params.seqlens))
-            data = {"records": [_plain(r) for r in engine.records], "loss_sum": engine.loss_sum,
-                    "num_tokens": engine.num_tokens}
-            if ctx.rank == 0:
-                data["merged"] = merged
-                data["grads"] = engine.grads()
-        return data
+            return DynamicCPRankData([_plain(r) for r in engine.records], engine.loss_sum, engine.num_tokens,
+                                     merged if ctx.rank == 0 else [], engine.grads() if ctx.rank == 0 else {})
 
     def check(self, results: list[CaseResult], params: DynamicCPParams | None = None) -> list[CheckResult]:
         return judge(results)
@@ -152,5 +148,6 @@ def make_cp_engine(case: Case, ctx: RankContext) -> CPEngine:
     return factory(case, ctx)
 
 
-def _plain(r: TokenOutputs) -> tuple:
-    return (r.sample, r.positions, r.logprobs, r.local_cp, r.rank)
+def _plain(r: TokenOutputs) -> TokenOutputs:
+    """The harness's own TokenOutputs of what an engine (or a subclass's record type) reported."""
+    return TokenOutputs(r.sample, r.positions, r.logprobs, r.local_cp, r.rank)

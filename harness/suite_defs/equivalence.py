@@ -8,7 +8,15 @@ from typing import Any
 
 from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, severity, within
-from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs, position_ranges, step_losses
+from harness.checks.step_outputs import (
+    LogprobDiff,
+    TrainedRankData,
+    coverage_problem,
+    first_step_logprobs,
+    position_ranges,
+    step_losses,
+    trained,
+)
 from harness.checks.tensors import assemble, max_abs, rel_error
 from harness.engines import make_engine
 from harness.launch.context import RankContext
@@ -65,7 +73,7 @@ class EquivalenceSuite:
                 f"layout for {model.name}: needs world size 2 or more (e.g. --world-size 2 or 4)")]
         return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]
 
-    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> TrainedRankData:
         from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
@@ -77,7 +85,7 @@ class EquivalenceSuite:
                 steps.append(engine.train_step(step))
         with ctx.phase("collect"):
             shards = engine.param_shards()
-        return {"coords": layout_coords(), "steps": steps, "params": shards}
+        return TrainedRankData(layout_coords(), steps, shards)
 
     def check(self, results: list[CaseResult], params: None = None) -> list[CheckResult]:
         if not results:
@@ -85,13 +93,13 @@ class EquivalenceSuite:
         ref = results[0]
         out: list[CheckResult] = []
         ref_losses = step_losses(ref) if ref.ok else []
-        ref_params = assemble([r.data["params"] for r in ref.ranks]) if ref.ok else None
+        ref_params = assemble([trained(r).params for r in ref.ranks]) if ref.ok else None
         for res in results:
             cid = res.case.id
             if not res.ok:
                 out.append(case_failed("equivalence.run", res))
                 continue
-            full = assemble([r.data["params"] for r in res.ranks])
+            full = assemble([trained(r).params for r in res.ranks])
             out.append(self._check_finite(res, full.tensors))
             out.append(self._check_replicas(cid, full.replica_spread))
             if res is ref:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
@@ -12,14 +13,32 @@ from harness.checks.grad_sync import compare, dp_records, plan
 from harness.checks.numeric import beyond, severity
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
+from harness.engines.base import ParamShard
 from harness.launch.context import RankContext
-from harness.launch.results import CaseResult
+from harness.launch.results import CaseResult, RankResult
 from harness.layouts import enumerate_layouts, validate
-from harness.probes.collectives import CollectiveRecorder, GroupRoles, instrument
+from harness.probes.collectives import Collective, CollectiveRecorder, GroupRoles, instrument
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.tables import table as text_table
 
 STEPS = 3  # replica consistency is judged after 3 steps
+
+
+@dataclass(frozen=True)
+class GradSyncRankData:
+    """What a grad-sync rank returns: the collectives it issued over the recorded steps, its parameter shards
+    after them, and the recorded steps' seconds beside one unrecorded step's (the recorder's overhead)."""
+
+    coords: dict[str, int]
+    collectives: list[Collective]
+    params: list[ParamShard]
+    step_s: list[float]
+    unrecorded_step_s: float
+    recorder_bookkeeping_s: float
+
+
+def _data(rank: RankResult) -> GradSyncRankData:
+    return rank.payload_as(GradSyncRankData)
 
 
 class GradSyncSuite:
@@ -44,7 +63,7 @@ class GradSyncSuite:
                     out.append(Case(self.name, model, lay, engine, opts, backend))
         return out
 
-    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> GradSyncRankData:
         from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
@@ -65,14 +84,14 @@ class GradSyncSuite:
         with ctx.phase("steps"):
             engine.train_step(case.options.steps)
         unrecorded = time.perf_counter() - t0
-        return {"coords": layout_coords(), "collectives": recorder.records, "params": shards,
-                "step_s": step_times, "unrecorded_step_s": unrecorded, "recorder_bookkeeping_s": recorder.overhead_s}
+        return GradSyncRankData(layout_coords(), recorder.records, shards, step_times, unrecorded,
+                                recorder.overhead_s)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
             return {}
         r0 = result.ranks[0]
-        seen = Counter(r.op for r in dp_records(r0.data["collectives"]) if r.source == "dispatch")
+        seen = Counter(r.op for r in dp_records(_data(r0).collectives) if r.source == "dispatch")
         return {"observed dp ops (rank 0)": " ".join(f"{op}x{n}" for op, n in sorted(seen.items())),
                 "recorder overhead": f"{overhead(result):+.0%}"}
 
@@ -82,7 +101,7 @@ class GradSyncSuite:
         out: dict[str, dict[str, int]] = {}
         for r in result.ranks:
             per: Counter = Counter()
-            for c in r.data["collectives"]:
+            for c in _data(r).collectives:
                 if c.source == "dispatch":
                     per[f"{c.role}/{c.kind}"] += c.bytes
             out[str(r.rank)] = dict(sorted(per.items()))
@@ -109,7 +128,7 @@ class GradSyncSuite:
         problems: list[str] = []
         rows: list[list] = []  # rank, expected, observed (dispatcher), ok
         for r in res.ranks:
-            records = dp_records([x for x in r.data["collectives"] if x.source == "dispatch"])
+            records = dp_records([x for x in _data(r).collectives if x.source == "dispatch"])
             planned = plan(case, r.rank)
             cmp = compare(planned, records)
             by_key: dict[tuple, Counter] = {}
@@ -159,7 +178,7 @@ class GradSyncSuite:
     def _check_recorders(res: CaseResult) -> CheckResult:
         """The dispatcher and megatron's aliases must see the same DP gradient collectives."""
         for r in res.ranks:
-            recs = dp_records(r.data["collectives"])
+            recs = dp_records(_data(r).collectives)
             seen = {src: Counter((x.kind, x.ranks, x.numel) for x in recs if x.source == src)
                     for src in ("dispatch", "alias")}
             if seen["dispatch"] != seen["alias"]:
@@ -177,7 +196,7 @@ class GradSyncSuite:
             return cannot_tell("grad-sync.replicas", res.case.id,
                                f"{lay.id} has no DP replicas (DP x CP = 1), so none can drift apart: "
                                f"needs DP x CP >= 2")
-        full = assemble([r.data["params"] for r in res.ranks])
+        full = assemble([_data(r).params for r in res.ranks])
         bad = {n: s for n, s in full.replica_spread.items() if beyond(s, 0.0)}
         if not bad:
             return CheckResult("grad-sync.replicas", res.case.id, True,
@@ -194,6 +213,6 @@ class GradSyncSuite:
 
 def overhead(result: CaseResult) -> float:
     """Relative cost of a recorded step over an unrecorded one (last recorded step, slowest rank)."""
-    rec = max(r.data["step_s"][-1] for r in result.ranks)
-    plain = max(r.data["unrecorded_step_s"] for r in result.ranks)
+    rec = max(_data(r).step_s[-1] for r in result.ranks)
+    plain = max(_data(r).unrecorded_step_s for r in result.ranks)
     return rec / plain - 1 if plain else 0.0

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.checks import CheckResult
+from harness.checks.peft_ckpt import PeftRankData, Reload, peft_data
 from harness.checks.peft_ckpt import check as judge
 from harness.engines.base import PeftExporting, peft_exporting
 from harness.engines.lora import read_adapter_dir
@@ -105,7 +106,7 @@ class PeftCkptSuite:
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
             return {}
-        peaks = [r.data["export"].host_peak / MIB for r in result.ranks]
+        peaks = [p.host_peak / MIB for p in (peft_data(r).export for r in result.ranks) if p is not None]
         return {"export_host_peak_mib": [round(p, 3) for p in peaks]}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
@@ -138,7 +139,7 @@ class PeftCkptSuite:
         ordered = [reference] + [lay for lay in layouts if lay != reference]
         return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]
 
-    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> PeftRankData:
         import os
 
         import torch.distributed as dist
@@ -180,8 +181,8 @@ class PeftCkptSuite:
         with ctx.phase("load"):
             roundtrip = _reload(case, ctx, target, lambda e: e.load_peft_adapter(str(path)))
             old = _reload(case, ctx, target, lambda e: e.load_adapter_checkpoint(str(legacy)))
-        return {"coords": coords, "steps": steps, "eval": [held_out],
-                "export": peak, "hf": hf, "adapters": adapters, "roundtrip": roundtrip, "legacy": old}
+        return PeftRankData(coords, steps, eval=[held_out], export=peak, hf=hf, adapters=adapters,
+                            roundtrip=roundtrip, legacy=old)
 
     def check(self, results: list[CaseResult], params: None = None) -> list[CheckResult]:
         return judge(results)
@@ -195,9 +196,9 @@ def roundtrip_layout(layout: Layout) -> Layout:
     return Layout(dp=w)
 
 
-def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> dict[str, Any]:
+def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> Reload:
     """A fresh LoRA model at `layout` (base weights from global names, B zero), `load` into it, then the
-    held-out batch: {"layout", "coords", "eval"} or {"layout", "error", "phase", "refusal"}."""
+    held-out batch's outputs, or where and why it failed."""
     import traceback
 
     from harness.engines import make_engine
@@ -205,22 +206,20 @@ def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> dict[str, Any
     from harness.suite_defs.ckpt_memory.contract import describe_exception, refusal_kind
 
     engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)
-    out: dict[str, Any] = {"layout": layout.id}
     phase = "build"
     try:
         engine.build()
         phase = "load"
         load(engine)
         phase = "after the load"
-        out["eval"] = [engine.eval_step(EVAL_STEP)]
-        out["coords"] = layout_coords()
+        held_out = [engine.eval_step(EVAL_STEP)]
+        return Reload(layout.id, layout_coords(), held_out)
     except BaseException as exc:  # the finding: a load refused (named) or failed (torch's
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # CheckpointException is a BaseException)
             raise
-        out.update(error=describe_exception(exc), phase=phase, refusal=refusal_kind(exc) if phase == "load" else "",
-                   traceback=traceback.format_exc()[-1500:])
+        return Reload(layout.id, error=describe_exception(exc), phase=phase,
+                      refusal=refusal_kind(exc) if phase == "load" else "", traceback=traceback.format_exc()[-1500:])
     finally:
         del engine
         teardown_parallel_state()
-    return out
 

@@ -18,7 +18,6 @@ import dataclasses
 import shutil
 import traceback
 from pathlib import Path
-from typing import Any
 
 from harness.engines import make_engine
 from harness.engines.base import checkpointing
@@ -26,6 +25,7 @@ from harness.launch.context import RankContext
 from harness.probes.memory import MeasurementError, artifacts_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_memory.params import CONTRACT_FORMATS, CkptCaseParams
+from harness.suite_defs.ckpt_memory.payload import ContractRankData, LoadTarget
 
 
 def save_layout(world_size: int) -> Layout:
@@ -77,7 +77,7 @@ def saved_checkpoint(case: Case) -> Path:
     return root / "ckpt"
 
 
-def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[str, Any]:
+def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> LoadTarget:
     """Fresh engine at `layout`, load (measured), parameters, one more step, parameters. A failure is
     recorded with the phase it happened in (build, load, after the load) and, for the load, whether it
     is the kind of refusal a format gives for a layout it does not promise."""
@@ -87,7 +87,6 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[
 
     target = dataclasses.replace(case, layout=layout)
     engine = checkpointing(make_engine(target, ctx), target.engine)
-    out: dict[str, Any] = {"layout": layout.id}
     phase = "build"
     try:
         engine.build()
@@ -95,24 +94,21 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> dict[
         phase = "load"
         with ctx.phase("load"), measure("load", artifacts_dir(case.id), ctx.rank, device=not ctx.on_cpu) as peak:
             engine.load_checkpoint(str(ckpt), case.params.ckpt_format)
-        out["load"] = peak
         phase = "after the load"
-        out["loaded"] = engine.param_shards()
-        out["loaded_optim"] = _optimizer_state(engine)
+        loaded, loaded_optim = engine.param_shards(), _optimizer_state(engine)
         engine.train_step(1)
-        out["stepped"] = engine.param_shards()
+        return LoadTarget(layout.id, peak, loaded, loaded_optim, engine.param_shards())
     except MeasurementError:
         raise  # the case errors: a load that was not measured is not judged
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        out["error"], out["phase"] = describe_exception(exc), phase
-        out["refusal"] = refusal_kind(exc) if phase == "load" else ""
-        out["traceback"] = traceback.format_exc()[-2000:]
+        return LoadTarget(layout.id, error=describe_exception(exc), phase=phase,
+                          refusal=refusal_kind(exc) if phase == "load" else "",
+                          traceback=traceback.format_exc()[-2000:])
     finally:
         del engine
         teardown_parallel_state()
-    return out
 
 
 def _failures(exc: BaseException) -> list[BaseException]:
@@ -160,47 +156,41 @@ def refusal_kind(exc: BaseException) -> str:
     return f"the checkpoint's flat optimizer buffers do not fit this layout ({_one_line(inner[0])})"
 
 
-def reshard_work(case: Case, ctx: RankContext) -> dict[str, Any]:
+def reshard_work(case: Case, ctx: RankContext) -> ContractRankData:
     import torch.distributed as dist
 
     from harness.platform.parallel import teardown_parallel_state
 
-    data: dict[str, Any] = {"targets": []}
-    if case.params.ckpt_role == "reshard":
-        ckpt = saved_checkpoint(case)
-        if ctx.rank == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
-            ckpt.mkdir(parents=True)
-        engine = checkpointing(make_engine(case, ctx), case.engine)
-        with ctx.phase("build"):
-            engine.build()
-        with ctx.phase("steps"):
-            engine.train_step(0)
-        dist.barrier()
-        with ctx.phase("save"):
-            engine.save_checkpoint(str(ckpt), case.params.ckpt_format)
-        dist.barrier()
-        data["saved"] = engine.param_shards()
-        data["saved_optim"] = _optimizer_state(engine)
-        engine.train_step(1)
-        data["continued"] = engine.param_shards()
-        del engine
-        teardown_parallel_state()
-        # the uninterrupted run: the same two steps without a save
-        reference = make_engine(case, ctx)
-        reference.build()
-        reference.train_step(0)
-        reference.train_step(1)
-        data["reference"] = reference.param_shards()
-        del reference
-        teardown_parallel_state()
-        loads = targets(case.model, case.layout.world_size)
-    else:
-        ckpt = saved_checkpoint(case)
-        loads = [case.layout]
-    for layout in loads:
-        data["targets"].append(_try_load(case, ctx, layout, ckpt))
-    return data
+    ckpt = saved_checkpoint(case)
+    if case.params.ckpt_role != "reshard":
+        return ContractRankData([_try_load(case, ctx, case.layout, ckpt)])
+    if ctx.rank == 0:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        ckpt.mkdir(parents=True)
+    engine = checkpointing(make_engine(case, ctx), case.engine)
+    with ctx.phase("build"):
+        engine.build()
+    with ctx.phase("steps"):
+        engine.train_step(0)
+    dist.barrier()
+    with ctx.phase("save"):
+        engine.save_checkpoint(str(ckpt), case.params.ckpt_format)
+    dist.barrier()
+    saved, saved_optim = engine.param_shards(), _optimizer_state(engine)
+    engine.train_step(1)
+    continued = engine.param_shards()
+    del engine
+    teardown_parallel_state()
+    # the uninterrupted run: the same two steps without a save
+    reference = make_engine(case, ctx)
+    reference.build()
+    reference.train_step(0)
+    reference.train_step(1)
+    uninterrupted = reference.param_shards()
+    del reference
+    teardown_parallel_state()
+    loads = [_try_load(case, ctx, layout, ckpt) for layout in targets(case.model, case.layout.world_size)]
+    return ContractRankData(loads, saved, saved_optim, continued, uninterrupted)
 
 
 def _optimizer_state(engine) -> list | None:

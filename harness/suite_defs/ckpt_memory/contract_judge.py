@@ -10,6 +10,7 @@ from harness.checks.tensors import assemble, rel_error
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.spec import Layout
+from harness.suite_defs.ckpt_memory.payload import ContractRankData, LoadTarget
 
 # loaded values are copies (bit-identical); the step after the load differs only by reduction order
 STEP_RTOL = 1e-5
@@ -39,15 +40,15 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
             out.append(CheckResult("ckpt-memory.reshard", res.case.id, False,
                                    f"{fmt}: the case that saves ({src_id}) did not run, nothing to load"))
             continue
-        saved = assemble([r.data["saved"] for r in src.ranks]).tensors
-        saved_optim = _assemble_optional([r.data.get("saved_optim") for r in src.ranks])
-        reference = assemble([r.data["reference"] for r in src.ranks]).tensors
+        source = [r.payload_as(ContractRankData) for r in src.ranks]
+        saved = assemble([d.saved for d in source]).tensors
+        saved_optim = _assemble_optional([d.saved_optim for d in source])
+        reference = assemble([d.reference for d in source]).tensors
         if role == "reshard":
-            out.append(_judge_side_effects(res, fmt, assemble([r.data["continued"] for r in src.ranks]).tensors,
-                                           reference))
-        n_targets = len(res.ranks[0].data["targets"])
-        for i in range(n_targets):
-            per_rank = [r.data["targets"][i] for r in res.ranks]
+            out.append(_judge_side_effects(res, fmt, assemble([d.continued for d in source]).tensors, reference))
+        loads = [r.payload_as(ContractRankData).targets for r in res.ranks]
+        for i in range(len(loads[0])):
+            per_rank = [rank_loads[i] for rank_loads in loads]
             out.append(_judge(res, fmt, src.case.layout, per_rank, saved, reference, saved_optim))
     return out
 
@@ -90,18 +91,18 @@ def _optimizer_diff(loaded: dict, saved: dict) -> tuple[str, str]:
                  + _nonfinite(worst, loaded))
 
 
-def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, reference,
+def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[LoadTarget], saved, reference,
            saved_optim: dict | None = None) -> CheckResult:
-    target = Layout.parse(per_rank[0]["layout"])
+    target = Layout.parse(per_rank[0].layout)
     promise = promised(fmt, src, target)
     head = f"{fmt} saved at {src.id}, loaded at {target.id} ({'promised' if promise else 'not promised'})"
-    errors = [(r.rank, d) for r, d in zip(res.ranks, per_rank) if "error" in d]
+    errors = [(r.rank, d) for r, d in zip(res.ranks, per_rank) if d.error]
     cid = f"{res.case.id}->{target.id}"
     if errors:
         return _judge_error(cid, head, promise, errors)
-    loaded = assemble([d["loaded"] for d in per_rank]).tensors
-    stepped = assemble([d["stepped"] for d in per_rank]).tensors
-    peaks = " ".join(f"{d['load'].heap_peak / MIB:.0f}" for d in per_rank)
+    loaded = assemble([d.loaded for d in per_rank]).tensors
+    stepped = assemble([d.stepped for d in per_rank]).tensors
+    peaks = " ".join(f"{d.load.heap_peak / MIB:.0f}" if d.load else "?" for d in per_rank)
     if set(loaded) != set(saved):
         return CheckResult("ckpt-memory.reshard", cid, False,
                            f"{head}: parameter names differ from the saved ones: "
@@ -112,7 +113,7 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, 
             f"  loaded == saved: worst {worst_load} rel {fmt_err(load_err)} (must be 0)",
             f"  one step after the load == the uninterrupted run: worst {worst_step} rel "
             f"{fmt_err(step_err)} (<= {STEP_RTOL:.0e})"]
-    loaded_optim = _assemble_optional([d.get("loaded_optim") for d in per_rank])
+    loaded_optim = _assemble_optional([d.loaded_optim for d in per_rank])
     if loaded_optim is None or saved_optim is None:
         optim_msg = ("Adam state not compared: the engine has no optimizer_state_shards() (exp_avg, exp_avg_sq "
                      "and step after the load cannot be checked)")
@@ -137,26 +138,25 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[dict], saved, 
     return CheckResult("ckpt-memory.reshard", cid, False, f"{head}: {msg}", rows, value=step_err)
 
 
-def _judge_error(cid: str, head: str, promise: bool, errors: list[tuple[int, dict]]) -> CheckResult:
+def _judge_error(cid: str, head: str, promise: bool, errors: list[tuple[int, LoadTarget]]) -> CheckResult:
     """A target where some rank raised: a pass only where the format does not promise the layout and
     every failing rank's exception came from the load and is the expected refusal."""
     rank, d = errors[0]
-    tb = (d.get("traceback") or "").splitlines()[-12:]
-    where = d.get("phase", "?")
+    tb = d.traceback.splitlines()[-12:]
     if promise:
         return CheckResult("ckpt-memory.reshard", cid, False,
-                           f"{head}: load failed on rank {rank} in the {where}: {d['error']}", tb)
-    wrong = [(r, e) for r, e in errors if e.get("phase") != "load" or not e.get("refusal")]
+                           f"{head}: load failed on rank {rank} in the {d.phase or '?'}: {d.error}", tb)
+    wrong = [(r, e) for r, e in errors if e.phase != "load" or not e.refusal]
     if not wrong:
-        return CheckResult("ckpt-memory.reshard", cid, True, f"{head}: refused as the format allows: {d['refusal']}")
+        return CheckResult("ckpt-memory.reshard", cid, True, f"{head}: refused as the format allows: {d.refusal}")
     rank, d = wrong[0]
-    tb = (d.get("traceback") or "").splitlines()[-12:]
-    if d.get("phase") != "load":
+    tb = d.traceback.splitlines()[-12:]
+    if d.phase != "load":
         return CheckResult("ckpt-memory.reshard", cid, False,
-                           f"{head}: failed on rank {rank} in the {d.get('phase', '?')}, before any load: {d['error']} "
+                           f"{head}: failed on rank {rank} in the {d.phase or '?'}, before any load: {d.error} "
                            f"(a refusal must come from the load)", tb)
     return CheckResult("ckpt-memory.reshard", cid, False,
-                       f"{head}: the load failed on rank {rank} with an unexpected error: {d['error']} (a refusal is "
+                       f"{head}: the load failed on rank {rank} with an unexpected error: {d.error} (a refusal is "
                        f"the load rejecting the checkpoint's optimizer buffers for this layout)", tb)
 
 

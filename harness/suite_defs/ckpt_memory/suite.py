@@ -25,7 +25,7 @@ from harness.suite_defs.ckpt_memory.params import (
     CkptCaseParams,
     CkptMemoryParams,
 )
-from harness.suite_defs.ckpt_memory.payload import SaveRankData
+from harness.suite_defs.ckpt_memory.payload import ContractRankData, SaveRankData
 
 
 class CkptMemorySuite:
@@ -69,7 +69,7 @@ class CkptMemorySuite:
         return memory + (contract_cases(self.name, model, world_size, mcore_engine, backend, options)
                          if contract else [])
 
-    def rank_work(self, case: Case, ctx: RankContext) -> SaveRankData | dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> SaveRankData | ContractRankData:
         import torch.distributed as dist
 
         if case.params.ckpt_role:

@@ -17,20 +17,22 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
     the engine hands out its optimizer state) and optimizer.step (Adam's step counter)."""
     from harness.checks.step_outputs import step_losses
     from harness.checks.tensors import assemble
+    from harness.suite_defs.golden.payload import GoldenRankData
 
+    data = [r.payload_as(GoldenRankData) for r in result.ranks]
     out: dict[str, float] = {}
     for i, loss in enumerate(step_losses(result), start=first_step):
         out[step_metric(i, "loss")] = loss
-    for i, s in enumerate(result.ranks[0].data["steps"], start=first_step):
+    for i, s in enumerate(data[0].steps, start=first_step):
         for figure in ("grad_norm", "num_zeros", "lr"):
             value = getattr(s, figure)
             if value is not None:
                 out[step_metric(i, figure)] = float(value)
-    if "params" not in result.ranks[0].data:  # the first half of a resumed run: steps only
+    if not data[0].finished:  # the first half of a resumed run: steps only
         return out
-    for name, tensor in sorted(assemble([r.data["params"] for r in result.ranks]).tensors.items()):
+    for name, tensor in sorted(assemble([d.params for d in data]).tensors.items()):
         out[f"param.{name}"] = float(tensor.double().norm())
-    state = [r.data.get("optimizer") for r in result.ranks]
+    state = [d.optimizer for d in data]
     handed_out = [s for s in state if s is not None]
     if len(handed_out) == len(state):  # the engine hands out its Adam state
         steps = []

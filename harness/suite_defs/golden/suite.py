@@ -17,6 +17,7 @@ from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.golden import figures, judge
 from harness.suite_defs.golden.figures import step_metric, trajectory
 from harness.suite_defs.golden.params import CLIP_GRAD, FSDP2_FORMATS, STEPS, SUITE, GoldenParams
+from harness.suite_defs.golden.payload import GoldenRankData
 
 
 def checkpoint_dir(case: Case) -> Path:
@@ -89,7 +90,7 @@ class GoldenSuite:
                          params=dataclasses.replace(params, role="resume", ckpt_format=fmt)) for x in loads]
         return out
 
-    def rank_work(self, case: Case, ctx: RankContext) -> dict[str, Any]:
+    def rank_work(self, case: Case, ctx: RankContext) -> GoldenRankData:
         import torch.distributed as dist
 
         from harness.engines import make_engine
@@ -117,11 +118,11 @@ class GoldenSuite:
             with ctx.phase("save"):
                 checkpointing(engine, case.engine).save_checkpoint(str(ckpt), case.params.ckpt_format)
             dist.barrier()
-            return {"coords": layout_coords(), "steps": steps}
+            return GoldenRankData(layout_coords(), steps, finished=False)
         with ctx.phase("collect"):
             shards = engine.param_shards()
             state = engine.optimizer_state_shards() if isinstance(engine, HasOptimizerState) else None
-        return {"coords": layout_coords(), "steps": steps, "params": shards, "optimizer": state}
+        return GoldenRankData(layout_coords(), steps, shards, optimizer=state)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
