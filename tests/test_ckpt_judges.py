@@ -21,6 +21,7 @@ from harness.spec import Case, CaseOptions, Layout
 from harness.suite_defs.ckpt_memory import contract as ckpt_contract
 from harness.suite_defs.ckpt_memory.contract import refusal_kind
 from harness.suite_defs.ckpt_memory.contract_judge import _judge, _judge_side_effects
+from harness.suite_defs.ckpt_memory.payload import LoadTarget
 from harness.suite_defs.ckpt_memory.figures import key
 from harness.suite_defs.ckpt_memory.judge import _check_baseline, _check_contract, _check_model
 from harness.suite_defs.ckpt_memory.params import CkptCaseParams
@@ -40,14 +41,14 @@ def _reshard_result(fmt: str = "fully_reshardable") -> CaseResult:
     return CaseResult(case, [RankResult(0)], "ok")
 
 
-def _target(layout: Layout = DP4, w=None, stepped=None, optim=None, **extra) -> dict:
+def _target(layout: Layout = DP4, w=None, stepped=None, optim=None, **extra) -> LoadTarget:
     w = torch.ones(4) if w is None else w
-    return {"layout": layout.id, "load": MemoryPeak("load", heap_peak=MIB), "loaded": _shards({"w": w}),
-            "stepped": _shards({"w": torch.full((4,), 2.0) if stepped is None else stepped}),
-            "loaded_optim": _shards({"w#exp_avg": torch.ones(4) if optim is None else optim}), **extra}
+    fields = {"loaded_optim": _shards({"w#exp_avg": torch.ones(4) if optim is None else optim}), **extra}
+    return LoadTarget(layout.id, MemoryPeak("load", heap_peak=MIB), _shards({"w": w}),
+                      stepped=_shards({"w": torch.full((4,), 2.0) if stepped is None else stepped}), **fields)
 
 
-def _judge_one(target: dict, fmt: str = "fully_reshardable", saved_optim=True):
+def _judge_one(target: LoadTarget, fmt: str = "fully_reshardable", saved_optim=True):
     saved, reference = {"w": torch.ones(4)}, {"w": torch.full((4,), 2.0)}
     optim = {"w#exp_avg": torch.ones(4)} if saved_optim else None
     return _judge(_reshard_result(fmt), fmt, DP4, [target], saved, reference, optim)
@@ -152,9 +153,9 @@ def test_refusal_kind_accepts_only_the_flat_buffer_mismatch():
     assert refusal_kind(RuntimeError("optimizer.distributed.x from model not in state dict")) == ""
 
 
-def _refused(phase: str, exc: BaseException) -> dict:
-    return {"layout": TP2.id, "error": ckpt_contract.describe_exception(exc), "phase": phase,
-            "refusal": refusal_kind(exc) if phase == "load" else "", "traceback": "Traceback ..."}
+def _refused(phase: str, exc: BaseException) -> LoadTarget:
+    return LoadTarget(TP2.id, error=ckpt_contract.describe_exception(exc), phase=phase,
+                      refusal=refusal_kind(exc) if phase == "load" else "", traceback="Traceback ...")
 
 
 def test_a_refusal_by_the_load_passes_where_not_promised():
