@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness import adjustments
+from harness.checks.step_outputs import TrainedRankData
 from harness.checks import CheckResult
 from harness.suite_run import SuiteRun
 from harness.launch.results import CaseResult, RankResult
@@ -36,7 +37,8 @@ def test_the_cpu_layer_is_listed_while_active():
 
 def _run() -> SuiteRun:
     case = Case("equivalence", load_model("tiny"), Layout(dp=2), options=CaseOptions(adam_eps=1e-6))
-    ranks = [RankResult(r, adjustments=["Adam eps 1e-06", *(["stub x"] if r else [])]) for r in range(2)]
+    ranks = [RankResult(r, data=TrainedRankData({}, []), adjustments=["Adam eps 1e-06", *(["stub x"] if r else [])])
+             for r in range(2)]
     run = SuiteRun(EquivalenceSuite(), "tiny", 2, "gloo", "mcore", results=[CaseResult(case, ranks, "ok")])
     run.checks = [CheckResult("equivalence.replicas", case.id, True, "ok")]
     return run
