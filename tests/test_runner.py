@@ -120,7 +120,7 @@ def test_torchrun_entry_at_world_size_1_judges_step_perf(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     proc = subprocess.run(
         [*torchrun, "-m", "harness.launch.torchrun", "--suite", "step-perf", "--model", "tiny", "--backend", "gloo",
-         "--baselines-dir", str(tmp_path / "baselines"), "--out", str(tmp_path / "out")],
+         "--baselines-dir", str(tmp_path / "baselines"), "--out", str(tmp_path / "out"), "--timed-steps", "3"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

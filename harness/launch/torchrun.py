@@ -17,7 +17,7 @@ from typing import Any
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
-from harness.launch.worker import init_distributed, run_rank, shutdown_distributed
+from harness.launch.worker import freeze_long_lived, init_distributed, run_rank, shutdown_distributed
 from harness.platform.backend import CPU_RANK_ENV
 from harness.spec import CaseOptions
 
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baselines-dir", default=None,
                    help="baseline files (<platform>/<suite>.json; default: baselines/)")
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--timed-steps", type=int, default=None, help="step-perf: timed steps per case (default 20)")
     p.add_argument("--timeout", type=float, default=None, help="process-group timeout per case (s)")
     p.add_argument("--verbose", action="store_true", help="log every rank's phases to stderr")
     args = p.parse_args(argv)
@@ -47,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from harness import report
     from harness.driver import planned_run, with_outputs
+    from harness.platform.parallel import release_memory
     from harness.suite_run import SuiteRun
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
+        suite_params = {"timed_steps": args.timed_steps} if args.timed_steps is not None else None
         suite, params, cases = planned_run(args.suite, args.model, world, args.layout, engine=args.engine,
                                            backend=backend, options=CaseOptions(steps=args.steps),
-                                           timeout_s=args.timeout, baselines_dir=args.baselines_dir)
+                                           timeout_s=args.timeout, suite_params=suite_params,
+                                           baselines_dir=args.baselines_dir)
     except BadInput as exc:
         if rank == 0:
             print(f"harness: error: {exc}", file=sys.stderr)
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     base = RankContext(rank, world, local_rank, backend, Path(os.environ.get("TMPDIR", "/tmp")))
     init_distributed(base, max(c.timeout_s for c in cases))
+    freeze_long_lived()  # one process runs every case, as a warm pool rank does
     results_group = dist.new_group(backend="gloo")  # results travel as objects, on the CPU
     run = SuiteRun(suite, args.model, world, backend, args.engine, planned=len(cases), params=params)
     cases = with_outputs(cases, base.workdir / "outputs", suite)
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ctx = RankContext(rank, world, local_rank, backend, base.workdir)
         rank_result = run_rank(case, ctx, own_process_group=False)
+        release_memory()
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(rank_result, gathered, dst=0, group=results_group)
         if gathered is not None:  # rank 0
