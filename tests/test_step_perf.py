@@ -468,3 +468,20 @@ def test_on_another_machine_time_is_not_judged_and_counters_are(recorded, monkey
     run, checks = _run("mcore", recorded[0])
     assert checks["step-perf.counters"].passed and checks["step-perf.time"].inconclusive
     assert run.verdict == "pass"  # the counters judged it; the time could not
+
+
+def test_a_cpu_machine_is_its_boot():
+    """Cloned VMs of one CPU model and core count ran the same cases x1.34-1.73 apart: on gloo ranks the
+    fingerprint that time baselines are keyed by names this boot, so a fresh CI machine is another machine
+    (its time not judged) and the machine that recorded the baseline is the same one until it reboots."""
+    import os
+    from pathlib import Path
+
+    from harness.platform.backend import machine_fingerprint
+
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    got = machine_fingerprint("gloo")
+    assert got.endswith(f" x{os.cpu_count()}, boot {boot}"), got
+    root = Path(__file__).resolve().parents[1]
+    committed = json.loads((root / "baselines/cpu-gloo/step-perf.json").read_text())["provenance"]
+    assert all(p.get("machine") != got for p in committed.values())  # recorded on another machine: not judged here

@@ -32,8 +32,15 @@ class Platform:
 
 
 def machine_fingerprint(backend: str) -> str:
-    """What a step time depends on besides the code: the CPU model and core count on gloo ranks, the GPU model
-    (and count) on NCCL ranks. Time baselines judge only the machine they were recorded on."""
+    """What a step time depends on besides the code: on NCCL ranks the GPU model and count; on gloo ranks the CPU
+    model, the core count and the boot of this machine (Linux's boot_id). Time baselines judge only the machine
+    they were recorded on.
+
+    Why the boot on CPU: VMs of one CPU model and core count, cloned from one image (the same /etc/machine-id),
+    ran the same step-perf cases x1.34-1.73 slower on one day than on the VM that recorded the baseline
+    (2026-11-25, `small` at world size 4), while within one boot unplanted runs read x0.92-1.17 of their
+    baseline; model and core count could not tell the two machines apart, so a fresh CI machine was judged
+    against another one. A reboot of a workstation is a new machine for time baselines (re-record)."""
     if backend == "nccl":
         return f"{detect_platform('nccl').device_name} x{cuda_device_count()}"
     import os
@@ -45,7 +52,12 @@ def machine_fingerprint(backend: str) -> str:
             model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
     except OSError:
         pass
-    return f"{model} x{os.cpu_count()}"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f", boot {f.read().strip()[:8]}"
+    except OSError:
+        boot = ""  # no boot id (not Linux): the model and core count only
+    return f"{model} x{os.cpu_count()}{boot}"
 
 
 def cuda_device_count() -> int:
