@@ -63,11 +63,15 @@ def lint(session: nox.Session) -> None:
     session.run("mypy")
 
 
+TEST_WORKERS = "2"  # pytest-xdist workers: the ranks of one test leave a 2-core machine idle ~40% of the time
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The harness's own tests on CPU (unit tests + fault injection on real gloo ranks)."""
+    """The harness's own tests on CPU (unit tests + fault injection on real gloo ranks), on two pytest-xdist
+    workers (a module stays on one; tests marked `exclusive` run alone); `-- -n 0` runs them in one process."""
     _install_cpu(session)
-    session.run("pytest", "tests", *session.posargs)
+    session.run("pytest", "tests", "-n", TEST_WORKERS, "--dist", "loadscope", *session.posargs)
 
 
 @nox.session(name="cpu-suite")

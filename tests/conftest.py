@@ -9,9 +9,17 @@ ran no other suite. What is checked:
 - at the end of the session, closing the pools leaves no rank process behind (`pools_close_cleanly`);
 - tests about rank lifetime (pool retirement, fresh ranks, orphans) request `no_leftover_ranks`:
   every pool is closed before and after them and nothing they started may survive.
+
+Under pytest-xdist (`nox -s tests` runs two workers) each worker has its own pools, and a test marked
+`exclusive` (it judges the step time of real ranks, or feeds pytest-benchmark) runs while no other test runs
+(`pytest_runtest_protocol` below), so a worker beside it cannot move its figures.
 """
 
+import contextlib
+import fcntl
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -71,3 +79,45 @@ def no_leftover_ranks():
     close_all()
     leftover = set(live_worker_pids()) - before
     assert not leftover, f"rank processes left behind: {sorted(leftover)}"
+
+
+# -- exclusive tests under pytest-xdist -------------------------------------------------------------------
+# Every test holds a shared lock on `run` for its setup, call and teardown; an exclusive one holds it alone.
+# A waiting exclusive test holds `queue`, which every test passes through before taking `run`, so tests
+# that arrive after it wait (no starving it between the other worker's tests).
+_LOCK_DIR = "harness_test_lock_dir"
+_LOCK_DIR_KEY = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """On the xdist controller: one lock directory, handed to every worker."""
+    stash = node.config.stash
+    if _LOCK_DIR_KEY not in stash:
+        stash[_LOCK_DIR_KEY] = tempfile.mkdtemp(prefix="harness-test-locks-")
+    node.workerinput[_LOCK_DIR] = stash[_LOCK_DIR_KEY]
+
+
+def pytest_unconfigure(config):
+    if _LOCK_DIR_KEY in config.stash:
+        shutil.rmtree(config.stash[_LOCK_DIR_KEY], ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _turn(lock_dir: str, exclusive: bool):
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    with open(os.path.join(lock_dir, "queue"), "a") as queue, open(os.path.join(lock_dir, "run"), "a") as run:
+        fcntl.flock(queue, mode)
+        fcntl.flock(run, mode)
+        if not exclusive:
+            fcntl.flock(queue, fcntl.LOCK_UN)
+        yield  # both locks are released when the files close
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    lock_dir = getattr(item.config, "workerinput", {}).get(_LOCK_DIR)
+    if lock_dir is None:  # no xdist: one test at a time anyway
+        return (yield)
+    with _turn(lock_dir, exclusive=item.get_closest_marker("exclusive") is not None):
+        return (yield)

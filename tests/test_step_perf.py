@@ -100,9 +100,12 @@ def test_minimum_detectable_effect_grows_with_the_spread():
     assert minimum_detectable_effect(noisy, 20, floor=0.10) > 0.2
 
 
+@pytest.mark.exclusive
 def test_replayed_step_times_are_what_pytest_benchmark_reports(benchmark):
     from harness import benchmark as bench
 
+    if benchmark.disabled:  # pytest-benchmark turns itself off under pytest-xdist; the replay is what is tested
+        benchmark.disabled = False
     bench.record(benchmark, [0.10, 0.30, 0.20, 0.40], {"case": "x", "phases_ms_per_rank": {"0": {"forward": 1.0}}})
     stats = benchmark.stats.stats
     assert stats.rounds == 4 and (stats.min, stats.max, stats.median) == pytest.approx((0.10, 0.40, 0.25), abs=1e-12)
@@ -139,6 +142,7 @@ def _params(min_effect: float = DETECT) -> dict:
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
+    """A baseline recorded on real ranks; its step times are judged, so every test using it is `exclusive`."""
     from harness.recording import record_suite
 
     directory = tmp_path_factory.mktemp("step-perf-baselines")
@@ -156,6 +160,7 @@ def _run(engine: str, baselines_dir, min_effect: float = DETECT):
     return run, {c.check: c for c in run.checks}
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_recorded_baseline_holds_counters_exactly_and_raw_samples(recorded):
     _, data = recorded
@@ -176,6 +181,7 @@ def _planned_buckets() -> int:
     return sum(p.calls for p in plan(one_step, 0) if p.kind == "reduce_scatter")
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_unchanged_engine_passes(recorded):
     # Against a baseline recorded earlier (not interleaved), a noisy stretch of this 2-core machine
@@ -192,6 +198,7 @@ def test_unchanged_engine_passes(recorded):
     assert run.passed
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_straggler_fails_on_step_time_naming_the_rank(recorded):
     _, checks = _run("tests.faulty_engines:Straggler", recorded[0])
@@ -203,6 +210,7 @@ def test_straggler_fails_on_step_time_naming_the_rank(recorded):
                     r"\(compute \d+ ms vs \d+ ms\)$", time_check.message), time_check.message
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_lost_overlap_fails_the_exact_counters(recorded):
     _, checks = _run("tests.faulty_engines:OverlapLost", recorded[0])
@@ -215,6 +223,7 @@ def test_lost_overlap_fails_the_exact_counters(recorded):
         in checks["step-perf.counters"].details
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_smaller_buckets_fail_on_collective_calls(recorded):
     _, checks = _run("tests.faulty_engines:SmallBuckets", recorded[0])
@@ -225,6 +234,7 @@ def test_smaller_buckets_fail_on_collective_calls(recorded):
                for d in c.details), c.details
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_recompute_switched_on_fails_on_flops_exactly(recorded):
     _, checks = _run("tests.faulty_engines:RecomputeOn", recorded[0])
@@ -243,6 +253,7 @@ def test_a_missing_baseline_fails_with_the_record_command(tmp_path):
         f"--world-size 2 --backend gloo --layout tp1-pp1-cp1-dp2")
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_bisect_judges_step_time_with_the_same_statistics(recorded):
     from harness.bisect import BAD, Threshold, judge_run
@@ -389,6 +400,7 @@ def test_overhead_without_paired_steps_fails_naming_the_counts():
     assert check.failed and "0 uninstrumented steps were timed for 5 timed ones" in check.message
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_costly_instrumentation_fails_the_overhead_check_and_the_engine_alone_does_not():
     from harness.driver import run_suite
@@ -447,6 +459,7 @@ def test_exposed_communication_grown_alone_fails_and_zero_is_judged(base_exposed
                         r"step\): ", check.message), check.message
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_serialised_reduction_fails_naming_the_exposed_communication(recorded):
     run, checks = _run("tests.faulty_engines:SerialisedReduction", recorded[0])
@@ -456,6 +469,7 @@ def test_a_serialised_reduction_fails_naming_the_exposed_communication(recorded)
                      msg), msg
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_on_another_machine_time_is_not_judged_and_counters_are(recorded, monkeypatch):
     """A baseline's step times say nothing about the code on another machine: not a pass, not a failure."""

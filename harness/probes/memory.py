@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.probes.proc import MeasurementError, reset_peak_rss, status_field
+from harness.probes.proc import MeasurementError, descendants, reset_peak_rss, status_field
+from harness.probes.proc import rss as proc_rss
 
 MIB = 1024 * 1024
 
@@ -98,19 +99,22 @@ class _Sampler(threading.Thread):
         while True:
             try:
                 self._sample(psutil, me, t0)
-            except psutil.Error as exc:
+            except (psutil.Error, OSError) as exc:
                 self.error = f"{type(exc).__name__}: {exc}"
             if self.stop_event.wait(self.interval_s):
                 return
 
     def _sample(self, psutil, me, t0: float) -> None:
         total = 0
-        for k in me.children(recursive=True):
+        kids = descendants()
+        if kids is None:
+            kids = [k.pid for k in me.children(recursive=True)]
+        for k in kids:
             try:
-                total += k.memory_info().rss
-            except psutil.Error:
+                total += proc_rss(k)
+            except OSError:
                 pass  # a child that exited between listing and reading
-        rss = me.memory_info().rss
+        rss = proc_rss("self")
         self.children_peak = max(self.children_peak, total)
         self.timeline.append((time.monotonic() - t0, rss))
 

@@ -1,5 +1,6 @@
 """What the harness reads from Linux's /proc: status fields (VmRSS, VmHWM, ...), the reset of the RSS
-high-water mark, the thread count. A figure that cannot be read raises MeasurementError (never 0 bytes)."""
+high-water mark, the thread count, a process's descendants and their RSS. A figure that cannot be read
+raises MeasurementError (never 0 bytes)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,38 @@ def reset_peak_rss() -> bool:
 def thread_count() -> int:
     """Threads of this process (/proc/self/task)."""
     return len(os.listdir("/proc/self/task"))
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss(pid: int | str) -> int:
+    """Resident bytes of a process (/proc/<pid>/statm, as psutil reads it); OSError once it has exited."""
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def descendants(pid: int | str = "self") -> list[int] | None:
+    """Pids of a process's children, theirs, and so on, from /proc/<pid>/task/<tid>/children: it reads the
+    process's own subtree, where psutil's children(recursive=True) reads /proc/<pid>/stat of every process on
+    the machine (2.7 ms for 72 processes, against 0.1-0.4 ms here: a memory sampler runs it 100 times a
+    second in every rank). None where the kernel lacks the file (CONFIG_PROC_CHILDREN)."""
+    if not os.path.exists(f"/proc/self/task/{os.getpid()}/children"):
+        return None
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue  # exited since its parent listed it
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
