@@ -227,13 +227,13 @@ def test_a_tracker_that_writes_nothing_makes_the_phase_raise(tmp_path, monkeypat
 
 
 def test_a_sampler_without_a_sample_makes_the_phase_raise(tmp_path, monkeypatch):
-    import psutil
+    from harness.probes import memory
 
-    def broken(self, *a, **k):
-        raise psutil.AccessDenied(self.pid)
+    def broken(pid):
+        raise PermissionError(13, "Permission denied", f"/proc/{pid}/statm")
 
-    monkeypatch.setattr(psutil.Process, "memory_info", broken)
-    with pytest.raises(MeasurementError, match=r"the RSS sampler took no sample during save on rank 0 \(AccessDenied"):
+    monkeypatch.setattr(memory, "proc_rss", broken)
+    with pytest.raises(MeasurementError, match=r"the RSS sampler took no sample during save on rank 0 \(PermissionError"):
         with measure("save", tmp_path, 0, use_memray=False):
             pass
 
