@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import psutil
@@ -33,3 +34,9 @@ def test_descendants_are_psutils_recursive_children_and_rss_is_its_rss():
                 p.kill()
             t.kill()
             t.wait()
+
+
+def test_a_process_that_forked_nothing_has_no_descendants():
+    code = "from harness.probes.proc import descendants; print(descendants())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
