@@ -227,13 +227,18 @@ def test_a_tracker_that_writes_nothing_makes_the_phase_raise(tmp_path, monkeypat
 
 
 def test_a_sampler_without_a_sample_makes_the_phase_raise(tmp_path, monkeypatch):
+    import threading
+
     from harness.probes import memory
 
-    def broken(pid):
-        raise PermissionError(13, "Permission denied", f"/proc/{pid}/statm")
+    def broken(pid, name):  # in the sampler's thread only: measure() itself reads VmRSS before it starts
+        if threading.current_thread() is threading.main_thread():
+            return proc.status_field(pid, name)
+        raise MeasurementError(f"cannot read {name} from /proc/{pid}/status: [Errno 13] Permission denied")
 
-    monkeypatch.setattr(memory, "proc_rss", broken)
-    with pytest.raises(MeasurementError, match=r"the RSS sampler took no sample during save on rank 0 \(PermissionError"):
+    monkeypatch.setattr(memory, "status_field", broken)
+    with pytest.raises(MeasurementError, match=r"the RSS sampler took no sample during save on rank 0 \(MeasurementError: "
+                                               r"cannot read VmRSS from /proc/self/status: \[Errno 13\] Permission"):
         with measure("save", tmp_path, 0, use_memray=False):
             pass
 

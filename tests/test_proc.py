@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from harness.probes.proc import descendants, rss
+from harness.probes.proc import descendants, status_field
 
 
 def test_descendants_are_psutils_recursive_children_and_rss_is_its_rss():
@@ -27,7 +27,7 @@ def test_descendants_are_psutils_recursive_children_and_rss_is_its_rss():
         assert sorted(descendants()) == want
         assert sorted(descendants(trees[0].pid)) == sorted(p.pid for p in psutil.Process(trees[0].pid).children())
         child = psutil.Process(trees[0].pid)
-        assert rss(trees[0].pid) == child.memory_info().rss
+        assert status_field(trees[0].pid, "VmRSS") == child.memory_info().rss
     finally:
         for t in trees:
             for p in psutil.Process(t.pid).children(recursive=True):

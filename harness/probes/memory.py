@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.probes.proc import MeasurementError, descendants, reset_peak_rss, status_field
-from harness.probes.proc import rss as proc_rss
 
 MIB = 1024 * 1024
 
@@ -99,7 +98,7 @@ class _Sampler(threading.Thread):
         while True:
             try:
                 self._sample(psutil, me, t0)
-            except (psutil.Error, OSError) as exc:
+            except (psutil.Error, MeasurementError) as exc:
                 self.error = f"{type(exc).__name__}: {exc}"
             if self.stop_event.wait(self.interval_s):
                 return
@@ -111,10 +110,10 @@ class _Sampler(threading.Thread):
             kids = [k.pid for k in me.children(recursive=True)]
         for k in kids:
             try:
-                total += proc_rss(k)
-            except OSError:
+                total += status_field(k, "VmRSS")
+            except MeasurementError:
                 pass  # a child that exited between listing and reading
-        rss = proc_rss("self")
+        rss = status_field("self", "VmRSS")
         self.children_peak = max(self.children_peak, total)
         self.timeline.append((time.monotonic() - t0, rss))
 

@@ -1,6 +1,6 @@
 """What the harness reads from Linux's /proc: status fields (VmRSS, VmHWM, ...), the reset of the RSS
-high-water mark, the thread count, a process's descendants and their RSS. A figure that cannot be read
-raises MeasurementError (never 0 bytes)."""
+high-water mark, the thread count, a process's descendants. A figure that cannot be read raises
+MeasurementError (never 0 bytes)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,8 @@ def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss(pid: int | str) -> int:
-    """Resident bytes of a process (/proc/<pid>/statm, as psutil reads it); OSError once it has exited."""
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
+# A kernel property (CONFIG_PROC_CHILDREN): read once, not in every sample.
+_CHILDREN_FILES = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
 
 def descendants(pid: int | str = "self") -> list[int] | None:
@@ -59,7 +54,7 @@ def descendants(pid: int | str = "self") -> list[int] | None:
             os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # WNOWAIT: reaps nothing
         except ChildProcessError:
             return []
-    if not os.path.exists(f"/proc/self/task/{os.getpid()}/children"):
+    if not _CHILDREN_FILES:
         return None
     out: list[int] = []
     todo = [pid]
