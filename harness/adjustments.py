@@ -23,5 +23,5 @@ def take() -> list[str]:
     out = list(_NOTES)
     _NOTES.clear()
     if cpu_layer.is_active():
-        out.append("CPU layer (CUDA stand-ins on gloo ranks): " + ", ".join(cpu_layer.PATCHED_POINTS))
+        out.append("CPU layer (CUDA stand-ins on gloo ranks): " + ", ".join(cpu_layer.patched_points()))
     return out

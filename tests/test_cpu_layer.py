@@ -222,6 +222,63 @@ def test_activate_names_a_missing_megatron_rng_attribute(monkeypatch):
         torch.cuda.current_device()
 
 
+def _write_results_server(fsa) -> tuple[bytes, object]:
+    """A fresh megatron write-results queue: (its server's command line, the queue); a write result goes through."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    fsa._results_queue = None
+    queue = fsa._get_write_results_queue()
+    assert fsa._get_write_results_queue() is queue  # one per process
+    sent = {0: [WriteResult(MetadataIndex("w"), 4, None)]}
+    queue.put(sent)
+    assert queue.get() == sent
+    return Path(f"/proc/{queue._manager._process.pid}/cmdline").read_bytes(), queue
+
+
+@covers(cpu_layer.WRITER_POINT)
+def test_the_write_results_server_is_forked_not_spawned():
+    """megatron spawns it: a new interpreter that imports torch to unpickle the results (3.5 s of CPU a rank
+    process). Under the layer the server is this process forked (its command line is ours); without, spawned."""
+    from pathlib import Path
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    own, saved = Path("/proc/self/cmdline").read_bytes(), fsa._results_queue
+    servers = []
+    try:
+        cpu_layer.activate()
+        try:
+            forked, queue = _write_results_server(fsa)
+            servers.append(queue._manager)
+        finally:
+            cpu_layer.deactivate()
+        assert forked == own
+        assert fsa._get_write_results_queue.__module__ == fsa.__name__  # megatron's own again
+        spawned, queue = _write_results_server(fsa)  # the check tells the two apart
+        servers.append(queue._manager)
+        assert spawned != own and b"multiprocessing" in spawned, spawned
+    finally:
+        for manager in servers:
+            manager.shutdown()
+        fsa._results_queue = saved
+
+
+def test_a_megatron_without_the_write_results_queue_keeps_its_writer(monkeypatch):
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    monkeypatch.delattr(fsa, "_get_write_results_queue")
+    cpu_layer.activate()
+    try:
+        assert cpu_layer.WRITER_POINT not in cpu_layer.patched_points()
+        assert not hasattr(fsa, "_get_write_results_queue")
+    finally:
+        cpu_layer.deactivate()
+    assert cpu_layer.patched_points() == ()
+
+
 def test_every_point_is_tested():
     assert set(cpu_layer.PATCHED_POINTS) == set(COVERED), set(cpu_layer.PATCHED_POINTS) ^ set(COVERED)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+from typing import Any
 
 from harness.spec import Layout
 
@@ -112,15 +114,22 @@ def release_memory() -> None:
     """Collect reference cycles, then give the freed heap back to the OS (glibc's malloc_trim), so the next case
     in a warm rank starts from the same resident memory: without the trim a rank's RSS grew 504 -> 786 MiB over
     8 step-perf cases of `small` (415 -> 482 MiB trimmed). The trim is a no-op where libc has no malloc_trim."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache  # find_library runs `ldconfig -p` in a child process on every call
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, or None where libc has none."""
     import ctypes
     import ctypes.util
 
-    gc.collect()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        pass
+        return None
 
 
 def layout_coords() -> dict[str, int]:

@@ -21,6 +21,12 @@ TIMING_PHASES = ("rank_start", "imports", "init", "build", "steps", "collect", "
 
 
 def versions() -> dict[str, str]:
+    """The versions a results file records (a copy: callers may add to it)."""
+    return dict(_versions())
+
+
+@functools.cache  # read once per process: results.json is written after every case, and `git status` costs
+def _versions() -> dict[str, str]:  # 0.1-0.4 s; what a run records is the code it started with anyway
     out = {}
     for dist in ("torch", "megatron-core", "transformer-engine", "megatron-bridge", "mbridge", "transformers", "peft"):
         try:
