@@ -31,13 +31,17 @@ def live_worker_pids() -> list[int]:
     """Rank processes started by this test process (directly or below) that are still alive."""
     import psutil
 
+    def zygote(p) -> bool:
+        return "harness.launch.zygote" in " ".join(p.cmdline())
+
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            cmd = " ".join(p.cmdline())
-            # exec'd: harness.launch.worker; forked: a child of the zygote, whose command line it keeps
-            forked = "harness.launch.zygote" in cmd and "harness.launch.zygote" in " ".join(p.parent().cmdline())
-            if ("harness.launch.worker" in cmd or forked) and p.status() != psutil.STATUS_ZOMBIE:
+            # exec'd: harness.launch.worker; forked: a child of the fork server, whose command line it keeps (as
+            # do the processes a rank forks itself, e.g. megatron's checkpoint writer and its results server)
+            parent = p.parent()
+            forked = zygote(p) and zygote(parent) and not zygote(parent.parent())
+            if ("harness.launch.worker" in " ".join(p.cmdline()) or forked) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
             pass

@@ -27,6 +27,7 @@ THIRD_PARTY_PROBES = {
     ("harness/engines/mcore_ckpt.py", "model_param_group_index_map"): "megatron's DistributedOptimizer",
     ("harness/engines/megatron_bridge.py", "HAVE_TE"): "megatron-core: Transformer Engine installed",
     ("harness/engines/megatron_bridge.py", "save_hf_adapter"): "megatron-bridge version probe (> 0.3.1)",
+    ("harness/platform/cpu_layer.py", "_results_queue"): "megatron-core version probe (the async writer's queue)",
     ("harness/probes/ckpt_format.py", "size"): "torch DCP metadata entries",
     ("harness/probes/collectives.py", "_opname"): "torch's OpOverload",
     ("harness/probes/memory.py", "host_memory_stats"): "torch version probe",
