@@ -222,17 +222,13 @@ def test_activate_names_a_missing_megatron_rng_attribute(monkeypatch):
         torch.cuda.current_device()
 
 
-def _write_results_server(fsa) -> tuple[bytes, object]:
-    """A fresh megatron write-results queue: (its server's command line, the queue); a write result goes through."""
+def _write_results_server(fsa, sent) -> tuple[bytes, object]:
+    """A fresh megatron write-results queue: (its server's command line, the queue); `sent` goes through it."""
     from pathlib import Path
-
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-    from torch.distributed.checkpoint.storage import WriteResult
 
     fsa._results_queue = None
     queue = fsa._get_write_results_queue()
     assert fsa._get_write_results_queue() is queue  # one per process
-    sent = {0: [WriteResult(MetadataIndex("w"), 4, None)]}
     queue.put(sent)
     assert queue.get() == sent
     return Path(f"/proc/{queue._manager._process.pid}/cmdline").read_bytes(), queue
@@ -251,13 +247,16 @@ def test_the_write_results_server_is_forked_not_spawned():
     try:
         cpu_layer.activate()
         try:
-            forked, queue = _write_results_server(fsa)
+            from torch.distributed.checkpoint.metadata import MetadataIndex
+            from torch.distributed.checkpoint.storage import WriteResult
+
+            forked, queue = _write_results_server(fsa, {0: [WriteResult(MetadataIndex("w"), 4, None)]})
             servers.append(queue._manager)
         finally:
             cpu_layer.deactivate()
         assert forked == own
         assert fsa._get_write_results_queue.__module__ == fsa.__name__  # megatron's own again
-        spawned, queue = _write_results_server(fsa)  # the check tells the two apart
+        spawned, queue = _write_results_server(fsa, {0: [4]})  # the check tells the two apart (no torch to import)
         servers.append(queue._manager)
         assert spawned != own and b"multiprocessing" in spawned, spawned
     finally:
