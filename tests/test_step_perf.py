@@ -462,11 +462,16 @@ def test_exposed_communication_grown_alone_fails_and_zero_is_judged(base_exposed
 @pytest.mark.exclusive
 @pytest.mark.slow
 def test_a_serialised_reduction_fails_naming_the_exposed_communication(recorded):
+    """Caught by whichever branch this run's noise takes: the step grew, by what the exposed communication grew
+    (the usual), or the step's compute ran faster by as much and the exposed communication grew alone (CI
+    2026-11-26: 23.1 -> 48.2 ms of a 124.4 ms step); either way the message names the communication."""
     run, checks = _run("tests.faulty_engines:SerialisedReduction", recorded[0])
     msg = checks["step-perf.time"].message
-    assert checks["step-perf.time"].failed and "step time regressed" in msg, msg
-    assert re.search(r"exposed communication grew by [\d.]+ ms of the [\d.]+ ms: the step waits for the DP reduction",
-                     msg), msg
+    assert checks["step-perf.time"].failed, msg
+    assert re.search(r"step time regressed: .*exposed communication grew by [\d.]+ ms of the [\d.]+ ms: the step "
+                     r"waits for the DP reduction", msg) \
+        or re.match(r"tp1-pp1-cp1-dp2: exposed communication grew by [\d.]+ ms \(> 10% of the [\d.]+ ms step\)", msg), \
+        msg
 
 
 @pytest.mark.exclusive
