@@ -204,16 +204,16 @@ class CpuLayer:
     """Install / remove the CPU layer in this process; one instance per process."""
 
     def __init__(self) -> None:
-        self._saved: dict[str, Any] = {}
-        self._saved_megatron: dict[str, Any] = {}
-        self._megatron_module: Any = None
-        self._writer_module: Any = None
-        self._saved_writer: Any = None
+        self._replaced: list[tuple[Any, str, Any]] = []  # (module, attribute, its original), in patch order
         self._mode: CpuDeviceMode | None = None
 
     @property
     def active(self) -> bool:
         return self._mode is not None
+
+    def _replace(self, module: Any, name: str, value: Any) -> None:
+        self._replaced.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
 
     def activate(self) -> None:
         if self.active:
@@ -231,16 +231,12 @@ class CpuLayer:
             "stream": lambda *a, **k: contextlib.nullcontext(),
         }
         for name, value in replacements.items():
-            self._saved[name] = getattr(torch.cuda, name)
-            setattr(torch.cuda, name, value)
-        self._megatron_module = rng_module
+            self._replace(torch.cuda, name, value)
         for name, value in zip(_MEGATRON_RNG_ATTRS, (_get_rng_state_on_cpu, _set_rng_state_on_cpu)):
-            self._saved_megatron[name] = getattr(rng_module, name)
-            setattr(rng_module, name, value)
-        self._writer_module = _megatron_writer_module()
-        if self._writer_module is not None:
-            self._saved_writer = getattr(self._writer_module, _MEGATRON_WRITER_ATTR)
-            setattr(self._writer_module, _MEGATRON_WRITER_ATTR, _write_results_queue_by_fork)
+            self._replace(rng_module, name, value)
+        writer_module = _megatron_writer_module()
+        if writer_module is not None:
+            self._replace(writer_module, _MEGATRON_WRITER_ATTR, _write_results_queue_by_fork)
         self._mode = CpuDeviceMode()
         self._mode.__enter__()
 
@@ -250,20 +246,15 @@ class CpuLayer:
         assert self._mode is not None
         self._mode.__exit__(None, None, None)
         self._mode = None
-        for name, value in self._saved.items():
-            setattr(torch.cuda, name, value)
-        self._saved.clear()
-        for name, value in self._saved_megatron.items():
-            setattr(self._megatron_module, name, value)
-        self._saved_megatron.clear()
-        self._megatron_module = None
-        if self._writer_module is not None:  # a queue it made stays megatron's, as one megatron made would
-            setattr(self._writer_module, _MEGATRON_WRITER_ATTR, self._saved_writer)
-        self._writer_module = self._saved_writer = None
+        # (a write-results queue made meanwhile stays megatron's, as one megatron made would)
+        for module, name, original in reversed(self._replaced):
+            setattr(module, name, original)
+        self._replaced.clear()
 
     def points(self) -> tuple[str, ...]:
         """The points patched while active: PATCHED_POINTS, less the writer's where megatron has no such queue."""
-        return tuple(p for p in PATCHED_POINTS if p != WRITER_POINT or self._writer_module is not None)
+        writer = any(name == _MEGATRON_WRITER_ATTR for _, name, _ in self._replaced)
+        return tuple(p for p in PATCHED_POINTS if p != WRITER_POINT or writer)
 
 
 _LAYER = CpuLayer()
