@@ -25,8 +25,8 @@ def versions() -> dict[str, str]:
     return dict(_versions())
 
 
-@functools.cache  # read once per process: results.json is written after every case, and `git status` costs
-def _versions() -> dict[str, str]:  # 0.1-0.4 s; what a run records is the code it started with anyway
+@functools.cache  # read once per process: results.json is written after every case (22 ms a call here, with
+def _versions() -> dict[str, str]:  # `git status`); what a run records is the code it started with anyway
     out = {}
     for dist in ("torch", "megatron-core", "transformer-engine", "megatron-bridge", "mbridge", "transformers", "peft"):
         try:
