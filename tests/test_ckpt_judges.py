@@ -423,3 +423,27 @@ def test_a_device_measurement_records_device_peaks_and_the_pinned_pool_growth(mo
     assert (peak.device_allocated_before, peak.device_allocated_peak, peak.device_reserved_peak) == \
         (5 * MIB, 70 * MIB, 80 * MIB)
     assert (peak.pinned_peak, peak.pinned_grown) == (40 * MIB, 32 * MIB)
+
+
+def test_the_pinned_staging_of_a_save_does_not_carry_what_earlier_cases_left_in_use(monkeypatch, tmp_path):
+    """On the first GPU runs the pinned pool's active bytes grew save after save in a warm rank (torch 2.11:
+    184, 368, 414 ... MiB, the pool not growing): a save's staging is what it held above the phase's start,
+    the same whichever cases ran before it."""
+    import torch
+
+    from harness.probes.memory import MIB, measure
+
+    pool: dict[str, int] = {}
+    fake = {"synchronize": lambda: None, "reset_peak_memory_stats": lambda: None, "memory_allocated": lambda: 0,
+            "max_memory_allocated": lambda: 0, "max_memory_reserved": lambda: 0,
+            "host_memory_stats": lambda: dict(pool),
+            "reset_peak_host_memory_stats": lambda: pool.update({"active_bytes.peak": pool["active_bytes.current"]})}
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn, raising=False)
+    staged = []
+    for left_in_use in (0, 184 * MIB, 1015 * MIB):  # a fresh rank, then after one and after several cases
+        pool.update({"allocated_bytes.current": 256 * MIB, "active_bytes.current": left_in_use})
+        with measure("save", tmp_path, 0, use_memray=False, device=True) as peak:
+            pool.update({"active_bytes.current": left_in_use + 184 * MIB, "active_bytes.peak": left_in_use + 184 * MIB})
+        staged.append(peak.pinned_peak)
+    assert staged == [184 * MIB] * 3, [s / MIB for s in staged]

@@ -59,7 +59,8 @@ class MemoryPeak:
     device_reserved_peak: int = 0
     device_allocated_before: int = 0  # torch.cuda.memory_allocated() at the phase's start
     # torch's caching host (pinned) allocator, device ranks only: the most bytes of its blocks in use during
-    # the phase, and how much the pool grew in it (a block cut during the phase is an mmap memray may see too)
+    # the phase above what was in use at its start, and how much the pool grew in it (a block cut during the
+    # phase is an mmap memray may see too)
     pinned_peak: int = 0
     pinned_grown: int = 0
     capture: str = ""  # memray capture of the rank (kept for flamegraphs)
@@ -127,14 +128,14 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
         os.unlink(old)
     reset_peak_rss()  # VmHWM from the current RSS on
     peak.rss_before = status_field("self", "VmRSS")
-    pinned_before = 0
+    pinned_before: dict[str, int] = {}
     if device:
         import torch
 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         peak.device_allocated_before = torch.cuda.memory_allocated()
-        pinned_before = _pinned_pool(reset=True)["allocated_bytes.current"]
+        pinned_before = _pinned_pool(reset=True)
     sampler = _Sampler()
     sampler.start()
     tracker: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -154,7 +155,7 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
 
 
 def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, device: bool,
-          pinned_before: int = 0) -> None:
+          pinned_before: dict[str, int] | None = None) -> None:
     if not sampler.timeline:
         raise MeasurementError(f"the RSS sampler took no sample during {peak.phase} on rank {rank} "
                                f"({sampler.error or 'it never ran'})")
@@ -167,9 +168,12 @@ def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, 
         torch.cuda.synchronize()
         peak.device_allocated_peak = torch.cuda.max_memory_allocated()
         peak.device_reserved_peak = torch.cuda.max_memory_reserved()
-        pool = _pinned_pool()
-        peak.pinned_peak = pool["active_bytes.peak"]
-        peak.pinned_grown = max(0, pool["allocated_bytes.current"] - pinned_before)
+        pool, before = _pinned_pool(), pinned_before or {}
+        # Above the phase's start: on the first GPU runs (torch 2.11) the pool's active bytes never came back
+        # down when a save's blocks were freed and reused, so the raw peak grew case after case in a warm rank
+        # (184, 368, 414 ... 1199 MiB over 11 saves of `small`, the pool itself not growing at all).
+        peak.pinned_peak = max(0, pool["active_bytes.peak"] - before.get("active_bytes.current", 0))
+        peak.pinned_grown = max(0, pool["allocated_bytes.current"] - before.get("allocated_bytes.current", 0))
     if capture is not None:
         peak.capture = str(capture)
         peak.heap_peak, peak.children_heap_peak, peak.children = read_captures(capture)
@@ -193,7 +197,7 @@ def _pinned_pool(reset: bool = False) -> dict[str, int]:
         reset_peak()
     s = stats()  # keys "active_bytes.peak" (torch's docs), "active_bytes.all.peak" in some releases
     return {k: int(s.get(k, s.get(k.replace(".", ".all.", 1), 0)))
-            for k in ("allocated_bytes.current", "active_bytes.peak")}
+            for k in ("allocated_bytes.current", "active_bytes.current", "active_bytes.peak")}
 
 
 def read_captures(capture: Path) -> tuple[int, int, int]:
