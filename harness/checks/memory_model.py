@@ -27,7 +27,10 @@ So the band's top grows by up to 2x the bytes the rank writes from the device (S
 writing the weights; (S + P)/D with the fully parallel wrapper). The measured figure holds that staging
 (probes/memory.py: MemoryPeak.pinned_peak). From the first H100 run (`small`, D = 1, S + P = 92 MiB):
 a `fully_reshardable` save's first-in-process peak 303.7 MiB against 207.2 later = ~96 MiB of new pinned
-blocks for 92 MiB written. Not yet re-measured with the pinned figure (no GPU since).
+blocks for 92 MiB written. Measured with the pinned figure on one H200 (`small`, D = 1, torch 2.11, the same
+in case order and shuffled): a dp_reshardable save staged 92.0 MiB (all it writes), fully_reshardable 23.0
+(the weights; its optimizer state is gathered on the host heap, 207 MiB), fsdp2_sharded 69.0 (S), fsdp2_full
+0 (gathered to the heap, 69.3 MiB) - each inside its band.
 
 FSDP2 at D = 1 gathers nothing: the full and the sharded state dict are the same tensors, so both bands
 are "at most what the rank writes" and the two cannot be told apart (`discrimination` says so).
