@@ -200,7 +200,8 @@ def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
 H200_SMALL_WS1 = {
     "micro_batch_size=2": {"build": 47.01, "step0": 70.02, "step1": 33.08},
     "use_distributed_optimizer=True,micro_batch_size=2": {"build": 70.02, "step0": 70.02, "step1": 33.08},
-    "use_distributed_optimizer=True,recompute=full,micro_batch_size=2": {"build": 71.01, "step0": 70.02, "step1": 23.00},
+    "use_distributed_optimizer=True,recompute=full,micro_batch_size=2":
+        {"build": 71.01, "step0": 70.02, "step1": 23.00},
     "use_distributed_optimizer=True,recompute=selective,micro_batch_size=2":
         {"build": 71.01, "step0": 70.02, "step1": 29.51},
 }

@@ -22,9 +22,9 @@ dtypes megatron-core uses:
   optimizer's per-parameter temporaries (the largest parameter shard: Adam's, and on CPU ranks the float64
   copy of the CPU layer's norms; on GPUs without Transformer Engine or apex megatron steps with torch's
   AdamW, whose foreach path makes one fp32 temporary as large as every parameter it steps - sqrt(exp_avg_sq)
-  - measured on one H200: 23.0 MiB for `small`'s 6.03M parameters), and on gloo ranks the flat copy a coalesced collective makes of a gradient
-  bucket (reduce / reduce-scatter) or a parameter bucket (the distributed optimizer's all-gather) - NCCL
-  works in place;
+  - measured on one H200: 23.0 MiB for `small`'s 6.03M parameters), and on gloo ranks the flat copy a
+  coalesced collective makes of a gradient bucket (reduce / reduce-scatter) or a parameter bucket (the
+  distributed optimizer's all-gather) - NCCL works in place;
 - a fixed overhead (FIXED_OVERHEAD: a measured constant per device kind).
 
 What a phase adds (`phases`): build = weights + gradient buffers + master copies (+ the parameter buffer's
