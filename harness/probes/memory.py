@@ -171,7 +171,8 @@ def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, 
         pool, before = _pinned_pool(), pinned_before or {}
         # Above the phase's start: on the first GPU runs (torch 2.11) the pool's active bytes never came back
         # down when a save's blocks were freed and reused, so the raw peak grew case after case in a warm rank
-        # (184, 368, 414 ... 1199 MiB over 11 saves of `small`, the pool itself not growing at all).
+        # (184, 368, 414 ... 1199 MiB over 11 saves of `small`, the pool itself not growing at all). Where the
+        # count never comes down, the rise is every block handed out in the phase: at least its staging peak.
         peak.pinned_peak = max(0, pool["active_bytes.peak"] - before.get("active_bytes.current", 0))
         peak.pinned_grown = max(0, pool["allocated_bytes.current"] - before.get("allocated_bytes.current", 0))
     if capture is not None:
