@@ -183,6 +183,15 @@ class Case:
         return self.backend == "nccl" and importlib.util.find_spec("transformer_engine") is not None
 
     @property
+    def foreach_adam(self) -> bool:
+        """Whether megatron steps with torch's AdamW on GPU tensors, i.e. its foreach path: on NCCL ranks where
+        neither Transformer Engine's nor apex's FusedAdam (megatron-core's first choices) is installed."""
+        import importlib.util
+
+        fused = ("transformer_engine", "apex")
+        return self.backend == "nccl" and all(importlib.util.find_spec(m) is None for m in fused)
+
+    @property
     def global_batch_size(self) -> int:
         return self.options.global_batch_size or self.model.global_batch_size
 

@@ -145,16 +145,12 @@ class TrainingMemory:
 def training_of(case) -> Training:
     """The model's view of a case's options (the harness builds megatron's local spec: unfused attention,
     unless Transformer Engine's spec is in use on a GPU)."""
-    import importlib.util
-
     o = case.options
     te = case.te_spec
-    # megatron-core's optimizer module takes TE's FusedAdam, else apex's, else torch's AdamW
-    fused_adam = any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
     return Training(dtype=o.dtype, micro_batch_size=case.micro_batch_size, num_microbatches=case.num_microbatches,
                     use_distributed_optimizer=o.use_distributed_optimizer, grad_reduce_in_fp32=o.grad_reduce_in_fp32,
                     recompute=o.recompute, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.bucket_size,
-                    fused_attention=te, foreach_adam=case.backend == "nccl" and not fused_adam)
+                    fused_attention=te, foreach_adam=case.foreach_adam)
 
 
 def _stage(layout: Layout, rank: int) -> int:

@@ -155,7 +155,7 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
 
 
 def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, device: bool,
-          pinned_before: dict[str, int] | None = None) -> None:
+          pinned_before: dict[str, int]) -> None:
     if not sampler.timeline:
         raise MeasurementError(f"the RSS sampler took no sample during {peak.phase} on rank {rank} "
                                f"({sampler.error or 'it never ran'})")
@@ -168,13 +168,13 @@ def _fill(peak: MemoryPeak, sampler: _Sampler, capture: Path | None, rank: int, 
         torch.cuda.synchronize()
         peak.device_allocated_peak = torch.cuda.max_memory_allocated()
         peak.device_reserved_peak = torch.cuda.max_memory_reserved()
-        pool, before = _pinned_pool(), pinned_before or {}
+        pool = _pinned_pool()
         # Above the phase's start: on the first GPU runs (torch 2.11) the pool's active bytes never came back
         # down when a save's blocks were freed and reused, so the raw peak grew case after case in a warm rank
         # (184, 368, 414 ... 1199 MiB over 11 saves of `small`, the pool itself not growing at all). Where the
         # count never comes down, the rise is every block handed out in the phase: at least its staging peak.
-        peak.pinned_peak = max(0, pool["active_bytes.peak"] - before.get("active_bytes.current", 0))
-        peak.pinned_grown = max(0, pool["allocated_bytes.current"] - before.get("allocated_bytes.current", 0))
+        peak.pinned_peak = max(0, pool["active_bytes.peak"] - pinned_before["active_bytes.current"])
+        peak.pinned_grown = max(0, pool["allocated_bytes.current"] - pinned_before["allocated_bytes.current"])
     if capture is not None:
         peak.capture = str(capture)
         peak.heap_peak, peak.children_heap_peak, peak.children = read_captures(capture)
