@@ -12,10 +12,10 @@ ran no other suite. What is checked:
 
 Under pytest-xdist (`nox -s tests` runs two workers) each worker has its own pools, and a test marked
 `exclusive` (it judges the step time of real ranks, or feeds pytest-benchmark) runs while no other test runs
-(`pytest_runtest_protocol` below), so a worker beside it cannot move its figures.
+(`pytest_runtest_protocol` below), so a worker beside it cannot move its figures; a module's exclusive tests
+run first in it and back to back, holding the other worker off once.
 """
 
-import contextlib
 import fcntl
 import os
 import shutil
@@ -107,21 +107,54 @@ def pytest_unconfigure(config):
         shutil.rmtree(config.stash[_LOCK_DIR_KEY], ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _turn(lock_dir: str, exclusive: bool):
+def _take(lock_dir: str, exclusive: bool) -> tuple:
+    """Open and lock `queue` and `run`; the locks are released when the files close."""
     mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    with open(os.path.join(lock_dir, "queue"), "a") as queue, open(os.path.join(lock_dir, "run"), "a") as run:
-        fcntl.flock(queue, mode)
-        fcntl.flock(run, mode)
-        if not exclusive:
-            fcntl.flock(queue, fcntl.LOCK_UN)
-        yield  # both locks are released when the files close
+    queue, run = open(os.path.join(lock_dir, "queue"), "a"), open(os.path.join(lock_dir, "run"), "a")
+    fcntl.flock(queue, mode)
+    fcntl.flock(run, mode)
+    if not exclusive:
+        fcntl.flock(queue, fcntl.LOCK_UN)
+    return queue, run
+
+
+def _exclusive(item) -> bool:
+    return item is not None and item.get_closest_marker("exclusive") is not None
+
+
+# The locks of a run of consecutive exclusive tests on this worker, held from the first to the last: between
+# two of them the other worker would otherwise slip in a test, and the next exclusive one wait for it to end.
+_held: tuple = ()
+
+
+def pytest_collection_modifyitems(items):
+    """A module's exclusive tests run one after the other, first in the module: the other worker waits once."""
+    module_of = {id(item): item.nodeid.split("::")[0] for item in items}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(module_of[id(item)], i)
+    items.sort(key=lambda item: (first[module_of[id(item)]], not _exclusive(item)))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    global _held
     lock_dir = getattr(item.config, "workerinput", {}).get(_LOCK_DIR)
     if lock_dir is None:  # no xdist: one test at a time anyway
         return (yield)
-    with _turn(lock_dir, exclusive=item.get_closest_marker("exclusive") is not None):
+    if not _exclusive(item):
+        locks = _take(lock_dir, exclusive=False)
+        try:
+            return (yield)
+        finally:
+            for f in locks:
+                f.close()
+    if not _held:
+        _held = _take(lock_dir, exclusive=True)
+    try:
         return (yield)
+    finally:
+        if not _exclusive(nextitem):
+            for f in _held:
+                f.close()
+            _held = ()

@@ -57,3 +57,8 @@ def test_an_exclusive_test_runs_while_no_other_test_runs(tmp_path):
     assert not beside, f"exclusive tests ran beside others: {beside}"
     # without this the lock could pass by running everything one at a time
     assert any(overlap(x, y) for x in ran for y in ran if x[0] < y[0] and not x[1] and not y[1]), ran
+    # a module's exclusive tests run first and back to back: the other worker waits for its test once, not
+    # before each of them
+    b1, b3 = (next(r for r in ran if r[0] == name) for name in ("b1", "b3"))
+    between = [r[0] for r in ran if r[0] not in ("b1", "b3") and b1[2] < r[3] and r[2] < b3[3]]
+    assert not between, f"tests ran between two exclusive ones of a module: {between}"
