@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # judging imports no torch: a payload holding tensors brings it
+    import torch
 
 
 def within(err: float, tol: float) -> bool:
@@ -38,7 +40,7 @@ def nonfinite_count(t: torch.Tensor) -> int:
     """Elements of t that are NaN or +-Inf (0 for integer tensors)."""
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return 0
-    return int((~torch.isfinite(t)).sum())
+    return int((~t.isfinite()).sum())
 
 
 def nonfinite_summary(tensors: Mapping[str, torch.Tensor]) -> tuple[int, str]:
@@ -48,7 +50,7 @@ def nonfinite_summary(tensors: Mapping[str, torch.Tensor]) -> tuple[int, str]:
     for name, t in tensors.items():
         n = nonfinite_count(t)
         if n:
-            nan = int(torch.isnan(t).sum())
+            nan = int(t.isnan().sum())
             bad[name] = (n, nan, t.numel())
     if not bad:
         return 0, ""

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # planning and judging import no torch; ranks do
+    import torch
 
 
 @dataclass
@@ -28,11 +29,15 @@ def partition_dim(param: Any) -> int | None:
 
 def tp_shard(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, parts: int = 1) -> torch.Tensor:
     """This TP rank's shard of a full tensor; with parts > 1 each block is sharded separately."""
+    import torch
+
     return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in full.chunk(parts, dim=dim)], dim=dim)
 
 
 def tp_unshard(shards: list[torch.Tensor], dim: int, parts: int = 1) -> torch.Tensor:
     """Inverse of tp_shard over the shards of TP ranks 0..tp_size-1."""
+    import torch
+
     split = [s.chunk(parts, dim=dim) for s in shards]
     return torch.cat([torch.cat([sp[i] for sp in split], dim=dim) for i in range(parts)], dim=dim)
 

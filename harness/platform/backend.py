@@ -60,7 +60,17 @@ def machine_fingerprint(backend: str) -> str:
     return f"{model} x{os.cpu_count()}{boot}"
 
 
+# Where none of these exists the host has no GPU driver (NVIDIA's, ROCm's, WSL2's, Jetson's) and torch would
+# count 0 GPUs: the harness process then plans and judges without importing torch (~3 s of CPU of a `harness
+# run` on 2 cores; its ranks import it anyway).
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg", "/dev/nvhost-ctrl-gpu")
+
+
 def cuda_device_count() -> int:
+    import os
+
+    if not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
