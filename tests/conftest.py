@@ -118,6 +118,11 @@ def _take(lock_dir: str, exclusive: bool) -> tuple:
     return queue, run
 
 
+def _release(locks: tuple) -> None:
+    for f in locks:
+        f.close()
+
+
 def _exclusive(item) -> bool:
     return item is not None and item.get_closest_marker("exclusive") is not None
 
@@ -129,11 +134,10 @@ _held: tuple = ()
 
 def pytest_collection_modifyitems(items):
     """A module's exclusive tests run one after the other, first in the module: the other worker waits once."""
-    module_of = {id(item): item.nodeid.split("::")[0] for item in items}
-    first: dict[str, int] = {}
+    first: dict = {}  # module path -> its first item's place
     for i, item in enumerate(items):
-        first.setdefault(module_of[id(item)], i)
-    items.sort(key=lambda item: (first[module_of[id(item)]], not _exclusive(item)))
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (first[item.path], not _exclusive(item)))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -147,14 +151,12 @@ def pytest_runtest_protocol(item, nextitem):
         try:
             return (yield)
         finally:
-            for f in locks:
-                f.close()
+            _release(locks)
     if not _held:
         _held = _take(lock_dir, exclusive=True)
     try:
         return (yield)
     finally:
         if not _exclusive(nextitem):
-            for f in _held:
-                f.close()
+            _release(_held)
             _held = ()

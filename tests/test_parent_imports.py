@@ -16,7 +16,6 @@ import json, sys
 import harness.platform.backend as backend
 backend.GPU_DRIVER_PATHS = ("/nonexistent/gpu-driver",)  # a host without a GPU driver, as CI's
 from harness.driver import planned_run
-from harness.suite_defs import get_suite
 for name in sys.argv[1:]:
     suite, params, cases = planned_run(name, None, 2, backend="auto")
     assert cases, name

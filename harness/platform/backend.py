@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -43,7 +44,6 @@ def machine_fingerprint(backend: str) -> str:
     against another one. A reboot of a workstation is a new machine for time baselines (re-record)."""
     if backend == "nccl":
         return f"{detect_platform('nccl').device_name} x{cuda_device_count()}"
-    import os
     import platform
 
     model = platform.processor() or platform.machine()
@@ -67,8 +67,6 @@ GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd", "/dev/d
 
 
 def cuda_device_count() -> int:
-    import os
-
     if not any(os.path.exists(p) for p in GPU_DRIVER_PATHS):
         return 0
     import torch
