@@ -5,18 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 WORLD = 2
 
 
-def _worker(rank: int, store_path: str, out: str) -> None:
+def record(rank: int, world_size: int) -> dict | None:
+    """On each rank (tests.rank_call): the recorder around functional collectives and a classic one."""
     import torch.distributed._functional_collectives as funcol
 
     from harness.probes.collectives import CollectiveRecorder
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
     x = torch.ones(8) * (rank + 1)
     with CollectiveRecorder() as recorder:
         summed = funcol.all_reduce(x, "sum", dist.group.WORLD)
@@ -24,18 +22,16 @@ def _worker(rank: int, store_path: str, out: str) -> None:
         scattered = funcol.reduce_scatter_single(x, "sum", 0, dist.group.WORLD)
         values = [summed.tolist(), gathered.tolist(), scattered.tolist()]  # waits on them
         dist.all_reduce(x)  # the classic path, for comparison
-    if rank == 0:
-        torch.save({"records": [(r.kind, r.ranks, r.numel, r.op) for r in recorder.by_source("dispatch")],
-                    "values": values}, out)
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"records": [(r.kind, r.ranks, r.numel, r.op) for r in recorder.by_source("dispatch")], "values": values}
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("funcol")
-    out = str(tmp / "records.pt")
-    mp.start_processes(_worker, args=(str(tmp / "store"), out), nprocs=WORLD, join=True, start_method="spawn")
-    return torch.load(out)
+def recorded():
+    from tests.rank_call import on_ranks
+
+    return on_ranks("tests.test_collectives:record", WORLD)[0]
 
 
 @pytest.mark.slow

@@ -8,18 +8,22 @@ q/k/v gradients at the positions it holds.
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from harness.engines.cp_attention import ReferenceCPAttention
-from harness.engines.cp_data import (local_thd_positions, pack_thd, padded_cu_seqlens, thd_batch_on_this_cp_rank,
-                                     thd_partitioned_indices, zigzag_positions)
+from harness.engines.cp_data import (
+    local_thd_positions,
+    pack_thd,
+    padded_cu_seqlens,
+    thd_batch_on_this_cp_rank,
+    thd_partitioned_indices,
+    zigzag_positions,
+)
 
 WORLD = 4
 HEADS, GROUPS, DIM = 4, 2, 8
@@ -100,27 +104,24 @@ def _check_thd(cp: int, group, rank: int, static_group=None) -> dict[str, float]
             "dk": _err(lk.grad, fk.grad[idx]), "dv": _err(lv.grad, fv.grad[idx])}
 
 
-def _worker(rank: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
+def compare(rank: int, world_size: int) -> dict[str, dict[str, float]]:
+    """On each rank (tests.rank_call): the errors of every layout at CP 1, 2 and 4."""
     results = {}
-    singles = [dist.new_group([r]) for r in range(WORLD)]
+    singles = [dist.new_group([r]) for r in range(world_size)]
     for cp in (1, 2, 4):
-        groups = [dist.new_group(list(range(i, i + cp))) for i in range(0, WORLD, cp)]
+        groups = [dist.new_group(list(range(i, i + cp))) for i in range(0, world_size, cp)]
         group, cp_rank = groups[rank // cp], rank % cp
         results[f"sbhd-cp{cp}"] = _check_sbhd(cp, group, cp_rank)
         results[f"thd-cp{cp}"] = _check_thd(cp, group, cp_rank)
         results[f"thd-cp{cp}-params-group"] = _check_thd(cp, group, cp_rank, static_group=singles[rank])
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
-def cp_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp_attention")
-    mp.start_processes(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True, start_method="spawn")
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+def cp_results():
+    from tests.rank_call import on_ranks
+
+    return on_ranks("tests.test_cp_attention:compare", WORLD)
 
 
 @pytest.mark.slow

@@ -16,8 +16,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from harness.checks.grad_sync import chunk_buckets, chunk_params
@@ -138,27 +136,21 @@ def _layout_of_megatron(model, te: bool, bucket_sizes) -> dict:
         teardown_parallel_state()
 
 
-def _worker(rank: int, store_path: str, out: str) -> None:
-    from harness.platform import cpu_layer
-
-    torch.set_num_threads(1)
-    cpu_layer.activate()  # megatron's buffers ask for the current CUDA device
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 1), rank=0, world_size=1)
+def megatron_layout(rank: int, world_size: int) -> dict[tuple[str, bool], object]:
+    """On one rank (tests.rank_call): megatron's buffers of both specs, for tiny and a LayerNorm tiny."""
     tiny = load_model("tiny")
     results = {}
     for model in (tiny, dataclasses.replace(tiny, name="tiny-layernorm", normalization="LayerNorm")):
         for te in (False, True):
             results[(model.name, te)] = _layout_of_megatron(model, te, BUCKETS)
-    torch.save(results, out)
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module")
-def megatron_layouts(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("te_spec")
-    out = str(tmp / "layouts.pt")
-    mp.start_processes(_worker, args=(str(tmp / "store"), out), nprocs=1, join=True, start_method="spawn")
-    return torch.load(out)
+def megatron_layouts():
+    from tests.rank_call import on_ranks
+
+    return on_ranks("tests.test_grad_sync_te_spec:megatron_layout", 1)[0]
 
 
 def _model(name: str):
