@@ -12,14 +12,16 @@ ran no other suite. What is checked:
 
 Under pytest-xdist (`nox -s tests` runs two workers) each worker has its own pools, and a test marked
 `exclusive` (it judges the step time of real ranks, or feeds pytest-benchmark) runs while no other test runs
-(`pytest_runtest_protocol` below), so a worker beside it cannot move its figures; a module's exclusive tests
-run first in it and back to back, holding the other worker off once.
+(`pytest_runtest_protocol` below), once what the other worker's tests left running has settled, so a worker
+beside it cannot move its figures; a module's exclusive tests run first in it and back to back, holding the
+other worker off once.
 """
 
 import fcntl
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -123,6 +125,26 @@ def _release(locks: tuple) -> None:
         f.close()
 
 
+QUIET_CORES = 0.5  # less than a busy process: what an idle worker, its idle ranks and fork server use
+
+
+def wait_for_quiet(max_s: float = 15.0, window_s: float = 0.25) -> tuple[float, float]:
+    """Wait until the machine's processes use less than QUIET_CORES cores for two windows in a row; (seconds
+    waited, cores busy in the last window). The lock holds off the other worker's tests, not what they left
+    running: its ranks finishing a case, a fork server a refused run started still importing torch (suspected
+    when a planted 50% slowdown read x1.085 against a step-perf baseline recorded at the start of a run, while
+    the other worker's first test had started a fork server)."""
+    import psutil
+
+    t0, quiet, busy = time.monotonic(), 0, 0.0
+    psutil.cpu_percent()  # starts the first window
+    while quiet < 2 and time.monotonic() - t0 < max_s:
+        time.sleep(window_s)
+        busy = psutil.cpu_percent() / 100 * (psutil.cpu_count() or 1)
+        quiet = quiet + 1 if busy < QUIET_CORES else 0
+    return time.monotonic() - t0, busy
+
+
 def _exclusive(item) -> bool:
     return item is not None and item.get_closest_marker("exclusive") is not None
 
@@ -154,6 +176,9 @@ def pytest_runtest_protocol(item, nextitem):
             _release(locks)
     if not _held:
         _held = _take(lock_dir, exclusive=True)
+        waited, busy = wait_for_quiet()
+        if busy >= QUIET_CORES:
+            item.add_report_section("setup", "machine", f"not quiet after {waited:.0f} s: {busy:.1f} cores busy")
     try:
         return (yield)
     finally:

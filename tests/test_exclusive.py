@@ -62,3 +62,19 @@ def test_an_exclusive_test_runs_while_no_other_test_runs(tmp_path):
     b1, b3 = (next(r for r in ran if r[0] == name) for name in ("b1", "b3"))
     between = [r[0] for r in ran if r[0] not in ("b1", "b3") and b1[2] < r[3] and r[2] < b3[3]]
     assert not between, f"tests ran between two exclusive ones of a module: {between}"
+
+
+@pytest.mark.exclusive
+def test_an_exclusive_test_waits_until_the_machine_is_quiet():
+    """A process still busy when the lock is taken (the other worker's ranks finishing a case, a fork server
+    importing) is waited for: the test would otherwise time steps beside it."""
+    from tests.conftest import wait_for_quiet
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 2\n"
+                                                   "while time.monotonic() < end: pass"])
+    try:
+        waited, cores = wait_for_quiet(max_s=20)
+        assert busy.poll() is not None, f"quiet after {waited:.1f} s ({cores:.2f} cores) beside a busy process"
+    finally:
+        busy.kill()
+        busy.wait()
