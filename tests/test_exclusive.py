@@ -44,7 +44,7 @@ def test_an_exclusive_test_runs_while_no_other_test_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *(a for p in quiet for a in ("-p", p)), "-n", "2",
                            "--dist", "loadscope", "-o", "markers=exclusive: alone", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "RAN_LOG": str(log)})
+                          env={**os.environ, "RAN_LOG": str(log), "HARNESS_TEST_QUIET_MAX_S": "0"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ran = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(ran) == 10
