@@ -2,7 +2,8 @@
 
 Behaviour is chosen by CaseOptions.seed so one suite class covers every fault:
 seed 0 ok, 1 rank 1 raises, 2 rank 1 dies (os._exit), 3 rank 1 hangs in a collective,
-4 rank 1 is SIGKILLed, 5 every rank sleeps forever outside collectives.
+4 rank 1 is SIGKILLed, 5 every rank sleeps forever outside collectives, 6 every rank runs a parallel op
+(OpenMP starts its intra-op pool there on a rank with more than one thread).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import signal
 import time
 from typing import Any
 
-OK, RAISE, EXIT, HANG_COLLECTIVE, SIGKILL, SLEEP = range(6)
+OK, RAISE, EXIT, HANG_COLLECTIVE, SIGKILL, SLEEP, PARALLEL_OP = range(7)
 
 
 class Misbehave:
@@ -49,6 +50,8 @@ class Misbehave:
                 time.sleep(3600)
             if mode == SLEEP:
                 time.sleep(3600)
+            if mode == PARALLEL_OP:
+                torch.ones(1 << 20).sum()
         return {"sum": float(t[0]), "pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 

@@ -39,6 +39,24 @@ def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
         pool.close()
 
 
+def test_a_rank_of_several_threads_stays_warm_after_its_first_parallel_op():
+    """OpenMP's intra-op pool starts at a rank's first parallel op and lives as long as the rank (world size 1
+    on 2 cores: 2 threads per rank, one pool worker): that is not a leak, and the next case keeps the rank."""
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("cannot tell on one core: a rank of world size 1 gets one thread and OpenMP starts no pool")
+    pool = RankPool(1, "gloo")
+    try:
+        runs = [pool.run(Case("tests.fake_suites:Misbehave", load_model("tiny"), Layout(), "mcore",
+                              CaseOptions(seed=fs.PARALLEL_OP), "gloo", 60.0)) for _ in range(2)]
+        assert all(r.ok for r in runs), [r.error for r in runs]
+        assert not runs[0].notes, runs[0].notes
+        assert not runs[1].fresh_ranks and runs[1].ranks[0].data["pid"] == runs[0].ranks[0].data["pid"]
+    finally:
+        pool.close()
+
+
 @pytest.mark.slow
 def test_leaking_case_is_detected_and_the_pool_recovers():
     """A case leaves megatron's param all-gather patched; the next case must not inherit it."""

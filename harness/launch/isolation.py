@@ -40,6 +40,17 @@ def _resolve(path: str) -> Any:
     raise ImportError(path)
 
 
+def start_lazy_threads() -> None:
+    """Start the threads torch starts at first use and keeps for the process's life, before the first snapshot:
+    OpenMP's intra-op pool (torch.get_num_threads() - 1 workers) comes up at a rank's first parallel op. Without
+    it every case of a rank given more than one thread (world size 1 on 2 cores, world size 4 on 16) read as a
+    leak of one or more threads and retired the warm ranks: `harness run --suite golden --world-size 1` ran each
+    of its 10 cases in fresh ranks."""
+    import torch
+
+    torch.ones(1 << 20).sum()  # above ATen's grain size (32768 elements): runs on every intra-op thread
+
+
 def snapshot() -> dict[str, Any]:
     """Identities of watched functions plus process-global state a case must restore."""
     import torch

@@ -155,6 +155,7 @@ def pool_main(pool_dir: Path) -> None:
                 pass
     with startup.phase("init"):
         init_distributed(startup, float(os.environ.get("HARNESS_PG_TIMEOUT", "1800")))
+    isolation.start_lazy_threads()
     freeze_long_lived()
     baseline = isolation.snapshot()
     first = True
