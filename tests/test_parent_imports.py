@@ -5,6 +5,7 @@ beside the fork server's own import of it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -22,6 +23,44 @@ for name in sys.argv[1:]:
     suite.check([], params)  # the suite's judges, imported and called
 print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
 """
+
+
+USER_ENGINE = """
+from harness.engines.fsdp2 import FSDP2Engine
+from harness.engines.mcore import McoreEngine
+
+
+class Engine(McoreEngine):
+    pass
+
+
+class Sharded(FSDP2Engine):
+    pass
+"""
+
+RESOLVE = """
+import json, sys
+from harness.driver import planned_run
+from harness.engines import is_fsdp2, resolve_factory
+for name in ("user_engine:Engine", "user_engine:Sharded", "mcore", "fsdp2"):
+    resolve_factory(name)
+    is_fsdp2(name)
+planned_run("ckpt-memory", "tiny", 2, engine="user_engine:Engine", backend="gloo")
+print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
+"""
+
+
+def test_an_engine_built_on_the_harness_engines_is_resolved_without_torch(tmp_path):
+    """`--engine pkg:Engine` subclassing McoreEngine / FSDP2Engine (as a bisect's user engine does): the harness
+    process imports it to refuse a missing one before any rank, and that must not import torch (2.4 s of CPU per
+    bisect step measured)."""
+    (tmp_path / "user_engine.py").write_text(USER_ENGINE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", RESOLVE], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not imported, f"resolving an engine built on McoreEngine / FSDP2Engine imported {imported[:5]}; " \
+        "import torch inside the function that needs it (or under TYPE_CHECKING for annotations)"
 
 
 def test_planning_and_judging_the_memory_and_time_suites_imports_no_torch():

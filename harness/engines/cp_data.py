@@ -8,13 +8,16 @@ so `thd_batch_on_this_cp_rank` replaces megatron's `get_thd_batch_on_this_cp_ran
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Positions within a sequence of the tokens CP rank `rank` holds after the 2*cp zigzag split."""
+    import torch
+
     chunk = seq_len // (2 * cp)
     first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
     second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
@@ -23,6 +26,8 @@ def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Ten
 
 def padded_cu_seqlens(seqlens: list[int], cp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(cu_seqlens, cu_seqlens_padded) of a pack: each sequence padded to a multiple of 2*cp."""
+    import torch
+
     multiple = 2 * cp
     padded = [-(-n // multiple) * multiple for n in seqlens]
     zero = torch.zeros(1, dtype=torch.int32)
@@ -32,6 +37,8 @@ def padded_cu_seqlens(seqlens: list[int], cp: int) -> tuple[torch.Tensor, torch.
 
 def thd_partitioned_indices(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     """Indices into a padded pack of the tokens CP rank `rank` holds (per sequence zigzag)."""
+    import torch
+
     bounds = cu_seqlens_padded.tolist()
     parts = [start + zigzag_positions(end - start, cp, rank) for start, end in zip(bounds[:-1], bounds[1:])]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
@@ -39,6 +46,8 @@ def thd_partitioned_indices(cu_seqlens_padded: torch.Tensor, cp: int, rank: int)
 
 def local_thd_positions(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence index, position within the sequence) of every token CP rank `rank` holds."""
+    import torch
+
     bounds = cu_seqlens_padded.tolist()
     seq_ids, positions = [], []
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -58,6 +67,8 @@ def pack_thd(samples: list[dict[str, torch.Tensor]], cp: int
     Padding tokens are zeros (loss_mask 0), appended after each sequence, so causal attention keeps
     them away from the real tokens.
     """
+    import torch
+
     seqlens = [int(s["tokens"].shape[0]) for s in samples]
     cu, cu_padded = padded_cu_seqlens(seqlens, cp)
     out = {}
@@ -74,6 +85,7 @@ def pack_thd(samples: list[dict[str, torch.Tensor]], cp: int
 def thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
                               cp: int, rank: int, cp_group=None):
     """megatron's get_thd_batch_on_this_cp_rank without Transformer Engine: (local batch, PackedSeqParams)."""
+    import torch
     from megatron.core.packed_seq_params import PackedSeqParams
 
     padded = cu_seqlens_padded.diff()

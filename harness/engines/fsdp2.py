@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput
 from harness.engines.mcore import McoreEngine
@@ -26,6 +24,7 @@ class FSDP2Engine(McoreEngine):
     default_ckpt_format = "fsdp2_sharded"  # what "fsdp2_default" saves
 
     def build(self) -> None:
+        import torch
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -62,6 +61,7 @@ class FSDP2Engine(McoreEngine):
     def _clip_and_count(self) -> tuple[float, int | None]:
         """The global gradient norm before clipping (clipped at clip_grad; 0: not clipped) and, where the case
         logs it, the number of zero gradient elements - what megatron's optimizer step reports."""
+        import torch
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
@@ -85,6 +85,8 @@ class FSDP2Engine(McoreEngine):
     def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False,
                         async_save: bool = False) -> None:
         """Sharded: DCP, every rank writes its shard. Full: gathered to rank 0 (CPU), torch.save there."""
+        import torch
+
         if async_save:
             raise BadInput("engine fsdp2 saves synchronously: its formats have no --async-save")
         import torch.distributed as dist
@@ -103,6 +105,7 @@ class FSDP2Engine(McoreEngine):
 
     def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
         """Either format into this engine's (fresh) model and optimizer: model weights, Adam moments and step."""
+        import torch
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -130,6 +133,7 @@ class FSDP2Engine(McoreEngine):
 
     def optimizer_state_shards(self) -> list[ParamShard]:
         """torch Adam's state (exp_avg, exp_avg_sq gathered whole; step) per global name, from rank 0 only."""
+        import torch
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 

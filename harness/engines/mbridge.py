@@ -28,7 +28,7 @@ import importlib.util
 from typing import Any
 
 from harness.engines.mcore import McoreEngine
-from harness.engines.model_config import _DTYPES, layer_spec
+from harness.engines.model_config import layer_spec, torch_dtype
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import MissingDependency
 
@@ -98,7 +98,7 @@ class MbridgeEngine(McoreEngine):
             raise MissingDependency(f"engine 'mbridge': cannot import {exc.name!r}: {INSTALL}") from exc
 
         self.setup_parallel()  # the bridge reads the parallel sizes from megatron's parallel state
-        bridge = AutoBridge.from_config(hf_llama_config(self.case), dtype=_DTYPES[self.case.options.dtype])
+        bridge = AutoBridge.from_config(hf_llama_config(self.case), dtype=torch_dtype(self.case.options.dtype))
         bridge.set_extra_args(**self.config_overrides())
         if self.ctx.on_cpu:
             spec = layer_spec(True, self.case.model.normalization, self.case.layout.cp)

@@ -5,18 +5,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
 from harness.engines.mcore_ckpt import McoreCheckpoints
-from harness.engines.model_config import _DTYPES, _full_init, layer_spec, transformer_config
+from harness.engines.model_config import _full_init, layer_spec, torch_dtype, transformer_config
 from harness.launch.context import RankContext
 from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
+
+if TYPE_CHECKING:
+    import torch
 
 MEGATRON_ADAM_EPS = 1e-8  # OptimizerConfig's default
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -58,12 +59,13 @@ class McoreEngine(McoreCheckpoints):
         return OptimizerConfig(
             optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=o.clip_grad,
             log_num_zeros_in_grad=o.log_num_zeros_in_grad,
-            bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=_DTYPES[o.dtype],
+            bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=torch_dtype(o.dtype),
             use_distributed_optimizer=use_distributed_optimizer,
         )
 
     def build_chunks(self) -> list:
         """Unwrapped GPTModel chunks of this rank (one per virtual pipeline stage)."""
+        import torch
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
@@ -144,6 +146,7 @@ class McoreEngine(McoreCheckpoints):
     def set_full(self, chunk, full_value) -> list[str]:
         """Copy full (TP-unsharded) values into this rank's shards: full_value(global name, full shape)
         gives the tensor or None (left as it is). Returns the names it set."""
+        import torch
         from megatron.core import parallel_state as ps
 
         tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -197,6 +200,8 @@ class McoreEngine(McoreCheckpoints):
     def loss_func(output_tensor, loss_mask=None):
         """Sum of per-token losses and the token count (megatron normalises by the count), over the tokens the
         loss mask keeps (all without one)."""
+        import torch
+
         losses = output_tensor.float()
         if loss_mask is None:
             loss_sum, count = losses.sum(), output_tensor.numel()
@@ -214,6 +219,7 @@ class McoreEngine(McoreCheckpoints):
         return self._run_batch(step, forward_only=True, capture=True)
 
     def _run_batch(self, step: int, forward_only: bool, capture: bool) -> StepOutput:
+        import torch
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 

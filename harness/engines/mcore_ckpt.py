@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import ParamShard, partition_dim
+
+if TYPE_CHECKING:
+    import torch
 
 
 class McoreCheckpoints:
@@ -27,6 +28,7 @@ class McoreCheckpoints:
 
         The distributed optimizer holds a flat range of each parameter per DP x CP rank; the ranges are
         disjoint, so summing zero-filled copies over that group rebuilds every element exactly."""
+        import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -126,6 +128,7 @@ class McoreCheckpoints:
 
     def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
         """dist_checkpointing.load into this engine's layout (which may differ from the saving one)."""
+        import torch
         from megatron.core import dist_checkpointing
 
         self._init_optimizer_state()
@@ -145,6 +148,8 @@ class McoreCheckpoints:
     def _init_optimizer_state(self) -> None:
         """Empty Adam state to load into. megatron's init_state_fn creates no 'step', which the
         distributed optimizer's state_dict asserts on without TE / apex (megatron-core 0.16)."""
+        import torch
+
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = opt.optimizer
             for group in inner.param_groups:

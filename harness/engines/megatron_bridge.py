@@ -38,7 +38,7 @@ from harness.engines.lora import (
 from harness.engines.mbridge import hf_llama_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.megatron_bridge_import import check_available, import_bridge
-from harness.engines.model_config import _DTYPES, layer_spec
+from harness.engines.model_config import layer_spec, torch_dtype
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class MegatronBridgeEngine(McoreEngine):
         import torch.nn.functional as F
 
         m, lay, o = self.case.model, self.case.layout, self.case.options
-        dtype = _DTYPES[o.dtype]
+        dtype = torch_dtype(o.dtype)
         fields = dict(
             num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
             num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,

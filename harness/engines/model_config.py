@@ -5,22 +5,27 @@ from __future__ import annotations
 import zlib
 from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
-
 from harness.spec import Case
 
 if TYPE_CHECKING:
+    import torch
     from megatron.core.transformer import ModuleSpec, TransformerConfig
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a case's dtype option (fp32, bf16, fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
     """TransformerConfig for the model spec and layout (no dropout: the CPU RNG tracker cannot fork)."""
+    import torch
+    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    m, lay, dtype = case.model, case.layout, _DTYPES[case.options.dtype]
+    m, lay, dtype = case.model, case.layout, torch_dtype(case.options.dtype)
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
@@ -127,5 +132,7 @@ def layer_spec(on_cpu: bool, normalization: str, cp: int = 1) -> ModuleSpec:
 
 def _full_init(name: str, full_shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Layout-independent initial value of a parameter: a function of its global name only."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed ^ zlib.crc32(name.encode()))
     return torch.randn(full_shape, generator=gen) * 0.02
