@@ -182,6 +182,12 @@ def _check_time(res: CaseResult, entry: dict, params: StepPerfParams) -> CheckRe
         if comm.slower and comm_growth > 0.5 * step_growth and mine <= 1.2 * others:
             msg += (f"; exposed communication grew by {comm_growth:.1f} ms of the {step_growth:.1f} ms: the step "
                     f"waits for the DP reduction (serialised, or overlap lost)")
+        elif comm.slower and comm_growth > 0.5 * step_growth:
+            # both facts: a serialised reduction on a machine that slowed one rank reads this way, and so does a
+            # real straggler (whose wait is the others' exposed communication)
+            msg += (f"; exposed communication grew by {comm_growth:.1f} ms of the {step_growth:.1f} ms, but rank "
+                    f"{rank} computes {mine / others - 1:.0%} longer than the others: part of that may be their "
+                    f"wait for it")
         return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
     # Exposed communication is a few ms with a heavy tail on CPU ranks: it fails only when its growth is
     # also a real share of the step (the minimum effect of the baseline's step median), not 4 ms of
