@@ -85,10 +85,9 @@ class FSDP2Engine(McoreEngine):
     def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False,
                         async_save: bool = False) -> None:
         """Sharded: DCP, every rank writes its shard. Full: gathered to rank 0 (CPU), torch.save there."""
-        import torch
-
         if async_save:
             raise BadInput("engine fsdp2 saves synchronously: its formats have no --async-save")
+        import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict

@@ -177,17 +177,16 @@ def _check_time(res: CaseResult, entry: dict, params: StepPerfParams) -> CheckRe
         msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "
                f"(compute {mine:.0f} ms vs {others:.0f} ms)")
         step_growth = step.median_b - step.median_a
-        # the step waits for what it used to overlap - unless one rank is slow and the others wait for it there
-        # (a straggler's wait reads as exposed communication on the other ranks)
-        if comm.slower and comm_growth > 0.5 * step_growth and mine <= 1.2 * others:
-            msg += (f"; exposed communication grew by {comm_growth:.1f} ms of the {step_growth:.1f} ms: the step "
-                    f"waits for the DP reduction (serialised, or overlap lost)")
-        elif comm.slower and comm_growth > 0.5 * step_growth:
-            # both facts: a serialised reduction on a machine that slowed one rank reads this way, and so does a
-            # real straggler (whose wait is the others' exposed communication)
-            msg += (f"; exposed communication grew by {comm_growth:.1f} ms of the {step_growth:.1f} ms, but rank "
-                    f"{rank} computes {mine / others - 1:.0%} longer than the others: part of that may be their "
-                    f"wait for it")
+        # the step waits for what it used to overlap - unless one rank is slow: a straggler's wait reads as
+        # exposed communication on the other ranks, and so does a serialised reduction on a machine that slowed
+        # one rank, so there both facts are named
+        if comm.slower and comm_growth > 0.5 * step_growth:
+            msg += f"; exposed communication grew by {comm_growth:.1f} ms of the {step_growth:.1f} ms"
+            if mine <= 1.2 * others:
+                msg += ": the step waits for the DP reduction (serialised, or overlap lost)"
+            else:
+                msg += (f", but rank {rank} computes {mine / others - 1:.0%} longer than the others: part of that "
+                        f"may be their wait for it")
         return CheckResult("step-perf.time", res.case.id, False, msg, rows, value=step.ratio, data=data)
     # Exposed communication is a few ms with a heavy tail on CPU ranks: it fails only when its growth is
     # also a real share of the step (the minimum effect of the baseline's step median), not 4 ms of
