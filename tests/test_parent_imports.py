@@ -13,7 +13,7 @@ import sys
 TORCH_FREE_SUITES = ("ckpt-memory", "train-memory", "step-perf")
 
 PLAN = """
-import json, sys
+import sys
 import harness.platform.backend as backend
 backend.GPU_DRIVER_PATHS = ("/nonexistent/gpu-driver",)  # a host without a GPU driver, as CI's
 from harness.driver import planned_run
@@ -21,7 +21,6 @@ for name in sys.argv[1:]:
     suite, params, cases = planned_run(name, None, 2, backend="auto")
     assert cases, name
     suite.check([], params)  # the suite's judges, imported and called
-print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
 """
 
 
@@ -39,15 +38,26 @@ class Sharded(FSDP2Engine):
 """
 
 RESOLVE = """
-import json, sys
 from harness.driver import planned_run
 from harness.engines import is_fsdp2, resolve_factory
 for name in ("user_engine:Engine", "user_engine:Sharded", "mcore", "fsdp2"):
     resolve_factory(name)
     is_fsdp2(name)
 planned_run("ckpt-memory", "tiny", 2, engine="user_engine:Engine", backend="gloo")
+"""
+
+# appended to each script: the torch modules the process imported, as its last line
+REPORT = """
+import json, sys
 print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
 """
+
+
+def _torch_imported_by(script: str, *args: str, env: dict[str, str] | None = None) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", script + REPORT, *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_an_engine_built_on_the_harness_engines_is_resolved_without_torch(tmp_path):
@@ -55,17 +65,13 @@ def test_an_engine_built_on_the_harness_engines_is_resolved_without_torch(tmp_pa
     process imports it to refuse a missing one before any rank, and that must not import torch (2.4 s of CPU per
     bisect step measured)."""
     (tmp_path / "user_engine.py").write_text(USER_ENGINE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
-    proc = subprocess.run([sys.executable, "-c", RESOLVE], capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    path = os.pathsep.join([str(tmp_path), *sys.path])
+    imported = _torch_imported_by(RESOLVE, env={**os.environ, "PYTHONPATH": path})
     assert not imported, f"resolving an engine built on McoreEngine / FSDP2Engine imported {imported[:5]}; " \
         "import torch inside the function that needs it (or under TYPE_CHECKING for annotations)"
 
 
 def test_planning_and_judging_the_memory_and_time_suites_imports_no_torch():
-    proc = subprocess.run([sys.executable, "-c", PLAN, *TORCH_FREE_SUITES], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    imported = json.loads(proc.stdout.strip().splitlines()[-1])
+    imported = _torch_imported_by(PLAN, *TORCH_FREE_SUITES)
     assert not imported, f"the harness process imported {imported[:5]} planning {TORCH_FREE_SUITES}; " \
         "import torch inside the function that needs it (or under TYPE_CHECKING for annotations)"
