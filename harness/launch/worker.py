@@ -70,15 +70,13 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
     try:
         rss_before = _reset_peak_rss()
         with ctx.phase("imports"):
-            import importlib
-
             import torch  # noqa: F401
 
+            from harness.launch.rank_imports import import_modules
             from harness.suite_defs import get_suite
 
             suite = get_suite(case.suite_ref or case.suite)
-            for module in suite.imports:
-                importlib.import_module(module)
+            import_modules(suite.imports, on_cpu=case.backend != "nccl")
         if own_process_group:
             with ctx.phase("init"):
                 init_distributed(ctx, case.timeout_s)
@@ -127,19 +125,14 @@ def _reset_peak_rss() -> float:
     return _status_mib("VmRSS")
 
 
-POOL_IMPORTS = ("megatron.core", "megatron.core.distributed", "megatron.core.tensor_parallel",
-                "megatron.core.pipeline_parallel", "megatron.core.models.gpt", "megatron.core.optimizer")
-
-
 def pool_main(pool_dir: Path) -> None:
     """A warm rank: one process group for its life, cases read from stdin one directory per line.
 
     After each case it checks that nothing leaked (harness.launch.isolation); a failed or leaking
     case is the last one this rank runs (the pool then starts fresh ranks).
     """
-    import importlib
-
     from harness.launch import isolation
+    from harness.launch.rank_imports import MEGATRON, import_modules
     from harness.platform.parallel import release_memory
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -148,11 +141,7 @@ def pool_main(pool_dir: Path) -> None:
     startup = RankContext(rank, world, local_rank, backend, pool_dir)
     startup.result.timings["rank_start"] = max(0.0, _T0 - float(os.environ.get("HARNESS_SPAWN_T", _T0)))
     with startup.phase("imports"):
-        for module in POOL_IMPORTS:
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                pass
+        import_modules(MEGATRON, on_cpu=backend != "nccl", optional=True)
     with startup.phase("init"):
         init_distributed(startup, float(os.environ.get("HARNESS_PG_TIMEOUT", "1800")))
     isolation.start_lazy_threads()

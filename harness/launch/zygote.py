@@ -32,7 +32,7 @@ from pathlib import Path
 
 from harness.platform.backend import CPU_RANK_ENV
 
-# Imported by the server before any fork, required; then harness.launch.worker's POOL_IMPORTS, where present.
+# Imported by the server before any fork, required; then megatron-core's modules, where installed.
 PRELOAD = ("torch", "torch.distributed", "harness.launch.worker")
 READY_TIMEOUT_S = 600.0  # imports on a loaded 2-core machine; a zygote that dies before is noticed at once
 
@@ -181,16 +181,10 @@ atexit.register(close)
 
 # -- the server ---------------------------------------------------------------------------------------
 def serve(sock: socket.socket, status_dir: Path) -> None:
-    import importlib
+    from harness.launch.rank_imports import MEGATRON, import_modules
 
-    from harness.launch.worker import POOL_IMPORTS
-
-    for module in (*PRELOAD, *POOL_IMPORTS):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            if module in PRELOAD:
-                raise
+    import_modules(PRELOAD, on_cpu=True)
+    import_modules(MEGATRON, on_cpu=True, optional=True)
     import gc
 
     # What the imports made is never garbage: out of every later collection (each rank's, case after case) and
