@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.broken_env import broken_environment
 from harness.errors import BadInput, Interrupted
 from harness.launch import CaseResult, run_case, zygote
 from harness.launch.pool import pool_for
@@ -114,7 +115,8 @@ def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, 
     out_dir: results.json is written there after every case (measured, not yet judged) and at the end
     (judged), so a crash keeps every finished case. A SIGTERM / Ctrl-C (Interrupted, KeyboardInterrupt)
     stops the run: its ranks are killed, the finished cases are judged and written, and the run is
-    returned with `interrupted` set (exit code 143 / 130).
+    returned with `interrupted` set (exit code 143 / 130). A run whose first cases all error alike stops
+    there (`stopped` says why; harness/broken_env.py): exit 3, what it measured kept.
     """
     zygote.prestart(backend)
     suite, params, cases = planned_run(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
@@ -157,6 +159,10 @@ def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, 
                 run.results = [results[j] for j in sorted(results)]
                 run.wall_s = time.monotonic() - t0
                 _write(run, out_dir)
+            run.stopped = broken_environment([results[j] for j in order[:i]]) if i < n else ""
+            if run.stopped:
+                say(f"stopping after {i} of {n} cases: {run.stopped}")
+                break
     except (Interrupted, KeyboardInterrupt) as exc:
         from harness.launch.pool import close_all
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.broken_env import exception_line
 from harness.checks import CheckResult
 from harness.errors import Interrupted
 from harness.launch.results import CaseResult
@@ -26,14 +27,9 @@ class CaseOutcome:
 def error_summary(error: str) -> str:
     """The head line of a case error plus the exception its first traceback ends with, e.g.
     "case ...: rank 0 failed in phase 'save' - AssertionError: ..."."""
-    lines = error.splitlines() or ["failed"]
-    in_traceback = False
-    for line in lines[1:]:
-        if line.startswith("Traceback (most recent call last):"):
-            in_traceback = True
-        elif in_traceback and line and not line[0].isspace():
-            return f"{lines[0]} - {line.strip()}"
-    return lines[0]
+    head = (error.splitlines() or ["failed"])[0]
+    exception = exception_line(error)
+    return f"{head} - {exception}" if exception else head
 
 
 def _outcome(result: CaseResult, checks: list[CheckResult], judged: bool = True) -> CaseOutcome:
@@ -70,6 +66,7 @@ class SuiteRun:
     judged: bool = False  # the suite's checks ran over the results
     interrupted: Interrupted | None = None  # the signal that ended the run early
     label: str | None = None  # the user's name for this run (reports, history)
+    stopped: str = ""  # why the run stopped before its last case: its first cases all errored alike (broken_env.py)
     params: Any = None  # the suite's parameters (suite.Params) the cases were planned and are judged with
 
     @property

@@ -187,3 +187,20 @@ class BrokenEnvironment(Mixed):
 
         return [Case("tests.fake_suites:BrokenEnvironment", model, Layout(dp=world_size), engine,
                      CaseOptions(seed=100 * i + mode), backend, 60.0) for i, mode in enumerate((PASS, ERROR, PASS))]
+
+
+class OwnErrors(Mixed):
+    """Five cases: the first three error, each for a reason of its own (its layout, say), the last two pass."""
+
+    name = "own-errors"
+
+    def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
+        from harness.spec import Case, CaseOptions, Layout
+
+        return [Case("tests.fake_suites:OwnErrors", model, Layout(dp=world_size), engine,
+                     CaseOptions(seed=100 * i + (ERROR if i < 3 else PASS)), backend, 60.0) for i in range(5)]
+
+    def rank_work(self, case, ctx) -> dict[str, Any]:
+        if case.options.seed % 100 == ERROR:
+            raise RuntimeError(f"case {case.options.seed // 100} cannot run here")
+        return super().rank_work(case, ctx)

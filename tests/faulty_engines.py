@@ -243,6 +243,16 @@ class Straggler(McoreEngine):
         return out
 
 
+class NeedsMissingModule(McoreEngine):
+    """An engine whose framework imports a package the ranks' environment lacks (as a user's RL framework that
+    imports `ray` would): every case errors in build with the same ModuleNotFoundError."""
+
+    def build(self) -> None:
+        import harness_missing_framework  # noqa: F401  (not installed anywhere)
+
+        super().build()
+
+
 class OverlapLost(McoreEngine):
     """DDP built with overlap_grad_reduce=False whatever the case asks: no gradient reduction overlaps
     with backward."""

@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 import time
 
 import psutil
@@ -129,6 +131,23 @@ def test_torchrun_entry_at_world_size_1_judges_step_perf(tmp_path):
             "--layout tp1-pp1-cp1-dp1") in proc.stdout
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["world_size"] == 1 and [c["outcome"] for c in data["cases"]] == ["regression"] * 4
+
+
+@pytest.mark.slow
+def test_torchrun_entry_stops_every_rank_when_the_environment_is_broken(tmp_path):
+    """Under torchrun rank 0 finds the first cases all errored alike and every rank stops with it: exit 3."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*torchrun, "-m", "harness.launch.torchrun", "--suite", "grad-sync", "--model", "tiny", "--backend", "gloo",
+         "--engine", "tests.faulty_engines:NeedsMissingModule", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )
+    # torchrun itself exits 1 when a rank exits non-zero, and names the rank's own code
+    assert proc.returncode == 1 and re.search(r"exitcode\s*: 3 ", proc.stderr), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stopping after 3 of 16 cases: the first 3 cases all errored in phase 'build' with ModuleNotFoundError: " \
+           "No module named 'harness_missing_framework'" in proc.stderr, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [c["outcome"] for c in data["cases"]] == ["error"] * 3 and data["stopped"]
 
 
 @pytest.mark.parametrize("fork", ["1", "0"])

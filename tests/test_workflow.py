@@ -179,3 +179,66 @@ def test_a_nightly_whose_runs_only_errored_exits_3(tmp_path, capsys, monkeypatch
     out = capsys.readouterr().out
     assert code == 3, out
     assert "ERRORED" in out
+
+
+def test_a_broken_environment_stops_the_run_after_its_first_cases(tmp_path, capsys):
+    """Every case of an engine whose environment lacks a module errors in build alike: the run stops after
+    broken_env.STOP_AFTER cases, names the module and the install once, keeps what ran, and exits 3."""
+    from harness.broken_env import STOP_AFTER
+
+    code = cli.main(["run", "--suite", "grad-sync", "--model", "tiny", "--world-size", "2",
+                     "--engine", "tests.faulty_engines:NeedsMissingModule", "--out", str(tmp_path)])
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert code == 3, out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [c["outcome"] for c in results["cases"]] == ["error"] * STOP_AFTER
+    assert results["cases_planned"] > STOP_AFTER and results["verdict"] == "errored"
+    why = (f"the first {STOP_AFTER} cases all errored in phase 'build' with ModuleNotFoundError: No module named "
+           f"'harness_missing_framework': the ranks cannot import 'harness_missing_framework': install it into the "
+           f"environment the ranks run in (pip install harness_missing_framework")
+    assert results["stopped"].startswith(why), results["stopped"]
+    assert f"grad-sync: STOPPED after {STOP_AFTER} of {results['cases_planned']} cases: {why}" in out, out
+    assert out.count("pip install harness_missing_framework") == 2  # once as it stops, once at the end
+    assert cli.main(["report", str(tmp_path)]) == 0
+    assert "**stopped after 3 of" in (tmp_path / "report.md").read_text()
+
+
+def test_cases_that_error_each_for_a_reason_of_their_own_do_not_stop_the_run(tmp_path, capsys):
+    code = cli.main(["run", "--suite", "tests.fake_suites:OwnErrors", "--world-size", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 3, out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [c["outcome"] for c in results["cases"]] == ["error"] * 3 + ["pass"] * 2
+    assert results["stopped"] is None and "STOPPED" not in out
+
+
+def _errored(i: int, phase: str, exception: str, status: str = "error"):
+    from harness.launch.results import CaseResult
+    from harness.models import load_model
+    from harness.spec import Case, Layout
+
+    case = Case("grad-sync", load_model("tiny"), Layout(dp=2), "mcore")
+    error = (f"case {case.id}: rank 0 failed in phase '{phase}'\nTraceback (most recent call last):\n"
+             f"  File \"x.py\", line {i}, in build\n    import ray\n{exception}\n")
+    return CaseResult(case, [], status, error=error if status != "ok" else "")
+
+
+def test_only_the_first_cases_erring_alike_stop_a_run():
+    from harness.broken_env import broken_environment
+
+    missing = "ModuleNotFoundError: No module named 'ray.util'"
+    why = broken_environment([_errored(i, "build", missing) for i in range(3)])
+    assert why == ("the first 3 cases all errored in phase 'build' with ModuleNotFoundError: No module named "
+                   "'ray.util': the ranks cannot import 'ray.util': install it into the environment the ranks run "
+                   "in (pip install ray, or the distribution that provides it) and run again")
+    assert broken_environment([_errored(i, "build", missing) for i in range(2)]) == ""  # not yet
+    assert broken_environment([_errored(i, "build", missing) for i in range(4)]) == ""  # judged at the third only
+    assert broken_environment([_errored(0, "build", missing), _errored(1, "build", "", "ok"),
+                               _errored(2, "build", missing)]) == ""  # a case ran: the environment can
+    assert broken_environment([_errored(0, "build", missing), _errored(1, "steps", missing),
+                               _errored(2, "build", missing)]) == ""  # another phase
+    assert broken_environment([_errored(i, "build", f"RuntimeError: layout {i}") for i in range(3)]) == ""
+    assert broken_environment([_errored(i, "build", "x", "timeout") for i in range(3)]) == ""  # a hang is its own
+    assert broken_environment([_errored(i, "build", "RuntimeError: CUDA driver too old") for i in range(3)]).endswith(
+        "with RuntimeError: CUDA driver too old: fix what it names and run again")

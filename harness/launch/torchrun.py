@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from harness import report
+    from harness.broken_env import broken_environment
     from harness.driver import planned_run, with_outputs
     from harness.platform.parallel import release_memory
     from harness.suite_run import SuiteRun
@@ -89,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             run.results.append(CaseResult(case, gathered, "error" if failed else "ok", error,
                                           time.monotonic() - t_case))
             print(f"[{len(run.results)}/{len(cases)}] {case.id} {run.results[-1].status}", file=sys.stderr, flush=True)
+        # every rank stops alike when rank 0 finds the first cases all errored alike (harness/broken_env.py)
+        stop = [broken_environment(run.results) if rank == 0 and case is not cases[-1] else ""]
+        dist.broadcast_object_list(stop, src=0, group=results_group)
+        if stop[0]:
+            run.stopped = stop[0]
+            if rank == 0:
+                print(f"stopping after {len(run.results)} of {len(cases)} cases: {run.stopped}", file=sys.stderr,
+                      flush=True)
+            break
     code = 0
     if rank == 0:
         run.judge()

@@ -159,6 +159,9 @@ def format_results(data: dict[str, Any]) -> str:
     if data.get("interrupted"):
         out.append(f"{suite}: INTERRUPTED ({data['interrupted']}) after {len(cases)} of {data['cases_planned']} "
                    f"cases: the finished cases are judged above and kept in results.json (exit {data['exit_code']})")
+    elif data.get("stopped"):
+        out.append(f"{suite}: STOPPED after {len(cases)} of {data['cases_planned']} cases: {data['stopped']} "
+                   f"(exit {data['exit_code']})")
     elif data.get("verdict") == "nothing judged":
         out.append(f"{suite}: NOTHING JUDGED - no check could judge anything (every case skipped or inconclusive, "
                    f"or none planned); "
@@ -224,6 +227,7 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": run.wall_s,
         "passed": run.passed, "verdict": run.verdict, "exit_code": run.exit_code, "adjustments": run_adjustments(run),
         "judged": run.judged, "interrupted": str(run.interrupted) if run.interrupted else None,
+        "stopped": run.stopped or None,
         "cases_planned": run.planned, "label": run.label, "engine_dist": dict(engine_distribution(run.engine)),
         "params": _jsonable(run.params),
         "cases": [

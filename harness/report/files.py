@@ -72,6 +72,9 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
             lines += [f"**partial** (a failure): {md_escape(r.partial)}", ""]
         if r.nothing_judged:
             lines += [f"**nothing judged** (a failure): {md_escape(r.nothing_judged)}", ""]
+        if r.data.get("stopped"):
+            lines += [f"**stopped after {len(r.data['cases'])} of {r.data.get('cases_planned', '?')} cases** "
+                      f"(the environment could not run them): {md_escape(r.data['stopped'])}", ""]
         if not r.data["cases"]:
             continue
         lines.append(markdown_table(["#", "case", "outcome", "reason"],
