@@ -50,7 +50,8 @@ class CaseError:
             return (f"the ranks cannot import '{missing.group(1)}': install it into the environment the ranks run in "
                     f"(pip install {top}, or the distribution that provides it) and run again")
         if self.exception.startswith("ImportError"):
-            return "an import fails in the ranks: fix the engine's environment (the module or its version) and run again"
+            return ("an import fails in the ranks: fix the engine's environment (the module or its version) and "
+                    "run again")
         return "fix what it names and run again"
 
 

@@ -46,6 +46,10 @@ class PlantedSlowdown(McoreEngine):
         while time.perf_counter() < end:
             pass
 
+    def wait_s(self) -> float:
+        """The wait planted in every step after the warm-up: SIZE x the median of the warm-up steps."""
+        return self.SIZE * statistics.median(self._own)
+
     def train_step(self, step: int):
         if self.WHERE == "comm" and not self._wrapped and self.config.finalize_model_grads_func is not None:
             finalize = self.config.finalize_model_grads_func
@@ -57,7 +61,7 @@ class PlantedSlowdown(McoreEngine):
             self.config.finalize_model_grads_func = waiting
             self._wrapped = True
         warmup = self.case.options.warmup_steps
-        self._wait_s = self.SIZE * statistics.median(self._own) if step >= warmup and self._own else 0.0
+        self._wait_s = self.wait_s() if step >= warmup and self._own else 0.0
         if self.WHERE == "step":
             self._busy(self._wait_s)
         t0 = time.perf_counter()

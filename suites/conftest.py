@@ -42,8 +42,8 @@ _REPORTS = pytest.StashKey[list]()
 
 # Step times of CPU ranks are judged here against baselines recorded at another time, usually on another
 # machine of the CPU kind, whose speed relative to this one is not measured; the same case measured on one
-# 2-core box drifted x0.92-1.14 between reruns at world size 4 and up to x1.26 at world size 1 (this
-# session's runs of tp1-pp1-cp1-dp1 against its own baseline minutes later). 50% keeps the suites free of
+# 2-core VM drifted x0.92-1.14 between reruns at world size 4 and up to x1.26 at world size 1 (tp1-pp1-cp1-dp1
+# against its own baseline minutes later). 50% keeps the suites free of
 # false alarms and still fails a step that got much slower; the exact counters (FLOPs, collectives, overlap)
 # are judged exactly everywhere, and `harness compare` (A/B interleaved) is the tool for small effects.
 GLOO_MIN_EFFECT = 0.5

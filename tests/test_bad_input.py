@@ -117,7 +117,3 @@ def test_bad_input_is_refused_before_any_rank(sandbox, capsys, argv, message):
     assert message.replace("{tmp}", str(sandbox)) in lines[0], lines[0]
     assert _listing(sandbox) == before  # nothing written, no directory left behind
     assert not out.strip()  # nothing half-printed (project-memory's header, a table)
-
-
-def test_there_are_at_least_25_bad_inputs():
-    assert len(CASES) >= 25

@@ -67,7 +67,7 @@ def test_planted_tp_gradient_bug_fails_the_suite():
                     engine="tests.faulty_engines:SkipOneTpGradReduce")
     assert all(r.ok for r in run.results), [r.error for r in run.results]
     failed = {c.check: c for c in run.checks if c.failed}
-    # what README promises: the losses, the first step's log-probs, the full parameters and the
+    # what docs/suites.md promises: the losses, the first step's log-probs, the full parameters and the
     # TP-replicated copies all fail
     assert set(failed) == {"equivalence.loss", "equivalence.logprobs", "equivalence.params", "equivalence.replicas"}, \
         [c.message for c in run.checks]

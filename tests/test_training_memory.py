@@ -192,11 +192,10 @@ def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
                                  "--world-size 2 --backend gloo --layout tp1-pp1-cp1-dp2")
 
 
-# The first train-memory run on a GPU (one H200, torch 2.11, megatron-core 0.16.1, no Transformer Engine or apex,
-# `harness run --suite train-memory --world-size 1 --backend nccl`, 2026-11-26): each case's device-allocated
-# peak per phase above its start, MiB. Against the model before it counted torch AdamW's foreach temporary, step0
-# of every distributed-optimizer case (70.02 against 46.02) and full recompute's step1 (23.00 against 15.88)
-# were outside the band.
+# train-memory on one H200 (torch 2.11, megatron-core 0.16.1, no Transformer Engine or apex,
+# `harness run --suite train-memory --world-size 1 --backend nccl`): each case's device-allocated peak per phase
+# above its start, MiB. Without torch AdamW's foreach temporary in the model, step0 of every distributed-optimizer
+# case (70.02 against 46.02) and full recompute's step1 (23.00 against 15.88) would lie outside the band.
 H200_SMALL_WS1 = {
     "micro_batch_size=2": {"build": 47.01, "step0": 70.02, "step1": 33.08},
     "use_distributed_optimizer=True,micro_batch_size=2": {"build": 70.02, "step0": 70.02, "step1": 33.08},

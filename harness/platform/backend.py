@@ -37,11 +37,11 @@ def machine_fingerprint(backend: str) -> str:
     model, the core count and the boot of this machine (Linux's boot_id). Time baselines judge only the machine
     they were recorded on.
 
-    Why the boot on CPU: VMs of one CPU model and core count, cloned from one image (the same /etc/machine-id),
-    ran the same step-perf cases x1.34-1.73 slower on one day than on the VM that recorded the baseline
-    (2026-11-25, `small` at world size 4), while within one boot unplanted runs read x0.92-1.17 of their
-    baseline; model and core count could not tell the two machines apart, so a fresh CI machine was judged
-    against another one. A reboot of a workstation is a new machine for time baselines (re-record)."""
+    Why the boot on CPU: 2-core VMs of one CPU model and core count, cloned from one image (the same
+    /etc/machine-id), ran the same step-perf cases (`small` at world size 4) x1.34-1.73 slower than the VM
+    that recorded the baseline, while within one boot unplanted runs read x0.92-1.17 of their baseline: model
+    and core count cannot tell such machines apart (docs/step-perf.md). A reboot of a workstation is a new
+    machine for time baselines (re-record)."""
     if backend == "nccl":
         return f"{detect_platform('nccl').device_name} x{cuda_device_count()}"
     import platform

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from harness.launch.results import CaseResult
     from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
-# Contract names (docs/architecture.md, README); the ones not yet implemented are refused with that reason.
+# Contract names (docs/architecture.md, docs/suites.md); the ones not yet implemented are refused with that reason.
 SUITES = {
     "equivalence": "harness.suite_defs.equivalence:EquivalenceSuite",
     "grad-sync": "harness.suite_defs.grad_sync:GradSyncSuite",

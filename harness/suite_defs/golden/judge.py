@@ -20,7 +20,7 @@ from harness.suite_defs.golden.params import SUITE, GoldenParams
 if TYPE_CHECKING:
     from harness.launch.results import CaseResult
 
-# Relative floor per dtype. fp32 on CPU ranks: see the README's golden section for the measured spread.
+# Relative floor per dtype. fp32 on CPU ranks: docs/golden.md gives the measured spread.
 RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
 MAX_SPREAD = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
 SPREAD_FACTOR = 4

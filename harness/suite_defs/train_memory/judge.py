@@ -13,7 +13,7 @@ from harness.suite_defs.train_memory.params import SUITE, TrainMemoryParams
 
 # How far a measured phase may lie from the model's prediction, relative, plus an absolute slack for what
 # a phase allocates beyond tensors (Python objects, module construction, megatron's bookkeeping). Measured on
-# CPU ranks (fp32, memray heap, 2026-11-25): `small` at world sizes 2 and 4 over every default case (pure DP,
+# CPU ranks of a 2-core x86 VM (fp32, memray heap): `small` at world sizes 2 and 4 over every default case (pure DP,
 # TP 2, PP 2, with and without the distributed optimizer, full and selective recompute), 16-40 points each:
 # every phase within -10% / +26% of the model; `tiny`: +0.4 to +1.4 MiB above the model in every phase (its
 # tensors are < 1 MiB: the fixed costs dominate), so there the check cannot tell and says so.
