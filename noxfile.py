@@ -69,7 +69,7 @@ TEST_WORKERS = "2"  # pytest-xdist workers: the ranks of one test leave a 2-core
 @nox.session
 def tests(session: nox.Session) -> None:
     """The harness's own tests on CPU (unit tests + fault injection on real gloo ranks), on two pytest-xdist
-    workers (a module stays on one; tests marked `exclusive` run alone); `-- -n 0` runs them in one process."""
+    workers (a module stays on one); `-- -n 0` runs them in one process."""
     _install_cpu(session)
     session.run("pytest", "tests", "-n", TEST_WORKERS, "--dist", "loadscope", *session.posargs)
 
