@@ -171,9 +171,10 @@ def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, 
         say(f"interrupted ({run.interrupted}) after {len(results)} of {n} cases; judging the finished ones")
     run.results = [results[i] for i in sorted(results)]
     run.judge()
+    from harness.probes.memory import run_captures
     from harness.report import artifacts
 
-    for note in artifacts.finish(run.checks):
+    for note in artifacts.finish(run.checks, str(run_captures(run_dir))):
         say(note)
     run.wall_s = time.monotonic() - t0
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -10,9 +10,11 @@ ran no other suite. What is checked:
 - tests about rank lifetime (pool retirement, fresh ranks, orphans) request `no_leftover_ranks`:
   every pool is closed before and after them and nothing they started may survive.
 
-Under pytest-xdist (`nox -s tests` runs two workers) each worker has its own pools. No test depends on how busy
-the machine is: a test that shows a timing verdict on real ranks plants an effect far beyond any load (see
-tests/faulty_engines.py, BEYOND), or judges exact counters, or statistics on recorded or synthetic samples.
+Under pytest-xdist (`nox -s tests` runs two workers) each worker has its own pools. No verdict a test asserts
+depends on how busy the machine is: a test that shows a timing verdict on real ranks plants an effect far beyond
+any load (tests/faulty_engines.py, BEYOND), or judges exact counters, or statistics on recorded or synthetic
+samples; time limits (a case's, a subprocess's) are several times what a loaded 2-core machine took
+(tests/fake_suites.py, CASE_TIMEOUT_S); memray captures are private to a run (harness/probes/memory.py).
 """
 
 import os

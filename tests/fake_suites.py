@@ -14,6 +14,9 @@ import time
 from typing import Any
 
 OK, RAISE, EXIT, HANG_COLLECTIVE, SIGKILL, SLEEP, PARALLEL_OP = range(7)
+# A case's time limit: rank start-up included (exec'd ranks import torch; a fresh fork server imports it before
+# the first fork), which took up to ~40 s on a 2-core machine running other ranks beside the test.
+CASE_TIMEOUT_S = 300.0
 
 
 class Misbehave:
@@ -70,7 +73,7 @@ class Mixed:
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:Mixed", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + mode),
-                     backend, 60.0) for i, mode in enumerate(MIXED_PLAN)]
+                     backend, CASE_TIMEOUT_S) for i, mode in enumerate(MIXED_PLAN)]
 
     def metrics(self, result) -> dict[str, Any]:
         return {"value": result.ranks[0].data["value"]} if result.ok else {}
@@ -110,7 +113,7 @@ class AllSkipped(Mixed):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:AllSkipped", model, Layout(dp=world_size), engine,
-                     CaseOptions(seed=100 * i + SKIPPED), backend, 60.0) for i in range(3)]
+                     CaseOptions(seed=100 * i + SKIPPED), backend, CASE_TIMEOUT_S) for i in range(3)]
 
 
 class ForgetsACase(Mixed):
@@ -122,7 +125,7 @@ class ForgetsACase(Mixed):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:ForgetsACase", model, Layout(dp=world_size), engine,
-                     CaseOptions(seed=100 * i + PASS), backend, 60.0) for i in range(3)]
+                     CaseOptions(seed=100 * i + PASS), backend, CASE_TIMEOUT_S) for i in range(3)]
 
     def check(self, results, params=None):
         return super().check(results[:2])
@@ -137,7 +140,7 @@ class Sleepy(Mixed):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:Sleepy", model, Layout(dp=world_size), engine,
-                     CaseOptions(seed=100 * i + PASS), backend, 60.0) for i in range(8)]
+                     CaseOptions(seed=100 * i + PASS), backend, CASE_TIMEOUT_S) for i in range(8)]
 
     def rank_work(self, case, ctx) -> dict[str, Any]:
         time.sleep(1.0)
@@ -154,7 +157,7 @@ class Blind(Mixed):
         from harness.spec import Case, CaseOptions, Layout
 
         cases = [Case("tests.fake_suites:Blind", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + PASS),
-                      backend, 60.0) for i in range(3)]
+                      backend, CASE_TIMEOUT_S) for i in range(3)]
         return cases[:2] + [cases[2].skipped(f"needs world size {2 * world_size}, the run has {world_size}")]
 
     def check(self, results, params=None):
@@ -186,7 +189,7 @@ class BrokenEnvironment(Mixed):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:BrokenEnvironment", model, Layout(dp=world_size), engine,
-                     CaseOptions(seed=100 * i + mode), backend, 60.0) for i, mode in enumerate((PASS, ERROR, PASS))]
+                     CaseOptions(seed=100 * i + mode), backend, CASE_TIMEOUT_S) for i, mode in enumerate((PASS, ERROR, PASS))]
 
 
 class OwnErrors(Mixed):
@@ -198,7 +201,7 @@ class OwnErrors(Mixed):
         from harness.spec import Case, CaseOptions, Layout
 
         return [Case("tests.fake_suites:OwnErrors", model, Layout(dp=world_size), engine,
-                     CaseOptions(seed=100 * i + (ERROR if i < 3 else PASS)), backend, 60.0) for i in range(5)]
+                     CaseOptions(seed=100 * i + (ERROR if i < 3 else PASS)), backend, CASE_TIMEOUT_S) for i in range(5)]
 
     def rank_work(self, case, ctx) -> dict[str, Any]:
         if case.options.seed % 100 == ERROR:

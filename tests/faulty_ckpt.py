@@ -105,10 +105,10 @@ class DeletesMemrayCapture(McoreEngine):
 
         import torch.distributed as dist
 
-        from harness.probes.memory import artifacts_dir
+        from harness.probes.memory import captures_dir
 
         super().save_checkpoint(ckpt_dir, fmt, fully_parallel, async_save)
-        for path in glob.glob(str(artifacts_dir(self.case.id) / f"memray-save-rank{dist.get_rank()}.bin")):
+        for path in glob.glob(str(captures_dir(self.case) / f"memray-save-rank{dist.get_rank()}.bin")):
             os.unlink(path)
 
 

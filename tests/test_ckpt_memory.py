@@ -222,13 +222,44 @@ def test_a_one_time_cost_of_the_first_save_lands_in_no_case(tmp_path, monkeypatc
         run = run_suite("ckpt-memory", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", shuffle_seed=seed,
                         engine="tests.faulty_ckpt:OneTimeCostOnFirstSave",
                         suite_params={"formats": ("dp_reshardable", "fully_reshardable")})
-        assert all(r.ok for r in run.results), [r.error for r in run.results]
+        assert all(r.ok for r in run.results), "\n".join(r.error for r in run.results if not r.ok)
         for r in run.results:
             samples = run.suite.samples(r)
             assert max(samples.values()) < ONE_TIME_MIB / 4, (r.case.id, samples)
             figures.setdefault(r.case.id, []).append(samples)
     assert len(log.read_text().split()) == 3 * 2  # paid once per rank process: 3 runs x 2 ranks
+    # Whichever case ran first, its figures agree with the other orders' far below the planted cost. (Not within
+    # a baseline's tolerance: a first measured save in a fresh process reads ~0.15 MiB more on rank 0, and
+    # fully_reshardable's rank 1 reads 2.44 or 2.75 MiB from process to process - a quarter MiB that the
+    # tolerance's floor of 0.25 MiB leaves no room for.)
     for case_id, runs in figures.items():
         for metric in runs[0]:
             values = [s[metric] for s in runs]
-            assert max(values) - min(values) <= baselines.allowed_tolerance(min(values)), (case_id, metric, values)
+            assert max(values) - min(values) <= ONE_TIME_MIB / 16, (case_id, metric, values)
+
+
+def test_two_runs_of_one_case_keep_their_memray_captures_apart(tmp_path, monkeypatch):
+    """A suite run beside the tests (or two workers) may run the same case id at once: each run's captures live
+    beside its own run directory, and the report stage keeps only what a failed check names."""
+    from harness.checks import CheckResult
+    from harness.driver import new_run_dir, with_outputs
+    from harness.probes.memory import captures_dir, run_captures
+    from harness.report.artifacts import finish
+    from harness.spec import Case
+
+    monkeypatch.setenv("HARNESS_ARTIFACTS", str(tmp_path))
+    case = Case("ckpt-memory", load_model("small"), Layout(dp=4), "mcore")
+    runs = [new_run_dir() for _ in range(2)]
+    a, b = (captures_dir(with_outputs([case], run)[0]) for run in runs)
+    assert a != b and a.parent == run_captures(runs[0]) and b.parent == run_captures(runs[1])
+    assert run_captures(runs[0]).parent == tmp_path and not a.is_relative_to(runs[0])  # the run's deletion keeps it
+    for d in (a, b):
+        for name in ("memray-save-rank0.bin", "memray-save-rank1.bin", "memray-save-rank1.bin.123"):
+            (d / name).write_bytes(b"x")
+    passed = CheckResult("ckpt-memory.baseline", case.id, True, "ok", data={"captures": [str(a / "memray-save-rank0.bin")]})
+    failed = CheckResult("ckpt-memory.baseline", case.id, False, "over", data={"captures": [str(b / "memray-save-rank1.bin")]})
+    finish([passed], str(run_captures(runs[0])))
+    assert not run_captures(runs[0]).exists()  # nothing failed: every capture and directory gone
+    monkeypatch.setattr("harness.report.artifacts.render_flamegraph", lambda capture: "")
+    finish([failed], str(run_captures(runs[1])))
+    assert sorted(p.name for p in b.iterdir()) == ["memray-save-rank1.bin", "memray-save-rank1.bin.123"]

@@ -55,7 +55,7 @@ print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("
 
 def _torch_imported_by(script: str, *args: str, env: dict[str, str] | None = None) -> list[str]:
     proc = subprocess.run([sys.executable, "-c", script + REPORT, *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -15,7 +15,7 @@ from tests import fake_suites as fs
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 
-def fake(mode: int, timeout_s: float = 60.0) -> Case:
+def fake(mode: int, timeout_s: float = fs.CASE_TIMEOUT_S) -> Case:
     return Case("tests.fake_suites:Misbehave", load_model("tiny"), Layout(dp=2), "mcore",
                 CaseOptions(seed=mode), "gloo", timeout_s)
 
@@ -28,9 +28,9 @@ def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
         assert first.ok and second.ok
         assert first.fresh_ranks and not second.fresh_ranks
         assert [r.data["pid"] for r in first.ranks] == [r.data["pid"] for r in second.ranks]
-        bad = pool.run(fake(fs.RAISE, timeout_s=60))
+        bad = pool.run(fake(fs.RAISE))
         assert bad.status == "error" and "rank 1 failed in phase 'work'" in bad.error
-        hung = pool.run(fake(fs.HANG_COLLECTIVE, timeout_s=5))  # includes the fresh ranks' start-up: forked
+        hung = pool.run(fake(fs.HANG_COLLECTIVE, timeout_s=15))  # includes the fresh ranks' start-up: forked
         assert hung.fresh_ranks and hung.status == "timeout" and "rank 1 in 'work'" in hung.error
         after = pool.run(fake(fs.OK))
         assert after.ok and after.fresh_ranks
@@ -49,7 +49,7 @@ def test_a_rank_of_several_threads_stays_warm_after_its_first_parallel_op():
     pool = RankPool(1, "gloo")
     try:
         runs = [pool.run(Case("tests.fake_suites:Misbehave", load_model("tiny"), Layout(), "mcore",
-                              CaseOptions(seed=fs.PARALLEL_OP), "gloo", 60.0)) for _ in range(2)]
+                              CaseOptions(seed=fs.PARALLEL_OP), "gloo", fs.CASE_TIMEOUT_S)) for _ in range(2)]
         assert all(r.ok for r in runs), [r.error for r in runs]
         assert not runs[0].notes, runs[0].notes
         assert not runs[1].fresh_ranks and runs[1].ranks[0].data["pid"] == runs[0].ranks[0].data["pid"]

@@ -53,7 +53,7 @@ def _run(body: str) -> subprocess.CompletedProcess:
     code = _GUARD + "\ntry:\n" + "".join(f"    {line}\n" for line in body.strip().splitlines()) + \
         "except SystemExit as exc:\n    _done(exc.code)\n" \
         "except BaseException:\n    traceback.print_exc()\n    _done(1)\n_done(0)\n"
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 SUITE = "tests.fake_suites:Misbehave"
 
 
-def case(mode: int, timeout_s: float = 60.0, world: int = 2) -> Case:
+def case(mode: int, timeout_s: float = fs.CASE_TIMEOUT_S, world: int = 2) -> Case:
     return Case(SUITE, load_model("tiny"), Layout(dp=world), "mcore", CaseOptions(seed=mode), "gloo", timeout_s)
 
 
@@ -41,16 +41,16 @@ def test_ok_case_returns_rank_data_and_timings():
 
 def test_raising_rank_is_named_with_its_traceback():
     t0 = time.monotonic()
-    res = run_case(case(fs.RAISE, timeout_s=120))
+    res = run_case(case(fs.RAISE))
     assert res.status == "error"
     assert "rank 1 failed in phase 'work'" in res.error
     assert "RuntimeError: planted failure on rank 1" in res.error
-    assert time.monotonic() - t0 < 60  # the peer blocked in a collective is stopped, not waited for
+    assert time.monotonic() - t0 < fs.CASE_TIMEOUT_S / 2  # the peer blocked in a collective is stopped, not waited for
 
 
 @pytest.mark.parametrize("mode,reason", [(fs.EXIT, "exit code 3"), (fs.SIGKILL, "killed by SIGKILL")])
 def test_dying_rank_is_named(mode, reason):
-    res = run_case(case(mode, timeout_s=120))
+    res = run_case(case(mode))
     assert res.status == "error"
     assert f"rank 1 died ({reason}) in phase 'work'" in res.error, res.error
 
@@ -58,13 +58,13 @@ def test_dying_rank_is_named(mode, reason):
 def test_hanging_rank_ends_the_case_within_the_timeout():
     zygote.get()  # the timeout includes the ranks' start-up: forked ones, once the fork server has imported
     t0 = time.monotonic()
-    res = run_case(case(fs.HANG_COLLECTIVE, timeout_s=5))
+    res = run_case(case(fs.HANG_COLLECTIVE, timeout_s=15))
     wall = time.monotonic() - t0
     assert res.status == "timeout"
-    assert "timed out after 5s" in res.error
+    assert "timed out after 15s" in res.error
     assert "rank 1 in 'work'" in res.error
     assert "time.sleep" in res.error or "fake_suites.py" in res.error  # the hung rank's stack
-    assert wall < 5 + 10
+    assert wall < 15 + 15
 
 
 def test_consecutive_cases_do_not_collide():
@@ -77,7 +77,7 @@ def test_ranks_die_with_a_killed_parent():
             "from tests import fake_suites as fs; run_case(case(fs.SLEEP, timeout_s=600))")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # its fork server imports torch first
         while time.monotonic() < deadline:
             kids = [p for p in psutil.Process(parent.pid).children(recursive=True)]
             if len(kids) >= 2:

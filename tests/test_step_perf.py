@@ -156,7 +156,7 @@ def _run(engine: str, baselines_dir, min_effect: float = DETECT, timed_steps: in
 
     run = run_suite("step-perf", "tiny", 2, LAYOUT, engine=engine, backend="gloo", options=OPTIONS,
                     baselines_dir=str(baselines_dir), suite_params=_params(min_effect, timed_steps))
-    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    assert all(r.ok for r in run.results), "\n".join(r.error for r in run.results if not r.ok)
     return run, {c.check: c for c in run.checks}
 
 
@@ -430,7 +430,7 @@ def test_costly_instrumentation_fails_the_overhead_check_and_costs_more_than_the
     for engine in ("mcore", "tests.faulty_engines:CostlyInstrumentation"):
         run = run_suite("step-perf", "tiny", 1, ["tp1-pp1-cp1-dp1"], engine=engine, backend="gloo",
                         options=OPTIONS, suite_params=dict(_params(), timed_steps=16, overhead=True))
-        assert all(r.ok for r in run.results), [r.error for r in run.results]
+        assert all(r.ok for r in run.results), "\n".join(r.error for r in run.results if not r.ok)
         checks[engine] = next(c for c in run.checks if c.check == "step-perf.overhead")
         assert re.fullmatch(r"[+-]\d+\.\d% \[[+-]\d+\.\d%, [+-]\d+\.\d%\]",
                             StepPerfSuite().metrics(run.results[0])["harness overhead"])

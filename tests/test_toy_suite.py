@@ -80,7 +80,7 @@ def test_report_renders_from_results_json_without_torch_or_suites(toy_registered
         print("--- exit", main(["report", {str(tmp_path / "run")!r}]))
         assert not any(m == "torch" or m.startswith(("torch.", "harness.suite_defs")) for m in sys.modules), sorted(sys.modules)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rendered, _, tail = proc.stdout.partition("\n--- report\n")
     assert tail.strip().endswith("--- exit 0"), tail

@@ -118,7 +118,7 @@ def _run(model="small", world_size=2, layouts=None, engine="mcore", baselines_di
 
     run = run_suite("train-memory", model, world_size, layouts, engine=engine, backend="gloo",
                     baselines_dir=baselines_dir, suite_params=params or None, options=options or CaseOptions())
-    assert all(r.ok for r in run.results), [r.error for r in run.results]
+    assert all(r.ok for r in run.results), "\n".join(r.error for r in run.results if not r.ok)
     return run
 
 

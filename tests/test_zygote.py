@@ -14,6 +14,7 @@ import pytest
 from harness.launch import run_case, zygote
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
+from tests import fake_suites as fs
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -31,7 +32,7 @@ class Where:
 
 def _where(world: int = 2):
     res = run_case(Case("tests.test_zygote:Where", load_model("tiny"), Layout(dp=world), "mcore", CaseOptions(), "gloo",
-                        60.0))
+                        fs.CASE_TIMEOUT_S))
     assert res.status == "ok", res.error
     return [r.data for r in res.ranks]
 

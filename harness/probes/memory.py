@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness.probes.proc import MeasurementError, descendants, reset_peak_rss, status_field
 
@@ -34,7 +35,8 @@ TRACE_PYTHON_ALLOCATORS = True
 
 
 def artifacts_dir(case_id: str) -> Path:
-    """Where a case's memray captures live until the parent has judged them ($HARNESS_ARTIFACTS)."""
+    """A directory of the case's own under $HARNESS_ARTIFACTS, shared by every run of the same case id: for a
+    case run outside the driver (no output directory), e.g. where it saves a checkpoint."""
     import re
     import tempfile
 
@@ -42,6 +44,24 @@ def artifacts_dir(case_id: str) -> Path:
     path = root / re.sub(r"[^A-Za-z0-9_.=-]+", "_", case_id)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def captures_dir(case: Any) -> Path:
+    """Where a case's memray captures live until the parent has judged them: private to its run (beside the
+    run's directory, which is deleted when the run ends, while a failed check's flamegraph stays), so two runs
+    of the same case at once - a suite beside the tests, two workers - never read or delete each other's."""
+    import re
+
+    if not case.out_dir:  # a case run outside the driver
+        return artifacts_dir(case.id)
+    path = run_captures(Path(case.out_dir).parent) / re.sub(r"[^A-Za-z0-9_.=-]+", "_", case.id)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_captures(run_dir: Path) -> Path:
+    """The captures directory of a run (driver.new_run_dir): beside it, so deleting the run keeps it."""
+    return run_dir.with_name(run_dir.name + "-captures")
 
 
 @dataclass

@@ -23,10 +23,12 @@ def render_flamegraph(capture: str) -> str:
     return "" if proc.returncode == 0 else f"memray flamegraph failed: {proc.stderr.strip()[-200:]}"
 
 
-def finish(checks: Iterable) -> list[str]:
+def finish(checks: Iterable, captures_root: str | None = None) -> list[str]:
     """Delete the captures of passed checks, render the flamegraphs failed checks name; returns a note
-    per flamegraph that could not be rendered."""
+    per flamegraph that could not be rendered. captures_root: the run's own captures directory, of which
+    only what a failed check names is kept (a case that errored leaves nothing to judge)."""
     notes = []
+    checks = list(checks)
     for c in checks:
         captures = c.data.get("captures") or []
         if not c.failed:
@@ -37,4 +39,14 @@ def finish(checks: Iterable) -> list[str]:
             why = render_flamegraph(c.data["flamegraph_of"])
             if why:
                 notes.append(f"{c.check} {c.case_id}: {why}")
+    if captures_root:
+        kept = {f for c in checks if c.failed for capture in c.data.get("captures") or []
+                for f in glob.glob(capture + "*")}
+        kept |= {flamegraph_path(c.data["flamegraph_of"]) for c in checks if c.failed and c.data.get("flamegraph_of")}
+        for folder, _, files in sorted(os.walk(captures_root), key=lambda w: -len(w[0])):  # deepest first
+            for f in files:
+                if os.path.join(folder, f) not in kept:
+                    os.unlink(os.path.join(folder, f))
+            if not os.listdir(folder):
+                os.rmdir(folder)
     return notes

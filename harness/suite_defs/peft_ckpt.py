@@ -33,7 +33,7 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.platform.parallel import teardown_parallel_state
-from harness.probes.memory import MIB, artifacts_dir, measure
+from harness.probes.memory import MIB, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
 INSTALL = "pip install peft (the peft-ckpt suite loads the exported adapter with it)"
@@ -158,7 +158,7 @@ class PeftCkptSuite:
             held_out = engine.eval_step(EVAL_STEP)
         path = adapter_dir(case)
         dist.barrier()
-        with ctx.phase("export"), measure("export", artifacts_dir(case.id), ctx.rank, device=not ctx.on_cpu) as peak:
+        with ctx.phase("export"), measure("export", captures_dir(case), ctx.rank, device=not ctx.on_cpu) as peak:
             # who wrote adapter_config.json ("harness" where the engine exports tensors only); None: the engine
             config_by = engine.export_peft_adapter(str(path)) or "engine"
         if peak.capture and os.path.exists(peak.capture):

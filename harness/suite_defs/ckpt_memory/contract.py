@@ -22,7 +22,7 @@ from pathlib import Path
 from harness.engines import make_engine
 from harness.engines.base import checkpointing
 from harness.launch.context import RankContext
-from harness.probes.memory import MeasurementError, artifacts_dir, measure
+from harness.probes.memory import MeasurementError, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_memory.params import CONTRACT_FORMATS, CkptCaseParams
 from harness.suite_defs.ckpt_memory.payload import ContractRankData, LoadTarget
@@ -92,7 +92,7 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> LoadT
         engine.build()
         dist.barrier()
         phase = "load"
-        with ctx.phase("load"), measure("load", artifacts_dir(case.id), ctx.rank, device=not ctx.on_cpu) as peak:
+        with ctx.phase("load"), measure("load", captures_dir(case), ctx.rank, device=not ctx.on_cpu) as peak:
             engine.load_checkpoint(str(ckpt), case.params.ckpt_format)
         phase = "after the load"
         loaded, loaded_optim = engine.param_shards(), _optimizer_state(engine)

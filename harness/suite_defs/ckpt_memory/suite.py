@@ -11,7 +11,7 @@ from harness.engines.base import LabelsCheckpoints
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
-from harness.probes.memory import MIB, artifacts_dir, measure
+from harness.probes.memory import MIB, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_memory import figures, judge
 from harness.suite_defs.ckpt_memory.contract import contract_cases, reshard_work
@@ -87,7 +87,7 @@ class CkptMemorySuite:
         if ctx.rank == 0:
             ckpt_dir.mkdir(exist_ok=True)
         dist.barrier()
-        captures = artifacts_dir(case.id)
+        captures = captures_dir(case)
         with ctx.phase("save"), measure("save", captures, ctx.rank, device=not ctx.on_cpu) as peak:
             save(engine, case, ckpt_dir)
         dist.barrier()

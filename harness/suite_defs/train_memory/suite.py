@@ -10,7 +10,7 @@ from harness.checks import CheckResult
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import reference_layouts, validate
-from harness.probes.memory import MIB, artifacts_dir, measure
+from harness.probes.memory import MIB, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.train_memory import figures, judge
 from harness.suite_defs.train_memory.params import MICRO_BATCH, STEPS, SUITE, TrainMemoryParams
@@ -52,7 +52,7 @@ class TrainMemorySuite:
             engine.train_step(0)
             del engine
             teardown_parallel_state()
-        captures, device = artifacts_dir(case.id), not ctx.on_cpu
+        captures, device = captures_dir(case), not ctx.on_cpu
         engine = make_engine(case, ctx)
         gc.collect()  # what a reference cycle of an earlier phase holds must not be freed inside a measured one
         with ctx.phase("build"), measure("build", captures, ctx.rank, device=device) as build:
