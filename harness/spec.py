@@ -12,7 +12,9 @@ from harness.errors import BadInput
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-like decoder, as data (see harness/models/*.toml)."""
+    """A Llama-like decoder, as data (see harness/models/*.toml); with num_experts > 0 a mixture of experts
+    (megatron's MoE layer: a top-k router with the load-balancing auxiliary loss, SwiGLU experts, optionally a
+    shared expert and dense layers first, as DeepSeek-style models have)."""
 
     name: str
     num_layers: int
@@ -29,45 +31,92 @@ class ModelSpec:
     micro_batch_size: int = 1
     tier: str = "cpu"
     description: str = ""
+    num_experts: int = 0  # 0: dense
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0  # each expert's; 0: ffn_hidden_size
+    moe_shared_expert_ffn: int = 0  # the shared expert's FFN size (0: none)
+    moe_first_dense_layers: int = 0  # this many layers first keep the dense MLP
+    moe_aux_loss_coeff: float = 1e-2  # the load-balancing auxiliary loss (megatron's "aux_loss")
 
     @property
     def kv_channels(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def moe_layers(self) -> int:
+        """How many layers hold an MoE MLP."""
+        return max(0, self.num_layers - self.moe_first_dense_layers) if self.moe else 0
 
     def num_params(self) -> int:
         """Parameter count of the whole model (no TP padding)."""
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
         kv = self.kv_channels * self.num_query_groups
         attn = h * (h + 2 * kv) + h * h
-        mlp = h * f * (3 if self.swiglu else 2)
+        per_ffn = h * (3 if self.swiglu else 2)
+        mlp = per_ffn * f
+        moe = h * self.num_experts + per_ffn * (self.num_experts * self.expert_ffn + self.moe_shared_expert_ffn)
         norms = 2 * h * (1 if self.normalization == "RMSNorm" else 2)
         embed = self.vocab_size * h
         output = 0 if self.tie_embeddings else self.vocab_size * h
         final_norm = h * (1 if self.normalization == "RMSNorm" else 2)
-        return embed + output + L * (attn + mlp + norms) + final_norm
+        mlps = (L - self.moe_layers()) * mlp + self.moe_layers() * moe
+        return embed + output + L * (attn + norms) + mlps + final_norm
 
 
-_LAYOUT_RE = re.compile(r"^tp(\d+)-pp(\d+)-cp(\d+)-dp(\d+)(?:-vpp(\d+))?$")
+_LAYOUT_RE = re.compile(r"^tp(\d+)-pp(\d+)-cp(\d+)-dp(\d+)(?:-vpp(\d+))?(?:-ep(\d+)(?:-etp(\d+))?)?$")
 
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """A TP x PP x CP x DP factorisation of the world; vpp > 1 means interleaved pipeline stages."""
+    """A TP x PP x CP x DP factorisation of the world; vpp > 1 means interleaved pipeline stages. The experts of
+    an MoE model lie on their own grid of each pipeline stage, megatron's TP x CP x DP = ETP x EP x EDP: expert
+    parallel size ep, expert tensor parallel size etp (0: megatron's default, the TP size) and the expert data
+    parallel size that follows."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
     dp: int = 1
     vpp: int = 1
+    ep: int = 1
+    etp: int = 0
+
+    def __post_init__(self) -> None:
+        if self.etp == self.tp:  # one layout, one id: ETP = TP is megatron's default
+            object.__setattr__(self, "etp", 0)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
     @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: the ranks of a stage that hold the same experts (0: the grid does not fit)."""
+        grid = self.tp * self.cp * self.dp
+        return grid // (self.expert_tp * self.ep) if grid % (self.expert_tp * self.ep) == 0 else 0
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the id names an expert layout (EP > 1 or an ETP other than TP)."""
+        return self.ep > 1 or self.etp > 0
+
+    @property
     def id(self) -> str:
-        base = f"tp{self.tp}-pp{self.pp}-cp{self.cp}-dp{self.dp}"
-        return base + (f"-vpp{self.vpp}" if self.vpp > 1 else "")
+        base = f"tp{self.tp}-pp{self.pp}-cp{self.cp}-dp{self.dp}" + (f"-vpp{self.vpp}" if self.vpp > 1 else "")
+        if self.expert_parallel:
+            base += f"-ep{self.ep}" + (f"-etp{self.etp}" if self.etp else "")
+        return base
 
     def __str__(self) -> str:
         return self.id
@@ -77,13 +126,15 @@ class Layout:
         m = _LAYOUT_RE.match(text.strip())
         if not m:
             raise BadInput(
-                f"layout {text!r} is not of the form tpT-ppP-cpC-dpD[-vppV] (e.g. tp2-pp1-cp1-dp2)"
+                f"layout {text!r} is not of the form tpT-ppP-cpC-dpD[-vppV][-epE[-etpT]] (e.g. tp2-pp1-cp1-dp2, "
+                f"tp2-pp1-cp1-dp2-ep2-etp1)"
             )
         tp, pp, cp, dp = (int(g) for g in m.groups()[:4])
-        vpp = int(m.group(5) or 1)
-        if min(tp, pp, cp, dp, vpp) < 1:
+        vpp, ep = int(m.group(5) or 1), int(m.group(6) or 1)
+        etp = int(m.group(7)) if m.group(7) else tp
+        if min(tp, pp, cp, dp, vpp, ep, etp) < 1:
             raise BadInput(f"layout {text!r}: every size must be >= 1")
-        return cls(tp, pp, cp, dp, vpp)
+        return cls(tp, pp, cp, dp, vpp, ep, etp)
 
 
 def id_fragment(params: Any) -> str:
@@ -125,6 +176,9 @@ class CaseOptions:
     # 0 = full training): what trains is a training option, whichever suite runs it (peft-ckpt does)
     lora_dim: int = 0
     lora_alpha: int = 0
+    # the MoE token dispatcher (megatron's moe_token_dispatcher_type): "alltoall" or "allgather", the two that run
+    # without Transformer Engine / DeepEP ("flex" needs them)
+    moe_dispatcher: str = "alltoall"
     # megatron's OptimizerConfig flag: count the zero gradient elements at each step (golden records them);
     # off elsewhere: the count is one more model-parallel all-reduce per step in step-perf's counters
     log_num_zeros_in_grad: bool = False

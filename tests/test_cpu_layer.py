@@ -278,6 +278,88 @@ def test_a_megatron_without_the_write_results_queue_keeps_its_writer(monkeypatch
     assert cpu_layer.patched_points() == ()
 
 
+@covers("autograd Function backward (run under the device mode)")
+def test_a_functions_backward_places_on_cpu(layer):
+    """torch runs a custom Function's backward without the mode; megatron's all-to-all places its reverse's output
+    on torch.cuda.current_device() there."""
+
+    class PlacesOnTheDevice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.new_empty(grad.shape, device=torch.cuda.current_device()).copy_(grad) * 2
+
+    x = torch.ones(3, requires_grad=True)
+    PlacesOnTheDevice.apply(x).sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+@covers(cpu_layer.ROUTER_POINT)
+def test_the_moe_router_gates_with_torch_without_transformer_engine(layer):
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None  # megatron defines it only where TE imports
+    x, w = torch.randn(5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    assert torch.allclose(logits, x @ w.t())
+    logits.sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+@covers(cpu_layer.DISPATCHER_POINT)
+def test_the_moe_dispatchers_split_sizes_are_numpy_on_cpu(layer):
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert isinstance(splits, np.ndarray) and splits.tolist() == [3, 1]
+    kept = torch.tensor([3, 1])
+    assert token_dispatcher.maybe_move_tensor_to_cpu(kept) is kept
+
+
+def test_deactivate_removes_what_the_moe_points_added():
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    had_gemm, move = hasattr(moe_utils, "te_general_gemm"), token_dispatcher.maybe_move_tensor_to_cpu
+    backward = torch.autograd.function.BackwardCFunction.apply
+    cpu_layer.activate()
+    cpu_layer.deactivate()
+    assert hasattr(moe_utils, "te_general_gemm") == had_gemm
+    assert token_dispatcher.maybe_move_tensor_to_cpu is move
+    assert torch.autograd.function.BackwardCFunction.apply is backward
+
+
+@covers("torch.distributed.all_gather of tensors of different lengths (padded on gloo)")
+def test_an_uneven_all_gather_runs_on_gloo(layer, tmp_path):
+    """Two gloo ranks in this process's threads cannot share a default group: a one-rank world shows the padding
+    and trimming; tests/test_moe.py runs the MoE dispatcher's uneven gathers on real ranks."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        out = [torch.empty(3, 2)]
+        assert dist.all_gather(out, torch.ones(3, 2)) is None and out[0].tolist() == [[1.0, 1.0]] * 3
+        from harness.platform.cpu_layer import _uneven_all_gather
+
+        calls = []
+
+        def fake(tensor_list, tensor, group=None, async_op=False):  # what gloo sees: equal lengths only
+            calls.append([tuple(t.shape) for t in tensor_list] + [tuple(tensor.shape)])
+            for i, t in enumerate(tensor_list):
+                t.copy_(torch.full_like(t, float(i)) if i else tensor)
+
+        uneven = [torch.empty(3, 2), torch.empty(1, 2)]
+        handle = _uneven_all_gather(fake)(uneven, torch.ones(3, 2), async_op=True)
+        assert handle.wait() and calls == [[(3, 2), (3, 2), (3, 2)]]
+        assert uneven[0].tolist() == [[1.0, 1.0]] * 3 and uneven[1].tolist() == [[1.0, 1.0]]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_every_point_is_tested():
     assert set(cpu_layer.PATCHED_POINTS) == set(COVERED), set(cpu_layer.PATCHED_POINTS) ^ set(COVERED)
 

@@ -28,6 +28,8 @@ THIRD_PARTY_PROBES = {
     ("harness/engines/megatron_bridge.py", "HAVE_TE"): "megatron-core: Transformer Engine installed",
     ("harness/engines/megatron_bridge.py", "save_hf_adapter"): "megatron-bridge version probe (> 0.3.1)",
     ("harness/platform/cpu_layer.py", "_results_queue"): "megatron-core version probe (the async writer's queue)",
+    ("harness/platform/cpu_layer.py", "te_general_gemm"): "megatron-core: defined only where Transformer Engine imports",
+    ("harness/platform/cpu_layer.py", "maybe_move_tensor_to_cpu"): "megatron-core version probe (the MoE dispatcher)",
     ("harness/probes/ckpt_format.py", "size"): "torch DCP metadata entries",
     ("harness/probes/collectives.py", "_opname"): "torch's OpOverload",
     ("harness/probes/memory.py", "host_memory_stats"): "torch version probe",

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 MEGATRON_ADAM_EPS = 1e-8  # OptimizerConfig's default
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1\.weight$")
 
 
 class McoreEngine(McoreCheckpoints):
@@ -70,11 +72,12 @@ class McoreEngine(McoreCheckpoints):
         from megatron.core.models.gpt import GPTModel
 
         self.config = transformer_config(self.case, self.ctx.on_cpu)
-        spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, self.case.layout.cp)
         vpp = self.case.layout.vpp
         chunks = []
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
+            spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, self.case.layout.cp, self.config,
+                              vp_stage)
             chunks.append(GPTModel(
                 config=self.config, transformer_layer_spec=spec, vocab_size=self.case.model.vocab_size,
                 max_sequence_length=self.case.model.seq_length,
@@ -122,14 +125,25 @@ class McoreEngine(McoreCheckpoints):
     # -- names and init -----------------------------------------------------------------------
     @staticmethod
     def global_names(chunk) -> dict[str, torch.nn.Parameter]:
-        """Parameters of an unwrapped chunk under layout-independent names."""
+        """Parameters of an unwrapped chunk under layout-independent names: global layer indices, and global
+        expert indices (this EP rank's local expert i is expert ep_rank x local experts + i)."""
         layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
         out = {}
+        first_expert = None
         for name, p in chunk.named_parameters():
             m = _LAYER_RE.match(name)
             if m:
                 global_idx = layers[int(m.group(1))].layer_number - 1
                 name = f"decoder.layers.{global_idx}." + name[m.end():]
+            e = _EXPERT_RE.search(name)
+            if e:
+                if first_expert is None:
+                    from megatron.core import parallel_state as ps
+
+                    local = chunk.config.num_moe_experts // ps.get_expert_model_parallel_world_size()
+                    first_expert = ps.get_expert_model_parallel_rank() * local
+                expert = first_expert + int(e.group(1))
+                name = name[:e.start()] + f".mlp.experts.local_experts.{expert}." + name[e.end():]
             if name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
                 name = "embedding.word_embeddings.weight"  # the tied copy on the last stage
             out[name] = p
@@ -147,12 +161,11 @@ class McoreEngine(McoreCheckpoints):
         """Copy full (TP-unsharded) values into this rank's shards: full_value(global name, full shape)
         gives the tensor or None (left as it is). Returns the names it set."""
         import torch
-        from megatron.core import parallel_state as ps
 
-        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         done = []
         with torch.no_grad():
             for name, p in self.global_names(chunk).items():
+                tp_rank, tp = tp_coords(name)
                 dim = partition_dim(p)
                 full_shape = list(p.shape)
                 if dim is not None:
@@ -172,7 +185,7 @@ class McoreEngine(McoreCheckpoints):
     def tp_parts(self, name: str) -> int:
         """SwiGLU fc1 holds [gate; up], each block sharded over TP separately - and so do the weights
         that act on its output: a LoRA-wrapped fc1 (`.to_wrap.`) and its adapter's B (`linear_out`)."""
-        fc1_out = name.replace(".to_wrap.", ".").endswith("mlp.linear_fc1.weight") \
+        fc1_out = bool(_FC1_RE.search(name.replace(".to_wrap.", "."))) \
             or name.endswith("mlp.linear_fc1.adapter.linear_out.weight")
         return 2 if self.case.model.swiglu and fc1_out else 1
 
@@ -267,12 +280,21 @@ class McoreEngine(McoreCheckpoints):
 
     # -- outputs ------------------------------------------------------------------------------
     def param_shards(self) -> list[ParamShard]:
-        from megatron.core import parallel_state as ps
-
-        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         out = []
         for model in self.models:
             for name, p in self.global_names(model.module).items():
+                tp_rank, tp = tp_coords(name)
                 dim = partition_dim(p)
                 out.append(ParamShard(name, p.detach().float().cpu().clone(), dim, tp_rank, tp, self.tp_parts(name)))
         return out
+
+
+def tp_coords(name: str) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group a parameter (by its name) is sharded over: the expert TP group
+    for an MoE expert's weights, else the TP group. (megatron's `allreduce=False` mark of expert weights is set
+    only with EP > 1.)"""
+    from megatron.core import parallel_state as ps
+
+    if _EXPERT_RE.search(name):
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness.spec import Case
 
 if TYPE_CHECKING:
     import torch
-    from megatron.core.transformer import ModuleSpec, TransformerConfig
+    from megatron.core.transformer import TransformerConfig
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -34,7 +34,9 @@ def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
         virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
-        context_parallel_size=lay.cp, sequence_parallel=False,
+        context_parallel_size=lay.cp,
+        # megatron's MoE layer refuses TP without sequence parallelism; dense models run without it
+        sequence_parallel=m.moe and lay.tp > 1,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
         use_cpu_initialization=True, perform_initialization=True,
         **fusions(on_cpu),
@@ -42,6 +44,29 @@ def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
         calculate_per_token_loss=case.options.loss_mask,
         **recompute_config(case.options.recompute),
+        **moe_config(case, on_cpu),
+    )
+
+
+def moe_config(case: Case, on_cpu: bool) -> dict:
+    """TransformerConfig fields of an MoE model ({} for a dense one): top-k routing with the load-balancing
+    auxiliary loss, the case's token dispatcher, EP and ETP; megatron's SequentialMLP experts (one GEMM per
+    expert), grouped GEMM where Transformer Engine provides it on GPUs."""
+    m, lay, o = case.model, case.layout, case.options
+    if not m.moe:
+        return {}
+    if o.moe_dispatcher not in ("alltoall", "allgather"):
+        from harness.errors import BadInput
+
+        raise BadInput(f"MoE dispatcher {o.moe_dispatcher!r}: expected alltoall or allgather (flex needs DeepEP)")
+    grouped = not on_cpu and _importable("transformer_engine")
+    return dict(
+        num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.expert_ffn,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=o.moe_dispatcher, moe_grouped_gemm=grouped,
+        moe_shared_expert_intermediate_size=m.moe_shared_expert_ffn or None,
+        moe_layer_freq=[0] * m.moe_first_dense_layers + [1] * m.moe_layers(),
+        expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.expert_tp,
     )
 
 
@@ -103,30 +128,43 @@ def recompute_config(recompute: str) -> dict:
     return {}
 
 
-def layer_spec(on_cpu: bool, normalization: str, cp: int = 1) -> ModuleSpec:
-    """Local spec on CPU ranks; the Transformer Engine spec on GPU when transformer_engine imports.
+def layer_spec(on_cpu: bool, normalization: str, cp: int = 1, config: TransformerConfig | None = None,
+               vp_stage: int | None = None) -> Any:
+    """Local spec on CPU ranks; the Transformer Engine spec on GPU when transformer_engine imports. An MoE model
+    (config.num_moe_experts) gets megatron's decoder block spec of its stage: dense and MoE layers.
 
     Without TE and with CP > 1, the local spec's core attention (which asserts CP == 1) is replaced
-    by the reference context-parallel attention.
+    by the reference context-parallel attention; with sequence parallelism (MoE with TP) its torch norms by
+    ones whose weights megatron reduces over TP (harness/engines/sp_norm.py).
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if not on_cpu:
-        try:
-            import transformer_engine  # noqa: F401
-
-            return specs.get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
+    te = not on_cpu and _importable("transformer_engine")
+    moe = config is not None and bool(config.num_moe_experts)
+    if te:
+        return (specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage) if moe
+                else specs.get_gpt_layer_with_transformer_engine_spec())
     from harness.adjustments import note
 
     note("layer spec: megatron's local spec (Transformer Engine's needs CUDA)")
-    spec = specs.get_gpt_layer_local_spec(normalization=normalization)
+    if moe:
+        assert config is not None
+        spec = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=normalization,
+                                                vp_stage=vp_stage)
+        layers = spec.layer_specs
+    else:
+        spec = specs.get_gpt_layer_local_spec(normalization=normalization)
+        layers = [spec]
     if cp > 1:
         from harness.engines.cp_attention import ReferenceCPAttention
 
         note("core attention: the harness's reference CP attention (megatron's local attention asserts CP == 1)")
-        spec.submodules.self_attention.submodules.core_attention = ReferenceCPAttention
+        for layer in layers:
+            layer.submodules.self_attention.submodules.core_attention = ReferenceCPAttention
+    if config is not None and config.sequence_parallel:
+        from harness.engines.sp_norm import mark_norms_sequence_parallel
+
+        mark_norms_sequence_parallel(spec)
     return spec
 
 

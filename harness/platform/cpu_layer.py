@@ -32,6 +32,19 @@ Patched points (see docs/architecture.md, "megatron-core on CPU ranks"):
   write results: 3.5 s of CPU in every rank process's first save (`nox -s tests`: 64 rank processes, 223 s
   of its 1387 s of CPU; the save waited on it). A CPU rank has no CUDA: the server is forked from the rank.
   Patched only where megatron-core has `_get_write_results_queue` (0.16 does); elsewhere it is spawned.
+- Backward of autograd Functions: torch runs a custom Function's backward with no TorchFunctionMode active, so
+  a megatron backward that places a tensor on `torch.cuda.current_device()` (the MoE all-to-all's reverse, the
+  sequence-parallel gathers) asked the CPU build for device 0. Every Function's backward runs under the mode.
+- MoE router: megatron-core 0.16's `moe_utils.router_gating_linear` reads `te_general_gemm`, a name its module
+  defines only when Transformer Engine imports: without TE a NameError. Set to None there (torch's matmul).
+- MoE token dispatcher: `maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA tensors, so on CPU ranks
+  the all-to-all's split sizes stayed tensors, which `all_to_all_single` refuses; CPU tensors become numpy
+  arrays there too, as they would after the device-to-host copy.
+- Uneven all-gather: megatron gathers a variable number of tokens per TP rank (the MoE dispatcher with TP > 1,
+  `gather_from_sequence_parallel_region(output_split_sizes=...)`) with torch.distributed.all_gather over
+  tensors of different lengths, which NCCL accepts and gloo refuses ("invalid tensor size"). On CPU ranks such a
+  gather pads every tensor to the longest along dim 0, gathers, and copies the rows each rank sent: the same
+  result, with the padded bytes on the wire (the collective recorder sees those).
 """
 
 from __future__ import annotations
@@ -43,6 +56,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 WRITER_POINT = "megatron checkpoint write-results queue (filesystem_async: its Manager forked, not spawned)"
+ROUTER_POINT = "megatron MoE router's te_general_gemm (undefined without Transformer Engine -> None: torch's matmul)"
+DISPATCHER_POINT = "megatron MoE dispatcher's maybe_move_tensor_to_cpu (CPU split sizes -> numpy, as after a copy)"
+_MOE_UTILS, _DISPATCHER = "megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"
+_ABSENT = object()  # an attribute the layer adds where megatron has none (deleted again at deactivate)
 PATCHED_POINTS = (
     "torch.cuda.current_device",
     "torch.cuda.synchronize",
@@ -61,6 +78,10 @@ PATCHED_POINTS = (
     "torch.norm / Tensor.norm / torch.linalg.(vector_)norm (fp32 accumulation -> float64)",
     "megatron recompute RNG state (tensor_parallel.random._get/_set_cuda_rng_state -> CPU generator)",
     WRITER_POINT,
+    "autograd Function backward (run under the device mode)",
+    "torch.distributed.all_gather of tensors of different lengths (padded on gloo)",
+    ROUTER_POINT,
+    DISPATCHER_POINT,
 )
 
 # megatron-core module whose attributes the recompute RNG patch replaces (looked up as module globals
@@ -177,6 +198,51 @@ def _write_results_queue_by_fork() -> Any:
     return module._results_queue
 
 
+def _moe_modules() -> tuple[Any, Any] | None:
+    """megatron-core's moe_utils and token_dispatcher, or None where this megatron-core has no MoE."""
+    import importlib
+
+    try:
+        return importlib.import_module(_MOE_UTILS), importlib.import_module(_DISPATCHER)
+    except ImportError:
+        return None
+
+
+def _split_sizes_to_numpy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's maybe_move_tensor_to_cpu on CPU ranks: the tensor is on the CPU already; as numpy when asked."""
+    return tensor.numpy() if as_numpy and isinstance(tensor, torch.Tensor) else tensor
+
+
+class _Done:
+    """The work handle of a collective that has completed."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _uneven_all_gather(original: Any) -> Any:
+    """torch.distributed.all_gather that also gathers tensors of different lengths along dim 0 on gloo."""
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        shapes = {tuple(t.shape[1:]) for t in tensor_list} | {tuple(tensor.shape[1:])}
+        lengths = [t.shape[0] if t.dim() else 1 for t in tensor_list]
+        if len(set(lengths)) <= 1 or len(shapes) != 1 or tensor.dim() == 0:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(lengths)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        original(gathered, padded, group=group)
+        for out, got, n in zip(tensor_list, gathered, lengths):
+            out.copy_(got[:n])
+        return _Done() if async_op else None
+
+    return all_gather
+
+
 class CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA placements to the CPU for every torch call made while it is active."""
 
@@ -212,7 +278,7 @@ class CpuLayer:
         return self._mode is not None
 
     def _replace(self, module: Any, name: str, value: Any) -> None:
-        self._replaced.append((module, name, getattr(module, name)))
+        self._replaced.append((module, name, getattr(module, name, _ABSENT)))
         setattr(module, name, value)
 
     def activate(self) -> None:
@@ -237,8 +303,25 @@ class CpuLayer:
         writer_module = _megatron_writer_module()
         if writer_module is not None:
             self._replace(writer_module, _MEGATRON_WRITER_ATTR, _write_results_queue_by_fork)
-        self._mode = CpuDeviceMode()
-        self._mode.__enter__()
+        moe = _moe_modules()
+        if moe is not None:
+            moe_utils, dispatcher = moe
+            if not hasattr(moe_utils, "te_general_gemm"):  # only where Transformer Engine did not import
+                self._replace(moe_utils, "te_general_gemm", None)
+            if callable(getattr(dispatcher, "maybe_move_tensor_to_cpu", None)):
+                self._replace(dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_to_numpy)
+        mode = self._mode = CpuDeviceMode()
+        backward = torch.autograd.function.BackwardCFunction.apply
+
+        def apply_under_the_mode(fn, *args):
+            with mode:
+                return backward(fn, *args)
+
+        self._replace(torch.autograd.function.BackwardCFunction, "apply", apply_under_the_mode)
+        import torch.distributed as dist
+
+        self._replace(dist, "all_gather", _uneven_all_gather(dist.all_gather))
+        mode.__enter__()
 
     def deactivate(self) -> None:
         if not self.active:
@@ -248,13 +331,19 @@ class CpuLayer:
         self._mode = None
         # (a write-results queue made meanwhile stays megatron's, as one megatron made would)
         for module, name, original in reversed(self._replaced):
-            setattr(module, name, original)
+            if original is _ABSENT:
+                delattr(module, name)
+            else:
+                setattr(module, name, original)
         self._replaced.clear()
 
     def points(self) -> tuple[str, ...]:
-        """The points patched while active: PATCHED_POINTS, less the writer's where megatron has no such queue."""
-        writer = any(name == _MEGATRON_WRITER_ATTR for _, name, _ in self._replaced)
-        return tuple(p for p in PATCHED_POINTS if p != WRITER_POINT or writer)
+        """The points patched while active: PATCHED_POINTS, less those megatron-core has no need or place for (the
+        writer's queue, the MoE router's and dispatcher's)."""
+        names = {name for _, name, _ in self._replaced}
+        optional = {WRITER_POINT: _MEGATRON_WRITER_ATTR, ROUTER_POINT: "te_general_gemm",
+                    DISPATCHER_POINT: "maybe_move_tensor_to_cpu"}
+        return tuple(p for p in PATCHED_POINTS if p not in optional or optional[p] in names)
 
 
 _LAYER = CpuLayer()

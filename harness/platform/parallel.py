@@ -28,6 +28,7 @@ def init_parallel_state(layout: Layout, *, on_cpu: bool, seed: int,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
         create_gloo_process_groups=create_gloo_process_groups,
         **extra,
     )
@@ -68,6 +69,7 @@ def teardown_parallel_state() -> None:
             dist.destroy_process_group(group)
         _GROUPS_BEFORE = None
     clear_megatron_caches()
+    clear_moe_tracker()
     # Gloo groups stop their threads only when the last reference goes; models, DDP buckets and
     # optimizers of the finished case hold them in reference cycles.
     release_memory()
@@ -79,6 +81,16 @@ def teardown_parallel_state() -> None:
         nmc.destroy_num_microbatches_calculator()
     except (ImportError, AttributeError):
         pass
+
+
+def clear_moe_tracker() -> None:
+    """Empty megatron's MoE auxiliary-loss tracker (a module-level dict): its entries keep the process groups of
+    the case that logged them (the router's TP x CP group), 48 gloo threads in a warm rank at world size 4."""
+    import sys
+
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
 
 
 def clear_megatron_caches() -> int:

@@ -21,7 +21,7 @@ from harness.checks.tensors import assemble, max_abs, rel_error
 from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
-from harness.layouts import enumerate_layouts, validate
+from harness.layouts import default_matrix, validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
 # fp32 on CPU: different reduction orders across layouts differ at ~1e-7; 1e-5 leaves headroom
@@ -58,11 +58,12 @@ class EquivalenceSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
-        """The pure-DP reference first, then every other layout (default: every valid layout, CP included)."""
+        """The pure-DP reference first, then every other layout (default: every valid layout, CP included; for an
+        MoE model with the expert layouts of layouts.expert_matrix)."""
         options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
         if layouts is None:
-            layouts = [lay for lay in enumerate_layouts(model, world_size) if lay != reference]
+            layouts = [lay for lay in default_matrix(model, world_size) if lay != reference]
         batch = dict(global_batch_size=options.global_batch_size, micro_batch_size=options.micro_batch_size)
         for lay in [reference, *layouts]:
             validate(lay, model, world_size, **batch)

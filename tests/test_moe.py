@@ -1,0 +1,88 @@
+"""Mixture-of-experts models and expert parallelism: the models and layouts as data, megatron's MoE layer on CPU
+ranks (EP, ETP, the token dispatchers, sequence parallelism under TP), and the regressions the suites must catch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness.errors import BadInput
+from harness.layouts import default_matrix, enumerate_layouts, expert_matrix, violations
+from harness.models import load_model
+from harness.spec import Layout
+
+
+def test_an_expert_layout_is_spelled_once():
+    assert Layout.parse("tp2-pp1-cp1-dp2-ep2-etp2") == Layout.parse("tp2-pp1-cp1-dp2-ep2")  # ETP = TP: the default
+    lay = Layout.parse("tp2-pp1-cp1-dp2-ep2-etp1")
+    assert (lay.id, lay.ep, lay.expert_tp, lay.edp, lay.world_size) == ("tp2-pp1-cp1-dp2-ep2-etp1", 2, 1, 2, 4)
+    assert Layout.parse("tp2-pp1-cp1-dp2").id == "tp2-pp1-cp1-dp2" and Layout.parse("tp1-pp2-cp1-dp2-vpp2-ep2").vpp == 2
+    with pytest.raises(BadInput, match=r"tpT-ppP-cpC-dpD\[-vppV\]\[-epE\[-etpT\]\]"):
+        Layout.parse("tp2-pp1-cp1-dp2-etp1")
+
+
+def test_every_violated_expert_constraint_is_named():
+    tiny, moe = load_model("tiny"), load_model("tiny-moe")
+    assert violations(Layout(dp=4, ep=2), tiny, 4) == ["ep=2, etp=1: model tiny has no experts"]
+    assert violations(Layout(dp=4, ep=3, etp=1), moe, 4) == [
+        "num_experts=4 not divisible by ep=3",
+        "tp*cp*dp = 4 not divisible by etp*ep = 3 (the expert grid of a stage: tp*cp*dp = etp*ep*edp)"]
+    assert violations(Layout(tp=2, dp=2, ep=4), moe, 4) == [
+        "tp*cp*dp = 4 not divisible by etp*ep = 8 (the expert grid of a stage: tp*cp*dp = etp*ep*edp)"]
+    assert violations(Layout(dp=4, ep=1, etp=3), moe, 4)[0] == "moe_ffn_hidden_size=64 not divisible by etp=3"
+
+
+def test_the_listing_and_the_default_matrix_hold_the_expert_layouts():
+    moe = load_model("tiny-moe")
+    listed = {lay.id for lay in enumerate_layouts(moe, 4)}
+    assert {"tp1-pp1-cp1-dp4-ep2", "tp1-pp1-cp1-dp4-ep4", "tp2-pp1-cp1-dp2-ep2", "tp2-pp1-cp1-dp2-ep2-etp1",
+            "tp2-pp1-cp1-dp2-ep1-etp1"} <= listed
+    assert [lay.id for lay in expert_matrix(moe, 4)] == [
+        "tp1-pp1-cp1-dp4-ep2", "tp1-pp1-cp1-dp4-ep4", "tp2-pp1-cp1-dp2-ep2", "tp2-pp1-cp1-dp2-ep2-etp1",
+        "tp1-pp1-cp2-dp2-ep2", "tp1-pp2-cp1-dp2-ep2"]
+    assert all(not lay.expert_parallel for lay in default_matrix(moe, 4)[:8])  # the dense grid first
+    assert default_matrix(load_model("tiny"), 4) == enumerate_layouts(load_model("tiny"), 4)  # dense models: as before
+    # at world size 2 a pipeline stage has one rank: no expert grid to split
+    assert [lay.id for lay in expert_matrix(moe, 2)] == ["tp1-pp1-cp1-dp2-ep2", "tp2-pp1-cp1-dp1-ep2-etp1",
+                                                         "tp1-pp1-cp2-dp1-ep2"]
+
+
+def test_moe_models_count_their_experts():
+    moe, small_moe = load_model("tiny-moe"), load_model("small-moe")
+    assert moe.num_params() - load_model("tiny").num_params() == 2 * (64 * 4 + 4 * 3 * 64 * 64 - 3 * 64 * 128)
+    assert small_moe.moe_layers() == 3 and small_moe.moe_shared_expert_ffn == 256
+    assert 29e9 < load_model("moe-gpu").num_params() < 31e9  # Qwen3-30B-A3B-like
+
+
+def test_the_layouts_command_shows_the_expert_grid(capsys):
+    from harness import cli
+
+    assert cli.main(["layouts", "--model", "tiny-moe", "--world-size", "4", "--layout", "tp2-pp1-cp1-dp2-ep2-etp1"]) == 0
+    assert capsys.readouterr().out == "tp2-pp1-cp1-dp2-ep2-etp1\ttp=2 pp=1 cp=1 dp=2 | ep=2 etp=1 edp=2  valid\n"
+
+
+@pytest.mark.slow
+def test_expert_layouts_train_like_pure_dp():
+    """EP 2 and EP 4 at pure DP and EP 2 with TP 2 (sequence parallel; the dispatcher's uneven gathers over TP)
+    train like pure DP: losses, log-probs, every parameter by global expert index, replicas bit-identical."""
+    from harness.driver import run_suite
+
+    run = run_suite("equivalence", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep4", "tp2-pp1-cp1-dp2-ep2"], backend="gloo")
+    assert run.passed, [c.message for c in run.checks if c.failed]
+    names = {s.name for r in run.results[1].ranks for s in r.data.params}
+    assert {f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc2.weight" for e in range(4)} <= names
+    assert run.results[2].adjustments().count("norms: torch's RMSNorm / LayerNorm with their weights marked "
+                                              "sequence_parallel (megatron's torch norm refuses sequence parallelism, "
+                                              "which its MoE layer needs with TP; harness/engines/sp_norm.py)") == 1
+
+
+@pytest.mark.slow
+def test_expert_gradients_reduced_over_the_dense_dp_group_fail_equivalence():
+    from harness.driver import run_suite
+
+    run = run_suite("equivalence", "tiny-moe", 2, ["tp1-pp1-cp1-dp2-ep2"], backend="gloo",
+                    engine="tests.faulty_engines:ExpertGradsOverDenseDP")
+    failed = {c.check: c.message for c in run.checks if c.failed}
+    assert re.match(r"\d+/\d+ params differ from tp1-pp1-cp1-dp2 after 2 steps; worst decoder\.layers\.\d\.mlp\.experts"
+                    r"\.local_experts\.\d\.linear_fc\d\.weight: rel \S+ > 1e-05$", failed["equivalence.params"]), failed
