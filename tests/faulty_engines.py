@@ -279,6 +279,46 @@ class ExpertGradsOverDenseDP(McoreEngine):
         return chunks
 
 
+class AuxLossScaledByEP(_PatchedDuringSteps):
+    """The load-balancing auxiliary loss multiplied by the EP size (a normalisation that counted the EP ranks'
+    tokens twice): its value and its gradient grow on EP layouts only."""
+
+    target = ("megatron.core.transformer.moe.router", "switch_load_balancing_loss_func")
+
+    def replacement(self, original):
+        def scaled(*args, **kwargs):
+            from megatron.core import parallel_state as ps
+
+            return original(*args, **kwargs) * ps.get_expert_model_parallel_world_size()
+
+        return scaled
+
+
+class ExpertTokensOutOfOrder(McoreEngine):
+    """The all-to-all dispatcher hands the first local expert its tokens in reverse order when EP > 1 (a wrong
+    permutation after the all-to-all): that expert's outputs return to the wrong tokens."""
+
+    def train_step(self, step: int):
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as Dispatcher
+
+        original = Dispatcher.dispatch_postprocess
+
+        def reversed_first_expert(dispatcher, hidden_states, probs):
+            import torch
+
+            tokens, per_expert, probs = original(dispatcher, hidden_states, probs)
+            if dispatcher.ep_size > 1:
+                n = int(per_expert[0])
+                tokens = torch.cat([tokens[:n].flip(0), tokens[n:]])
+            return tokens, per_expert, probs
+
+        Dispatcher.dispatch_postprocess = reversed_first_expert
+        try:
+            return super().train_step(step)
+        finally:
+            Dispatcher.dispatch_postprocess = original
+
+
 class OverlapLost(McoreEngine):
     """DDP built with overlap_grad_reduce=False whatever the case asks: no gradient reduction overlaps
     with backward."""

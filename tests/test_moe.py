@@ -86,3 +86,46 @@ def test_expert_gradients_reduced_over_the_dense_dp_group_fail_equivalence():
     failed = {c.check: c.message for c in run.checks if c.failed}
     assert re.match(r"\d+/\d+ params differ from tp1-pp1-cp1-dp2 after 2 steps; worst decoder\.layers\.\d\.mlp\.experts"
                     r"\.local_experts\.\d\.linear_fc\d\.weight: rel \S+ > 1e-05$", failed["equivalence.params"]), failed
+
+
+def test_the_load_balancing_loss_is_judged_per_step_across_layouts():
+    """The auxiliary loss of the global batch per step: every rank's share summed, over the micro-batches."""
+    from harness.checks.step_outputs import TrainedRankData, step_aux_losses
+    from harness.engines.base import StepOutput
+    from harness.launch.results import CaseResult, RankResult
+    from harness.spec import Case
+
+    def result(layout: Layout, shares: list[list[float]]) -> CaseResult:
+        ranks = [RankResult(r, data=TrainedRankData({"tp": 0, "last_stage": 1}, [StepOutput(None, None, aux_loss=x)
+                                                                                 for x in steps]))
+                 for r, steps in enumerate(shares)]
+        return CaseResult(Case("equivalence", load_model("tiny-moe"), layout), ranks, "ok")
+
+    assert step_aux_losses(result(Layout(dp=2), [[8.0, 16.0], [8.0, 0.0]])) == [2.0, 2.0]  # 8 micro-batches
+    from harness.suite_defs.equivalence import EquivalenceSuite
+
+    ref, ep = result(Layout(dp=2), [[8.0, 8.0], [8.0, 8.0]]), result(Layout(dp=2, ep=2), [[16.0, 8.0], [16.0, 8.0]])
+    check = EquivalenceSuite._check_losses(ep, ref, step_aux_losses(ep), step_aux_losses(ref), 1e-5,
+                                           "equivalence.aux_loss", "load-balancing loss")
+    assert not check.passed and check.message == (
+        "load-balancing loss step 0: tp1-pp1-cp1-dp2-ep2 4.00000000 vs tp1-pp1-cp1-dp2 2.00000000, rel diff 1.00e+00 "
+        "> 1e-05")
+    assert step_aux_losses(result(Layout(dp=2), [[None], [None]])) is None  # a dense model: nothing to judge
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine,failing,message", [
+    ("tests.faulty_engines:AuxLossScaledByEP", "equivalence.aux_loss",
+     r"load-balancing loss step 0: tp1-pp1-cp1-dp2-ep2 \S+ vs tp1-pp1-cp1-dp2 \S+, rel diff 1\.00e\+00 > 1e-05"),
+    ("tests.faulty_engines:ExpertTokensOutOfOrder", "equivalence.logprobs",
+     r"tp1-pp1-cp1-dp2-ep2: step-0 log-probs differ from tp1-pp1-cp1-dp2 at \d+/512 tokens"),
+])
+def test_planted_moe_faults_fail_equivalence_naming_the_layout(engine, failing, message):
+    from harness.driver import run_suite
+
+    run = run_suite("equivalence", "tiny-moe", 2, ["tp1-pp1-cp1-dp2-ep2"], backend="gloo", engine=engine)
+    failed = {c.check: c.message for c in run.checks if c.failed}
+    assert set(failed) >= {failing, "equivalence.params"}, failed
+    assert re.match(message, failed[failing]), failed[failing]
+    assert re.search(r"worst decoder\.layers\.\d\.mlp\.(router|experts\.local_experts\.\d\.linear_fc\d)\.weight",
+                     failed["equivalence.params"]), failed["equivalence.params"]

@@ -98,6 +98,18 @@ def position_ranges(positions: list[int]) -> str:
     return ", ".join(out)
 
 
+def step_aux_losses(result: CaseResult) -> list[float] | None:
+    """An MoE model's load-balancing loss per step (summed over its MoE layers), averaged over the global batch's
+    micro-batches: every rank's share summed (TP / CP ranks hold parts of a micro-batch's sequence, DP ranks other
+    micro-batches, PP stages other layers). None when no rank reported one (a dense model)."""
+    per_rank = [[out.aux_loss for out in trained(r).steps] for r in result.ranks]
+    if not per_rank or all(x is None for steps in per_rank for x in steps):
+        return None
+    n_micro = result.case.global_batch_size // result.case.micro_batch_size
+    steps = max(len(s) for s in per_rank)
+    return [sum(s[i] or 0.0 for s in per_rank if i < len(s)) / n_micro for i in range(steps)]
+
+
 def step_losses(result: CaseResult) -> list[float]:
     """Global per-token mean loss per step, from the last-stage, TP-rank-0 ranks."""
     sums: dict[int, list[float]] = {}

@@ -64,6 +64,9 @@ class StepOutput:
     grad_norm: float | None = None
     num_zeros: int | None = None
     lr: float | None = None
+    # an MoE model's load-balancing auxiliary loss (before its coefficient), this rank's share: summed over its
+    # micro-batches and MoE layers, its part of the sequence (TP under sequence parallelism, CP); None: dense
+    aux_loss: float | None = None
 
 
 class Engine(Protocol):

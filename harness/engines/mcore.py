@@ -266,17 +266,29 @@ class McoreEngine(McoreCheckpoints):
                 num_microbatches=len(mbs), seq_length=self.case.model.seq_length,
                 micro_batch_size=self.case.micro_batch_size, forward_only=forward_only,
             )
-        reported: dict = {}
+        reported: dict = {"aux_loss": self._take_aux_loss()}
         if not forward_only:
             lr = self.optimizer.param_groups[0]["lr"]
             _, grad_norm, num_zeros = self.optimizer.step()
-            reported = dict(grad_norm=None if grad_norm is None else float(grad_norm),
+            reported.update(grad_norm=None if grad_norm is None else float(grad_norm),
                             num_zeros=None if num_zeros is None else int(num_zeros), lr=float(lr))
         captured, self._captured = self._captured, None
         if not losses:
             return StepOutput(None, None, captured, **reported)
         total = torch.stack([d["lm loss"] for d in losses]).sum(0)
         return StepOutput(float(total[0]), int(total[1]), captured, **reported)
+
+    def _take_aux_loss(self) -> float | None:
+        """This rank's load-balancing loss of the batch just run, from megatron's MoE loss tracker, which is then
+        zeroed (megatron's training loop zeroes it after logging). None for a dense model."""
+        if not self.config.num_moe_experts:
+            return None
+        from megatron.core.transformer.moe import moe_utils
+
+        entry = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        value = float(entry["values"].sum()) if entry else 0.0
+        moe_utils.clear_aux_losses_tracker()
+        return value
 
     # -- outputs ------------------------------------------------------------------------------
     def param_shards(self) -> list[ParamShard]:

@@ -14,6 +14,7 @@ from harness.checks.step_outputs import (
     coverage_problem,
     first_step_logprobs,
     position_ranges,
+    step_aux_losses,
     step_losses,
     trained,
 )
@@ -110,6 +111,10 @@ class EquivalenceSuite:
                 continue
             dtype = res.case.options.dtype
             out.append(self._check_losses(res, ref, step_losses(res), ref_losses, LOSS_RTOL[dtype]))
+            aux, ref_aux = step_aux_losses(res), step_aux_losses(ref)
+            if aux is not None or ref_aux is not None:
+                out.append(self._check_losses(res, ref, aux or [], ref_aux or [], LOSS_RTOL[dtype],
+                                              "equivalence.aux_loss", "load-balancing loss"))
             out.append(self._check_logprobs(res, ref, LOSS_RTOL[dtype]))
             out.append(self._check_params(res, ref, full.tensors, ref_params.tensors, PARAM_RTOL[dtype]))
         return out
@@ -145,19 +150,20 @@ class EquivalenceSuite:
                            [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())], value=bad[worst])
 
     @staticmethod
-    def _check_losses(res, ref, losses, ref_losses, rtol) -> CheckResult:
+    def _check_losses(res, ref, losses, ref_losses, rtol, check: str = "equivalence.loss",
+                      what: str = "loss") -> CheckResult:
         cid, lay, rlay = res.case.id, res.case.layout.id, ref.case.layout.id
         if len(losses) != len(ref_losses):
-            return CheckResult("equivalence.loss", cid, False,
-                               f"{lay} reported {len(losses)} step losses, {rlay} {len(ref_losses)}")
+            return CheckResult(check, cid, False, f"{lay} reported the {what} of {len(losses)} steps, {rlay} of "
+                                                  f"{len(ref_losses)}")
         errs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(losses, ref_losses)]
         rows = [f"  step {i}: {lay} {a:.8f}  {rlay} {b:.8f}  rel {fmt_err(e)}"
                 for i, (a, b, e) in enumerate(zip(losses, ref_losses, errs))]
         worst = max(range(len(errs)), key=lambda i: severity(errs[i]))
         ok = within(errs[worst], rtol)
-        msg = (f"loss step {worst}: {lay} {losses[worst]:.8f} vs {rlay} {ref_losses[worst]:.8f}, "
+        msg = (f"{what} step {worst}: {lay} {losses[worst]:.8f} vs {rlay} {ref_losses[worst]:.8f}, "
                f"rel diff {fmt_err(errs[worst])} {'<=' if ok else '>'} {rtol:.0e}")
-        return CheckResult("equivalence.loss", cid, ok, msg, rows, value=errs[worst])
+        return CheckResult(check, cid, ok, msg, rows, value=errs[worst])
 
     @staticmethod
     def _check_logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
