@@ -319,6 +319,22 @@ class ExpertTokensOutOfOrder(McoreEngine):
             Dispatcher.dispatch_postprocess = original
 
 
+class GradNormMissesOtherEPExperts(McoreEngine):
+    """The gradient norm leaves out the experts other EP ranks hold (Megatron-LM PR #5916's shape): the expert
+    optimizer's gradient statistics are reduced over the expert TP group only, not over EP (and PP), so clipping
+    is too weak and the reported norm depends on the layout."""
+
+    def make_optimizer(self, models: list, use_distributed_optimizer: bool):
+        from megatron.core import parallel_state as ps
+
+        optimizer = super().make_optimizer(models, use_distributed_optimizer)
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            group = getattr(inner, "grad_stats_parallel_group", None)
+            if group is not None and group is ps.get_expert_tensor_model_pipeline_parallel_group():
+                inner.grad_stats_parallel_group = ps.get_expert_tensor_parallel_group()
+        return optimizer
+
+
 class OverlapLost(McoreEngine):
     """DDP built with overlap_grad_reduce=False whatever the case asks: no gradient reduction overlaps
     with backward."""

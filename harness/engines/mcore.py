@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
+from harness.engines.experts import EXPERT_RE, tp_coords
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, layer_spec, torch_dtype, transformer_config
 from harness.launch.context import RankContext
@@ -21,7 +22,6 @@ if TYPE_CHECKING:
 
 MEGATRON_ADAM_EPS = 1e-8  # OptimizerConfig's default
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT_RE = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1\.weight$")
 
 
@@ -135,7 +135,7 @@ class McoreEngine(McoreCheckpoints):
             if m:
                 global_idx = layers[int(m.group(1))].layer_number - 1
                 name = f"decoder.layers.{global_idx}." + name[m.end():]
-            e = _EXPERT_RE.search(name)
+            e = EXPERT_RE.search(name)
             if e:
                 if first_expert is None:
                     from megatron.core import parallel_state as ps
@@ -300,13 +300,3 @@ class McoreEngine(McoreCheckpoints):
                 out.append(ParamShard(name, p.detach().float().cpu().clone(), dim, tp_rank, tp, self.tp_parts(name)))
         return out
 
-
-def tp_coords(name: str) -> tuple[int, int]:
-    """(rank, size) of the tensor-parallel group a parameter (by its name) is sharded over: the expert TP group
-    for an MoE expert's weights, else the TP group. (megatron's `allreduce=False` mark of expert weights is set
-    only with EP > 1.)"""
-    from megatron.core import parallel_state as ps
-
-    if _EXPERT_RE.search(name):
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()

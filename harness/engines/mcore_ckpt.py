@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import ParamShard, partition_dim
+from harness.engines.experts import data_parallel, tp_coords
 
 if TYPE_CHECKING:
     import torch
@@ -24,15 +25,14 @@ class McoreCheckpoints:
     OPTIMIZER_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
     def optimizer_state_shards(self) -> list[ParamShard]:
-        """Adam state as `<global name>#<key>` shards (TP-local, whole over DP), from DP rank 0 only.
+        """Adam state as `<global name>#<key>` shards (TP-local, whole over DP), from DP rank 0 only (an expert's from
+        expert-DP rank 0).
 
         The distributed optimizer holds a flat range of each parameter per DP x CP rank; the ranges are
         disjoint, so summing zero-filled copies over that group rebuilds every element exactly."""
         import torch
         import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
-        tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
         owner: dict[torch.nn.Parameter, tuple] = {}  # model param -> (its Adam state, flat range or None: all)
         distributed = False
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
@@ -47,19 +47,23 @@ class McoreCheckpoints:
                 main = opt.optimizer.param_groups[group]["params"][order]
                 rng = opt._get_model_param_range_map(p)["param"]
                 owner[p] = (opt.optimizer.state.get(main, {}), (rng.start, rng.end))
-        group = ps.get_data_parallel_group(with_context_parallel=True)
         out = []
         for model in self.models:
             for name, p in self.global_names(model.module).items():
                 state, rng = owner.get(p, ({}, (0, 0)))
                 dim = partition_dim(p)
+                tp_rank, tp = tp_coords(name)
+                # an expert's state is sharded over the expert data-parallel ranks, and reported by the first of
+                # them (dense DP rank 0 holds only its own EP rank's experts)
+                group, dp_rank = data_parallel(p)
+                mine: list[ParamShard] = []
                 for key in self.OPTIMIZER_STATE_KEYS:
                     if key == "step":  # one scalar, the same on every DP rank holding a piece of the parameter
                         value = state["step"].detach().float().reshape(1).to(p.device, copy=True) if "step" in state \
                             else torch.full((1,), float("-inf"), device=p.device)
                         if distributed:
                             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-                        out.append(ParamShard(f"{name}#step", value.cpu(), None, tp_rank, tp))
+                        mine.append(ParamShard(f"{name}#step", value.cpu(), None, tp_rank, tp))
                         continue
                     full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)  # NCCL needs the device
                     if key in state:
@@ -67,9 +71,11 @@ class McoreCheckpoints:
                         full[lo:hi] = state[key].detach().float().reshape(-1)
                     if distributed:  # every rank, every parameter: the same collectives in the same order
                         dist.all_reduce(full, group=group)
-                    out.append(ParamShard(f"{name}#{key}", full.cpu().view(p.shape), dim, tp_rank, tp,
-                                          self.tp_parts(name)))
-        return out if ps.get_data_parallel_rank(with_context_parallel=True) == 0 else []
+                    mine.append(ParamShard(f"{name}#{key}", full.cpu().view(p.shape), dim, tp_rank, tp,
+                                           self.tp_parts(name)))
+                if dp_rank == 0:
+                    out += mine
+        return out
 
     def checkpoint_metadata(self, fmt: str) -> dict:
         if fmt == "default":

@@ -12,10 +12,11 @@ def step_metric(step: int, figure: str) -> str:
 
 
 def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
-    """The case's figures as baseline metrics: per step loss, grad_norm, num_zeros, lr; after the last step
+    """The case's figures as baseline metrics: per step loss, grad_norm, num_zeros, lr (and an MoE model's
+    load-balancing loss, aux_loss); after the last step
     param.<name> (L2 norm of the full parameter), exp_avg.<name> / exp_avg_sq.<name> (of its Adam moments, where
     the engine hands out its optimizer state) and optimizer.step (Adam's step counter)."""
-    from harness.checks.step_outputs import step_losses
+    from harness.checks.step_outputs import step_aux_losses, step_losses
     from harness.checks.tensors import assemble
     from harness.suite_defs.golden.payload import GoldenRankData
 
@@ -23,6 +24,8 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
     out: dict[str, float] = {}
     for i, loss in enumerate(step_losses(result), start=first_step):
         out[step_metric(i, "loss")] = loss
+    for i, aux in enumerate(step_aux_losses(result) or [], start=first_step):
+        out[step_metric(i, "aux_loss")] = aux
     for i, s in enumerate(data[0].steps, start=first_step):
         for figure in ("grad_norm", "num_zeros", "lr"):
             value = getattr(s, figure)
