@@ -22,7 +22,16 @@ from harness.layouts import validate
 from harness.models import load_model
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
-from harness.suite_defs import Baselined, FreshRanks, Parameterised, Suite, baselines_dir_of, default_model, get_suite
+from harness.suite_defs import (
+    MOE_SUITES,
+    Baselined,
+    FreshRanks,
+    Parameterised,
+    Suite,
+    baselines_dir_of,
+    default_model,
+    get_suite,
+)
 from harness.suite_run import SuiteRun
 
 # a parameter whose flag is not `--<name with dashes>`
@@ -66,6 +75,9 @@ def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int
         raise BadInput(f"--world-size must be >= 1, got {world_size}")
     backend = resolve_backend(backend, world_size)
     model = load_model(model_name or default_model(suite, backend))
+    if model.moe and suite.name not in MOE_SUITES:
+        raise BadInput(f"the {suite.name} suite does not judge mixture-of-experts models yet (model {model.name}); "
+                       f"run {model.name} with --suite {' or --suite '.join(MOE_SUITES)}, or a dense model here")
     if engine != "mcore":
         from harness.engines import resolve_factory
 

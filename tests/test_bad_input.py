@@ -17,6 +17,13 @@ CASES = [
      "engine 'fsdp2' has no export_peft_adapter(path): the peft-ckpt suite needs an engine that trains LoRA adapters"),
     (["run", "--suite", "equivalence", "--model", "gpt5"], "unknown model 'gpt5'; known models: tiny"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+    (["run", "--suite", "grad-sync", "--model", "tiny-moe"],
+     "the grad-sync suite does not judge mixture-of-experts models yet (model tiny-moe); run tiny-moe with --suite "
+     "equivalence or --suite golden"),
+    (["run", "--suite", "equivalence", "--model", "tiny", "--layout", "tp1-pp1-cp1-dp4-ep2"],
+     "layout tp1-pp1-cp1-dp4-ep2 is invalid for model tiny: ep=2, etp=1: model tiny has no experts"),
+    (["run", "--suite", "equivalence", "--model", "tiny-moe", "--layout", "tp1-pp1-cp1-dp4-ep3"],
+     "layout tp1-pp1-cp1-dp4-ep3 is invalid for model tiny-moe: num_experts=4 not divisible by ep=3"),
     (["run", "--suite", "equivalence", "--layout", "tp3-pp1-cp1-dp1"], "layout tp3-pp1-cp1-dp1 is invalid for model tiny"),
     (["run", "--suite", "equivalence", "--layout", "2x2"], "layout '2x2' is not of the form tpT-ppP-cpC-dpD"),
     (["run", "--suite", "equivalence", "--steps", "0"], "--steps must be >= 1, got 0"),
