@@ -20,3 +20,21 @@ def test_every_check_passes(golden_run, judge):
 @pytest.mark.parametrize("check", ["trajectory", "params"])
 def test_trajectory_matches_the_golden_values(golden_run, judge, check):
     judge(golden_run, f"golden.{check}")
+
+
+@pytest.fixture(scope="module")
+def moe_golden_run(suite_runner, harness_opts):
+    """tiny-moe's trajectory (with its load-balancing loss) on pure DP, PP 2, EP 2, EP 4 and PP 2 with EP 2."""
+    from harness.baselines import record_command
+    from harness.platform import resolve_backend
+
+    backend = resolve_backend(harness_opts["backend"], harness_opts["world_size"])
+    if backend != "gloo":
+        pytest.skip("tiny-moe's golden trajectory is recorded for CPU ranks only; record this platform's with: "
+                    + record_command("golden", "tiny-moe", harness_opts["world_size"], backend))
+    return suite_runner("golden", model="tiny-moe", label="golden-moe")
+
+
+@pytest.mark.parametrize("check", ["trajectory", "params"])
+def test_the_moe_trajectory_matches_its_golden_values(moe_golden_run, judge, check):
+    judge(moe_golden_run, f"golden.{check}")
