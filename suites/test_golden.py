@@ -35,6 +35,10 @@ def moe_golden_run(suite_runner, harness_opts):
     return suite_runner("golden", model="tiny-moe", label="golden-moe")
 
 
-@pytest.mark.parametrize("check", ["trajectory", "params"])
+def test_every_moe_check_passes(moe_golden_run, judge):
+    judge(moe_golden_run)
+
+
+@pytest.mark.parametrize("check", ["trajectory", "params", "resume"])
 def test_the_moe_trajectory_matches_its_golden_values(moe_golden_run, judge, check):
     judge(moe_golden_run, f"golden.{check}")
