@@ -156,3 +156,19 @@ def dp_cp_ranks(layout: Layout, rank: int) -> tuple[int, ...]:
     c = coords_of(layout, rank)
     return tuple(sorted(rank_of(layout, Coords(c.tp, cp, dp, c.pp))
                         for cp in range(layout.cp) for dp in range(layout.dp)))
+
+
+def expert_coords(layout: Layout, rank: int) -> tuple[int, int, int]:
+    """(etp, ep, edp) rank of a rank on its stage's expert grid, megatron's expert rank order tp-ep-dp (tp
+    fastest) within each pipeline stage."""
+    local = rank % (layout.tp * layout.cp * layout.dp)
+    etp, rest = local % layout.expert_tp, local // layout.expert_tp
+    return etp, rest % layout.ep, rest // layout.ep
+
+
+def expert_dp_ranks(layout: Layout, rank: int) -> tuple[int, ...]:
+    """The ranks that hold the same experts (same stage, ETP and EP rank): megatron reduces expert gradients over
+    them at EP > 1."""
+    stage = rank - rank % (layout.tp * layout.cp * layout.dp)
+    etp, ep, _ = expert_coords(layout, rank)
+    return tuple(stage + etp + layout.expert_tp * (ep + layout.ep * edp) for edp in range(layout.edp))

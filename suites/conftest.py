@@ -58,8 +58,9 @@ def publish(request: pytest.FixtureRequest):
 
 @pytest.fixture(scope="session")
 def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
-    """run(suite, engine=None, label=None, suite_params=None, model=None) -> SuiteRun: the suite with the session's
-    options (model: another than --model's, e.g. an MoE model beside the suite's own), its table
+    """run(suite, engine=None, label=None, suite_params=None, model=None, layouts=None) -> SuiteRun: the suite with
+    the session's options (model: another than --model's, e.g. an MoE model beside the suite's own; layouts: ids
+    instead of the suite's matrix), its table
     published and its results written. With --update-baselines a suite that has baselines is recorded
     first (3 repeats), then run again against the new file. A missing dependency skips the test."""
     from harness import report
@@ -72,7 +73,7 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
     baselines_dir = c.getoption("--baselines-dir")
 
     def run(name, engine: str | None = None, label: str | None = None, suite_params: dict | None = None,
-            model: str | None = None):
+            model: str | None = None, layouts: list[str] | None = None):
         engine = engine or harness_opts["engine"]
         suite_params = dict(suite_params or {})
         params_type = getattr(get_suite(name), "Params", None)
@@ -90,7 +91,7 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
                 path, diff = record_suite(name, model or harness_opts["model"], harness_opts["world_size"],
                                           **common)
                 publish(f"recorded {path}:\n{diff}")
-            result = run_suite(name, model or harness_opts["model"], harness_opts["world_size"],
+            result = run_suite(name, model or harness_opts["model"], harness_opts["world_size"], layouts,
                                fresh_ranks=harness_opts["fresh_ranks"], **common)
         except (MissingDependency, DoesNotFit) as exc:  # not installed here / predicted not to fit this device
             pytest.skip(str(exc))

@@ -23,3 +23,26 @@ def test_every_check_passes(grad_sync_run, judge):
 @pytest.mark.parametrize("check", ["plan", "recorders", "replicas"])
 def test_observed_matches_configured(grad_sync_run, judge, check):
     judge(grad_sync_run, f"grad-sync.{check}")
+
+
+@pytest.fixture(scope="module")
+def moe_run(suite_runner, harness_opts):
+    """tiny-moe on its expert layouts (EP 2, EP 4, EP 2 with TP 2 at ETP 2 and 1, with CP 2, with PP 2): the expert
+    buffers over the expert-data-parallel groups and the token dispatcher's collectives; its dense layouts reduce
+    as a dense model's do."""
+    from harness.layouts import expert_matrix
+    from harness.models import load_model
+
+    layouts = [lay.id for lay in expert_matrix(load_model("tiny-moe"), harness_opts["world_size"])]
+    if not layouts:
+        pytest.skip(f"tiny-moe has no expert layout at world size {harness_opts['world_size']}: needs 2 or more")
+    return suite_runner("grad-sync", model="tiny-moe", label="grad-sync-moe", layouts=layouts)
+
+
+def test_every_moe_check_passes(moe_run, judge):
+    judge(moe_run)
+
+
+@pytest.mark.parametrize("check", ["plan", "recorders", "replicas", "dispatch"])
+def test_moe_observed_matches_configured(moe_run, judge, check):
+    judge(moe_run, f"grad-sync.{check}")

@@ -319,6 +319,20 @@ class ExpertTokensOutOfOrder(McoreEngine):
             Dispatcher.dispatch_postprocess = original
 
 
+class TokenAllToAllTwice(_PatchedDuringSteps):
+    """The token dispatcher issues every all-to-all twice and drops the first result (a redundant exchange, as a
+    refactor that recomputes a permutation's input leaves): results unchanged, the EP traffic doubled."""
+
+    target = ("megatron.core.transformer.moe.token_dispatcher", "all_to_all")
+
+    def replacement(self, original):
+        def twice(*args, **kwargs):
+            original(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        return twice
+
+
 class GradNormMissesOtherEPExperts(McoreEngine):
     """The gradient norm leaves out the experts other EP ranks hold (Megatron-LM PR #5916's shape): the expert
     optimizer's gradient statistics are reduced over the expert TP group only, not over EP (and PP), so clipping

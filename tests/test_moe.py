@@ -8,9 +8,11 @@ import re
 import pytest
 
 from harness.errors import BadInput
-from harness.layouts import default_matrix, enumerate_layouts, expert_matrix, violations
+from harness.checks.grad_sync import chunk_buckets, chunk_params, dispatch_plan, plan
+from harness.driver import run_suite
+from harness.layouts import default_matrix, enumerate_layouts, expert_dp_ranks, expert_matrix, violations
 from harness.models import load_model
-from harness.spec import Layout
+from harness.spec import Case, CaseOptions, Layout
 
 
 def test_an_expert_layout_is_spelled_once():
@@ -186,3 +188,82 @@ def test_megatron_cores_aux_loss_scaling_under_per_token_loss_and_tp_fails_golde
     trajectory, params = checks["golden.trajectory"], checks["golden.params"]
     assert re.match(r"step 1: grad_norm \S+ vs golden \S+ \(rel \S+ > 1e-05\)", trajectory.message), trajectory.message
     assert params.failed and "mlp.router.weight" in params.message, params.message
+
+
+# -- grad-sync -----------------------------------------------------------------------------------------------
+
+def test_expert_data_parallel_groups_follow_megatrons_expert_rank_order():
+    assert [expert_dp_ranks(Layout.parse("tp1-pp1-cp1-dp4-ep2"), r) for r in range(4)] == [(0, 2), (1, 3)] * 2
+    assert expert_dp_ranks(Layout.parse("tp2-pp1-cp1-dp2-ep2-etp1"), 3) == (1, 3)
+    assert expert_dp_ranks(Layout.parse("tp2-pp1-cp1-dp2-ep2"), 1) == (1,)  # ETP 2 x EP 2 fill the stage
+    assert expert_dp_ranks(Layout.parse("tp1-pp2-cp1-dp2-ep2"), 3) == (3,)
+
+
+def test_experts_have_their_own_buffer_at_ep_above_1_only():
+    m = load_model("tiny-moe")
+    dense = sum(n for _, n, _ in chunk_params(m, Layout(dp=4, ep=2), 0, 0))
+    experts = sum(n for _, n, _ in chunk_params(m, Layout(dp=4, ep=2), 0, 0, expert_buffer=True))
+    assert (dense, experts) == (33600, 49152)  # 2 layers x 2 local experts x (fc1 2*64*64 + fc2 64*64)
+    assert sum(n for _, n, _ in chunk_params(m, Layout(dp=4), 0, 0)) == 33600 + 2 * 49152 == m.num_params()
+    assert chunk_params(m, Layout(dp=4), 0, 0, expert_buffer=True) == []
+    small = load_model("small-moe")  # a dense first layer: stage 0 of PP 2 holds one MoE layer
+    assert len(chunk_params(small, Layout(pp=2, dp=2, ep=2), 0, 0, expert_buffer=True)) == 2 * 4
+    assert chunk_buckets(chunk_params(m, Layout(dp=4, ep=2), 0, 0, expert_buffer=True), distopt=True, dp_cp=2,
+                         bucket_size=None) == [49152]
+
+
+def test_the_plan_reduces_experts_over_the_expert_data_parallel_group():
+    m = load_model("tiny-moe")
+    case = Case("grad-sync", m, Layout(dp=4, ep=2), options=CaseOptions(steps=3, use_distributed_optimizer=True))
+    assert [(p.kind, p.role, p.ranks, p.numel, p.calls) for p in plan(case, 0)] == [
+        ("reduce_scatter", "dp-cp", (0, 1, 2, 3), 33664, 3), ("all_gather", "dp-cp", (0, 1, 2, 3), 33664, 6),
+        ("reduce_scatter", "edp", (0, 2), 49152, 3), ("all_gather", "edp", (0, 2), 49152, 6)]
+    ep1 = Case("grad-sync", m, Layout(dp=4), options=CaseOptions(steps=3, use_distributed_optimizer=True))
+    assert [(p.role, p.calls) for p in plan(ep1, 0)] == [("dp-cp", 3), ("dp-cp", 3)]  # one optimizer, one buffer
+
+
+def test_the_dispatcher_plan_counts_calls_per_moe_layer_and_micro_batch():
+    m = load_model("tiny-moe")
+
+    def calls(layout: str, **opts):
+        planned = dispatch_plan(Case("grad-sync", m, Layout.parse(layout), options=CaseOptions(steps=3, **opts)), 0)
+        return None if planned is None else {(p.kind, p.role, next(iter(p.phases))): p.calls for p in planned}
+
+    # 2 MoE layers x 2 micro-batches x 3 steps = 12 per rank at DP 4
+    assert calls("tp1-pp1-cp1-dp4-ep2") == {("all_to_all", "ep", "forward"): 36, ("all_to_all", "ep", "backward"): 36,
+                                            ("all_gather", "etp-ep", "forward"): 12}
+    assert calls("tp1-pp1-cp1-dp4") == {}
+    etp = calls("tp2-pp1-cp1-dp2-ep2")  # 4 micro-batches at DP 2
+    assert etp[("all_gather", "etp", "forward")] == 48 and etp[("reduce_scatter", "etp", "backward")] == 48
+    assert calls("tp1-pp1-cp1-dp4-ep2", moe_dispatcher="allgather") is None
+
+
+@pytest.mark.slow
+def test_grad_sync_judges_an_moe_model_and_its_dispatcher():
+    run = run_suite("grad-sync", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2"], backend="gloo")
+    assert run.passed, [c.message for c in run.checks if c.failed]
+    judged = {c.check for c in run.checks}
+    assert judged == {"grad-sync.plan", "grad-sync.recorders", "grad-sync.replicas", "grad-sync.dispatch"}
+
+
+@pytest.mark.slow
+def test_expert_gradients_reduced_over_the_dense_dp_group_fail_grad_sync():
+    run = run_suite("grad-sync", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2"], backend="gloo",
+                    engine="tests.faulty_engines:ExpertGradsOverDenseDP")
+    failed = [c for c in run.checks if c.failed]
+    assert {c.check for c in failed} == {"grad-sync.plan"} and len(failed) == 4, [c.message for c in failed]
+    plain = next(c.message for c in failed if "use_distributed_optimizer" not in c.case_id
+                 and "overlap" not in c.case_id)
+    assert plain.startswith("grad-sync: rank 0: the experts' gradients were not reduced over the expert-data-parallel "
+                            "group (0, 2) (planned all_reduce on edp group (0, 2), 49152 x fp32, 3 calls); observed "
+                            "instead allreduce_coalesced_ on dp-cp group (0, 1, 2, 3), 82752 x fp32"), plain
+
+
+@pytest.mark.slow
+def test_a_redundant_token_all_to_all_fails_the_dispatch_check():
+    run = run_suite("grad-sync", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2"], backend="gloo",
+                    engine="tests.faulty_engines:TokenAllToAllTwice")
+    failed = [c for c in run.checks if c.failed]
+    assert {c.check for c in failed} == {"grad-sync.dispatch"} and len(failed) == 4, [c.message for c in failed]
+    assert failed[0].message == ("grad-sync: alltoall dispatcher: rank 0: all_to_all on ep group (0, 1) in forward: "
+                                 "72 calls, planned 36 (token all-to-all (tokens, probabilities, combine))")

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harness.layouts import coords_of, dp_cp_ranks
+from harness.layouts import coords_of, dp_cp_ranks, expert_coords, expert_dp_ranks
 from harness.spec import Case, Layout, ModelSpec
 
 if TYPE_CHECKING:  # records are only read here; harness.probes.collectives imports torch, and the
@@ -26,8 +26,12 @@ GRAD_OPS = {"reduce_scatter", "all_reduce", "all_gather"}
 
 
 def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int,
-                 te: bool = False) -> list[tuple[str, int, bool]]:
+                 te: bool = False, expert_buffer: bool = False) -> list[tuple[str, int, bool]]:
     """(name, local numel, shared_embedding) of one model chunk, in registration order.
+
+    expert_buffer: the parameters of the chunk's expert-parallel buffer instead - the experts of an MoE layer,
+    which megatron marks `allreduce=False` and reduces over the expert-data-parallel group, but only at EP > 1
+    (at EP 1 they sit in the dense buffer).
 
     te: Transformer Engine's layer spec, whose norms live inside the following linear
     (TELayerNormColumnParallelLinear registers `layer_norm_weight` / `layer_norm_bias` before `weight`);
@@ -46,9 +50,29 @@ def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int,
     fc1 = (2 if model.swiglu else 1) * model.ffn_hidden_size // tp * h
     fc2 = h * (model.ffn_hidden_size // tp)
     out: list[tuple[str, int, bool]] = []
+    offset = vp_stage * (model.num_layers // layout.vpp) + pp_rank * per_stage  # megatron's layer offset
+    moe_layers = [offset + i >= model.moe_first_dense_layers for i in range(per_stage)] if model.moe else []
+    if expert_buffer:
+        return [p for is_moe in moe_layers if is_moe and layout.ep > 1 for p in _experts(model, layout)]
     if first:
         out.append(("embedding.word_embeddings.weight", model.vocab_size // tp * h, shared and not last))
-    for _ in range(per_stage):
+    for i in range(per_stage):
+        if moe_layers and moe_layers[i]:
+            norm = [] if te else [f"input_layernorm.{p}" for p in norm_params]
+            out += [(n, h, False) for n in norm]
+            out += [("self_attention.linear_proj.weight", proj, False)]
+            if te:
+                out += [(f"self_attention.linear_qkv.layer_norm_{p}", h, False) for p in norm_params]
+            out += [("self_attention.linear_qkv.weight", qkv, False)]
+            out += [(f"pre_mlp_layernorm.{p}", h, False) for p in norm_params]
+            out += [("mlp.router.weight", model.num_experts * h, False)]
+            if layout.ep == 1:
+                out += _experts(model, layout)
+            if model.moe_shared_expert_ffn:
+                sh = model.moe_shared_expert_ffn // tp
+                out += [("mlp.shared_experts.linear_fc1.weight", (2 if model.swiglu else 1) * sh * h, False),
+                        ("mlp.shared_experts.linear_fc2.weight", h * sh, False)]
+            continue
         if te:
             fused_norm = [f"layer_norm_{p}" for p in norm_params]
             out += [("self_attention.linear_proj.weight", proj, False)]
@@ -66,6 +90,16 @@ def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int,
         out += [(f"decoder.final_layernorm.{p}", h, False) for p in norm_params]
         if not model.tie_embeddings or (shared and not first):
             out.append(("output_layer.weight", model.vocab_size // tp * h, shared and not first))
+    return out
+
+
+def _experts(model: ModelSpec, layout: Layout) -> list[tuple[str, int, bool]]:
+    """One MoE layer's local experts (megatron's SequentialMLP): num_experts / EP of them, split over ETP."""
+    f, h = model.expert_ffn // layout.expert_tp, model.hidden_size
+    out = []
+    for e in range(model.num_experts // layout.ep):
+        out += [(f"mlp.experts.local_experts.{e}.linear_fc1.weight", (2 if model.swiglu else 1) * f * h, False),
+                (f"mlp.experts.local_experts.{e}.linear_fc2.weight", h * f, False)]
     return out
 
 
@@ -114,37 +148,127 @@ class Planned:
     dtype: str
     calls: int  # over the whole run
     phases: frozenset[str]
+    role: str = "dp-cp"  # the group's role: dp-cp (dense parameters), edp (experts at EP > 1), ep, etp-ep
 
     def describe(self) -> str:
-        return (f"{self.kind} on dp-cp group {self.ranks}, {self.numel} x {self.dtype}, "
+        return (f"{self.kind} on {self.role} group {self.ranks}, {self.numel} x {self.dtype}, "
                 f"{self.calls} call{'s' if self.calls != 1 else ''}")
 
 
 def plan(case: Case, rank: int) -> list[Planned]:
-    """Expected DP-group collectives of this rank over case.options.steps steps."""
+    """Expected gradient-sync collectives of this rank over case.options.steps steps: the dense parameters' buffer
+    over the DP x CP group and, for an MoE model at EP > 1, the experts' buffer over the expert-data-parallel
+    group (megatron's DDP keeps them apart)."""
     o, lay, m = case.options, case.layout, case.model
     c = coords_of(lay, rank)
-    dp_cp = lay.dp * lay.cp
-    group = dp_cp_ranks(lay, rank)
     param_dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[o.dtype]
     grad_dtype = "fp32" if (o.grad_reduce_in_fp32 or param_dtype == "fp32") else param_dtype
     reduce_kind = "reduce_scatter" if o.use_distributed_optimizer else "all_reduce"
     reduce_phases = frozenset({"backward", "grad-finalize"}) if o.overlap_grad_reduce else frozenset({"grad-finalize"})
+    dp_cp = lay.dp * lay.cp
+    buffers = [("DP", "dp-cp", dp_cp_ranks(lay, rank), False)]
+    if m.moe and lay.ep > 1:
+        buffers.append(("expert DP", "edp", expert_dp_ranks(lay, rank), True))
+    # At EP > 1 megatron's ChainedOptimizer steps a dense and an expert DistributedOptimizer one after the other,
+    # and each all-gathers every bucket of the model chunk (DistributedOptimizer.step_with_ready_grads without
+    # overlap_param_gather): the parameters are gathered twice per step (megatron-core 0.16.1 and main of 2026-08)
+    gathers = 2 if len(buffers) > 1 else 1
     out: list[Planned] = []
-    sizes: Counter[int] = Counter()
-    for vp in range(lay.vpp):
-        bucket_size = None
-        if o.overlap_grad_reduce and c.pp == 0 and vp == 0:
-            bucket_size = o.bucket_size or max(DEFAULT_BUCKET_ELEMS, 1_000_000 * dp_cp)
-        for numel in chunk_buckets(chunk_params(m, lay, c.pp, vp, te=case.te_spec), distopt=o.use_distributed_optimizer,
-                                   dp_cp=dp_cp, bucket_size=bucket_size):
-            sizes[numel] += o.steps
-    for numel, calls in sorted(sizes.items(), reverse=True):
-        out.append(Planned("DP gradient reduction", reduce_kind, group, numel, grad_dtype, calls, reduce_phases))
-        if o.use_distributed_optimizer:
-            out.append(Planned("DP parameter all-gather", "all_gather", group, numel, param_dtype, calls,
-                               frozenset({"param-gather"})))
+    for label, role, group, experts in buffers:
+        sizes: Counter[int] = Counter()
+        for vp in range(lay.vpp):
+            bucket_size = None
+            if o.overlap_grad_reduce and c.pp == 0 and vp == 0:
+                bucket_size = o.bucket_size or max(DEFAULT_BUCKET_ELEMS, 1_000_000 * dp_cp)
+            params = chunk_params(m, lay, c.pp, vp, te=case.te_spec, expert_buffer=experts)
+            for numel in chunk_buckets(params, distopt=o.use_distributed_optimizer, dp_cp=len(group),
+                                       bucket_size=bucket_size):
+                sizes[numel] += o.steps
+        for numel, calls in sorted(sizes.items(), reverse=True):
+            out.append(Planned(f"{label} gradient reduction", reduce_kind, group, numel, grad_dtype, calls,
+                               reduce_phases, role))
+            if o.use_distributed_optimizer:
+                out.append(Planned(f"{label} parameter all-gather", "all_gather", group, numel, param_dtype,
+                                   calls * gathers, frozenset({"param-gather"}), role))
     return out
+
+
+def _expert_group(layout: Layout, rank: int, axes: str) -> tuple[int, ...]:
+    """The ranks of rank's stage that differ from it only along the expert-grid axes named ("etp", "ep")."""
+    stage = rank - rank % (layout.tp * layout.cp * layout.dp)
+    etp, ep, edp = expert_coords(layout, rank)
+    etps = range(layout.expert_tp) if "etp" in axes else [etp]
+    eps = range(layout.ep) if "ep" in axes else [ep]
+    return tuple(sorted(stage + t + layout.expert_tp * (e + layout.ep * edp) for t in etps for e in eps))
+
+
+def stage_moe_layers(model: ModelSpec, layout: Layout, pp_rank: int) -> int:
+    """How many MoE layers the pipeline stage holds (all its virtual chunks)."""
+    if not model.moe:
+        return 0
+    per_chunk = model.num_layers // (layout.pp * layout.vpp)
+    first = [vp * (model.num_layers // layout.vpp) + pp_rank * per_chunk for vp in range(layout.vpp)]
+    return sum(f + i >= model.moe_first_dense_layers for f in first for i in range(per_chunk))
+
+
+def dispatch_plan(case: Case, rank: int) -> list[Planned] | None:
+    """The token dispatcher's collectives of this rank over the run, per group and phase (their sizes follow the
+    routing, so only the calls are planned); None where the harness has no plan for the dispatcher (allgather).
+
+    megatron's all-to-all dispatcher, per MoE layer and micro-batch: with EP > 1 three all-to-alls over the EP
+    group in forward (tokens, their routing probabilities, the combine) and three in backward; with ETP x EP > 1
+    one all-gather of the tokens-per-expert counts over the ETP x EP group; with ETP > 1 the tokens and
+    probabilities gathered over ETP (two all-gathers, one reduce-scatter) and the reverse in backward."""
+    lay, m = case.layout, case.model
+    if not m.moe or case.options.moe_dispatcher != "alltoall":
+        return None
+    n = stage_moe_layers(m, lay, coords_of(lay, rank).pp) * case.num_microbatches * case.options.steps
+    if not n:
+        return []
+    out: list[Planned] = []
+
+    def add(what: str, kind: str, role: str, axes: str, per: int, phase: str) -> None:
+        out.append(Planned(what, kind, _expert_group(lay, rank, axes), 0, "any", per * n, frozenset({phase}), role))
+
+    if lay.ep > 1:
+        add("token all-to-all (tokens, probabilities, combine)", "all_to_all", "ep", "ep", 3, "forward")
+        add("token all-to-all (gradients)", "all_to_all", "ep", "ep", 3, "backward")
+    if lay.ep * lay.expert_tp > 1:
+        add("tokens-per-expert all-gather", "all_gather", "etp-ep", "etp ep", 1, "forward")
+    if lay.expert_tp > 1:
+        add("ETP token all-gather", "all_gather", "etp", "etp", 2, "forward")
+        add("ETP token reduce-scatter", "reduce_scatter", "etp", "etp", 1, "forward")
+        add("ETP token all-gather", "all_gather", "etp", "etp", 1, "backward")
+        add("ETP token reduce-scatter", "reduce_scatter", "etp", "etp", 2, "backward")
+    return out
+
+
+DISPATCH_ROLES = {"ep", "etp", "etp-ep"}
+
+
+def dispatch_records(records: list[Collective]) -> list[Collective]:
+    """The collectives the token dispatcher issues: any all-to-all, and whatever runs on the expert grid's
+    EP / ETP groups during forward and backward."""
+    return [r for r in records if r.kind == "all_to_all"
+            or (r.role in DISPATCH_ROLES and r.phase in ("forward", "backward"))]
+
+
+def compare_dispatch(planned: list[Planned], records: list[Collective]) -> list[str]:
+    """What differs between the dispatcher's planned and observed calls, per (kind, group, phase)."""
+    seen = Counter((r.kind, r.ranks, r.phase) for r in records)
+    want: Counter = Counter()
+    what: dict[tuple, str] = {}
+    roles: dict[tuple, str] = {}
+    for p in planned:
+        key = (p.kind, p.ranks, next(iter(p.phases)))
+        want[key] += p.calls
+        what.setdefault(key, p.what)
+        roles[key] = p.role
+    roles.update({(r.kind, r.ranks, r.phase): r.role for r in records})
+    return [f"{kind} on {roles[key]} group {ranks} in {phase}: {seen[key]} calls, planned {want[key]} "
+            f"({what.get(key, 'nothing planned')})"
+            for key in sorted(set(want) | set(seen), key=str) if want[key] != seen[key]
+            for kind, ranks, phase in [key]]
 
 
 @dataclass
@@ -158,7 +282,7 @@ class Comparison:
 # Groups whose collectives are not data-parallel gradient sync even when their ranks coincide with
 # the DP x CP ranks (e.g. at TP=PP=1): TP cross-entropy, embedding grads, the grad-norm reduction.
 NOT_DP_ROLES = {"tp", "pp", "cp", "embedding", "position-embedding", "tp-cp", "mp", "tp-dp-cp", "tp-dp",
-                "distopt-instance"}
+                "distopt-instance", "ep", "etp", "etp-ep", "etp-ep-pp"}
 
 
 def dp_records(records: list[Collective]) -> list[Collective]:

@@ -83,8 +83,9 @@ class GroupRoles:
     """Names megatron's process groups by role, from parallel_state (call after it is initialised)."""
 
     # When two roles share a group object (e.g. dp and dp-cp at CP=1) the first listed wins.
-    ORDER = ("dp-cp", "dp", "tp", "pp", "cp", "embedding", "position-embedding", "tp-cp", "mp",
-             "tp-dp-cp", "tp-dp", "distopt-instance", "dp-cp-gloo", "dp-gloo")
+    ORDER = ("dp-cp", "dp", "edp", "tp", "pp", "cp", "ep", "etp", "etp-ep", "etp-ep-pp", "embedding",
+             "position-embedding", "tp-cp", "mp", "tp-dp-cp", "tp-dp", "distopt-instance", "dp-cp-gloo", "dp-gloo",
+             "edp-gloo")
 
     def __init__(self) -> None:
         self.by_name: dict[str, str] = {}
@@ -106,6 +107,11 @@ class GroupRoles:
                 "dp-cp-gloo": lambda: ps.get_data_parallel_group_gloo(with_context_parallel=True),
                 "dp-gloo": lambda: ps.get_data_parallel_group_gloo(),
                 "distopt-instance": ps.get_intra_distributed_optimizer_instance_group,
+                # the expert grid of an MoE model (megatron's expert rank generator: etp x ep x edp per stage)
+                "edp": lambda: ps.get_expert_data_parallel_group(), "ep": ps.get_expert_model_parallel_group,
+                "etp": ps.get_expert_tensor_parallel_group, "etp-ep": ps.get_expert_tensor_and_model_parallel_group,
+                "etp-ep-pp": ps.get_expert_tensor_model_pipeline_parallel_group,
+                "edp-gloo": lambda: ps.get_expert_data_parallel_group_gloo(),
             }
         for role in reversed(self.ORDER):
             if role not in getters:

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
-from harness.checks.grad_sync import compare, dp_records, plan
+from harness.checks.grad_sync import compare, compare_dispatch, dispatch_plan, dispatch_records, dp_records, plan
 from harness.checks.numeric import beyond, severity
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
 from harness.engines.base import ParamShard
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult, RankResult
-from harness.layouts import enumerate_layouts, validate
+from harness.layouts import default_matrix, validate
 from harness.probes.collectives import Collective, CollectiveRecorder, GroupRoles, instrument
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.tables import table as text_table
@@ -50,8 +50,9 @@ class GradSyncSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
-        if layouts is None:  # every valid layout; CP > 1 runs the reference CP attention on CPU ranks
-            layouts = enumerate_layouts(model, world_size)
+        if layouts is None:  # every valid layout (an MoE model's expert ones: the default expert matrix); CP > 1
+            # runs the reference CP attention on CPU ranks
+            layouts = default_matrix(model, world_size)
         for lay in layouts:
             validate(lay, model, world_size)
         out = []
@@ -114,7 +115,38 @@ class GradSyncSuite:
                 out.append(case_failed("grad-sync.run", res))
                 continue
             out += [self._check_plan(res), self._check_recorders(res), self._check_replicas(res)]
+            if res.case.model.moe:
+                out.append(self._check_dispatch(res))
         return out
+
+    @staticmethod
+    def _check_dispatch(res: CaseResult) -> CheckResult:
+        """The MoE token dispatcher's collectives: the planned calls on the EP / ETP groups, nothing elsewhere."""
+        case = res.case
+        problems, rows = [], []
+        for r in res.ranks:
+            planned = dispatch_plan(case, r.rank)
+            records = dispatch_records([x for x in _data(r).collectives if x.source == "dispatch"])
+            moved: Counter[tuple] = Counter()
+            for x in records:
+                moved[(x.kind, x.role, x.ranks)] += x.bytes
+            rows += [[r.rank, f"{kind} on {role} {ranks}", sum(1 for x in records if (x.kind, x.role, x.ranks) ==
+                                                                 (kind, role, ranks)), f"{b / 2**10:.1f} KiB"]
+                     for (kind, role, ranks), b in sorted(moved.items(), key=str)]
+            if planned is not None:
+                problems += [f"rank {r.rank}: {d}" for d in compare_dispatch(planned, records)]
+        table = text_table(["rank", "dispatcher collective", "calls", "moved"], rows, align=">><>").split("\n")
+        what = f"{case.options.moe_dispatcher} dispatcher"
+        if dispatch_plan(case, 0) is None:
+            return cannot_tell("grad-sync.dispatch", case.id,
+                               f"no plan for the {what}'s collectives (the all-to-all dispatcher's is known): "
+                               f"recorded only", table)
+        if problems:
+            return CheckResult("grad-sync.dispatch", case.id, False, f"grad-sync: {what}: {problems[0]}",
+                               problems[1:] + table)
+        calls = sum(p.calls for p in dispatch_plan(case, 0) or [])
+        return CheckResult("grad-sync.dispatch", case.id, True,
+                           f"{what}: the planned collectives on the expert groups ({calls} on rank 0)", table)
 
     @staticmethod
     def _configured(case: Case) -> str:
@@ -144,10 +176,17 @@ class GradSyncSuite:
                 rows.append([r.rank, f"{p.what}: {p.describe()}", obs, "yes" if n == p.calls else "NO"])
             for x, n in cmp.unexpected:
                 rows.append([r.rank, "(nothing)", f"{x.op} on {x.role} {x.ranks}, {x.numel} x {x.dtype} x{n}", "NO"])
+            first_of_rank = len(problems)  # a rank's expert-group problem leads its own
             for p in cmp.missing:
                 wrong = [x for x, _ in cmp.unexpected
                          if x.kind in ("reduce_scatter", "all_reduce") and p.kind in ("reduce_scatter", "all_reduce")]
-                if wrong and p.what == "DP gradient reduction":
+                if p.role == "edp" and p.kind != "all_gather":
+                    instead = "; ".join(f"{x.op} on {x.role} group {x.ranks}, {x.numel} x {x.dtype}" for x in wrong)
+                    problems.insert(first_of_rank,
+                                    f"rank {r.rank}: the experts' gradients were not reduced over the expert-data-"
+                                    f"parallel group {p.ranks} (planned {p.describe()})"
+                                    + (f"; observed instead {instead}" if instead else ""))
+                elif wrong and p.what == "DP gradient reduction":
                     x = wrong[0]
                     n = sum(1 for y in records
                             if (y.kind, y.ranks, y.numel, y.dtype) == (x.kind, x.ranks, x.numel, x.dtype))
