@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.checks.grad_sync import chunk_params
-from harness.layouts import coords_of
+from harness.layouts import coords_of, expert_coords
 from harness.spec import Layout, ModelSpec
 
 MIB = 1024 * 1024
@@ -73,14 +73,27 @@ class Band:
 
 
 def shard_params(model: ModelSpec, layout: Layout, rank: int) -> int:
-    """N: parameters held by the rank's TP x PP shard (all its virtual stages)."""
+    """N: parameters held by the rank's TP x PP shard (all its virtual stages; an MoE model's local experts too)."""
     pp = coords_of(layout, rank).pp
-    return sum(n for vp in range(layout.vpp) for _, n, _ in chunk_params(model, layout, pp, vp))
+    return sum(n for vp in range(layout.vpp) for _, n, _ in chunk_params(model, layout, pp, vp)) \
+        + expert_shard_params(model, layout, rank)
+
+
+def expert_shard_params(model: ModelSpec, layout: Layout, rank: int) -> int:
+    """N_e: the rank's experts at EP > 1, which megatron keeps in buffers and an optimizer of their own, sharded
+    over the expert-data-parallel group (0 for a dense model or at EP 1, where the experts are dense parameters)."""
+    pp = coords_of(layout, rank).pp
+    return sum(n for vp in range(layout.vpp) for _, n, _ in chunk_params(model, layout, pp, vp, expert_buffer=True))
 
 
 def _dp_rank0(layout: Layout, rank: int) -> bool:
     c = coords_of(layout, rank)
     return c.dp == 0 and c.cp == 0
+
+
+def _edp_rank0(layout: Layout, rank: int) -> bool:
+    """Whether the rank is rank 0 of its expert-data-parallel group (it writes its experts' weights)."""
+    return expert_coords(layout, rank)[2] == 0
 
 
 def _fsdp2_band(fmt: str, n: int, d: int, rank: int, device: bool) -> Band:
@@ -102,10 +115,12 @@ def _fsdp2_band(fmt: str, n: int, d: int, rank: int, device: bool) -> Band:
 
 
 def gathers(fmt: str, layout: Layout, rank: int) -> bool:
-    """Whether the format gathers the shard's whole optimizer state on this rank during a save."""
+    """Whether the format gathers optimizer state on this rank during a save (the shard's whole, or at EP > 1
+    the dense or the experts' part: mem_efficient gathers each on rank 0 of its own DP group)."""
     if fmt == "fsdp2_full":
         return rank == 0 and layout.dp * layout.cp > 1
-    return fmt == "fully_reshardable" or (fmt == "fully_reshardable_mem_efficient" and _dp_rank0(layout, rank))
+    return fmt == "fully_reshardable" or (fmt == "fully_reshardable_mem_efficient" and (
+        _dp_rank0(layout, rank) or (layout.ep > 1 and _edp_rank0(layout, rank))))
 
 
 def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False,
@@ -117,20 +132,36 @@ def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_paral
     d = layout.dp * layout.cp
     if fmt.startswith("fsdp2"):
         return _fsdp2_band(fmt, n, d, rank, device)
-    dp_rank0 = _dp_rank0(layout, rank)
-    s, p = STATE_BYTES_PER_PARAM * n, WEIGHT_BYTES_PER_PARAM * n
-    own = (s + p) // d if fully_parallel else s // d + (p if dp_rank0 else 0)
+    # an MoE model at EP > 1: its experts' state S_e = 12 N_e is sharded over the expert-DP group (E ranks) and their
+    # weights written by that group's rank 0; the dense part as a dense model's
+    ne = expert_shard_params(model, layout, rank)
+    nd, e = n - ne, (layout.edp if ne else 1)
+    dp_rank0, edp_rank0 = _dp_rank0(layout, rank), bool(ne) and _edp_rank0(layout, rank)
+    sd, se, p = STATE_BYTES_PER_PARAM * nd, STATE_BYTES_PER_PARAM * ne, WEIGHT_BYTES_PER_PARAM * n
+    pd, pe = WEIGHT_BYTES_PER_PARAM * nd, WEIGHT_BYTES_PER_PARAM * ne
+    if fully_parallel:
+        own = (sd + pd) // d + (se + pe) // e
+    else:
+        own = sd // d + se // e + (pd if dp_rank0 else 0) + (pe if edp_rank0 else 0)
     what = "(S + P)/D" if fully_parallel else f"S/D{' + P' if dp_rank0 else ''}"
+    if ne:
+        what = "(S_e + P_e)/E" if fully_parallel else f"{what} + S_e/E{' + P_e' if edp_rank0 else ''}"
     staging, on = (2 * own, f" + device staging <= 2 x {what}") if device else (0, "")
+    moe = f", N_e={ne / 1e6:.2f}M, E={e}" if ne else ""
     if fmt in ("dp_reshardable", "fully_sharded_model_space"):
-        return Band(0, own + staging + FIXED_COST, f"{fmt}: <= {what}{on}, S=12N, N={n / 1e6:.2f}M, D={d}")
-    if gathers(fmt, layout, rank):
-        where = " on DP rank 0" if fmt.endswith("mem_efficient") else " on every DP rank"
-        return Band(s, 3 * s + p + staging + FIXED_COST,
-                    f"{fmt}: 1-3x S gathered{where}{on}, S=12N={s / MIB:.1f} MiB")
-    if fmt == "fully_reshardable_mem_efficient":
-        return Band(0, s // d + staging + FIXED_COST, f"{fmt} off DP rank 0: <= S/D{on}, N={n / 1e6:.2f}M, D={d}")
-    raise ValueError(f"no memory model for checkpoint format {fmt!r}")
+        return Band(0, own + staging + FIXED_COST, f"{fmt}: <= {what}{on}, S=12N, N={n / 1e6:.2f}M, D={d}{moe}")
+    if fmt not in ("fully_reshardable", "fully_reshardable_mem_efficient"):
+        raise ValueError(f"no memory model for checkpoint format {fmt!r}")
+    everywhere = fmt == "fully_reshardable"
+    dense_gathered, experts_gathered = everywhere or dp_rank0, bool(ne) and (everywhere or edp_rank0)
+    gathered = (sd if dense_gathered else 0) + (se if experts_gathered else 0)
+    if not gathered:
+        return Band(0, own + staging + FIXED_COST, f"{fmt} off DP rank 0: <= {what}{on}, N={n / 1e6:.2f}M, D={d}{moe}")
+    rest = (0 if dense_gathered else sd // d) + (0 if experts_gathered else se // e)
+    where = " on every DP rank" if everywhere else (" on DP rank 0" if not ne else
+                                                      f" on {'DP' if dense_gathered else 'expert-DP'} rank 0")
+    return Band(gathered, 3 * gathered + rest + p + staging + FIXED_COST,
+                f"{fmt}: 1-3x S gathered{where}{on}, S=12N={gathered / MIB:.1f} MiB{moe}")
 
 
 def rival(fmt: str, layout: Layout, rank: int) -> str | None:

@@ -81,8 +81,12 @@ class McoreCheckpoints:
         if fmt == "default":
             fmt = self.default_ckpt_format
         sharding = "fully_reshardable" if fmt.startswith("fully_reshardable") else fmt
+        # chained_optim_avoid_prefix as megatron's training loop sets it (training/checkpointing.py): a model-space
+        # (fully reshardable) state of a ChainedOptimizer - an MoE model's dense and expert optimizers at EP > 1 -
+        # is keyed by parameter alone, not chained_<i>., so it loads where one optimizer holds the experts (EP 1)
         return {"distrib_optim_sharding_type": sharding,
-                "distrib_optim_fully_reshardable_mem_efficient": fmt == "fully_reshardable_mem_efficient"}
+                "distrib_optim_fully_reshardable_mem_efficient": fmt == "fully_reshardable_mem_efficient",
+                "chained_optim_avoid_prefix": True}
 
     def sharded_state_dict(self, fmt: str, is_loading: bool = False) -> dict:
         metadata = self.checkpoint_metadata(fmt)

@@ -77,16 +77,25 @@ def _tensors(md) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
 
 
+_CHAINED_RE = re.compile(r"^chained_\d+\.")
+
+
+def _bare(key: str) -> str:
+    """The key without a ChainedOptimizer's chained_<i>. prefix (an MoE model's dense and expert optimizers at
+    EP > 1 prefix their flat buffers so; megatron's model-space format keys the state by parameter alone)."""
+    return _CHAINED_RE.sub("", key)
+
+
 def _megatron(md) -> OnDisk:
     tensors = _tensors(md)
-    flat = sorted(k for k in tensors if k.startswith(MEGATRON_FLAT))
-    model_space = sorted(k for k in tensors if k.startswith(MEGATRON_MODEL_SPACE))
+    flat = sorted(k for k in tensors if _bare(k).startswith(MEGATRON_FLAT))
+    model_space = sorted(k for k in tensors if _bare(k).startswith(MEGATRON_MODEL_SPACE))
     if flat and not model_space:
         not_flat = [k for k in flat if len(tensors[k]) != 1]
         if not_flat:
             bad = not_flat[0]
             return OnDisk("unknown", f"optimizer.distributed entries that are not flat: {bad} {tensors[bad]}")
-        groups = {k.split(".")[2] for k in flat}
+        groups = {(k[:len(k) - len(_bare(k))], _bare(k).split(".")[2]) for k in flat}  # per chained optimizer
         return OnDisk("dp_reshardable", f"{len(flat)} flat optimizer buffers of {len(groups)} DP group(s), e.g. "
                                         f"{flat[0]} {tensors[flat[0]]}, written by ranks {sorted(_writers(md, flat))}")
     if model_space and not flat:
@@ -99,7 +108,7 @@ def _model_space(md, tensors: dict, keys: list[str]) -> OnDisk:
     """Every optimizer.state.<key>.<param> must have the global shape of the model's <param> entry."""
     off = []
     for k in keys:
-        rest = k[len(MEGATRON_MODEL_SPACE):]
+        rest = _bare(k)[len(MEGATRON_MODEL_SPACE):]
         state_key, _, param = rest.partition(".")
         if state_key not in MEGATRON_STATE_KEYS or tensors.get(param) != tensors[k]:
             off.append(f"{k} {tensors[k]} vs model {tensors.get(param)}")

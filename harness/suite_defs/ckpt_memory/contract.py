@@ -22,28 +22,45 @@ from pathlib import Path
 from harness.engines import make_engine
 from harness.engines.base import checkpointing
 from harness.launch.context import RankContext
+from harness.layouts import violations
 from harness.probes.memory import MeasurementError, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_memory.params import CONTRACT_FORMATS, CkptCaseParams
 from harness.suite_defs.ckpt_memory.payload import ContractRankData, LoadTarget
 
 
-def save_layout(world_size: int) -> Layout:
-    """Where a reshard case saves: pure DP over the world (tp1-pp1-cp1-dp4 at world size 4)."""
+def save_layout(world_size: int, model: ModelSpec | None = None) -> Layout:
+    """Where a reshard case saves: pure DP over the world (tp1-pp1-cp1-dp4 at world size 4); an MoE model's
+    experts at EP 2 there where they divide (tp1-pp1-cp1-dp4-ep2)."""
+    expert = Layout(dp=world_size, ep=2)
+    if model is not None and model.moe and not violations(expert, model, world_size):
+        return expert
     return Layout(dp=world_size)
 
 
 def targets(model: ModelSpec, world_size: int) -> list[Layout]:
     """The layouts a reshard case loads at, all of its world size: the save layout itself, then TP 2 and
-    PP 2 over half the DP where the model allows them (tp2-dp2 and pp2-dp2 at world size 4)."""
+    PP 2 over half the DP where the model allows them (tp2-dp2 and pp2-dp2 at world size 4). An MoE model saved
+    at EP 2 loads at EP 1 (which no format promises: contract_judge.promised) and EP 4 too, and at TP 2 and PP 2
+    with EP 2."""
     from harness.layouts import reference_layouts
 
-    return reference_layouts(model, world_size)
+    saved = save_layout(world_size, model)
+    if not saved.expert_parallel:
+        return reference_layouts(model, world_size)
+    half = world_size // 2
+    wanted = [saved, Layout(dp=world_size), Layout(dp=world_size, ep=4), Layout(tp=2, dp=half, ep=2),
+              Layout(pp=2, dp=half, ep=2)]
+    return [lay for lay in dict.fromkeys(wanted) if not violations(lay, model, world_size)]
 
 
-def dp_only_target(world_size: int) -> Layout | None:
-    """Another world size where only DP changes (DP 4 -> 2), or None where DP cannot be halved."""
-    return Layout(dp=world_size // 2) if world_size % 2 == 0 else None
+def dp_only_target(world_size: int, model: ModelSpec | None = None) -> Layout | None:
+    """Another world size where only DP changes (DP 4 -> 2; EP kept), or None where DP cannot be halved."""
+    if world_size % 2:
+        return None
+    saved = save_layout(world_size, model)
+    half = Layout(dp=world_size // 2, ep=saved.ep, etp=saved.etp)
+    return half if model is None or not violations(half, model, world_size // 2) else None
 
 
 def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, backend: str,
@@ -53,11 +70,11 @@ def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, ba
     out = []
     opts = dataclasses.replace(options, steps=2, use_distributed_optimizer=True)
     for fmt in formats:
-        saver = Case(name, model, save_layout(world_size), engine, opts, backend,
+        saver = Case(name, model, save_layout(world_size, model), engine, opts, backend,
                      params=CkptCaseParams(fmt, ckpt_role="reshard"))
         out.append(saver)
-        target = dp_only_target(world_size)
-        loader = Case(name, model, target or save_layout(world_size), engine, opts, backend, after=(saver.id,),
+        target = dp_only_target(world_size, model)
+        loader = Case(name, model, target or save_layout(world_size, model), engine, opts, backend, after=(saver.id,),
                       params=CkptCaseParams(fmt, ckpt_role="reshard-load"))  # loads what `saver` wrote
         out.append(loader if target else loader.skipped(
             f"the DP-only reshard load halves DP at another world size; world size {world_size} cannot be halved: "
@@ -147,6 +164,9 @@ def refusal_kind(exc: BaseException) -> str:
     anything else (an error in build, another exception) is a failure."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
+    if _optimizer_count_differs(exc):
+        return ("the checkpoint holds the state of another number of chained optimizers (an MoE model's dense and "
+                f"expert optimizers at EP > 1, one at EP 1): {_one_line(exc)}")
     inner = _failures(exc)
     for e in inner:
         text = str(e)
@@ -154,6 +174,21 @@ def refusal_kind(exc: BaseException) -> str:
                 and ("from model not in state dict" in text or "Global shape mismatch" in text)):
             return ""
     return f"the checkpoint's flat optimizer buffers do not fit this layout ({_one_line(inner[0])})"
+
+
+def _optimizer_count_differs(exc: BaseException) -> bool:
+    """Whether megatron's optimizer refused the loaded state for holding another number of chained optimizers:
+    a single optimizer given the per-sub-optimizer states of a ChainedOptimizer (KeyError 'optimizer' in its
+    load_state_dict), or a ChainedOptimizer given another count ("Expected N entries in state dict")."""
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_name, tb.tb_frame.f_code.co_filename))
+        tb = tb.tb_next
+    in_optimizer_load = any(name == "load_state_dict" and "megatron/core/optimizer/" in path.replace("\\", "/")
+                            for name, path in frames)
+    single = isinstance(exc, KeyError) and exc.args[:1] == ("optimizer",)
+    chained = isinstance(exc, RuntimeError) and "entries in state dict" in str(exc)
+    return in_optimizer_load and (single or chained)
 
 
 def reshard_work(case: Case, ctx: RankContext) -> ContractRankData:

@@ -14,7 +14,7 @@ from harness.layouts import validate
 from harness.probes.memory import MIB, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_memory import figures, judge
-from harness.suite_defs.ckpt_memory.contract import contract_cases, reshard_work
+from harness.suite_defs.ckpt_memory.contract import contract_cases, reshard_work, save_layout
 from harness.suite_defs.ckpt_memory.contract_judge import check_reshard
 from harness.suite_defs.ckpt_memory.params import (
     ASYNC_FORMATS,
@@ -42,7 +42,9 @@ class CkptMemorySuite:
         p = params or CkptMemoryParams()
         # the contract cases come with the default matrix (not with hand-picked layouts or formats)
         contract = p.contract and layouts is None and p.formats == FORMATS
-        if layouts is None:
+        if layouts is None and model.moe:  # its experts at EP 2 over pure DP, where the contract saves
+            layouts = [save_layout(world_size, model)]
+        elif layouts is None:
             layouts = [Layout.parse(i) for i in DEFAULT_LAYOUTS if Layout.parse(i).world_size == world_size] \
                 or [Layout(dp=world_size)]
         for lay in layouts:
@@ -54,8 +56,10 @@ class CkptMemorySuite:
             for fmt in p.formats:
                 is_fsdp2_format = fmt.startswith("fsdp2")
                 megatron_only = p.fully_parallel_save or p.async_save
-                if is_fsdp2_format and ((lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1) or megatron_only):
-                    continue  # FSDP2 shards over DP only; the fully parallel wrapper and async save are megatron's
+                if is_fsdp2_format and ((lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1) or megatron_only
+                                        or model.moe):
+                    continue  # FSDP2 shards over DP only (a dense model); the fully parallel wrapper and async
+                    # save are megatron's
                 opts = dataclasses.replace(options, steps=1, use_distributed_optimizer=not is_fsdp2_format)
                 memory.append(Case(self.name, model, lay, fsdp2_engine if is_fsdp2_format else mcore_engine, opts,
                                    backend, params=CkptCaseParams(fmt, p.fully_parallel_save, p.async_save)))
