@@ -144,3 +144,16 @@ class OneTimeCostOnFirstSave(McoreEngine):
             with open(os.environ["HARNESS_ONE_TIME_LOG"], "a") as f:
                 f.write(f"{os.getpid()}\n")
         super().save_checkpoint(ckpt_dir, fmt, fully_parallel, async_save)
+
+
+class LoadLeavesExpertOptimizerFresh(McoreEngine):
+    """At EP > 1 the load restores the dense optimizer but leaves the expert optimizer's Adam moments as they
+    were before it (zero): a resume that handles the ChainedOptimizer's first sub-optimizer only."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        super().load_checkpoint(ckpt_dir, fmt)
+        chained = getattr(self.optimizer, "chained_optimizers", [])
+        for opt in chained[1:]:
+            for st in opt.optimizer.state.values():
+                st["exp_avg"].zero_()
+                st["exp_avg_sq"].zero_()

@@ -3,6 +3,8 @@ each planted load / save bug (tests/faulty_ckpt.py) fails with a readable messag
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.suite_defs.ckpt_memory.contract_judge import promised
@@ -39,6 +41,50 @@ def test_promises():
     dp4, tp2, dp2 = Layout.parse("tp1-pp1-cp1-dp4"), Layout.parse("tp2-pp1-cp1-dp2"), Layout.parse("tp1-pp1-cp1-dp2")
     assert promised("fully_reshardable", dp4, tp2) and promised("fully_reshardable_mem_efficient", dp4, tp2)
     assert promised("dp_reshardable", dp4, dp2) and not promised("dp_reshardable", dp4, tp2)
+
+
+def test_promises_across_the_expert_grid():
+    ep2, ep4, ep1 = (Layout.parse(i) for i in ("tp1-pp1-cp1-dp4-ep2", "tp1-pp1-cp1-dp4-ep4", "tp1-pp1-cp1-dp4"))
+    assert promised("fully_reshardable", ep2, ep4) and not promised("fully_reshardable", ep2, ep1)
+    assert not promised("dp_reshardable", ep2, ep4)
+    assert promised("dp_reshardable", ep2, Layout.parse("tp1-pp1-cp1-dp2-ep2"))
+
+
+def _moe_run(engine="mcore", formats=("dp_reshardable", "fully_reshardable")):
+    """tiny-moe saved at tp1-pp1-cp1-dp4-ep2, loaded at EP 1, EP 4, TP 2 and PP 2 with EP 2, and at DP 2."""
+    return run_suite(ContractOnly(formats), "tiny-moe", 4, engine=engine, backend="gloo")
+
+
+def test_an_moe_checkpoint_reshards_over_the_expert_grid():
+    run = _moe_run()
+    assert run.passed, [c.message for c in run.checks if c.failed]
+    outcome = {}
+    for c in run.checks:
+        if c.check == "ckpt-memory.reshard":
+            fmt, target = re.match(r"(\S+) saved at \S+, loaded at (\S+) ", c.message).groups()
+            outcome[fmt, target] = "loads" if "loads with the saved values" in c.message else "refused"
+    ep = ["tp1-pp1-cp1-dp4-ep4", "tp2-pp1-cp1-dp2-ep2", "tp1-pp2-cp1-dp2-ep2"]
+    assert outcome == {("dp_reshardable", "tp1-pp1-cp1-dp4-ep2"): "loads", ("dp_reshardable", "tp1-pp1-cp1-dp2-ep2"):
+                       "loads", ("dp_reshardable", "tp1-pp1-cp1-dp4"): "refused",
+                       **{("dp_reshardable", t): "refused" for t in ep},
+                       ("fully_reshardable", "tp1-pp1-cp1-dp4-ep2"): "loads", ("fully_reshardable", "tp1-pp1-cp1-dp2-ep2"):
+                       "loads", ("fully_reshardable", "tp1-pp1-cp1-dp4"): "refused",
+                       **{("fully_reshardable", t): "loads" for t in ep}}, outcome
+    ep1 = next(c.message for c in run.checks if c.case_id.endswith("->tp1-pp1-cp1-dp4")
+               and c.message.startswith("fully_reshardable"))
+    assert ep1.startswith("fully_reshardable saved at tp1-pp1-cp1-dp4-ep2, loaded at tp1-pp1-cp1-dp4 (not promised): "
+                          "refused as the format allows: the checkpoint holds the state of another number of chained "
+                          "optimizers"), ep1
+
+
+def test_an_expert_optimizer_left_fresh_by_the_load_is_caught():
+    failed = _failed(_moe_run("tests.faulty_ckpt:LoadLeavesExpertOptimizerFresh", ("fully_reshardable",)))
+    assert set(failed) == {"tp1-pp1-cp1-dp4-ep2", "tp1-pp1-cp1-dp4-ep4", "tp2-pp1-cp1-dp2-ep2", "tp1-pp2-cp1-dp2-ep2",
+                           "tp1-pp1-cp1-dp2-ep2"}, failed  # EP 1 refuses, as allowed, before the expert optimizer
+    msg = failed["tp1-pp1-cp1-dp4-ep4"]
+    assert msg.startswith("fully_reshardable saved at tp1-pp1-cp1-dp4-ep2, loaded at tp1-pp1-cp1-dp4-ep4 (promised): "
+                          "optimizer state differs from the saved one: decoder.layers."), msg
+    assert ".mlp.experts.local_experts." in msg and "#exp_avg" in msg, msg
 
 
 def test_unmodified_engine_keeps_the_contract():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from harness import baselines
-from harness.checks.memory_model import MIB, save_band, shard_params
+from harness.checks.memory_model import FIXED_COST, MIB, save_band, shard_params
 from harness.engines.base import ParamShard
 from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
@@ -282,6 +282,14 @@ def test_on_disk_layout_is_read_from_the_optimizer_entries(tmp_path):
     assert got.layout == "unknown" and "optimizer.state.param.w (32,) vs model (8, 4)" in got.evidence
 
 
+def test_a_chained_optimizers_flat_buffers_are_read_through_their_prefix(tmp_path):
+    """An MoE model at EP > 1: the dense and the expert optimizer's flat buffers, prefixed chained_<i>."""
+    flat = {"w": torch.zeros(8, 4), **{f"chained_{i}.{FLAT}.{k}": torch.zeros(64)
+                                       for i in (0, 1) for k in ("param", "exp_avg", "exp_avg_sq")}}
+    got = inspect(_dcp(tmp_path / "chained", flat))
+    assert got.layout == "dp_reshardable" and "6 flat optimizer buffers of 2 DP group(s)" in got.evidence
+
+
 def test_fsdp2_full_state_dict_file_and_dcp_with_one_writer_are_full(tmp_path):
     full = {"model": {"w": torch.zeros(8, 4)}, "optim": {"state": {"w": {"exp_avg": torch.zeros(8, 4),
                                                                           "step": torch.tensor(1.0)}}}}
@@ -447,3 +455,22 @@ def test_the_pinned_staging_of_a_save_does_not_carry_what_earlier_cases_left_in_
             pool.update({"active_bytes.current": left_in_use + 184 * MIB, "active_bytes.peak": left_in_use + 184 * MIB})
         staged.append(peak.pinned_peak)
     assert staged == [184 * MIB] * 3, [s / MIB for s in staged]
+
+
+def test_an_moe_ranks_band_counts_its_experts_over_expert_dp():
+    """small-moe at tp1-pp1-cp1-dp4-ep2: the experts' state sharded over the expert-DP group of 2, their weights
+    written by its rank 0 (ranks 0 and 1); mem_efficient gathers the dense state on DP rank 0 and the experts' on
+    each expert-DP rank 0, so rank 1 gathers the experts' alone (measured there: 68 MiB, inside the band)."""
+    from harness.checks.memory_model import expert_shard_params
+
+    m, lay = load_model("small-moe"), Layout.parse("tp1-pp1-cp1-dp4-ep2")
+    ne = expert_shard_params(m, lay, 1)
+    assert ne == 3 * 4 * (3 * 256 * 256)  # 3 MoE layers x 4 local experts x SwiGLU fc1 + fc2
+    assert shard_params(m, lay, 1) - ne == shard_params(m, lay, 0) - ne  # the dense part is every rank's
+    band = save_band("fully_reshardable_mem_efficient", m, lay, 1)
+    assert band.low == 12 * ne and "gathered on expert-DP rank 0" in band.why
+    assert save_band("fully_reshardable_mem_efficient", m, lay, 2).low == 0
+    assert save_band("fully_reshardable_mem_efficient", m, lay, 0).low == 12 * shard_params(m, lay, 0)
+    dp = save_band("dp_reshardable", m, lay, 1)  # S/D + S_e/E + P_e: rank 1 writes its experts' weights
+    nd = shard_params(m, lay, 1) - ne
+    assert dp.high == 12 * nd // 4 + 12 * ne // 2 + 4 * ne + FIXED_COST
