@@ -549,3 +549,4 @@ class SerialisedReduction(PlantedSlowdown):
         if self._beyond is None:
             self._beyond = beyond_the_baseline_s(self.case)
         return self._beyond
+

@@ -28,6 +28,22 @@ def test_static_bytes_per_parameter_follow_megatrons_rule():
     assert (fp32.weights, fp32.gradients, fp32.optimizer) == (4 * n_small, 4 * n_small, 8 * n_small)  # no master copy
 
 
+def test_an_moe_ranks_experts_are_sharded_over_expert_dp():
+    """small-moe at EP 2 over DP 4: the experts' Adam state over the expert-DP group of 2, the rest over DP 4;
+    its MoE layers keep the routed tokens' activations, its dense first layer a dense layer's."""
+    from harness.checks.memory_model import expert_shard_params
+    from harness.checks.training_memory import stage_layers
+
+    m, lay = load_model("small-moe"), Layout(dp=4, ep=2)
+    n, ne = shard_params(m, lay, 0), expert_shard_params(m, lay, 0)
+    dist = predict(m, lay, Training(dtype="fp32", use_distributed_optimizer=True), 0, device="cpu")
+    assert dist.optimizer == 8 * (n - ne) // 4 + 8 * ne // 2
+    assert "MoE: expert fc1 output" in dist.parts and "fc1 output" in dist.parts  # MoE layers and the dense one
+    assert stage_layers(m, Layout(pp=2, dp=2, ep=2), 0) == (1, 1) and stage_layers(m, lay, 0) == (1, 3)
+    dense = predict(m, Layout(dp=4), Training(dtype="fp32", use_distributed_optimizer=True), 0, device="cpu")
+    assert dense.optimizer == 8 * shard_params(m, Layout(dp=4), 0) // 4  # EP 1: the experts are dense parameters
+
+
 def test_activations_follow_the_layout():
     m, tr = load_model("1b"), Training(seq_length=2048)
     base = predict(m, Layout(), tr).activations

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.checks.memory_model import shard_params
+from harness.checks.memory_model import expert_shard_params, shard_params
 from harness.spec import Layout, ModelSpec
 
 GIB = 1024 ** 3
@@ -150,7 +150,8 @@ def training_of(case) -> Training:
     return Training(dtype=o.dtype, micro_batch_size=case.micro_batch_size, num_microbatches=case.num_microbatches,
                     use_distributed_optimizer=o.use_distributed_optimizer, grad_reduce_in_fp32=o.grad_reduce_in_fp32,
                     recompute=o.recompute, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.bucket_size,
-                    fused_attention=te, foreach_adam=case.foreach_adam)
+                    fused_attention=te, foreach_adam=case.foreach_adam,
+                    sequence_parallel=case.model.moe and case.layout.tp > 1)  # megatron's MoE layer needs it
 
 
 def _stage(layout: Layout, rank: int) -> int:
@@ -194,17 +195,64 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, training: Training)
     return parts
 
 
+MLP_PARTS = ("pre-MLP norm (input, normalised)", "fc1 output", "activation output (fc2 input)")
+
+
+def moe_layer_activation_bytes(model: ModelSpec, layout: Layout, training: Training) -> dict[str, float]:
+    """Bytes autograd keeps of one MoE layer for one micro-batch on one rank: the attention half as a dense
+    layer's, then megatron's MoE MLP with the all-to-all dispatcher and SequentialMLP experts - the router's
+    logits, scores and probabilities (fp32, tokens x experts), and for the routed token copies this rank's
+    experts receive (tokens x top-k on average over the EP ranks; all ETP ranks' under ETP > 1, as megatron
+    gathers them) each expert's input, fc1 output, activation output and fc2 output (kept for the routing
+    probabilities' product), plus a shared expert's fc1 and activation outputs."""
+    parts = layer_activation_bytes(model, layout, training)
+    for k in MLP_PARTS[1:]:
+        parts.pop(k)
+    t, cp, etp = layout.tp, layout.cp, layout.expert_tp
+    tokens = training.seq(model) * training.micro_batch_size / cp
+    h, e, f = model.hidden_size, BYTES[training.dtype], model.expert_ffn // etp
+    gate = 2 if model.swiglu else 1
+    routed = tokens / t * model.moe_router_topk * etp  # with TP, MoE runs sequence parallel: tokens / TP route
+    parts["router (logits, scores, probabilities)"] = 3 * tokens * model.num_experts * 4
+    parts["expert inputs (routed tokens)"] = routed * h * e
+    parts["expert fc1 output"] = routed * gate * f * e
+    parts["expert activation output (fc2 input)"] = routed * f * e
+    parts["expert fc2 output (times the probabilities)"] = routed * h * e
+    if model.moe_shared_expert_ffn:
+        fs = model.moe_shared_expert_ffn // t
+        parts["shared expert fc1 and activation outputs"] = (gate + 1) * fs * tokens * e
+    return parts
+
+
+def stage_layers(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
+    """(dense layers, MoE layers) the rank's pipeline stage holds (every virtual chunk)."""
+    from harness.checks.grad_sync import stage_moe_layers
+
+    layers = model.num_layers // (layout.pp * layout.vpp) * layout.vpp
+    moe = stage_moe_layers(model, layout, _stage(layout, rank))
+    return layers - moe, moe
+
+
 def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0, device: str = "gpu") -> TrainingMemory:
     """The model's prediction for one rank."""
     n = shard_params(model, layout, rank)
     pbytes = BYTES[training.dtype]
     gbytes = 4 if (training.grad_reduce_in_fp32 or training.dtype == "fp32") else pbytes
     d = layout.dp * layout.cp
-    share = d if training.use_distributed_optimizer else 1
-    masters = 0 if training.dtype == "fp32" else 4 * n // share
-    optimizer = 8 * n // share + masters
+    # an MoE model's experts at EP > 1 have an optimizer of their own, sharded over the expert-DP group
+    ne = expert_shard_params(model, layout, rank)
+    share, expert_share = (d, layout.edp) if training.use_distributed_optimizer else (1, 1)
+    masters = 0 if training.dtype == "fp32" else 4 * (n - ne) // share + 4 * ne // expert_share
+    optimizer = 8 * (n - ne) // share + 8 * ne // expert_share + masters
     parts = layer_activation_bytes(model, layout, training)
-    per_layer = sum(parts.values())
+    dense_layers, moe_layers = stage_layers(model, layout, rank)
+    moe_parts = moe_layer_activation_bytes(model, layout, training) if moe_layers else {}
+    # the stage's layers kept per micro-batch, and the largest one (the transient)
+    per_layer = (dense_layers * sum(parts.values()) + moe_layers * sum(moe_parts.values())) / (dense_layers
+                                                                                               + moe_layers)
+    largest_layer = max(sum(parts.values()) if dense_layers else 0, sum(moe_parts.values()))
+    if moe_parts:
+        parts = {**(parts if dense_layers else {}), **{f"MoE: {k}": v for k, v in moe_parts.items()}}
     s, b, t, cp = training.seq(model), training.micro_batch_size, layout.tp, layout.cp
     tokens = s * b / cp
     layer_input = model.hidden_size * tokens * pbytes / (t if training.sequence_parallel else 1)
@@ -220,7 +268,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
     kept = layer_input if training.recompute == "full" else per_layer
     activations = int(kept * layers * in_flight / layout.vpp if layout.vpp > 1 else kept * layers * in_flight)
     embedding = layer_input * (in_flight if stage == 0 else 0)
-    transient = int(per_layer)  # a layer recomputed, or the gradients of the one in backward
+    transient = int(largest_layer)  # a layer recomputed, or the gradients of the one in backward
     last = stage == layout.pp - 1
     logits = int(model.vocab_size / t * tokens * (pbytes + 4)) if last else 0
     buckets, largest = _buckets(model, layout, training, rank)
@@ -246,13 +294,16 @@ def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) ->
     d = layout.dp * layout.cp
     largest_param, largest_bucket = 0, 0
     for vp in range(layout.vpp):
-        params = chunk_params(model, layout, c.pp, vp, te=training.fused_attention)
-        largest_param = max([largest_param, *(numel for _, numel, _ in params)])
-        size = None
-        if training.overlap_grad_reduce and c.pp == 0 and vp == 0:
-            size = training.bucket_size or max(DEFAULT_BUCKET_ELEMS, 1_000_000 * d)
-        largest_bucket = max([largest_bucket, *chunk_buckets(params, distopt=training.use_distributed_optimizer,
-                                                             dp_cp=d, bucket_size=size)])
+        for experts, group in ((False, d), (True, layout.edp)):  # the dense buffer; an MoE model's experts at EP > 1
+            params = chunk_params(model, layout, c.pp, vp, te=training.fused_attention, expert_buffer=experts)
+            if not params:
+                continue
+            largest_param = max([largest_param, *(numel for _, numel, _ in params)])
+            size = None
+            if training.overlap_grad_reduce and c.pp == 0 and vp == 0:
+                size = training.bucket_size or max(DEFAULT_BUCKET_ELEMS, 1_000_000 * d)
+            largest_bucket = max([largest_bucket, *chunk_buckets(params, distopt=training.use_distributed_optimizer,
+                                                                 dp_cp=group, bucket_size=size)])
     return largest_param, largest_bucket
 
 
