@@ -167,10 +167,10 @@ def plan(case: Case, rank: int) -> list[Planned]:
     reduce_phases = frozenset({"backward", "grad-finalize"}) if o.overlap_grad_reduce else frozenset({"grad-finalize"})
     dp_cp = lay.dp * lay.cp
     buffers = [("DP", "dp-cp", dp_cp_ranks(lay, rank), False)]
-    if m.moe and lay.ep > 1:
+    if any(chunk_params(m, lay, c.pp, vp, expert_buffer=True) for vp in range(lay.vpp)):  # experts on this stage
         buffers.append(("expert DP", "edp", expert_dp_ranks(lay, rank), True))
-    # At EP > 1 megatron's ChainedOptimizer steps a dense and an expert DistributedOptimizer one after the other,
-    # and each all-gathers every bucket of the model chunk (DistributedOptimizer.step_with_ready_grads without
+    # Where a stage holds experts at EP > 1 megatron's ChainedOptimizer steps a dense and an expert
+    # DistributedOptimizer, and each all-gathers every bucket of the model chunk (step_with_ready_grads without
     # overlap_param_gather): the parameters are gathered twice per step (megatron-core 0.16.1 and main of 2026-08)
     gathers = 2 if len(buffers) > 1 else 1
     out: list[Planned] = []

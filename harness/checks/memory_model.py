@@ -114,13 +114,15 @@ def _fsdp2_band(fmt: str, n: int, d: int, rank: int, device: bool) -> Band:
     return Band(0, s // d + staging + FIXED_COST, f"fsdp2_sharded: <= S/D{on}, S=12N, N={n / 1e6:.2f}M, D={d}")
 
 
-def gathers(fmt: str, layout: Layout, rank: int) -> bool:
-    """Whether the format gathers optimizer state on this rank during a save (the shard's whole, or at EP > 1
-    the dense or the experts' part: mem_efficient gathers each on rank 0 of its own DP group)."""
+def gathers(fmt: str, layout: Layout, rank: int, model: ModelSpec | None = None) -> bool:
+    """Whether the format gathers optimizer state on this rank during a save (the shard's whole, or for an MoE
+    model at EP > 1 the dense or the experts' part: mem_efficient gathers each on rank 0 of its own DP group;
+    model None: a dense model)."""
     if fmt == "fsdp2_full":
         return rank == 0 and layout.dp * layout.cp > 1
+    experts = model is not None and expert_shard_params(model, layout, rank) > 0
     return fmt == "fully_reshardable" or (fmt == "fully_reshardable_mem_efficient" and (
-        _dp_rank0(layout, rank) or (layout.ep > 1 and _edp_rank0(layout, rank))))
+        _dp_rank0(layout, rank) or (experts and _edp_rank0(layout, rank))))
 
 
 def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False,
@@ -155,29 +157,33 @@ def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_paral
     everywhere = fmt == "fully_reshardable"
     dense_gathered, experts_gathered = everywhere or dp_rank0, bool(ne) and (everywhere or edp_rank0)
     gathered = (sd if dense_gathered else 0) + (se if experts_gathered else 0)
-    if not gathered:
-        return Band(0, own + staging + FIXED_COST, f"{fmt} off DP rank 0: <= {what}{on}, N={n / 1e6:.2f}M, D={d}{moe}")
+    if not gathered:  # off both rank 0s: at most its own shard of the state
+        off = "S/D + S_e/E" if ne else "S/D"
+        return Band(0, sd // d + se // e + staging + FIXED_COST,
+                    f"{fmt} off DP rank 0: <= {off}{on}, N={n / 1e6:.2f}M, D={d}{moe}")
     rest = (0 if dense_gathered else sd // d) + (0 if experts_gathered else se // e)
     where = " on every DP rank" if everywhere else (" on DP rank 0" if not ne else
                                                       f" on {'DP' if dense_gathered else 'expert-DP'} rank 0")
+    which = ("S=12N" if dense_gathered and (experts_gathered or not ne)
+             else "S_d=12N_d" if dense_gathered else "S_e=12N_e")  # what this rank gathers: all, dense, experts'
     return Band(gathered, 3 * gathered + rest + p + staging + FIXED_COST,
-                f"{fmt}: 1-3x S gathered{where}{on}, S=12N={gathered / MIB:.1f} MiB{moe}")
+                f"{fmt}: 1-3x {which.split('=')[0]} gathered{where}{on}, {which}={gathered / MIB:.1f} MiB{moe}")
 
 
-def rival(fmt: str, layout: Layout, rank: int) -> str | None:
+def rival(fmt: str, layout: Layout, rank: int, model: ModelSpec | None = None) -> str | None:
     """The format this rank's save must not be mistaken for: a gathering save against a non-gathering
     one (megatron: fully_reshardable vs dp_reshardable; FSDP2 on rank 0: full vs sharded state dict).
     None where no format gathers on this rank (FSDP2 off rank 0)."""
     if fmt.startswith("fsdp2"):
         return None if rank != 0 else ("fsdp2_sharded" if fmt == "fsdp2_full" else "fsdp2_full")
-    return "dp_reshardable" if gathers(fmt, layout, rank) else "fully_reshardable"
+    return "dp_reshardable" if gathers(fmt, layout, rank, model) else "fully_reshardable"
 
 
 def discrimination(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_parallel: bool = False,
                    device: bool = False) -> str:
     """'' when this rank's band for `fmt` does not overlap its rival's (a peak inside it rules the rival
     out); otherwise the one-line reason the measured peak cannot tell the two formats apart here."""
-    other = rival(fmt, layout, rank)
+    other = rival(fmt, layout, rank, model)
     if other is None:
         return ""
     mine, theirs = (save_band(f, model, layout, rank, fully_parallel, device) for f in (fmt, other))

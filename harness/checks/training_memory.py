@@ -213,7 +213,7 @@ def moe_layer_activation_bytes(model: ModelSpec, layout: Layout, training: Train
     h, e, f = model.hidden_size, BYTES[training.dtype], model.expert_ffn // etp
     gate = 2 if model.swiglu else 1
     routed = tokens / t * model.moe_router_topk * etp  # with TP, MoE runs sequence parallel: tokens / TP route
-    parts["router (logits, scores, probabilities)"] = 3 * tokens * model.num_experts * 4
+    parts["router (logits, scores, probabilities)"] = 3 * tokens / t * model.num_experts * 4
     parts["expert inputs (routed tokens)"] = routed * h * e
     parts["expert fc1 output"] = routed * gate * f * e
     parts["expert activation output (fc2 input)"] = routed * f * e

@@ -76,9 +76,13 @@ def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, ba
         target = dp_only_target(world_size, model)
         loader = Case(name, model, target or save_layout(world_size, model), engine, opts, backend, after=(saver.id,),
                       params=CkptCaseParams(fmt, ckpt_role="reshard-load"))  # loads what `saver` wrote
+        halves = world_size % 2 == 0
         out.append(loader if target else loader.skipped(
             f"the DP-only reshard load halves DP at another world size; world size {world_size} cannot be halved: "
-            f"needs world size 2 or more, even"))
+            f"needs world size 2 or more, even" if not halves else
+            f"the DP-only reshard load halves DP at another world size; DP {world_size // 2} cannot hold the save "
+            f"layout's expert grid (EP {save_layout(world_size, model).ep}): needs world size "
+            f"{2 * world_size} or more"))
     return out
 
 

@@ -102,7 +102,7 @@ def _check_model(res: CaseResult) -> CheckResult:
     fmt = EXPECTED_DEFAULTS.get(case.params.ckpt_format, case.params.ckpt_format)
     fp, device = case.params.fully_parallel_save, case.backend == "nccl"
     rows, bad, blind = [], [], []
-    judged = [r.rank for r in res.ranks if rival(fmt, case.layout, r.rank)]  # ranks where a rival exists
+    judged = [r.rank for r in res.ranks if rival(fmt, case.layout, r.rank, case.model)]  # ranks where a rival exists
     for r in res.ranks:
         band = save_band(fmt, case.model, case.layout, r.rank, fp, device)
         why = discrimination(fmt, case.model, case.layout, r.rank, fp, device)
@@ -110,9 +110,9 @@ def _check_model(res: CaseResult) -> CheckResult:
         peak = save.host_peak
         ok = band.contains(peak)
         pinned = f" (pinned staging {save.pinned_peak / MIB:.1f} MiB of it)" if save.pinned_peak else ""
+        other = rival(fmt, case.layout, r.rank, case.model)
         rows.append(f"rank {r.rank}: host peak {peak / MIB:.1f} MiB{pinned}, model {band.describe()} "
-                    f"{'ok' if ok else 'OUTSIDE'}" + (f" - cannot tell it from {rival(fmt, case.layout, r.rank)}"
-                                                      if why else ""))
+                    f"{'ok' if ok else 'OUTSIDE'}" + (f" - cannot tell it from {other}" if why else ""))
         if not ok:
             bad.append((r, peak, band))
         if why:
@@ -195,9 +195,11 @@ def _gathered_off_dp_rank0(res: CaseResult) -> tuple[bool | None, str]:
     not (mem_efficient), from their measured peaks against 12N; None where the model cannot tell."""
     mem_eff, case = "fully_reshardable_mem_efficient", res.case
     fp = case.params.fully_parallel_save
-    off = [r for r in res.ranks if not gathers(mem_eff, case.layout, r.rank)]
-    if not off:
+    off = [r for r in res.ranks if not gathers(mem_eff, case.layout, r.rank, case.model)]
+    if not off and case.layout.dp * case.layout.cp == 1:
         return None, "cannot tell: every rank is a DP rank 0 (D = 1)"
+    if not off:
+        return None, "cannot tell: every rank is rank 0 of its DP or its expert-DP group, so every rank gathers"
     device = case.backend == "nccl"
     told = [r for r in off if not discrimination(mem_eff, case.model, case.layout, r.rank, fp, device)]
     if not told:
