@@ -222,6 +222,16 @@ def test_the_plan_reduces_experts_over_the_expert_data_parallel_group():
     assert [(p.role, p.calls) for p in plan(ep1, 0)] == [("dp-cp", 3), ("dp-cp", 3)]  # one optimizer, one buffer
 
 
+def test_a_stage_without_experts_has_one_buffer_and_one_optimizer():
+    """small-moe's first layer is dense: at PP 4 stage 0 holds no expert, so megatron builds no expert buffer or
+    optimizer there, and its parameters are gathered once per step."""
+    m, lay = load_model("small-moe"), Layout(pp=4, dp=2, ep=2)
+    opts = CaseOptions(steps=3, use_distributed_optimizer=True)
+    assert [(p.role, p.calls) for p in plan(Case("grad-sync", m, lay, options=opts), 0)] == [("dp-cp", 3)] * 2
+    assert [(p.role, p.calls) for p in plan(Case("grad-sync", m, lay, options=opts), 2)] == [
+        ("dp-cp", 3), ("dp-cp", 6), ("edp", 3), ("edp", 6)]
+
+
 def test_the_dispatcher_plan_counts_calls_per_moe_layer_and_micro_batch():
     m = load_model("tiny-moe")
 
