@@ -124,11 +124,14 @@ def expert_matrix(model: ModelSpec, world_size: int, **batch) -> list[Layout]:
     return out
 
 
-def reference_layouts(model: ModelSpec, world_size: int) -> list[Layout]:
+def reference_layouts(model: ModelSpec, world_size: int, ep: int = 1) -> list[Layout]:
     """Pure DP, then TP 2 and PP 2 over half the DP where the model allows them (tp1-pp1-cp1-dp4,
-    tp2-pp1-cp1-dp2, tp1-pp2-cp1-dp2 at world size 4; only pure DP at an odd world size)."""
-    half = [Layout(tp=2, dp=world_size // 2), Layout(pp=2, dp=world_size // 2)] if world_size % 2 == 0 else []
-    return [Layout(dp=world_size)] + [lay for lay in half if not violations(lay, model, world_size)]
+    tp2-pp1-cp1-dp2, tp1-pp2-cp1-dp2 at world size 4; only pure DP at an odd world size). ep > 1: an MoE model's
+    experts at that EP on each, pure DP too only where its expert grid admits it."""
+    half = [Layout(tp=2, dp=world_size // 2, ep=ep), Layout(pp=2, dp=world_size // 2, ep=ep)] \
+        if world_size % 2 == 0 else []
+    pure = [lay for lay in [Layout(dp=world_size, ep=ep)] if ep == 1 or not violations(lay, model, world_size)]
+    return pure + [lay for lay in half if not violations(lay, model, world_size)]
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,17 @@ def expert_coords(layout: Layout, rank: int) -> tuple[int, int, int]:
     return etp, rest % layout.ep, rest // layout.ep
 
 
+def expert_group(layout: Layout, rank: int, axes: tuple[str, ...]) -> tuple[int, ...]:
+    """The ranks of rank's stage that differ from it only along the named expert-grid axes ("etp", "ep", "edp"),
+    sorted."""
+    stage = rank - rank % (layout.tp * layout.cp * layout.dp)
+    mine = dict(zip(("etp", "ep", "edp"), expert_coords(layout, rank)))
+    etps, eps, edps = (range(size) if axis in axes else [mine[axis]]
+                       for axis, size in (("etp", layout.expert_tp), ("ep", layout.ep), ("edp", layout.edp)))
+    return tuple(sorted(stage + t + layout.expert_tp * (e + layout.ep * d) for t in etps for e in eps for d in edps))
+
+
 def expert_dp_ranks(layout: Layout, rank: int) -> tuple[int, ...]:
     """The ranks that hold the same experts (same stage, ETP and EP rank): megatron reduces expert gradients over
     them at EP > 1."""
-    stage = rank - rank % (layout.tp * layout.cp * layout.dp)
-    etp, ep, _ = expert_coords(layout, rank)
-    return tuple(stage + etp + layout.expert_tp * (ep + layout.ep * edp) for edp in range(layout.edp))
+    return expert_group(layout, rank, ("edp",))

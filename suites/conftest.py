@@ -123,6 +123,22 @@ _JUDGED = pytest.StashKey[list]()
 
 
 @pytest.fixture(scope="session")
+def skip_off_cpu(harness_opts: dict):
+    """skip_off_cpu(suite, model, what): skips unless the session runs gloo ranks, where `what` (the model's figures
+    the suite judges) is recorded, naming the command that records this platform's."""
+    from harness.baselines import record_command
+    from harness.platform import resolve_backend
+
+    def skip(suite: str, model: str, what: str) -> None:
+        backend = resolve_backend(harness_opts["backend"], harness_opts["world_size"])
+        if backend != "gloo":
+            pytest.skip(f"{what} is recorded for CPU ranks only; record this platform's with: "
+                        + record_command(suite, model, harness_opts["world_size"], backend))
+
+    return skip
+
+
+@pytest.fixture(scope="session")
 def judge(request: pytest.FixtureRequest):
     """judge(run) asserts the whole run: something was judged, every case ran and was judged, every
     check passed. judge(run, "suite.check") asserts one check: it ran at least once and never failed.

@@ -23,15 +23,9 @@ def test_trajectory_matches_the_golden_values(golden_run, judge, check):
 
 
 @pytest.fixture(scope="module")
-def moe_golden_run(suite_runner, harness_opts):
+def moe_golden_run(suite_runner, skip_off_cpu):
     """tiny-moe's trajectory (with its load-balancing loss) on pure DP, PP 2, EP 2, EP 4 and PP 2 with EP 2."""
-    from harness.baselines import record_command
-    from harness.platform import resolve_backend
-
-    backend = resolve_backend(harness_opts["backend"], harness_opts["world_size"])
-    if backend != "gloo":
-        pytest.skip("tiny-moe's golden trajectory is recorded for CPU ranks only; record this platform's with: "
-                    + record_command("golden", "tiny-moe", harness_opts["world_size"], backend))
+    skip_off_cpu("golden", "tiny-moe", "tiny-moe's golden trajectory")
     return suite_runner("golden", model="tiny-moe", label="golden-moe")
 
 

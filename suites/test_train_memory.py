@@ -23,16 +23,10 @@ def test_training_memory(train_memory_run, judge, check):
 
 
 @pytest.fixture(scope="module")
-def moe_run(suite_runner, harness_opts):
+def moe_run(suite_runner, skip_off_cpu):
     """small-moe (whose state outweighs the fixed costs the band allows for) at EP 2 over pure DP, and with TP 2
     and PP 2, with and without the distributed optimizer, and recomputed at the first."""
-    from harness.baselines import record_command
-    from harness.platform import resolve_backend
-
-    backend = resolve_backend(harness_opts["backend"], harness_opts["world_size"])
-    if backend != "gloo":
-        pytest.skip("small-moe's training memory is recorded for CPU ranks only; record this platform's with: "
-                    + record_command("train-memory", "small-moe", harness_opts["world_size"], backend))
+    skip_off_cpu("train-memory", "small-moe", "small-moe's training memory")
     return suite_runner("train-memory", model="small-moe", label="train-memory-moe")
 
 

@@ -248,9 +248,14 @@ def test_the_dispatcher_plan_counts_calls_per_moe_layer_and_micro_batch():
     assert calls("tp1-pp1-cp1-dp4-ep2", moe_dispatcher="allgather") is None
 
 
+def _grad_sync_at_ep2(engine: str = "mcore"):
+    """grad-sync of tiny-moe at tp1-pp1-cp1-dp4-ep2 (its 4 option sets) with the engine given."""
+    return run_suite("grad-sync", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2"], backend="gloo", engine=engine)
+
+
 @pytest.mark.slow
 def test_grad_sync_judges_an_moe_model_and_its_dispatcher():
-    run = run_suite("grad-sync", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2"], backend="gloo")
+    run = _grad_sync_at_ep2()
     assert run.passed, [c.message for c in run.checks if c.failed]
     judged = {c.check for c in run.checks}
     assert judged == {"grad-sync.plan", "grad-sync.recorders", "grad-sync.replicas", "grad-sync.dispatch"}
@@ -258,8 +263,7 @@ def test_grad_sync_judges_an_moe_model_and_its_dispatcher():
 
 @pytest.mark.slow
 def test_expert_gradients_reduced_over_the_dense_dp_group_fail_grad_sync():
-    run = run_suite("grad-sync", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2"], backend="gloo",
-                    engine="tests.faulty_engines:ExpertGradsOverDenseDP")
+    run = _grad_sync_at_ep2("tests.faulty_engines:ExpertGradsOverDenseDP")
     failed = [c for c in run.checks if c.failed]
     assert {c.check for c in failed} == {"grad-sync.plan"} and len(failed) == 4, [c.message for c in failed]
     plain = next(c.message for c in failed if "use_distributed_optimizer" not in c.case_id
@@ -271,8 +275,7 @@ def test_expert_gradients_reduced_over_the_dense_dp_group_fail_grad_sync():
 
 @pytest.mark.slow
 def test_a_redundant_token_all_to_all_fails_the_dispatch_check():
-    run = run_suite("grad-sync", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2"], backend="gloo",
-                    engine="tests.faulty_engines:TokenAllToAllTwice")
+    run = _grad_sync_at_ep2("tests.faulty_engines:TokenAllToAllTwice")
     failed = [c for c in run.checks if c.failed]
     assert {c.check for c in failed} == {"grad-sync.dispatch"} and len(failed) == 4, [c.message for c in failed]
     assert failed[0].message == ("grad-sync: alltoall dispatcher: rank 0: all_to_all on ep group (0, 1) in forward: "

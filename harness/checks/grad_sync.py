@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harness.layouts import coords_of, dp_cp_ranks, expert_coords, expert_dp_ranks
+from harness.layouts import coords_of, dp_cp_ranks, expert_dp_ranks, expert_group
 from harness.spec import Case, Layout, ModelSpec
 
 if TYPE_CHECKING:  # records are only read here; harness.probes.collectives imports torch, and the
@@ -39,58 +39,53 @@ def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int,
     bucket boundaries and the distributed optimizer's 64-element alignment fall.
     """
     tp, h, kv = layout.tp, model.hidden_size, model.kv_channels
-    stages = layout.pp * layout.vpp
-    per_stage = model.num_layers // stages
     first = pp_rank == 0 and vp_stage == 0
     last = pp_rank == layout.pp - 1 and vp_stage == layout.vpp - 1
     norm_params = ("weight",) if model.normalization == "RMSNorm" else ("weight", "bias")
     shared = layout.pp > 1 and model.tie_embeddings
     qkv = (model.num_attention_heads + 2 * model.num_query_groups) * kv // tp * h
     proj = h * (model.num_attention_heads * kv // tp)
-    fc1 = (2 if model.swiglu else 1) * model.ffn_hidden_size // tp * h
+    gate = 2 if model.swiglu else 1
+    fc1 = gate * model.ffn_hidden_size // tp * h
     fc2 = h * (model.ffn_hidden_size // tp)
-    out: list[tuple[str, int, bool]] = []
-    offset = vp_stage * (model.num_layers // layout.vpp) + pp_rank * per_stage  # megatron's layer offset
-    moe_layers = [offset + i >= model.moe_first_dense_layers for i in range(per_stage)] if model.moe else []
+    layers = moe_layer_flags(model, layout, pp_rank, vp_stage)
     if expert_buffer:
-        return [p for is_moe in moe_layers if is_moe and layout.ep > 1 for p in _experts(model, layout)]
+        return [p for is_moe in layers if is_moe and layout.ep > 1 for p in _experts(model, layout)]
+    out: list[tuple[str, int, bool]] = []
     if first:
         out.append(("embedding.word_embeddings.weight", model.vocab_size // tp * h, shared and not last))
-    for i in range(per_stage):
-        if moe_layers and moe_layers[i]:
-            norm = [] if te else [f"input_layernorm.{p}" for p in norm_params]
-            out += [(n, h, False) for n in norm]
-            out += [("self_attention.linear_proj.weight", proj, False)]
-            if te:
-                out += [(f"self_attention.linear_qkv.layer_norm_{p}", h, False) for p in norm_params]
-            out += [("self_attention.linear_qkv.weight", qkv, False)]
-            out += [(f"pre_mlp_layernorm.{p}", h, False) for p in norm_params]
-            out += [("mlp.router.weight", model.num_experts * h, False)]
-            if layout.ep == 1:
-                out += _experts(model, layout)
-            if model.moe_shared_expert_ffn:
-                sh = model.moe_shared_expert_ffn // tp
-                out += [("mlp.shared_experts.linear_fc1.weight", (2 if model.swiglu else 1) * sh * h, False),
-                        ("mlp.shared_experts.linear_fc2.weight", h * sh, False)]
-            continue
-        if te:
-            fused_norm = [f"layer_norm_{p}" for p in norm_params]
-            out += [("self_attention.linear_proj.weight", proj, False)]
-            out += [(f"self_attention.linear_qkv.{p}", h, False) for p in fused_norm]
-            out += [("self_attention.linear_qkv.weight", qkv, False)]
-            out += [(f"mlp.linear_fc1.{p}", h, False) for p in fused_norm]
+    for is_moe in layers:
+        out += [] if te else [(f"input_layernorm.{p}", h, False) for p in norm_params]
+        out += [("self_attention.linear_proj.weight", proj, False)]
+        out += [(f"self_attention.linear_qkv.layer_norm_{p}", h, False) for p in norm_params] if te else []
+        out += [("self_attention.linear_qkv.weight", qkv, False)]
+        if not is_moe:
+            pre_mlp = "mlp.linear_fc1.layer_norm_" if te else "pre_mlp_layernorm."
+            out += [(f"{pre_mlp}{p}", h, False) for p in norm_params]
             out += [("mlp.linear_fc1.weight", fc1, False), ("mlp.linear_fc2.weight", fc2, False)]
             continue
-        out += [(f"input_layernorm.{p}", h, False) for p in norm_params]
-        out += [("self_attention.linear_proj.weight", proj, False),
-                ("self_attention.linear_qkv.weight", qkv, False)]
+        # an MoE layer keeps its pre-MLP norm module under either spec (the router reads its output)
         out += [(f"pre_mlp_layernorm.{p}", h, False) for p in norm_params]
-        out += [("mlp.linear_fc1.weight", fc1, False), ("mlp.linear_fc2.weight", fc2, False)]
+        out += [("mlp.router.weight", model.num_experts * h, False)]
+        if layout.ep == 1:
+            out += _experts(model, layout)
+        if model.moe_shared_expert_ffn:
+            sh = model.moe_shared_expert_ffn // tp
+            out += [("mlp.shared_experts.linear_fc1.weight", gate * sh * h, False),
+                    ("mlp.shared_experts.linear_fc2.weight", h * sh, False)]
     if last:
         out += [(f"decoder.final_layernorm.{p}", h, False) for p in norm_params]
         if not model.tie_embeddings or (shared and not first):
             out.append(("output_layer.weight", model.vocab_size // tp * h, shared and not first))
     return out
+
+
+def moe_layer_flags(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int) -> list[bool]:
+    """Per layer of one model chunk, whether it is an MoE layer (megatron's layer offset of the chunk; an MoE
+    model's first moe_first_dense_layers keep the dense MLP)."""
+    per_chunk = model.num_layers // (layout.pp * layout.vpp)
+    offset = vp_stage * (model.num_layers // layout.vpp) + pp_rank * per_chunk
+    return [model.moe and offset + i >= model.moe_first_dense_layers for i in range(per_chunk)]
 
 
 def _experts(model: ModelSpec, layout: Layout) -> list[tuple[str, int, bool]]:
@@ -193,22 +188,9 @@ def plan(case: Case, rank: int) -> list[Planned]:
     return out
 
 
-def _expert_group(layout: Layout, rank: int, axes: str) -> tuple[int, ...]:
-    """The ranks of rank's stage that differ from it only along the expert-grid axes named ("etp", "ep")."""
-    stage = rank - rank % (layout.tp * layout.cp * layout.dp)
-    etp, ep, edp = expert_coords(layout, rank)
-    etps = range(layout.expert_tp) if "etp" in axes else [etp]
-    eps = range(layout.ep) if "ep" in axes else [ep]
-    return tuple(sorted(stage + t + layout.expert_tp * (e + layout.ep * edp) for t in etps for e in eps))
-
-
 def stage_moe_layers(model: ModelSpec, layout: Layout, pp_rank: int) -> int:
     """How many MoE layers the pipeline stage holds (all its virtual chunks)."""
-    if not model.moe:
-        return 0
-    per_chunk = model.num_layers // (layout.pp * layout.vpp)
-    first = [vp * (model.num_layers // layout.vpp) + pp_rank * per_chunk for vp in range(layout.vpp)]
-    return sum(f + i >= model.moe_first_dense_layers for f in first for i in range(per_chunk))
+    return sum(sum(moe_layer_flags(model, layout, pp_rank, vp)) for vp in range(layout.vpp))
 
 
 def dispatch_plan(case: Case, rank: int) -> list[Planned] | None:
@@ -227,19 +209,20 @@ def dispatch_plan(case: Case, rank: int) -> list[Planned] | None:
         return []
     out: list[Planned] = []
 
-    def add(what: str, kind: str, role: str, axes: str, per: int, phase: str) -> None:
-        out.append(Planned(what, kind, _expert_group(lay, rank, axes), 0, "any", per * n, frozenset({phase}), role))
+    def add(what: str, kind: str, role: str, per: int, phase: str) -> None:
+        group = expert_group(lay, rank, tuple(role.split("-")))  # the role names its expert-grid axes
+        out.append(Planned(what, kind, group, 0, "any", per * n, frozenset({phase}), role))
 
     if lay.ep > 1:
-        add("token all-to-all (tokens, probabilities, combine)", "all_to_all", "ep", "ep", 3, "forward")
-        add("token all-to-all (gradients)", "all_to_all", "ep", "ep", 3, "backward")
+        add("token all-to-all (tokens, probabilities, combine)", "all_to_all", "ep", 3, "forward")
+        add("token all-to-all (gradients)", "all_to_all", "ep", 3, "backward")
     if lay.ep * lay.expert_tp > 1:
-        add("tokens-per-expert all-gather", "all_gather", "etp-ep", "etp ep", 1, "forward")
+        add("tokens-per-expert all-gather", "all_gather", "etp-ep", 1, "forward")
     if lay.expert_tp > 1:
-        add("ETP token all-gather", "all_gather", "etp", "etp", 2, "forward")
-        add("ETP token reduce-scatter", "reduce_scatter", "etp", "etp", 1, "forward")
-        add("ETP token all-gather", "all_gather", "etp", "etp", 1, "backward")
-        add("ETP token reduce-scatter", "reduce_scatter", "etp", "etp", 2, "backward")
+        add("ETP token all-gather", "all_gather", "etp", 2, "forward")
+        add("ETP token reduce-scatter", "reduce_scatter", "etp", 1, "forward")
+        add("ETP token all-gather", "all_gather", "etp", 1, "backward")
+        add("ETP token reduce-scatter", "reduce_scatter", "etp", 2, "backward")
     return out
 
 

@@ -127,26 +127,26 @@ class GradSyncSuite:
         for r in res.ranks:
             planned = dispatch_plan(case, r.rank)
             records = dispatch_records([x for x in _data(r).collectives if x.source == "dispatch"])
+            calls: Counter[tuple] = Counter((x.kind, x.role, x.ranks) for x in records)
             moved: Counter[tuple] = Counter()
             for x in records:
                 moved[(x.kind, x.role, x.ranks)] += x.bytes
-            rows += [[r.rank, f"{kind} on {role} {ranks}", sum(1 for x in records if (x.kind, x.role, x.ranks) ==
-                                                                 (kind, role, ranks)), f"{b / 2**10:.1f} KiB"]
+            rows += [[r.rank, f"{kind} on {role} {ranks}", calls[kind, role, ranks], f"{b / 2**10:.1f} KiB"]
                      for (kind, role, ranks), b in sorted(moved.items(), key=str)]
             if planned is not None:
                 problems += [f"rank {r.rank}: {d}" for d in compare_dispatch(planned, records)]
         table = text_table(["rank", "dispatcher collective", "calls", "moved"], rows, align=">><>").split("\n")
         what = f"{case.options.moe_dispatcher} dispatcher"
-        if dispatch_plan(case, 0) is None:
+        rank0 = dispatch_plan(case, 0)
+        if rank0 is None:
             return cannot_tell("grad-sync.dispatch", case.id,
                                f"no plan for the {what}'s collectives (the all-to-all dispatcher's is known): "
                                f"recorded only", table)
         if problems:
             return CheckResult("grad-sync.dispatch", case.id, False, f"grad-sync: {what}: {problems[0]}",
                                problems[1:] + table)
-        calls = sum(p.calls for p in dispatch_plan(case, 0) or [])
-        return CheckResult("grad-sync.dispatch", case.id, True,
-                           f"{what}: the planned collectives on the expert groups ({calls} on rank 0)", table)
+        return CheckResult("grad-sync.dispatch", case.id, True, f"{what}: the planned collectives on the expert "
+                           f"groups ({sum(p.calls for p in rank0)} on rank 0)", table)
 
     @staticmethod
     def _configured(case: Case) -> str:

@@ -48,9 +48,8 @@ def targets(model: ModelSpec, world_size: int) -> list[Layout]:
     saved = save_layout(world_size, model)
     if not saved.expert_parallel:
         return reference_layouts(model, world_size)
-    half = world_size // 2
-    wanted = [saved, Layout(dp=world_size), Layout(dp=world_size, ep=4), Layout(tp=2, dp=half, ep=2),
-              Layout(pp=2, dp=half, ep=2)]
+    wanted = [saved, Layout(dp=world_size), Layout(dp=world_size, ep=4),
+              *reference_layouts(model, world_size, saved.ep)]
     return [lay for lay in dict.fromkeys(wanted) if not violations(lay, model, world_size)]
 
 

@@ -27,10 +27,12 @@ class TrainMemorySuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
               params: TrainMemoryParams | None = None) -> list[Case]:
-        """Per layout (default: pure DP, TP 2, PP 2) with and without the distributed optimizer; then the
-        recompute settings at the first layout."""
+        """Per layout (default: pure DP, TP 2, PP 2; an MoE model's with EP 2) with and without the distributed
+        optimizer; then the recompute settings at the first layout."""
         p = params or TrainMemoryParams()
-        chosen = layouts or (moe_layouts(model, world_size) if model.moe else reference_layouts(model, world_size))
+        # an MoE model's experts at EP 2 on them, where its expert grid admits any
+        chosen = layouts or (model.moe and reference_layouts(model, world_size, ep=2)) \
+            or reference_layouts(model, world_size)
         for lay in chosen:
             validate(lay, model, world_size)
         opts = dataclasses.replace(options, steps=STEPS, micro_batch_size=options.micro_batch_size or MICRO_BATCH)
@@ -79,17 +81,6 @@ class TrainMemorySuite:
 
     def check(self, results: list[CaseResult], params: TrainMemoryParams | None = None) -> list[CheckResult]:
         return judge.check(results, params or TrainMemoryParams())
-
-
-def moe_layouts(model: ModelSpec, world_size: int) -> list[Layout]:
-    """An MoE model's default layouts: EP 2 at pure DP, and with TP 2 and with PP 2, where they fit (falling back
-    to the dense reference layouts at a world size without any)."""
-    from harness.layouts import violations
-
-    half = world_size // 2
-    wanted = [Layout(dp=world_size, ep=2), Layout(tp=2, dp=half, ep=2), Layout(pp=2, dp=half, ep=2)]
-    return [lay for lay in wanted if half and not violations(lay, model, world_size)] \
-        or reference_layouts(model, world_size)
 
 
 def _drop_capture(capture: str) -> None:
