@@ -23,6 +23,7 @@ from harness.models import load_model
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
 from harness.suite_defs import (
+    MOE_MISSING,
     MOE_SUITES,
     Baselined,
     FreshRanks,
@@ -76,8 +77,10 @@ def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int
     backend = resolve_backend(backend, world_size)
     model = load_model(model_name or default_model(suite, backend))
     if model.moe and suite.name not in MOE_SUITES:
-        raise BadInput(f"the {suite.name} suite does not judge mixture-of-experts models yet (model {model.name}); "
-                       f"run {model.name} with --suite {' or --suite '.join(MOE_SUITES)}, or a dense model here")
+        why = MOE_MISSING.get(suite.name, "its plans know dense models only")
+        raise BadInput(f"the {suite.name} suite does not judge mixture-of-experts models yet (model {model.name}): "
+                       f"{why}; run {model.name} with --suite {' or --suite '.join(MOE_SUITES)}, or a dense model "
+                       f"here")
     if engine != "mcore":
         from harness.engines import resolve_factory
 

@@ -280,3 +280,77 @@ def test_a_redundant_token_all_to_all_fails_the_dispatch_check():
     assert {c.check for c in failed} == {"grad-sync.dispatch"} and len(failed) == 4, [c.message for c in failed]
     assert failed[0].message == ("grad-sync: alltoall dispatcher: rank 0: all_to_all on ep group (0, 1) in forward: "
                                  "72 calls, planned 36 (token all-to-all (tokens, probabilities, combine))")
+
+
+# -- step-perf ------------------------------------------------------------------------------------------------
+
+def test_an_moe_models_counters_are_summed_over_each_group_a_tokens_copies_stay_within():
+    """Which rank computes and sends a token's routed copies follows the routing: an MoE model's counters are
+    judged per ETP x EP group of a stage, where their sums do not move as the weights train."""
+    from harness.checks.flops_model import exact_groups, step_flops
+    from harness.launch.results import CaseResult, RankResult
+    from harness.suite_defs.step_perf.figures import counters, flops_used
+    from harness.suite_defs.step_perf.payload import Counters, StepPerfRankData
+
+    moe = load_model("tiny-moe")
+    assert exact_groups(moe, Layout(dp=4, ep=2)) == [(0, 1), (2, 3)]
+    assert exact_groups(moe, Layout(tp=2, dp=2, ep=2)) == [(0, 1, 2, 3)]  # ETP 2 x EP 2
+    assert exact_groups(moe, Layout(tp=2, dp=2, ep=2, etp=1)) == [(0, 1), (2, 3)]
+    assert exact_groups(moe, Layout(pp=2, dp=2, ep=2)) == [(0, 1), (2, 3)]
+    assert exact_groups(load_model("tiny"), Layout(dp=2)) == [(0,), (1,)]
+
+    lay = Layout(dp=4, ep=2)
+    balanced = step_flops(moe, lay, 0, global_batch_size=8, micro_batch_size=1)
+    routed = [balanced + 1000, balanced - 1000, balanced - 7, balanced + 7]  # the routing's split, summing right
+    sent = [5, 9, 6, 8]
+    ranks = [RankResult(r, data=StepPerfRankData([], [], Counters(routed[r], {"ep/all_to_all": {
+        "calls": 24, "bytes": sent[r]}}))) for r in range(4)]
+    res = CaseResult(Case("step-perf", moe, lay, "mcore", CaseOptions()), ranks, "ok")
+    assert counters(res) == {"ranks0+1.flops": 2.0 * balanced, "ranks0+1.dp_reductions_in_backward": 0.0,
+                             "ranks0+1.ep/all_to_all.calls": 48.0, "ranks0+1.ep/all_to_all.bytes": 14.0,
+                             "ranks2+3.flops": 2.0 * balanced, "ranks2+3.dp_reductions_in_backward": 0.0,
+                             "ranks2+3.ep/all_to_all.calls": 48.0, "ranks2+3.ep/all_to_all.bytes": 14.0}
+    assert flops_used(res) == (routed, "counted")
+
+
+def test_an_uneven_all_gather_is_recorded_at_its_size_not_its_padding():
+    """The CPU layer pads an uneven all-gather (gloo gathers equal lengths); while the padded call runs, a recorder
+    reads the size of the gather it stands in for."""
+    import torch
+
+    from harness.platform.cpu_layer import _uneven_all_gather, unpadded_numel
+
+    seen = []
+
+    def padded_gather(outputs, tensor, group=None, async_op=False):
+        seen.append((unpadded_numel(), tensor.shape[0]))
+        for out in outputs:
+            out.copy_(tensor)
+
+    outputs = [torch.empty(n, 3) for n in (2, 5, 1)]
+    _uneven_all_gather(padded_gather)(outputs, torch.ones(2, 3))
+    assert seen == [((2 + 5 + 1) * 3, 5)] and unpadded_numel() is None
+
+
+def _step_perf_at_ep2(engine: str = "mcore"):
+    """step-perf of tiny-moe at tp1-pp1-cp1-dp4-ep2 (distributed optimizer, overlap), 3 timed steps, against the
+    committed baseline (20 timed steps: the counted step is another one)."""
+    return run_suite("step-perf", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2"], backend="gloo", engine=engine,
+                     suite_params=dict(timed_steps=3, option_sets=((True, True),)))
+
+
+@pytest.mark.slow
+def test_step_perf_counts_an_moe_models_work_exactly_at_another_step():
+    run = _step_perf_at_ep2()
+    counted = next(c for c in run.checks if c.check == "step-perf.counters")
+    assert counted.passed, counted.message + "\n" + "\n".join(counted.details)
+
+
+@pytest.mark.slow
+def test_a_redundant_token_all_to_all_fails_step_perfs_counters():
+    run = _step_perf_at_ep2("tests.faulty_engines:TokenAllToAllTwice")
+    counted = next(c for c in run.checks if c.check == "step-perf.counters")
+    assert counted.failed
+    assert counted.message.startswith("tp1-pp1-cp1-dp4-ep2: 4 counters differ from the baseline; "
+                                      "ranks0+1.ep/all_to_all.bytes "), counted.message
+    assert "  ranks0+1.ep/all_to_all.calls 72 vs baseline 48 (+50.0%)" in counted.details, counted.details

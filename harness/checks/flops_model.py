@@ -7,6 +7,11 @@ groups), the attention scores and the probabilities times V over the whole key s
 causal mask does not skip the upper triangle; under CP a rank's queries see every key), the output
 projection and the (SwiGLU) MLP; the last stage adds the logits. Backward costs twice the forward, full
 activation recompute one more forward of every layer, selective recompute one more of the core attention.
+An MoE layer replaces the MLP by the router (hidden x experts, on the tokens of the rank's sequence-parallel
+shard), the shared expert (TP-sharded) and the routed experts: top-k copies of each token through an
+expert's fc1 and fc2. Which rank computes a token's experts follows the routing, so an MoE rank's expert
+FLOPs are the balanced share (as if every expert received as many tokens): the sum over an EP group's ranks
+is exact, a rank's own count is not (moe_flops_exact says which totals to compare).
 Where kernels run that the counter cannot see (Transformer Engine's GEMMs, fused attention), this count
 stands in for it (step-perf says which one it used).
 """
@@ -16,38 +21,65 @@ from __future__ import annotations
 from harness.spec import Layout, ModelSpec
 
 
-def layer_forward_flops_per_token(model: ModelSpec, layout: Layout, seq_length: int) -> dict[str, int]:
-    """Matmul FLOPs of one transformer layer's forward per local token, by matmul."""
+def layer_forward_flops_per_token(model: ModelSpec, layout: Layout, seq_length: int,
+                                  moe: bool = False) -> dict[str, float]:
+    """Matmul FLOPs of one transformer layer's forward per local token, by matmul (an MoE layer's routed
+    experts: the balanced share)."""
     t = layout.tp
     h, f, a, kv = model.hidden_size, model.ffn_hidden_size, model.num_attention_heads, model.kv_channels
     q_width, kv_width = a * kv, model.num_query_groups * kv
     gate = 2 if model.swiglu else 1
-    return {
+    out: dict[str, float] = {
         "qkv": 2 * h * (q_width + 2 * kv_width) // t,
         "scores": 2 * (a // t) * kv * seq_length,
         "probs x v": 2 * (a // t) * kv * seq_length,
         "proj": 2 * (q_width // t) * h,
-        "fc1": 2 * h * gate * f // t,
-        "fc2": 2 * (f // t) * h,
     }
+    if not moe:
+        return {**out, "fc1": 2 * h * gate * f // t, "fc2": 2 * (f // t) * h}
+    fe, fs, k = model.expert_ffn, model.moe_shared_expert_ffn, model.moe_router_topk
+    # with TP, megatron's MoE layer runs sequence parallel: a rank routes 1/TP of the tokens; its experts'
+    # inputs are gathered over ETP and each ETP rank holds 1/ETP of an expert's width (the two cancel)
+    out["router"] = 2 * h * model.num_experts / t
+    if fs:
+        out["shared fc1"] = 2 * h * gate * fs // t
+        out["shared fc2"] = 2 * (fs // t) * h
+    out["expert fc1"] = k * 2 * h * gate * fe / t
+    out["expert fc2"] = k * 2 * fe * h / t
+    return out
 
 
 def step_flops(model: ModelSpec, layout: Layout, rank: int, *, global_batch_size: int, micro_batch_size: int,
                recompute: str = "") -> int:
     """Matmul FLOPs one rank executes in one training step (forward, backward, recompute)."""
+    from harness.checks.grad_sync import stage_moe_layers
     from harness.layouts import coords_of
 
     c = coords_of(layout, rank)
     s = model.seq_length
     tokens = global_batch_size // layout.dp * s // layout.cp  # this rank's tokens of the step
     layers = model.num_layers // layout.pp  # every virtual stage of the rank's pipeline stage
-    per_layer = layer_forward_flops_per_token(model, layout, s)
-    forward = sum(per_layer.values())
-    extra = {"full": forward, "selective": per_layer["scores"] + per_layer["probs x v"]}.get(recompute, 0)
-    total = layers * (3 * forward + extra)
+    moe_layers = stage_moe_layers(model, layout, c.pp)
+    total = 0.0
+    for n, moe in ((layers - moe_layers, False), (moe_layers, True)):
+        per_layer = layer_forward_flops_per_token(model, layout, s, moe)
+        forward = sum(per_layer.values())
+        extra = {"full": forward, "selective": per_layer["scores"] + per_layer["probs x v"]}.get(recompute, 0)
+        total += n * (3 * forward + extra)
     if c.pp == layout.pp - 1:
         total += 3 * 2 * model.hidden_size * (model.vocab_size // layout.tp)  # logits: forward and backward
-    return total * tokens
+    return round(total * tokens)
+
+
+def exact_groups(model: ModelSpec, layout: Layout) -> list[tuple[int, ...]]:
+    """The sets of ranks whose summed FLOPs the analytic count gives exactly: each rank alone for a dense model;
+    for an MoE model each ETP x EP group of a stage (the ranks a token's routed copies stay within)."""
+    from harness.layouts import expert_group
+
+    ranks = range(layout.world_size)
+    if not model.moe:
+        return [(r,) for r in ranks]
+    return sorted({expert_group(layout, r, ("etp", "ep")) for r in ranks})
 
 
 # Dense (no sparsity) peak TFLOP/s per GPU by the dtype its matmuls run in, from the vendors' datasheets.

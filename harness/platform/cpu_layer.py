@@ -50,6 +50,7 @@ Patched points (see docs/architecture.md, "megatron-core on CPU ranks"):
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any
 
 import torch
@@ -223,6 +224,16 @@ class _Done:
         return True
 
 
+# The elements an uneven all-gather gathers, while its padded stand-in runs: a collective recorder counts these,
+# not the padding (which would make an MoE rank's figures depend on the longest of its peers' token counts).
+_UNPADDED: contextvars.ContextVar[int | None] = contextvars.ContextVar("unpadded_all_gather", default=None)
+
+
+def unpadded_numel() -> int | None:
+    """Inside the CPU layer's padded all-gather: the elements the uneven all-gather it stands in for gathers."""
+    return _UNPADDED.get()
+
+
 def _uneven_all_gather(original: Any) -> Any:
     """torch.distributed.all_gather that also gathers tensors of different lengths along dim 0 on gloo."""
 
@@ -235,7 +246,11 @@ def _uneven_all_gather(original: Any) -> Any:
         padded = tensor.new_zeros((longest, *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor
         gathered = [torch.empty_like(padded) for _ in tensor_list]
-        original(gathered, padded, group=group)
+        token = _UNPADDED.set(sum(lengths) * padded[0].numel())
+        try:
+            original(gathered, padded, group=group)
+        finally:
+            _UNPADDED.reset(token)
         for out, got, n in zip(tensor_list, gathered, lengths):
             out.copy_(got[:n])
         return _Done() if async_op else None

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from harness.platform.cpu_layer import unpadded_numel
+
 # c10d op name -> collective kind
 _KINDS = {
     "allreduce": "all_reduce", "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
@@ -45,7 +47,7 @@ class Collective:
     ranks: tuple[int, ...]  # global ranks of the group
     role: str  # megatron role of the group: dp-cp, dp, tp, pp, cp, embedding, world, ...
     dtype: str
-    numel: int  # elements of the full (unsharded) data the collective moves
+    numel: int  # elements of the full (unsharded) data the collective moves; an all-to-all's: what the rank sends
     bytes: int
     tensors: int  # tensors in the call (buckets of a coalesced call)
     phase: str
@@ -164,11 +166,20 @@ class CollectiveRecorder:
         except (RuntimeError, ValueError):
             ranks = ()
         sizes = [(sum(t.numel() for t in g), g) for g in tensor_groups]
-        numel, main = max(sizes, key=lambda s: s[0]) if sizes else (0, [])
+        if kind_of(op) == "all_to_all" and len(sizes) >= 2:
+            # (output, input): what the rank sends - summed over the group, what all of it moves, however the
+            # routing splits it (the larger side would depend on the split)
+            numel, main = sizes[1]
+        else:
+            numel, main = max(sizes, key=lambda s: s[0]) if sizes else (0, [])
+        nbytes = sum(t.numel() * t.element_size() for t in main)
+        unpadded = unpadded_numel()  # the CPU layer's padded stand-in for an uneven all-gather: its true size
+        if unpadded is not None and main:
+            numel, nbytes = unpadded, unpadded * main[0].element_size()
         dtype = main[0].dtype if main else torch.float32
         self.records.append(Collective(
             op=op, kind=kind_of(op), ranks=ranks, role=self.roles.role(group), dtype=_dtype_name(dtype),
-            numel=numel, bytes=sum(t.numel() * t.element_size() for t in main), tensors=len(main),
+            numel=numel, bytes=nbytes, tensors=len(main),
             phase=self._phase_now(), source=source,
         ))
         self.overhead_s += time.perf_counter() - t0

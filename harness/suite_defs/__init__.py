@@ -28,7 +28,14 @@ SUITES = {
 PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 # The suites that judge a mixture-of-experts model (its experts by global index, its EP / ETP layouts, its
 # auxiliary loss); the others' plans and models know dense models only and refuse an MoE one (docs/moe.md).
-MOE_SUITES = ("equivalence", "golden", "grad-sync", "ckpt-memory", "train-memory")
+MOE_SUITES = ("equivalence", "golden", "grad-sync", "ckpt-memory", "train-memory", "step-perf")
+# What a suite that refuses an MoE model lacks for one.
+MOE_MISSING = {
+    "peft-ckpt": "its HF PEFT round trip maps a Llama-shaped model only - an MoE model needs an HF MoE class "
+                 "(e.g. Mixtral) for the base weights and megatron-bridge's expert LoRA adapters mapped per expert, "
+                 "gathered over EP",
+    "dynamic-cp": "its packed-sequence engine builds dense layers only",
+}
 # The model a suite runs on GPU ranks when none is given, where its CPU model says nothing there: `small` is
 # launch-bound on an H100 (0.2 TFLOP/s, MFU 0.0%), so step-perf times the 1B shape that fits one GPU.
 GPU_DEFAULT_MODELS = {"step-perf": "1b-2k"}

@@ -61,33 +61,49 @@ def slowest_rank(result: CaseResult) -> tuple[int, float, float]:
 
 
 def counters(result: CaseResult) -> dict[str, float]:
-    """The exact counters of a case as flat metrics."""
-    out: dict[str, float] = {}
+    """The exact counters of a case as flat metrics, per rank ("rank0.flops"). An MoE model's are summed over each
+    group of ranks a token's routed copies stay within ("ranks0+2.flops"; flops_model.exact_groups): which rank
+    computes and moves a token follows the routing, which moves as the weights train, the group's sums do not."""
+    from harness.checks.flops_model import exact_groups
+
+    per_rank: dict[int, dict[str, float]] = {}
     for r in result.ranks:
         c = rank_data(r).counters
-        out[f"rank{r.rank}.flops"] = float(c.flops)
-        out[f"rank{r.rank}.dp_reductions_in_backward"] = float(c.dp_reductions_in_backward)
+        mine = per_rank[r.rank] = {"flops": float(c.flops),
+                                   "dp_reductions_in_backward": float(c.dp_reductions_in_backward)}
         for what, v in c.collectives.items():
-            out[f"rank{r.rank}.{what}.calls"] = float(v["calls"])
-            out[f"rank{r.rank}.{what}.bytes"] = float(v["bytes"])
+            mine[f"{what}.calls"] = float(v["calls"])
+            mine[f"{what}.bytes"] = float(v["bytes"])
+    case = result.case
+    if not case.model.moe:
+        return {f"rank{r}.{m}": v for r, metrics in per_rank.items() for m, v in metrics.items()}
+    out: dict[str, float] = {}
+    for group in exact_groups(case.model, case.layout):
+        label = "ranks" + "+".join(str(g) for g in group)
+        for member in group:
+            for m, value in per_rank.get(member, {}).items():
+                out[f"{label}.{m}"] = out.get(f"{label}.{m}", 0.0) + value
     return out
 
 
 def flops_used(result: CaseResult) -> tuple[list[int], str]:
     """Per rank the FLOPs of one step that TFLOP/s and MFU divide by, and where they come from: the counter's
-    when it saw every matmul the config implies (megatron's local spec), else the analytic count
+    when it saw every matmul the config implies (megatron's local spec; an MoE model's ranks summed over each
+    group a token's experts stay within, as routing decides which rank computes them), else the analytic count
     (harness/checks/flops_model.py) - Transformer Engine's GEMMs and fused attention are invisible to it."""
-    from harness.checks.flops_model import step_flops
+    from harness.checks.flops_model import exact_groups, step_flops
 
     case = result.case
-    counted = [rank_data(r).counters.flops for r in result.ranks]
-    analytic = [step_flops(case.model, case.layout, r.rank, global_batch_size=case.global_batch_size,
-                           micro_batch_size=case.micro_batch_size, recompute=case.options.recompute)
-                for r in result.ranks]
-    if counted == analytic:
-        return counted, "counted"
-    seen = sum(counted) / sum(analytic) if sum(analytic) else 0.0
-    return analytic, f"analytic (the counter saw {seen:.0%}: kernels it cannot see)"
+    counted = {r.rank: rank_data(r).counters.flops for r in result.ranks}
+    analytic = {r.rank: step_flops(case.model, case.layout, r.rank, global_batch_size=case.global_batch_size,
+                                   micro_batch_size=case.micro_batch_size, recompute=case.options.recompute)
+                for r in result.ranks}
+    groups = exact_groups(case.model, case.layout)
+    ranks = sorted(counted)
+    if all(sum(counted.get(r, 0) for r in g) == sum(analytic.get(r, 0) for r in g) for g in groups):
+        return [counted[r] for r in ranks], "counted"
+    seen = sum(counted.values()) / sum(analytic.values()) if sum(analytic.values()) else 0.0
+    return [analytic[r] for r in ranks], f"analytic (the counter saw {seen:.0%}: kernels it cannot see)"
 
 
 def key(case: Case) -> str:

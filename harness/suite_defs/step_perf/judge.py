@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 
 from harness.checks import CheckResult, cannot_tell, case_failed
@@ -104,16 +105,19 @@ def _check_counters(res: CaseResult, entry: dict) -> CheckResult:
     rows = [f"  {p}" for p in problems]
     o = res.case.options
     overlap = [p for p in problems if "dp_reductions_in_backward" in p]
-    if overlap and o.overlap_grad_reduce and measured.get("rank0.dp_reductions_in_backward") == 0:
+    first = min(measured) if measured else ""
+    owner = first.split(".", 1)[0]  # rank0, or an MoE model's first group of ranks
+    if overlap and o.overlap_grad_reduce and measured.get(f"{owner}.dp_reductions_in_backward") == 0:
         exposed = statistics.median(figures.exposed_ms(res))
         base = entry.get("exposed_comm_ms", {}).get("value")
         rows.insert(0, f"  overlap_grad_reduce=True but no DP gradient reduction was issued in backward: the "
                        f"reduction is not overlapped; exposed communication {exposed:.1f} ms"
                        + (f" vs baseline {base:.1f} ms" if base is not None else ""))
     if not problems:
+        who = re.sub(r"^(ranks?)", r"\1 ", owner)  # "rank 0", or "ranks 0+1"
         return CheckResult("step-perf.counters", res.case.id, True,
-                           f"{len(measured)} counters equal the baseline (FLOPs {measured['rank0.flops']:.3g} "
-                           f"on rank 0)", value=0.0)
+                           f"{len(measured)} counters equal the baseline (FLOPs {measured[owner + '.flops']:.3g} "
+                           f"on {who})", value=0.0)
     head = rows[0].strip() if overlap and o.overlap_grad_reduce else problems[0]
     return CheckResult("step-perf.counters", res.case.id, False,
                        f"{res.case.layout.id}: {len(problems)} counters differ from the baseline; {head}", rows,

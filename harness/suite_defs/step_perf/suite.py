@@ -10,7 +10,7 @@ from harness.checks import CheckResult
 from harness.checks.timing import MIN_EFFECT, Comparison
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
-from harness.layouts import validate
+from harness.layouts import expert_matrix, validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.step_perf import figures, judge, rank
 from harness.suite_defs.step_perf.figures import TIMED
@@ -37,7 +37,9 @@ class StepPerfSuite:
 
         p = params or StepPerfParams()
         explicit = layouts is not None
-        if layouts is None:
+        if layouts is None and model.moe:  # pure DP, then the experts' layouts (their dispatcher's traffic)
+            layouts = [Layout(dp=world_size), *expert_matrix(model, world_size)]
+        elif layouts is None:
             layouts = [Layout.parse(i) for i in DEFAULT_LAYOUTS if Layout.parse(i).world_size == world_size] \
                 or [Layout(dp=world_size)]
         out = []
@@ -47,7 +49,7 @@ class StepPerfSuite:
             option_sets = ((options.use_distributed_optimizer, options.overlap_grad_reduce),)
         for lay in layouts:
             validate(lay, model, world_size)
-            pure_dp = (lay.tp, lay.pp, lay.cp) == (1, 1, 1)
+            pure_dp = (lay.tp, lay.pp, lay.cp, lay.ep) == (1, 1, 1, 1)
             for distopt, overlap in option_sets or OPTION_SETS:
                 if not explicit and option_sets is None and not pure_dp and not (distopt and overlap):
                     continue
