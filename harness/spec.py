@@ -165,6 +165,15 @@ class CaseOptions:
     overlap_grad_reduce: bool = False
     grad_reduce_in_fp32: bool = False
     lr: float = 1e-3
+    # megatron's OptimizerParamScheduler (lr_decay_steps 0: none, the constant `lr`): from lr_warmup_init a linear
+    # warm-up to `lr` over lr_warmup_steps steps, then lr_decay_style decay ("cosine", "linear") to min_lr at
+    # lr_decay_steps; stepped after every optimizer step by the global batch's samples and saved with every
+    # checkpoint, as megatron's training loop does (golden turns it on, harness/engines/lr_schedule.py)
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 0
+    lr_decay_style: str = "cosine"
+    lr_warmup_init: float = 0.0
+    min_lr: float = 0.0
     adam_eps: float = 1e-8  # megatron's default
     clip_grad: float = 1.0  # megatron's default: clip the global gradient norm at 1.0 (0: off)
     # activation recompute: "" off, "full" (every layer, megatron's uniform method) or "selective" (core attention)
@@ -186,6 +195,16 @@ class CaseOptions:
     # batch) and normalise the loss per token (megatron's calculate_per_token_loss), as a real data pipeline
     # with padding does: per-token and per-micro-batch normalisation then differ (golden turns it on)
     loss_mask: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_steps and not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
+            raise BadInput(f"lr_warmup_steps={self.lr_warmup_steps} must be >= 0 and below lr_decay_steps="
+                           f"{self.lr_decay_steps} (megatron's OptimizerParamScheduler decays after the warm-up)")
+        if self.lr_decay_steps and not (0 <= self.lr_warmup_init <= self.lr and 0 <= self.min_lr <= self.lr):
+            raise BadInput(f"lr_warmup_init={self.lr_warmup_init:g} and min_lr={self.min_lr:g} must lie in [0, "
+                           f"lr={self.lr:g}]")
+        if self.lr_decay_style not in ("cosine", "linear", "constant"):
+            raise BadInput(f"lr_decay_style {self.lr_decay_style!r}: use cosine, linear or constant")
 
 @dataclass(frozen=True)
 class Case:

@@ -111,6 +111,19 @@ class ExtraStateCopyOnSave(McoreEngine):
             del extra
 
 
+class KeepsAHostCopyOfEverySave(McoreEngine):
+    """Every save leaves a host copy of 10% of the shard's optimizer state (12N bytes) referenced after it returns:
+    a staging cache keyed by call instead of by shape (verl #5665, pytorch #170163's shape). One save's peak is
+    unchanged by it; the memory is still there at the next save."""
+
+    def save_checkpoint(self, ckpt_dir, fmt, fully_parallel=False, async_save=False):
+        import torch
+
+        n = sum(p.numel() for m in self.models for p in m.module.parameters())
+        self.__dict__.setdefault("staging", []).append(torch.ones(int(0.10 * 12 * n) // 4, dtype=torch.float32))
+        return super().save_checkpoint(ckpt_dir, fmt, fully_parallel, async_save)
+
+
 def _mbridge_engine():
     from harness.engines.mbridge import MbridgeEngine
 
@@ -507,6 +520,8 @@ class OptimizerStateNotRestored(McoreEngine):
         self.models[0].module.load_state_dict(state["model"])
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             opt.reload_model_params()  # the main copies from the loaded weights, as a model-only load does
+        if self.scheduler is not None:  # the learning-rate schedule is restored: the one fault is Adam's state
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
 
 
 class StepCounterReset(McoreEngine):
@@ -522,6 +537,19 @@ class StepCounterReset(McoreEngine):
                     st["step"] = torch.zeros_like(st["step"]) if isinstance(st["step"], torch.Tensor) else 0
 
 
+class ScheduleNotRestored(McoreEngine):
+    """A load that restores the model and the optimizer but not the learning-rate schedule, which starts its warm-up
+    over (verl #7953: megatron's OptimizerParamScheduler state is saved, but loaded only where
+    use_checkpoint_opt_param_scheduler is set, and it is off by default)."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        scheduler, self.scheduler = self.scheduler, None
+        try:
+            super().load_checkpoint(ckpt_dir, fmt)
+        finally:
+            self.scheduler = scheduler
+
+
 class FSDP2OptimizerStateNotRestored(FSDP2Engine):
     """fsdp2: a sharded load that restores the model's weights but not torch Adam's state (it starts over)."""
 
@@ -530,8 +558,12 @@ class FSDP2OptimizerStateNotRestored(FSDP2Engine):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         state = {"model": get_model_state_dict(self.model)}
+        if self.scheduler is not None:  # the learning-rate schedule is restored: the one fault is Adam's state
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
         dcp.load(state, checkpoint_id=ckpt_dir)
         set_model_state_dict(self.model, state["model"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
 
 
 class SerialisedReduction(PlantedSlowdown):

@@ -93,11 +93,12 @@ def test_fsdp2_resumes_run_on_the_pure_dp_layout_beside_its_own_unbroken_traject
     assert fsdp2 == [("tp1-pp1-cp1-dp4", "", ""), ("tp1-pp1-cp1-dp4", "first-half", "fsdp2_sharded"),
                      ("tp1-pp1-cp1-dp4", "resume", "fsdp2_sharded"), ("tp1-pp1-cp1-dp4", "first-half", "fsdp2_full"),
                      ("tp1-pp1-cp1-dp4", "resume", "fsdp2_full")]
-    assert {suite.key(c) for c in cases} == {"tiny/fp32/steps=12", "tiny/fp32/steps=12/fsdp2"}
+    key = "tiny/fp32/steps=12/lr=warmup3-cosine12-min0.0001"  # golden's schedule, in the key of its trajectory
+    assert {suite.key(c) for c in cases} == {key, f"{key}/fsdp2"}
     own = suite.cases(load_model("tiny"), 2, None, engine="tests.faulty_engines:FSDP2OptimizerStateNotRestored")
     assert {c.layout.id for c in own} == {"tp1-pp1-cp1-dp2"}  # an fsdp2 engine: fsdp2's formats only
     assert {c.params.ckpt_format for c in own} == {"", "fsdp2_sharded", "fsdp2_full"}
-    assert {suite.key(c) for c in own} == {"tiny/fp32/steps=12/fsdp2"}
+    assert {suite.key(c) for c in own} == {f"{key}/fsdp2"}
 
 
 def test_a_run_of_two_engines_names_each_cases_engine_in_its_tables():
@@ -171,6 +172,7 @@ def test_a_change_that_moves_every_layout_alike_passes_equivalence_and_fails_gol
 @pytest.mark.slow
 @pytest.mark.parametrize("fault, fmt", [("OptimizerStateNotRestored", "dp_reshardable"),
                                         ("StepCounterReset", "dp_reshardable"),
+                                        ("ScheduleNotRestored", "dp_reshardable"),
                                         ("FSDP2OptimizerStateNotRestored", "fsdp2_sharded")])
 def test_a_resume_that_loses_optimizer_state_fails_at_the_first_step_after_the_load(golden_dir, fault, fmt):
     from harness.driver import run_suite
@@ -184,6 +186,9 @@ def test_a_resume_that_loses_optimizer_state_fails_at_the_first_step_after_the_l
     assert len(resume) == 1 and resume[0].failed
     assert resume[0].message.startswith(f"resumed at tp1-pp1-cp1-dp2 from a {fmt} checkpoint saved after "
                                         "step 6: step 8: "), resume[0].message
+    if fault == "ScheduleNotRestored":  # step 7 ran at the lr the optimizer's own state restored, then warm-up again
+        assert resume[0].message.split("step 6: ")[1].startswith("step 8: lr 0.00033333333 vs golden 0.00062814168 "
+                                                                 "(rel 4.7e-01 > 0e+00)"), resume[0].message
 
 
 @pytest.mark.slow
@@ -198,3 +203,37 @@ def test_resume_passes_for_every_format_and_at_another_layout(golden_dir):
     assert all(c.passed for c in resume), [c.message for c in resume if c.failed]
     fsdp2 = [c for c in run.checks if c.case_id.startswith("golden/fsdp2/") and c.check == "golden.trajectory"]
     assert len(fsdp2) == 3 and all(c.passed for c in fsdp2)  # its own unbroken trajectory and two first halves
+
+
+def test_a_learning_rate_schedule_is_refused_where_megatron_could_not_step_it():
+    from harness.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"^lr_warmup_steps=12 must be >= 0 and below lr_decay_steps=12 "):
+        CaseOptions(lr_warmup_steps=12, lr_decay_steps=12)
+    with pytest.raises(BadInput, match=r"^lr_warmup_init=0 and min_lr=0.002 must lie in \[0, lr=0.001\]$"):
+        CaseOptions(lr_decay_steps=12, min_lr=2e-3)
+    with pytest.raises(BadInput, match=r"^lr_decay_style 'wsd': use cosine, linear or constant$"):
+        CaseOptions(lr_decay_style="wsd")
+    assert CaseOptions().lr_decay_steps == 0  # the other suites train at a constant lr
+
+
+def test_golden_trains_with_warm_up_then_decay_and_resumes_inside_the_decay():
+    """The schedule's lr per step, as megatron's OptimizerParamScheduler gives it (stepped by the global batch's
+    samples): warm-up over steps 1-3, the peak at 4, cosine decay after; the resume's first step (7) decays."""
+    import torch
+
+    from harness.engines.lr_schedule import make_scheduler
+    from harness.models import load_model
+    from harness.spec import Layout
+    from harness.suite_defs.golden import GoldenSuite
+
+    case = GoldenSuite().cases(load_model("tiny"), 2, [Layout(dp=2)])[0]
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=case.options.lr)
+    scheduler = make_scheduler(opt, case.options, case.global_batch_size)
+    lrs = []
+    for _ in range(case.options.steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        scheduler.step(increment=case.global_batch_size)
+    assert lrs[:4] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3])
+    assert all(a > b for a, b in zip(lrs[3:], lrs[4:])) and lrs[-1] > case.options.min_lr == 1e-4
+    assert lrs[6] == pytest.approx(7.75e-4)  # step 7, the resume's first: inside the decay

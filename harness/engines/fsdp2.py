@@ -14,6 +14,7 @@ from typing import Any
 
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput
+from harness.engines.lr_schedule import SCHEDULER_KEY, make_scheduler, saved_schedule
 from harness.engines.mcore import McoreEngine
 from harness.errors import BadInput
 
@@ -39,6 +40,7 @@ class FSDP2Engine(McoreEngine):
         fully_shard(chunk, mesh=mesh)
         self.model = chunk
         self.optimizer = torch.optim.Adam(chunk.parameters(), lr=self.case.options.lr, eps=self.case.options.adam_eps)
+        self.scheduler = make_scheduler(self.optimizer, self.case.options, self.case.global_batch_size)
 
     def train_step(self, step: int) -> StepOutput:
         from megatron.core import parallel_state as ps
@@ -53,10 +55,12 @@ class FSDP2Engine(McoreEngine):
             loss_sum += float(out.detach().float().sum())
             tokens += out.numel()
         grad_norm, num_zeros = self._clip_and_count()
+        lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return StepOutput(loss_sum, tokens, grad_norm=grad_norm, num_zeros=num_zeros,
-                          lr=float(self.optimizer.param_groups[0]["lr"]))
+        if self.scheduler is not None:
+            self.scheduler.step(increment=self.case.global_batch_size)
+        return StepOutput(loss_sum, tokens, grad_norm=grad_norm, num_zeros=num_zeros, lr=lr)
 
     def _clip_and_count(self) -> tuple[float, int | None]:
         """The global gradient norm before clipping (clipped at clip_grad; 0: not clipped) and, where the case
@@ -92,14 +96,15 @@ class FSDP2Engine(McoreEngine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        schedule = {SCHEDULER_KEY: self.scheduler.state_dict()} if self.scheduler is not None else {}
         if self.resolve_format(fmt) == "fsdp2_sharded":
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir)
+            dcp.save({"model": model_sd, "optim": optim_sd, **schedule}, checkpoint_id=ckpt_dir)
             return
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         if dist.get_rank() == 0:
-            torch.save({"model": model_sd, "optim": optim_sd}, os.path.join(ckpt_dir, "full_state_dict.pt"))
+            torch.save({"model": model_sd, "optim": optim_sd, **schedule}, os.path.join(ckpt_dir, "full_state_dict.pt"))
         dist.barrier()
 
     def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
@@ -111,14 +116,18 @@ class FSDP2Engine(McoreEngine):
         if self.resolve_format(fmt) == "fsdp2_sharded":
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # initialises the Adam state to fill
             state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+            if self.scheduler is not None:
+                state[SCHEDULER_KEY] = self.scheduler.state_dict()  # filled in place by the load
             dcp.load(state, checkpoint_id=ckpt_dir)
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
-            return
-        # every rank reads the one file and keeps its shard (torch's broadcast_from_rank0 hangs on gloo, 2.13)
-        full: dict[str, Any] = torch.load(os.path.join(ckpt_dir, "full_state_dict.pt"), weights_only=False)
-        set_state_dict(self.model, self.optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"],
-                       options=StateDictOptions(full_state_dict=True))
+        else:
+            # every rank reads the one file and keeps its shard (torch's broadcast_from_rank0 hangs on gloo, 2.13)
+            state = torch.load(os.path.join(ckpt_dir, "full_state_dict.pt"), weights_only=False)
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=StateDictOptions(full_state_dict=True))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(saved_schedule(state, ckpt_dir))
 
     def param_shards(self) -> list[ParamShard]:
         """Every parameter whole (gathered from its FSDP shards), under its global name, from every rank."""

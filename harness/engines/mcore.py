@@ -11,6 +11,7 @@ from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
 from harness.engines.experts import EXPERT_RE, tp_coords
+from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, layer_spec, torch_dtype, transformer_config
 from harness.launch.context import RankContext
@@ -32,6 +33,7 @@ class McoreEngine(McoreCheckpoints):
         self.case, self.ctx = case, ctx
         self.models: list = []
         self.optimizer = None
+        self.scheduler: Any = None  # megatron's OptimizerParamScheduler where the case has an lr schedule
         self.config: Any = None  # megatron's TransformerConfig, once built
         self._captured: list[TokenLogprobs] | None = None  # the current step's log-probs, when captured
 
@@ -62,7 +64,7 @@ class McoreEngine(McoreCheckpoints):
             optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=o.clip_grad,
             log_num_zeros_in_grad=o.log_num_zeros_in_grad,
             bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=torch_dtype(o.dtype),
-            use_distributed_optimizer=use_distributed_optimizer,
+            use_distributed_optimizer=use_distributed_optimizer, min_lr=o.min_lr,
         )
 
     def build_chunks(self) -> list:
@@ -109,6 +111,7 @@ class McoreEngine(McoreCheckpoints):
         ddp_config = self.ddp_config()
         self.models = self.wrap(chunks, ddp_config)
         self.optimizer = self.make_optimizer(self.models, ddp_config.use_distributed_optimizer)
+        self.scheduler = make_scheduler(self.optimizer, self.case.options, self.case.global_batch_size)
         self._wire_config()
 
     def _wire_config(self) -> None:
@@ -269,7 +272,9 @@ class McoreEngine(McoreCheckpoints):
         reported: dict = {"aux_loss": self._take_aux_loss()}
         if not forward_only:
             lr = self.optimizer.param_groups[0]["lr"]
-            _, grad_norm, num_zeros = self.optimizer.step()
+            updated, grad_norm, num_zeros = self.optimizer.step()
+            if updated and self.scheduler is not None:  # megatron's train_step: by the global batch's samples
+                self.scheduler.step(increment=self.case.global_batch_size)
             reported.update(grad_norm=None if grad_norm is None else float(grad_norm),
                             num_zeros=None if num_zeros is None else int(num_zeros), lr=float(lr))
         captured, self._captured = self._captured, None

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import ParamShard, partition_dim
 from harness.engines.experts import data_parallel, tp_coords
+from harness.engines.lr_schedule import SCHEDULER_KEY, saved_schedule
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +19,7 @@ class McoreCheckpoints:
 
     models: list
     optimizer: Any
+    scheduler: Any  # megatron's OptimizerParamScheduler, or None
     global_names: Callable[[Any], dict[str, torch.nn.Parameter]]  # McoreEngine's
     tp_parts: Callable[[str], int]
 
@@ -99,6 +101,8 @@ class McoreCheckpoints:
             merged.update(part)
         sd = dict(model_sd)
         sd["optimizer"] = self.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=metadata)
+        if self.scheduler is not None:  # common state, as megatron's save_checkpoint writes it
+            sd[SCHEDULER_KEY] = self.scheduler.state_dict()
         return sd
 
     def save_checkpoint(self, ckpt_dir: str, fmt: str, fully_parallel: bool = False, async_save: bool = False) -> None:
@@ -148,6 +152,8 @@ class McoreCheckpoints:
         # no_grad: the dp_reshardable loader copies into views of parameters without it (0.16)
         with torch.no_grad(), _keep_torch_adam_step():
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:  # after the optimizer, as megatron's load_checkpoint restores them
+            self.scheduler.load_state_dict(saved_schedule(state, ckpt_dir))
         # The non-TE/apex load gives every parameter the same 'step' tensor; torch Adam increments it
         # in place once per parameter, so bias corrections would use step + 1, step + 2, ...
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):

@@ -51,12 +51,15 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
 
 
 def key(case: Case) -> str:
-    """One trajectory per model, dtype and step count: every layout is judged against it. The fsdp2 engine
-    (torch Adam, no loss mask) trains another one, stored beside it."""
+    """One trajectory per model, dtype, step count and learning-rate schedule: every layout is judged against it.
+    The fsdp2 engine (torch Adam, no loss mask) trains another one, stored beside it."""
     from harness.engines import is_fsdp2
 
+    o = case.options
     engine = "/fsdp2" if is_fsdp2(case.engine) else ""
-    return f"{case.model.name}/{case.options.dtype}/steps={case.options.steps}{engine}"
+    schedule = (f"/lr=warmup{o.lr_warmup_steps}-{o.lr_decay_style}{o.lr_decay_steps}-min{o.min_lr:g}"
+                if o.lr_decay_steps else "")
+    return f"{case.model.name}/{o.dtype}/steps={o.steps}{schedule}{engine}"
 
 
 def record_command(case: Case) -> str:

@@ -16,7 +16,17 @@ from harness.layouts import default_matrix, validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.golden import figures, judge
 from harness.suite_defs.golden.figures import step_metric, trajectory
-from harness.suite_defs.golden.params import CLIP_GRAD, FSDP2_FORMATS, STEPS, SUITE, GoldenParams
+from harness.suite_defs.golden.params import (
+    CLIP_GRAD,
+    FSDP2_FORMATS,
+    LR_DECAY_STEPS,
+    LR_DECAY_STYLE,
+    LR_WARMUP_STEPS,
+    MIN_LR_FRACTION,
+    STEPS,
+    SUITE,
+    GoldenParams,
+)
 from harness.suite_defs.golden.payload import GoldenRankData
 
 
@@ -64,6 +74,9 @@ class GoldenSuite:
             with_equivalence_eps(options), steps=STEPS if options.steps == given.steps else options.steps,
             log_num_zeros_in_grad=True, loss_mask=True,
             clip_grad=CLIP_GRAD if options.clip_grad == given.clip_grad else options.clip_grad)
+        if not opts.lr_decay_steps:  # megatron's schedule, as a training job steps and checkpoints it
+            opts = dataclasses.replace(opts, lr_warmup_steps=LR_WARMUP_STEPS, lr_decay_steps=LR_DECAY_STEPS,
+                                       lr_decay_style=LR_DECAY_STYLE, min_lr=opts.lr * MIN_LR_FRACTION)
         p = params or GoldenParams()
         out = [Case(self.name, model, lay, engine, opts, backend, params=p) for lay in chosen]
         return out + self.resume_cases(model, world_size, chosen[0], engine, backend, opts, p)
