@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -145,6 +146,44 @@ def test_extra_copy_of_ten_percent_of_optimizer_state_is_detected():
     run = _run(engine="tests.faulty_engines:ExtraStateCopyOnSave", formats=("dp_reshardable",))
     fails = _failed(run, "ckpt-memory.baseline")
     assert fails and "MiB above baseline" in fails[0].message, [c.message for c in run.checks]
+
+
+@pytest.mark.slow
+def test_memory_every_save_leaves_behind_fails_naming_the_rank_the_bytes_per_save_and_where():
+    """Kept after each save, not during it: the save's peak and the baseline pass, the repeated saves do not."""
+    run = _run(engine="tests.faulty_engines:KeepsAHostCopyOfEverySave", formats=("dp_reshardable",))
+    (kept,) = _failed(run, "ckpt-memory.retained")
+    # 10% of 12N of small (N = 6.03M) per save: 6.9 MiB, and megatron's own few KiB
+    assert re.match(r"rank \d keeps (6\.9|7\.0) MiB per save: 3 saves of the same state left 2\d\.\d MiB allocated "
+                    r"during them live after them \(bound 1 MiB per save\); most of it, 20\.7 MiB in \d+ allocations, "
+                    r"from .*save_checkpoint faulty_engines\.py:\d+ .*; what stayed: \S+memray-resaves-rank\d\.html$",
+                    kept.message), kept.message
+    assert kept.data["flamegraph_leaks"] and not _failed(run, "ckpt-memory.model")
+
+
+def test_what_saves_keep_is_judged_per_save_against_the_bound():
+    from harness.launch.results import CaseResult, RankResult
+    from harness.probes.memory import MemoryPeak
+    from harness.probes.retention import Retention
+    from harness.spec import Case, CaseOptions
+    from harness.suite_defs.ckpt_memory import CkptCaseParams
+    from harness.suite_defs.ckpt_memory.judge import RETAINED_PER_SAVE, check_retained
+    from harness.suite_defs.ckpt_memory.payload import SaveRankData
+
+    def run(per_save: list[float]) -> CaseResult:
+        case = Case("ckpt-memory", load_model("tiny"), Layout(dp=len(per_save)), "mcore", CaseOptions(),
+                    params=CkptCaseParams("dp_reshardable"))
+        ranks = [RankResult(r, data=SaveRankData(MemoryPeak("save"), retention=Retention(
+            3, int(3 * b), 10, [100 * MIB] * 4, f"/tmp/memray-resaves-rank{r}.bin", [("f x.py:1", int(3 * b), 10)])))
+            for r, b in enumerate(per_save)]
+        return CaseResult(case, ranks, "ok")
+
+    ok = check_retained(run([40 * 1024, 230 * 1024]))
+    assert ok.passed and ok.message == "every rank keeps at most 230 KiB per save (bound 1 MiB; rank 1)", ok.message
+    bad = check_retained(run([40 * 1024, RETAINED_PER_SAVE + MIB]))
+    assert bad.failed and bad.message.startswith("rank 1 keeps 2.0 MiB per save: 3 saves of the same state left "
+                                                 "6.0 MiB allocated during them live after them"), bad.message
+    assert bad.data["flamegraph_of"] == "/tmp/memray-resaves-rank1.bin" and len(bad.data["captures"]) == 2
 
 
 @pytest.mark.slow

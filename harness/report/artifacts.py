@@ -1,6 +1,6 @@
 """The report stage's files of a judged run: memray captures a check looked at are deleted when it
 passed (nothing to look at) and rendered as a flamegraph when it failed. Checks only name them
-(`CheckResult.data["captures"]`, `["flamegraph_of"]`), so judging has no side effects."""
+(`CheckResult.data["captures"]`, `["flamegraph_of"]`, `["flamegraph_leaks"]`), so judging has no side effects."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ def flamegraph_path(capture: str) -> str:
     return capture.replace(".bin", ".html") if capture else "(no capture)"
 
 
-def render_flamegraph(capture: str) -> str:
-    """Render memray's flamegraph of a capture next to it; '' when done, else why not."""
-    proc = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", "-o", flamegraph_path(capture), capture],
-                          capture_output=True, text=True, timeout=120)
+def render_flamegraph(capture: str, leaks: bool = False) -> str:
+    """Render memray's flamegraph of a capture next to it (leaks: of what was still allocated at the capture's end);
+    '' when done, else why not."""
+    proc = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "-f", *(["--leaks"] if leaks else []),
+                           "-o", flamegraph_path(capture), capture], capture_output=True, text=True, timeout=120)
     return "" if proc.returncode == 0 else f"memray flamegraph failed: {proc.stderr.strip()[-200:]}"
 
 
@@ -36,7 +37,7 @@ def finish(checks: Iterable, captures_root: str | None = None) -> list[str]:
                 for f in glob.glob(capture + "*"):  # the capture and its forked children's
                     os.unlink(f)
         elif c.data.get("flamegraph_of"):
-            why = render_flamegraph(c.data["flamegraph_of"])
+            why = render_flamegraph(c.data["flamegraph_of"], leaks=bool(c.data.get("flamegraph_leaks")))
             if why:
                 notes.append(f"{c.check} {c.case_id}: {why}")
     if captures_root:

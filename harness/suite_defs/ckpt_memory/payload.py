@@ -9,6 +9,7 @@ from typing import Any
 from harness.engines.base import ParamShard
 from harness.probes.ckpt_format import OnDisk
 from harness.probes.memory import MemoryPeak
+from harness.probes.retention import Retention
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class SaveRankData:
     coords: dict[str, int] = field(default_factory=dict)  # the rank's place in the layout
     on_disk: OnDisk | None = None  # global rank 0: what the checkpoint's files are
     content_metadata: dict[str, Any] | None = None  # global rank 0: what the engine says they are
+    retention: Retention | None = None  # what RESAVES more saves of the same state left behind
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.probes.memory import MIB, captures_dir, measure
+from harness.probes.retention import measure_retention
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_memory import figures, judge
 from harness.suite_defs.ckpt_memory.contract import contract_cases, reshard_work, save_layout
@@ -21,6 +22,7 @@ from harness.suite_defs.ckpt_memory.params import (
     DEFAULT_LAYOUTS,
     FORMATS,
     FULLY_PARALLEL_FORMATS,
+    RESAVES,
     SUITE,
     CkptCaseParams,
     CkptMemoryParams,
@@ -95,12 +97,16 @@ class CkptMemorySuite:
         with ctx.phase("save"), measure("save", captures, ctx.rank, device=not ctx.on_cpu) as peak:
             save(engine, case, ckpt_dir)
         dist.barrier()
-        if ctx.rank != 0:
-            return SaveRankData(peak, layout_coords())
-        from harness.probes.ckpt_format import inspect
+        on_disk = label = None
+        if ctx.rank == 0:
+            from harness.probes.ckpt_format import inspect
 
-        # what the files are, and what the engine says they are
-        return SaveRankData(peak, layout_coords(), inspect(ckpt_dir), _label(engine, ckpt_dir))
+            # what the files are, and what the engine says they are
+            on_disk, label = inspect(ckpt_dir), _label(engine, ckpt_dir)
+        with ctx.phase("resaves"):
+            kept = measure_retention(lambda i: save_scratch(engine, case, ctx, f"resave-{i}"), RESAVES,
+                                     captures / f"memray-resaves-rank{ctx.rank}.bin")
+        return SaveRankData(peak, layout_coords(), on_disk, label, kept)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok or result.case.params.ckpt_role:
@@ -153,11 +159,16 @@ def prime_save(engine, case: Case, ctx: RankContext) -> None:
     on the first save of a rank process, 1.0 after), the checkpoint writer's result-queue manager, lazy
     imports, fsdp2's first get_state_dict. The measured save reuses those; what it holds of the pinned pool
     is measured as such (probes/memory.py: MemoryPeak.pinned_peak), so a GPU figure keeps its staging."""
+    save_scratch(engine, case, ctx, "prime-ckpt")
+
+
+def save_scratch(engine, case: Case, ctx: RankContext, name: str) -> None:
+    """The case's save into a scratch directory of the rank's workdir, deleted after it."""
     import shutil
 
     import torch.distributed as dist
 
-    scratch = ctx.workdir / "prime-ckpt"
+    scratch = ctx.workdir / name
     if ctx.rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir()
