@@ -206,6 +206,7 @@ class CaseOptions:
         if self.lr_decay_style not in ("cosine", "linear", "constant"):
             raise BadInput(f"lr_decay_style {self.lr_decay_style!r}: use cosine, linear or constant")
 
+
 @dataclass(frozen=True)
 class Case:
     """One unit of work: a model on a layout through an engine, run on layout.world_size ranks."""

@@ -237,3 +237,11 @@ def test_golden_trains_with_warm_up_then_decay_and_resumes_inside_the_decay():
     assert lrs[:4] == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3, 1e-3])
     assert all(a > b for a, b in zip(lrs[3:], lrs[4:])) and lrs[-1] > case.options.min_lr == 1e-4
     assert lrs[6] == pytest.approx(7.75e-4)  # step 7, the resume's first: inside the decay
+
+
+def test_a_checkpoint_without_the_schedule_cannot_resume_a_scheduled_run():
+    from harness.engines.lr_schedule import saved_schedule
+
+    assert saved_schedule({"opt_param_scheduler": {"num_steps": 48}}, "/ckpt") == {"num_steps": 48}
+    with pytest.raises(RuntimeError, match=r"^checkpoint /ckpt holds no learning-rate schedule \(opt_param_scheduler\)"):
+        saved_schedule({"model": {}}, "/ckpt")

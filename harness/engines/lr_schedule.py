@@ -35,5 +35,5 @@ def saved_schedule(state: dict, ckpt_dir: str) -> dict:
     cannot resume a scheduled run where it stopped."""
     if SCHEDULER_KEY not in state:
         raise RuntimeError(f"checkpoint {ckpt_dir} holds no learning-rate schedule ({SCHEDULER_KEY}): it was saved "
-                       f"without one, so a resume could not continue the warm-up and decay where they stopped")
+                           f"without one, so a resume could not continue the warm-up and decay where they stopped")
     return state[SCHEDULER_KEY]
