@@ -11,7 +11,7 @@ An MoE layer replaces the MLP by the router (hidden x experts, on the tokens of 
 shard), the shared expert (TP-sharded) and the routed experts: top-k copies of each token through an
 expert's fc1 and fc2. Which rank computes a token's experts follows the routing, so an MoE rank's expert
 FLOPs are the balanced share (as if every expert received as many tokens): the sum over an EP group's ranks
-is exact, a rank's own count is not (moe_flops_exact says which totals to compare).
+is exact, a rank's own count is not (exact_groups says which totals to compare).
 Where kernels run that the counter cannot see (Transformer Engine's GEMMs, fused attention), this count
 stands in for it (step-perf says which one it used).
 """

@@ -34,13 +34,6 @@ class Retention:
     def per_save(self) -> float:
         return self.kept / self.saves if self.saves else 0.0
 
-    @property
-    def rss_growth_per_save(self) -> float:
-        """RSS growth over the saves after the first (the allocator's first growth excluded), per save."""
-        if len(self.rss_after) < 3:
-            return 0.0
-        return (self.rss_after[-1] - self.rss_after[1]) / (len(self.rss_after) - 2)
-
 
 def measure_retention(save: Callable[[int], None], saves: int, capture: Path) -> Retention:
     """Run save(i) for i in range(saves) under a memray tracker; what each allocated and still holds once the

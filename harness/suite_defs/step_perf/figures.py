@@ -74,12 +74,10 @@ def counters(result: CaseResult) -> dict[str, float]:
         for what, v in c.collectives.items():
             mine[f"{what}.calls"] = float(v["calls"])
             mine[f"{what}.bytes"] = float(v["bytes"])
-    case = result.case
-    if not case.model.moe:
-        return {f"rank{r}.{m}": v for r, metrics in per_rank.items() for m, v in metrics.items()}
+    model = result.case.model
     out: dict[str, float] = {}
-    for group in exact_groups(case.model, case.layout):
-        label = "ranks" + "+".join(str(g) for g in group)
+    for group in exact_groups(model, result.case.layout):  # a dense model's: each rank alone
+        label = "ranks" + "+".join(str(g) for g in group) if model.moe else f"rank{group[0]}"
         for member in group:
             for m, value in per_rank.get(member, {}).items():
                 out[f"{label}.{m}"] = out.get(f"{label}.{m}", 0.0) + value
