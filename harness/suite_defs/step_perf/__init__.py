@@ -11,7 +11,8 @@ Judged in the parent (judge.py) against baselines/<platform>/step-perf.json:
   DP gradient reductions issued during backward (overlap) - no noise, no tolerance;
 - step time and exposed communication, statistically: the steady-state samples against the baseline's
   stored samples (ratio of medians, bootstrap CI, Mann-Whitney U; harness/checks/timing.py), failing
-  only when a slowdown is significant and beyond the minimum effect.
+  only when a slowdown is significant and beyond the minimum effect, and beyond what other processes using
+  the machine meanwhile explain (harness/probes/cpu_share.py).
 
 The package: params.py (the matrix and StepPerfParams), rank.py (what a rank runs), figures.py (what is read
 from the ranks' results), judge.py (the checks), suite.py (the Suite the registry names).

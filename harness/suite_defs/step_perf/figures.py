@@ -7,10 +7,14 @@ import statistics
 
 from harness.checks.timing import TIMED_METRICS
 from harness.launch.results import CaseResult, RankResult
+from harness.probes import cpu_share
+from harness.probes.cpu_share import ForeignLoad
 from harness.spec import Case
 from harness.suite_defs.step_perf.payload import StepPerfRankData
 
-TIMED = (*TIMED_METRICS, "calibration_ms")  # judged by statistics on samples; the rest are exact counters
+TIMED = (*TIMED_METRICS, "calibration_ms")  # judged by statistics on samples
+FOREIGN = "foreign_cpu_share"  # others' share of the machine's CPUs while the steps were timed
+NOT_COUNTERS = (*TIMED, FOREIGN)  # the rest of a baseline entry are exact counters
 
 
 def rank_data(rank: RankResult) -> StepPerfRankData:
@@ -35,6 +39,12 @@ def exposed_ms(result: CaseResult) -> list[float]:
     """Per timed step: the largest exposed DP communication (grad-sync + param-gather) over ranks, ms."""
     per_rank = [[s.exposed_comm_s for s in rank_data(r).steps] for r in result.ranks]
     return [1000 * max(col) for col in zip(*per_rank)]
+
+
+def foreign_load(result: CaseResult) -> ForeignLoad | None:
+    """Who else used the machine while the case's steps were timed; None where that was not measured."""
+    windows = [w for w in (rank_data(r).cpu for r in result.ranks) if w is not None]
+    return cpu_share.foreign_load(windows)
 
 
 def calibration_ms(result: CaseResult) -> float:

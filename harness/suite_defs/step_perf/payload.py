@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.probes.cpu_share import CpuWindow
 from harness.probes.timers import StepTiming
 
 
@@ -26,3 +27,4 @@ class StepPerfRankData:
     plain_s: list[float] = field(default_factory=list)  # --overhead: the uninstrumented steps paired with them
     coords: dict[str, int] = field(default_factory=dict)  # the rank's place in the layout
     device: dict[str, Any] = field(default_factory=dict)  # GPU ranks: name, max_allocated, tf32
+    cpu: CpuWindow | None = None  # the machine's CPU time over the timed steps (None off Linux)

@@ -1,5 +1,6 @@
 """step-perf's work in a rank: warm-up steps, the calibration workload, the timed steps (with --overhead each
-paired with an uninstrumented one), then one untimed step with the counters installed."""
+paired with an uninstrumented one; the machine's CPU time over them, to see who else used it), then one untimed
+step with the counters installed."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def rank_work(case: Case, ctx: RankContext) -> StepPerfRankData:
     import torch.distributed as dist
 
     from harness.platform.parallel import layout_coords
+    from harness.probes.cpu_share import cpu_window
     from harness.probes.timers import PhaseTimer, calibrate
 
     engine = make_engine(case, ctx)
@@ -52,7 +54,7 @@ def rank_work(case: Case, ctx: RankContext) -> StepPerfRankData:
     overhead = isinstance(case.params, StepPerfParams) and case.params.overhead
     order = random.Random(case.options.seed)  # the same draws on every rank: their barriers pair up
     step = warmup
-    with ctx.phase("steps"):
+    with ctx.phase("steps"), cpu_window() as cpu:
         for _ in range(timed):
             kinds = ["timed", "plain"] if overhead else ["timed"]
             order.shuffle(kinds)
@@ -73,4 +75,4 @@ def rank_work(case: Case, ctx: RankContext) -> StepPerfRankData:
 
         device = {"name": torch.cuda.get_device_name(), "max_allocated": torch.cuda.max_memory_allocated(),
                   "tf32": torch.backends.cuda.matmul.allow_tf32}  # fp32 matmuls on tensor cores
-    return StepPerfRankData(steps, calibration, counters, plain, layout_coords(), device)
+    return StepPerfRankData(steps, calibration, counters, plain, layout_coords(), device, cpu[0] if cpu else None)

@@ -11,9 +11,10 @@ from harness.checks.timing import MIN_EFFECT, Comparison
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import expert_matrix, validate
+from harness.probes.cpu_share import FOREIGN_LIMIT
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.step_perf import figures, judge, rank
-from harness.suite_defs.step_perf.figures import TIMED
+from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, TIMED
 from harness.suite_defs.step_perf.params import CPU_BUCKET_ELEMS, DEFAULT_LAYOUTS, OPTION_SETS, SUITE, StepPerfParams
 from harness.suite_defs.step_perf.payload import StepPerfRankData
 
@@ -107,9 +108,11 @@ class StepPerfSuite:
     def samples(self, result: CaseResult) -> dict[str, float]:
         """Baselined figures: the counters, and the medians of the timed figures (their raw samples are
         stored beside them by raw_samples)."""
+        load = figures.foreign_load(result)
         return {**figures.counters(result), "step_time_ms": statistics.median(figures.step_ms(result)),
                 "exposed_comm_ms": statistics.median(figures.exposed_ms(result)),
-                "calibration_ms": figures.calibration_ms(result)}
+                "calibration_ms": figures.calibration_ms(result),
+                **({figures.FOREIGN: round(load.share, 3)} if load else {})}
 
     def raw_samples(self, result: CaseResult) -> dict[str, list[float]]:
         return {"step_time_ms": figures.step_ms(result), "exposed_comm_ms": figures.exposed_ms(result)}
@@ -121,10 +124,15 @@ class StepPerfSuite:
 
     def noisy_metrics(self, samples: dict[str, dict[str, list[float]]]) -> list[str]:
         """A counter that differs between repeats cannot be judged exactly: the work of a step is not
-        deterministic (timed figures vary by nature and are judged by statistics)."""
-        return [f"{key} {metric}: a counter that differs between repeats ({', '.join(f'{v:g}' for v in values)})"
-                for key, metrics in sorted(samples.items()) for metric, values in sorted(metrics.items())
-                if metric not in TIMED and len(set(values)) > 1]
+        deterministic (timed figures vary by nature and are judged by statistics); a step time measured
+        while other processes used the machine is no baseline of the code."""
+        varying = [f"{key} {metric}: a counter that differs between repeats ({', '.join(f'{v:g}' for v in values)})"
+                   for key, metrics in sorted(samples.items()) for metric, values in sorted(metrics.items())
+                   if metric not in NOT_COUNTERS and len(set(values)) > 1]
+        busy = [f"{key}: other processes used {max(m[FOREIGN]):.0%} of the machine's CPUs while its steps were "
+                f"timed (at most {FOREIGN_LIMIT:.0%}); stop them or record on a quiet machine"
+                for key, m in sorted(samples.items()) if max(m.get(FOREIGN, [0.0])) > FOREIGN_LIMIT]
+        return varying + busy
 
     # -- checks (judge.py) ------------------------------------------------------------------------
     def check(self, results: list[CaseResult], params: StepPerfParams | None = None) -> list[CheckResult]:
