@@ -3,6 +3,7 @@ baselines/<platform>/<suite>.json (harness/baselines.py reads, compares and writ
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.baselines import ABS_FLOOR, REL_TOLERANCE, baseline_path, build_entries, noisy_metrics, write
@@ -59,3 +60,49 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     policy = suite if isinstance(suite, RecordingPolicy) else None
     entries = build_entries(samples, policy.tolerance if policy else None, raw, policy.digits if policy else 3)
     return path, write(path, suite.name, platform, entries, provenance)
+
+
+@dataclass(frozen=True)
+class MissingBaselines:
+    """A run of the regression suites whose platform file lacks entries of its planned cases."""
+
+    suite: str
+    model: str
+    missing: list[str]  # baseline keys
+    planned: int  # baselined cases the run plans
+    path: Path
+
+
+def missing_baselines(world_size: int, backend: str, baselines_dir: str | None = None,
+                      suite: str | None = None) -> list[MissingBaselines]:
+    """The regression suites' runs (suite_defs.REGRESSION_RUNS) with baselines, on this backend and world size,
+    whose platform file lacks an entry of a case they plan; planned only, nothing runs. A run whose model does
+    not fit here or needs what is not installed is left out (its suite skips it too)."""
+    from harness import baselines
+    from harness.driver import planned_run
+    from harness.errors import DoesNotFit, MissingDependency
+    from harness.platform import detect_platform, resolve_backend
+    from harness.suite_defs import REGRESSION_RUNS, Baselined, PartlyBaselined, get_suite
+
+    backend = resolve_backend(backend, world_size)
+    platform = detect_platform(backend).key
+    out = []
+    for run in REGRESSION_RUNS:
+        if (suite and run.suite != get_suite(suite).name) or (run.cpu_only and backend != "gloo"):
+            continue
+        if not isinstance(get_suite(run.suite), Baselined):
+            continue
+        try:
+            found, _, cases = planned_run(run.suite, run.model, world_size, backend=backend,
+                                          baselines_dir=baselines_dir)
+        except (DoesNotFit, MissingDependency):
+            continue
+        assert isinstance(found, Baselined)
+        path = baselines.baseline_path(baselines_dir, platform, found.name)
+        entries = baselines.load(path).get("entries", {})
+        looked_up = [c for c in cases if not isinstance(found, PartlyBaselined) or found.baselined(c)]
+        keys = list(dict.fromkeys(found.key(c) for c in looked_up))
+        missing = [k for k in keys if k not in entries]
+        if missing:
+            out.append(MissingBaselines(found.name, looked_up[0].model.name, missing, len(keys), path))
+    return out

@@ -86,3 +86,91 @@ def test_diff_against_git_and_against_a_file(tmp_path, capsys):
     assert cli.main(["baselines", "diff", "--suite", "ckpt-memory", "--baselines-dir", str(tmp_path),
                      "--against", "no-such-rev"]) == 2
     assert "cannot read cpu-gloo/ckpt-memory.json at revision 'no-such-rev'" in capsys.readouterr().err
+
+
+# -- record --missing: what the regression suites look for and a platform lacks ------------------------------
+
+def test_the_committed_cpu_baselines_hold_every_entry_the_cpu_suite_looks_for():
+    """`nox -s cpu-suite` (gloo, world size 4) finds an entry for every baselined case it runs; planned only."""
+    assert recording.missing_baselines(4, "gloo") == []
+
+
+def test_an_empty_platform_lacks_every_baselined_run_of_the_regression_suites(tmp_path):
+    from harness.suite_defs import REGRESSION_RUNS, Baselined, get_suite
+
+    todo = recording.missing_baselines(4, "gloo", str(tmp_path))
+    assert {(m.suite, m.model) for m in todo} == {
+        (r.suite, r.model or get_suite(r.suite).default_model) for r in REGRESSION_RUNS
+        if isinstance(get_suite(r.suite), Baselined)}
+    assert all(len(m.missing) == m.planned and m.path.parent == tmp_path / "cpu-gloo" for m in todo)
+    saves = next(m for m in todo if (m.suite, m.model) == ("ckpt-memory", "small"))
+    # the contract's loads (at half the DP, among others) are judged against the saved values, not a baseline
+    assert len(saves.missing) == 19 and not any(k.startswith("small/tp1-pp1-cp1-dp2/") for k in saves.missing)
+
+
+def _fake_recorder(monkeypatch, refuse: str = ""):
+    """record_suite writing one entry per planned key of the run (refusing the suite `refuse`, as a noisy or busy
+    machine is refused); what it was asked to record."""
+    from harness.driver import planned_run
+    from harness.suite_defs import PartlyBaselined
+
+    asked = []
+
+    def record_suite(suite, model, world_size, layout_ids=None, *, repeats=3, baselines_dir=None, backend="auto"):
+        asked.append((suite, model, world_size, layout_ids, repeats, backend))
+        if suite == refuse:
+            raise RuntimeError("not recording: 1 metric(s) too noisy to baseline")
+        found, _, cases = planned_run(suite, model, world_size, backend=backend, baselines_dir=baselines_dir)
+        path = baselines.baseline_path(baselines_dir, "cpu-gloo", found.name)
+        keys = {found.key(c) for c in cases if not isinstance(found, PartlyBaselined) or found.baselined(c)}
+        data = baselines.load(path)
+        entries = {**data.get("entries", {}), **baselines.build_entries({k: {"m": [1.0] * 3} for k in keys})}
+        return path, baselines.write(path, found.name, "cpu-gloo", entries, data.get("provenance", {}))
+
+    monkeypatch.setattr(recording, "record_suite", record_suite)
+    return asked
+
+
+def test_record_missing_records_each_lacking_run_then_finds_nothing(tmp_path, monkeypatch, capsys):
+    asked = _fake_recorder(monkeypatch)
+    argv = ["baselines", "record", "--missing", "--backend", "gloo", "--world-size", "2", "--baselines-dir",
+            str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "step-perf tiny-moe: 7 of 7 entries missing from " in out
+    assert out.rstrip().endswith("recorded every missing baseline of the regression suites at world size 2 (8 runs)")
+    assert ("golden", "tiny-moe", 2, None, 3, "gloo") in asked and len(asked) == 8
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.startswith("nothing missing: every baseline the regression suites look for at "
+                                              "world size 2 is recorded")
+
+
+def test_record_missing_goes_on_past_a_refused_run_and_exits_1_naming_it(tmp_path, monkeypatch, capsys):
+    asked = _fake_recorder(monkeypatch, refuse="step-perf")
+    code = cli.main(["baselines", "record", "--missing", "--backend", "gloo", "--world-size", "2", "--baselines-dir",
+                     str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and len(asked) == 8
+    assert err.rstrip().endswith("harness: error: 2 of 8 runs not recorded:\n"
+                                 "  step-perf small: not recording: 1 metric(s) too noisy to baseline\n"
+                                 "  step-perf tiny-moe: not recording: 1 metric(s) too noisy to baseline")
+    assert [(m.suite, m.model) for m in recording.missing_baselines(2, "gloo", str(tmp_path))] == [
+        ("step-perf", "small"), ("step-perf", "tiny-moe")]
+
+
+def test_the_regression_runs_are_what_the_suites_run():
+    """harness.suite_defs.REGRESSION_RUNS, which `record --missing` records, against suites/test_*.py: every
+    suite_runner call's suite and model, and the runs skipped off CPU ranks."""
+    import re
+    from pathlib import Path
+
+    from harness.suite_defs import REGRESSION_RUNS
+
+    runs, cpu_only = set(), set()
+    for path in sorted((Path(__file__).resolve().parents[1] / "suites").glob("test_*.py")):
+        text = path.read_text()
+        for suite, model in re.findall(r'suite_runner\("([a-z-]+)"(?:[^)]*?model="([a-z0-9-]+)")?', text):
+            runs.add((suite, model or None))
+        cpu_only |= set(re.findall(r'skip_off_cpu\("([a-z-]+)", "([a-z0-9-]+)"', text))
+    assert {(r.suite, r.model) for r in REGRESSION_RUNS} == runs
+    assert {(r.suite, r.model) for r in REGRESSION_RUNS if r.cpu_only} == cpu_only

@@ -15,7 +15,10 @@ def add_parser(sub) -> None:
                                    "(refused when a metric is too noisy); check: run and compare; diff: the "
                                    "baseline file against git (--against REV, default HEAD) or another file (--old)")
     p.add_argument("action", choices=["record", "check", "diff"])
-    add_case_args(p)
+    add_case_args(p, suite_required=False)
+    p.add_argument("--missing", action="store_true",
+                   help="record: every baseline the regression suites (pytest suites) look for on this platform, "
+                        "world size and backend and lack, suite by suite (--suite: that suite's only)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--baselines-dir", default=None)
     p.add_argument("--platform", default=None, help="diff: platform key (default: this machine's, e.g. cpu-gloo)")
@@ -30,6 +33,10 @@ def main(args) -> int:
     from harness.recording import record_suite
     from harness.suite_defs import Baselined
 
+    if args.missing:
+        return record_missing(args)
+    if not args.suite:
+        raise BadInput("--suite is required (or, to record what this platform lacks: baselines record --missing)")
     if args.action == "diff":
         return diff(args)
     sel = CaseSelection.from_args(args)
@@ -72,4 +79,50 @@ def diff(args) -> int:
         old, what = baselines.load_at_revision(path, args.against), f"{path.name} at {args.against}"
     print(f"{what} -> {path}:")
     print(baselines.diff_entries(old.get("entries", {}), new["entries"], removed=True))
+    return 0
+
+
+def record_missing(args) -> int:
+    """`record --missing`: each run of the regression suites that lacks an entry here, its whole matrix recorded
+    (so a file's entries of one run come from one recording); exit 1 where a recording was refused."""
+    from harness.errors import DoesNotFit, MissingDependency
+    from harness.recording import missing_baselines, record_suite
+
+    if args.action != "record":
+        raise BadInput(f"--missing records what is missing: `harness baselines record --missing`, not {args.action}")
+    given = [flag for flag, value in (("--model", args.model), ("--layout", args.layout)) if value]
+    if given:
+        raise BadInput(f"--missing records the models and layouts the regression suites run; drop "
+                       f"{' and '.join(given)}")
+    if args.repeats < 3:
+        raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {args.repeats}")
+    if args.suite:
+        from harness.suite_defs import Baselined, get_suite
+
+        if not isinstance(get_suite(args.suite), Baselined):
+            raise BadInput(f"suite {args.suite!r} has no baselines")
+    todo = missing_baselines(args.world_size, args.backend, args.baselines_dir, args.suite)
+    if not todo:
+        print(f"nothing missing: every baseline the regression suites look for at world size {args.world_size} "
+              f"is recorded")
+        return 0
+    for m in todo:
+        print(f"{m.suite} {m.model}: {len(m.missing)} of {m.planned} entries missing from {m.path}", flush=True)
+    refused = []
+    for i, m in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] recording {m.suite} {m.model} ({args.repeats} repeats)", file=sys.stderr, flush=True)
+        try:
+            path, changes = record_suite(m.suite, m.model, args.world_size, repeats=args.repeats,
+                                         baselines_dir=args.baselines_dir, backend=args.backend)
+        except (RuntimeError, MissingDependency, DoesNotFit) as exc:
+            refused.append(f"{m.suite} {m.model}: {exc}")
+            print(f"harness: error: {m.suite} {m.model}: not recorded: {exc}", file=sys.stderr, flush=True)
+            continue
+        print(f"recorded {path}:\n{changes}", flush=True)
+    if refused:
+        print(f"harness: error: {len(refused)} of {len(todo)} runs not recorded:\n  " + "\n  ".join(
+            r.splitlines()[0] for r in refused), file=sys.stderr)
+        return 1
+    print(f"recorded every missing baseline of the regression suites at world size {args.world_size} "
+          f"({len(todo)} runs)")
     return 0

@@ -27,15 +27,16 @@ _PARAM_FLAGS = (("--ckpt-format", "formats", "ckpt_format"),
 DEFAULT_WORLD_SIZE = 4
 
 
-def add_case_args(p: argparse.ArgumentParser, compare: bool = False) -> None:
+def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_required: bool = True) -> None:
     """The flags that select a suite's cases (compare: the suite defaults to step-perf and --engine may be
-    given twice, A then B)."""
+    given twice, A then B; suite_required=False: the command checks --suite itself)."""
     if compare:
         p.add_argument("--suite", default="step-perf", help="step-perf (the suite whose step times are compared)")
         p.add_argument("--engine", action="append", help="A then B (twice), or the engine of both sides (once)")
     else:
-        p.add_argument("--suite", required=True, help="equivalence, grad-sync, ckpt-memory, dynamic-cp, step-perf, "
-                                                      "peft-ckpt, train-memory, golden, or package.module:Suite")
+        p.add_argument("--suite", required=suite_required,
+                       help="equivalence, grad-sync, ckpt-memory, dynamic-cp, step-perf, peft-ckpt, train-memory, "
+                            "golden, or package.module:Suite")
     p.add_argument("--model", default=None, help="model spec (default: the suite's CPU model, tiny or small)")
     p.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, help="ranks per case (default 4)")
     p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")

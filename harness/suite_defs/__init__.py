@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harness.errors import BadInput
@@ -36,6 +37,29 @@ MOE_MISSING = {
                  "gathered over EP",
     "dynamic-cp": "its packed-sequence engine builds dense layers only",
 }
+
+
+@dataclass(frozen=True)
+class RegressionRun:
+    """A run the regression suites (suites/test_*.py) make: a suite on a model (None: the suite's default for
+    the backend); cpu_only: its figures are recorded for CPU ranks only, so elsewhere it is skipped."""
+
+    suite: str
+    model: str | None = None
+    cpu_only: bool = False
+
+
+# Every run of the regression suites, beside each suite's own model the MoE ones (tests/test_house.py holds
+# suites/ to this list): what `harness baselines record --missing` records where a platform lacks it.
+REGRESSION_RUNS = (
+    RegressionRun("equivalence"), RegressionRun("equivalence", "tiny-moe"),
+    RegressionRun("grad-sync"), RegressionRun("grad-sync", "tiny-moe"),
+    RegressionRun("ckpt-memory"), RegressionRun("ckpt-memory", "tiny-moe"),
+    RegressionRun("dynamic-cp"), RegressionRun("peft-ckpt"),
+    RegressionRun("step-perf"), RegressionRun("step-perf", "tiny-moe", cpu_only=True),
+    RegressionRun("train-memory"), RegressionRun("train-memory", "small-moe", cpu_only=True),
+    RegressionRun("golden"), RegressionRun("golden", "tiny-moe", cpu_only=True),
+)
 # The model a suite runs on GPU ranks when none is given, where its CPU model says nothing there: `small` is
 # launch-bound on an H100 (0.2 TFLOP/s, MFU 0.0%), so step-perf times the 1B shape that fits one GPU.
 GPU_DEFAULT_MODELS = {"step-perf": "1b-2k"}
@@ -79,6 +103,13 @@ class Baselined(Protocol):
     def samples(self, result: CaseResult) -> dict[str, float]: ...
 
     def record_command(self, case: Case) -> str: ...
+
+
+@runtime_checkable
+class PartlyBaselined(Protocol):
+    """A baselined suite some of whose cases are judged without a baseline (ckpt-memory's contract loads)."""
+
+    def baselined(self, case: Case) -> bool: ...
 
 
 @runtime_checkable
