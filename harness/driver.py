@@ -30,6 +30,7 @@ from harness.suite_defs import (
     Parameterised,
     Suite,
     baselines_dir_of,
+    default_dtype,
     default_model,
     get_suite,
 )
@@ -64,10 +65,11 @@ def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layou
 
 
 def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
-                *, engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
+                *, engine: str = "mcore", backend: str = "auto", options: CaseOptions | None = None,
                 timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None):
     """(suite, params, cases) or BadInput, before anything runs or is written. model_name None: the suite's
-    default. suite_params: values of the suite's parameters (`suite.Params` fields, e.g. step-perf's
+    default; options None: the defaults, in the suite's dtype for the backend (default_dtype). suite_params:
+    values of the suite's parameters (`suite.Params` fields, e.g. step-perf's
     timed_steps). A suite with baselines has its baseline file parsed here (a corrupt one is refused
     before any rank)."""
     suite = get_suite(suite_name)
@@ -75,6 +77,8 @@ def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int
     if world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {world_size}")
     backend = resolve_backend(backend, world_size)
+    if options is None:
+        options = CaseOptions(dtype=default_dtype(suite.name, backend))
     model = load_model(model_name or default_model(suite, backend))
     if model.moe and suite.name not in MOE_SUITES:
         why = MOE_MISSING.get(suite.name, "its plans know dense models only")
@@ -119,7 +123,7 @@ def refuse_what_does_not_fit(cases: list[Case], backend: str, world_size: int) -
 
 
 def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
-              engine: str = "mcore", backend: str = "auto", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: str = "auto", options: CaseOptions | None = None,
               timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
               fresh_ranks: bool = False, shuffle_seed: int | None = None,
               baselines_dir: str | None = None, suite_params: dict | None = None, out_dir: Path | None = None,

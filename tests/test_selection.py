@@ -106,3 +106,43 @@ def test_out_of_range_values_are_bad_input(argv, message):
     with pytest.raises(BadInput) as exc:
         _parse("--suite", "step-perf", *argv)
     assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("gpus,argv,dtype,round_trip", [
+    (0, [], "fp32", []),  # gloo ranks: fp32
+    (1, ["--world-size", "1"], "bf16", ["--world-size", "1"]),  # NCCL ranks: step-perf in bf16 ...
+    (1, ["--world-size", "1", "--dtype", "fp32"], "fp32", ["--world-size", "1", "--dtype", "fp32"]),  # ... unless asked
+    (1, ["--world-size", "1", "--backend", "gloo"], "fp32", ["--world-size", "1", "--backend", "gloo"]),
+])
+def test_step_perf_trains_in_bf16_on_gpu_ranks_unless_told(monkeypatch, gpus, argv, dtype, round_trip):
+    monkeypatch.setattr("harness.platform.backend.cuda_device_count", lambda: gpus)
+    sel = _parse("--suite", "step-perf", *argv)
+    assert sel.options.dtype == dtype
+    assert sel.to_argv() == ["--suite", "step-perf", *round_trip]
+    assert _parse(*sel.to_argv()) == sel
+    assert _parse("--suite", "golden", *argv).options.dtype == "fp32"  # numerics stay at fp32 tolerances
+
+
+def test_a_run_without_options_trains_in_the_suites_dtype_for_the_backend(monkeypatch):
+    """run_suite / planned_run without options (the pytest suites, record --missing): step-perf's cases on NCCL
+    ranks in bf16, their baseline key and record command naming it only where it is not the default."""
+    import dataclasses
+
+    from harness import driver
+    from harness.suite_defs.step_perf import figures
+
+    monkeypatch.setattr(driver, "resolve_backend", lambda backend, world_size: backend)
+    monkeypatch.setattr(driver, "refuse_what_does_not_fit", lambda cases, backend, world_size: None)
+    monkeypatch.setattr("harness.platform.detect_platform",
+                        lambda backend: type("P", (), {"key": "nccl-test" if backend == "nccl" else "cpu-gloo"}))
+    _, _, cases = driver.planned_run("step-perf", "tiny", 1, backend="nccl")
+    assert {c.options.dtype for c in cases} == {"bf16"}
+    assert figures.key(cases[0]) == "tiny/tp1-pp1-cp1-dp1/distopt=0,overlap=0/bf16"
+    assert not figures.record_command(cases[0]).endswith("--dtype bf16")
+    fp32 = dataclasses.replace(cases[0], options=dataclasses.replace(cases[0].options, dtype="fp32"))
+    assert figures.key(fp32) == "tiny/tp1-pp1-cp1-dp1/distopt=0,overlap=0"
+    assert figures.record_command(fp32).endswith("--layout tp1-pp1-cp1-dp1 --dtype fp32")
+    _, _, golden = driver.planned_run("golden", "tiny", 1, backend="nccl")
+    assert {c.options.dtype for c in golden} == {"fp32"}
+    _, _, cpu = driver.planned_run("step-perf", "tiny", 1, backend="gloo")
+    assert {c.options.dtype for c in cpu} == {"fp32"}

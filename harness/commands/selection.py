@@ -45,7 +45,8 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--steps", type=int, default=_OPTION_DEFAULTS.steps)
     p.add_argument("--seed", type=int, default=_OPTION_DEFAULTS.seed)
-    p.add_argument("--dtype", default=_OPTION_DEFAULTS.dtype, choices=["fp32", "bf16"])
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                   help="default fp32; step-perf on NCCL ranks bf16 (mixed precision, as Megatron users train)")
     p.add_argument("--distributed-optimizer", action="store_true", help="use_distributed_optimizer=True")
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--recompute", default=_OPTION_DEFAULTS.recompute, choices=["", "full", "selective"],
@@ -130,7 +131,13 @@ class CaseSelection:
         engine = args.engine or "mcore"
         if isinstance(engine, list):  # compare: A then B
             engine = engine[0]
-        options = CaseOptions(**{name: getattr(args, dest) for _, name, dest in _OPTION_FLAGS})
+        given = {name: getattr(args, dest) for _, name, dest in _OPTION_FLAGS}
+        if given["dtype"] is None:  # the suite's for the backend (GPU ranks: step-perf in bf16)
+            from harness.platform import resolve_backend
+            from harness.suite_defs import default_dtype
+
+            given["dtype"] = default_dtype(args.suite, resolve_backend(args.backend, args.world_size))
+        options = CaseOptions(**given)
         return cls(suite=args.suite, model=args.model, world_size=args.world_size, layouts=tuple(args.layout or ()),
                    engine=engine, backend=args.backend, options=options, timeout=args.timeout, suite_params=params)
 
@@ -162,8 +169,13 @@ class CaseSelection:
         add("layout", "--layout", self.layouts, ())
         add("engine", "--engine", self.engine, "mcore")
         add("backend", "--backend", self.backend, "auto")
+        from harness.platform import resolve_backend
+        from harness.suite_defs import default_dtype
+
+        defaults = {**vars(_OPTION_DEFAULTS),
+                    "dtype": default_dtype(self.suite, resolve_backend(self.backend, self.world_size))}
         for flag, name, dest in _OPTION_FLAGS:
-            add(dest, flag, getattr(self.options, name), getattr(_OPTION_DEFAULTS, name))
+            add(dest, flag, getattr(self.options, name), defaults[name])
         add("timeout", "--timeout", self.timeout)
         for flag, name, dest in _PARAM_FLAGS:
             add(dest, flag, self.suite_params.get(name))

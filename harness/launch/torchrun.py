@@ -50,13 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     from harness.broken_env import broken_environment
     from harness.driver import planned_run, with_outputs
     from harness.platform.parallel import release_memory
+    from harness.suite_defs import default_dtype
     from harness.suite_run import SuiteRun
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         suite_params = {"timed_steps": args.timed_steps} if args.timed_steps is not None else None
         suite, params, cases = planned_run(args.suite, args.model, world, args.layout, engine=args.engine,
-                                           backend=backend, options=CaseOptions(steps=args.steps),
+                                           backend=backend, options=CaseOptions(
+                                               steps=args.steps, dtype=default_dtype(args.suite, backend)),
                                            timeout_s=args.timeout, suite_params=suite_params,
                                            baselines_dir=args.baselines_dir)
     except BadInput as exc:

@@ -65,6 +65,17 @@ REGRESSION_RUNS = (
 GPU_DEFAULT_MODELS = {"step-perf": "1b-2k"}
 
 
+# The dtype a suite's cases train in on GPU ranks when none is given: step-perf times steps as Megatron users
+# train them, in bf16 mixed precision (docs/gpu-nodes.md has the fp32 and bf16 figures of one H100); fp32 stays
+# the CPU tier's and where numerics are compared at fp32 tolerances.
+GPU_DEFAULT_DTYPES = {"step-perf": "bf16"}
+
+
+def default_dtype(suite_name: str, backend: str) -> str:
+    """The dtype a suite's cases train in when none is given: fp32, or on NCCL ranks the suite's GPU one."""
+    return GPU_DEFAULT_DTYPES.get(suite_name, "fp32") if backend == "nccl" else "fp32"
+
+
 def default_model(suite: Suite, backend: str) -> str:
     """The model a suite runs when none is given: its own (sized for CPU ranks), or on NCCL ranks its GPU one."""
     return GPU_DEFAULT_MODELS.get(suite.name, suite.default_model) if backend == "nccl" else suite.default_model

@@ -115,14 +115,17 @@ def flops_used(result: CaseResult) -> tuple[list[int], str]:
 
 
 def key(case: Case) -> str:
-    """The case's entry in baselines/<platform>/step-perf.json."""
+    """The case's entry in baselines/<platform>/step-perf.json (its dtype named where it is not fp32)."""
     o = case.options
     return (f"{case.model.name}/{case.layout.id}/distopt={int(o.use_distributed_optimizer)}"
-            f",overlap={int(o.overlap_grad_reduce)}")
+            f",overlap={int(o.overlap_grad_reduce)}" + (f"/{o.dtype}" if o.dtype != "fp32" else ""))
 
 
 def record_command(case: Case) -> str:
     from harness import baselines
+    from harness.suite_defs import default_dtype
 
+    dtype = case.options.dtype
     return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
-            + f" --layout {case.layout.id}" + (f" --engine {case.engine}" if case.engine != "mcore" else ""))
+            + f" --layout {case.layout.id}" + (f" --engine {case.engine}" if case.engine != "mcore" else "")
+            + (f" --dtype {dtype}" if dtype != default_dtype(case.suite, case.backend) else ""))
