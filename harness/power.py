@@ -1,9 +1,11 @@
 """`harness power`: the detection power of step time judgements, measured by planting slowdowns.
 
-Planted engines (`harness.power:Step05`, `harness.power:Comm10`, ...) busy-wait a fraction of their own
-median warm-up step after the warm-up: in every step on every rank (`Step*`: the step got slower) or inside
-the gradient sync (`Comm*`: the communication alone). Each size runs `trials` times, in a random order per
-trial so the machine's drift falls on every size alike:
+Planted engines (`harness.power:Step05`, `harness.power:Comm10`, ...) wait a fraction of their own median
+warm-up step after the warm-up: in every step on every rank (`Step*`: the step got slower) or inside the
+gradient sync (`Comm*`: the communication alone). On CPU ranks the wait is a busy loop; on GPU ranks it is a
+device-side wait on the rank's stream (`torch.cuda._sleep`, in clock cycles measured per rank), since a wait
+on the host would overlap the kernels already queued and not slow the step. It runs on the node's backend.
+Each size runs `trials` times, in a random order per trial so the machine's drift falls on every size alike:
 - against a baseline: step-perf's time check against a baseline of the unplanted engine recorded here at the
   start (3 repeats), at the tier's minimum effect - detected = a regression;
 - interleaved: `harness compare` A = mcore, B = planted, `rounds` rounds - detected = B significantly slower.
@@ -26,10 +28,48 @@ SIZES = (0.0, 0.03, 0.05, 0.10, 0.25)
 WHERE = ("step", "comm")
 
 
+def busy_wait(seconds: float) -> None:
+    """The host's wait: busy, not asleep (a sleeping rank hands its core to the others on 2 cores)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class DeviceWait:
+    """A wait enqueued on the device: `sleep(cycles)` spins the GPU for that many clock cycles on the current
+    stream; the cycles per second are measured once (`timed(cycles)` gives the seconds a sleep of them took on
+    the device). On GPU ranks torch.cuda._sleep timed by CUDA events; tests stand in for both."""
+
+    CALIBRATION_CYCLES = 50_000_000
+
+    def __init__(self, sleep: Callable[[int], None], timed: Callable[[int], float]):
+        self.sleep = sleep
+        self.cycles_per_s = self.CALIBRATION_CYCLES / max(timed(self.CALIBRATION_CYCLES), 1e-9)
+
+    def __call__(self, seconds: float) -> None:
+        if seconds > 0:
+            self.sleep(int(seconds * self.cycles_per_s))
+
+    @classmethod
+    def on_gpu(cls) -> DeviceWait:
+        import torch
+
+        def timed(cycles: int) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)  # warm: the first launch pays for the kernel's load
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+
+        return cls(torch.cuda._sleep, timed)
+
+
 class PlantedSlowdown(McoreEngine):
-    """Busy-waits SIZE x the median of its own warm-up steps per step after the warm-up, in the step (WHERE
-    "step") or inside finalize_model_grads, the gradient sync the step waits for ("comm"). Busy, not asleep:
-    a sleeping rank hands its core to the others on 2 cores."""
+    """Waits SIZE x the median of its own warm-up steps per step after the warm-up, in the step (WHERE "step")
+    or inside finalize_model_grads, the gradient sync the step waits for ("comm"): busy on CPU ranks, on the
+    device on GPU ranks."""
 
     SIZE = 0.0
     WHERE = "step"
@@ -39,12 +79,14 @@ class PlantedSlowdown(McoreEngine):
         self._own: list[float] = []
         self._wait_s = 0.0
         self._wrapped = False
+        self._on_cpu = ctx.on_cpu
+        self._wait: Callable[[float], None] = busy_wait if ctx.on_cpu else DeviceWait.on_gpu()
 
-    @staticmethod
-    def _busy(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+    def _sync(self) -> None:
+        if not self._on_cpu:
+            import torch
+
+            torch.cuda.synchronize()
 
     def wait_s(self) -> float:
         """The wait planted in every step after the warm-up: SIZE x the median of the warm-up steps."""
@@ -55,7 +97,7 @@ class PlantedSlowdown(McoreEngine):
             finalize = self.config.finalize_model_grads_func
 
             def waiting(*args, **kwargs):
-                self._busy(self._wait_s)
+                self._wait(self._wait_s)
                 return finalize(*args, **kwargs)
 
             self.config.finalize_model_grads_func = waiting
@@ -63,12 +105,15 @@ class PlantedSlowdown(McoreEngine):
         warmup = self.case.options.warmup_steps
         self._wait_s = self.wait_s() if step >= warmup and self._own else 0.0
         if self.WHERE == "step":
-            self._busy(self._wait_s)
-        t0 = time.perf_counter()
-        out = super().train_step(step)
-        if step < warmup:
+            self._wait(self._wait_s)
+        if step < warmup:  # the warm-up steps' own time, the device's work included
+            self._sync()
+            t0 = time.perf_counter()
+            out = super().train_step(step)
+            self._sync()
             self._own.append(time.perf_counter() - t0)
-        return out
+            return out
+        return super().train_step(step)
 
 
 def engine_name(where: str, size: float) -> str:
@@ -109,7 +154,8 @@ class Tally:
 
 
 def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int, timed_steps: int,
-              modes: tuple[str, ...], say: Callable[[str], None]) -> list[Tally]:
+              modes: tuple[str, ...], say: Callable[[str], None], backend: str = "gloo") -> list[Tally]:
+    """Each planted size `trials` times per mode on `backend`'s ranks, judged at that tier's minimum effects."""
     import argparse
 
     from harness.checks.timing import MIN_EFFECT_INTERLEAVED
@@ -118,8 +164,11 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     from harness.driver import run_suite
     from harness.recording import record_suite
     from harness.spec import CaseOptions
+    from harness.suite_defs import default_dtype
 
-    options = CaseOptions(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    tier = "gpu" if backend == "nccl" else "cpu"
+    options = CaseOptions(use_distributed_optimizer=True, overlap_grad_reduce=True,
+                          dtype=default_dtype("step-perf", backend))
     params = {"timed_steps": timed_steps, "option_sets": ((True, True),)}
     tallies: dict[tuple, Tally] = {}
     rng = random.Random(0)
@@ -130,14 +179,14 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
         # case (measured on `small` at world size 2: 64 -> 382 threads, 290 -> 986 MiB RSS per rank over 12
         # step-perf cases, step time +5-9%), so trials late in a warm pool read as slower than a baseline
         # recorded in its first cases - a drift of the pool's age, not of the planted size.
-        record_suite("step-perf", model, world_size, [layout], baselines_dir=baselines, backend="gloo",
+        record_suite("step-perf", model, world_size, [layout], baselines_dir=baselines, backend=backend,
                      options=options, suite_params=params, fresh_ranks=True)
         plan = [(w, s) for w in WHERE for s in SIZES]
         for trial in range(trials):
             rng.shuffle(plan)
             for where, size in plan:
                 engine = f"harness.power:{engine_name(where, size)}"
-                run = run_suite("step-perf", model, world_size, [layout], engine=engine, backend="gloo",
+                run = run_suite("step-perf", model, world_size, [layout], engine=engine, backend=backend,
                                 options=options, baselines_dir=baselines, suite_params=params, fresh_ranks=True,
                                 progress=lambda msg: None).stop_if_interrupted()
                 time_check = next(c for c in run.checks if c.check == "step-perf.time")
@@ -149,7 +198,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                     "cannot tell" if time_check.inconclusive else "not detected"
                 say(f"trial {trial + 1}/{trials} vs baseline {where} +{size:.0%}: {verdict} ({time_check.message})")
     if "compare" in modes:
-        sel = CaseSelection("step-perf", model, world_size, (layout,), backend="gloo", options=options)
+        sel = CaseSelection("step-perf", model, world_size, (layout,), backend=backend, options=options)
         sizes = list(SIZES)
         for trial in range(trials):
             rng.shuffle(sizes)
@@ -158,7 +207,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                 a = Side("A=mcore", "mcore")
                 b = Side(f"B=+{size:.0%}", f"harness.power:{engine_name('step', size)}")
                 samples_a, samples_b, _ = run_rounds(a, b, sel, args, lambda msg: None)
-                step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED["cpu"]).values()))
+                step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED[tier]).values()))
                 t = tallies.setdefault(("interleaved", "step", size), Tally("interleaved", "step", size))
                 t.trials += 1
                 t.hits += int(step.slower)

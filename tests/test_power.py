@@ -31,3 +31,27 @@ def test_every_planted_size_is_an_engine_ranks_can_import():
 def test_bad_input_is_refused_before_anything_runs(argv, capsys):
     assert cli.main(["power", *argv]) == 2
     assert capsys.readouterr().err.strip()
+
+
+def test_power_on_nccl_ranks_without_gpus_is_refused_naming_them(capsys):
+    assert cli.main(["power", "--backend", "nccl", "--world-size", "1"]) == 2
+    assert "backend nccl needs one GPU per rank: world size 1 but 0 GPU(s) visible" in capsys.readouterr().err
+
+
+def test_a_device_wait_asks_the_device_for_the_cycles_of_the_planted_seconds():
+    """The GPU ranks' planted wait, with stand-ins for torch.cuda._sleep and its CUDA-event timing: the rate is
+    measured once from a timed sleep, and each wait asks for seconds x that rate, in whole cycles."""
+    from harness.power import DeviceWait
+
+    slept, timed = [], []
+
+    def timed_sleep(cycles: int) -> float:  # the device took 0.04 s for them: 1.25e9 cycles/s
+        timed.append(cycles)
+        return 0.04
+
+    wait = DeviceWait(slept.append, timed_sleep)
+    assert timed == [DeviceWait.CALIBRATION_CYCLES] and wait.cycles_per_s == pytest.approx(1.25e9)
+    wait(0.2)
+    wait(0.0)  # nothing planted: nothing enqueued
+    assert slept == [250_000_000]
+

@@ -17,6 +17,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved: rounds per side per comparison (default 3)")
     p.add_argument("--timed-steps", type=int, default=12, help="timed steps per run / round (default 12)")
     p.add_argument("--mode", action="append", choices=["baseline", "compare"], help="default: both")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="the node's ranks (auto: one GPU per rank where there are GPUs enough, else gloo); on GPU "
+                        "ranks the planted wait runs on the device")
     p.set_defaults(func=main)
 
 
@@ -31,10 +34,13 @@ def main(args) -> int:
                        f"{args.trials}, {args.rounds}, {args.timed_steps}, {args.world_size}")
     layout = Layout.parse(args.layout) if args.layout else Layout(dp=args.world_size)
     validate(layout, load_model(args.model), args.world_size)
+    from harness.platform import resolve_backend
     from harness.power import run_power
 
+    backend = resolve_backend(args.backend, args.world_size)
+    say(f"planting on {backend} ranks ({'device-side waits' if backend == 'nccl' else 'busy waits on the host'})")
     tallies = run_power(args.model, args.world_size, layout.id, args.trials, args.rounds, args.timed_steps,
-                        tuple(args.mode or ("baseline", "compare")), say)
+                        tuple(args.mode or ("baseline", "compare")), say, backend)
     print(table(["judged", "planted in", "slowdown", "hits", "rate [95% Wilson]", "cannot tell"],
                 [t.row() for t in tallies]))
     return 0
