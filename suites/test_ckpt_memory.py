@@ -17,7 +17,7 @@ def test_every_check_passes(ckpt_run, judge):
     judge(ckpt_run)
 
 
-@pytest.mark.parametrize("check", ["contract", "model", "baseline", "retained", "reshard", "save-side-effects"])
+@pytest.mark.parametrize("check", ["contract", "model", "baseline", "retained", "reshard", "load", "save-side-effects"])
 def test_save_memory(ckpt_run, judge, check):
     judge(ckpt_run, f"ckpt-memory.{check}")
 

@@ -157,3 +157,15 @@ class LoadLeavesExpertOptimizerFresh(McoreEngine):
             for st in opt.optimizer.state.values():
                 st["exp_avg"].zero_()
                 st["exp_avg_sq"].zero_()
+
+
+class LoadKeepsASecondCopyOfTheOptimizerState(McoreEngine):
+    """The load materialises the optimizer state twice (Megatron-Bridge PR #4936's shape, on the host): a copy of
+    every loaded fp32 master parameter and Adam moment stays allocated after the load."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        super().load_checkpoint(ckpt_dir, fmt)
+        self._second_copy = [
+            t.detach().clone() for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            for group in opt.optimizer.param_groups for p in group["params"]
+            for t in (p, *opt.optimizer.state.get(p, {}).values()) if isinstance(t, torch.Tensor) and t.numel() > 1]

@@ -98,6 +98,9 @@ def test_unmodified_engine_keeps_the_contract():
     assert all("refused as the format allows: the checkpoint's flat optimizer buffers do not fit this layout "
                "(" in m and "optimizer.distributed.dp_group_idx_" in m for m in refused), refused
     assert sum("loads with the saved values" in m for m in msgs.values()) == 6
+    loads = [c for c in run.checks if c.check == "ckpt-memory.load"]
+    assert len(loads) == 6 and all(c.inconclusive for c in loads), [c.message for c in loads]
+    assert all("would stay in the band: it cannot tell; judge" in c.message for c in loads), loads[0].message
 
 
 def test_optimizer_state_not_loaded_is_caught():
@@ -168,3 +171,26 @@ def test_save_with_side_effects_is_caught():
     msg = next(iter(failed.values()))
     assert msg.startswith("fully_reshardable: the step after the save differs from the uninterrupted run") \
         and msg.endswith("the save changed the training state")
+
+
+def _small_run(engine="mcore"):
+    """`small` at world size 2, dp_reshardable: saved at dp2, loaded there and (the DP-only change) at dp1, refused
+    at TP 2 and PP 2. Its state (S = 69 MiB) is large against what a load costs beside it: its load peaks are
+    judged against the memory model's load band."""
+    return run_suite(ContractOnly(("dp_reshardable",)), "small", 2, engine=engine, backend="gloo")
+
+
+def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught():
+    """Megatron-Bridge PR #4936's shape on the host: the load materialises the optimizer state twice. The loaded
+    values are right (the reshard checks pass); the load's host peak leaves its band."""
+    run = _small_run()
+    loads = {c.case_id.split("->")[-1]: c for c in run.checks if c.check == "ckpt-memory.load"}
+    assert set(loads) == {"tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp1"}
+    assert all(c.passed for c in loads.values()), [c.message for c in loads.values()]
+    planted = _small_run("tests.faulty_ckpt:LoadKeepsASecondCopyOfTheOptimizerState")
+    assert not [c.message for c in planted.checks if c.check == "ckpt-memory.reshard" and c.failed]
+    failed = _failed(planted, "ckpt-memory.load")
+    assert set(failed) == {"tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp1"}, failed
+    assert re.fullmatch(r"dp_reshardable loaded at tp1-pp1-cp1-dp2: rank \d load host peak [\d.]+ MiB outside the "
+                        r"load band \[0\.0, 54\.8\] MiB \(dp_reshardable load: 0-1\.5x S/D read, S/D=34\.5 MiB\) "
+                        r"\(2 of 2 ranks\)", failed["tp1-pp1-cp1-dp2"]), failed

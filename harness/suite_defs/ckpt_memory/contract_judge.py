@@ -55,7 +55,47 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
         for i in range(len(loads[0])):
             per_rank = [rank_loads[i] for rank_loads in loads]
             out.append(_judge(res, fmt, src.case.layout, per_rank, saved, reference, saved_optim))
+            if not any(d.error for d in per_rank):
+                out.append(judge_load_peak(res, fmt, per_rank))
     return out
+
+
+def judge_load_peak(res: CaseResult, fmt: str, per_rank: list[LoadTarget]) -> CheckResult:
+    """Every rank's host peak of a load against the memory model's load band (CPU ranks); on GPU ranks the device
+    peak above the load's start is shown beside it, neither judged (the band is of host memory on CPU ranks)."""
+    from harness.checks import cannot_tell
+    from harness.checks.memory_model import load_band, load_blind_spot
+
+    target = Layout.parse(per_rank[0].layout)
+    cid = f"{res.case.id}->{target.id}"
+    head = f"{fmt} loaded at {target.id}"
+    rows, outside, blind = [], [], []
+    device = res.case.backend == "nccl"
+    for r, d in zip(res.ranks, per_rank):
+        assert d.load is not None  # a load without error was measured (MeasurementError fails the case)
+        band = load_band(fmt, res.case.model, target, r.rank)
+        peak = d.load.host_peak
+        on_device = (f", device {(d.load.device_allocated_peak - d.load.device_allocated_before) / MIB:.1f} MiB "
+                     f"above the load's start" if device else "")
+        ok = band.contains(peak)
+        rows.append(f"  rank {r.rank}: load host peak {peak / MIB:.1f} MiB{on_device}, model {band.describe()} "
+                    f"{'ok' if ok else 'OUTSIDE'}")
+        if not ok:
+            outside.append((r.rank, peak, band))
+        if why := load_blind_spot(fmt, res.case.model, target, r.rank):
+            blind.append(why)
+    if device:
+        return cannot_tell("ckpt-memory.load", cid, f"{head}: host peaks not judged on GPU ranks (the load model is "
+                                                    f"of CPU ranks, where the state lives on the host)", rows)
+    if outside:
+        rank, peak, band = outside[0]
+        return CheckResult("ckpt-memory.load", cid, False,
+                           f"{head}: rank {rank} load host peak {peak / MIB:.1f} MiB outside the load band "
+                           f"{band.describe()} ({len(outside)} of {len(per_rank)} ranks)", rows)
+    if len(blind) == len(per_rank):
+        return cannot_tell("ckpt-memory.load", cid, f"{head}: every rank inside its load band, but {blind[0]}", rows)
+    return CheckResult("ckpt-memory.load", cid, True, f"{head}: every rank's load host peak inside its load band",
+                       rows, show=True)
 
 
 def _assemble_optional(per_rank: list) -> dict | None:
@@ -107,7 +147,7 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[LoadTarget], s
         return _judge_error(cid, head, promise, errors)
     loaded = assemble([d.loaded for d in per_rank]).tensors
     stepped = assemble([d.stepped for d in per_rank]).tensors
-    peaks = " ".join(f"{d.load.heap_peak / MIB:.0f}" if d.load else "?" for d in per_rank)
+    peaks = " ".join(f"{d.load.host_peak / MIB:.1f}" if d.load else "?" for d in per_rank)
     if set(loaded) != set(saved):
         return CheckResult("ckpt-memory.reshard", cid, False,
                            f"{head}: parameter names differ from the saved ones: "
