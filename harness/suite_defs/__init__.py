@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from harness.launch.results import CaseResult
     from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
-# Contract names (docs/architecture.md, docs/suites.md); the ones not yet implemented are refused with that reason.
+# Contract names (docs/architecture.md, docs/suites.md).
 SUITES = {
     "equivalence": "harness.suite_defs.equivalence:EquivalenceSuite",
     "grad-sync": "harness.suite_defs.grad_sync:GradSyncSuite",
@@ -26,7 +26,6 @@ SUITES = {
     "train-memory": "harness.suite_defs.train_memory:TrainMemorySuite",
     "golden": "harness.suite_defs.golden:GoldenSuite",
 }
-PLANNED = ("grad-sync", "ckpt-memory", "dynamic-cp", "step-perf")
 # The suites that judge a mixture-of-experts model (its experts by global index, its EP / ETP layouts, its
 # auxiliary loss); the others' plans and models know dense models only and refuse an MoE one (docs/moe.md).
 MOE_SUITES = ("equivalence", "golden", "grad-sync", "ckpt-memory", "train-memory", "step-perf")
@@ -193,8 +192,6 @@ def get_suite(name: str | Suite) -> Suite:
     """
     if not isinstance(name, str):
         return name
-    if name in PLANNED and name not in SUITES:
-        raise BadInput(f"suite {name!r} is not implemented yet; available: {', '.join(SUITES)}")
     target = SUITES.get(name, name)
     if ":" not in target:
         raise BadInput(f"unknown suite {name!r}; available: {', '.join(SUITES)}")
