@@ -161,10 +161,10 @@ class LoadLeavesExpertOptimizerFresh(McoreEngine):
 
 class LoadKeepsASecondCopyOfTheOptimizerState(McoreEngine):
     """The load materialises the optimizer state twice (Megatron-Bridge PR #4936's shape, on the host): a copy of
-    every loaded fp32 master parameter and Adam moment stays allocated after the load."""
+    every fp32 master parameter and Adam moment it loads into is made before the read and held through it."""
 
-    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
-        super().load_checkpoint(ckpt_dir, fmt)
+    def _init_optimizer_state(self) -> None:
+        super()._init_optimizer_state()
         self._second_copy = [
             t.detach().clone() for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
             for group in opt.optimizer.param_groups for p in group["params"]

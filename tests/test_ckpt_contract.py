@@ -182,7 +182,8 @@ def _small_run(engine="mcore"):
 
 def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught():
     """Megatron-Bridge PR #4936's shape on the host: the load materialises the optimizer state twice. The loaded
-    values are right (the reshard checks pass); the load's host peak leaves its band."""
+    values are right (the reshard checks pass); the load's host peak leaves its band (measured: 32.0 -> 66.3 MiB
+    at DP 2, 55.5 -> 124.0 MiB at DP 1)."""
     run = _small_run()
     loads = {c.case_id.split("->")[-1]: c for c in run.checks if c.check == "ckpt-memory.load"}
     assert set(loads) == {"tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp1"}
@@ -192,5 +193,5 @@ def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught():
     failed = _failed(planted, "ckpt-memory.load")
     assert set(failed) == {"tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp1"}, failed
     assert re.fullmatch(r"dp_reshardable loaded at tp1-pp1-cp1-dp2: rank \d load host peak [\d.]+ MiB outside the "
-                        r"load band \[0\.0, 54\.8\] MiB \(dp_reshardable load: 0-1\.5x S/D read, S/D=34\.5 MiB\) "
-                        r"\(2 of 2 ranks\)", failed["tp1-pp1-cp1-dp2"]), failed
+                        r"load band \[0\.0, 60\.5\] MiB \(dp_reshardable load: <= S/D read \+ the fresh Adam state, "
+                        r"S/D=34\.5 MiB\) \(2 of 2 ranks\)", failed["tp1-pp1-cp1-dp2"]), failed

@@ -174,16 +174,16 @@ def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_paral
                 f"{fmt}: 1-3x {which.split('=')[0]} gathered{where}{on}, {which}={gathered / MIB:.1f} MiB{moe}")
 
 
-# A load's host peak over what it reads, measured on 4 gloo ranks (`small`, megatron-core 0.16.1): dp_reshardable
-# 0.93-1.22 x the rank's part S/D (DP 2 and 4), fully_reshardable 1.65-1.83 x the shard's S (DP 4; TP 2, PP 2 and
-# DP 2). The bands' tops sit above the largest: 1.5 x S/D and 2 x S.
-LOAD_MEASURED = {"dp_reshardable": 1.22, "fully_reshardable": 1.83}
-LOAD_TOP = {"dp_reshardable": 1.5, "fully_reshardable": 2.0}
+# A load's host peak, measured on gloo ranks (`small`, megatron-core 0.16.1): dp_reshardable 55, 32 and 21 MiB at
+# DP 1, 2 and 4 (0.80-1.22 x the rank's part S/D: the fresh Adam state and ~9 MiB read at a time), fully_reshardable
+# 148, 125 and 114 MiB (~1.5 x S beside the fresh Adam state; 63 MiB at TP 2 and PP 2 over DP 2). The smallest
+# measured, as fractions: what a copy of the rank's state held through the load must stand out of.
+LOAD_MEASURED_MIN = {"dp_reshardable": 0.80, "fully_reshardable": 1.5}
 
 
 def _load_state(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int, str]:
-    """(the state the load reads, the rank's own part of it, how the band names them): S/D (+ S_e/E) for
-    dp_reshardable, the whole shard's S (+ S_e) for fully_reshardable."""
+    """(the state the load reads, the rank's own part of it, how the band names the read): S/D (+ S_e/E) for
+    dp_reshardable, the whole shard's S for fully_reshardable (an MoE model's: its experts' state included)."""
     n = shard_params(model, layout, rank)
     ne = expert_shard_params(model, layout, rank)
     nd, d, e = n - ne, layout.dp * layout.cp, (layout.edp if ne else 1)
@@ -191,38 +191,37 @@ def _load_state(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> tuple[
     if fmt == "dp_reshardable":
         return own, own, "S/D + S_e/E" if ne else "S/D"
     if fmt in ("fully_reshardable", "fully_reshardable_mem_efficient"):
-        return STATE_BYTES_PER_PARAM * n, own, "S"  # an MoE model's: its experts' state included
+        return STATE_BYTES_PER_PARAM * n, own, "S"
     raise ValueError(f"no load model for checkpoint format {fmt!r}")
 
 
 def load_band(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> Band:
     """Expected extra host bytes of loading a checkpoint of `fmt` into a fresh engine at `layout` (CPU ranks: the
-    state lives on the host). The engine creates the empty Adam state it loads into (2/3 of the rank's part), then
-    dp_reshardable reads the rank's own flat buffers, S/D; fully_reshardable reads the whole shard's state S on
-    every DP rank and keeps its part, so at least S. Tops from the measured peaks (LOAD_MEASURED, LOAD_TOP) plus
-    LOAD_FIXED_COST."""
-    read, _, what = _load_state(fmt, model, layout, rank)
-    kind = fmt.removesuffix("_mem_efficient")
-    low = read if kind == "fully_reshardable" else 0
-    top = LOAD_TOP[kind]
+    state lives on the host). The engine creates the empty Adam state it loads into (2/3 of the rank's part of the
+    state), then dp_reshardable reads the rank's own flat buffers, S/D: at most both; fully_reshardable reads the
+    whole shard's state S on every DP rank and keeps its part: at least S, at most 2 S beside the fresh state."""
+    read, own, what = _load_state(fmt, model, layout, rank)
+    fresh = 2 * own // 3
     moe = f", N_e={expert_shard_params(model, layout, rank) / 1e6:.2f}M" if "S_e" in what else ""
-    return Band(low, int(top * read) + LOAD_FIXED_COST,
-                f"{fmt} load: {'1' if low else '0'}-{top:g}x {what} read, {what}={read / MIB:.1f} MiB{moe}")
+    if fmt == "dp_reshardable":
+        return Band(0, read + fresh + LOAD_FIXED_COST,
+                    f"{fmt} load: <= {what} read + the fresh Adam state, {what}={read / MIB:.1f} MiB{moe}")
+    return Band(read, 2 * read + fresh + LOAD_FIXED_COST,
+                f"{fmt} load: 1-2x S read + the fresh Adam state, S={read / MIB:.1f} MiB{moe}")
 
 
 def load_blind_spot(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> str:
-    """'' where a second copy of the rank's Adam moments (2/3 of its part of the state: what a load that
-    materialises the optimizer state twice adds at the least) on top of the largest measured load would leave the
-    band; otherwise why it would not."""
+    """'' where a copy of the rank's state held through the load (a load that materialises the optimizer state
+    twice) on top of the smallest load measured would leave the band; otherwise why it would not."""
     read, own, what = _load_state(fmt, model, layout, rank)
     kind = fmt.removesuffix("_mem_efficient")
-    copy = 2 * own // 3
-    if LOAD_MEASURED[kind] * read + copy > load_band(fmt, model, layout, rank).high:
+    fresh = 2 * own // 3 if kind == "fully_reshardable" else 0
+    least = LOAD_MEASURED_MIN[kind] * read + fresh
+    if least + own > load_band(fmt, model, layout, rank).high:
         return ""
-    return (f"rank {rank}'s second copy of its Adam moments ({copy / MIB:.1f} MiB) on top of the largest load "
-            f"measured ({LOAD_MEASURED[kind]:g}x {what} = {LOAD_MEASURED[kind] * read / MIB:.1f} MiB) would stay in "
-            f"the band: it cannot tell; judge {'at a smaller DP or ' if kind == 'fully_reshardable' else ''}on a "
-            f"larger model (small)")
+    return (f"a second copy of rank {rank}'s state ({own / MIB:.1f} MiB) on top of the smallest load measured "
+            f"({least / MIB:.1f} MiB here) would stay in the band: it cannot tell; judge "
+            f"{'at DP 1 or ' if kind == 'fully_reshardable' else 'at a smaller DP or '}on a larger model (small)")
 
 
 def rival(fmt: str, layout: Layout, rank: int, model: ModelSpec | None = None) -> str | None:
