@@ -381,7 +381,7 @@ def test_an_improvement_that_a_busy_baseline_explains_cannot_be_told(measured, r
 def test_foreign_load_is_the_busy_time_the_timed_processes_did_not_use():
     """Per node: the machine's busy time (the ranks' median view of it) less the sum of the ranks' own CPU time,
     over the window's CPU capacity; the busiest node is the case's."""
-    from harness.probes.cpu_share import CpuWindow, foreign_load
+    from harness.probes.cpu_share import CpuWindow, ForeignLoad, foreign_load
 
     windows = [CpuWindow("a", 4, 2.0, 7.0, 0.4, 3.0), CpuWindow("a", 4, 2.0, 7.2, 0.4, 3.0),  # 1.0-1.2 s of 8
                CpuWindow("b", 4, 2.0, 3.0, 0.0, 2.9), CpuWindow("b", 4, 2.0, 3.0, 0.0, 0.0)]  # all its own
@@ -391,6 +391,8 @@ def test_foreign_load_is_the_busy_time_the_timed_processes_did_not_use():
     assert load.too_busy
     assert load.describe() == "other processes used 14% of a's 4 CPUs, 5% of it the hypervisor's steal"
     assert foreign_load([]) is None
+    assert load.slowdown == pytest.approx(1 / (1 - 1.1 / 8))
+    assert ForeignLoad(1.0, 0.0, "a", 2).slowdown == pytest.approx(100.0)  # all of it: capped, not a division by 0
     quiet = foreign_load([CpuWindow("a", 2, 1.0, 1.9, 0.0, 2.0)])  # own time beyond busy: ticks' rounding
     assert quiet.share == 0.0 and not quiet.too_busy
 

@@ -81,6 +81,11 @@ class ForeignLoad:
     def too_busy(self) -> bool:
         return self.share > FOREIGN_LIMIT
 
+    @property
+    def slowdown(self) -> float:
+        """The most the others' share slows the timed processes by: x1/(1-s) (s capped at 0.99)."""
+        return 1 / (1 - min(self.share, 0.99))
+
     def describe(self) -> str:
         steal = f", {self.steal_share:.0%} of it the hypervisor's steal" if self.steal_share >= 0.005 else ""
         return f"other processes used {self.share:.0%} of {self.node}'s {self.cpus} CPUs{steal}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks import CheckResult, case_failed
+from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, within
 from harness.checks.tensors import assemble, rel_error
 from harness.launch.results import CaseResult
@@ -63,7 +63,6 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
 def judge_load_peak(res: CaseResult, fmt: str, per_rank: list[LoadTarget]) -> CheckResult:
     """Every rank's host peak of a load against the memory model's load band (CPU ranks); on GPU ranks the device
     peak above the load's start is shown beside it, neither judged (the band is of host memory on CPU ranks)."""
-    from harness.checks import cannot_tell
     from harness.checks.memory_model import load_band, load_blind_spot
 
     target = Layout.parse(per_rank[0].layout)

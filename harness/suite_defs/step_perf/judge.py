@@ -144,10 +144,10 @@ def _explained_by_load(res: CaseResult, entry: dict, step: Comparison, regressed
     """Cannot tell when a busy machine explains the verdict: other processes using a share s of the CPUs while
     the steps were timed slow them by up to x1/(1-s) (measured: 30% beside tiny-moe's 4 ranks, x1.27), so a
     slower step within that is theirs; a baseline timed beside them explains an improvement down to x(1-s)."""
-    if regressed and load is not None and load.too_busy and step.ratio <= 1 / (1 - min(load.share, 0.99)):
+    if regressed and load is not None and load.too_busy and step.ratio <= load.slowdown:
         return cannot_tell("step-perf.time", res.case.id,
                            f"{res.case.layout.id}: step time x{step.ratio:.3f}, but {load.describe()} while the "
-                           f"steps were timed, which slows them by up to x{1 / (1 - load.share):.2f}: run it again on "
+                           f"steps were timed, which slows them by up to x{load.slowdown:.2f}: run it again on "
                            f"a quiet machine, or compare A/B interleaved (harness compare)", rows, step.ratio, data)
     recorded = max(entry.get(FOREIGN, {}).get("values") or [0.0])
     if step.faster and recorded > FOREIGN_LIMIT and step.ratio >= 1 - recorded:
