@@ -37,6 +37,7 @@ class ModelSpec:
     moe_shared_expert_ffn: int = 0  # the shared expert's FFN size (0: none)
     moe_first_dense_layers: int = 0  # this many layers first keep the dense MLP
     moe_aux_loss_coeff: float = 1e-2  # the load-balancing auxiliary loss (megatron's "aux_loss")
+    qk_layernorm: bool = False  # a norm over each head's queries and keys before RoPE (Qwen3's)
 
     @property
     def kv_channels(self) -> int:
@@ -58,7 +59,7 @@ class ModelSpec:
         """Parameter count of the whole model (no TP padding)."""
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
         kv = self.kv_channels * self.num_query_groups
-        attn = h * (h + 2 * kv) + h * h
+        attn = h * (h + 2 * kv) + h * h + (2 * self.kv_channels if self.qk_layernorm else 0)
         per_ffn = h * (3 if self.swiglu else 2)
         mlp = per_ffn * f
         moe = h * self.num_experts + per_ffn * (self.num_experts * self.expert_ffn + self.moe_shared_expert_ffn)

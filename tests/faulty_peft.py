@@ -118,3 +118,22 @@ class ImportDropsFc1(MegatronBridgeEngine):
                 for name, p in self.global_names(m.module).items():
                     if name.endswith("mlp.linear_fc1.adapter.linear_out.weight"):
                         p.zero_()
+
+
+class AdapterGradsNotReduced(MegatronBridgeEngine):
+    """The adapters' gradients skip the data-parallel reduction (a LoRA wrapper that reduces them over another
+    group, or none): each DP rank steps its adapter copy with its own micro-batches' gradient."""
+
+    def _wire_config(self) -> None:
+        super()._wire_config()
+        reduce = self.config.finalize_model_grads_func
+
+        def finalize_without_adapters(*args, **kwargs):
+            adapters = [p for m in self.models for n, p in m.module.named_parameters() if ".adapter." in n]
+            local = [p.main_grad.clone() for p in adapters]
+            out = reduce(*args, **kwargs)
+            for p, g in zip(adapters, local):
+                p.main_grad.copy_(g)
+            return out
+
+        self.config.finalize_model_grads_func = finalize_without_adapters

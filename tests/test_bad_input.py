@@ -18,11 +18,8 @@ CASES = [
     (["run", "--suite", "equivalence", "--model", "gpt5"], "unknown model 'gpt5'; known models: tiny"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
     (["run", "--suite", "peft-ckpt", "--model", "tiny-moe"],
-     "the peft-ckpt suite does not judge mixture-of-experts models yet (model tiny-moe): its HF PEFT round trip "
-     "maps a Llama-shaped model only - an MoE model needs an HF MoE class (e.g. Mixtral) for the base weights and "
-     "megatron-bridge's expert LoRA adapters mapped per expert, gathered over EP; run tiny-moe with --suite "
-     "equivalence or --suite golden or --suite grad-sync or --suite ckpt-memory or --suite train-memory or "
-     "--suite step-perf"),
+     "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE, which needs "
+     "qk_layernorm = true: use --model tiny-qwen3-moe or a model with them"),
     (["run", "--suite", "equivalence", "--model", "tiny", "--layout", "tp1-pp1-cp1-dp4-ep2"],
      "layout tp1-pp1-cp1-dp4-ep2 is invalid for model tiny: ep=2, etp=1: model tiny has no experts"),
     (["run", "--suite", "equivalence", "--model", "tiny-moe", "--layout", "tp1-pp1-cp1-dp4-ep3"],

@@ -63,9 +63,12 @@ def test_export_passes_every_check_at_tp2():
     run = _run("megatron-bridge")
     assert run.passed, _failed(run)
     names = {c.check for c in run.checks}
-    assert names == {"peft-ckpt.valid", "peft-ckpt.tensors", "peft-ckpt.logprobs", "peft-ckpt.memory", "peft-ckpt.export",
-                     "peft-ckpt.roundtrip", "peft-ckpt.legacy"}
-    assert len(run.checks) == 13  # 6 per case, plus the export comparison of the TP2 case
+    assert names == {"peft-ckpt.valid", "peft-ckpt.tensors", "peft-ckpt.replicas", "peft-ckpt.logprobs",
+                     "peft-ckpt.memory", "peft-ckpt.export", "peft-ckpt.roundtrip", "peft-ckpt.legacy"}
+    assert len(run.checks) == 15  # 7 per case, plus the export comparison of the TP2 case
+    replicas = {c.case_id.split("/")[3].split("[")[0]: c for c in run.checks if c.check == "peft-ckpt.replicas"}
+    assert replicas["tp1-pp1-cp1-dp2"].passed and "bit-identical" in replicas["tp1-pp1-cp1-dp2"].message
+    assert replicas["tp2-pp1-cp1-dp1"].inconclusive  # TP shards only: no copies to compare
     roundtrip = [c.message for c in run.checks if c.check == "peft-ckpt.roundtrip"]
     assert "tp1-pp1-cp1-dp2 -> tp2-pp1-cp1-dp1: the exported HF PEFT adapter loads" in roundtrip[0]
 
@@ -157,3 +160,87 @@ def test_an_import_that_drops_an_adapter_fails_the_round_trip_only():
     assert set(failed) == {("peft-ckpt.roundtrip", "tp1-pp1-cp1-dp1")}, failed
     assert "the exported HF PEFT adapter loaded, but the held-out log-probs differ from the model that saved it" \
         in failed[("peft-ckpt.roundtrip", "tp1-pp1-cp1-dp1")]
+
+
+@pytest.mark.slow
+def test_adapter_gradients_not_reduced_over_dp_fail_replicas_naming_tensor_and_ranks():
+    failed = _failed(_run("tests.faulty_peft:AdapterGradsNotReduced", layouts=["tp1-pp1-cp1-dp2"]))
+    msg = failed[("peft-ckpt.replicas", "tp1-pp1-cp1-dp2")]
+    assert msg.startswith("tp1-pp1-cp1-dp2: 16/16 adapter shards differ between the ranks that hold copies of them "
+                          "after 2 steps, first decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight on ranks [0, 1]"), msg
+    assert "their gradients were not reduced over the group that holds them" in msg
+
+
+# -- mixtures of experts --------------------------------------------------------------------------
+def _moe_megatron_names(m) -> dict[str, tuple[int, ...]]:
+    """The global names and full shapes of a LoRA-wrapped Qwen3-MoE-shaped model under megatron's local spec."""
+    h, d, fe = m.hidden_size, m.kv_channels, m.expert_ffn
+    qkv = (m.num_attention_heads + 2 * m.num_query_groups) * d
+    names = {"embedding.word_embeddings.weight": (m.vocab_size, h), "decoder.final_layernorm.weight": (h,)}
+    for layer in range(m.num_layers):
+        pre = f"decoder.layers.{layer}."
+        names.update({pre + "input_layernorm.weight": (h,), pre + "pre_mlp_layernorm.weight": (h,),
+                      pre + "self_attention.linear_qkv.to_wrap.weight": (qkv, h),
+                      pre + "self_attention.linear_proj.to_wrap.weight": (h, m.num_attention_heads * d),
+                      pre + "self_attention.q_layernorm.weight": (d,), pre + "self_attention.k_layernorm.weight": (d,),
+                      pre + "mlp.router.weight": (m.num_experts, h)})
+        for e in range(m.num_experts):
+            names[f"{pre}mlp.experts.local_experts.{e}.linear_fc1.to_wrap.weight"] = (2 * fe, h)
+            names[f"{pre}mlp.experts.local_experts.{e}.linear_fc2.to_wrap.weight"] = (h, fe)
+    return names
+
+
+def test_moe_base_weights_map_onto_every_hf_qwen3_moe_weight():
+    from transformers import AutoModelForCausalLM
+
+    from harness.engines.hf_weights import hf_state_dict
+    from harness.engines.mbridge import hf_config
+
+    m = load_model("tiny-qwen3-moe")
+    full = {n: torch.randn(shape) for n, shape in _moe_megatron_names(m).items()}
+    got = hf_state_dict(full, m)
+    want = AutoModelForCausalLM.from_config(hf_config(m)).state_dict()
+    assert set(got) == set(want) - {"lm_head.weight"}  # tied: the embedding is the output layer
+    assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(want[k].shape) for k in got}
+    fc1 = full["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.to_wrap.weight"]
+    assert torch.equal(got["model.layers.1.mlp.experts.3.up_proj.weight"], fc1[m.expert_ffn:])
+    with pytest.raises(KeyError, match="no Hugging Face name for decoder.layers.0.mlp.shared_experts"):
+        hf_state_dict({"decoder.layers.0.mlp.shared_experts.linear_fc1.weight": fc1}, m)
+
+
+def test_expert_adapters_map_per_global_expert_and_back():
+    from harness.engines.lora import megatron_adapter_from_hf
+
+    m = load_model("tiny-qwen3-moe")
+    r = 8
+    names: dict[str, tuple[int, int]] = {}
+    for layer in range(m.num_layers):
+        pre = f"decoder.layers.{layer}."
+        qkv = (m.num_attention_heads + 2 * m.num_query_groups) * m.kv_channels
+        names.update({pre + "self_attention.linear_qkv.adapter.linear_in.weight": (r, m.hidden_size),
+                               pre + "self_attention.linear_qkv.adapter.linear_out.weight": (qkv, r),
+                               pre + "self_attention.linear_proj.adapter.linear_in.weight": (r, m.hidden_size),
+                               pre + "self_attention.linear_proj.adapter.linear_out.weight": (m.hidden_size, r)})
+        for e in range(m.num_experts):
+            at = f"{pre}mlp.experts.local_experts.{e}."
+            names.update({at + "linear_fc1.adapter.linear_in.weight": (r, m.hidden_size),
+                          at + "linear_fc1.adapter.linear_out.weight": (2 * m.expert_ffn, r),
+                          at + "linear_fc2.adapter.linear_in.weight": (r, m.expert_ffn),
+                          at + "linear_fc2.adapter.linear_out.weight": (m.hidden_size, r)})
+    full = {n: torch.randn(shape) for n, shape in names.items()}
+    hf = expected_hf_adapter(full, m)
+    assert len(hf) == m.num_layers * (8 + m.num_experts * 6)  # A and B of q k v o; of gate up down per expert
+    gate_b = hf["base_model.model.model.layers.0.mlp.experts.2.gate_proj.lora_B.weight"]
+    assert torch.equal(gate_b, full["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.adapter.linear_out.weight"][:m.expert_ffn])
+    back = megatron_adapter_from_hf(hf, m)
+    assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
+    assert adapter_values(m, r) == sum(t.numel() for t in hf.values())
+
+
+def test_an_moe_model_without_an_hf_mapping_is_refused_before_any_rank():
+    from harness.driver import plan
+    from harness.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face "
+                                       r"here as Qwen3-MoE, which needs qk_layernorm = true: use --model tiny-qwen3-moe"):
+        plan("peft-ckpt", "tiny-moe", 2, None)

@@ -25,7 +25,7 @@ def test_real_scale_param_counts(name, billions):
 
 
 def test_unknown_model_lists_known_ones():
-    with pytest.raises(BadInput, match=r"unknown model 'gpt5'; known models: tiny, tiny-moe, small, small-moe, "):
+    with pytest.raises(BadInput, match=r"unknown model 'gpt5'; known models: tiny, tiny-moe, tiny-qwen3-moe, small, small-moe, "):
         load_model("gpt5")
 
 

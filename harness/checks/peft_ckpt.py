@@ -86,6 +86,7 @@ def check(results: list[CaseResult]) -> list[CheckResult]:
         hf = _hf(res)
         out.append(_check_valid(res, hf))
         out.append(_check_tensors(res, hf))
+        out.append(_check_replicas(res))
         out.append(_check_logprobs(res, hf))
         out.append(_check_memory(res))
         out.append(_check_reload(res, "roundtrip"))
@@ -123,7 +124,7 @@ def _check_valid(res: CaseResult, hf: dict) -> CheckResult:
     if hf["unexpected"]:
         problems.append(f"{len(hf['unexpected'])} keys PEFT does not expect, first {hf['unexpected'][0]}")
     if hf["base_missing"] or hf["base_unexpected"]:
-        problems.append(f"base weights do not fit LlamaForCausalLM (missing {hf['base_missing'][:3]}, "
+        problems.append(f"base weights do not fit the Hugging Face model (missing {hf['base_missing'][:3]}, "
                         f"unexpected {hf['base_unexpected'][:3]})")
     if problems:
         return CheckResult(name, cid, False, f"{lay}: " + "; ".join(problems[:2]),
@@ -167,6 +168,51 @@ def _check_tensors(res: CaseResult, hf: dict) -> CheckResult:
                            [f"  {k}: rel {fmt_err(errs[k])}" for k in bad], value=errs[bad[0]])
     return CheckResult(name, cid, True, f"{lay}: {len(errs)} exported tensors are the model's adapter "
                                         f"parameters, worst rel {errs[worst]:.1e}", value=errs[worst])
+
+
+def _check_replicas(res: CaseResult) -> CheckResult:
+    """Every copy of an adapter shard (the ranks of its data-parallel group: DP for attention's and dense MLPs'
+    adapters, expert-DP for an expert's) bit-identical after training: an adapter gradient reduced over another
+    group, or not at all, leaves the copies apart."""
+    cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.replicas"
+    held: dict[tuple[str, int], list[tuple[int, ParamShard]]] = {}
+    for r in res.ranks:
+        for s in peft_data(r).adapters:
+            held.setdefault((s.name, s.tp_rank if s.partition_dim is not None else 0), []).append((r.rank, s))
+    copied = {key: copies for key, copies in held.items() if len(copies) > 1}
+    apart = {}
+    for key, copies in copied.items():
+        first = copies[0][1].tensor
+        if any(c.tensor.shape != first.shape or not torch_equal(c.tensor, first) for _, c in copies[1:]):
+            apart[key] = copies
+    if not copied:
+        return cannot_tell(name, cid, f"{lay}: no adapter tensor is held by more than one rank (no DP replicas)")
+    if not apart:
+        return CheckResult(name, cid, True, f"{lay}: the copies of all {len(copied)} adapter shards held by more than "
+                                            f"one rank are bit-identical after {res.case.options.steps} steps")
+    rows = []
+    for (tensor, tp_rank), copies in sorted(apart.items())[:20]:
+        groups: list[tuple[Any, list[int]]] = []
+        for rank, c in copies:
+            same = next((g for g in groups if g[0].shape == c.tensor.shape and torch_equal(g[0], c.tensor)), None)
+            if same is None:
+                groups.append((c.tensor, [rank]))
+            else:
+                same[1].append(rank)
+        rows.append(f"  {tensor} (TP shard {tp_rank}): ranks " + " / ".join(str(g[1]) for g in groups)
+                    + " hold different values")
+    (tensor, _), copies = min(apart.items())
+    return CheckResult(name, cid, False,
+                       f"{lay}: {len(apart)}/{len(copied)} adapter shards differ between the ranks that hold copies "
+                       f"of them after {res.case.options.steps} steps, first {tensor} on ranks "
+                       f"{[rank for rank, _ in copies]}: their gradients were not reduced over the group that "
+                       f"holds them", rows)
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return bool(torch.equal(a, b))
 
 
 def _check_logprobs(res: CaseResult, hf: dict) -> CheckResult:

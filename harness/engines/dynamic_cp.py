@@ -120,7 +120,8 @@ class CPEngine(McoreEngine):
         self.config = config
         # the CP attention wherever a CP group may be larger than 1 (static CP, or per sample)
         cp_attention = self.mode == "dynamic" or lay.cp > 1
-        spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, 2 if cp_attention else 1)
+        spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, 2 if cp_attention else 1,
+                          qk_layernorm=self.case.model.qk_layernorm)
         chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=self.case.model.vocab_size,
                          max_sequence_length=max(self.case.model.seq_length, *self.case.params.seqlens, 1),
                          pre_process=True, post_process=True,

@@ -3,15 +3,18 @@
 An HF PEFT LoRA directory is `adapter_config.json` (peft_type LORA, r, lora_alpha, target_modules, ...)
 and `adapter_model.safetensors`, whose keys are `base_model.model.<HF module>.lora_{A,B}.weight`.
 Megatron's fused linears map to several HF modules: linear_qkv -> q/k/v_proj, linear_fc1 ->
-gate/up_proj (SwiGLU), linear_proj -> o_proj, linear_fc2 -> down_proj.
+gate/up_proj (SwiGLU), linear_proj -> o_proj, linear_fc2 -> down_proj; an MoE layer's experts each hold their own
+fc1 / fc2 adapters (HF `mlp.experts.E.gate_proj`, ...).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.engines.hf_weights import split_fc1, split_qkv
 from harness.files import atomic_dir
 
 if TYPE_CHECKING:
@@ -68,42 +71,54 @@ def read_adapter_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def adapter_values(model, dim: int, targets: tuple[str, ...] = MEGATRON_TARGETS) -> int:
     """Values an adapter holds: per layer and target, A [dim, in] + B [out, dim] of the HF modules it maps to
-    (the fused qkv / fc1 adapter's single A is written once per HF module, as PEFT needs it)."""
-    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_channels * model.num_query_groups
-    shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-              "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    (the fused qkv / fc1 adapter's single A is written once per HF module, as PEFT needs it); an MoE layer's MLP
+    adapters once per expert."""
+    h, kv = model.hidden_size, model.kv_channels * model.num_query_groups
     adapted = hf_target_modules(targets, model.swiglu)
-    per_layer = sum(dim * (i + o) for name, (i, o) in shapes.items() if name in adapted)
-    return model.num_layers * per_layer
+
+    def values(shapes: dict[str, tuple[int, int]]) -> int:
+        return sum(dim * (i + o) for name, (i, o) in shapes.items() if name in adapted)
+
+    attention = values({"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h)})
+
+    def mlp(f: int) -> int:
+        return values({"gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)})
+
+    return (model.num_layers * attention + (model.num_layers - model.moe_layers()) * mlp(model.ffn_hidden_size)
+            + model.moe_layers() * model.num_experts * mlp(model.expert_ffn))
+
+
+_ADAPTER = re.compile(r"^decoder\.layers\.(\d+)\.(self_attention|mlp)\.(?:experts\.local_experts\.(\d+)\.)?"
+                      r"(linear_\w+)\.adapter\.linear_(in|out)\.weight$")
+
+
+def _hf_block(layer: int | str, block: str, expert: int | str | None = None) -> str:
+    """The PEFT key prefix of a layer's attention ("self_attention") or MLP ("mlp") block, or of one expert."""
+    at = f"{PEFT_PREFIX}model.layers.{layer}.{'self_attn' if block == 'self_attention' else 'mlp'}."
+    return at if expert is None else f"{at}experts.{expert}."
 
 
 def expected_hf_adapter(params: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """The PEFT tensors an export of these Megatron adapter parameters must hold, by the harness's own
     arithmetic (not the bridge's): full (TP-assembled) `decoder.layers.N.<linear>.adapter.linear_{in,out}.weight`
-    -> `base_model.model.model.layers.N.<module>.lora_{A,B}.weight`. A fused linear's A is every split
-    module's A; fused qkv B rows are per query group [q heads of the group; k; v]; fc1 B is [gate; up]."""
+    -> `base_model.model.model.layers.N.<module>.lora_{A,B}.weight`, an expert's (`mlp.experts.local_experts.E.`,
+    global E) -> `mlp.experts.E.<module>`. A fused linear's A is every split module's A; fused qkv B rows are per
+    query group [q heads of the group; k; v]; fc1 B is [gate; up]."""
     out = {}
-    d, groups = model.kv_channels, model.num_query_groups
-    heads_per_group = model.num_attention_heads // groups
     for name, t in params.items():
-        parts = name.split(".")
-        if ".adapter." not in name or parts[0] != "decoder":
+        match = _ADAPTER.match(name)
+        if match is None:
             continue
-        layer, linear, which = int(parts[2]), parts[4], parts[-2]
-        hf = f"{PEFT_PREFIX}model.layers.{layer}.{'self_attn' if linear in ('linear_qkv', 'linear_proj') else 'mlp'}."
-        lora = "lora_A" if which == "linear_in" else "lora_B"
-        if linear == "linear_qkv" and which == "linear_out":
-            g = t.reshape(groups, heads_per_group + 2, d, t.shape[-1])
-            split = {"q_proj": g[:, :heads_per_group], "k_proj": g[:, heads_per_group],
-                     "v_proj": g[:, heads_per_group + 1]}
-            for module, rows in split.items():
-                out[f"{hf}{module}.{lora}.weight"] = rows.reshape(-1, t.shape[-1])
-        elif linear == "linear_fc1" and which == "linear_out" and model.swiglu:
-            gate, up = t.chunk(2, dim=0)
-            out[f"{hf}gate_proj.{lora}.weight"], out[f"{hf}up_proj.{lora}.weight"] = gate, up
+        layer, block, expert, linear, which = match.groups()
+        lora = "lora_A" if which == "in" else "lora_B"
+        if linear == "linear_qkv" and which == "out":
+            parts = split_qkv(t, model)
+        elif linear == "linear_fc1" and which == "out":
+            parts = split_fc1(t, model)
         else:
-            for module in hf_modules(linear, model.swiglu):
-                out[f"{hf}{module}.{lora}.weight"] = t
+            parts = dict.fromkeys(hf_modules(linear, model.swiglu), t)
+        hf = _hf_block(layer, block, expert)
+        out.update({f"{hf}{module}.{lora}.weight": v for module, v in parts.items()})
     return out
 
 
@@ -116,35 +131,41 @@ def megatron_adapter_from_hf(tensors: dict[str, torch.Tensor], model) -> dict[st
     heads_per_group = model.num_attention_heads // groups
     out = {}
 
-    def get(layer: int, module: str, lora: str) -> torch.Tensor:
-        block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        key = f"{PEFT_PREFIX}model.layers.{layer}.{block}.{module}.{lora}.weight"
+    def get(hf: str, module: str, lora: str) -> torch.Tensor:
+        key = f"{hf}{module}.{lora}.weight"
         if key not in tensors:
             raise ValueError(f"the adapter has no {key}")
         return tensors[key]
 
-    def shared_a(layer: int, modules: tuple[str, ...]) -> torch.Tensor:
-        a = get(layer, modules[0], "lora_A")
+    def shared_a(hf: str, modules: tuple[str, ...]) -> torch.Tensor:
+        a = get(hf, modules[0], "lora_A")
         for m in modules[1:]:
-            if not torch.equal(get(layer, m, "lora_A"), a):
-                raise ValueError(f"layer {layer}: {m}.lora_A differs from {modules[0]}.lora_A, but Megatron's fused "
-                                 "linear has a single A")
+            if not torch.equal(get(hf, m, "lora_A"), a):
+                raise ValueError(f"{hf}{m}.lora_A differs from {modules[0]}.lora_A, but Megatron's fused linear has "
+                                 "a single A")
         return a
 
+    def mlp(pre: str, hf: str) -> None:
+        fc1 = hf_modules("linear_fc1", model.swiglu)
+        out[pre + "linear_fc1.adapter.linear_in.weight"] = shared_a(hf, fc1)
+        out[pre + "linear_fc1.adapter.linear_out.weight"] = torch.cat([get(hf, m, "lora_B") for m in fc1])
+        out[pre + "linear_fc2.adapter.linear_in.weight"] = get(hf, "down_proj", "lora_A")
+        out[pre + "linear_fc2.adapter.linear_out.weight"] = get(hf, "down_proj", "lora_B")
+
     for layer in range(model.num_layers):
-        pre = f"decoder.layers.{layer}."
+        pre, hf = f"decoder.layers.{layer}.self_attention.", _hf_block(layer, "self_attention")
         qkv = HF_MODULES["linear_qkv"]
-        out[pre + "self_attention.linear_qkv.adapter.linear_in.weight"] = shared_a(layer, qkv)
-        q, k, v = (get(layer, m, "lora_B") for m in qkv)
+        out[pre + "linear_qkv.adapter.linear_in.weight"] = shared_a(hf, qkv)
+        q, k, v = (get(hf, m, "lora_B") for m in qkv)
         r = q.shape[-1]
-        out[pre + "self_attention.linear_qkv.adapter.linear_out.weight"] = torch.cat(
+        out[pre + "linear_qkv.adapter.linear_out.weight"] = torch.cat(
             [q.reshape(groups, heads_per_group, d, r), k.reshape(groups, 1, d, r), v.reshape(groups, 1, d, r)],
             dim=1).reshape(-1, r)
-        out[pre + "self_attention.linear_proj.adapter.linear_in.weight"] = get(layer, "o_proj", "lora_A")
-        out[pre + "self_attention.linear_proj.adapter.linear_out.weight"] = get(layer, "o_proj", "lora_B")
-        fc1 = hf_modules("linear_fc1", model.swiglu)
-        out[pre + "mlp.linear_fc1.adapter.linear_in.weight"] = shared_a(layer, fc1)
-        out[pre + "mlp.linear_fc1.adapter.linear_out.weight"] = torch.cat([get(layer, m, "lora_B") for m in fc1])
-        out[pre + "mlp.linear_fc2.adapter.linear_in.weight"] = get(layer, "down_proj", "lora_A")
-        out[pre + "mlp.linear_fc2.adapter.linear_out.weight"] = get(layer, "down_proj", "lora_B")
+        out[pre + "linear_proj.adapter.linear_in.weight"] = get(hf, "o_proj", "lora_A")
+        out[pre + "linear_proj.adapter.linear_out.weight"] = get(hf, "o_proj", "lora_B")
+        if model.moe and layer >= model.moe_first_dense_layers:
+            for e in range(model.num_experts):
+                mlp(f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.", _hf_block(layer, "mlp", e))
+        else:
+            mlp(f"decoder.layers.{layer}.mlp.", _hf_block(layer, "mlp"))
     return out

@@ -25,12 +25,15 @@ to choose their spec.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, torch_dtype
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
-from harness.errors import MissingDependency
+from harness.errors import BadInput, MissingDependency
+
+if TYPE_CHECKING:
+    from harness.spec import ModelSpec
 
 INSTALL = "pip install -c constraints-cpu.txt -e .[mbridge]"
 # import name -> distribution (mbridge's own "megatron" extra: transformers, safetensors, einops)
@@ -46,22 +49,47 @@ def check_available() -> None:
             raise MissingDependency(f"engine 'mbridge' needs {dist} (no module {module!r}): {INSTALL}")
 
 
-def hf_llama_config(case):
-    """A Hugging Face LlamaConfig with the case's model shape (built in code, nothing downloaded)."""
+def hf_architecture(m: ModelSpec) -> str:
+    """The Hugging Face architecture a model spec converts to (imports nothing): Llama for a dense model, Qwen3-MoE
+    for a mixture of experts (the MoE architecture megatron-bridge converts with SwiGLU experts, top-k routing
+    renormalised over the chosen experts as megatron's router does, and no shared expert). BadInput names what a
+    model has that neither maps."""
+    if not m.moe:
+        if m.qk_layernorm:
+            raise BadInput(f"model {m.name}: a dense model with QK layernorm has no Hugging Face mapping here "
+                           "(Llama has none): set qk_layernorm = false")
+        return "LlamaForCausalLM"
+    missing = [why for bad, why in ((not m.qk_layernorm, "qk_layernorm = true"),
+                                    (m.moe_shared_expert_ffn, "no shared expert (moe_shared_expert_ffn = 0)"),
+                                    (m.moe_first_dense_layers, "no dense layers first (moe_first_dense_layers = 0)"),
+                                    (not m.swiglu, "SwiGLU experts"),
+                                    (m.normalization != "RMSNorm", "RMSNorm")) if bad]
+    if missing:
+        raise BadInput(f"model {m.name}: megatron-bridge converts a mixture of experts to Hugging Face here as "
+                       f"Qwen3-MoE, which needs {', '.join(missing)}: use --model tiny-qwen3-moe or a model with them")
+    return "Qwen3MoeForCausalLM"
+
+
+def hf_config(m: ModelSpec):
+    """The Hugging Face config of a model spec (built in code, nothing downloaded), of hf_architecture's class."""
     try:
-        from transformers import LlamaConfig
+        from transformers import LlamaConfig, Qwen3MoeConfig
     except ImportError as exc:
         raise MissingDependency(f"bridge engines need transformers<5 (import failed: {exc})") from None
 
-    m = case.model
-    return LlamaConfig(
+    arch = hf_architecture(m)
+    common = dict(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, max_position_embeddings=m.seq_length,
         tie_word_embeddings=m.tie_embeddings, rope_theta=10000.0, hidden_act="silu" if m.swiglu else "gelu",
-        attention_bias=False, mlp_bias=False, attention_dropout=0.0, rms_norm_eps=1e-5,
-        architectures=["LlamaForCausalLM"],
+        attention_bias=False, attention_dropout=0.0, rms_norm_eps=1e-5, architectures=[arch],
     )
+    if not m.moe:
+        return LlamaConfig(**common, mlp_bias=False)
+    return Qwen3MoeConfig(**common, num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                          moe_intermediate_size=m.expert_ffn, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], router_aux_loss_coef=m.moe_aux_loss_coeff)
 
 
 class MbridgeEngine(McoreEngine):
@@ -98,10 +126,11 @@ class MbridgeEngine(McoreEngine):
             raise MissingDependency(f"engine 'mbridge': cannot import {exc.name!r}: {INSTALL}") from exc
 
         self.setup_parallel()  # the bridge reads the parallel sizes from megatron's parallel state
-        bridge = AutoBridge.from_config(hf_llama_config(self.case), dtype=torch_dtype(self.case.options.dtype))
+        bridge = AutoBridge.from_config(hf_config(self.case.model), dtype=torch_dtype(self.case.options.dtype))
         bridge.set_extra_args(**self.config_overrides())
         if self.ctx.on_cpu:
-            spec = layer_spec(True, self.case.model.normalization, self.case.layout.cp)
+            spec = layer_spec(True, self.case.model.normalization, self.case.layout.cp,
+                              qk_layernorm=self.case.model.qk_layernorm)
 
             def local_spec(vp_stage=None):
                 bridge.has_vp_stage = True  # what the bridge's own method records (megatron-core >= 0.13)

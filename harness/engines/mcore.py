@@ -188,8 +188,7 @@ class McoreEngine(McoreCheckpoints):
     def tp_parts(self, name: str) -> int:
         """SwiGLU fc1 holds [gate; up], each block sharded over TP separately - and so do the weights
         that act on its output: a LoRA-wrapped fc1 (`.to_wrap.`) and its adapter's B (`linear_out`)."""
-        fc1_out = bool(_FC1_RE.search(name.replace(".to_wrap.", "."))) \
-            or name.endswith("mlp.linear_fc1.adapter.linear_out.weight")
+        fc1_out = bool(_FC1_RE.search(name.replace(".to_wrap.", ".").replace(".adapter.linear_out.", ".")))
         return 2 if self.case.model.swiglu and fc1_out else 1
 
     # -- steps --------------------------------------------------------------------------------

@@ -35,10 +35,10 @@ from harness.engines.lora import (
     read_adapter_dir,
     write_adapter_dir,
 )
-from harness.engines.mbridge import hf_llama_config
+from harness.engines.mbridge import hf_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.megatron_bridge_import import check_available, import_bridge
-from harness.engines.model_config import layer_spec, torch_dtype
+from harness.engines.model_config import layer_spec, moe_config, torch_dtype
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 
 if TYPE_CHECKING:
@@ -69,19 +69,26 @@ class MegatronBridgeEngine(McoreEngine):
             kv_channels=m.kv_channels, vocab_size=m.vocab_size, should_pad_vocab=False, seq_length=m.seq_length,
             share_embeddings_and_output_weights=m.tie_embeddings, normalization=m.normalization,
             gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu, add_bias_linear=False,
-            tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
+            qk_layernorm=m.qk_layernorm, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
             virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
-            context_parallel_size=lay.cp, sequence_parallel=False,
+            context_parallel_size=lay.cp, sequence_parallel=m.moe and lay.tp > 1,  # as the mcore engine
             params_dtype=dtype, pipeline_dtype=dtype, bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
             hidden_dropout=0.0, attention_dropout=0.0,
             # megatron-core's defaults, which the mcore engine keeps (the provider flips both)
             cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,
             # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
             batch_p2p_comm=not lay.vpp > 1,
+            **moe_config(self.case, self.ctx.on_cpu),
         )
+        if m.moe:
+            fields.update(moe_permute_fusion=False, moe_router_pre_softmax=False)  # the mcore engine's (Qwen3's differ)
         if self.ctx.on_cpu:
+            def spec(config, vp_stage: int | None = None):  # an MoE model's spec depends on its stage's layers
+                return layer_spec(True, m.normalization, lay.cp, config if m.moe else None, vp_stage,
+                                  qk_layernorm=m.qk_layernorm)
+
             fields.update({name: False for name in _CPU_FUSIONS}, use_cpu_initialization=True,
-                          transformer_layer_spec=layer_spec(True, m.normalization, lay.cp))
+                          transformer_layer_spec=spec)
         for name, value in fields.items():
             setattr(provider, name, value)
 
@@ -112,7 +119,7 @@ class MegatronBridgeEngine(McoreEngine):
 
         self.setup_parallel()
         self.peft = self.lora()
-        self.bridge = AutoBridge.from_hf_config(hf_llama_config(self.case))
+        self.bridge = AutoBridge.from_hf_config(hf_config(self.case.model))
         provider = self.bridge.to_megatron_provider(load_weights=False)
         self.configure_provider(provider)
         provider.finalize()
@@ -174,14 +181,38 @@ class MegatronBridgeEngine(McoreEngine):
                 k: v for k, v in full.items() if self.peft.adapter_key_filter(k)}
         return sd
 
+    def _sharding_agreed(self) -> None:
+        """megatron validates a checkpoint's sharding on rank 0 alone, so a sharding it refuses leaves the other
+        ranks waiting in the save's or load's collectives: the same validation first, its verdict shared, and the
+        refusal raised on every rank."""
+        import torch.distributed as dist
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+        from megatron.core.dist_checkpointing.mapping import apply_factories
+        from megatron.core.dist_checkpointing.utils import extract_sharded_base
+        from megatron.core.dist_checkpointing.validation import determine_global_metadata, validate_sharding_integrity
+
+        sd = self._adapter_sharded_state_dict()
+        apply_factories(sd)
+        error = ""
+        try:
+            validate_sharding_integrity(determine_global_metadata(extract_sharded_base(sd)[0])[1])
+        except CheckpointingException as exc:
+            error = str(exc)
+        errors: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        if any(errors):
+            raise CheckpointingException(next(e for e in errors if e))
+
     def save_adapter_checkpoint(self, ckpt_dir: str) -> None:
         from megatron.core import dist_checkpointing
 
+        self._sharding_agreed()
         dist_checkpointing.save(self._adapter_sharded_state_dict(), ckpt_dir)
 
     def load_adapter_checkpoint(self, ckpt_dir: str) -> None:
         from megatron.core import dist_checkpointing
 
+        self._sharding_agreed()
         state = dist_checkpointing.load(self._adapter_sharded_state_dict(), ckpt_dir)
         for i, m in enumerate(self.models):
             missing, unexpected = m.module.load_state_dict(state["model" if len(self.models) == 1 else f"model{i}"],
@@ -194,11 +225,11 @@ class MegatronBridgeEngine(McoreEngine):
         """The bridge's Megatron -> HF conversion plan (collective). A config-only bridge plans it from a
         saved HF model of the same shape, written by rank 0 into workdir (shared by the case's ranks)."""
         import torch.distributed as dist
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         hf_dir = workdir / "hf-shape"
         if dist.get_rank() == 0:
-            LlamaForCausalLM(hf_llama_config(self.case)).save_pretrained(str(hf_dir))
+            AutoModelForCausalLM.from_config(hf_config(self.case.model)).save_pretrained(str(hf_dir))
         dist.barrier()
         return self.bridge.get_conversion_tasks(self.models, hf_path=str(hf_dir))
 

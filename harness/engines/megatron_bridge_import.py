@@ -114,6 +114,9 @@ def import_bridge():
     for _ in range(64):
         try:
             with _stubs_for(granted):
+                # the models package whole, each time: it registers every model bridge, and a retry after a
+                # failed import finds its submodules in sys.modules without running the package again
+                import megatron.bridge.models  # noqa: F401
                 from megatron.bridge import AutoBridge
             stubbed_imports[:] = sorted(granted)
             _note_stubs()

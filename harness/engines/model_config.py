@@ -30,7 +30,7 @@ def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels, normalization=m.normalization, gated_linear_unit=m.swiglu,
-        activation_func=F.silu if m.swiglu else F.gelu, add_bias_linear=False,
+        activation_func=F.silu if m.swiglu else F.gelu, add_bias_linear=False, qk_layernorm=m.qk_layernorm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
         virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
@@ -129,7 +129,7 @@ def recompute_config(recompute: str) -> dict:
 
 
 def layer_spec(on_cpu: bool, normalization: str, cp: int = 1, config: TransformerConfig | None = None,
-               vp_stage: int | None = None) -> Any:
+               vp_stage: int | None = None, qk_layernorm: bool = False) -> Any:
     """Local spec on CPU ranks; the Transformer Engine spec on GPU when transformer_engine imports. An MoE model
     (config.num_moe_experts) gets megatron's decoder block spec of its stage: dense and MoE layers.
 
@@ -141,9 +141,10 @@ def layer_spec(on_cpu: bool, normalization: str, cp: int = 1, config: Transforme
 
     te = not on_cpu and _importable("transformer_engine")
     moe = config is not None and bool(config.num_moe_experts)
+    qk_layernorm = qk_layernorm or bool(config is not None and config.qk_layernorm)
     if te:
         return (specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage) if moe
-                else specs.get_gpt_layer_with_transformer_engine_spec())
+                else specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm))
     from harness.adjustments import note
 
     note("layer spec: megatron's local spec (Transformer Engine's needs CUDA)")
@@ -153,7 +154,7 @@ def layer_spec(on_cpu: bool, normalization: str, cp: int = 1, config: Transforme
                                                 vp_stage=vp_stage)
         layers = spec.layer_specs
     else:
-        spec = specs.get_gpt_layer_local_spec(normalization=normalization)
+        spec = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
         layers = [spec]
     if cp > 1:
         from harness.engines.cp_attention import ReferenceCPAttention

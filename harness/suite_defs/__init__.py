@@ -28,12 +28,9 @@ SUITES = {
 }
 # The suites that judge a mixture-of-experts model (its experts by global index, its EP / ETP layouts, its
 # auxiliary loss); the others' plans and models know dense models only and refuse an MoE one (docs/moe.md).
-MOE_SUITES = ("equivalence", "golden", "grad-sync", "ckpt-memory", "train-memory", "step-perf")
+MOE_SUITES = ("equivalence", "golden", "grad-sync", "ckpt-memory", "train-memory", "step-perf", "peft-ckpt")
 # What a suite that refuses an MoE model lacks for one.
 MOE_MISSING = {
-    "peft-ckpt": "its HF PEFT round trip maps a Llama-shaped model only - an MoE model needs an HF MoE class "
-                 "(e.g. Mixtral) for the base weights and megatron-bridge's expert LoRA adapters mapped per expert, "
-                 "gathered over EP",
     "dynamic-cp": "its packed-sequence engine builds dense layers only",
 }
 

@@ -28,10 +28,11 @@ from harness.checks.peft_ckpt import PeftRankData, Reload, peft_data
 from harness.checks.peft_ckpt import check as judge
 from harness.engines.base import PeftExporting, peft_exporting
 from harness.engines.lora import read_adapter_dir
+from harness.engines.mbridge import hf_architecture
 from harness.errors import BadInput, MissingDependency
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
-from harness.layouts import validate
+from harness.layouts import expert_matrix, validate
 from harness.platform.parallel import teardown_parallel_state
 from harness.probes.memory import MIB, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
@@ -68,15 +69,15 @@ def hf_side(case: Case, path: Path, base: dict) -> dict[str, Any]:
     import peft
     import torch
     from peft.utils import set_peft_model_state_dict
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from harness.engines import data
-    from harness.engines.mbridge import hf_llama_config
+    from harness.engines.mbridge import hf_config
 
     config, tensors = read_adapter_dir(path)
     out: dict[str, Any] = {"config": config, "tensors": {k: v.float().clone() for k, v in tensors.items()},
                            "peft_version": peft.__version__}
-    model = LlamaForCausalLM(hf_llama_config(case)).float().eval()
+    model = AutoModelForCausalLM.from_config(hf_config(case.model)).float().eval()
     res = model.load_state_dict(base, strict=False)
     out["base_missing"] = [k for k in res.missing_keys if k != "lm_head.weight" or not case.model.tie_embeddings]
     out["base_unexpected"] = list(res.unexpected_keys)
@@ -96,6 +97,24 @@ def hf_side(case: Case, path: Path, base: dict) -> dict[str, Any]:
         with pm.disable_adapter():
             out["logprobs_disabled"] = label_logprobs(pm(input_ids=tokens[:, :-1]).logits, tokens)
     return out
+
+
+def hf_reference_base(engine: PeftExporting, case: Case, ctx: RankContext) -> dict[str, Any]:
+    """The frozen base weights under HF names for rank 0's reference (collective): the engine's HF export for a
+    dense model; for a mixture of experts the harness's own mapping (engines/hf_weights.py) of the parameters
+    gathered from every rank, as megatron-bridge 0.3.1 cannot export megatron's SequentialMLP experts (it parses
+    a grouped-GEMM index out of `...linear_fc1.weight`: int('')). Other ranks get {}."""
+    if not case.model.moe:
+        return engine.hf_base_state_dict(ctx.workdir)
+    import torch.distributed as dist
+
+    from harness.checks.tensors import assemble
+    from harness.engines.hf_weights import hf_state_dict
+
+    shards = [s for s in engine.param_shards() if ".adapter." not in s.name]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if ctx.rank == 0 else None
+    dist.gather_object(shards, gathered, dst=0)
+    return hf_state_dict(assemble(gathered).tensors, case.model) if gathered is not None else {}
 
 
 class PeftCkptSuite:
@@ -122,6 +141,7 @@ class PeftCkptSuite:
             raise BadInput(f"engine {engine!r} has no export_peft_adapter(path): the peft-ckpt suite needs an engine "
                            "that trains LoRA adapters and exports them (built-in: megatron-bridge)")
         _require_peft()  # in the parent: a missing peft is named before any rank starts
+        hf_architecture(model)  # a model the HF side cannot hold is refused before any rank starts
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps,
                                       lora_dim=options.lora_dim or LORA_DIM,
                                       lora_alpha=options.lora_alpha or LORA_ALPHA)
@@ -130,12 +150,15 @@ class PeftCkptSuite:
         options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
         if layouts is None:
-            layouts = [Layout.parse(x) for x in LAYOUTS if Layout.parse(x).world_size == world_size]
+            # an MoE model: the expert layouts (EP, EP with TP at ETP 2 and 1, EP with PP), as every suite's
+            layouts = [lay for lay in expert_matrix(model, world_size) if lay.cp == 1] if model.moe else \
+                [Layout.parse(x) for x in LAYOUTS if Layout.parse(x).world_size == world_size]
         for lay in [reference, *layouts]:
             validate(lay, model, world_size)
-            if options.lora_dim % lay.tp:
-                raise BadInput(f"layout {lay.id}: the LoRA rank {options.lora_dim} must be divisible by TP {lay.tp} "
-                               "(A of a column-parallel linear is split over TP along r)")
+            for what, size in (("TP", lay.tp), ("ETP", lay.expert_tp if model.moe else 1)):
+                if options.lora_dim % size:
+                    raise BadInput(f"layout {lay.id}: the LoRA rank {options.lora_dim} must be divisible by {what} "
+                                   f"{size} (A of a column-parallel linear is split over {what} along r)")
         ordered = [reference] + [lay for lay in layouts if lay != reference]
         return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]
 
@@ -165,7 +188,7 @@ class PeftCkptSuite:
             os.unlink(peak.capture)  # the peak is read; the flamegraph of an adapter export is not kept
         dist.barrier()
         with ctx.phase("reference"):
-            base = engine.hf_base_state_dict(ctx.workdir)  # collective: every rank takes part
+            base = hf_reference_base(engine, case, ctx)  # collective: every rank takes part
             hf = {**hf_side(case, path, base), "config_by": config_by} if ctx.rank == 0 else None
         with ctx.phase("collect"):
             adapters = [s for s in engine.param_shards() if ".adapter." in s.name]
@@ -173,14 +196,14 @@ class PeftCkptSuite:
         coords = layout_coords()
         legacy.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+        target = roundtrip_layout(case.layout)
         with ctx.phase("save"):
-            engine.save_adapter_checkpoint(str(legacy))
+            saved = _attempt(target, "save", lambda e=engine: e.save_adapter_checkpoint(str(legacy)))
         del engine
         teardown_parallel_state()
-        target = roundtrip_layout(case.layout)
         with ctx.phase("load"):
             roundtrip = _reload(case, ctx, target, lambda e: e.load_peft_adapter(str(path)))
-            old = _reload(case, ctx, target, lambda e: e.load_adapter_checkpoint(str(legacy)))
+            old = saved or _reload(case, ctx, target, lambda e: e.load_adapter_checkpoint(str(legacy)))
         return PeftRankData(coords, steps, eval=[held_out], export=peak, hf=hf, adapters=adapters,
                             roundtrip=roundtrip, legacy=old)
 
@@ -196,30 +219,37 @@ def roundtrip_layout(layout: Layout) -> Layout:
     return Layout(dp=w)
 
 
-def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> Reload:
-    """A fresh LoRA model at `layout` (base weights from global names, B zero), `load` into it, then the
-    held-out batch's outputs, or where and why it failed."""
+def _attempt(layout: Layout, phase: str, work) -> Reload | None:
+    """Run `work`; None where it succeeds, else the Reload that failed in `phase` (the finding: a refusal is
+    named) - an adapter checkpoint the engine cannot save is not loaded."""
     import traceback
 
-    from harness.engines import make_engine
-    from harness.platform.parallel import layout_coords, teardown_parallel_state
     from harness.suite_defs.ckpt_memory.contract import describe_exception, refusal_kind
 
-    engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)
-    phase = "build"
     try:
-        engine.build()
-        phase = "load"
-        load(engine)
-        phase = "after the load"
-        held_out = [engine.eval_step(EVAL_STEP)]
-        return Reload(layout.id, layout_coords(), held_out)
-    except BaseException as exc:  # the finding: a load refused (named) or failed (torch's
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # CheckpointException is a BaseException)
+        work()
+        return None
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return Reload(layout.id, error=describe_exception(exc), phase=phase,
                       refusal=refusal_kind(exc) if phase == "load" else "", traceback=traceback.format_exc()[-1500:])
+
+
+def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> Reload:
+    """A fresh LoRA model at `layout` (base weights from global names, B zero), `load` into it, then the
+    held-out batch's outputs, or where and why it failed."""
+    from harness.engines import make_engine
+    from harness.platform.parallel import layout_coords, teardown_parallel_state
+
+    engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)
+    try:
+        failed = _attempt(layout, "build", engine.build) or _attempt(layout, "load", lambda e=engine: load(e))
+        if failed is not None:
+            return failed
+        held_out: list = []
+        failed = _attempt(layout, "after the load", lambda e=engine: held_out.append(e.eval_step(EVAL_STEP)))
+        return failed or Reload(layout.id, layout_coords(), held_out)
     finally:
         del engine
         teardown_parallel_state()
-
