@@ -137,3 +137,19 @@ class AdapterGradsNotReduced(MegatronBridgeEngine):
             return out
 
         self.config.finalize_model_grads_func = finalize_without_adapters
+
+
+class ExpertAdaptersSwapped(MegatronBridgeEngine):
+    """The export writes expert 0's adapters under expert 1's HF names and the other way round (an exporter that
+    numbers experts by another order than the router's)."""
+
+    def adapter_tensors(self):
+        swap = {".experts.0.": ".experts.1.", ".experts.1.": ".experts.0."}
+        out = {}
+        for key, t in super().adapter_tensors().items():
+            for old, new in swap.items():
+                if old in key:
+                    key = key.replace(old, new)
+                    break
+            out[key] = t
+        return out

@@ -51,7 +51,7 @@ REGRESSION_RUNS = (
     RegressionRun("equivalence"), RegressionRun("equivalence", "tiny-moe"),
     RegressionRun("grad-sync"), RegressionRun("grad-sync", "tiny-moe"),
     RegressionRun("ckpt-memory"), RegressionRun("ckpt-memory", "tiny-moe"),
-    RegressionRun("dynamic-cp"), RegressionRun("peft-ckpt"),
+    RegressionRun("dynamic-cp"), RegressionRun("peft-ckpt"), RegressionRun("peft-ckpt", "tiny-qwen3-moe"),
     RegressionRun("step-perf"), RegressionRun("step-perf", "tiny-moe", cpu_only=True),
     RegressionRun("train-memory"), RegressionRun("train-memory", "small-moe", cpu_only=True),
     RegressionRun("golden"), RegressionRun("golden", "tiny-moe", cpu_only=True),

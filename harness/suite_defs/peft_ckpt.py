@@ -5,12 +5,14 @@ Each case trains LoRA adapters (megatron-bridge's LoRA on every linear; base wei
 steps at its layout, takes the per-token log-probs of a held-out batch from the Megatron model, and
 exports the adapter as an HF PEFT directory (the engine's `export_peft_adapter`, host peak measured per
 rank). Rank 0 then loads it the way a user would - `PeftModel.from_pretrained` over a
-`LlamaForCausalLM` holding the same base weights (the bridge's HF export of the frozen weights) - and
+`LlamaForCausalLM` holding the same base weights (the bridge's HF export of the frozen weights; for an MoE
+model a `Qwen3MoeForCausalLM` holding them by the harness's own mapping, engines/hf_weights.py) - and
 computes the same log-probs with the adapter on and off. The parent judges (harness/checks/peft_ckpt.py):
 
 - valid: PEFT loads it with no missing and no unexpected adapter key, and adapter_config.json holds
   the configured r, lora_alpha, dropout and target modules;
 - logprobs: HF + PEFT equals the Megatron model token by token, and the adapter is not a no-op;
+- replicas: every copy of an adapter shard (its data-parallel group's ranks) is bit-identical after training;
 - export: the adapter exported at every layout equals the pure-DP export, tensor by tensor;
 - memory: the export's host peak per rank stays within adapter-sized memory (an export that gathers or
   merges the whole model needs model-sized memory).
