@@ -75,10 +75,11 @@ def test_a_trajectory_that_does_not_repeat_is_refused_at_recording():
 
 
 def test_tolerances_are_measured_and_floored_by_dtype():
-    from harness.suite_defs.golden.judge import RTOL, tolerance
+    from harness.dtypes import BF16
+    from harness.suite_defs.golden.judge import tolerance
 
     assert tolerance("step01.loss", [4.87, 4.8700002, 4.8700001]) == pytest.approx(8e-7)
-    bf16 = judge("c", "tiny/bf16/steps=3", "bf16", dict(GOLDEN, **{"step01.loss": 4.8705 * (1 + RTOL["bf16"] / 2)}),
+    bf16 = judge("c", "tiny/bf16/steps=3", "bf16", dict(GOLDEN, **{"step01.loss": 4.8705 * (1 + BF16.rtol / 2)}),
                  _entry(GOLDEN))
     assert all(c.passed for c in bf16)
 

@@ -77,3 +77,15 @@ def test_each_refused_layout_says_why(lid, reason):
     lay = Layout.parse(lid)
     assert reason in violations(lay, load_model("tiny"), lay.world_size)
     assert lay not in enumerate_layouts(load_model("tiny"), lay.world_size)
+
+
+def test_every_dtype_has_its_bytes_torch_dtype_and_tolerances():
+    import torch
+
+    from harness.dtypes import DTYPES, dtype
+
+    assert {n: (d.bytes, d.torch) for n, d in DTYPES.items()} == {
+        "fp32": (4, torch.float32), "bf16": (2, torch.bfloat16), "fp16": (2, torch.float16)}
+    assert all(0 < d.rtol < d.golden_max_spread for d in DTYPES.values())
+    with pytest.raises(BadInput, match="unknown dtype 'fp8'; known: fp32, bf16, fp16"):
+        dtype("fp8")

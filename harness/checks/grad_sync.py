@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harness.dtypes import dtype
 from harness.layouts import coords_of, dp_cp_ranks, expert_dp_ranks, expert_group
 from harness.spec import Case, Layout, ModelSpec
 
@@ -156,7 +157,7 @@ def plan(case: Case, rank: int) -> list[Planned]:
     group (megatron's DDP keeps them apart)."""
     o, lay, m = case.options, case.layout, case.model
     c = coords_of(lay, rank)
-    param_dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[o.dtype]
+    param_dtype = dtype(o.dtype).name
     grad_dtype = "fp32" if (o.grad_reduce_in_fp32 or param_dtype == "fp32") else param_dtype
     reduce_kind = "reduce_scatter" if o.use_distributed_optimizer else "all_reduce"
     reduce_phases = frozenset({"backward", "grad-finalize"}) if o.overlap_grad_reduce else frozenset({"grad-finalize"})

@@ -45,11 +45,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.checks.memory_model import expert_shard_params, shard_params
+from harness.dtypes import dtype
 from harness.spec import Layout, ModelSpec
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # What a rank holds beyond the model's tensors. GPU: the CUDA context, cuBLAS / NCCL workspaces and the
 # caching allocator's fragmentation, outside torch's allocated bytes (not yet measured on a GPU with this
 # model: a conservative 2 GiB). CPU: nothing beyond the heap figures the model is judged against.
@@ -169,7 +169,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, training: Training)
     kv = model.kv_channels
     q_width, kv_width = a * kv, model.num_query_groups * kv
     gate = 2 if model.swiglu else 1
-    e = BYTES[training.dtype]
+    e = dtype(training.dtype).bytes
     # unfused core attention: megatron's softmax runs in fp32 (attention_softmax_in_fp32) and keeps its fp32
     # output, the batched matmul with V keeps the probabilities in the param dtype: 4 (+2 in bf16) bytes per
     # element of a x s_q x s_k per sample (the scores are freed once softmaxed); under CP each rank's queries
@@ -210,7 +210,7 @@ def moe_layer_activation_bytes(model: ModelSpec, layout: Layout, training: Train
         parts.pop(k)
     t, cp, etp = layout.tp, layout.cp, layout.expert_tp
     tokens = training.seq(model) * training.micro_batch_size / cp
-    h, e, f = model.hidden_size, BYTES[training.dtype], model.expert_ffn // etp
+    h, e, f = model.hidden_size, dtype(training.dtype).bytes, model.expert_ffn // etp
     gate = 2 if model.swiglu else 1
     routed = tokens / t * model.moe_router_topk * etp  # with TP, MoE runs sequence parallel: tokens / TP route
     parts["router (logits, scores, probabilities)"] = 3 * tokens / t * model.num_experts * 4
@@ -236,7 +236,7 @@ def stage_layers(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]
 def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0, device: str = "gpu") -> TrainingMemory:
     """The model's prediction for one rank."""
     n = shard_params(model, layout, rank)
-    pbytes = BYTES[training.dtype]
+    pbytes = dtype(training.dtype).bytes
     gbytes = 4 if (training.grad_reduce_in_fp32 or training.dtype == "fp32") else pbytes
     d = layout.dp * layout.cp
     # an MoE model's experts at EP > 1 have an optimizer of their own, sharded over the expert-DP group

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.dtypes import DTYPES
 from harness.errors import BadInput
 
 KNOWN_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
@@ -17,7 +18,7 @@ def add_parser(sub) -> None:
     t = p.add_argument_group("training memory (--training)")
     t.add_argument("--training", action="store_true", help="project a training rank's memory instead of a save's")
     t.add_argument("--device-gib", type=float, default=None, help="the device's memory, GiB (a verdict: fits or not)")
-    t.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    t.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     t.add_argument("--micro-batch-size", type=int, default=None, help="default: the model's")
     t.add_argument("--seq-length", type=int, default=None, help="default: the model's")
     t.add_argument("--global-batch-size", type=int, default=None, help="default: the model's")

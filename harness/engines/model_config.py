@@ -14,9 +14,9 @@ if TYPE_CHECKING:
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a case's dtype option (fp32, bf16, fp16)."""
-    import torch
+    from harness.dtypes import dtype
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    return dtype(name).torch
 
 
 def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:

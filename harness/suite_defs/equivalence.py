@@ -19,16 +19,14 @@ from harness.checks.step_outputs import (
     trained,
 )
 from harness.checks.tensors import assemble, max_abs, rel_error
+from harness.dtypes import dtype
 from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import default_matrix, validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
-# fp32 on CPU: different reduction orders across layouts differ at ~1e-7; 1e-5 leaves headroom
-# while a skipped reduction or a wrong shard shows up at >= 1e-3.
-LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
-PARAM_RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
+# Losses, log-probs and parameters across layouts: within the dtype's rtol (harness/dtypes.py).
 # Copies of one shard (DP replicas, tied embedding copies) must stay bit-identical.
 REPLICA_ATOL = 0.0
 # Adam's update g / (|g| + eps) turns a rounding difference d in an element with |g| ~ eps into an
@@ -109,14 +107,14 @@ class EquivalenceSuite:
             if ref_params is None:
                 out.append(CheckResult("equivalence.loss", cid, False, f"reference {ref.case.layout.id} did not run"))
                 continue
-            dtype = res.case.options.dtype
-            out.append(self._check_losses(res, ref, step_losses(res), ref_losses, LOSS_RTOL[dtype]))
+            rtol = dtype(res.case.options.dtype).rtol
+            out.append(self._check_losses(res, ref, step_losses(res), ref_losses, rtol))
             aux, ref_aux = step_aux_losses(res), step_aux_losses(ref)
             if aux is not None or ref_aux is not None:
-                out.append(self._check_losses(res, ref, aux or [], ref_aux or [], LOSS_RTOL[dtype],
+                out.append(self._check_losses(res, ref, aux or [], ref_aux or [], rtol,
                                               "equivalence.aux_loss", "load-balancing loss"))
-            out.append(self._check_logprobs(res, ref, LOSS_RTOL[dtype]))
-            out.append(self._check_params(res, ref, full.tensors, ref_params.tensors, PARAM_RTOL[dtype]))
+            out.append(self._check_logprobs(res, ref, rtol))
+            out.append(self._check_params(res, ref, full.tensors, ref_params.tensors, rtol))
         return out
 
     @staticmethod

@@ -1,9 +1,9 @@
 """Judges of the golden suite: a case's trajectory against the stored one of its model and dtype.
 
 Tolerances come from measurement: a recorded metric's tolerance is SPREAD_FACTOR x its spread over every
-layout and repeat that recorded it, at least RTOL of its value for the dtype (the floor is applied when
-judging, where the dtype is known). A recording whose figures spread beyond MAX_SPREAD of their value is
-refused: a trajectory that does not repeat cannot judge anything.
+layout and repeat that recorded it, at least the dtype's rtol of its value (the floor is applied when
+judging, where the dtype is known). A recording whose figures spread beyond the dtype's golden_max_spread of
+their value is refused: a trajectory that does not repeat cannot judge anything.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult
+from harness.dtypes import dtype
 from harness.suite_defs.golden.figures import key as key_of
 from harness.suite_defs.golden.figures import record_command, trajectory
 from harness.suite_defs.golden.params import SUITE, GoldenParams
@@ -20,9 +21,7 @@ from harness.suite_defs.golden.params import SUITE, GoldenParams
 if TYPE_CHECKING:
     from harness.launch.results import CaseResult
 
-# Relative floor per dtype. fp32 on CPU ranks: docs/golden.md gives the measured spread.
-RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 1e-2}
-MAX_SPREAD = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
+# The relative floor and the largest spread a recording may have: the dtype's (harness/dtypes.py).
 SPREAD_FACTOR = 4
 # figures that are set, not computed: judged exactly against their recorded spread. (The zero count is not
 # one of them: an element that sums to exactly 0.0 in one reduction order may not in another - `small`'s
@@ -40,10 +39,11 @@ def tolerance(metric: str, values: list[float]) -> float:
 
 
 def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
-    """Metrics whose recorded values (every layout, every repeat) spread beyond MAX_SPREAD of their median."""
+    """Metrics whose recorded values (every layout, every repeat) spread beyond the dtype's golden_max_spread of
+    their median."""
     out = []
     for key, metrics in sorted(samples.items()):
-        limit = MAX_SPREAD[_dtype_of(key)]
+        limit = dtype(_dtype_of(key)).golden_max_spread
         for metric, values in sorted(metrics.items()):
             if not all(math.isfinite(v) for v in values):
                 out.append(f"{key} {metric}: non-finite values {values}")
@@ -56,10 +56,10 @@ def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
     return out
 
 
-def _allowed(metric: str, want: float, stored_tol: float, dtype: str) -> float:
+def _allowed(metric: str, want: float, stored_tol: float, dtype_name: str) -> float:
     if metric.split(".")[-1] in EXACT:
         return stored_tol
-    return max(stored_tol, RTOL[dtype] * abs(want))
+    return max(stored_tol, dtype(dtype_name).rtol * abs(want))
 
 
 def _rel(got: float, want: float) -> float:
@@ -119,12 +119,12 @@ def _check_resume(res: CaseResult, first: CaseResult | None, key: str, entry: di
     return CheckResult("golden.resume", res.case.id, True, f"{where}: {steps.message}", value=steps.value)
 
 
-def judge(case_id: str, key: str, dtype: str, measured: dict[str, float], entry: dict) -> list[CheckResult]:
+def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], entry: dict) -> list[CheckResult]:
     """The trajectory check (per step, the first step that left the tolerance) and the fingerprint check."""
     rows: list[tuple[str, float, float, float, bool]] = []  # metric, got, want, allowed, ok
     for metric in sorted(set(entry) & set(measured)):
         got, want = measured[metric], float(entry[metric]["value"])
-        allowed = _allowed(metric, want, float(entry[metric]["tolerance"]), dtype)
+        allowed = _allowed(metric, want, float(entry[metric]["tolerance"]), dtype_name)
         ok = math.isfinite(got) and abs(got - want) <= allowed
         rows.append((metric, got, want, allowed, ok))
     params = [r for r in rows if not r[0].startswith("step")]

@@ -1,0 +1,46 @@
+"""The dtypes a case trains in (`CaseOptions.dtype` names one): bytes per element, the torch dtype, and the tolerance
+each family of checks compares its figures with.
+
+fp32 on CPU ranks: layouts differ only in reduction order, ~1e-7 on losses and log-probs and up to ~2e-6 on
+gradients (dynamic-cp), so 1e-5 leaves headroom while a skipped reduction or a wrong shard shows at >= 1e-3; golden's
+recordings of one trajectory spread <= 1e-4 (docs/golden.md). bf16 and fp16 keep 8 and 11 bits of mantissa: their
+figures are the fp32 ones' rounded at 2e-2 and 1e-2 - not yet measured over repeats on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # as the CLI, case ids and baseline keys spell it
+    bytes: int  # per element
+    torch_name: str  # the attribute of torch
+    rtol: float  # relative tolerance of values compared across layouts (losses, log-probs, parameters, gradients)
+    golden_max_spread: float  # the most a golden recording may spread over layouts and repeats (of its median)
+
+    @property
+    def torch(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.torch_name)
+
+
+FP32 = DType("fp32", 4, "float32", 1e-5, 1e-4)
+BF16 = DType("bf16", 2, "bfloat16", 2e-2, 5e-2)
+FP16 = DType("fp16", 2, "float16", 1e-2, 5e-2)
+DTYPES = {d.name: d for d in (FP32, BF16, FP16)}
+
+
+def dtype(name: str) -> DType:
+    """The DType of a name; BadInput listing the known ones otherwise."""
+    if name not in DTYPES:
+        from harness.errors import BadInput
+
+        raise BadInput(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+    return DTYPES[name]
