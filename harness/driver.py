@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,23 +56,27 @@ def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str
     return params_type(**given) if params_type else None
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a run will do, decided before anything runs: the suite, its parameters and its cases (each with its
+    model, layout, engine, backend and options)."""
+
+    suite: Suite
+    params: Any
+    cases: list[Case]
+    model_name: str
+    world_size: int
+    backend: str
+    engine: str
+
+
 def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
-         **kwargs) -> tuple[Suite, list[Case]]:
-    """(suite, cases) or BadInput, before anything runs or is written (see planned_run). The rank fork server
-    starts importing meanwhile: the caller runs the plan next."""
-    zygote.prestart(kwargs.get("backend", "auto"))
-    suite, _, cases = planned_run(suite_name, model_name, world_size, layout_ids, **kwargs)
-    return suite, cases
-
-
-def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
-                *, engine: str = "mcore", backend: str = "auto", options: CaseOptions | None = None,
-                timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None):
-    """(suite, params, cases) or BadInput, before anything runs or is written. model_name None: the suite's
-    default; options None: the defaults, in the suite's dtype for the backend (default_dtype). suite_params:
-    values of the suite's parameters (`suite.Params` fields, e.g. step-perf's
-    timed_steps). A suite with baselines has its baseline file parsed here (a corrupt one is refused
-    before any rank)."""
+         *, engine: str = "mcore", backend: str = "auto", options: CaseOptions | None = None,
+         timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None) -> Plan:
+    """The run's Plan, or BadInput, before anything runs or is written; it starts nothing. model_name None: the
+    suite's default; options None: the defaults, in the suite's dtype for the backend (default_dtype).
+    suite_params: values of the suite's parameters (`suite.Params` fields, e.g. step-perf's timed_steps). A suite
+    with baselines has its baseline file parsed here (a corrupt one is refused before any rank)."""
     suite = get_suite(suite_name)
     params = suite_parameters(suite, suite_params, baselines_dir)
     if world_size < 1:
@@ -103,7 +108,7 @@ def planned_run(suite_name: str | Suite, model_name: str | None, world_size: int
 
         baselines.load(baselines.baseline_path(baselines_dir_of(params),
                                                detect_platform(backend).key, suite.name))
-    return suite, params, cases
+    return Plan(suite, params, cases, model.name, world_size, backend, cases[0].engine if cases else engine)
 
 
 def refuse_what_does_not_fit(cases: list[Case], backend: str, world_size: int) -> None:
@@ -124,11 +129,17 @@ def refuse_what_does_not_fit(cases: list[Case], backend: str, world_size: int) -
 
 def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
               engine: str = "mcore", backend: str = "auto", options: CaseOptions | None = None,
-              timeout_s: float | None = None, progress: Callable[[str], None] | None = None,
-              fresh_ranks: bool = False, shuffle_seed: int | None = None,
-              baselines_dir: str | None = None, suite_params: dict | None = None, out_dir: Path | None = None,
-              label: str | None = None) -> SuiteRun:
-    """Run every case of the suite (warm pool ranks unless fresh_ranks) and judge them.
+              timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None,
+              **run_options) -> SuiteRun:
+    """plan then execute: the suite's cases planned from these arguments, run with run_options (execute's)."""
+    zygote.prestart(backend)  # the rank fork server imports while the harness plans
+    return execute(plan(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend, options=options,
+                        timeout_s=timeout_s, suite_params=suite_params, baselines_dir=baselines_dir), **run_options)
+
+
+def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fresh_ranks: bool = False,
+            shuffle_seed: int | None = None, out_dir: Path | None = None, label: str | None = None) -> SuiteRun:
+    """Run every case of the plan (warm pool ranks unless fresh_ranks) and judge them.
 
     shuffle_seed runs the cases in a shuffled order (isolation checks); results keep plan order.
     out_dir: results.json is written there after every case (measured, not yet judged) and at the end
@@ -137,15 +148,11 @@ def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, 
     returned with `interrupted` set (exit code 143 / 130). A run whose first cases all error alike stops
     there (`stopped` says why; harness/broken_env.py): exit 3, what it measured kept.
     """
-    zygote.prestart(backend)
-    suite, params, cases = planned_run(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend,
-                                       options=options, timeout_s=timeout_s, suite_params=suite_params,
-                                       baselines_dir=baselines_dir)
+    suite, params, cases = planned.suite, planned.params, planned.cases
+    zygote.prestart(planned.backend)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    run = SuiteRun(suite, cases[0].model.name if cases else model_name or suite.default_model, world_size,
-                   cases[0].backend if cases else backend,
-                   cases[0].engine if cases else engine, planned=len(cases), label=label,
-                   params=params)  # a suite may pick its engine
+    run = SuiteRun(suite, planned.model_name, planned.world_size, planned.backend, planned.engine,
+                   planned=len(cases), label=label, params=params)
     t0 = time.monotonic()
     if isinstance(suite, FreshRanks) and suite.fresh_pool and not fresh_ranks:
         from harness.launch.pool import retire_pools_used_by_others

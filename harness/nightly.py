@@ -62,9 +62,10 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     # Every run planned before any rank starts: a run that cannot be planned (a path whose package is
     # missing, a model too large for the world size) is recorded as judging nothing - a failure, not a skip.
     refused: dict[Item, str] = {}
+    plans: dict[Item, driver.Plan] = {}
     for item in items:
         try:
-            driver.plan(item.suite, item.model, world, engine=item.engine, backend=backend)
+            plans[item] = driver.plan(item.suite, item.model, world, engine=item.engine, backend=backend)
         except BadInput as exc:
             refused[item] = str(exc)
     from harness.history import store
@@ -82,8 +83,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
         try:
             if item in refused:
                 raise BadInput(refused[item])
-            run = driver.run_suite(item.suite, item.model, world, engine=item.engine, backend=backend,
-                                   out_dir=out / item.slug, label=label)
+            run = driver.execute(plans[item], out_dir=out / item.slug, label=label)
         except BadInput as exc:  # a path whose package is missing, a corrupt baseline file, ...
             reason = str(exc)
             atomic_write(out / item.slug / "results.json", json.dumps(

@@ -79,7 +79,7 @@ def missing_baselines(world_size: int, backend: str, baselines_dir: str | None =
     whose platform file lacks an entry of a case they plan; planned only, nothing runs. A run whose model does
     not fit here or needs what is not installed is left out (its suite skips it too)."""
     from harness import baselines
-    from harness.driver import planned_run
+    from harness.driver import plan
     from harness.errors import DoesNotFit, MissingDependency
     from harness.platform import detect_platform, resolve_backend
     from harness.suite_defs import REGRESSION_RUNS, Baselined, PartlyBaselined, get_suite
@@ -93,8 +93,8 @@ def missing_baselines(world_size: int, backend: str, baselines_dir: str | None =
         if not isinstance(get_suite(run.suite), Baselined):
             continue
         try:
-            found, _, cases = planned_run(run.suite, run.model, world_size, backend=backend,
-                                          baselines_dir=baselines_dir)
+            planned = plan(run.suite, run.model, world_size, backend=backend, baselines_dir=baselines_dir)
+            found, cases = planned.suite, planned.cases
         except (DoesNotFit, MissingDependency):
             continue
         assert isinstance(found, Baselined)

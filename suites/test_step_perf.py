@@ -14,8 +14,8 @@ def pytest_generate_tests(metafunc):
         from harness.driver import plan
 
         c = metafunc.config
-        _, cases = plan("step-perf", c.getoption("--model"), c.getoption("--world-size"),
-                        engine=c.getoption("--engine"), backend=c.getoption("--backend"))
+        cases = plan("step-perf", c.getoption("--model"), c.getoption("--world-size"),
+                     engine=c.getoption("--engine"), backend=c.getoption("--backend")).cases
         metafunc.parametrize("case_id", [case.id for case in cases], ids=[case.id.split("/", 3)[-1] for case in cases])
 
 

@@ -111,7 +111,7 @@ def test_an_empty_platform_lacks_every_baselined_run_of_the_regression_suites(tm
 def _fake_recorder(monkeypatch, refuse: str = ""):
     """record_suite writing one entry per planned key of the run (refusing the suite `refuse`, as a noisy or busy
     machine is refused); what it was asked to record."""
-    from harness.driver import planned_run
+    from harness.driver import plan
     from harness.suite_defs import PartlyBaselined
 
     asked = []
@@ -120,7 +120,8 @@ def _fake_recorder(monkeypatch, refuse: str = ""):
         asked.append((suite, model, world_size, layout_ids, repeats, backend))
         if suite == refuse:
             raise RuntimeError("not recording: 1 metric(s) too noisy to baseline")
-        found, _, cases = planned_run(suite, model, world_size, backend=backend, baselines_dir=baselines_dir)
+        planned = plan(suite, model, world_size, backend=backend, baselines_dir=baselines_dir)
+        found, cases = planned.suite, planned.cases
         path = baselines.baseline_path(baselines_dir, "cpu-gloo", found.name)
         keys = {found.key(c) for c in cases if not isinstance(found, PartlyBaselined) or found.baselined(c)}
         data = baselines.load(path)

@@ -199,8 +199,8 @@ def _planned_ids(command: str) -> set[str]:
 
     args = cli.build_parser().parse_args(shlex.split(command)[1:])
     sel = CaseSelection.from_args(args)
-    _, cases = plan(sel.suite, sel.model, sel.world_size, sel.layout_ids, engine=sel.engine, backend="gloo",
-                    options=sel.options, suite_params=sel.suite_params)
+    cases = plan(sel.suite, sel.model, sel.world_size, sel.layout_ids, engine=sel.engine, backend="gloo",
+                 options=sel.options, suite_params=sel.suite_params).cases
     return {c.id for c in cases}
 
 
@@ -213,7 +213,7 @@ def test_the_printed_bisect_command_selects_the_same_case(suite, layout, pick):
     from harness.history.changes import Change
     from harness.history.show import bisect_commands
 
-    _, cases = plan(suite, "small", 4, [layout], backend="gloo")
+    cases = plan(suite, "small", 4, [layout], backend="gloo").cases
     case_id = next(c.id for c in cases if pick in c.id and "ckpt_role" not in c.id and "fully_parallel" not in c.id
                    and "async" not in c.id)
     (command,) = bisect_commands(case_id, "rank0.flops", 4, Change("step", 10, 100.0, 110.0),

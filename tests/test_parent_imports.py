@@ -16,11 +16,11 @@ PLAN = """
 import sys
 import harness.platform.backend as backend
 backend.GPU_DRIVER_PATHS = ("/nonexistent/gpu-driver",)  # a host without a GPU driver, as CI's
-from harness.driver import planned_run
+from harness.driver import plan
 for name in sys.argv[1:]:
-    suite, params, cases = planned_run(name, None, 2, backend="auto")
-    assert cases, name
-    suite.check([], params)  # the suite's judges, imported and called
+    planned = plan(name, None, 2, backend="auto")
+    assert planned.cases, name
+    planned.suite.check([], planned.params)  # the suite's judges, imported and called
 """
 
 
@@ -38,12 +38,12 @@ class Sharded(FSDP2Engine):
 """
 
 RESOLVE = """
-from harness.driver import planned_run
+from harness.driver import plan
 from harness.engines import is_fsdp2, resolve_factory
 for name in ("user_engine:Engine", "user_engine:Sharded", "mcore", "fsdp2"):
     resolve_factory(name)
     is_fsdp2(name)
-planned_run("ckpt-memory", "tiny", 2, engine="user_engine:Engine", backend="gloo")
+plan("ckpt-memory", "tiny", 2, engine="user_engine:Engine", backend="gloo")
 """
 
 # appended to each script: the torch modules the process imported, as its last line

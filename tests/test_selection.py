@@ -124,7 +124,7 @@ def test_step_perf_trains_in_bf16_on_gpu_ranks_unless_told(monkeypatch, gpus, ar
 
 
 def test_a_run_without_options_trains_in_the_suites_dtype_for_the_backend(monkeypatch):
-    """run_suite / planned_run without options (the pytest suites, record --missing): step-perf's cases on NCCL
+    """run_suite / plan without options (the pytest suites, record --missing): step-perf's cases on NCCL
     ranks in bf16, their baseline key and record command naming it only where it is not the default."""
     import dataclasses
 
@@ -135,14 +135,42 @@ def test_a_run_without_options_trains_in_the_suites_dtype_for_the_backend(monkey
     monkeypatch.setattr(driver, "refuse_what_does_not_fit", lambda cases, backend, world_size: None)
     monkeypatch.setattr("harness.platform.detect_platform",
                         lambda backend: type("P", (), {"key": "nccl-test" if backend == "nccl" else "cpu-gloo"}))
-    _, _, cases = driver.planned_run("step-perf", "tiny", 1, backend="nccl")
+    cases = driver.plan("step-perf", "tiny", 1, backend="nccl").cases
     assert {c.options.dtype for c in cases} == {"bf16"}
     assert figures.key(cases[0]) == "tiny/tp1-pp1-cp1-dp1/distopt=0,overlap=0/bf16"
     assert not figures.record_command(cases[0]).endswith("--dtype bf16")
     fp32 = dataclasses.replace(cases[0], options=dataclasses.replace(cases[0].options, dtype="fp32"))
     assert figures.key(fp32) == "tiny/tp1-pp1-cp1-dp1/distopt=0,overlap=0"
     assert figures.record_command(fp32).endswith("--layout tp1-pp1-cp1-dp1 --dtype fp32")
-    _, _, golden = driver.planned_run("golden", "tiny", 1, backend="nccl")
+    golden = driver.plan("golden", "tiny", 1, backend="nccl").cases
     assert {c.options.dtype for c in golden} == {"fp32"}
-    _, _, cpu = driver.planned_run("step-perf", "tiny", 1, backend="gloo")
+    cpu = driver.plan("step-perf", "tiny", 1, backend="gloo").cases
     assert {c.options.dtype for c in cpu} == {"fp32"}
+
+
+def test_plan_starts_nothing_and_run_plans_once(monkeypatch):
+    """plan() is pure (no rank, no fork server: pytest collects step-perf's cases with it); `harness run` plans
+    once and executes that plan."""
+    from harness import driver
+    from harness.launch import zygote
+
+    def no_start(backend):
+        raise AssertionError("plan() started the fork server")
+
+    monkeypatch.setattr(zygote, "prestart", no_start)
+    planned = driver.plan("equivalence", "tiny", 2, backend="gloo")
+    assert planned.model_name == "tiny" and planned.backend == "gloo" and len(planned.cases) >= 2
+    monkeypatch.setattr(zygote, "prestart", lambda backend: None)
+    calls, executed = [], []
+    real = driver.plan
+    monkeypatch.setattr(driver, "plan", lambda *a, **k: calls.append(a) or real(*a, **k))
+
+    def execute(p, **run_options):
+        executed.append(p)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(driver, "execute", execute)
+    args = cli.build_parser().parse_args(["run", "--suite", "equivalence", "--world-size", "2", "--backend", "gloo"])
+    with pytest.raises(SystemExit):
+        args.func(args)
+    assert len(calls) == 1 and executed[0].cases == planned.cases

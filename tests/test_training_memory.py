@@ -95,8 +95,8 @@ def test_a_case_that_will_not_fit_is_refused_before_any_rank_starts(tmp_path, ca
     from harness.driver import plan
     from harness.launch import runner
 
-    _, cases = plan("train-memory", "small", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
-                    suite_params={"distributed_optimizer": (False,), "recompute": ()})
+    cases = plan("train-memory", "small", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
+                 suite_params={"distributed_optimizer": (False,), "recompute": ()}).cases
     (case,) = cases
     need = {r: worst_rank(case.model, case.layout, dataclasses.replace(training_of(case), recompute=r), "cpu").peak
             for r in ("", "selective")}
@@ -227,7 +227,7 @@ def _gpu_cases():
 
     from harness.driver import plan
 
-    _, cases = plan("train-memory", "small", 1, backend="gloo")  # no GPU here: the same cases, as NCCL ranks
+    cases = plan("train-memory", "small", 1, backend="gloo").cases  # no GPU here: the same cases, as NCCL ranks
     return [dataclasses.replace(c, backend="nccl") for c in cases]
 
 

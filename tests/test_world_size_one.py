@@ -17,7 +17,7 @@ from harness.suite_defs.grad_sync import GradSyncRankData, GradSyncSuite
 
 
 def test_equivalence_at_world_size_1_is_skipped_with_the_ranks_it_needs():
-    _, cases = plan("equivalence", "tiny", 1, backend="gloo")
+    cases = plan("equivalence", "tiny", 1, backend="gloo").cases
     (case,) = cases
     assert case.skip == ("equivalence compares every layout with pure DP, and world size 1 has no other valid layout "
                          "for tiny: needs world size 2 or more (e.g. --world-size 2 or 4)")
@@ -25,14 +25,14 @@ def test_equivalence_at_world_size_1_is_skipped_with_the_ranks_it_needs():
 
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_dynamic_cp_needs_an_even_world_size_of_at_least_2(world_size):
-    _, cases = plan("dynamic-cp", "tiny", world_size, backend="gloo")
+    cases = plan("dynamic-cp", "tiny", world_size, backend="gloo").cases
     (case,) = cases
     assert case.skip.startswith(f"dynamic CP needs an even DP x CP size of at least 2 (megatron's hybrid CP groups), "
                                 f"world size {world_size} has none: needs world size 2 or more, even")
 
 
 def test_ckpt_memory_at_world_size_1_runs_its_contract_except_the_dp_only_load():
-    _, cases = plan("ckpt-memory", "small", 1, backend="gloo")
+    cases = plan("ckpt-memory", "small", 1, backend="gloo").cases
     roles = [(c.params.ckpt_role, c.layout.id, bool(c.skip)) for c in cases if c.params.ckpt_role]
     assert roles == [("reshard", "tp1-pp1-cp1-dp1", False), ("reshard-load", "tp1-pp1-cp1-dp1", True)] * 2
     skipped = next(c for c in cases if c.skip)

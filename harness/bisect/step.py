@@ -120,12 +120,11 @@ def _platform(result) -> str:
 def run_step(plan_args: tuple, plan_kwargs: dict, spec: StepSpec) -> StepResult:
     """Run the selected cases in this environment and judge them (the body of `harness bisect-step`).
     plan_args / plan_kwargs: the selection as harness.driver.plan's arguments."""
-    from harness.driver import plan, run_suite
+    from harness.driver import execute, plan
 
     threshold = Threshold(spec.max)
-    plan(*plan_args, baselines_dir=spec.baselines_dir, **plan_kwargs)
-    run = run_suite(*plan_args, baselines_dir=spec.baselines_dir, fresh_ranks=spec.fresh_ranks,
-                    **plan_kwargs).stop_if_interrupted()
+    planned = plan(*plan_args, baselines_dir=spec.baselines_dir, **plan_kwargs)
+    run = execute(planned, fresh_ranks=spec.fresh_ranks).stop_if_interrupted()
     return judge_run(run, spec.metric, threshold, spec.error_is_bad)
 
 

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from harness import report
-    from harness.driver import plan, run_suite
+    from harness.driver import execute, plan
     from harness.recording import record_suite
     from harness.suite_defs import Baselined
 
@@ -42,11 +42,11 @@ def main(args) -> int:
     sel = CaseSelection.from_args(args)
     if args.repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {args.repeats}")
-    suite, _ = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())
-    if not isinstance(suite, Baselined):
+    planned = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())
+    if not isinstance(planned.suite, Baselined):
         raise BadInput(f"suite {args.suite!r} has no baselines")
     if args.action == "check":
-        run = run_suite(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())
+        run = execute(planned)
         print(report.format_run(run))
         return run.exit_code
     try:

@@ -23,15 +23,16 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from harness import report
-    from harness.driver import plan, run_suite
+    from harness.driver import execute, plan
+    from harness.launch import zygote
 
     sel = CaseSelection.from_args(args)
     if args.shuffle is not None and args.shuffle < 0:
         raise BadInput(f"--shuffle takes a seed >= 0, got {args.shuffle}")
-    plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())  # bad input: exit 2, no rank
+    zygote.prestart(sel.backend)  # the rank fork server imports while the harness plans
+    planned = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())  # bad input: exit 2
     out = out_dir(args.out)
-    run = run_suite(*sel.plan_args(), fresh_ranks=args.fresh_ranks, shuffle_seed=args.shuffle,
-                    baselines_dir=args.baselines_dir, out_dir=out, label=args.label, **sel.plan_kwargs())
+    run = execute(planned, fresh_ranks=args.fresh_ranks, shuffle_seed=args.shuffle, out_dir=out, label=args.label)
     print(report.format_run(run))
     if out:
         print(f"results: {out / 'results.json'}")

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from harness import report
     from harness.broken_env import broken_environment
-    from harness.driver import planned_run, with_outputs
+    from harness.driver import plan, with_outputs
     from harness.platform.parallel import release_memory
     from harness.suite_defs import default_dtype
     from harness.suite_run import SuiteRun
@@ -56,11 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         suite_params = {"timed_steps": args.timed_steps} if args.timed_steps is not None else None
-        suite, params, cases = planned_run(args.suite, args.model, world, args.layout, engine=args.engine,
-                                           backend=backend, options=CaseOptions(
-                                               steps=args.steps, dtype=default_dtype(args.suite, backend)),
-                                           timeout_s=args.timeout, suite_params=suite_params,
-                                           baselines_dir=args.baselines_dir)
+        planned = plan(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
+                       options=CaseOptions(steps=args.steps, dtype=default_dtype(args.suite, backend)),
+                       timeout_s=args.timeout, suite_params=suite_params, baselines_dir=args.baselines_dir)
+        suite, params, cases = planned.suite, planned.params, planned.cases
     except BadInput as exc:
         if rank == 0:
             print(f"harness: error: {exc}", file=sys.stderr)
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(base, max(c.timeout_s for c in cases))
     freeze_long_lived()  # one process runs every case, as a warm pool rank does
     results_group = dist.new_group(backend="gloo")  # results travel as objects, on the CPU
-    run = SuiteRun(suite, args.model, world, backend, args.engine, planned=len(cases), params=params)
+    run = SuiteRun(suite, planned.model_name, world, backend, planned.engine, planned=len(cases), params=params)
     cases = with_outputs(cases, base.workdir / "outputs", suite)
     t_run = time.monotonic()
     for case in cases:
