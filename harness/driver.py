@@ -35,10 +35,8 @@ from harness.suite_defs import (
     default_model,
     get_suite,
 )
+from harness.suite_defs.flags import flag_of
 from harness.suite_run import SuiteRun
-
-# a parameter whose flag is not `--<name with dashes>`
-FLAGS = {"formats": "--ckpt-format"}
 
 
 def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str | None = None) -> Any:
@@ -51,7 +49,7 @@ def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str
         given["baselines_dir"] = baselines_dir
     for name in given:
         if name not in names:
-            flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+            flag = flag_of(name)
             raise BadInput(f"{flag} does not apply to the {suite.name} suite")
     return params_type(**given) if params_type else None
 

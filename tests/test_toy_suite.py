@@ -48,15 +48,19 @@ def test_a_parameter_the_suite_does_not_have_is_refused(toy_registered):
 
 
 # A process where torch, megatron and every suite module fail to import: what `harness report` needs
-# of a run is in its results.json.
+# of a run is in its results.json. The suites' parameter types stay importable (plain dataclasses, the CLI's
+# flags): their modules, the packages' __init__ that import them, and the registry.
 _NO_TORCH = textwrap.dedent("""
     import sys
 
     class Refuse:
         BLOCKED = ("torch", "megatron", "harness.suite_defs", "harness.driver", "harness.launch", "tests.toy_suite")
+        PARAMS = ("harness.suite_defs", "harness.suite_defs.flags") + tuple(
+            f"harness.suite_defs.{p}{m}" for p in ("ckpt_memory", "step_perf", "golden", "train_memory")
+            for m in ("", ".params"))
 
         def find_spec(self, name, path=None, target=None):
-            if any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
+            if name not in self.PARAMS and any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
                 raise ImportError(f"{name} is hidden in this test")
             return None
 
@@ -78,7 +82,14 @@ def test_report_renders_from_results_json_without_torch_or_suites(toy_registered
         data = json.loads(open({str(tmp_path / "run" / "results.json")!r}).read())
         print(format_results(data) + "\\n--- report")
         print("--- exit", main(["report", {str(tmp_path / "run")!r}]))
-        assert not any(m == "torch" or m.startswith(("torch.", "harness.suite_defs")) for m in sys.modules), sorted(sys.modules)
+        for hidden in ("harness.suite_defs.golden.suite", "harness.suite_defs.equivalence", "torch"):
+            try:
+                __import__(hidden)
+                raise SystemExit(f"{{hidden}} imported")
+            except ImportError:
+                pass
+        assert not any(m == "torch" or m.startswith("torch.") or m.startswith("harness.suite_defs")
+                       and m not in Refuse.PARAMS for m in sys.modules), sorted(sys.modules)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -88,3 +99,36 @@ def test_report_renders_from_results_json_without_torch_or_suites(toy_registered
     assert "FAIL toy.sum" in rendered and "all-reduced sum 2 != 1 (error 1)" in rendered
     md = (tmp_path / "run" / "report.md").read_text()
     assert "all-reduced sum 2 != 1" in md
+
+
+def test_a_suite_parameter_is_declared_once_on_its_type(toy_registered, monkeypatch):
+    """ToyParams.offset declares its flag in its field's metadata; with the type listed among the suites' parameter
+    types, the CLI has the option, the selection carries the value, to_argv and a case's variant give the flag
+    again, and another suite refuses it naming the flag."""
+    from harness import cli
+    from harness.commands.selection import CaseSelection, variant_argv
+    from harness.driver import plan
+
+    monkeypatch.setattr(suite_defs, "PARAM_TYPES",
+                        (*suite_defs.PARAM_TYPES, "tests.toy_suite:ToyParams", "tests.toy_suite:ToyCaseParams"))
+    argv = ["run", "--suite", "toy", "--world-size", "2", "--toy-offset", "0.5"]
+    sel = CaseSelection.from_args(cli.build_parser().parse_args(argv))
+    assert sel.suite_params == {"offset": 0.5}
+    assert sel.to_argv() == argv[1:]
+    planned = plan(*sel.plan_args(), backend="gloo", suite_params=sel.suite_params)
+    assert [c.params.offset for c in planned.cases] == [0.5, 0.5]
+    assert variant_argv(planned.cases[1].variant) == ["--toy-offset", "0.5"]
+    with pytest.raises(BadInput, match="^--toy-offset does not apply to the equivalence suite$"):
+        plan("equivalence", "tiny", 2, backend="gloo", suite_params=sel.suite_params)
+
+
+def test_every_suite_parameter_type_with_flags_is_listed():
+    import dataclasses
+
+    from harness.suite_defs.flags import param_types
+
+    listed = set(param_types())
+    for name in suite_defs.SUITES:
+        params = getattr(suite_defs.get_suite(name), "Params", None)
+        if params is not None and any("flag" in f.metadata for f in dataclasses.fields(params)):
+            assert params in listed, f"{name}: {params.__qualname__} declares flags: list it in PARAM_TYPES"

@@ -6,19 +6,21 @@ parameter `offset` plants a regression (every rank adds it before the all-reduce
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.checks import CheckResult
 from harness.checks.numeric import within
 from harness.spec import Case, Layout
+from harness.suite_defs.flags import flag
 
 
 @dataclass(frozen=True)
 class ToyParams:
     """The toy suite's parameters."""
 
-    offset: float = 0.0  # added by every rank: a planted regression when not 0
+    offset: float = field(default=0.0, metadata=flag(
+        "--toy-offset", "toy: added by every rank before the all-reduce (a planted regression when not 0)"))
     cases: int = 2
 
 
@@ -27,7 +29,7 @@ class ToyCaseParams:
     """A toy case's own parameters (`Case.params`)."""
 
     index: int = 0
-    offset: float = 0.0
+    offset: float = field(default=0.0, metadata=flag("--toy-offset", "", cli=False))
 
 
 class ToySuite:

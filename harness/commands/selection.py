@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from harness.errors import BadInput
 from harness.spec import CaseOptions
+from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
 
 # (flag, CaseOptions field, argparse dest) of the training options a flag sets
 _OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--dtype", "dtype", "dtype"),
@@ -18,12 +19,6 @@ _OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--
                  ("--recompute", "recompute", "recompute"),
                  ("--micro-batch-size", "micro_batch_size", "micro_batch_size"))
 _OPTION_DEFAULTS = CaseOptions()
-# (flag, suite parameter, argparse dest) of the per-suite parameters; the driver refuses a parameter the
-# suite's parameter type does not have ("--<flag> does not apply to the <suite> suite")
-_PARAM_FLAGS = (("--ckpt-format", "formats", "ckpt_format"),
-                ("--fully-parallel-save", "fully_parallel_save", "fully_parallel_save"),
-                ("--async-save", "async_save", "async_save"), ("--timed-steps", "timed_steps", "timed_steps"),
-                ("--min-effect", "min_effect", "min_effect"), ("--overhead", "overhead", "overhead"))
 DEFAULT_WORLD_SIZE = 4
 
 
@@ -53,29 +48,19 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
                    help="activation recompute: full (every layer) or selective (core attention); default off")
     p.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default: the model's)")
     p.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
-    p.add_argument("--ckpt-format", action="append", help="ckpt-memory: only these formats (repeatable)")
-    p.add_argument("--fully-parallel-save", action="store_true",
-                   help="ckpt-memory: save through megatron's FullyParallelSaveStrategyWrapper")
-    p.add_argument("--async-save", action="store_true",
-                   help="ckpt-memory: megatron's async save (the write in a forked process)")
-    p.add_argument("--timed-steps", type=int, default=None, help="step-perf: timed steps per case (default 20)")
-    p.add_argument("--overhead", action="store_true",
-                   help="step-perf: pair every timed step with an uninstrumented one of the same engine and "
-                        "judge the harness's own cost of a step (goal: within 2%%)")
-    p.add_argument("--min-effect", type=float, default=None,
-                   help="step-perf: smallest slowdown that fails, as a fraction (default against baselines 0.15 on "
-                        "CPU, 0.05 on GPU; compare, interleaved: 0.05 / 0.03)")
-
-
-# case-id fields of the suites' own parameters that a flag sets (`Case.variant` names them by field)
-_VARIANT_PARAM_FLAGS = {"ckpt_format": "--ckpt-format", "fully_parallel_save": "--fully-parallel-save",
-                        "async_save": "--async-save", "overhead": "--overhead"}
+    for pf in param_flags():  # the suites' own parameters, as their types declare them
+        if pf.kind == "bool":
+            p.add_argument(pf.flag, action="store_true", help=pf.help)
+        elif pf.kind == "list":
+            p.add_argument(pf.flag, action="append", help=pf.help)
+        else:
+            p.add_argument(pf.flag, type={"int": int, "float": float}.get(pf.kind, str), default=None, help=pf.help)
 
 
 def variant_argv(variant: str) -> list[str]:
     """The flags that select a case's variant again (`Case.variant`, e.g. 'use_distributed_optimizer=True,
     ckpt_format=dp_reshardable'); fields without a flag are the suite's own settings, which it plans again."""
-    flags = {**{name: flag for flag, name, _ in _OPTION_FLAGS}, **_VARIANT_PARAM_FLAGS}
+    flags = {**{name: flag for flag, name, _ in _OPTION_FLAGS}, **variant_flags()}
     out: list[str] = []
     for part in filter(None, variant.split(",")):
         name, _, value = part.partition("=")
@@ -114,20 +99,11 @@ class CaseSelection:
         if args.timeout is not None and not args.timeout > 0:
             raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
         params: dict = {}
-        if args.ckpt_format:
-            params["formats"] = tuple(args.ckpt_format)
-        for flag in ("fully_parallel_save", "async_save", "overhead"):
-            if getattr(args, flag):
-                params[flag] = True
-        if args.timed_steps is not None:
-            if args.timed_steps < 3:
-                raise BadInput(f"--timed-steps must be >= 3 (the statistics need samples), got {args.timed_steps}")
-            params["timed_steps"] = args.timed_steps
-        if args.min_effect is not None:
-            if not 0 < args.min_effect < 10:
-                raise BadInput(f"--min-effect is a fraction of the baseline median (e.g. 0.1 for 10%), "
-                               f"got {args.min_effect}")
-            params["min_effect"] = args.min_effect
+        for pf in param_flags():
+            value = getattr(args, pf.dest)
+            if value is not None and value is not False:
+                params[pf.field] = tuple(value) if pf.kind == "list" else value
+        check_param_values(params)
         engine = args.engine or "mcore"
         if isinstance(engine, list):  # compare: A then B
             engine = engine[0]
@@ -144,7 +120,8 @@ class CaseSelection:
     def to_argv(self, skip: tuple[str, ...] = ()) -> list[str]:
         """The flags that reproduce this selection (non-defaults only; --suite always). `skip`: flags left
         out, by argparse destination (e.g. "engine", "timed_steps", "layout")."""
-        unknown = set(self.suite_params) - {name for _, name, _ in _PARAM_FLAGS}
+        flags = param_flags()
+        unknown = set(self.suite_params) - {pf.field for pf in flags}
         if unknown:
             raise ValueError(f"suite parameters without a flag: {sorted(unknown)}")
         flagless = [f.name for f in dataclasses.fields(CaseOptions) if getattr(self.options, f.name) != f.default
@@ -177,8 +154,8 @@ class CaseSelection:
         for flag, name, dest in _OPTION_FLAGS:
             add(dest, flag, getattr(self.options, name), defaults[name])
         add("timeout", "--timeout", self.timeout)
-        for flag, name, dest in _PARAM_FLAGS:
-            add(dest, flag, self.suite_params.get(name))
+        for pf in flags:
+            add(pf.dest, pf.flag, self.suite_params.get(pf.field))
         return out
 
     @property

@@ -26,6 +26,15 @@ SUITES = {
     "train-memory": "harness.suite_defs.train_memory:TrainMemorySuite",
     "golden": "harness.suite_defs.golden:GoldenSuite",
 }
+# The parameter types of the suites (and of their cases) whose fields declare a command-line flag
+# (harness/suite_defs/flags.py); modules that import no torch. tests/test_selection.py holds it to SUITES.
+PARAM_TYPES = (
+    "harness.suite_defs.ckpt_memory.params:CkptMemoryParams",
+    "harness.suite_defs.ckpt_memory.params:CkptCaseParams",
+    "harness.suite_defs.step_perf.params:StepPerfParams",
+    "harness.suite_defs.golden.params:GoldenParams",
+    "harness.suite_defs.train_memory.params:TrainMemoryParams",
+)
 # The suites that judge a mixture-of-experts model (its experts by global index, its EP / ETP layouts, its
 # auxiliary loss); the others' plans and models know dense models only and refuse an MoE one (docs/moe.md).
 MOE_SUITES = ("equivalence", "golden", "grad-sync", "ckpt-memory", "train-memory", "step-perf", "peft-ckpt")

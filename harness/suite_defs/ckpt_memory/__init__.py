@@ -7,6 +7,14 @@ and judges), suite.py (the Suite the registry names: cases and the measured save
 """
 
 from harness.suite_defs.ckpt_memory.params import CkptCaseParams, CkptMemoryParams
-from harness.suite_defs.ckpt_memory.suite import CkptMemorySuite
 
 __all__ = ["CkptCaseParams", "CkptMemoryParams", "CkptMemorySuite"]
+
+
+def __getattr__(name: str):
+    # the suite is imported where it is asked for; its parameters are the CLI's flags, read on every call
+    if name == "CkptMemorySuite":
+        from harness.suite_defs.ckpt_memory.suite import CkptMemorySuite
+
+        return CkptMemorySuite
+    raise AttributeError(name)

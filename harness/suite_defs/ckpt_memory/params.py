@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from harness.errors import BadInput
+from harness.suite_defs.flags import flag
 
 SUITE = "ckpt-memory"
 # fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range
@@ -29,10 +30,13 @@ RESAVES = 3
 class CkptMemoryParams:
     """The ckpt-memory suite's parameters: which formats, how they are saved, against which baselines."""
 
-    formats: tuple[str, ...] = FORMATS  # --ckpt-format
+    formats: tuple[str, ...] = field(default=FORMATS, metadata=flag(
+        "--ckpt-format", "ckpt-memory: only these formats (repeatable)"))
     contract: bool = True  # also the reshard contract cases (contract.py), default matrix only
-    fully_parallel_save: bool = False
-    async_save: bool = False
+    fully_parallel_save: bool = field(default=False, metadata=flag(
+        "--fully-parallel-save", "ckpt-memory: save through megatron's FullyParallelSaveStrategyWrapper"))
+    async_save: bool = field(default=False, metadata=flag(
+        "--async-save", "ckpt-memory: megatron's async save (the write in a forked process)"))
     baselines_dir: str | None = None  # None: the repository's baselines/
 
     def __post_init__(self):
@@ -48,9 +52,11 @@ class CkptCaseParams:
 
     # the distributed optimizer's format (distrib_optim_sharding_type), with "fully_reshardable_mem_efficient"
     # for fully_reshardable + the mem_efficient flag, "default" for what the engine saves unasked, fsdp2_*
-    ckpt_format: str = "dp_reshardable"
-    fully_parallel_save: bool = False  # through megatron's fully parallel save wrapper
-    async_save: bool = False  # megatron's async save: the write runs in a forked process
+    ckpt_format: str = field(default="dp_reshardable", metadata=flag("--ckpt-format", "", cli=False))
+    # through megatron's fully parallel save wrapper
+    fully_parallel_save: bool = field(default=False, metadata=flag("--fully-parallel-save", "", cli=False))
+    # megatron's async save: the write runs in a forked process
+    async_save: bool = field(default=False, metadata=flag("--async-save", "", cli=False))
     # "" a memory case; "reshard" saves and loads back at other layouts of its world size; "reshard-load"
     # loads what the case it runs after (`Case.after`) saved, at another world size
     ckpt_role: str = ""

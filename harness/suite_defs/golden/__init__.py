@@ -14,6 +14,14 @@ judge.py (the checks and tolerances), suite.py (the Suite the registry names: ca
 """
 
 from harness.suite_defs.golden.params import GoldenParams
-from harness.suite_defs.golden.suite import GoldenSuite
 
 __all__ = ["GoldenParams", "GoldenSuite"]
+
+
+def __getattr__(name: str):
+    # the suite is imported where it is asked for; its parameters are the CLI's flags, read on every call
+    if name == "GoldenSuite":
+        from harness.suite_defs.golden.suite import GoldenSuite
+
+        return GoldenSuite
+    raise AttributeError(name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from harness.suite_defs.flags import flag
+
 SUITE = "golden"
 STEPS = 12
 # A clip that binds: `tiny`'s gradient norm is 0.54-0.70 over its 12 steps, below megatron's default of 1.0,
@@ -25,7 +27,8 @@ class GoldenParams:
 
     baselines_dir: str | None = dataclasses.field(default=None, metadata={"in_id": False})
     # formats whose resume is judged (--ckpt-format); () none
-    formats: tuple[str, ...] = dataclasses.field(default=RESUME_FORMATS + FSDP2_FORMATS, metadata={"in_id": False})
+    formats: tuple[str, ...] = dataclasses.field(default=RESUME_FORMATS + FSDP2_FORMATS, metadata=flag(
+        "--ckpt-format", "golden: the formats whose resume is judged", in_id=False))
     # "" the unbroken trajectory; "first-half" trains the first half and saves; "resume" loads what the case it
     # runs after saved (at its own layout, which may differ) and trains the second half
     role: str = ""

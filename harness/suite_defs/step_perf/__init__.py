@@ -19,6 +19,14 @@ from the ranks' results), judge.py (the checks), suite.py (the Suite the registr
 """
 
 from harness.suite_defs.step_perf.params import StepPerfParams
-from harness.suite_defs.step_perf.suite import StepPerfSuite
 
 __all__ = ["StepPerfParams", "StepPerfSuite"]
+
+
+def __getattr__(name: str):
+    # the suite is imported where it is asked for; its parameters are the CLI's flags, read on every call
+    if name == "StepPerfSuite":
+        from harness.suite_defs.step_perf.suite import StepPerfSuite
+
+        return StepPerfSuite
+    raise AttributeError(name)

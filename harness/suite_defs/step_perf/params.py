@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.errors import BadInput
+from harness.suite_defs.flags import flag
 
 SUITE = "step-perf"
 # 3 warm-up steps take the first-step costs (allocator growth, lazy inits) out; 20 timed steps per case
@@ -32,16 +33,22 @@ class StepPerfParams:
     carries them (`Case.params`), and `overhead` is part of its id."""
 
     warmup_steps: int = field(default=WARMUP_STEPS, metadata=_RUN_LEVEL)
-    timed_steps: int = field(default=TIMED_STEPS, metadata=_RUN_LEVEL)  # --timed-steps
+    timed_steps: int = field(default=TIMED_STEPS, metadata=flag(
+        "--timed-steps", f"step-perf: timed steps per case (default {TIMED_STEPS})", in_id=False))
     # (distopt, overlap); None: the default matrix's
     option_sets: tuple[tuple[bool, bool], ...] | None = field(default=None, metadata=_RUN_LEVEL)
-    min_effect: float | None = field(default=None, metadata=_RUN_LEVEL)  # --min-effect; None: MIN_EFFECT of the tier
+    # None: MIN_EFFECT of the tier
+    min_effect: float | None = field(default=None, metadata=flag(
+        "--min-effect", "step-perf: smallest slowdown that fails, as a fraction (default against baselines 0.15 "
+                        "on CPU, 0.05 on GPU; compare, interleaved: 0.05 / 0.03)", in_id=False))
     # judge times scaled by the calibration workload's (baseline / now)
     normalise: bool = field(default=NORMALISE, metadata=_RUN_LEVEL)
     baselines_dir: str | None = field(default=None, metadata=_RUN_LEVEL)  # None: the repository's baselines/
     # --overhead: each timed step paired with an uninstrumented step of the same engine (no seam wrapped, no
     # counter), in random order per pair; judged: the harness's own cost of a step (judge.py)
-    overhead: bool = False
+    overhead: bool = field(default=False, metadata=flag(
+        "--overhead", "step-perf: pair every timed step with an uninstrumented one of the same engine and judge "
+                      "the harness's own cost of a step (goal: within 2%%)"))
 
     def __post_init__(self):
         if self.timed_steps < 3:

@@ -13,6 +13,14 @@ baseline checks), suite.py (the Suite the registry names: cases and rank work).
 """
 
 from harness.suite_defs.train_memory.params import TrainMemoryParams
-from harness.suite_defs.train_memory.suite import TrainMemorySuite
 
 __all__ = ["TrainMemoryParams", "TrainMemorySuite"]
+
+
+def __getattr__(name: str):
+    # the suite is imported where it is asked for; its parameters are the CLI's flags, read on every call
+    if name == "TrainMemorySuite":
+        from harness.suite_defs.train_memory.suite import TrainMemorySuite
+
+        return TrainMemorySuite
+    raise AttributeError(name)
