@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from harness.errors import BadInput
 
 if TYPE_CHECKING:
-    from harness.commands.selection import CaseSelection
+    from harness.selection import CaseSelection
 
 
 @dataclass

@@ -159,10 +159,10 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     import argparse
 
     from harness.checks.timing import MIN_EFFECT_INTERLEAVED
-    from harness.commands.selection import CaseSelection
     from harness.compare import Side, judge, run_rounds
     from harness.driver import run_suite
     from harness.recording import record_suite
+    from harness.selection import CaseSelection
     from harness.spec import CaseOptions
     from harness.suite_defs import default_dtype
 

@@ -158,7 +158,7 @@ def test_memory_every_save_leaves_behind_fails_naming_the_rank_the_bytes_per_sav
                     r"during them live after them \(bound 1 MiB per save\); most of it, 20\.7 MiB in \d+ allocations, "
                     r"from .*save_checkpoint faulty_engines\.py:\d+ .*; what stayed: \S+memray-resaves-rank\d\.html$",
                     kept.message), kept.message
-    assert kept.data["flamegraph_leaks"] and not _failed(run, "ckpt-memory.model")
+    assert kept.captures.leaks and not _failed(run, "ckpt-memory.model")
 
 
 def test_what_saves_keep_is_judged_per_save_against_the_bound():
@@ -183,7 +183,7 @@ def test_what_saves_keep_is_judged_per_save_against_the_bound():
     bad = check_retained(run([40 * 1024, RETAINED_PER_SAVE + MIB]))
     assert bad.failed and bad.message.startswith("rank 1 keeps 2.0 MiB per save: 3 saves of the same state left "
                                                  "6.0 MiB allocated during them live after them"), bad.message
-    assert bad.data["flamegraph_of"] == "/tmp/memray-resaves-rank1.bin" and len(bad.data["captures"]) == 2
+    assert bad.captures.flamegraph_of == "/tmp/memray-resaves-rank1.bin" and len(bad.captures.files) == 2
 
 
 @pytest.mark.slow
@@ -280,7 +280,7 @@ def test_a_one_time_cost_of_the_first_save_lands_in_no_case(tmp_path, monkeypatc
 def test_two_runs_of_one_case_keep_their_memray_captures_apart(tmp_path, monkeypatch):
     """A suite run beside the tests (or two workers) may run the same case id at once: each run's captures live
     beside its own run directory, and the report stage keeps only what a failed check names."""
-    from harness.checks import CheckResult
+    from harness.checks import Captures, CheckResult
     from harness.driver import new_run_dir, with_outputs
     from harness.probes.memory import captures_dir, run_captures
     from harness.report.artifacts import finish
@@ -295,8 +295,8 @@ def test_two_runs_of_one_case_keep_their_memray_captures_apart(tmp_path, monkeyp
     for d in (a, b):
         for name in ("memray-save-rank0.bin", "memray-save-rank1.bin", "memray-save-rank1.bin.123"):
             (d / name).write_bytes(b"x")
-    passed = CheckResult("ckpt-memory.baseline", case.id, True, "ok", data={"captures": [str(a / "memray-save-rank0.bin")]})
-    failed = CheckResult("ckpt-memory.baseline", case.id, False, "over", data={"captures": [str(b / "memray-save-rank1.bin")]})
+    passed = CheckResult("ckpt-memory.baseline", case.id, True, "ok", captures=Captures([str(a / "memray-save-rank0.bin")]))
+    failed = CheckResult("ckpt-memory.baseline", case.id, False, "over", captures=Captures([str(b / "memray-save-rank1.bin")]))
     finish([passed], str(run_captures(runs[0])))
     assert not run_captures(runs[0]).exists()  # nothing failed: every capture and directory gone
     monkeypatch.setattr("harness.report.artifacts.render_flamegraph", lambda capture: "")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from harness.commands.selection import CaseSelection
+from harness.selection import CaseSelection
 from harness.compare import CaseSamples
 
 

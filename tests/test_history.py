@@ -194,7 +194,7 @@ def _planned_ids(command: str) -> set[str]:
     """The case ids `harness bisect` would plan from a printed command (parsed by the harness's own parser)."""
     import shlex
 
-    from harness.commands.selection import CaseSelection
+    from harness.selection import CaseSelection
     from harness.driver import plan
 
     args = cli.build_parser().parse_args(shlex.split(command)[1:])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness import cli
-from harness.commands.selection import CaseSelection
+from harness.selection import CaseSelection
 from harness.errors import BadInput
 from harness.spec import CaseOptions
 

@@ -106,7 +106,7 @@ def test_a_suite_parameter_is_declared_once_on_its_type(toy_registered, monkeypa
     types, the CLI has the option, the selection carries the value, to_argv and a case's variant give the flag
     again, and another suite refuses it naming the flag."""
     from harness import cli
-    from harness.commands.selection import CaseSelection, variant_argv
+    from harness.selection import CaseSelection, variant_argv
     from harness.driver import plan
 
     monkeypatch.setattr(suite_defs, "PARAM_TYPES",

@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Captures:
+    """The memray captures a check looked at: the report stage deletes them where the check passed and keeps them
+    where it failed, and renders the flamegraph of the one it names (`flamegraph_of`; of what stayed allocated at
+    the capture's end where `leaks`). Judging only names them, so it has no side effects."""
+
+    files: list[str] = field(default_factory=list)
+    flamegraph_of: str = ""
+    leaks: bool = False
+
+
 @dataclass
 class CheckResult:
     check: str  # e.g. "equivalence.loss"
@@ -16,6 +27,7 @@ class CheckResult:
     show: bool = False  # print details even when the check passes (e.g. plan-vs-observed tables)
     improvement: bool = False  # failed only because a figure is better than its baseline (refresh it)
     data: dict = field(default_factory=dict)  # machine-readable figures for reports (JSON-able)
+    captures: Captures = field(default_factory=Captures)
     # The check ran but cannot tell right from wrong here (this model, world size or layout): neither a
     # pass nor a failure. Built with `cannot_tell`, which keeps `passed` False, so code that reads only
     # `passed` errs towards a false alarm, never towards a false pass.

@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.commands.selection import CaseSelection, add_case_args
+from harness.commands.selection import add_case_args
 from harness.errors import BadInput
+from harness.selection import CaseSelection
 
 
 def add_parser(sub) -> None:

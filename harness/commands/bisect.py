@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.commands.common import say
-from harness.commands.selection import CaseSelection, add_case_args
+from harness.commands.selection import add_case_args
 from harness.errors import BadInput
+from harness.selection import CaseSelection
 
 
 def add_parser(sub) -> None:

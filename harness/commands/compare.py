@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from harness.commands.common import out_dir, say
-from harness.commands.selection import CaseSelection, add_case_args
+from harness.commands.selection import add_case_args
 from harness.errors import BadInput
+from harness.selection import CaseSelection
 
 
 def add_parser(sub) -> None:

@@ -1,25 +1,12 @@
-"""The flags that select a suite's cases, shared by run, baselines, bisect, bisect-step and compare:
-registered once (`add_case_args`), validated once (`CaseSelection.from_args`), turned back into
-command-line arguments for a step or a round in another process (`CaseSelection.to_argv`)."""
+"""The flags that select a suite's cases, shared by run, baselines, bisect, bisect-step and compare: registered once
+here (`add_case_args`); read into a `harness.selection.CaseSelection`."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from dataclasses import dataclass, field
 
-from harness.errors import BadInput
-from harness.spec import CaseOptions
-from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
-
-# (flag, CaseOptions field, argparse dest) of the training options a flag sets
-_OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--dtype", "dtype", "dtype"),
-                 ("--distributed-optimizer", "use_distributed_optimizer", "distributed_optimizer"),
-                 ("--overlap-grad-reduce", "overlap_grad_reduce", "overlap_grad_reduce"),
-                 ("--recompute", "recompute", "recompute"),
-                 ("--micro-batch-size", "micro_batch_size", "micro_batch_size"))
-_OPTION_DEFAULTS = CaseOptions()
-DEFAULT_WORLD_SIZE = 4
+from harness.selection import DEFAULT_WORLD_SIZE, OPTION_DEFAULTS
+from harness.suite_defs.flags import param_flags
 
 
 def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_required: bool = True) -> None:
@@ -38,13 +25,13 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
     if not compare:
         p.add_argument("--engine", default="mcore", help="mcore, or a user engine package.module:factory")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--steps", type=int, default=_OPTION_DEFAULTS.steps)
-    p.add_argument("--seed", type=int, default=_OPTION_DEFAULTS.seed)
+    p.add_argument("--steps", type=int, default=OPTION_DEFAULTS.steps)
+    p.add_argument("--seed", type=int, default=OPTION_DEFAULTS.seed)
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
                    help="default fp32; step-perf on NCCL ranks bf16 (mixed precision, as Megatron users train)")
     p.add_argument("--distributed-optimizer", action="store_true", help="use_distributed_optimizer=True")
     p.add_argument("--overlap-grad-reduce", action="store_true")
-    p.add_argument("--recompute", default=_OPTION_DEFAULTS.recompute, choices=["", "full", "selective"],
+    p.add_argument("--recompute", default=OPTION_DEFAULTS.recompute, choices=["", "full", "selective"],
                    help="activation recompute: full (every layer) or selective (core attention); default off")
     p.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default: the model's)")
     p.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
@@ -55,118 +42,3 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
             p.add_argument(pf.flag, action="append", help=pf.help)
         else:
             p.add_argument(pf.flag, type={"int": int, "float": float}.get(pf.kind, str), default=None, help=pf.help)
-
-
-def variant_argv(variant: str) -> list[str]:
-    """The flags that select a case's variant again (`Case.variant`, e.g. 'use_distributed_optimizer=True,
-    ckpt_format=dp_reshardable'); fields without a flag are the suite's own settings, which it plans again."""
-    flags = {**{name: flag for flag, name, _ in _OPTION_FLAGS}, **variant_flags()}
-    out: list[str] = []
-    for part in filter(None, variant.split(",")):
-        name, _, value = part.partition("=")
-        flag = flags.get(name)
-        if flag is None or value == "False":
-            continue
-        out += [flag] if value == "True" else [flag, value]
-    return out
-
-
-@dataclass(frozen=True)
-class CaseSelection:
-    """A suite's cases as the user selected them. `suite_params` holds only the per-suite parameters the
-    user gave (keys are field names of the suite's parameter type)."""
-
-    suite: str
-    model: str | None = None  # None: the suite's default model
-    world_size: int = DEFAULT_WORLD_SIZE
-    layouts: tuple[str, ...] = ()  # (): the suite's matrix
-    engine: str = "mcore"
-    backend: str = "auto"
-    options: CaseOptions = field(default_factory=CaseOptions)  # steps, seed, dtype, distributed optimizer, overlap
-    timeout: float | None = None  # per-case seconds; None: the case's default
-    suite_params: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> CaseSelection:
-        """From parsed `add_case_args` flags; BadInput for a value out of range (before anything runs).
-        compare's --engine (a list, A then B) selects its first engine here."""
-        if args.steps < 1:
-            raise BadInput(f"--steps must be >= 1, got {args.steps}")
-        if args.seed < 0:
-            raise BadInput(f"--seed must be >= 0, got {args.seed}")
-        if args.micro_batch_size is not None and args.micro_batch_size < 1:
-            raise BadInput(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
-        if args.timeout is not None and not args.timeout > 0:
-            raise BadInput(f"--timeout must be > 0 seconds, got {args.timeout}")
-        params: dict = {}
-        for pf in param_flags():
-            value = getattr(args, pf.dest)
-            if value is not None and value is not False:
-                params[pf.field] = tuple(value) if pf.kind == "list" else value
-        check_param_values(params)
-        engine = args.engine or "mcore"
-        if isinstance(engine, list):  # compare: A then B
-            engine = engine[0]
-        given = {name: getattr(args, dest) for _, name, dest in _OPTION_FLAGS}
-        if given["dtype"] is None:  # the suite's for the backend (GPU ranks: step-perf in bf16)
-            from harness.platform import resolve_backend
-            from harness.suite_defs import default_dtype
-
-            given["dtype"] = default_dtype(args.suite, resolve_backend(args.backend, args.world_size))
-        options = CaseOptions(**given)
-        return cls(suite=args.suite, model=args.model, world_size=args.world_size, layouts=tuple(args.layout or ()),
-                   engine=engine, backend=args.backend, options=options, timeout=args.timeout, suite_params=params)
-
-    def to_argv(self, skip: tuple[str, ...] = ()) -> list[str]:
-        """The flags that reproduce this selection (non-defaults only; --suite always). `skip`: flags left
-        out, by argparse destination (e.g. "engine", "timed_steps", "layout")."""
-        flags = param_flags()
-        unknown = set(self.suite_params) - {pf.field for pf in flags}
-        if unknown:
-            raise ValueError(f"suite parameters without a flag: {sorted(unknown)}")
-        flagless = [f.name for f in dataclasses.fields(CaseOptions) if getattr(self.options, f.name) != f.default
-                    and f.name not in {name for _, name, _ in _OPTION_FLAGS}]
-        if flagless:
-            raise ValueError(f"options without a flag: {flagless}")
-        out: list[str] = []
-
-        def add(dest: str, flag: str, value, default=None) -> None:
-            if dest in skip or value is None or value == default or value is False:
-                return
-            if value is True:
-                out.append(flag)
-            elif isinstance(value, (list, tuple)):
-                out.extend(x for v in value for x in (flag, str(v)))
-            else:
-                out.extend([flag, str(value)])
-
-        add("suite", "--suite", self.suite)
-        add("model", "--model", self.model)
-        add("world_size", "--world-size", self.world_size, DEFAULT_WORLD_SIZE)
-        add("layout", "--layout", self.layouts, ())
-        add("engine", "--engine", self.engine, "mcore")
-        add("backend", "--backend", self.backend, "auto")
-        from harness.platform import resolve_backend
-        from harness.suite_defs import default_dtype
-
-        defaults = {**vars(_OPTION_DEFAULTS),
-                    "dtype": default_dtype(self.suite, resolve_backend(self.backend, self.world_size))}
-        for flag, name, dest in _OPTION_FLAGS:
-            add(dest, flag, getattr(self.options, name), defaults[name])
-        add("timeout", "--timeout", self.timeout)
-        for pf in flags:
-            add(pf.dest, pf.flag, self.suite_params.get(pf.field))
-        return out
-
-    @property
-    def layout_ids(self) -> list[str] | None:
-        return list(self.layouts) or None
-
-    def plan_args(self) -> tuple:
-        """The positional arguments of harness.driver.plan / run_suite: suite, model, world size, layouts."""
-        return self.suite, self.model, self.world_size, self.layout_ids
-
-    def plan_kwargs(self) -> dict:
-        """The keyword arguments of harness.driver.plan / run_suite this selection sets."""
-        return dict(engine=self.engine, backend=self.backend, options=self.options, timeout_s=self.timeout,
-                    suite_params=dict(self.suite_params))

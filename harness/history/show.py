@@ -39,7 +39,7 @@ def bisect_commands(case_id: str, metric: str, world_size: int | None, change: C
     selecting the case again (its layout and variant) with a threshold between the values before and after:
     absolute for an exact figure, `baseline+P%` for a timed one (bisect judges those by statistics)."""
     from harness.checks.timing import TIMED_METRICS
-    from harness.commands.selection import variant_argv
+    from harness.selection import variant_argv
 
     packages = sorted(((k, ab) for k, ab in diff.items() if k not in NOT_BISECTABLE and all(ab)),
                       key=lambda p: (LIKELY_FIRST.index(p[0]) if p[0] in LIKELY_FIRST else len(LIKELY_FIRST), p[0]))
@@ -85,9 +85,9 @@ def describe(case_id: str, metric: str, points: list[Point], changes: list[Chang
 
 
 def plot(path: Path, case_id: str, metric: str, points: list[Point], changes: list[Change]) -> Path:
-    from harness.report.plots import _pyplot
+    from harness.report.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.2))
     xs = list(range(len(points)))
     ax.plot(xs, [p.value for p in points], marker="o", ms=3, lw=1)

@@ -34,6 +34,11 @@ MIB = 1024 * 1024
 TRACE_PYTHON_ALLOCATORS = True
 
 
+def flamegraph_path(capture: str) -> str:
+    """Where the report stage renders the flamegraph of a memray capture."""
+    return capture.replace(".bin", ".html") if capture else "(no capture)"
+
+
 def artifacts_dir(case_id: str) -> Path:
     """A directory of the case's own under $HARNESS_ARTIFACTS, shared by every run of the same case id: for a
     case run outside the driver (no output directory), e.g. where it saves a checkpoint."""

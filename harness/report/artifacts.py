@@ -1,6 +1,6 @@
 """The report stage's files of a judged run: memray captures a check looked at are deleted when it
 passed (nothing to look at) and rendered as a flamegraph when it failed. Checks only name them
-(`CheckResult.data["captures"]`, `["flamegraph_of"]`, `["flamegraph_leaks"]`), so judging has no side effects."""
+(`CheckResult.captures`), so judging has no side effects."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 
-
-def flamegraph_path(capture: str) -> str:
-    """Where the report stage renders the flamegraph of a memray capture."""
-    return capture.replace(".bin", ".html") if capture else "(no capture)"
+from harness.probes.memory import flamegraph_path
 
 
 def render_flamegraph(capture: str, leaks: bool = False) -> str:
@@ -31,19 +28,19 @@ def finish(checks: Iterable, captures_root: str | None = None) -> list[str]:
     notes = []
     checks = list(checks)
     for c in checks:
-        captures = c.data.get("captures") or []
+        captures = c.captures.files
         if not c.failed:
             for capture in captures:
                 for f in glob.glob(capture + "*"):  # the capture and its forked children's
                     os.unlink(f)
-        elif c.data.get("flamegraph_of"):
-            why = render_flamegraph(c.data["flamegraph_of"], leaks=bool(c.data.get("flamegraph_leaks")))
+        elif c.captures.flamegraph_of:
+            why = render_flamegraph(c.captures.flamegraph_of, leaks=c.captures.leaks)
             if why:
                 notes.append(f"{c.check} {c.case_id}: {why}")
     if captures_root:
-        kept = {f for c in checks if c.failed for capture in c.data.get("captures") or []
+        kept = {f for c in checks if c.failed for capture in c.captures.files
                 for f in glob.glob(capture + "*")}
-        kept |= {flamegraph_path(c.data["flamegraph_of"]) for c in checks if c.failed and c.data.get("flamegraph_of")}
+        kept |= {flamegraph_path(c.captures.flamegraph_of) for c in checks if c.failed and c.captures.flamegraph_of}
         for folder, _, files in sorted(os.walk(captures_root), key=lambda w: -len(w[0])):  # deepest first
             for f in files:
                 if os.path.join(folder, f) not in kept:

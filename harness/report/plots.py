@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 MIB = 1024 * 1024
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend; MissingDependency naming the install where matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -56,7 +57,7 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
     cases = [c for c in run.data["cases"] if c.get("data", {}).get("save")]
     if not cases:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     bases = _baseline_checks(run)
     ranks = max(len(c["data"]["save"]) for c in cases)
     device = any(p.get("device_allocated_peak") for c in cases for p in c["data"]["save"].values())
@@ -116,7 +117,7 @@ def ckpt_timelines(run: RunFile, path: Path) -> Path | None:
              if any(p.get("timeline") for p in c.get("data", {}).get("save", {}).values())]
     if not cases:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     cols = min(4, len(cases))
     rows = (len(cases) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.6 * rows), squeeze=False)
@@ -147,7 +148,7 @@ def collective_bytes(run: RunFile, path: Path) -> Path | None:
     cases = [c for c in run.data["cases"] if c.get("data", {}).get("collective_bytes")]
     if not cases:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     totals = []
     for c in cases:
         per: dict[str, float] = {}
@@ -199,7 +200,7 @@ def step_phases(run: RunFile, path: Path) -> Path | None:
     cases = [c for c in run.data["cases"] if c.get("data", {}).get("phases_ms")]
     if not cases:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     phases = ["forward", "backward", "grad-sync", "param-gather", "optimizer", "other"]
     ranks = max(len(c["data"]["phases_ms"]) for c in cases)
     width = 0.8 / ranks
@@ -221,7 +222,7 @@ def step_times(run: RunFile, path: Path) -> Path | None:
     cases = [c for c in run.data["cases"] if c.get("data", {}).get("step_ms")]
     if not cases:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     base = {c["case_id"]: c.get("data", {}).get("baseline_samples", {}).get("step_time_ms", [])
             for c in run.data["checks"] if c["check"] == "step-perf.time"}
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases) + 3), 5))

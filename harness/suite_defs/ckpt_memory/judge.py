@@ -5,12 +5,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import discrimination, gathers, rival, save_band
 from harness.launch.results import CaseResult
-from harness.probes.memory import MIB
+from harness.probes.memory import MIB, flamegraph_path
 from harness.probes.retention import Retention
-from harness.report.artifacts import flamegraph_path
 from harness.suite_defs.ckpt_memory import figures
 from harness.suite_defs.ckpt_memory.figures import key as key_of
 from harness.suite_defs.ckpt_memory.figures import record_command, save_data
@@ -156,18 +155,18 @@ def check_retained(res: CaseResult) -> CheckResult:
     rows.append("(RSS is shown, not judged: it holds the allocator's cache of the saves' freed transients, which moved "
                 "by up to a save's peak between saves of `small` on gloo ranks while the heap kept 40 KiB per save)")
     rank, kept = max(kept_by_rank.items(), key=lambda item: item[1].per_save)
-    data: dict[str, Any] = {"captures": [k.capture for k in kept_by_rank.values() if k.capture]}
+    files = [k.capture for k in kept_by_rank.values() if k.capture]
     if kept.per_save <= RETAINED_PER_SAVE:
         return CheckResult("ckpt-memory.retained", case.id, True,
                            f"every rank keeps at most {kept.per_save / 1024:.0f} KiB per save (bound "
-                           f"{RETAINED_PER_SAVE / MIB:.0f} MiB; rank {rank})", rows, data=data)
+                           f"{RETAINED_PER_SAVE / MIB:.0f} MiB; rank {rank})", rows, captures=Captures(files))
     site, nbytes, count = kept.top[0] if kept.top else ("(no stack)", kept.kept, kept.kept_allocations)
-    data.update(flamegraph_of=kept.capture, flamegraph_leaks=True)
     return CheckResult("ckpt-memory.retained", case.id, False,
                        f"rank {rank} keeps {kept.per_save / MIB:.1f} MiB per save: {kept.saves} saves of the same "
                        f"state left {kept.kept / MIB:.1f} MiB allocated during them live after them (bound "
                        f"{RETAINED_PER_SAVE / MIB:.0f} MiB per save); most of it, {nbytes / MIB:.1f} MiB in {count} "
-                       f"allocations, from {site}; what stayed: {flamegraph_path(kept.capture)}", rows, data=data)
+                       f"allocations, from {site}; what stayed: {flamegraph_path(kept.capture)}", rows,
+                       captures=Captures(files, kept.capture, leaks=True))
 
 
 def _check_baseline(res: CaseResult, samples: dict[str, float], data: dict, path: Path) -> CheckResult:
@@ -189,33 +188,35 @@ def _check_baseline(res: CaseResult, samples: dict[str, float], data: dict, path
     by_status = {st: [m for m, v in verdicts.items() if v.status == st]
                  for st in ("missing", "regression", "improvement")}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
-    shown["captures"] = [save_data(r).save.capture for r in res.ranks if save_data(r).save.capture]
+    files = [save_data(r).save.capture for r in res.ranks if save_data(r).save.capture]
     if not any(by_status.values()):
         coarsest = max(verdicts, key=lambda m: _relative_tolerance(verdicts[m]), default=None)
         sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
         return CheckResult("ckpt-memory.baseline", res.case.id, True, f"within baseline ({key}){sees}", rows,
-                           show=True, data=shown)
+                           show=True, data=shown, captures=Captures(files))
     if by_status["missing"]:
         return CheckResult("ckpt-memory.baseline", res.case.id, False,
                            f"no baseline for {key} {by_status['missing'][0]} on platform {path.parent.name} "
-                           f"({path}); record it with: {record_command(res.case)}", rows, data=shown)
+                           f"({path}); record it with: {record_command(res.case)}", rows, data=shown,
+                           captures=Captures(files))
     # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
     metric = max(by_status["regression"] or by_status["improvement"],
                  key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
     v = verdicts[metric]
     capture = save_data(res.ranks[int(metric.split(".")[0][4:])]).save.capture
-    shown["flamegraph_of"] = capture
+    failed = Captures(files, capture)
     flame = flamegraph_path(capture)
     if not math.isfinite(v.measured):
         return CheckResult("ckpt-memory.baseline", res.case.id, False,
                            f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
-                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows, data=shown)
+                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows, data=shown,
+                           captures=failed)
     verb = "above" if v.status == "regression" else "below (improvement: refresh the baseline with " \
         f"`{record_command(res.case)}`)"
     return CheckResult("ckpt-memory.baseline", res.case.id, False,
                        f"{metric} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline "
                        f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows,
-                       improvement=not by_status["regression"], data=shown)
+                       improvement=not by_status["regression"], data=shown, captures=failed)
 
 
 def _relative_tolerance(v: Verdict) -> float:
