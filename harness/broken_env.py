@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from harness.launch.results import CaseResult
+from harness.outcomes import CaseStatus
 
 # How many cases must error alike, first in the run, before it stops: one case may fail for its own layout,
 # and the second and third in the plan are other layouts or option sets.
@@ -36,7 +37,7 @@ class CaseError:
     @staticmethod
     def of(result: CaseResult) -> CaseError | None:
         """None unless the case errored with a traceback (a timeout or a killed rank is the case's own)."""
-        if result.status != "error":
+        if result.status != CaseStatus.ERROR:
             return None
         phase = re.search(r"failed in phase '([^']*)'", result.error.splitlines()[0] if result.error else "")
         exception = exception_line(result.error)

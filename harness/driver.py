@@ -21,6 +21,7 @@ from harness.launch import CaseResult, run_case, zygote
 from harness.launch.pool import pool_for
 from harness.layouts import validate
 from harness.models import load_model
+from harness.outcomes import CaseStatus
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout
 from harness.suite_defs import (
@@ -170,7 +171,7 @@ def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fre
             eta = f", ETA {format_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
             say(f"[{i}/{n} {format_clock(elapsed)} elapsed{eta}] {case.id} ...")
             if case.skip:
-                result = CaseResult(case, [], "skipped", error=case.skip, fresh_ranks=False)
+                result = CaseResult(case, [], CaseStatus.SKIPPED, error=case.skip, fresh_ranks=False)
             else:
                 result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
             results[idx] = run.describe(result)

@@ -1,10 +1,45 @@
 """A case's outcomes and a run's exit codes: shared by the driver and the reports (no torch, no suites)."""
 
-# "unjudged": the case ran but no check judged it - never a pass (a check that did not run cannot fail).
-# ("pending" marks a measured case in a results file written before the run's checks ran.)
-# "inconclusive": every check of the case ran but none could tell right from wrong here (e.g. fsdp2's
-# sharded and full saves write the same files at one rank) - neither a pass nor a failure.
-OUTCOMES = ("pass", "regression", "improvement", "error", "skipped", "inconclusive", "unjudged")
+from enum import StrEnum
+
+
+class CaseStatus(StrEnum):
+    """How a case's ranks ended (`CaseResult.status`)."""
+
+    OK = "ok"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+    SKIPPED = "skipped"
+
+
+class Outcome(StrEnum):
+    """A case's single verdict (`CaseOutcome.outcome`). UNJUDGED: the case ran but no check judged it - never a
+    pass (a check that did not run cannot fail). INCONCLUSIVE: every check of the case ran but none could tell
+    right from wrong here (e.g. fsdp2's sharded and full saves write the same files at one rank) - neither a pass
+    nor a failure. PENDING marks a measured case in a results file written before the run's checks ran."""
+
+    PASS = "pass"
+    REGRESSION = "regression"
+    IMPROVEMENT = "improvement"
+    ERROR = "error"
+    SKIPPED = "skipped"
+    INCONCLUSIVE = "inconclusive"
+    UNJUDGED = "unjudged"
+    PENDING = "pending"
+
+
+class RunVerdict(StrEnum):
+    """A run's verdict (`SuiteRun.verdict`), which sets its exit code."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    ERRORED = "errored"
+    NOTHING_JUDGED = "nothing judged"
+    INTERRUPTED = "interrupted"
+
+
+# the outcomes a summary counts, in its order
+OUTCOMES = tuple(o.value for o in Outcome if o is not Outcome.PENDING)
 # Exit codes of `harness run` / `baselines check` / `nightly`. 3 = could not measure: cases errored (a
 # rank died, a module missing in the engine's environment) and no check failed - the environment's owner is
 # paged, not the code's. 5 = nothing judged: every case skipped or no check ran, the analogue of pytest's

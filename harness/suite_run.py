@@ -10,7 +10,7 @@ from harness.broken_env import exception_line
 from harness.checks import CheckResult
 from harness.errors import Interrupted
 from harness.launch.results import CaseResult
-from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
+from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS, Outcome, RunVerdict
 from harness.suite_defs import Baselined, ReportsData, Suite
 
 
@@ -19,7 +19,7 @@ class CaseOutcome:
     """A case's single verdict for summaries: one of OUTCOMES and, unless it passed, why."""
 
     result: CaseResult
-    outcome: str
+    outcome: Outcome
     reason: str = ""
     checks: list[CheckResult] = field(default_factory=list)
 
@@ -34,22 +34,23 @@ def error_summary(error: str) -> str:
 
 def _outcome(result: CaseResult, checks: list[CheckResult], judged: bool = True) -> CaseOutcome:
     if result.skipped:
-        return CaseOutcome(result, "skipped", (result.error.splitlines() or ["skipped"])[0], checks)
+        return CaseOutcome(result, Outcome.SKIPPED, (result.error.splitlines() or ["skipped"])[0], checks)
     if not result.ok:
-        return CaseOutcome(result, "error", error_summary(result.error).removeprefix(f"case {result.case.id}: "),
-                           checks)
+        return CaseOutcome(result, Outcome.ERROR,
+                           error_summary(result.error).removeprefix(f"case {result.case.id}: "), checks)
     if not judged:  # written while the run goes on: measured, judged at the end
-        return CaseOutcome(result, "pending", "measured; judged when the run ends", checks)
+        return CaseOutcome(result, Outcome.PENDING, "measured; judged when the run ends", checks)
     if not checks:
-        return CaseOutcome(result, "unjudged", "the case ran but no check judged it", checks)
+        return CaseOutcome(result, Outcome.UNJUDGED, "the case ran but no check judged it", checks)
     failed = [c for c in checks if c.failed]
     if not failed:
         if all(c.inconclusive for c in checks):
-            return CaseOutcome(result, "inconclusive", f"{checks[0].check}: {checks[0].message}", checks)
-        return CaseOutcome(result, "pass", "", checks)
+            return CaseOutcome(result, Outcome.INCONCLUSIVE, f"{checks[0].check}: {checks[0].message}", checks)
+        return CaseOutcome(result, Outcome.PASS, "", checks)
     worse = [c for c in failed if not c.improvement]
     c = (worse or failed)[0]
-    return CaseOutcome(result, "regression" if worse else "improvement", f"{c.check}: {c.message}", checks)
+    return CaseOutcome(result, Outcome.REGRESSION if worse else Outcome.IMPROVEMENT, f"{c.check}: {c.message}",
+                       checks)
 
 
 @dataclass
@@ -76,22 +77,22 @@ class SuiteRun:
         return self.verdict == "pass"
 
     @property
-    def verdict(self) -> str:
+    def verdict(self) -> RunVerdict:
         """'pass', 'fail' (a check failed or a case went unjudged), 'errored' (cases could not run - a rank
         died, a module is missing - and nothing that ran failed), 'nothing judged' (no check could judge
         anything: every case skipped or inconclusive, or none planned) or 'interrupted' (stopped early by a
         signal)."""
         if self.interrupted is not None:
-            return "interrupted"
+            return RunVerdict.INTERRUPTED
         if not self.conclusive and not self.errors:
-            return "nothing judged"
+            return RunVerdict.NOTHING_JUDGED
         outcomes = self.outcomes()
-        errored = {o.result.case.id for o in outcomes if o.outcome == "error"}
+        errored = {o.result.case.id for o in outcomes if o.outcome == Outcome.ERROR}
         # a case that errored fails its `<suite>.run` check; only the other failures are the code's
         failed = [c for c in self.checks if c.failed and c.case_id not in errored]
-        if failed or any(o.outcome in ("regression", "improvement", "unjudged") for o in outcomes):
-            return "fail"
-        return "errored" if errored else "pass"
+        if failed or any(o.outcome in (Outcome.REGRESSION, Outcome.IMPROVEMENT, Outcome.UNJUDGED) for o in outcomes):
+            return RunVerdict.FAIL
+        return RunVerdict.ERRORED if errored else RunVerdict.PASS
 
     @property
     def conclusive(self) -> list[CheckResult]:
@@ -126,8 +127,8 @@ class SuiteRun:
     def exit_code(self) -> int:
         if self.interrupted is not None:
             return self.interrupted.exit_code
-        return {"pass": EXIT_PASS, "fail": EXIT_FAIL, "errored": EXIT_ERRORED,
-                "nothing judged": EXIT_NOTHING_JUDGED}[self.verdict]
+        return {RunVerdict.PASS: EXIT_PASS, RunVerdict.FAIL: EXIT_FAIL, RunVerdict.ERRORED: EXIT_ERRORED,
+                RunVerdict.NOTHING_JUDGED: EXIT_NOTHING_JUDGED}[self.verdict]
 
     @property
     def errors(self) -> list[str]:

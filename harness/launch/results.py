@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from harness.files import atomic_write
+from harness.outcomes import CaseStatus
 from harness.spec import Case
 
 T = TypeVar("T")
@@ -47,7 +48,7 @@ class RankResult:
 class CaseResult:
     case: Case
     ranks: list[RankResult]
-    status: str  # ok | error | timeout | skipped
+    status: CaseStatus
     error: str = ""  # one readable paragraph when status != ok (skipped: the reason)
     wall_s: float = 0.0
     fresh_ranks: bool = True  # False: ran on warm pool ranks started for an earlier case
@@ -56,11 +57,11 @@ class CaseResult:
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        return self.status == CaseStatus.OK
 
     @property
     def skipped(self) -> bool:
-        return self.status == "skipped"
+        return self.status == CaseStatus.SKIPPED
 
     def adjustments(self) -> list[str]:
         """What the harness changed in the engine under test for this case, over all ranks (harness/adjustments.py)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from harness.launch import zygote
 from harness.launch.children import die_with_parent, import_path
 from harness.launch.results import CaseResult, RankResult, read, write_atomic
+from harness.outcomes import CaseStatus
 from harness.platform.backend import CPU_RANK_ENV
 from harness.spec import Case
 
@@ -197,24 +198,24 @@ def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S
 
 
 def _verdict(case: Case, ranks: list[RankResult], codes: list[int | None], timed_out: bool,
-             wall: float) -> tuple[str, str]:
+             wall: float) -> tuple[CaseStatus, str]:
     if timed_out:
         hung = [r.rank for r in ranks if codes[r.rank] is None]
         phases = ", ".join(f"rank {r} in '{ranks[r].phase}'" for r in hung)
         first = ranks[hung[0]] if hung else ranks[0]
-        return "timeout", (f"case {case.id} timed out after {case.timeout_s:.0f}s: {phases} still running\n"
+        return CaseStatus.TIMEOUT, (f"case {case.id} timed out after {case.timeout_s:.0f}s: {phases} still running\n"
                            f"{first.error}")
     # The first rank that raised or died explains the case; peers killed afterwards only echo it.
     raised = [r for r in ranks if not r.ok and r.error and "was killed after a peer failed" not in r.error]
     skips = [r for r in raised if r.skip_reason]
     if skips and len(skips) == len(raised):  # no rank failed for another reason
-        return "skipped", skips[0].skip_reason
+        return CaseStatus.SKIPPED, skips[0].skip_reason
     if raised:
         r = raised[0]
         others = [x.rank for x in ranks if not x.ok and x is not r]
         head = (f"case {case.id}: rank {r.rank} failed in phase '{r.phase}'"
                 + (f" (ranks {others} also failed or were stopped)" if others else ""))
-        return "error", f"{head}\n{r.error.rstrip()}"
+        return CaseStatus.ERROR, f"{head}\n{r.error.rstrip()}"
     if any(not r.ok for r in ranks):
-        return "error", f"case {case.id}: ranks {[r.rank for r in ranks if not r.ok]} stopped"
-    return "ok", ""
+        return CaseStatus.ERROR, f"case {case.id}: ranks {[r.rank for r in ranks if not r.ok]} stopped"
+    return CaseStatus.OK, ""

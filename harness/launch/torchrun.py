@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness import report
     from harness.broken_env import broken_environment
     from harness.driver import plan, with_outputs
+    from harness.outcomes import CaseStatus
     from harness.platform.parallel import release_memory
     from harness.suite_defs import default_dtype
     from harness.suite_run import SuiteRun
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         t_case = time.monotonic()
         if case.skip:  # e.g. needs more ranks than this world: every rank skips it alike
             if rank == 0:
-                run.results.append(CaseResult(case, [], "skipped", case.skip, fresh_ranks=False))
+                run.results.append(CaseResult(case, [], CaseStatus.SKIPPED, case.skip, fresh_ranks=False))
                 print(f"[{len(run.results)}/{len(cases)}] {case.id} skipped: {case.skip}", file=sys.stderr, flush=True)
             continue
         ctx = RankContext(rank, world, local_rank, backend, base.workdir)
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = [r for r in gathered if not r.ok]
             error = f"case {case.id}: rank {failed[0].rank} failed in phase '{failed[0].phase}'\n{failed[0].error}" \
                 if failed else ""
-            run.results.append(CaseResult(case, gathered, "error" if failed else "ok", error,
+            run.results.append(CaseResult(case, gathered, CaseStatus.ERROR if failed else CaseStatus.OK, error,
                                           time.monotonic() - t_case))
             print(f"[{len(run.results)}/{len(cases)}] {case.id} {run.results[-1].status}", file=sys.stderr, flush=True)
         # every rank stops alike when rank 0 finds the first cases all errored alike (harness/broken_env.py)
