@@ -136,12 +136,10 @@ class SuiteRun:
         return [r.error for r in self.results if not r.ok and not r.skipped]
 
     def outcomes(self) -> list[CaseOutcome]:
-        """One outcome per case, in plan order; a check belongs to the case whose id starts its own
-        (cross-layout checks are filed as `<case id>-><target>`)."""
+        """One outcome per case, in plan order, with the checks of its id."""
         by_case: dict[str, list[CheckResult]] = {r.case.id: [] for r in self.results}
         for c in self.checks:
-            owner = c.case_id if c.case_id in by_case else c.case_id.split("->")[0]
-            by_case.setdefault(owner, []).append(c)
+            by_case.setdefault(c.case_id, []).append(c)
         return [_outcome(r, by_case[r.case.id], self.judged) for r in self.results]
 
 

@@ -34,7 +34,7 @@ def _run(engine="mcore", formats=("fully_reshardable",)):
 
 
 def _failed(run, check="ckpt-memory.reshard") -> dict[str, str]:
-    return {c.case_id.split("->")[-1]: c.message for c in run.checks if c.check == check and c.failed}
+    return {c.target: c.message for c in run.checks if c.check == check and c.failed}
 
 
 def test_promises():
@@ -70,7 +70,7 @@ def test_an_moe_checkpoint_reshards_over_the_expert_grid():
                        ("fully_reshardable", "tp1-pp1-cp1-dp4-ep2"): "loads", ("fully_reshardable", "tp1-pp1-cp1-dp2-ep2"):
                        "loads", ("fully_reshardable", "tp1-pp1-cp1-dp4"): "refused",
                        **{("fully_reshardable", t): "loads" for t in ep}}, outcome
-    ep1 = next(c.message for c in run.checks if c.case_id.endswith("->tp1-pp1-cp1-dp4")
+    ep1 = next(c.message for c in run.checks if c.target == "tp1-pp1-cp1-dp4"
                and c.message.startswith("fully_reshardable"))
     assert ep1.startswith("fully_reshardable saved at tp1-pp1-cp1-dp4-ep2, loaded at tp1-pp1-cp1-dp4 (not promised): "
                           "refused as the format allows: the checkpoint holds the state of another number of chained "
@@ -90,7 +90,7 @@ def test_an_expert_optimizer_left_fresh_by_the_load_is_caught():
 def test_unmodified_engine_keeps_the_contract():
     run = _run(formats=("dp_reshardable", "fully_reshardable"))
     assert run.passed, [c.message for c in run.checks if c.failed]
-    msgs = {c.case_id.split("]")[0] + c.case_id.split("->")[-1]: c.message
+    msgs = {c.case_id + c.target: c.message
             for c in run.checks if c.check == "ckpt-memory.reshard"}
     assert len(msgs) == 8  # 2 formats x (3 layouts of world size 2 + the DP-only change at world size 1)
     refused = [m for m in msgs.values() if "refused as the format allows" in m]
@@ -185,7 +185,7 @@ def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught():
     values are right (the reshard checks pass); the load's host peak leaves its band (measured: 32.0 -> 66.3 MiB
     at DP 2, 55.5 -> 124.0 MiB at DP 1)."""
     run = _small_run()
-    loads = {c.case_id.split("->")[-1]: c for c in run.checks if c.check == "ckpt-memory.load"}
+    loads = {c.target: c for c in run.checks if c.check == "ckpt-memory.load"}
     assert set(loads) == {"tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp1"}
     assert all(c.passed for c in loads.values()), [c.message for c in loads.values()]
     planted = _small_run("tests.faulty_ckpt:LoadKeepsASecondCopyOfTheOptimizerState")

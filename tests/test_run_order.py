@@ -61,5 +61,5 @@ def test_contract_cases_pass_shuffled():
     run = run_suite(ContractOnly(), "tiny", 4, backend="gloo", shuffle_seed=3)
     assert [r.case.params.ckpt_role for r in run.results] == ["reshard-load", "reshard"]  # plan order kept
     assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
-    loads = [c for c in run.checks if c.check == "ckpt-memory.reshard" and "->tp1-pp1-cp1-dp2" in c.case_id]
+    loads = [c for c in run.checks if c.check == "ckpt-memory.reshard" and c.target == "tp1-pp1-cp1-dp2"]
     assert loads and all(c.passed for c in loads)

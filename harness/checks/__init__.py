@@ -28,6 +28,8 @@ class CheckResult:
     improvement: bool = False  # failed only because a figure is better than its baseline (refresh it)
     data: dict = field(default_factory=dict)  # machine-readable figures for reports (JSON-able)
     captures: Captures = field(default_factory=Captures)
+    # a check of the case's work at another layout (a checkpoint loaded there): that layout's id
+    target: str = ""
     # The check ran but cannot tell right from wrong here (this model, world size or layout): neither a
     # pass nor a failure. Built with `cannot_tell`, which keeps `passed` False, so code that reads only
     # `passed` errs towards a false alarm, never towards a false pass.

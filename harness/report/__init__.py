@@ -87,6 +87,11 @@ def format_run(run: SuiteRun) -> str:
     return format_results(to_json(run))
 
 
+def _checked(check: dict) -> str:
+    """What a check judged: its case, and the layout it judged the case's work at where it has one."""
+    return check["case_id"] + (f" -> {check['target']}" if check.get("target") else "")
+
+
 def format_results(data: dict[str, Any]) -> str:
     """The human report from a results.json's data alone: per-case verdict and suite figures, phase
     timings, then every failure (no suite code, no torch)."""
@@ -136,14 +141,14 @@ def format_results(data: dict[str, Any]) -> str:
         out.append("")
         out.append("inconclusive (these checks ran but cannot tell right from wrong here; neither pass nor fail):")
         for c in blind:
-            out.append(f"CANNOT TELL {c['check']} {c['case_id']}: {c['message']}")
+            out.append(f"CANNOT TELL {c['check']} {_checked(c)}: {c['message']}")
             out += [f"    {d}" for d in c["details"][:20]]
     failures = [c for c in checks if check_failed(c)]
     if failures:
         out.append("")
         out.append("failures:")
         for c in failures:
-            out.append(f"FAIL {c['check']} {c['case_id']}: {c['message']}")
+            out.append(f"FAIL {c['check']} {_checked(c)}: {c['message']}")
             out += [f"    {d}" for d in c["details"][:20]]
             if len(c["details"]) > 20:
                 out.append(f"    ... {len(c['details']) - 20} more")

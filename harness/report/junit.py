@@ -32,7 +32,7 @@ def render(runs: list[RunFile]) -> str:
             ET.SubElement(props, "property", name=k, value=str(v))
         checks: dict[str, list[dict]] = {}
         for c in d["checks"]:
-            checks.setdefault(c["case_id"].split("->")[0], []).append(c)
+            checks.setdefault(c["case_id"], []).append(c)
         for c in d["cases"]:
             tc = ET.SubElement(suite, "testcase", classname=f"{d['suite']}.{d['engine']}.{d['model']}",
                                name=c["id"].split("/", 3)[-1], time=f"{c.get('wall_s', 0):.1f}")

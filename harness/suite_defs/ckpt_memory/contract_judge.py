@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from harness.checks import CheckResult, cannot_tell, case_failed
@@ -54,9 +55,11 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
         loads = [r.payload_as(ContractRankData).targets for r in res.ranks]
         for i in range(len(loads[0])):
             per_rank = [rank_loads[i] for rank_loads in loads]
-            out.append(_judge(res, fmt, src.case.layout, per_rank, saved, reference, saved_optim))
+            at = Layout.parse(per_rank[0].layout).id  # the checks of this load name the layout it loaded at
+            out.append(dataclasses.replace(_judge(res, fmt, src.case.layout, per_rank, saved, reference, saved_optim),
+                                           target=at))
             if not any(d.error for d in per_rank):
-                out.append(judge_load_peak(res, fmt, per_rank))
+                out.append(dataclasses.replace(judge_load_peak(res, fmt, per_rank), target=at))
     return out
 
 
@@ -66,7 +69,7 @@ def judge_load_peak(res: CaseResult, fmt: str, per_rank: list[LoadTarget]) -> Ch
     from harness.checks.memory_model import load_band, load_blind_spot
 
     target = Layout.parse(per_rank[0].layout)
-    cid = f"{res.case.id}->{target.id}"
+    cid = res.case.id
     head = f"{fmt} loaded at {target.id}"
     rows, outside, blind = [], [], []
     device = res.case.backend == "nccl"
@@ -141,7 +144,7 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[LoadTarget], s
     promise = promised(fmt, src, target)
     head = f"{fmt} saved at {src.id}, loaded at {target.id} ({'promised' if promise else 'not promised'})"
     errors = [(r.rank, d) for r, d in zip(res.ranks, per_rank) if d.error]
-    cid = f"{res.case.id}->{target.id}"
+    cid = res.case.id
     if errors:
         return _judge_error(cid, head, promise, errors)
     loaded = assemble([d.loaded for d in per_rank]).tensors
