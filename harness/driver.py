@@ -209,9 +209,9 @@ def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fre
 
 
 def _write(run: SuiteRun, out_dir: Path) -> None:
-    from harness import report
+    from harness.report.results_file import write_results
 
-    report.write_results(run, Path(out_dir))
+    write_results(run, Path(out_dir))
 
 
 def with_outputs(cases: list[Case], run_dir: Path, suite: Suite | None = None) -> list[Case]:

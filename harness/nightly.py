@@ -45,12 +45,13 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
                 history_db: Path | None = None) -> int:
     import json
 
-    from harness import driver, report
+    from harness import driver
     from harness.driver import format_clock
     from harness.files import atomic_write
     from harness.platform import resolve_backend
     from harness.platform.backend import cuda_device_count
     from harness.report.files import prepare_out_dir, write_report
+    from harness.report.terminal import count_outcomes, format_run
     from harness.tables import table
 
     unknown = sorted(set(suites) - set(SUITES))
@@ -95,7 +96,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             rows.append([item.suite, item.model, item.engine, "NOTHING JUDGED", "-", reason[:100]])
             say(f"   nothing judged: {reason}")
             continue
-        print(report.format_run(run), flush=True)
+        print(format_run(run), flush=True)
         # a run whose every case this world size cannot run or judge (e.g. dynamic-cp on one GPU) says so and
         # is no failure; the nightly as a whole fails when nothing at all was judged
         cannot = run.verdict == "nothing judged" and bool(run.results) and not run.errors and \
@@ -106,7 +107,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
         judged |= bool(run.conclusive)
         rows.append([item.suite, item.model, item.engine, "pass" if run.passed else
                      "NOT JUDGED HERE" if cannot else run.verdict.upper(),
-                     f"{run.wall_s:.0f}s", report.count_outcomes(run.outcomes())])
+                     f"{run.wall_s:.0f}s", count_outcomes(run.outcomes())])
         if run.interrupted is not None:  # the finished runs and this one's finished cases are kept
             stop = run.interrupted
             rows += [[it.suite, it.model, it.engine, "NOT RUN", "-", f"nightly {stop}"] for it in items[i:]]

@@ -15,10 +15,10 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     """Run the suite `repeats` times, store median / spread / tolerance per metric; (path, diff)."""
     import sys
 
-    from harness import report
     from harness.driver import run_suite  # looked up per call: tests plant a fake driver
     from harness.platform import detect_platform
     from harness.platform.backend import machine_fingerprint
+    from harness.report.provenance import now, versions
     from harness.suite_defs import Baselined, RawSamples, RecordingPolicy
 
     if repeats < 3:
@@ -55,7 +55,7 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
                            f"the variance or record on a quieter machine:\n  " + "\n  ".join(noisy))
     platform = detect_platform(backend).key
     path = baseline_path(baselines_dir, platform, suite.name)
-    provenance = {**report.versions(), "date": report.now(), "repeats": repeats,
+    provenance = {**versions(), "date": now(), "repeats": repeats,
                   "machine": machine_fingerprint(backend)}
     policy = suite if isinstance(suite, RecordingPolicy) else None
     entries = build_entries(samples, policy.tolerance if policy else None, raw, policy.digits if policy else 3)

@@ -63,7 +63,8 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
     instead of the suite's matrix), its table
     published and its results written. With --update-baselines a suite that has baselines is recorded
     first (3 repeats), then run again against the new file. A missing dependency skips the test."""
-    from harness import report
+    from harness.report.results_file import write_results
+    from harness.report.terminal import format_run
     from harness.driver import run_suite
     from harness.errors import DoesNotFit, MissingDependency
     from harness.platform import resolve_backend
@@ -97,10 +98,10 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
             pytest.skip(str(exc))
         if result.interrupted is not None:
             raise KeyboardInterrupt(str(result.interrupted))  # pytest stops the session
-        publish(report.format_run(result))
+        publish(format_run(result))
         if harness_opts["results_dir"]:
             slug = label or (name if isinstance(name, str) else result.suite.name)
-            report.write_results(result, Path(harness_opts["results_dir"]) / slug)
+            write_results(result, Path(harness_opts["results_dir"]) / slug)
         if result.results and all(r.skipped for r in result.results):  # e.g. needs more ranks than given
             pytest.skip(f"{result.suite.name}: " + "; ".join(dict.fromkeys(r.error.splitlines()[0]
                                                                         for r in result.results)))

@@ -45,16 +45,17 @@ def _run() -> SuiteRun:
 
 
 def test_results_report_and_bisect_step_name_the_adjustments():
-    from harness import report
+    from harness.report.results_file import to_json
+    from harness.report.terminal import format_run
     from harness.bisect import Threshold, judge_run
 
     run = _run()
     assert run.results[0].adjustments() == ["Adam eps 1e-06", "stub x"]
-    data = report.to_json(run)
+    data = to_json(run)
     assert data["adjustments"] == {"Adam eps 1e-06": 1, "stub x": 1}
     assert data["cases"][0]["adjustments"] == ["Adam eps 1e-06", "stub x"]
     assert "judged with these harness adjustments to the engine under test (cases):\n  - Adam eps 1e-06 (1/1)" \
-        in report.format_run(run)
+        in format_run(run)
     step = judge_run(run, "fail", Threshold("fail"))
     assert step.adjustments == ["Adam eps 1e-06", "stub x"]
 

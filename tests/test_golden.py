@@ -103,7 +103,7 @@ def test_fsdp2_resumes_run_on_the_pure_dp_layout_beside_its_own_unbroken_traject
 
 
 def test_a_run_of_two_engines_names_each_cases_engine_in_its_tables():
-    from harness.report import summary_table
+    from harness.report.terminal import summary_table
 
     cases = [{"id": "golden/mcore/tiny/tp1-pp1-cp1-dp2", "layout": "tp1-pp1-cp1-dp2", "outcome": "pass"},
              {"id": "golden/fsdp2/tiny/tp1-pp1-cp1-dp2", "layout": "tp1-pp1-cp1-dp2", "outcome": "pass"}]

@@ -71,12 +71,12 @@ _NO_TORCH = textwrap.dedent("""
 def test_report_renders_from_results_json_without_torch_or_suites(toy_registered, tmp_path):
     run = run_suite("toy", None, 2, backend="gloo", fresh_ranks=True, out_dir=tmp_path / "run",
                     suite_params={"offset": 0.5, "cases": 1})
-    from harness import report
+    from harness.report.terminal import format_run
 
-    printed = report.format_run(run)
+    printed = format_run(run)
     script = _NO_TORCH + textwrap.dedent(f"""
         import json
-        from harness.report import format_results
+        from harness.report.terminal import format_results
         from harness.cli import main
 
         data = json.loads(open({str(tmp_path / "run" / "results.json")!r}).read())

@@ -41,7 +41,7 @@ class StepSpec:
 def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False) -> StepResult:
     """Bad when any case's metric exceeds its threshold (metric 'fail': when any case does not pass); the
     step names what the harness adjusted in the engine it judged."""
-    from harness.report import run_adjustments
+    from harness.report.results_file import run_adjustments
 
     step = _judge_outcomes(run, metric, threshold, error_is_bad)
     step.adjustments = list(run_adjustments(run))
@@ -50,7 +50,7 @@ def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False
 
 def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) -> StepResult:
     from harness import baselines
-    from harness.report import versions
+    from harness.report.provenance import versions
     from harness.suite_defs import Baselined, TimedBaselines, baselines_dir_of
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}

@@ -29,9 +29,9 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness import report
     from harness.driver import execute, plan
     from harness.recording import record_suite
+    from harness.report.terminal import format_run
     from harness.suite_defs import Baselined
 
     if args.missing:
@@ -48,7 +48,7 @@ def main(args) -> int:
         raise BadInput(f"suite {args.suite!r} has no baselines")
     if args.action == "check":
         run = execute(planned)
-        print(report.format_run(run))
+        print(format_run(run))
         return run.exit_code
     try:
         path, changes = record_suite(*sel.plan_args(), repeats=args.repeats, baselines_dir=args.baselines_dir,

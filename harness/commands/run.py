@@ -23,9 +23,9 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness import report
     from harness.driver import execute, plan
     from harness.launch import zygote
+    from harness.report.terminal import format_run
 
     sel = CaseSelection.from_args(args)
     if args.shuffle is not None and args.shuffle < 0:
@@ -34,7 +34,7 @@ def main(args) -> int:
     planned = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())  # bad input: exit 2
     out = out_dir(args.out)
     run = execute(planned, fresh_ranks=args.fresh_ranks, shuffle_seed=args.shuffle, out_dir=out, label=args.label)
-    print(report.format_run(run))
+    print(format_run(run))
     if out:
         print(f"results: {out / 'results.json'}")
     return run.exit_code

@@ -46,11 +46,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from harness import report
     from harness.broken_env import broken_environment
     from harness.driver import plan, with_outputs
     from harness.outcomes import CaseStatus
     from harness.platform.parallel import release_memory
+    from harness.report.results_file import write_results
+    from harness.report.terminal import format_run
     from harness.suite_defs import default_dtype
     from harness.suite_run import SuiteRun
 
@@ -105,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         run.judge()
         run.wall_s = time.monotonic() - t_run
-        print(report.format_run(run))
+        print(format_run(run))
         if args.out:
-            print(f"results: {report.write_results(run, Path(args.out))}")
+            print(f"results: {write_results(run, Path(args.out))}")
         code = run.exit_code
     dist.barrier(group=results_group)
     shutdown_distributed(base)

@@ -1,0 +1,72 @@
+"""Where a run's figures came from: the versions of the packages and the harness's commit, the engine's
+distribution, the time."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+
+
+def versions() -> dict[str, str]:
+    """The versions a results file records (a copy: callers may add to it)."""
+    return dict(_versions())
+
+
+@functools.cache  # read once per process: results.json is written after every case (22 ms a call here, with
+def _versions() -> dict[str, str]:  # `git status`); what a run records is the code it started with anyway
+    out = {}
+    for dist in ("torch", "megatron-core", "transformer-engine", "megatron-bridge", "mbridge", "transformers", "peft"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    out["harness"] = metadata.version("megatron-regression-harness") if _installed() else "src"
+    commit = _git_commit()
+    if commit:
+        out["harness_commit"] = commit
+    return out
+
+
+@functools.cache  # results.json is written after every case; the installed set does not change
+def engine_distribution(engine: str) -> dict[str, str | None]:
+    """The installed distribution that provides an engine, and its version: for `pkg.mod:factory` the
+    distribution of `pkg` (None when it is not installed as one, e.g. a module on PYTHONPATH)."""
+    from harness.engines import BUILTIN
+
+    if engine in BUILTIN:  # a built-in engine: what is judged is the package it builds with
+        name = {"mbridge": "mbridge", "megatron-bridge": "megatron-bridge",
+                "fsdp2": "torch"}.get(engine, "megatron-core")
+    else:
+        top = engine.partition(":")[0].split(".")[0]
+        name = (metadata.packages_distributions().get(top) or [""])[0]
+    try:
+        return {"name": name, "version": metadata.version(name) if name else None}
+    except metadata.PackageNotFoundError:
+        return {"name": name, "version": None}
+
+
+def now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _installed() -> bool:
+    try:
+        metadata.version("megatron-regression-harness")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _git_commit() -> str:
+    """Short HEAD of the harness checkout, '-dirty' when it has uncommitted changes; '' outside git."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent,
+                              timeout=5).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if head and git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return ""
