@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness.suite_defs.dynamic_cp import MAX_SEQLEN, DynamicCPSuite, length_ranges, mix_name
+from harness.suite_defs.dynamic_cp.suite import MAX_SEQLEN, DynamicCPSuite, length_ranges, mix_name
 
 pytestmark = [pytest.mark.cpu, pytest.mark.gpu, pytest.mark.slow]
 

@@ -7,8 +7,8 @@ import pytest
 
 from harness.driver import plan, run_suite
 from harness.errors import BadInput
-from harness.checks.dynamic_cp import expected_local_cp
-from harness.suite_defs.dynamic_cp import NAMED_MIXES
+from harness.suite_defs.dynamic_cp.judge import expected_local_cp
+from harness.suite_defs.dynamic_cp.suite import NAMED_MIXES
 
 pytestmark = pytest.mark.slow
 

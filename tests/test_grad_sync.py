@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checks.grad_sync import chunk_buckets, chunk_params, plan
+from harness.checks.sync_plan import chunk_buckets, chunk_params, plan
 from harness.layouts import coords_of, dp_cp_ranks
 from harness.driver import run_suite
 from harness.models import load_model

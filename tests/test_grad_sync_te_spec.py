@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.checks.grad_sync import chunk_buckets, chunk_params
+from harness.checks.sync_plan import chunk_buckets, chunk_params
 from harness.models import load_model
 from harness.spec import Layout
 
@@ -189,7 +189,7 @@ def test_plan_uses_te_order_where_the_case_builds_te(monkeypatch):
     """A case on NCCL ranks with transformer_engine installed plans with TE's parameters; gloo ranks never."""
     import importlib.util
 
-    from harness.checks.grad_sync import plan
+    from harness.checks.sync_plan import plan
     from harness.spec import Case, CaseOptions
 
     real = importlib.util.find_spec

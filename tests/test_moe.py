@@ -8,7 +8,7 @@ import re
 import pytest
 
 from harness.errors import BadInput
-from harness.checks.grad_sync import chunk_buckets, chunk_params, dispatch_plan, plan
+from harness.checks.sync_plan import chunk_buckets, chunk_params, dispatch_plan, plan
 from harness.driver import run_suite
 from harness.layouts import default_matrix, enumerate_layouts, expert_dp_ranks, expert_matrix, violations
 from harness.models import load_model

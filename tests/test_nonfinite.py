@@ -122,7 +122,7 @@ def _cp_result(mode: str, logprobs: torch.Tensor, grad: torch.Tensor) -> CaseRes
     from harness.engines.dynamic_cp import CPCaseParams
 
     case = Case("dynamic-cp", load_model("tiny"), Layout(dp=1), params=CPCaseParams("m", (4,), mode))
-    from harness.checks.dynamic_cp import DynamicCPRankData
+    from harness.suite_defs.dynamic_cp.judge import DynamicCPRankData
     from harness.engines.dynamic_cp import TokenOutputs
 
     record = TokenOutputs(0, torch.arange(4), logprobs, 1, 0)
@@ -131,7 +131,7 @@ def _cp_result(mode: str, logprobs: torch.Tensor, grad: torch.Tensor) -> CaseRes
 
 
 def test_dynamic_cp_inf_log_prob_and_nan_gradient_fail():
-    from harness.checks.dynamic_cp import _check_grads, _check_logprobs, _check_loss
+    from harness.suite_defs.dynamic_cp.judge import _check_grads, _check_logprobs, _check_loss
 
     lp, g = torch.tensor([-1.0, -2.0, -3.0, -4.0]), torch.ones(3)
     bad_lp, bad_g = lp.clone(), g.clone()

@@ -109,7 +109,7 @@ def test_alpha_written_as_rank_and_dropped_target_module_are_named():
 
 
 def test_config_fields_are_judged_where_the_engine_wrote_them():
-    from harness.checks.peft_ckpt import _check_valid
+    from harness.suite_defs.peft_ckpt.judge import _check_valid
     from harness.launch.results import CaseResult
     from harness.models import load_model
     from harness.spec import Case, CaseOptions, Layout

@@ -105,7 +105,7 @@ def test_a_rank_whose_parent_died_before_prctl_kills_itself():
 def test_torchrun_entry_runs_a_suite_in_process(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.run(
-        [*torchrun, "-m", "harness.launch.torchrun", "--suite", "equivalence", "--model", "tiny",
+        [*torchrun, "-m", "harness.torchrun", "--suite", "equivalence", "--model", "tiny",
          "--layout", "tp2-pp1-cp1-dp1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
@@ -121,7 +121,7 @@ def test_torchrun_entry_at_world_size_1_judges_step_perf(tmp_path):
     an empty baselines directory, so the verdict is the missing baseline with the command that records it."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
     proc = subprocess.run(
-        [*torchrun, "-m", "harness.launch.torchrun", "--suite", "step-perf", "--model", "tiny", "--backend", "gloo",
+        [*torchrun, "-m", "harness.torchrun", "--suite", "step-perf", "--model", "tiny", "--backend", "gloo",
          "--baselines-dir", str(tmp_path / "baselines"), "--out", str(tmp_path / "out"), "--timed-steps", "3"],
         capture_output=True, text=True, timeout=300,
     )
@@ -138,7 +138,7 @@ def test_torchrun_entry_stops_every_rank_when_the_environment_is_broken(tmp_path
     """Under torchrun rank 0 finds the first cases all errored alike and every rank stops with it: exit 3."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.run(
-        [*torchrun, "-m", "harness.launch.torchrun", "--suite", "grad-sync", "--model", "tiny", "--backend", "gloo",
+        [*torchrun, "-m", "harness.torchrun", "--suite", "grad-sync", "--model", "tiny", "--backend", "gloo",
          "--engine", "tests.faulty_engines:NeedsMissingModule", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
     )

@@ -178,7 +178,7 @@ def test_recorded_baseline_holds_counters_exactly_and_raw_samples(recorded):
 
 def _planned_buckets() -> int:
     """Gradient buckets of one step by the grad-sync plan's own arithmetic (megatron's padding rules)."""
-    from harness.checks.grad_sync import plan
+    from harness.checks.sync_plan import plan
     from harness.suite_defs.step_perf import StepPerfParams, StepPerfSuite
 
     case = StepPerfSuite().cases(load_model("tiny"), 2, [Layout(dp=2)], options=OPTIONS,

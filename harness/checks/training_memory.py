@@ -226,7 +226,7 @@ def moe_layer_activation_bytes(model: ModelSpec, layout: Layout, training: Train
 
 def stage_layers(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
     """(dense layers, MoE layers) the rank's pipeline stage holds (every virtual chunk)."""
-    from harness.checks.grad_sync import stage_moe_layers
+    from harness.checks.sync_plan import stage_moe_layers
 
     layers = model.num_layers // (layout.pp * layout.vpp) * layout.vpp
     moe = stage_moe_layers(model, layout, _stage(layout, rank))
@@ -287,7 +287,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
 def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) -> tuple[int, int]:
     """(elements of the rank's largest parameter shard, elements of its largest gradient bucket), by the
     grad-sync plan's own arithmetic of megatron's buffers."""
-    from harness.checks.grad_sync import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params
+    from harness.checks.sync_plan import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params
     from harness.layouts import coords_of
 
     c = coords_of(layout, rank)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
-from harness.checks.grad_sync import compare, compare_dispatch, dispatch_plan, dispatch_records, dp_records, plan
 from harness.checks.numeric import beyond, severity
+from harness.checks.sync_plan import compare, compare_dispatch, dispatch_plan, dispatch_records, dp_records, plan
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
 from harness.engines.base import ParamShard

@@ -2,7 +2,7 @@
 results are gathered to rank 0 over a gloo group, and rank 0 judges, prints and writes them.
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m harness.launch.torchrun --suite equivalence --model 8b --out results/
+        -m harness.torchrun --suite equivalence --model 8b --out results/
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from harness.spec import CaseOptions
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.launch.torchrun", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m harness.torchrun", description=__doc__)
     p.add_argument("--suite", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--layout", action="append")

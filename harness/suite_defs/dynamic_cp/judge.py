@@ -1,4 +1,4 @@
-"""Judging dynamic-cp (harness/suite_defs/dynamic_cp.py) in the parent: every case of a mix against its no-CP
+"""Judging dynamic-cp (harness/suite_defs/dynamic_cp/suite.py) in the parent: every case of a mix against its no-CP
 reference, from the tensors the ranks returned (coverage of every token, log-probs, loss, gradients)."""
 
 from __future__ import annotations

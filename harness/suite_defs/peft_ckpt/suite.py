@@ -7,7 +7,7 @@ exports the adapter as an HF PEFT directory (the engine's `export_peft_adapter`,
 rank). Rank 0 then loads it the way a user would - `PeftModel.from_pretrained` over a
 `LlamaForCausalLM` holding the same base weights (the bridge's HF export of the frozen weights; for an MoE
 model a `Qwen3MoeForCausalLM` holding them by the harness's own mapping, engines/hf_weights.py) - and
-computes the same log-probs with the adapter on and off. The parent judges (harness/checks/peft_ckpt.py):
+computes the same log-probs with the adapter on and off. The parent judges (harness/suite_defs/peft_ckpt/judge.py):
 
 - valid: PEFT loads it with no missing and no unexpected adapter key, and adapter_config.json holds
   the configured r, lora_alpha, dropout and target modules;
@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.checks.peft_ckpt import PeftRankData, Reload, peft_data
-from harness.checks.peft_ckpt import check as judge
 from harness.engines.base import PeftExporting, peft_exporting
 from harness.engines.lora import read_adapter_dir
 from harness.engines.mbridge import hf_architecture
@@ -38,6 +36,8 @@ from harness.layouts import expert_matrix, validate
 from harness.platform.parallel import teardown_parallel_state
 from harness.probes.memory import MIB, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.peft_ckpt.judge import PeftRankData, Reload, peft_data
+from harness.suite_defs.peft_ckpt.judge import check as judge
 
 INSTALL = "pip install peft (the peft-ckpt suite loads the exported adapter with it)"
 LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp2-pp2-cp1-dp1")

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.checks.dynamic_cp import DynamicCPRankData, judge, loss_per_token
 from harness.engines import resolve_factory
 from harness.engines.dynamic_cp import CPCaseParams, CPEngine, TokenOutputs
 from harness.engines.dynamic_cp_api import check_dynamic_cp_available
@@ -23,6 +22,7 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.dynamic_cp.judge import DynamicCPRankData, judge, loss_per_token
 
 # Samples are at most 120 tokens (128 after padding); megatron's max_seqlen_per_dp_cp_rank is
 # 128 / world size, so at world size 4 samples up to 32 tokens run without CP, up to 64 at local
