@@ -86,7 +86,7 @@ def test_nightly_counts_a_run_that_judged_nothing_as_a_failure(tmp_path, capsys,
     def refuse(*args, **kwargs):
         raise BadInput("baseline file baselines/cpu-gloo/ckpt-memory.json is corrupt")
 
-    monkeypatch.setattr("harness.driver.run_suite", refuse)
+    monkeypatch.setattr("harness.driver.execute", refuse)
     code = nightly.run_nightly(tmp_path, ["ckpt-memory"], ["small"], 2, "gloo", None, lambda msg: None)
     out = capsys.readouterr().out
     assert code == 1
@@ -171,10 +171,9 @@ def test_cases_that_errored_without_a_failed_check_exit_3_not_1(tmp_path, capsys
 def test_a_nightly_whose_runs_only_errored_exits_3(tmp_path, capsys, monkeypatch):
     from harness import driver, nightly
 
-    real = driver.run_suite
-    monkeypatch.setattr("harness.driver.run_suite", lambda suite, *a, **k: real("tests.fake_suites:BrokenEnvironment",
-                                                                               *a, **k))
-    monkeypatch.setattr("harness.driver.plan", lambda *a, **k: None)
+    real = driver.plan
+    monkeypatch.setattr("harness.driver.plan", lambda suite, *a, **k: real("tests.fake_suites:BrokenEnvironment",
+                                                                           *a, **k))
     code = nightly.run_nightly(tmp_path, ["equivalence"], ["tiny"], 2, "gloo", None, lambda msg: None)
     out = capsys.readouterr().out
     assert code == 3, out

@@ -72,7 +72,7 @@ def test_grad_sync_replicas_cannot_tell_without_dp_replicas():
 
 
 def test_peft_export_at_one_layout_cannot_tell_and_the_memory_check_on_tiny_neither():
-    from harness.checks import peft_ckpt
+    from harness.suite_defs.peft_ckpt import judge as peft_ckpt
 
     case = Case("peft-ckpt", load_model("tiny"), Layout(), "megatron-bridge", CaseOptions(lora_dim=8, lora_alpha=16))
     export = MemoryPeak("export", heap_peak=MIB)
