@@ -74,6 +74,14 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "tests", "-n", TEST_WORKERS, "--dist", "loadscope", *session.posargs)
 
 
+@nox.session
+def unit(session: nox.Session) -> None:
+    """The unit tier of the harness's own tests: no rank process (pytest -m "not slow"); under a minute of pytest
+    on 2 cores. `nox -s tests` runs it with the rank tests."""
+    _install_cpu(session)
+    session.run("pytest", "tests", "-m", "not slow", "-n", TEST_WORKERS, *session.posargs)
+
+
 @nox.session(name="cpu-suite")
 def cpu_suite(session: nox.Session) -> None:
     """The regression suites on CPU ranks (gloo), world size 4 by default."""

@@ -81,3 +81,18 @@ def no_leftover_ranks():
     close_all()
     leftover = set(live_worker_pids()) - before
     assert not leftover, f"rank processes left behind: {sorted(leftover)}"
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_ranks(request, monkeypatch):
+    """The tiers: a test that runs cases on ranks is marked `slow`; the rest - the unit tier, `nox -s unit`
+    (pytest -m "not slow") - starts none, which this holds them to at the one place ranks start or run."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{request.node.nodeid} runs ranks: mark it @pytest.mark.slow (the unit tier starts none)",
+                    pytrace=False)
+
+    monkeypatch.setattr("harness.launch.runner.spawn_rank", refuse)
+    monkeypatch.setattr("harness.launch.pool.RankPool.run", refuse)

@@ -20,6 +20,7 @@ def fake(mode: int, timeout_s: float = fs.CASE_TIMEOUT_S) -> Case:
                 CaseOptions(seed=mode), "gloo", timeout_s)
 
 
+@pytest.mark.slow
 def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
     pool = RankPool(2, "gloo")
     try:
@@ -39,6 +40,7 @@ def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
         pool.close()
 
 
+@pytest.mark.slow
 def test_a_rank_of_several_threads_stays_warm_after_its_first_parallel_op():
     """OpenMP's intra-op pool starts at a rank's first parallel op and lives as long as the rank (world size 1
     on 2 cores: 2 threads per rank, one pool worker): that is not a leak, and the next case keeps the rank."""

@@ -30,6 +30,7 @@ def case(mode: int, timeout_s: float = fs.CASE_TIMEOUT_S, world: int = 2) -> Cas
     return Case(SUITE, load_model("tiny"), Layout(dp=world), "mcore", CaseOptions(seed=mode), "gloo", timeout_s)
 
 
+@pytest.mark.slow
 def test_ok_case_returns_rank_data_and_timings():
     res = run_case(case(fs.OK))
     assert res.status == "ok", res.error
@@ -39,6 +40,7 @@ def test_ok_case_returns_rank_data_and_timings():
     assert all(not psutil.pid_exists(r.data["pid"]) for r in res.ranks)
 
 
+@pytest.mark.slow
 def test_raising_rank_is_named_with_its_traceback():
     t0 = time.monotonic()
     res = run_case(case(fs.RAISE))
@@ -48,6 +50,7 @@ def test_raising_rank_is_named_with_its_traceback():
     assert time.monotonic() - t0 < fs.CASE_TIMEOUT_S / 2  # the peer blocked in a collective is stopped, not waited for
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,reason", [(fs.EXIT, "exit code 3"), (fs.SIGKILL, "killed by SIGKILL")])
 def test_dying_rank_is_named(mode, reason):
     res = run_case(case(mode))
@@ -55,6 +58,7 @@ def test_dying_rank_is_named(mode, reason):
     assert f"rank 1 died ({reason}) in phase 'work'" in res.error, res.error
 
 
+@pytest.mark.slow
 def test_hanging_rank_ends_the_case_within_the_timeout():
     zygote.get()  # the timeout includes the ranks' start-up: forked ones, once the fork server has imported
     t0 = time.monotonic()
@@ -67,6 +71,7 @@ def test_hanging_rank_ends_the_case_within_the_timeout():
     assert wall < 15 + 15
 
 
+@pytest.mark.slow
 def test_consecutive_cases_do_not_collide():
     results = [run_case(case(fs.OK)) for _ in range(3)]
     assert [r.status for r in results] == ["ok"] * 3, [r.error for r in results]
@@ -150,6 +155,7 @@ def test_torchrun_entry_stops_every_rank_when_the_environment_is_broken(tmp_path
     assert [c["outcome"] for c in data["cases"]] == ["error"] * 3 and data["stopped"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fork", ["1", "0"])
 def test_gloo_ranks_see_no_gpu_on_a_gpu_node(monkeypatch, fork):
     """On a GPU node a gloo case (e.g. world size 4 on one GPU, where `auto` picks gloo) runs on CPU ranks:

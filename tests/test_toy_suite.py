@@ -23,6 +23,7 @@ def toy_registered(monkeypatch):
     monkeypatch.setitem(suite_defs.SUITES, "toy", "tests.toy_suite:ToySuite")
 
 
+@pytest.mark.slow
 def test_a_registered_toy_suite_runs_through_the_cli(toy_registered, tmp_path, capsys):
     code = main(["run", "--suite", "toy", "--world-size", "2", "--backend", "gloo", "--fresh-ranks",
                  "--out", str(tmp_path)])
@@ -35,6 +36,7 @@ def test_a_registered_toy_suite_runs_through_the_cli(toy_registered, tmp_path, c
     assert "toy: 2 checks passed, 0 failed" in out
 
 
+@pytest.mark.slow
 def test_the_toy_suites_planted_regression_fails_its_check(toy_registered):
     run = run_suite("toy", None, 2, backend="gloo", fresh_ranks=True, suite_params={"offset": 0.5, "cases": 1})
     (check,) = run.checks
@@ -68,6 +70,7 @@ _NO_TORCH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_report_renders_from_results_json_without_torch_or_suites(toy_registered, tmp_path):
     run = run_suite("toy", None, 2, backend="gloo", fresh_ranks=True, out_dir=tmp_path / "run",
                     suite_params={"offset": 0.5, "cases": 1})

@@ -3,6 +3,8 @@ results.json and `harness report` (Markdown, JSON, JUnit XML)."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -11,6 +13,7 @@ from harness import cli
 from tests.fake_suites import MIXED_PLAN
 
 
+@pytest.mark.slow
 def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:Mixed", "--world-size", "2", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
@@ -49,6 +52,7 @@ def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys):
         "pass": 15, "regression": 2, "improvement": 1, "error": 1, "skipped": 1}
 
 
+@pytest.mark.slow
 def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:AllSkipped", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -66,6 +70,7 @@ def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_
     assert "**nothing judged** (a failure): no check ran" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_case_that_no_check_judged_is_not_a_pass(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:ForgetsACase", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -118,6 +123,7 @@ def test_nightly_plan_covers_every_suite_model_and_construction_path():
     assert [i.engine for i in plan_items(["grad-sync"], ["default"], "my_rl.engine:make")] == ["my_rl.engine:make"]
 
 
+@pytest.mark.slow
 def test_checks_that_cannot_tell_are_neither_passes_nor_failures(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:Blind", "--world-size", "2", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
@@ -142,6 +148,7 @@ def test_checks_that_cannot_tell_are_neither_passes_nor_failures(tmp_path, capsy
     assert "| 1 | 0 | 0 | 0 | 1 | 1 | 0 |" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_check_cannot_tell_judged_nothing(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:AllBlind", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
@@ -151,6 +158,7 @@ def test_a_run_whose_every_check_cannot_tell_judged_nothing(tmp_path, capsys):
     assert (results["passed"], results["verdict"]) == (False, "nothing judged")
 
 
+@pytest.mark.slow
 def test_cases_that_errored_without_a_failed_check_exit_3_not_1(tmp_path, capsys):
     """A broken environment (a case errored) and a regression are told apart: exit 3 and verdict 'errored'."""
     code = cli.main(["run", "--suite", "tests.fake_suites:BrokenEnvironment", "--world-size", "2",
@@ -168,6 +176,7 @@ def test_cases_that_errored_without_a_failed_check_exit_3_not_1(tmp_path, capsys
     assert code == 1
 
 
+@pytest.mark.slow
 def test_a_nightly_whose_runs_only_errored_exits_3(tmp_path, capsys, monkeypatch):
     from harness import driver, nightly
 
@@ -180,6 +189,7 @@ def test_a_nightly_whose_runs_only_errored_exits_3(tmp_path, capsys, monkeypatch
     assert "ERRORED" in out
 
 
+@pytest.mark.slow
 def test_a_broken_environment_stops_the_run_after_its_first_cases(tmp_path, capsys):
     """Every case of an engine whose environment lacks a module errors in build alike: the run stops after
     broken_env.STOP_AFTER cases, names the module and the install once, keeps what ran, and exits 3."""
@@ -203,6 +213,7 @@ def test_a_broken_environment_stops_the_run_after_its_first_cases(tmp_path, caps
     assert "**stopped after 3 of" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_cases_that_error_each_for_a_reason_of_their_own_do_not_stop_the_run(tmp_path, capsys):
     code = cli.main(["run", "--suite", "tests.fake_suites:OwnErrors", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out

@@ -37,6 +37,7 @@ def _where(world: int = 2):
     return [r.data for r in res.ranks]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fork", ["1", "0"])
 def test_a_rank_sees_the_environment_and_directory_of_the_moment_it_was_asked_for(fork, tmp_path, monkeypatch):
     zygote.get()  # a fork server started before the changes below: a forked rank must not see its start-up state
@@ -53,6 +54,7 @@ def test_a_rank_sees_the_environment_and_directory_of_the_moment_it_was_asked_fo
         assert r["own_session"]  # the runner kills a rank's process group
 
 
+@pytest.mark.slow
 def test_a_fork_server_that_does_not_start_falls_back_to_exec(monkeypatch, capsys):
     zygote.close()
     monkeypatch.setattr(zygote, "_FAILED", False)
@@ -63,6 +65,7 @@ def test_a_fork_server_that_does_not_start_falls_back_to_exec(monkeypatch, capsy
     assert zygote.pid() is None  # the one that did not start is gone
 
 
+@pytest.mark.slow
 def test_a_fork_server_that_died_is_replaced():
     first = zygote.get()
     os.kill(first.proc.pid, signal.SIGKILL)
