@@ -50,7 +50,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     from harness.files import atomic_write
     from harness.platform import resolve_backend
     from harness.platform.backend import cuda_device_count
-    from harness.report.files import prepare_out_dir, write_report
+    from harness.report.directory import prepare_out_dir, write_report
     from harness.report.terminal import count_outcomes, format_run
     from harness.tables import table
 

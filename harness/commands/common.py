@@ -15,6 +15,6 @@ def out_dir(path: str | None, flag: str = "--out") -> Path | None:
     """The output directory, created and shown writable before anything runs (BadInput otherwise)."""
     if not path:
         return None
-    from harness.report.files import prepare_out_dir
+    from harness.report.directory import prepare_out_dir
 
     return prepare_out_dir(Path(path), flag)

@@ -50,7 +50,7 @@ def show(args) -> int:
 
     from harness.history import show as history_show
     from harness.history import store
-    from harness.report.files import prepare_out_dir
+    from harness.report.directory import prepare_out_dir
 
     if args.since:
         try:

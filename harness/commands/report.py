@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.report.files import prepare_out_dir, write_report
+    from harness.report.directory import prepare_out_dir, write_report
     from harness.report.runs import load_runs
 
     load_runs(Path(args.dir))  # a directory with readable results, before anything is written
