@@ -52,14 +52,17 @@ class CaseSamples:
     rounds_exposed_ms: list[list[float]] = field(default_factory=list)
 
 
-def _in_process_round(side: Side, sel: CaseSelection, args, say) -> dict[str, CaseSamples]:
-    from harness.driver import run_suite
+def _in_process_round(side: Side, sel: CaseSelection, args, say, plans: dict) -> dict[str, CaseSamples]:
+    """One round of a side in this process: its plan (made at its first round, kept in plans) executed again."""
+    from harness.driver import execute, plan
     from harness.suite_defs.step_perf import figures
 
-    run = run_suite("step-perf", sel.model, sel.world_size, sel.layout_ids, engine=side.engine, backend=sel.backend,
-                    options=sel.options, timeout_s=sel.timeout, progress=say,
-                    suite_params={"timed_steps": args.steps_per_round},
-                    baselines_dir=tempfile.mkdtemp(prefix="harness-compare-nb-")).stop_if_interrupted()
+    if side.label not in plans:
+        plans[side.label] = plan("step-perf", sel.model, sel.world_size, sel.layout_ids, engine=side.engine,
+                                 backend=sel.backend, options=sel.options, timeout_s=sel.timeout,
+                                 suite_params={"timed_steps": args.steps_per_round},
+                                 baselines_dir=tempfile.mkdtemp(prefix="harness-compare-nb-"))
+    run = execute(plans[side.label], progress=say).stop_if_interrupted()
     out = {}
     for r in run.results:
         if not r.ok:
@@ -102,13 +105,14 @@ def run_rounds(a: Side, b: Side, sel: CaseSelection, args, say: Callable[[str], 
     pooled: dict[str, dict[str, CaseSamples]] = {a.label: {}, b.label: {}}
     order: list[str] = []
     workdir = Path(tempfile.mkdtemp(prefix="harness-compare-"))
+    plans: dict = {}  # an in-process side's plan, made once
     for n in range(args.rounds):
         sides = [a, b]
         rng.shuffle(sides)
         for side in sides:
             say(f"round {n + 1}/{args.rounds}: {side.label}")
             order.append(side.label)
-            got = (_in_process_round(side, sel, args, say) if side.in_process
+            got = (_in_process_round(side, sel, args, say, plans) if side.in_process
                    else _subprocess_round(side, sel, args, workdir, n))
             for key, s in got.items():
                 acc = pooled[side.label].setdefault(key, CaseSamples(counters=s.counters))

@@ -160,7 +160,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
 
     from harness.checks.timing import MIN_EFFECT_INTERLEAVED
     from harness.compare import Side, judge, run_rounds
-    from harness.driver import run_suite
+    from harness.driver import execute, plan
     from harness.recording import record_suite
     from harness.selection import CaseSelection
     from harness.spec import CaseOptions
@@ -181,14 +181,14 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
         # recorded in its first cases - a drift of the pool's age, not of the planted size.
         record_suite("step-perf", model, world_size, [layout], baselines_dir=baselines, backend=backend,
                      options=options, suite_params=params, fresh_ranks=True)
-        plan = [(w, s) for w in WHERE for s in SIZES]
+        planted = [(w, s) for w in WHERE for s in SIZES]
+        plans = {(w, s): plan("step-perf", model, world_size, [layout], engine=f"harness.power:{engine_name(w, s)}",
+                              backend=backend, options=options, baselines_dir=baselines, suite_params=params)
+                 for w, s in planted}
         for trial in range(trials):
-            rng.shuffle(plan)
-            for where, size in plan:
-                engine = f"harness.power:{engine_name(where, size)}"
-                run = run_suite("step-perf", model, world_size, [layout], engine=engine, backend=backend,
-                                options=options, baselines_dir=baselines, suite_params=params, fresh_ranks=True,
-                                progress=lambda msg: None).stop_if_interrupted()
+            rng.shuffle(planted)
+            for where, size in planted:
+                run = execute(plans[where, size], fresh_ranks=True, progress=lambda msg: None).stop_if_interrupted()
                 time_check = next(c for c in run.checks if c.check == "step-perf.time")
                 t = tallies.setdefault(("vs baseline", where, size), Tally("vs baseline", where, size))
                 t.trials += 1
