@@ -13,13 +13,12 @@ from harness.spec import CaseOptions
 from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
 
 OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--dtype", "dtype", "dtype"),
-                 ("--distributed-optimizer", "use_distributed_optimizer", "distributed_optimizer"),
-                 ("--overlap-grad-reduce", "overlap_grad_reduce", "overlap_grad_reduce"),
-                 ("--recompute", "recompute", "recompute"),
-                 ("--micro-batch-size", "micro_batch_size", "micro_batch_size"))
+                ("--distributed-optimizer", "use_distributed_optimizer", "distributed_optimizer"),
+                ("--overlap-grad-reduce", "overlap_grad_reduce", "overlap_grad_reduce"),
+                ("--recompute", "recompute", "recompute"),
+                ("--micro-batch-size", "micro_batch_size", "micro_batch_size"))
 OPTION_DEFAULTS = CaseOptions()
 DEFAULT_WORLD_SIZE = 4
-
 
 
 def variant_argv(variant: str) -> list[str]:

@@ -27,8 +27,9 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from harness.dtypes import dtype
 from harness.engines.mcore import McoreEngine
-from harness.engines.model_config import layer_spec, torch_dtype
+from harness.engines.model_config import layer_spec
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import BadInput, MissingDependency
 
@@ -126,7 +127,7 @@ class MbridgeEngine(McoreEngine):
             raise MissingDependency(f"engine 'mbridge': cannot import {exc.name!r}: {INSTALL}") from exc
 
         self.setup_parallel()  # the bridge reads the parallel sizes from megatron's parallel state
-        bridge = AutoBridge.from_config(hf_config(self.case.model), dtype=torch_dtype(self.case.options.dtype))
+        bridge = AutoBridge.from_config(hf_config(self.case.model), dtype=dtype(self.case.options.dtype).torch)
         bridge.set_extra_args(**self.config_overrides())
         if self.ctx.on_cpu:
             spec = layer_spec(True, self.case.model.normalization, self.case.layout.cp,

@@ -7,13 +7,14 @@ import functools
 import re
 from typing import TYPE_CHECKING, Any
 
+from harness.dtypes import dtype
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
 from harness.engines.experts import EXPERT_RE, tp_coords
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
-from harness.engines.model_config import _full_init, layer_spec, torch_dtype, transformer_config
+from harness.engines.model_config import _full_init, layer_spec, transformer_config
 from harness.launch.context import RankContext
 from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
@@ -63,7 +64,7 @@ class McoreEngine(McoreCheckpoints):
         return OptimizerConfig(
             optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=o.clip_grad,
             log_num_zeros_in_grad=o.log_num_zeros_in_grad,
-            bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=torch_dtype(o.dtype),
+            bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=dtype(o.dtype).torch,
             use_distributed_optimizer=use_distributed_optimizer, min_lr=o.min_lr,
         )
 

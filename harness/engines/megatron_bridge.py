@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.dtypes import dtype as dtype_of
 from harness.engines.lora import (
     MEGATRON_TARGETS,
     PEFT_PREFIX,
@@ -38,7 +39,7 @@ from harness.engines.lora import (
 from harness.engines.mbridge import hf_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.megatron_bridge_import import check_available, import_bridge
-from harness.engines.model_config import layer_spec, moe_config, torch_dtype
+from harness.engines.model_config import layer_spec, moe_config
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class MegatronBridgeEngine(McoreEngine):
         import torch.nn.functional as F
 
         m, lay, o = self.case.model, self.case.layout, self.case.options
-        dtype = torch_dtype(o.dtype)
+        dtype = dtype_of(o.dtype).torch
         fields = dict(
             num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
             num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,

@@ -1,22 +1,16 @@
-"""What every engine's GPTModel is built from: dtypes, TransformerConfig, layer spec, initial weights."""
+"""What every engine's GPTModel is built from: TransformerConfig, layer spec, initial weights."""
 
 from __future__ import annotations
 
 import zlib
 from typing import TYPE_CHECKING, Any
 
+from harness.dtypes import dtype as dtype_of
 from harness.spec import Case
 
 if TYPE_CHECKING:
     import torch
     from megatron.core.transformer import TransformerConfig
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a case's dtype option (fp32, bf16, fp16)."""
-    from harness.dtypes import dtype
-
-    return dtype(name).torch
 
 
 def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
@@ -25,7 +19,7 @@ def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    m, lay, dtype = case.model, case.layout, torch_dtype(case.options.dtype)
+    m, lay, dtype = case.model, case.layout, dtype_of(case.options.dtype).torch
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,

@@ -65,7 +65,7 @@ def format_results(data: dict[str, Any]) -> str:
     if shown:
         out.append("")
         for c in shown:
-            out.append(f"{c['check']} {c['case_id']}: {c['message']}")
+            out.append(f"{c['check']} {_checked(c)}: {c['message']}")
             out += [f"    {d}" for d in c["details"]]
     blind = [c for c in checks if c.get("inconclusive")]
     if blind:
