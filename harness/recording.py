@@ -82,7 +82,7 @@ def missing_baselines(world_size: int, backend: str, baselines_dir: str | None =
     from harness.driver import plan
     from harness.errors import DoesNotFit, MissingDependency
     from harness.platform import detect_platform, resolve_backend
-    from harness.suite_defs import REGRESSION_RUNS, Baselined, PartlyBaselined, get_suite
+    from harness.suite_defs import REGRESSION_RUNS, Baselined, get_suite
 
     backend = resolve_backend(backend, world_size)
     platform = detect_platform(backend).key
@@ -100,9 +100,8 @@ def missing_baselines(world_size: int, backend: str, baselines_dir: str | None =
         assert isinstance(found, Baselined)
         path = baselines.baseline_path(baselines_dir, platform, found.name)
         entries = baselines.load(path).get("entries", {})
-        looked_up = [c for c in cases if not isinstance(found, PartlyBaselined) or found.baselined(c)]
-        keys = list(dict.fromkeys(found.key(c) for c in looked_up))
+        keys = list(dict.fromkeys(found.key(c) for c in cases))
         missing = [k for k in keys if k not in entries]
         if missing:
-            out.append(MissingBaselines(found.name, looked_up[0].model.name, missing, len(keys), path))
+            out.append(MissingBaselines(found.name, cases[0].model.name, missing, len(keys), path))
     return out

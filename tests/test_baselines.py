@@ -112,8 +112,6 @@ def _fake_recorder(monkeypatch, refuse: str = ""):
     """record_suite writing one entry per planned key of the run (refusing the suite `refuse`, as a noisy or busy
     machine is refused); what it was asked to record."""
     from harness.driver import plan
-    from harness.suite_defs import PartlyBaselined
-
     asked = []
 
     def record_suite(suite, model, world_size, layout_ids=None, *, repeats=3, baselines_dir=None, backend="auto"):
@@ -123,7 +121,7 @@ def _fake_recorder(monkeypatch, refuse: str = ""):
         planned = plan(suite, model, world_size, backend=backend, baselines_dir=baselines_dir)
         found, cases = planned.suite, planned.cases
         path = baselines.baseline_path(baselines_dir, "cpu-gloo", found.name)
-        keys = {found.key(c) for c in cases if not isinstance(found, PartlyBaselined) or found.baselined(c)}
+        keys = {found.key(c) for c in cases}
         data = baselines.load(path)
         entries = {**data.get("entries", {}), **baselines.build_entries({k: {"m": [1.0] * 3} for k in keys})}
         return path, baselines.write(path, found.name, "cpu-gloo", entries, data.get("provenance", {}))

@@ -180,7 +180,7 @@ def _small_run(engine="mcore"):
     return run_suite(ContractOnly(("dp_reshardable",)), "small", 2, engine=engine, backend="gloo")
 
 
-def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught():
+def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught(tmp_path):
     """Megatron-Bridge PR #4936's shape on the host: the load materialises the optimizer state twice. The loaded
     values are right (the reshard checks pass); the load's host peak leaves its band (measured: 32.0 -> 66.3 MiB
     at DP 2, 55.5 -> 124.0 MiB at DP 1)."""
@@ -195,3 +195,27 @@ def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught():
     assert re.fullmatch(r"dp_reshardable loaded at tp1-pp1-cp1-dp2: rank \d load host peak [\d.]+ MiB outside the "
                         r"load band \[0\.0, 60\.5\] MiB \(dp_reshardable load: <= S/D read \+ the fresh Adam state, "
                         r"S/D=34\.5 MiB\) \(2 of 2 ranks\)", failed["tp1-pp1-cp1-dp2"]), failed
+    # and against a baseline of the unplanted loads' peaks (no committed file has world size 2: absent, it cannot tell)
+    assert {c.status for c in run.checks if c.check == "ckpt-memory.load-baseline"} == {"inconclusive"}
+    judged = _against_baseline_of(run, planted, tmp_path=tmp_path)
+    assert judged[0].passed, judged[0].message
+    assert judged[1].failed and re.fullmatch(
+        r"load-tp1-pp1-cp1-dp\d\.rank\d\.host_peak_mib [\d.]+ MiB is \+[\d.]+ MiB above baseline [\d.]+ \+- [\d.]+ MiB",
+        judged[1].message), judged[1].message
+
+
+def _against_baseline_of(reference, *runs, tmp_path):
+    """Each run's contract case judged by ckpt-memory.load-baseline against a baseline of `reference`'s loads."""
+    from harness import baselines
+    from harness.suite_defs.ckpt_memory import figures
+    from harness.suite_defs.ckpt_memory.judge import check_baseline
+
+    (ref,) = [r for r in reference.results if r.case.params.ckpt_role == "reshard"]
+    key = figures.key(ref.case)
+    data = {"entries": baselines.build_entries({key: {m: [v] * 3 for m, v in figures.load_samples(ref).items()}})}
+    out = []
+    for run in (reference, *runs):
+        (res,) = [r for r in run.results if r.case.params.ckpt_role == "reshard"]
+        out.append(check_baseline("ckpt-memory.load-baseline", res, figures.load_samples(res), data,
+                                  tmp_path / "cpu-gloo" / "ckpt-memory.json", missing_fails=False))
+    return out

@@ -22,7 +22,7 @@ from harness.suite_defs.ckpt_memory import contract as ckpt_contract
 from harness.suite_defs.ckpt_memory.contract import refusal_kind
 from harness.suite_defs.ckpt_memory.contract_judge import _judge, _judge_side_effects
 from harness.suite_defs.ckpt_memory.payload import LoadTarget
-from harness.suite_defs.ckpt_memory.figures import key
+from harness.suite_defs.ckpt_memory.figures import key, record_command
 from harness.suite_defs.ckpt_memory.judge import _check_baseline, _check_contract, _check_model
 from harness.suite_defs.ckpt_memory.params import CkptCaseParams
 from harness.suite_defs.ckpt_memory.payload import SaveRankData
@@ -126,6 +126,31 @@ def test_baseline_rows_state_the_smallest_detectable_regression():
     assert "rank0.save_heap_peak_mib: 29.10 MiB, baseline 29.00 +- 5.80, delta +0.10 MiB: pass; detects > +5.80 MiB " \
            "(+20%)" in check.details
     assert check.message.endswith("coarsest: rank0.save_writer_peak_mib detects > +0.25 MiB (+156%)")
+
+
+def test_a_baseline_entry_or_metric_that_was_never_recorded_is_named():
+    """An absent entry fails a save's baseline (record it) and cannot tell for a load's (the committed GPU files
+    predate them); a metric an entry lacks (recorded before it was measured) is named, not judged."""
+    from pathlib import Path
+
+    from harness.suite_defs.ckpt_memory.judge import check_baseline
+
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
+    res = CaseResult(case, [RankResult(0, data=SaveRankData(MemoryPeak("save")))], "ok")
+    path = Path("/b/cpu-gloo/ckpt-memory.json")
+    peak, kept = "rank0.save_heap_peak_mib", "rank0.retained_per_save_mib"
+    absent = check_baseline("x", res, {peak: 29.0}, {"entries": {}}, path)
+    assert absent.failed and absent.message.startswith(f"no baseline for {key(case)} on platform cpu-gloo")
+    absent = check_baseline("x", res, {peak: 29.0}, {"entries": {}}, path, missing_fails=False)
+    assert absent.inconclusive and "record it with: harness baselines record --suite ckpt-memory" in absent.message
+    data = {"entries": baselines.build_entries({key(case): {peak: [29.0, 29.0, 29.0]}})}
+    older = check_baseline("x", res, {peak: 29.0, kept: 0.1}, data, path)
+    assert older.passed and older.message.endswith(f"not judged, recorded before they were measured: {kept} (re-record "
+                                                   f"with `{record_command(case)}`)"), older.message
+    only_new = check_baseline("x", res, {kept: 0.1}, data, path)
+    assert only_new.inconclusive and f"has none of {kept} (recorded before they were measured)" in only_new.message
+    worse = check_baseline("x", res, {peak: 40.0, kept: 0.1}, data, path)
+    assert worse.failed and worse.message == f"{peak} 40.00 MiB is +11.00 MiB above baseline 29.00 +- 5.80 MiB"
 
 
 # -- refusals: the load's own, of the expected kind ----------------------------------------------

@@ -246,3 +246,47 @@ def test_a_checkpoint_without_the_schedule_cannot_resume_a_scheduled_run():
     assert saved_schedule({"opt_param_scheduler": {"num_steps": 48}}, "/ckpt") == {"num_steps": 48}
     with pytest.raises(RuntimeError, match=r"^checkpoint /ckpt holds no learning-rate schedule \(opt_param_scheduler\)"):
         saved_schedule({"model": {}}, "/ckpt")
+
+
+def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skipped_naming_why_elsewhere(monkeypatch):
+    """Megatron-LM #1842's shape (the loss jumped after a resume with the optimizer's CPU offload and the
+    precision-aware optimizer): golden's first distributed-optimizer format is saved and resumed again with them,
+    judged against the same trajectory. HybridDeviceOptimizer needs CUDA streams: on gloo ranks the pair is
+    skipped naming that, and on a megatron-core without the fields naming them."""
+    from harness.engines import mcore
+    from harness.errors import BadInput
+    from harness.models import load_model
+    from harness.suite_defs.golden import GoldenSuite
+
+    suite, tiny = GoldenSuite(), load_model("tiny")
+    for backend in ("gloo", "nccl"):
+        cases = suite.cases(tiny, 2, None, backend=backend)
+        assert len({c.id for c in cases}) == len(cases)
+        first, resume = [c for c in cases if c.options.optimizer_cpu_offload]
+        assert (first.params.role, resume.params.role, resume.params.ckpt_format) == ("first-half", "resume",
+                                                                                       "dp_reshardable")
+        assert resume.after == (first.id,) and suite.key(resume) == suite.key(cases[0])
+        if backend == "gloo":
+            assert first.skip == resume.skip == ("megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the "
+                                                 "state between CUDA streams: it runs on NCCL ranks only")
+        else:
+            assert not first.skip and not resume.skip  # megatron-core 0.16.1 offers them
+    import importlib.util
+
+    from harness import adjustments
+
+    adjustments.take()
+    config = mcore.McoreEngine(resume, None).optimizer_config(True)  # what megatron is asked for
+    assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 1.0 and config.decoupled_weight_decay
+    if importlib.util.find_spec("transformer_engine") is None:  # megatron-core 0.16.1 asks TE's version for it
+        assert not config.use_precision_aware_optimizer
+        assert adjustments.take()[-1:] == ["optimizer CPU offload without the precision-aware optimizer: megatron-core's "
+                                      "OptimizerConfig needs Transformer Engine installed for "
+                                      "use_precision_aware_optimizer"]
+    else:
+        assert config.use_precision_aware_optimizer
+    monkeypatch.setattr(mcore, "OFFLOAD", {**mcore.OFFLOAD, "optimizer_offload_to_moon": True})
+    assert mcore.offload_unsupported("nccl").endswith("'s OptimizerConfig has no optimizer_offload_to_moon: "
+                                                      "optimizer CPU offload needs a megatron-core that offers them")
+    with pytest.raises(BadInput, match="optimizer_cpu_offload needs use_distributed_optimizer"):
+        CaseOptions(optimizer_cpu_offload=True)

@@ -9,9 +9,11 @@ state is still initialised (the model's layers read it) with TP = 1.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
+from harness.dtypes import dtype
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput
 from harness.engines.lr_schedule import SCHEDULER_KEY, make_scheduler, saved_schedule
@@ -27,17 +29,28 @@ class FSDP2Engine(McoreEngine):
     def build(self) -> None:
         import torch
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         lay = self.case.layout
         if (lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1):
             raise BadInput(f"engine fsdp2 shards over data parallel only: layout {lay.id} must be tp1-pp1-cp1-dpN")
         self.setup_parallel()
-        (chunk,) = self.build_chunks()
+        case, mp = self.case, MixedPrecisionPolicy()
+        if self.case.options.dtype != "fp32":
+            # FSDP2's mixed precision, as it trains in bf16: fp32 parameters sharded (the optimizer's master
+            # weights), gathered in the case's dtype for forward and backward, gradients reduced in fp32. (A model
+            # built in bf16 keeps some fp32 parameters, and fully_shard refuses mixed dtypes: "FSDP expects
+            # uniform original parameter dtype".)
+            self.case = dataclasses.replace(case, options=dataclasses.replace(case.options, dtype="fp32"))
+            mp = MixedPrecisionPolicy(param_dtype=dtype(case.options.dtype).torch, reduce_dtype=torch.float32)
+        try:
+            (chunk,) = self.build_chunks()
+        finally:
+            self.case = case
         mesh = init_device_mesh("cpu" if self.ctx.on_cpu else "cuda", (lay.dp,))
         for layer in chunk.decoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(chunk, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(chunk, mesh=mesh, mp_policy=mp)
         self.model = chunk
         self.optimizer = torch.optim.Adam(chunk.parameters(), lr=self.case.options.lr, eps=self.case.options.adam_eps)
         self.scheduler = make_scheduler(self.optimizer, self.case.options, self.case.global_batch_size)

@@ -23,6 +23,42 @@ if TYPE_CHECKING:
     import torch
 
 MEGATRON_ADAM_EPS = 1e-8  # OptimizerConfig's default
+# CaseOptions.optimizer_cpu_offload: the whole optimizer state on the host (HybridDeviceOptimizer; megatron asserts
+# AdamW mode, OptimizerConfig's default), with the precision-aware optimizer where Transformer Engine is installed:
+# megatron-core 0.16.1's OptimizerConfig asks TE's version for it (is_te_min_version: a TypeError without TE), though
+# the offloaded optimizer itself does not use TE
+OFFLOAD = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
+PRECISION_AWARE = {"use_precision_aware_optimizer": True}
+
+
+def _offload_config() -> dict:
+    """OptimizerConfig's fields of CaseOptions.optimizer_cpu_offload here (the adjustment noted where TE is not)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return {**OFFLOAD, **PRECISION_AWARE}
+    from harness.adjustments import note
+
+    note("optimizer CPU offload without the precision-aware optimizer: megatron-core's OptimizerConfig needs "
+         "Transformer Engine installed for use_precision_aware_optimizer")
+    return dict(OFFLOAD)
+
+
+def offload_unsupported(backend: str) -> str:
+    """'' where CaseOptions.optimizer_cpu_offload can run; otherwise why not, naming what it needs."""
+    if backend != "nccl":
+        return ("megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the state between CUDA streams: it "
+                "runs on NCCL ranks only")
+    import dataclasses
+    from importlib.metadata import version
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    missing = sorted((set(OFFLOAD) | set(PRECISION_AWARE)) - {f.name for f in dataclasses.fields(OptimizerConfig)})
+    if missing:
+        return (f"megatron-core {version('megatron-core')}'s OptimizerConfig has no {', '.join(missing)}: optimizer "
+                f"CPU offload needs a megatron-core that offers them")
+    return ""
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1\.weight$")
 
@@ -66,6 +102,7 @@ class McoreEngine(McoreCheckpoints):
             log_num_zeros_in_grad=o.log_num_zeros_in_grad,
             bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=dtype(o.dtype).torch,
             use_distributed_optimizer=use_distributed_optimizer, min_lr=o.min_lr,
+            **(_offload_config() if o.optimizer_cpu_offload else {}),
         )
 
     def build_chunks(self) -> list:

@@ -122,13 +122,6 @@ class Baselined(Protocol):
 
 
 @runtime_checkable
-class PartlyBaselined(Protocol):
-    """A baselined suite some of whose cases are judged without a baseline (ckpt-memory's contract loads)."""
-
-    def baselined(self, case: Case) -> bool: ...
-
-
-@runtime_checkable
 class RecordingPolicy(Protocol):
     """A baselined suite's own recording policy: which metrics are too noisy to record, the tolerance of one,
     and the significant digits stored (None: full precision)."""

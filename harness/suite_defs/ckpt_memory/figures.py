@@ -5,7 +5,7 @@ from __future__ import annotations
 from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
-from harness.suite_defs.ckpt_memory.payload import SaveRankData
+from harness.suite_defs.ckpt_memory.payload import ContractRankData, SaveRankData
 
 
 def save_data(rank: RankResult) -> SaveRankData:
@@ -14,9 +14,11 @@ def save_data(rank: RankResult) -> SaveRankData:
 
 
 def key(case: Case) -> str:
+    """A save case's entry; a contract case's (its loads' peaks) ends in its role."""
     return f"{case.model.name}/{case.layout.id}/{case.params.ckpt_format}" + \
         ("/fully-parallel" if case.params.fully_parallel_save else "") + \
-        ("/async" if case.params.async_save else "")
+        ("/async" if case.params.async_save else "") + \
+        (f"/{case.params.ckpt_role}" if case.params.ckpt_role else "")
 
 
 def record_command(case: Case) -> str:
@@ -24,6 +26,8 @@ def record_command(case: Case) -> str:
     from harness import baselines
 
     o = case.params
+    if o.ckpt_role:  # the contract comes with the default matrix only
+        return baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
     engine = "" if case.engine in ("mcore", "fsdp2") else f" --engine {case.engine}"
     return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
             + f" --layout {case.layout.id} --ckpt-format {o.ckpt_format}{engine}"
@@ -33,11 +37,12 @@ def record_command(case: Case) -> str:
 
 def samples(result: CaseResult) -> dict[str, float]:
     """The baselined metrics of a case, MiB: per rank, the save's heap peak in the rank itself and in
-    its forked writer processes (judged apart: the writers' peak depends on fork timing); on device
-    ranks also the pinned host staging it held and its device peak above what was allocated before."""
+    its forked writer processes (judged apart: the writers' peak depends on fork timing), what later saves
+    of the same state kept per save; on device ranks also the pinned host staging it held and its device
+    peak above what was allocated before. A contract case's: its loads' peaks (load_samples)."""
     out: dict[str, float] = {}
     if result.case.params.ckpt_role:
-        return out  # checkpoint contract cases: judged on values, not baselined
+        return load_samples(result)
     for r in result.ranks:
         if result.case.params.ckpt_format == "fsdp2_full" and r.rank != 0:
             # Only gathers pass through these ranks; their peak is bimodal across reruns (8 or 12 MiB
@@ -45,7 +50,27 @@ def samples(result: CaseResult) -> dict[str, float]:
             continue
         out[f"rank{r.rank}.save_heap_peak_mib"] = save_data(r).save.heap_peak / MIB
         out[f"rank{r.rank}.save_writer_peak_mib"] = save_data(r).save.children_heap_peak / MIB
+        if (kept := save_data(r).retention) is not None:
+            out[f"rank{r.rank}.retained_per_save_mib"] = kept.per_save / MIB
         if result.case.backend == "nccl":
             out[f"rank{r.rank}.save_pinned_peak_mib"] = save_data(r).save.pinned_peak / MIB
             out[f"rank{r.rank}.save_device_peak_mib"] = save_data(r).save.device_peak / MIB
+    return out
+
+
+def load_samples(result: CaseResult) -> dict[str, float]:
+    """A contract case's baselined metrics, MiB: per load that every rank completed, each rank's host peak
+    (`load-<layout>.rank<r>.host_peak_mib`) and on device ranks its device peak above the load's start."""
+    out: dict[str, float] = {}
+    loads = [r.payload_as(ContractRankData).targets for r in result.ranks]
+    for i in range(len(loads[0]) if loads else 0):
+        per_rank = [rank_loads[i] for rank_loads in loads]
+        if any(d.error or d.load is None for d in per_rank):
+            continue  # a refused or failed load has no peak to keep
+        for r, d in zip(result.ranks, per_rank):
+            assert d.load is not None
+            head = f"load-{d.layout}.rank{r.rank}"
+            out[f"{head}.host_peak_mib"] = d.load.host_peak / MIB
+            if result.case.backend == "nccl":
+                out[f"{head}.device_peak_mib"] = (d.load.device_allocated_peak - d.load.device_allocated_before) / MIB
     return out

@@ -25,7 +25,8 @@ EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharde
 
 
 def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResult]:
-    """Every save case (the contract cases are check_reshard's): contract, model band, baseline."""
+    """Every save case: contract, model band, retained memory, baseline; every contract case (check_reshard
+    judges its loads' values and bands): its loads' peaks against the baseline."""
     from harness import baselines
     from harness.platform import detect_platform
 
@@ -33,8 +34,8 @@ def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResu
     data_by_platform: dict[str, dict] = {}
     for res in results:
         case = res.case
-        if case.params.ckpt_role:
-            continue
+        if case.params.ckpt_role and not res.ok:
+            continue  # check_reshard names it
         if not res.ok:
             out.append(case_failed("ckpt-memory.run", res))
             continue
@@ -42,6 +43,12 @@ def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResu
         path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
         if platform not in data_by_platform:
             data_by_platform[platform] = baselines.load(path)
+        if case.params.ckpt_role:
+            if loads := figures.load_samples(res):
+                # the committed GPU files predate the loads' entries: an absent one cannot tell, it does not fail
+                out.append(check_baseline("ckpt-memory.load-baseline", res, loads, data_by_platform[platform], path,
+                                          missing_fails=False))
+            continue
         out.append(_check_contract(res))
         out.append(_check_model(res))
         out.append(check_retained(res))
@@ -133,15 +140,17 @@ def _check_model(res: CaseResult) -> CheckResult:
                        + (f" (not on {[b[0] for b in blind]}: 12N too small or D = 1)" if blind else ""), rows)
 
 
-# What saves of the same state may leave allocated in a rank, per save: megatron's and torch's per-collective
-# bookkeeping and lazily built caches. Measured on gloo ranks (3 saves after the measured one): at most 230 KiB per
-# save (`small`, fsdp2_sharded, world size 4), 30-130 KiB in megatron's formats, async saves included.
+# What a save of the same state may leave allocated in a rank: megatron's and torch's per-collective bookkeeping
+# and lazily built caches. Measured on gloo ranks (the least of 3 saves after the measured one and one more):
+# 68-141 KiB per save in every format on `small` at world size 1, async saves included; the first fully parallel
+# save of a process after other formats' saves kept 1.1 MiB once (a cache filling), hence the least of 3 saves.
 RETAINED_PER_SAVE = 1 * MIB
 
 
 def check_retained(res: CaseResult) -> CheckResult:
-    """What RESAVES saves of the same state left allocated in each rank (memray: allocated during them, live after
-    them and the garbage collector) against RETAINED_PER_SAVE; the rank's RSS after each save shown beside it."""
+    """What each of RESAVES saves of the same state left allocated in each rank (memray: allocated during it, live
+    after it and the garbage collector; the least of them) against RETAINED_PER_SAVE; the rank's RSS after each save
+    shown beside it."""
     case, rows = res.case, []
     kept_by_rank: dict[int, Retention] = {}
     for r in res.ranks:
@@ -150,10 +159,11 @@ def check_retained(res: CaseResult) -> CheckResult:
             return cannot_tell("ckpt-memory.retained", case.id, f"rank {r.rank} measured no repeated saves")
         kept_by_rank[r.rank] = kept
         rss = ", ".join(f"{x / MIB:.0f}" for x in kept.rss_after)
-        rows.append(f"rank {r.rank}: {kept.saves} saves kept {kept.kept / 1024:.0f} KiB ({kept.per_save / 1024:.0f} "
-                    f"KiB per save, {kept.kept_allocations} allocations); RSS MiB before and after each: {rss}")
+        each = ", ".join(f"{b / 1024:.0f}" for b in kept.kept_by_save) or f"{kept.kept / 1024:.0f}"
+        rows.append(f"rank {r.rank}: {kept.saves} saves kept {each} KiB each (the least, {kept.per_save / 1024:.0f} "
+                    f"KiB in {kept.kept_allocations} allocations, judged); RSS MiB before and after each: {rss}")
     rows.append("(RSS is shown, not judged: it holds the allocator's cache of the saves' freed transients, which moved "
-                "by up to a save's peak between saves of `small` on gloo ranks while the heap kept 40 KiB per save)")
+                "by up to a save's peak between saves of `small` on gloo ranks while the heap kept 40-140 KiB a save)")
     rank, kept = max(kept_by_rank.items(), key=lambda item: item[1].per_save)
     files = [k.capture for k in kept_by_rank.values() if k.capture]
     if kept.per_save <= RETAINED_PER_SAVE:
@@ -162,18 +172,30 @@ def check_retained(res: CaseResult) -> CheckResult:
                            f"{RETAINED_PER_SAVE / MIB:.0f} MiB; rank {rank})", rows, captures=Captures(files))
     site, nbytes, count = kept.top[0] if kept.top else ("(no stack)", kept.kept, kept.kept_allocations)
     return CheckResult("ckpt-memory.retained", case.id, False,
-                       f"rank {rank} keeps {kept.per_save / MIB:.1f} MiB per save: {kept.saves} saves of the same "
-                       f"state left {kept.kept / MIB:.1f} MiB allocated during them live after them (bound "
+                       f"rank {rank} keeps {kept.per_save / MIB:.1f} MiB per save: each of {kept.saves} saves of the "
+                       f"same state left at least that much allocated during it live after it (bound "
                        f"{RETAINED_PER_SAVE / MIB:.0f} MiB per save); most of it, {nbytes / MIB:.1f} MiB in {count} "
                        f"allocations, from {site}; what stayed: {flamegraph_path(kept.capture)}", rows,
                        captures=Captures(files, kept.capture, leaks=True))
 
 
 def _check_baseline(res: CaseResult, samples: dict[str, float], data: dict, path: Path) -> CheckResult:
-    """The case's samples (figures.samples) against its entry (figures.key) in the baseline file's data."""
+    """A save case's samples (figures.samples) against its entry (figures.key) in the baseline file's data;
+    the flamegraph of the rank whose figure moved."""
+    files = [save_data(r).save.capture for r in res.ranks if save_data(r).save.capture]
+    return check_baseline("ckpt-memory.baseline", res, samples, data, path, files,
+                          lambda metric: save_data(res.ranks[int(metric.split(".")[0][4:])]).save.capture)
+
+
+def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: dict, path: Path,
+                   files: list[str] | None = None, capture_of=None, missing_fails: bool = True) -> CheckResult:
+    """A case's figures against its entry in a baseline file's data. A metric the entry lacks (the file
+    was recorded before it was measured) cannot be judged and is named; an absent entry fails with the record
+    command (missing_fails) or cannot tell (a check newer than the committed files)."""
     from harness import baselines
 
     key = key_of(res.case)
+    recorded = key in data.get("entries", {})
     rows: list[str] = []
     verdicts: dict[str, Verdict] = {}
     per_metric: dict[str, dict[str, Any]] = {}
@@ -186,37 +208,44 @@ def _check_baseline(res: CaseResult, samples: dict[str, float], data: dict, path
                               "status": v.status}
     shown: dict[str, Any] = {"key": key, "metrics": per_metric}
     by_status = {st: [m for m, v in verdicts.items() if v.status == st]
-                 for st in ("missing", "regression", "improvement")}
+                 for st in ("missing", "regression", "improvement", "pass")}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
-    files = [save_data(r).save.capture for r in res.ranks if save_data(r).save.capture]
-    if not any(by_status.values()):
-        coarsest = max(verdicts, key=lambda m: _relative_tolerance(verdicts[m]), default=None)
-        sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
-        return CheckResult("ckpt-memory.baseline", res.case.id, True, f"within baseline ({key}){sees}", rows,
-                           show=True, data=shown, captures=Captures(files))
-    if by_status["missing"]:
-        return CheckResult("ckpt-memory.baseline", res.case.id, False,
-                           f"no baseline for {key} {by_status['missing'][0]} on platform {path.parent.name} "
-                           f"({path}); record it with: {record_command(res.case)}", rows, data=shown,
-                           captures=Captures(files))
-    # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
-    metric = max(by_status["regression"] or by_status["improvement"],
-                 key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
-    v = verdicts[metric]
-    capture = save_data(res.ranks[int(metric.split(".")[0][4:])]).save.capture
-    failed = Captures(files, capture)
-    flame = flamegraph_path(capture)
-    if not math.isfinite(v.measured):
-        return CheckResult("ckpt-memory.baseline", res.case.id, False,
-                           f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
-                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows, data=shown,
-                           captures=failed)
-    verb = "above" if v.status == "regression" else "below (improvement: refresh the baseline with " \
-        f"`{record_command(res.case)}`)"
-    return CheckResult("ckpt-memory.baseline", res.case.id, False,
-                       f"{metric} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline "
-                       f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB; flamegraph: {flame}", rows,
-                       improvement=not by_status["regression"], data=shown, captures=failed)
+    captures = Captures(files or [])
+    record = record_command(res.case)
+    if by_status["regression"] or by_status["improvement"]:
+        # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
+        metric = max(by_status["regression"] or by_status["improvement"],
+                     key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
+        v = verdicts[metric]
+        capture = capture_of(metric) if capture_of else ""
+        failed = Captures(files or [], capture)
+        flame = f"; flamegraph: {flamegraph_path(capture)}" if capture else ""
+        if not math.isfinite(v.measured):
+            return CheckResult(name, res.case.id, False,
+                               f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
+                               f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{flame}", rows, data=shown,
+                               captures=failed)
+        verb = "above" if v.status == "regression" else f"below (improvement: refresh the baseline with `{record}`)"
+        return CheckResult(name, res.case.id, False,
+                           f"{metric} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline "
+                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{flame}", rows,
+                           improvement=not by_status["regression"], data=shown, captures=failed)
+    unrecorded = by_status["missing"]
+    if unrecorded and not recorded:
+        message = f"no baseline for {key} on platform {path.parent.name} ({path}); record it with: {record}"
+        if missing_fails:
+            return CheckResult(name, res.case.id, False, message, rows, data=shown, captures=captures)
+        return cannot_tell(name, res.case.id, message, rows, data=shown)
+    if unrecorded and not by_status["pass"]:
+        return cannot_tell(name, res.case.id, f"{key}'s entry in {path} has none of {', '.join(unrecorded)} "
+                                              f"(recorded before they were measured); re-record it with: {record}",
+                           rows, data=shown)
+    coarsest = max(by_status["pass"], key=lambda m: _relative_tolerance(verdicts[m]), default=None)
+    sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
+    later = (f"; not judged, recorded before they were measured: {', '.join(unrecorded)} (re-record with `{record}`)"
+             if unrecorded else "")
+    return CheckResult(name, res.case.id, True, f"within baseline ({key}){sees}{later}", rows, show=True,
+                       data=shown, captures=captures)
 
 
 def _relative_tolerance(v: Verdict) -> float:

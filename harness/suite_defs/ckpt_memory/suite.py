@@ -128,11 +128,6 @@ class CkptMemorySuite:
     record_command = staticmethod(figures.record_command)
     samples = staticmethod(figures.samples)
 
-    @staticmethod
-    def baselined(case: Case) -> bool:
-        """The saves; the contract's loads are judged against the saved values, not a baseline."""
-        return not case.params.ckpt_role
-
     def check(self, results: list[CaseResult], params: CkptMemoryParams | None = None) -> list[CheckResult]:
         return check_reshard(results) + judge.check(results, params or CkptMemoryParams())
 

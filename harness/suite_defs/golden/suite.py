@@ -113,7 +113,26 @@ class GoldenSuite:
             out.append(first)
             out += [Case(self.name, model, x, eng, opts, backend, after=(first.id,),
                          params=dataclasses.replace(params, role="resume", ckpt_format=fmt)) for x in loads]
-        return out
+        return out + self.offload_cases(model, layout, engine, backend, options, params)
+
+    def offload_cases(self, model: ModelSpec, layout: Layout, engine: str, backend: str, options: CaseOptions,
+                      params: GoldenParams) -> list[Case]:
+        """The first half and the resume at `layout` of the first distributed-optimizer format again with the
+        optimizer's CPU offload and the precision-aware optimizer (Megatron-LM #1842: the loss jumped from 0.31 to
+        10 after such a resume), judged against the same trajectory; skipped, naming why, where it cannot run."""
+        from harness.engines import is_fsdp2
+        from harness.engines.mcore import offload_unsupported
+
+        fmt = next((f for f in params.formats if f not in FSDP2_FORMATS), None)
+        if fmt is None or is_fsdp2(engine):
+            return []
+        opts = dataclasses.replace(options, use_distributed_optimizer=True, optimizer_cpu_offload=True)
+        first = Case(self.name, model, layout, engine, opts, backend,
+                     params=dataclasses.replace(params, role="first-half", ckpt_format=fmt))
+        resume = Case(self.name, model, layout, engine, opts, backend, after=(first.id,),
+                      params=dataclasses.replace(params, role="resume", ckpt_format=fmt))
+        why = offload_unsupported(backend)
+        return [first.skipped(why), resume.skipped(why)] if why else [first, resume]
 
     def rank_work(self, case: Case, ctx: RankContext) -> GoldenRankData:
         import torch.distributed as dist
