@@ -98,20 +98,22 @@ def allowed_tolerance(median: float, rel: float = REL_TOLERANCE, floor: float = 
     return max(rel * abs(median), floor)
 
 
-def tolerance_for(values: list[float]) -> float:
+def tolerance_for(values: list[float], floor: float = ABS_FLOOR) -> float:
     """max(4 x the spread over repeats, the metric's allowed tolerance)."""
-    return max(4 * (max(values) - min(values)), allowed_tolerance(statistics.median(values)))
+    return max(4 * (max(values) - min(values)), allowed_tolerance(statistics.median(values), floor=floor))
 
 
-def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
-    """One line per metric whose spread over repeats exceeds its allowed tolerance (or that is not finite)."""
+def noisy_metrics(samples: dict[str, dict[str, list[float]]], floor_of=None) -> list[str]:
+    """One line per metric whose spread over repeats exceeds its allowed tolerance (or that is not finite);
+    floor_of(metric): a metric's absolute floor where it is not ABS_FLOOR."""
     out = []
     for key, metrics in sorted(samples.items()):
         for name, values in sorted(metrics.items()):
             if not all(math.isfinite(v) for v in values):
                 out.append(f"{key} {name}: non-finite values {values}")
                 continue
-            spread, allowed = max(values) - min(values), allowed_tolerance(statistics.median(values))
+            floor = floor_of(name) if floor_of else ABS_FLOOR
+            spread, allowed = max(values) - min(values), allowed_tolerance(statistics.median(values), floor=floor)
             if spread > allowed:
                 out.append(f"{key} {name}: spread {spread:.3f} over {len(values)} repeats > tolerance {allowed:.3f} "
                            f"(values {', '.join(f'{v:.3f}' for v in values)})")

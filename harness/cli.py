@@ -1,7 +1,7 @@
 """The `harness` command. Exit codes: 0 all checks pass, 1 a check failed, 2 bad input, 3 cases errored and no
 check failed (the run could not measure), 5 nothing judged,
 143 / 130 interrupted by SIGTERM / Ctrl-C (finished cases kept). Each subcommand is a module of
-harness/commands/ (its flags and its body); this module builds the parser and runs one."""
+harness/commands/ (<command>_command.py: its flags and its body); this module builds the parser and runs one."""
 
 from __future__ import annotations
 
@@ -11,11 +11,23 @@ import os
 import signal
 import sys
 
-from harness.commands import baselines, bisect, compare, history, layouts, nightly, power, project_memory, report, run
+from harness.commands import (
+    baselines_command,
+    bisect_command,
+    compare_command,
+    history_command,
+    layouts_command,
+    nightly_command,
+    power_command,
+    project_memory_command,
+    report_command,
+    run_command,
+)
 from harness.errors import BadInput, Interrupted
 
 # in the order of `harness --help`
-COMMANDS = (layouts, run, baselines, report, bisect, compare, nightly, history, project_memory, power)
+COMMANDS = (layouts_command, run_command, baselines_command, report_command, bisect_command, compare_command,
+            nightly_command, history_command, project_memory_command, power_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
 """A suite's cases as the user selected them (`CaseSelection`): read once from the case-selection flags
-(`commands/selection.add_case_args`, `CaseSelection.from_args`), turned back into command-line arguments for a
+(`commands/case_args.add_case_args`, `CaseSelection.from_args`), turned back into command-line arguments for a
 step or a round in another process (`to_argv`, `variant_argv`), and handed to `driver.plan`."""
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_bisect_step_for_git_bisect_run_refuses_bad_input(capsys):
 
 
 def test_each_step_gets_the_same_case_selection():
-    from harness.commands.bisect import _spec
+    from harness.commands.bisect_command import _spec
     from harness.selection import CaseSelection
 
     argv = ["--suite", "ckpt-memory", "--layout", "tp1-pp1-cp1-dp4", "--layout", "tp2-pp1-cp1-dp2",

@@ -5,7 +5,7 @@ search.py: the gate and the binary search over an ordered candidate list, thresh
 candidates.py: the candidates and the environments they run in; step.py: one step (`harness bisect-step`,
 exit 0 good, 1 bad, 125 cannot tell - git bisect run's convention) and the JSON it hands back. Every
 candidate is judged in a fresh process, so nothing imported for one leaks into the next. The command
-itself is harness/commands/bisect.py.
+itself is harness/commands/bisect_command.py.
 """
 
 from harness.bisect.candidates import (

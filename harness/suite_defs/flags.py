@@ -1,7 +1,7 @@
 """A suite parameter's command-line flag, declared once on the field of its parameter type:
 `timed_steps: int = field(default=20, metadata=flag("--timed-steps", "step-perf: timed steps per case"))`.
 
-The CLI's options (`commands/selection.add_case_args`), the suite parameters a selection holds
+The CLI's options (`commands/case_args.add_case_args`), the suite parameters a selection holds
 (`CaseSelection.from_args`), the arguments that give them again (`to_argv`, `variant_argv`) and the flag a refusal
 names (`driver.suite_parameters`) all come from these declarations, so adding a parameter touches its type only.
 Its value is checked by the type (`__post_init__`: BadInput) as the flags are read, and again where the suite's

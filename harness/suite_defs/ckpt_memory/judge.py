@@ -140,17 +140,17 @@ def _check_model(res: CaseResult) -> CheckResult:
                        + (f" (not on {[b[0] for b in blind]}: 12N too small or D = 1)" if blind else ""), rows)
 
 
-# What a save of the same state may leave allocated in a rank: megatron's and torch's per-collective bookkeeping
-# and lazily built caches. Measured on gloo ranks (the least of 3 saves after the measured one and one more):
-# 68-141 KiB per save in every format on `small` at world size 1, async saves included; the first fully parallel
-# save of a process after other formats' saves kept 1.1 MiB once (a cache filling), hence the least of 3 saves.
+# What saves of the same state may leave allocated in a rank, per save: megatron's and torch's per-collective
+# bookkeeping and lazily built caches. Measured on gloo ranks (3 saves after the measured one): at most 230 KiB per
+# save (`small`, fsdp2_sharded, world size 4), 30-130 KiB in megatron's formats, async saves included; once per rank
+# process a cache fills over a few saves (1.1 MiB of all_gather outputs on `small` at world size 1, seen in the first
+# fully parallel or async fully_reshardable case after other formats' saves): 0.39 MiB per save in that case.
 RETAINED_PER_SAVE = 1 * MIB
 
 
 def check_retained(res: CaseResult) -> CheckResult:
-    """What each of RESAVES saves of the same state left allocated in each rank (memray: allocated during it, live
-    after it and the garbage collector; the least of them) against RETAINED_PER_SAVE; the rank's RSS after each save
-    shown beside it."""
+    """What RESAVES saves of the same state left allocated in each rank (memray: allocated during them, live after
+    them and the garbage collector) against RETAINED_PER_SAVE; the rank's RSS after each save shown beside it."""
     case, rows = res.case, []
     kept_by_rank: dict[int, Retention] = {}
     for r in res.ranks:
@@ -159,11 +159,10 @@ def check_retained(res: CaseResult) -> CheckResult:
             return cannot_tell("ckpt-memory.retained", case.id, f"rank {r.rank} measured no repeated saves")
         kept_by_rank[r.rank] = kept
         rss = ", ".join(f"{x / MIB:.0f}" for x in kept.rss_after)
-        each = ", ".join(f"{b / 1024:.0f}" for b in kept.kept_by_save) or f"{kept.kept / 1024:.0f}"
-        rows.append(f"rank {r.rank}: {kept.saves} saves kept {each} KiB each (the least, {kept.per_save / 1024:.0f} "
-                    f"KiB in {kept.kept_allocations} allocations, judged); RSS MiB before and after each: {rss}")
+        rows.append(f"rank {r.rank}: {kept.saves} saves kept {kept.kept / 1024:.0f} KiB ({kept.per_save / 1024:.0f} "
+                    f"KiB per save, {kept.kept_allocations} allocations); RSS MiB before and after each: {rss}")
     rows.append("(RSS is shown, not judged: it holds the allocator's cache of the saves' freed transients, which moved "
-                "by up to a save's peak between saves of `small` on gloo ranks while the heap kept 40-140 KiB a save)")
+                "by up to a save's peak between saves of `small` on gloo ranks while the heap kept 40 KiB per save)")
     rank, kept = max(kept_by_rank.items(), key=lambda item: item[1].per_save)
     files = [k.capture for k in kept_by_rank.values() if k.capture]
     if kept.per_save <= RETAINED_PER_SAVE:
@@ -172,8 +171,8 @@ def check_retained(res: CaseResult) -> CheckResult:
                            f"{RETAINED_PER_SAVE / MIB:.0f} MiB; rank {rank})", rows, captures=Captures(files))
     site, nbytes, count = kept.top[0] if kept.top else ("(no stack)", kept.kept, kept.kept_allocations)
     return CheckResult("ckpt-memory.retained", case.id, False,
-                       f"rank {rank} keeps {kept.per_save / MIB:.1f} MiB per save: each of {kept.saves} saves of the "
-                       f"same state left at least that much allocated during it live after it (bound "
+                       f"rank {rank} keeps {kept.per_save / MIB:.1f} MiB per save: {kept.saves} saves of the same "
+                       f"state left {kept.kept / MIB:.1f} MiB allocated during them live after them (bound "
                        f"{RETAINED_PER_SAVE / MIB:.0f} MiB per save); most of it, {nbytes / MIB:.1f} MiB in {count} "
                        f"allocations, from {site}; what stayed: {flamegraph_path(kept.capture)}", rows,
                        captures=Captures(files, kept.capture, leaks=True))

@@ -127,6 +127,19 @@ class CkptMemorySuite:
     key = staticmethod(figures.key)
     record_command = staticmethod(figures.record_command)
     samples = staticmethod(figures.samples)
+    digits = 3
+
+    @staticmethod
+    def tolerance(metric: str, values: list[float]) -> float:
+        from harness.baselines import tolerance_for
+
+        return tolerance_for(values, figures.floor(metric))
+
+    @staticmethod
+    def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
+        from harness.baselines import noisy_metrics
+
+        return noisy_metrics(samples, figures.floor)
 
     def check(self, results: list[CaseResult], params: CkptMemoryParams | None = None) -> list[CheckResult]:
         return check_reshard(results) + judge.check(results, params or CkptMemoryParams())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.dtypes import dtype
 from harness.launch.results import CaseResult
 from harness.spec import Case
 
@@ -12,8 +13,8 @@ def step_metric(step: int, figure: str) -> str:
 
 
 def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
-    """The case's figures as baseline metrics: per step loss, grad_norm, num_zeros, lr (and an MoE model's
-    load-balancing loss, aux_loss); after the last step
+    """The case's figures as baseline metrics: per step loss, grad_norm, num_zeros (fp32 only: DType), lr (and an MoE
+    model's load-balancing loss, aux_loss); after the last step
     param.<name> (L2 norm of the full parameter), exp_avg.<name> / exp_avg_sq.<name> (of its Adam moments, where
     the engine hands out its optimizer state) and optimizer.step (Adam's step counter)."""
     from harness.checks.step_outputs import step_aux_losses, step_losses
@@ -26,8 +27,10 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
         out[step_metric(i, "loss")] = loss
     for i, aux in enumerate(step_aux_losses(result) or [], start=first_step):
         out[step_metric(i, "aux_loss")] = aux
+    figures = ("grad_norm", "num_zeros", "lr") if dtype(result.case.options.dtype).golden_zero_count \
+        else ("grad_norm", "lr")
     for i, s in enumerate(data[0].steps, start=first_step):
-        for figure in ("grad_norm", "num_zeros", "lr"):
+        for figure in figures:
             value = getattr(s, figure)
             if value is not None:
                 out[step_metric(i, figure)] = float(value)

@@ -59,7 +59,7 @@ def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
 def _allowed(metric: str, want: float, stored_tol: float, dtype_name: str) -> float:
     if metric.split(".")[-1] in EXACT:
         return stored_tol
-    return max(stored_tol, dtype(dtype_name).rtol * abs(want))
+    return max(stored_tol, dtype(dtype_name).golden_rtol * abs(want))
 
 
 def _rel(got: float, want: float) -> float:

@@ -8,8 +8,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from harness.commands.case_args import add_case_args
 from harness.commands.common import say
-from harness.commands.selection import add_case_args
 from harness.errors import BadInput
 from harness.selection import CaseSelection
 

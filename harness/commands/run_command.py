@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from harness.commands.case_args import add_case_args
 from harness.commands.common import out_dir
-from harness.commands.selection import add_case_args
 from harness.errors import BadInput
 from harness.selection import CaseSelection
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.commands.selection import add_case_args
+from harness.commands.case_args import add_case_args
 from harness.errors import BadInput
 from harness.selection import CaseSelection
 
