@@ -17,7 +17,8 @@ def test_every_check_passes(ckpt_run, judge):
     judge(ckpt_run)
 
 
-@pytest.mark.parametrize("check", ["contract", "model", "baseline", "retained", "reshard", "load", "save-side-effects"])
+@pytest.mark.parametrize("check", ["contract", "model", "baseline", "retained", "reshard", "load", "load-baseline",
+                                   "save-side-effects"])
 def test_save_memory(ckpt_run, judge, check):
     judge(ckpt_run, f"ckpt-memory.{check}")
 
@@ -33,6 +34,7 @@ def test_every_moe_check_passes(moe_run, judge):
     judge(moe_run)
 
 
-@pytest.mark.parametrize("check", ["contract", "model", "baseline", "retained", "reshard", "save-side-effects"])
+@pytest.mark.parametrize("check", ["contract", "model", "baseline", "retained", "reshard", "load-baseline",
+                                   "save-side-effects"])
 def test_moe_save_memory(moe_run, judge, check):
     judge(moe_run, f"ckpt-memory.{check}")

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from harness.engines.dynamic_cp import CPEngine, TokenOutputs
+from harness.engines.cp_modes import CPEngine, TokenOutputs
 
 
 class WrongZigzagOnOneRank(CPEngine):

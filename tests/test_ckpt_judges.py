@@ -499,3 +499,17 @@ def test_an_moe_ranks_band_counts_its_experts_over_expert_dp():
     dp = save_band("dp_reshardable", m, lay, 1)  # S/D + S_e/E + P_e: rank 1 writes its experts' weights
     nd = shard_params(m, lay, 1) - ne
     assert dp.high == 12 * nd // 4 + 12 * ne // 2 + 4 * ne + FIXED_COST
+
+
+def test_retained_memory_is_recorded_with_its_own_floor():
+    """A rank process fills a cache once over a few saves: retained_per_save_mib moved 0.05 -> 0.39 MiB between
+    repeats on gloo ranks, inside its 0.5 MiB floor; a heap peak spreading as much is refused (0.25 MiB)."""
+    from harness.suite_defs.ckpt_memory import CkptMemorySuite
+
+    suite = CkptMemorySuite()
+    moved = [0.379, 0.045, 0.046]
+    assert suite.noisy_metrics({"k": {"rank0.retained_per_save_mib": moved}}) == []
+    (noisy,) = suite.noisy_metrics({"k": {"rank0.save_heap_peak_mib": moved}})
+    assert noisy.startswith("k rank0.save_heap_peak_mib: spread 0.334 over 3 repeats > tolerance 0.250")
+    assert suite.tolerance("rank0.retained_per_save_mib", [0.04, 0.045, 0.05]) == 0.5
+    assert suite.tolerance("rank0.save_heap_peak_mib", [0.9, 0.92, 0.95]) == 0.25

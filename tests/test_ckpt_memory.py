@@ -64,11 +64,13 @@ def test_every_measured_point_of_the_committed_small_baseline_is_inside_its_band
     small, checked = load_model("small"), 0
     for key, metrics in data["entries"].items():
         model, layout, fmt, *variant = key.split("/")
-        if model != "small":
-            continue
+        if model != "small" or variant[-1:] in (["reshard"], ["reshard-load"]):
+            continue  # the contract's loads: test_every_recorded_load_peak_of_small_is_inside_its_load_band
         fmt = {"default": "dp_reshardable", "fsdp2_default": "fsdp2_sharded"}.get(fmt, fmt)
         peaks: dict[int, float] = {}
         for name, m in metrics.items():
+            if not name.endswith(("save_heap_peak_mib", "save_writer_peak_mib")):
+                continue  # what later saves kept is not part of the save's peak
             rank = int(name.split(".")[0][len("rank"):])
             peaks[rank] = peaks.get(rank, 0.0) + m["value"]
         for rank, mib in peaks.items():
@@ -76,6 +78,25 @@ def test_every_measured_point_of_the_committed_small_baseline_is_inside_its_band
             assert band.contains(int(mib * MIB)), f"{key} rank {rank}: {mib:.2f} MiB outside {band.describe()}"
             checked += 1
     assert checked >= 60  # 73 in the file recorded with this change
+
+
+def test_every_recorded_load_peak_of_small_is_inside_its_load_band():
+    """The contract's loads, baselined per rank (load-<layout>.rank<r>.host_peak_mib), inside the memory model's
+    load band of their format and layout."""
+    from harness.checks.memory_model import load_band
+
+    data = baselines.load(baselines.baseline_path(None, "cpu-gloo", "ckpt-memory"))
+    small, checked = load_model("small"), 0
+    for key, metrics in data["entries"].items():
+        model, _, fmt, role = (key.split("/") + [""])[:4]
+        if model != "small" or role not in ("reshard", "reshard-load"):
+            continue
+        for name, m in metrics.items():
+            target, rank, _ = name.split(".")
+            band = load_band(fmt, small, Layout.parse(target.removeprefix("load-")), int(rank.removeprefix("rank")))
+            assert band.contains(int(m["value"] * MIB)), f"{key} {name}: {m['value']:.1f} MiB outside {band.describe()}"
+            checked += 1
+    assert checked >= 10, checked
 
 
 def test_projection_of_r1_at_70b():

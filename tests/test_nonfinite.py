@@ -119,11 +119,11 @@ def test_grad_sync_nan_replica_fails():
 # -- dynamic-cp ----------------------------------------------------------------------------------
 
 def _cp_result(mode: str, logprobs: torch.Tensor, grad: torch.Tensor) -> CaseResult:
-    from harness.engines.dynamic_cp import CPCaseParams
+    from harness.engines.cp_modes import CPCaseParams
 
     case = Case("dynamic-cp", load_model("tiny"), Layout(dp=1), params=CPCaseParams("m", (4,), mode))
     from harness.suite_defs.dynamic_cp.judge import DynamicCPRankData
-    from harness.engines.dynamic_cp import TokenOutputs
+    from harness.engines.cp_modes import TokenOutputs
 
     record = TokenOutputs(0, torch.arange(4), logprobs, 1, 0)
     return CaseResult(case, [RankResult(0, data=DynamicCPRankData([record], float(-logprobs.sum()), 4, [logprobs],

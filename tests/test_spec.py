@@ -86,6 +86,6 @@ def test_every_dtype_has_its_bytes_torch_dtype_and_tolerances():
 
     assert {n: (d.bytes, d.torch) for n, d in DTYPES.items()} == {
         "fp32": (4, torch.float32), "bf16": (2, torch.bfloat16), "fp16": (2, torch.float16)}
-    assert all(0 < d.rtol < d.golden_max_spread for d in DTYPES.values())
+    assert all(0 < d.rtol and 0 < d.golden_rtol < d.golden_max_spread for d in DTYPES.values())
     with pytest.raises(BadInput, match="unknown dtype 'fp8'; known: fp32, bf16, fp16"):
         dtype("fp8")

@@ -11,7 +11,7 @@ from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_count, nonfinite_summary, severity, within
 from harness.checks.tensors import rel_error
 from harness.dtypes import dtype
-from harness.engines.dynamic_cp import TokenOutputs
+from harness.engines.cp_modes import TokenOutputs
 from harness.launch.results import CaseResult, RankResult
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from harness.checks import CheckResult
 from harness.engines import resolve_factory
-from harness.engines.dynamic_cp import CPCaseParams, CPEngine, TokenOutputs
-from harness.engines.dynamic_cp_api import check_dynamic_cp_available
+from harness.engines.cp_modes import CPCaseParams, CPEngine, TokenOutputs
+from harness.engines.hybrid_cp_api import check_dynamic_cp_available
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -144,7 +144,7 @@ def make_cp_engine(case: Case, ctx: RankContext) -> CPEngine:
     factory = CPEngine if case.engine == "mcore" else resolve_factory(case.engine)
     if not (isinstance(factory, type) and issubclass(factory, CPEngine)):
         raise BadInput(f"engine {case.engine!r} cannot run the dynamic-cp suite: it must be "
-                       f"harness.engines.dynamic_cp:CPEngine or a subclass")
+                       f"harness.engines.cp_modes:CPEngine or a subclass")
     return factory(case, ctx)
 
 
