@@ -140,7 +140,7 @@ def test_a_baseline_entry_or_metric_that_was_never_recorded_is_named():
     path = Path("/b/cpu-gloo/ckpt-memory.json")
     peak, kept = "rank0.save_heap_peak_mib", "rank0.retained_per_save_mib"
     absent = check_baseline("x", res, {peak: 29.0}, {"entries": {}}, path)
-    assert absent.failed and absent.message.startswith(f"no baseline for {key(case)} on platform cpu-gloo")
+    assert absent.failed and absent.message.startswith(f"no baseline for {key(case)} {peak} on platform cpu-gloo")
     absent = check_baseline("x", res, {peak: 29.0}, {"entries": {}}, path, missing_fails=False)
     assert absent.inconclusive and "record it with: harness baselines record --suite ckpt-memory" in absent.message
     data = {"entries": baselines.build_entries({key(case): {peak: [29.0, 29.0, 29.0]}})}

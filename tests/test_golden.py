@@ -105,6 +105,10 @@ def test_golden_runs_in_bf16_on_cpu_ranks_for_both_engines():
     from harness.suite_defs.golden.figures import trajectory
 
     assert not [m for r in run.results if not r.skipped for m in trajectory(r) if m.endswith("num_zeros")]
+    # the Adam state of a bf16 parameter is read from its fp32 main copy (it read as 0 before, without distributed
+    # optimizer: Float16OptimizerWithFloat16Params steps the copies, not the model's parameters)
+    (unbroken,) = [r for r in run.results if r.case.engine == "mcore" and not r.case.params.role]
+    assert trajectory(unbroken)["exp_avg.embedding.word_embeddings.weight"] > 0
 
 
 def test_fsdp2_resumes_run_on_the_pure_dp_layout_beside_its_own_unbroken_trajectory():

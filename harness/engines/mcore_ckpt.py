@@ -39,10 +39,15 @@ class McoreCheckpoints:
         distributed = False
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             index = getattr(opt, "model_param_group_index_map", None)
-            if index is None:  # not distributed (fp32): the optimizer steps the model parameters themselves
+            if index is None:  # not distributed: the optimizer steps the fp32 model parameters themselves, and
+                # for bf16 / fp16 ones (Float16OptimizerWithFloat16Params) their fp32 main copies
                 for g in opt.optimizer.param_groups:
                     for p in g["params"]:
                         owner[p] = (opt.optimizer.state.get(p, {}), None)
+                for model_group, main_group in zip(getattr(opt, "float16_groups", []),
+                                                   getattr(opt, "fp32_from_float16_groups", [])):
+                    for p, main in zip(model_group, main_group):
+                        owner[p] = (opt.optimizer.state.get(main, {}), None)
                 continue
             distributed = True  # a parameter held wholly by other DP ranks is not in this rank's index
             for p, (group, order) in index.items():

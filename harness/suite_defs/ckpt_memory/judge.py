@@ -231,7 +231,8 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: 
                            improvement=not by_status["regression"], data=shown, captures=failed)
     unrecorded = by_status["missing"]
     if unrecorded and not recorded:
-        message = f"no baseline for {key} on platform {path.parent.name} ({path}); record it with: {record}"
+        message = (f"no baseline for {key} {unrecorded[0]} on platform {path.parent.name} ({path}); record it "
+                   f"with: {record}")
         if missing_fails:
             return CheckResult(name, res.case.id, False, message, rows, data=shown, captures=captures)
         return cannot_tell(name, res.case.id, message, rows, data=shown)
