@@ -26,6 +26,8 @@ THIRD_PARTY_PROBES = {
     ("harness/engines/mcore.py", "share_embeddings_and_output_weights"): "megatron's model chunk",
     ("harness/engines/mcore_ckpt.py", "chained_optimizers"): "megatron's ChainedOptimizer",
     ("harness/engines/mcore_ckpt.py", "model_param_group_index_map"): "megatron's DistributedOptimizer",
+    ("harness/engines/mcore_ckpt.py", "float16_groups"): "megatron's Float16OptimizerWithFloat16Params",
+    ("harness/engines/mcore_ckpt.py", "fp32_from_float16_groups"): "megatron's Float16OptimizerWithFloat16Params",
     ("harness/engines/megatron_bridge.py", "HAVE_TE"): "megatron-core: Transformer Engine installed",
     ("harness/engines/megatron_bridge.py", "save_hf_adapter"): "megatron-bridge version probe (> 0.3.1)",
     ("harness/platform/cpu_layer.py", "_results_queue"): "megatron-core version probe (the async writer's queue)",
