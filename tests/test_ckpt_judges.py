@@ -5,6 +5,7 @@ the checkpoint format is read from the files (not from the engine's label)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -151,6 +152,15 @@ def test_a_baseline_entry_or_metric_that_was_never_recorded_is_named():
     assert only_new.inconclusive and f"has none of {kept} (recorded before they were measured)" in only_new.message
     worse = check_baseline("x", res, {peak: 40.0, kept: 0.1}, data, path)
     assert worse.failed and worse.message == f"{peak} 40.00 MiB is +11.00 MiB above baseline 29.00 +- 5.80 MiB"
+    # a floor (a load's fixed cost, 3 MiB) widens a tolerance recorded narrower, never narrows one
+    small = {"entries": baselines.build_entries({key(case): {peak: [2.2, 2.2, 2.2]}})}  # tolerance 0.44
+    assert check_baseline("x", res, {peak: 1.6}, small, path).failed
+    assert check_baseline("x", res, {peak: 1.6}, small, path, floor=3.0).passed
+    assert check_baseline("x", res, {peak: 34.0}, data, path, floor=3.0).passed  # 5.80 recorded
+    assert check_baseline("x", res, {peak: 35.0}, data, path, floor=3.0).failed
+    assert record_command(dataclasses.replace(case, layout=Layout(dp=2), params=CkptCaseParams(
+        ckpt_role="reshard-load"))).startswith("harness baselines record --suite ckpt-memory --model small "
+                                               "--world-size 4 ")
 
 
 # -- refusals: the load's own, of the expected kind ----------------------------------------------

@@ -26,8 +26,9 @@ def record_command(case: Case) -> str:
     from harness import baselines
 
     o = case.params
-    if o.ckpt_role:  # the contract comes with the default matrix only
-        return baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
+    if o.ckpt_role:  # the contract comes with the default matrix only; a reshard-load case runs at half the DP
+        world_size = case.layout.world_size * (2 if o.ckpt_role == "reshard-load" else 1)
+        return baselines.record_command(case.suite, case.model.name, world_size, case.backend)
     engine = "" if case.engine in ("mcore", "fsdp2") else f" --engine {case.engine}"
     return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
             + f" --layout {case.layout.id} --ckpt-format {o.ckpt_format}{engine}"
