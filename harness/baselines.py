@@ -65,12 +65,13 @@ class Verdict:
         return self.measured - (self.baseline or 0.0)
 
 
-def compare(data: dict[str, Any], key: str, metric: str, measured: float) -> Verdict:
-    """A NaN / Inf measurement is a regression: `measured > value + tol` is False for NaN."""
+def compare(data: dict[str, Any], key: str, metric: str, measured: float, floor: float = 0.0) -> Verdict:
+    """A NaN / Inf measurement is a regression: `measured > value + tol` is False for NaN. floor: the least
+    tolerance, whatever the recorded one."""
     entry = data.get("entries", {}).get(key, {}).get(metric)
     if entry is None:
         return Verdict("missing", measured)
-    value, tol = float(entry["value"]), float(entry["tolerance"])
+    value, tol = float(entry["value"]), max(float(entry["tolerance"]), floor)
     if not math.isfinite(measured) or measured > value + tol:
         return Verdict("regression", measured, value, tol)
     if measured < value - tol:

@@ -197,14 +197,15 @@ class CaseOptions:
     # with padding does: per-token and per-micro-batch normalisation then differ (golden turns it on)
     loss_mask: bool = False
     # megatron's optimizer CPU offload (OptimizerConfig.optimizer_cpu_offload: its HybridDeviceOptimizer with the
-    # whole state on the host, offload fraction 1.0) with the precision-aware optimizer, as long jobs that resume
-    # run it (Megatron-LM #1842); needs the distributed optimizer and CUDA (NCCL ranks)
+    # whole state on the host, offload fraction 1.0; with the precision-aware optimizer where Transformer Engine is
+    # installed, engines/mcore.py), as long jobs that resume run it (Megatron-LM #1842); needs the distributed
+    # optimizer and CUDA (NCCL ranks)
     optimizer_cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
-            raise BadInput("optimizer_cpu_offload needs use_distributed_optimizer (megatron's precision-aware "
-                           "optimizer runs inside the distributed optimizer)")
+            raise BadInput("optimizer_cpu_offload needs use_distributed_optimizer (the harness offloads the "
+                           "distributed optimizer's state, as megatron's precision-aware optimizer requires)")
         if self.lr_decay_steps and not 0 <= self.lr_warmup_steps < self.lr_decay_steps:
             raise BadInput(f"lr_warmup_steps={self.lr_warmup_steps} must be >= 0 and below lr_decay_steps="
                            f"{self.lr_decay_steps} (megatron's OptimizerParamScheduler decays after the warm-up)")

@@ -203,11 +203,7 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: 
     verdicts: dict[str, Verdict] = {}
     per_metric: dict[str, dict[str, Any]] = {}
     for metric, value in samples.items():
-        v = baselines.compare(data, key, metric, value)
-        if v.tolerance is not None and v.baseline is not None and v.tolerance < floor:
-            v = baselines.compare({"entries": {key: {metric: {"value": v.baseline, "tolerance": floor}}}}, key,
-                                  metric, value)
-        verdicts[metric] = v
+        v = verdicts[metric] = baselines.compare(data, key, metric, value, floor)
         base = "-" if v.baseline is None else f"{v.baseline:.2f} +- {v.tolerance:.2f}"
         rows.append(f"{metric}: {value:.2f} MiB, baseline {base}, delta {v.delta:+.2f} MiB: {v.status}"
                     + (f"; detects {_detects(v)}" if v.baseline is not None else ""))
