@@ -514,7 +514,7 @@ def test_an_moe_ranks_band_counts_its_experts_over_expert_dp():
 def test_retained_memory_is_recorded_with_its_own_floor():
     """A rank process fills a cache once over a few saves: retained_per_save_mib moved 0.05 -> 0.39 MiB between
     repeats on gloo ranks, inside its 0.5 MiB floor; a heap peak spreading as much is refused (0.25 MiB)."""
-    from harness.suite_defs.ckpt_memory import CkptMemorySuite
+    from harness.suite_defs.ckpt_memory.suite import CkptMemorySuite
 
     suite = CkptMemorySuite()
     moved = [0.379, 0.045, 0.046]
@@ -523,3 +523,31 @@ def test_retained_memory_is_recorded_with_its_own_floor():
     assert noisy.startswith("k rank0.save_heap_peak_mib: spread 0.334 over 3 repeats > tolerance 0.250")
     assert suite.tolerance("rank0.retained_per_save_mib", [0.04, 0.045, 0.05]) == 0.5
     assert suite.tolerance("rank0.save_heap_peak_mib", [0.9, 0.92, 0.95]) == 0.25
+
+
+def test_a_baseline_checks_figures_reach_results_json_as_the_report_reads_them(tmp_path):
+    """CheckResult.data is typed (BaselineFigures); results.json holds its fields, which the checkpoint plot reads."""
+    import json
+
+    from harness.checks import CheckResult
+    from harness.report import plots
+    from harness.report.results_file import to_json
+    from harness.report.runs import RunFile
+    from harness.suite_defs.ckpt_memory.suite import CkptMemorySuite
+    from harness.suite_defs.ckpt_memory.judge import BaselineFigures
+    from harness.suite_run import SuiteRun
+
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
+    res = CaseResult(case, [RankResult(0, data=SaveRankData(MemoryPeak("save")))], "ok")
+    entries = baselines.build_entries({key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0]}})
+    check = _check_baseline(res, {"rank0.save_heap_peak_mib": 40.0}, {"entries": entries}, "baselines.json")
+    assert isinstance(check.data, BaselineFigures) and check.data.metrics["rank0.save_heap_peak_mib"].status == \
+        "regression"
+    run = SuiteRun(CkptMemorySuite(), "small", 4, "gloo", "mcore", results=[res])
+    run.checks = [check, CheckResult("ckpt-memory.contract", case.id, True, "ok")]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(to_json(run)))
+    read = plots._baseline_checks(RunFile(path, json.loads(path.read_text())))
+    assert read[case.id]["rank0.save_heap_peak_mib"] == {"status": "regression", "measured": 40.0,
+                                                          "baseline": 29.0, "tolerance": pytest.approx(5.8)}
+    assert json.loads(path.read_text())["checks"][1]["data"] == {}

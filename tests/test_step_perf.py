@@ -321,6 +321,9 @@ def test_time_within_the_drift_of_the_baselines_own_repeats_cannot_be_told(repea
     res = _timed_result([measured + d for d in (-2.0, -1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 1.5, -1.5, 0.0)])
     check = _check_time(res, _entry(repeats), StepPerfParams(min_effect=0.15))
     assert check.status == status, check.message
+    # the figures the report's step-time plot reads, whatever the verdict
+    assert check.data.metrics["step_time_ms"].median == pytest.approx(measured, abs=0.5)
+    assert check.data.baseline_samples["step_time_ms"] == _entry(repeats)["step_time_ms"]["samples"]
     if status == "inconclusive":
         assert check.message.startswith("cannot tell: tp1-pp1-cp1-dp1: step time x1.20")
         assert "within the x1.27 by which the baseline's own repeats differ (508, 401, 433 ms)" in check.message

@@ -16,6 +16,11 @@ class Captures:
     leaks: bool = False
 
 
+class CheckData:
+    """A check's machine-readable figures for reports: each kind a dataclass deriving from this, written to
+    results.json as its fields (`dataclasses.asdict`)."""
+
+
 @dataclass
 class CheckResult:
     check: str  # e.g. "equivalence.loss"
@@ -26,7 +31,7 @@ class CheckResult:
     value: float | None = None  # the figure the check judged (worst error, peak, ...) for tables
     show: bool = False  # print details even when the check passes (e.g. plan-vs-observed tables)
     improvement: bool = False  # failed only because a figure is better than its baseline (refresh it)
-    data: dict = field(default_factory=dict)  # machine-readable figures for reports (JSON-able)
+    data: CheckData | None = None  # machine-readable figures for reports
     captures: Captures = field(default_factory=Captures)
     # a check of the case's work at another layout (a checkpoint loaded there): that layout's id
     target: str = ""
@@ -45,11 +50,11 @@ class CheckResult:
 
 
 def cannot_tell(check: str, case_id: str, message: str, details: list[str] | None = None,
-                value: float | None = None, data: dict | None = None) -> CheckResult:
+                value: float | None = None, data: CheckData | None = None) -> CheckResult:
     """A check that ran but cannot discriminate here; the message says why and what would (e.g. the
     world size or model that can)."""
     return CheckResult(check, case_id, False, f"cannot tell: {message}", list(details or []), value, show=True,
-                       data=dict(data or {}), inconclusive=True)
+                       data=data, inconclusive=True)
 
 
 def case_failed(check: str, result) -> CheckResult:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from harness.report.provenance import engine_distribution, versions
 
 if TYPE_CHECKING:
+    from harness.checks import CheckResult
     from harness.suite_run import SuiteRun
 
 
@@ -39,7 +40,7 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
              **{"metrics": {}, "data": {}, **(run.describe(r).figures or {})}}
             for o in run.outcomes() for r in [o.result]
         ],
-        "checks": [{**asdict(c), "status": c.status} for c in run.checks],  # status: pass | fail | inconclusive
+        "checks": [_check_json(c) for c in run.checks],
     }
 
 
@@ -63,3 +64,12 @@ def run_adjustments(run: SuiteRun) -> dict[str, int]:
     from collections import Counter
 
     return dict(Counter(a for r in run.results for a in r.adjustments()))
+
+
+def _check_json(check: CheckResult) -> dict[str, Any]:
+    """A check as results.json holds it: its fields (data {} where it has none) and its status (pass | fail |
+    inconclusive)."""
+    from dataclasses import asdict
+
+    out = asdict(check)
+    return {**out, "data": out["data"] or {}, "status": check.status}

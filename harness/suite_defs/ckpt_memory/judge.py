@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from harness.checks import Captures, CheckResult, cannot_tell, case_failed
+from harness.checks import Captures, CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import LOAD_FIXED_COST, discrimination, gathers, rival, save_band
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB, flamegraph_path
@@ -19,6 +20,14 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from harness.baselines import Verdict
+
+@dataclass
+class BaselineFigures(CheckData):
+    """What a baseline check judged: the entry's key and each metric's verdict (measured, baseline, tolerance)."""
+
+    key: str
+    metrics: dict[str, Verdict]
+
 
 EXPECTED_DEFAULT = "dp_reshardable"  # Megatron-LM / Megatron-Bridge default since R1
 EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharded"}
@@ -201,15 +210,12 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: 
     recorded = key in data.get("entries", {})
     rows: list[str] = []
     verdicts: dict[str, Verdict] = {}
-    per_metric: dict[str, dict[str, Any]] = {}
     for metric, value in samples.items():
         v = verdicts[metric] = baselines.compare(data, key, metric, value, floor)
         base = "-" if v.baseline is None else f"{v.baseline:.2f} +- {v.tolerance:.2f}"
         rows.append(f"{metric}: {value:.2f} MiB, baseline {base}, delta {v.delta:+.2f} MiB: {v.status}"
                     + (f"; detects {_detects(v)}" if v.baseline is not None else ""))
-        per_metric[metric] = {"measured": value, "baseline": v.baseline, "tolerance": v.tolerance,
-                              "status": v.status}
-    shown: dict[str, Any] = {"key": key, "metrics": per_metric}
+    shown = BaselineFigures(key, verdicts)
     by_status = {st: [m for m, v in verdicts.items() if v.status == st]
                  for st in ("missing", "regression", "improvement", "pass")}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure

@@ -4,14 +4,39 @@ from __future__ import annotations
 
 import re
 import statistics
+from dataclasses import dataclass
 
-from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio
 from harness.launch.results import CaseResult
 from harness.probes.cpu_share import FOREIGN_LIMIT, ForeignLoad
 from harness.suite_defs.step_perf import figures
 from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, key, record_command
 from harness.suite_defs.step_perf.params import SUITE, StepPerfParams
+
+
+@dataclass
+class TimedFigure:
+    """One timed figure against its baseline: median ratio, its confidence interval, the smaller one-sided p."""
+
+    ratio: float
+    ci: tuple[float, float]
+    p: float
+    median: float
+    baseline_median: float
+    verdict: str
+
+    @classmethod
+    def of(cls, v: Comparison) -> TimedFigure:
+        return cls(v.ratio, (v.ci_low, v.ci_high), min(v.p_slower, v.p_faster), v.median_b, v.median_a, v.verdict)
+
+
+@dataclass
+class TimeFigures(CheckData):
+    """What step-perf.time judged: each timed figure, and the baseline's samples (the report's box plots)."""
+
+    metrics: dict[str, TimedFigure]
+    baseline_samples: dict[str, list[float]]
 
 
 def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult]:
@@ -140,7 +165,7 @@ def timed_comparison(res: CaseResult, metric: str, entry: dict, effect: float | 
 
 
 def _explained_by_load(res: CaseResult, entry: dict, step: Comparison, regressed: bool, load: ForeignLoad | None,
-                       rows: list[str], data: dict) -> CheckResult | None:
+                       rows: list[str], data: TimeFigures) -> CheckResult | None:
     """Cannot tell when a busy machine explains the verdict: other processes using a share s of the CPUs while
     the steps were timed slow them by up to x1/(1-s) (measured: 30% beside tiny-moe's 4 ranks, x1.27), so a
     slower step within that is theirs; a baseline timed beside them explains an improvement down to x(1-s)."""
@@ -181,10 +206,8 @@ def _check_time(res: CaseResult, entry: dict, params: StepPerfParams) -> CheckRe
         rows.append(f"  while timed, {load.describe()}")
     step, comm = verdicts["step_time_ms"], verdicts["exposed_comm_ms"]
     tokens_s = res.case.global_batch_size * res.case.model.seq_length / (step.median_b / 1000)
-    data = {m: {"ratio": v.ratio, "ci": [v.ci_low, v.ci_high], "p": min(v.p_slower, v.p_faster),
-                "median": v.median_b, "baseline_median": v.median_a, "verdict": v.verdict}
-            for m, v in verdicts.items()}
-    data["baseline_samples"] = {m: entry[m]["samples"] for m in verdicts}
+    data = TimeFigures({m: TimedFigure.of(v) for m, v in verdicts.items()},
+                       {m: entry[m]["samples"] for m in verdicts})
     # The baseline's own repeats (their medians) differ by `drift`: a change of the step time within that is
     # what this machine does between runs, not something this check can attribute to the code.
     repeats = entry["step_time_ms"].get("values") or []
