@@ -9,7 +9,6 @@ state is still initialised (the model's layers read it) with TP = 1.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -35,18 +34,15 @@ class FSDP2Engine(McoreEngine):
         if (lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1):
             raise BadInput(f"engine fsdp2 shards over data parallel only: layout {lay.id} must be tp1-pp1-cp1-dpN")
         self.setup_parallel()
-        case, mp = self.case, MixedPrecisionPolicy()
+        mp, built_in = MixedPrecisionPolicy(), None
         if self.case.options.dtype != "fp32":
             # FSDP2's mixed precision, as it trains in bf16: fp32 parameters sharded (the optimizer's master
             # weights), gathered in the case's dtype for forward and backward, gradients reduced in fp32. (A model
             # built in bf16 keeps some fp32 parameters, and fully_shard refuses mixed dtypes: "FSDP expects
             # uniform original parameter dtype".)
-            self.case = dataclasses.replace(case, options=dataclasses.replace(case.options, dtype="fp32"))
-            mp = MixedPrecisionPolicy(param_dtype=dtype(case.options.dtype).torch, reduce_dtype=torch.float32)
-        try:
-            (chunk,) = self.build_chunks()
-        finally:
-            self.case = case
+            built_in = "fp32"
+            mp = MixedPrecisionPolicy(param_dtype=dtype(self.case.options.dtype).torch, reduce_dtype=torch.float32)
+        (chunk,) = self.build_chunks(built_in)
         mesh = init_device_mesh("cpu" if self.ctx.on_cpu else "cuda", (lay.dp,))
         for layer in chunk.decoder.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)

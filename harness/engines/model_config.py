@@ -13,13 +13,14 @@ if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
 
-def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
-    """TransformerConfig for the model spec and layout (no dropout: the CPU RNG tracker cannot fork)."""
+def transformer_config(case: Case, on_cpu: bool, dtype: str | None = None) -> TransformerConfig:
+    """TransformerConfig for the model spec and layout (no dropout: the CPU RNG tracker cannot fork); parameters
+    in `dtype` where given, else the case's."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    m, lay, dtype = case.model, case.layout, dtype_of(case.options.dtype).torch
+    m, lay, params = case.model, case.layout, dtype_of(dtype or case.options.dtype).torch
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
@@ -31,7 +32,7 @@ def transformer_config(case: Case, on_cpu: bool) -> TransformerConfig:
         context_parallel_size=lay.cp,
         # megatron's MoE layer refuses TP without sequence parallelism; dense models run without it
         sequence_parallel=m.moe and lay.tp > 1,
-        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype is torch.bfloat16, fp16=dtype is torch.float16,
+        params_dtype=params, pipeline_dtype=params, bf16=params is torch.bfloat16, fp16=params is torch.float16,
         use_cpu_initialization=True, perform_initialization=True,
         **fusions(on_cpu),
         # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
