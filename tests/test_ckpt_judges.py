@@ -551,3 +551,46 @@ def test_a_baseline_checks_figures_reach_results_json_as_the_report_reads_them(t
     assert read[case.id]["rank0.save_heap_peak_mib"] == {"status": "regression", "measured": 40.0,
                                                           "baseline": 29.0, "tolerance": pytest.approx(5.8)}
     assert json.loads(path.read_text())["checks"][1]["data"] == {}
+
+
+# -- the load's device peak on GPU ranks ------------------------------------------------------------
+
+def _device_load(model: str, layout: Layout, extra: int, dtype: str = "fp32", fmt: str = "dp_reshardable"):
+    """A load on NCCL ranks whose device peak above its start is what megatron-core 0.16.1 allocates (the fresh
+    Adam state, 2/3 of the rank's part S/D, and a GLU model's fc1 merge), plus `extra` bytes."""
+    from harness.checks.memory_model import glu_params
+    from harness.suite_defs.ckpt_memory.contract_judge import judge_load_peak
+
+    spec = load_model(model)
+    case = Case("ckpt-memory", spec, layout, "mcore", CaseOptions(steps=2, dtype=dtype), backend="nccl",
+                params=CkptCaseParams(fmt, ckpt_role="reshard"))
+    own = [12 * shard_params(spec, layout, r) // layout.dp for r in range(layout.world_size)]
+    used = [2 * own[r] // 3 + 4 * glu_params(spec, layout, r) + extra for r in range(layout.world_size)]
+    before = 3 * own[0]
+    targets = [LoadTarget(layout.id, MemoryPeak("load", heap_peak=MIB, device_allocated_before=before,
+                                                device_allocated_peak=before + u)) for u in used]
+    res = CaseResult(case, [RankResult(r) for r in range(layout.world_size)], "ok")
+    return judge_load_peak(res, fmt, targets), own
+
+
+def test_a_loads_device_peak_is_judged_on_gpu_ranks_and_a_second_copy_of_the_state_fails():
+    """Megatron-Bridge PR #4936's shape on the device: the optimizer's state materialised twice at load."""
+    dp2 = Layout.parse("tp1-pp1-cp1-dp2")
+    ok, _ = _device_load("small", dp2, 2 * MIB)
+    assert ok.passed and ok.message.endswith("every rank's load device peak above its start inside its load band")
+    assert "(host peak 1.0 MiB)" in ok.details[0]
+    own = 12 * shard_params(load_model("small"), dp2, 0) // 2
+    bad, _ = _device_load("small", dp2, own)
+    assert bad.failed
+    assert bad.message.startswith("dp_reshardable loaded at tp1-pp1-cp1-dp2: rank 0 load device peak above its "
+                                  "start ") and "outside the load band [0.0, " in bad.message
+    assert bad.message.endswith("(2 of 2 ranks)")
+    full, _ = _device_load("small", dp2, own, fmt="fully_reshardable")
+    assert full.failed and "fully_reshardable load on the device" in full.message
+
+
+def test_a_loads_device_peak_that_cannot_tell_says_so():
+    tiny, _ = _device_load("tiny", Layout.parse("tp1-pp1-cp1-dp2"), 0)
+    assert tiny.inconclusive and "would stay in the device band" in tiny.message
+    bf16, _ = _device_load("small", Layout.parse("tp1-pp1-cp1-dp2"), 0, dtype="bf16")
+    assert bf16.inconclusive and "the device load model is of fp32 state, this case trains in bf16" in bf16.message

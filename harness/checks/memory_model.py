@@ -210,6 +210,44 @@ def load_band(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> Band:
                 f"{fmt} load: 1-2x S read + the fresh Adam state, S={read / MIB:.1f} MiB{moe}")
 
 
+# Read from megatron-core 0.16.1 and torch's DCP, not measured on a GPU: the distributed optimizer's 64-element
+# alignment gaps, the caching allocator's rounding and the object collectives' buffers of a load
+DEVICE_LOAD_FIXED_COST = 8 * MIB
+
+
+def glu_params(model: ModelSpec, layout: Layout, rank: int) -> int:
+    """The rank's fc1 parameters of a GLU model (its experts' and shared experts' too); 0 without GLU."""
+    if not model.swiglu:
+        return 0
+    pp = coords_of(layout, rank).pp
+    return sum(n for vp in range(layout.vpp) for buffer in (False, True)
+               for name, n, _ in chunk_params(model, layout, pp, vp, expert_buffer=buffer)
+               if name.endswith("linear_fc1.weight"))
+
+
+def device_load_band(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> Band:
+    """Expected device bytes above a load's start on a GPU rank (fp32 state). The engine creates the empty Adam
+    state it loads into on the device (2/3 of the rank's part); both formats read into host memory and copy into
+    the device state in place (fully_reshardable builds the whole shard's tensors on the host); a GLU model's fc1
+    weights are merged from their two halves on the device and held through the load. A second copy of the
+    rank's state is its part more."""
+    _, own, what = _load_state(fmt, model, layout, rank)
+    glu = WEIGHT_BYTES_PER_PARAM * glu_params(model, layout, rank)
+    merge = f" + the fc1 merge {glu / MIB:.1f} MiB" if glu else ""
+    return Band(0, 2 * own // 3 + glu + DEVICE_LOAD_FIXED_COST,
+                f"{fmt} load on the device: <= the fresh Adam state (2/3 x {what}, {what}={own / MIB:.1f} MiB){merge}")
+
+
+def device_load_blind_spot(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> str:
+    """'' where a second copy of the rank's state beside the fresh Adam state leaves the device band; otherwise
+    why it would not."""
+    _, own, _ = _load_state(fmt, model, layout, rank)
+    if 2 * own // 3 + own > device_load_band(fmt, model, layout, rank).high:
+        return ""
+    return (f"a second copy of rank {rank}'s state ({own / MIB:.1f} MiB) beside the fresh Adam state would stay in "
+            f"the device band: it cannot tell; judge on a larger model or at a smaller DP")
+
+
 def load_blind_spot(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> str:
     """'' where a copy of the rank's state held through the load (a load that materialises the optimizer state
     twice) on top of the smallest load measured would leave the band; otherwise why it would not."""

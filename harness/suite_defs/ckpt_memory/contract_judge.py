@@ -64,39 +64,46 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
 
 
 def judge_load_peak(res: CaseResult, fmt: str, per_rank: list[LoadTarget]) -> CheckResult:
-    """Every rank's host peak of a load against the memory model's load band (CPU ranks); on GPU ranks the device
-    peak above the load's start is shown beside it, neither judged (the band is of host memory on CPU ranks)."""
-    from harness.checks.memory_model import load_band, load_blind_spot
+    """Every rank's load peak against the memory model's band: on CPU ranks the host peak (the state lives on the
+    host), on GPU ranks the device peak above the load's start (the host peak shown beside it, not judged)."""
+    from harness.checks.memory_model import device_load_band, device_load_blind_spot, load_band, load_blind_spot
 
     target = Layout.parse(per_rank[0].layout)
     cid = res.case.id
     head = f"{fmt} loaded at {target.id}"
     rows, outside, blind = [], [], []
     device = res.case.backend == "nccl"
+    what = "device peak above its start" if device else "host peak"
+    if device and res.case.options.dtype != "fp32":
+        return cannot_tell("ckpt-memory.load", cid, f"{head}: the device load model is of fp32 state, this case "
+                                                    f"trains in {res.case.options.dtype}")
     for r, d in zip(res.ranks, per_rank):
         assert d.load is not None  # a load without error was measured (MeasurementError fails the case)
-        band = load_band(fmt, res.case.model, target, r.rank)
-        peak = d.load.host_peak
-        on_device = (f", device {(d.load.device_allocated_peak - d.load.device_allocated_before) / MIB:.1f} MiB "
-                     f"above the load's start" if device else "")
+        model, rank = res.case.model, r.rank
+        if device:
+            band = device_load_band(fmt, model, target, rank)
+            peak = d.load.device_allocated_peak - d.load.device_allocated_before
+            why = device_load_blind_spot(fmt, model, target, rank)
+            beside = f" (host peak {d.load.host_peak / MIB:.1f} MiB)"
+        else:
+            band, peak, why = load_band(fmt, model, target, rank), d.load.host_peak, load_blind_spot(fmt, model,
+                                                                                                  target, rank)
+            beside = ""
         ok = band.contains(peak)
-        rows.append(f"  rank {r.rank}: load host peak {peak / MIB:.1f} MiB{on_device}, model {band.describe()} "
+        rows.append(f"  rank {rank}: load {what} {peak / MIB:.1f} MiB{beside}, model {band.describe()} "
                     f"{'ok' if ok else 'OUTSIDE'}")
         if not ok:
-            outside.append((r.rank, peak, band))
-        if why := load_blind_spot(fmt, res.case.model, target, r.rank):
+            outside.append((rank, peak, band))
+        if why:
             blind.append(why)
-    if device:
-        return cannot_tell("ckpt-memory.load", cid, f"{head}: host peaks not judged on GPU ranks (the load model is "
-                                                    f"of CPU ranks, where the state lives on the host)", rows)
     if outside:
         rank, peak, band = outside[0]
         return CheckResult("ckpt-memory.load", cid, False,
-                           f"{head}: rank {rank} load host peak {peak / MIB:.1f} MiB outside the load band "
+                           f"{head}: rank {rank} load {what} {peak / MIB:.1f} MiB outside the load band "
                            f"{band.describe()} ({len(outside)} of {len(per_rank)} ranks)", rows)
     if len(blind) == len(per_rank):
         return cannot_tell("ckpt-memory.load", cid, f"{head}: every rank inside its load band, but {blind[0]}", rows)
-    return CheckResult("ckpt-memory.load", cid, True, f"{head}: every rank's load host peak inside its load band",
+    return CheckResult("ckpt-memory.load", cid, True, f"{head}: every rank's load {what} inside its load band",
                        rows, show=True)
 
 
