@@ -670,3 +670,28 @@ def test_a_cpu_machine_is_its_boot():
     # a committed time is judged here only where it was recorded in this boot (on CI: never)
     assert all((p.get("machine") == got) == p.get("machine", "").endswith(f", boot {boot}")
                for p in committed.values())
+
+
+@pytest.mark.parametrize("foreign,verdict", [(0.0, "BAD"), (0.40, "skip")])
+def test_bisect_skips_a_step_whose_slowdown_other_processes_explain(tmp_path, foreign, verdict):
+    """x1.30 slower: a bad step on a quiet machine; where others used 40% of the CPUs meanwhile (up to x1.67),
+    the step cannot be judged and is skipped, naming why."""
+    import json
+
+    from harness.bisect import Threshold, judge_run
+    from harness.bisect.search import VERDICTS
+    from harness.suite_defs.step_perf import StepPerfParams, StepPerfSuite
+    from harness.suite_defs.step_perf.figures import key as step_key
+    from harness.suite_run import SuiteRun
+
+    res = _timed_result(_steps_around(650.0), foreign)
+    (tmp_path / "cpu-gloo").mkdir()
+    entry = {m: {**v, "tolerance": 0.0} for m, v in _entry([500.0, 500.0, 500.0]).items()}
+    (tmp_path / "cpu-gloo" / "step-perf.json").write_text(json.dumps({"entries": {step_key(res.case): entry}}))
+    run = SuiteRun(StepPerfSuite(), "tiny", 1, "gloo", "mcore", results=[res],
+                   params=StepPerfParams(baselines_dir=str(tmp_path)))
+    step = judge_run(run, "step_time_ms", Threshold("baseline+15%"))
+    assert VERDICTS[step.verdict] == verdict, step.why
+    if verdict == "skip":
+        assert step.why.startswith("cannot tell: tp1-pp1-cp1-dp1: step_time_ms x1.300, but other processes used "
+                                   "40% of node's 2 CPUs while the steps were timed"), step.why

@@ -103,8 +103,12 @@ def _margin(step: StepResult) -> float:
 
 def _judge_timed(run, result, metric: str, case_entry: dict, threshold: Threshold, vers: dict) -> StepResult:
     """A timed figure (step-perf) is judged as the suite judges it: bad when significantly slower than the
-    baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's)."""
+    baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's);
+    skipped where other processes on the machine explain the slowdown."""
     cmp = run.suite.timed_comparison(result, metric, case_entry, threshold.relative_effect, params=run.params)
+    if cmp.slower and (busy := run.suite.load_explains(result, metric, case_entry, cmp)):
+        return StepResult(SKIP, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,
+                          f"cannot tell: {busy}", vers)
     return StepResult(BAD if cmp.slower else GOOD, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,
                       f"{metric} {cmp.describe()}: "
                       f"{'significantly slower' if cmp.slower else 'not significantly slower'}",

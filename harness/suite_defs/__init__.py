@@ -147,6 +147,8 @@ class TimedBaselines(Protocol):
     def timed_comparison(self, res: CaseResult, metric: str, entry: dict, effect: float | None = None,
                          params: Any = None) -> Comparison: ...
 
+    def load_explains(self, res: CaseResult, metric: str, entry: dict, cmp: Comparison) -> str: ...
+
 
 @runtime_checkable
 class Parameterised(Protocol):

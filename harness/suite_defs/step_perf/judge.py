@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio
 from harness.launch.results import CaseResult
-from harness.probes.cpu_share import FOREIGN_LIMIT, ForeignLoad
+from harness.probes.cpu_share import FOREIGN_LIMIT
 from harness.suite_defs.step_perf import figures
 from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, key, record_command
 from harness.suite_defs.step_perf.params import SUITE, StepPerfParams
@@ -164,24 +164,22 @@ def timed_comparison(res: CaseResult, metric: str, entry: dict, effect: float | 
     return compare_samples(entry[metric]["samples"], measured, effect)
 
 
-def _explained_by_load(res: CaseResult, entry: dict, step: Comparison, regressed: bool, load: ForeignLoad | None,
-                       rows: list[str], data: TimeFigures) -> CheckResult | None:
-    """Cannot tell when a busy machine explains the verdict: other processes using a share s of the CPUs while
-    the steps were timed slow them by up to x1/(1-s) (measured: 30% beside tiny-moe's 4 ranks, x1.27), so a
-    slower step within that is theirs; a baseline timed beside them explains an improvement down to x(1-s)."""
-    if regressed and load is not None and load.too_busy and step.ratio <= load.slowdown:
-        return cannot_tell("step-perf.time", res.case.id,
-                           f"{res.case.layout.id}: step time x{step.ratio:.3f}, but {load.describe()} while the "
-                           f"steps were timed, which slows them by up to x{load.slowdown:.2f}: run it again on "
-                           f"a quiet machine, or compare A/B interleaved (harness compare)", rows, step.ratio, data)
+def load_explains(res: CaseResult, entry: dict, cmp: Comparison, regressed: bool, what: str = "step time") -> str:
+    """Why a busy machine explains a timed verdict, '' where it does not: other processes using a share s of the
+    CPUs while the steps were timed slow them by up to x1/(1-s) (measured: 30% beside tiny-moe's 4 ranks,
+    x1.27), so a slower figure within that is theirs; a baseline timed beside them explains an improvement down
+    to x(1-s). Also what `harness bisect` skips a step for."""
+    load = figures.foreign_load(res)
+    if regressed and load is not None and load.too_busy and cmp.ratio <= load.slowdown:
+        return (f"{res.case.layout.id}: {what} x{cmp.ratio:.3f}, but {load.describe()} while the steps were timed, "
+                f"which slows them by up to x{load.slowdown:.2f}: run it again on a quiet machine, or compare A/B "
+                f"interleaved (harness compare)")
     recorded = max(entry.get(FOREIGN, {}).get("values") or [0.0])
-    if step.faster and recorded > FOREIGN_LIMIT and step.ratio >= 1 - recorded:
-        return cannot_tell("step-perf.time", res.case.id,
-                           f"{res.case.layout.id}: step time x{step.ratio:.3f}, but the baseline was timed while "
-                           f"other processes used {recorded:.0%} of the machine's CPUs, which explains a step down to "
-                           f"x{1 - recorded:.2f}; re-record it on a quiet machine: {record_command(res.case)}",
-                           rows, step.ratio, data)
-    return None
+    if cmp.faster and recorded > FOREIGN_LIMIT and cmp.ratio >= 1 - recorded:
+        return (f"{res.case.layout.id}: {what} x{cmp.ratio:.3f}, but the baseline was timed while other processes "
+                f"used {recorded:.0%} of the machine's CPUs, which explains a step down to x{1 - recorded:.2f}; "
+                f"re-record it on a quiet machine: {record_command(res.case)}")
+    return ""
 
 
 def _check_time(res: CaseResult, entry: dict, params: StepPerfParams) -> CheckResult:
@@ -228,9 +226,8 @@ def _check_time(res: CaseResult, entry: dict, params: StepPerfParams) -> CheckRe
     # also a real share of the step (the minimum effect of the baseline's step median), not 4 ms of
     # scheduling noise on a 2-core machine. A step that did not grow with it ran its compute faster.
     comm_grew = comm.slower and comm_growth > comm.min_effect * step.median_a
-    busy = _explained_by_load(res, entry, step, step.slower or comm_grew, load, rows, data)
-    if busy is not None:
-        return busy
+    if busy := load_explains(res, entry, step, step.slower or comm_grew):
+        return cannot_tell("step-perf.time", res.case.id, busy, rows, step.ratio, data)
     if step.slower:
         msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "
                f"(compute {mine:.0f} ms vs {others:.0f} ms)")

@@ -143,6 +143,10 @@ class StepPerfSuite:
         """What `harness bisect` judges a timed figure by: the same comparison as `check`."""
         return judge.timed_comparison(res, metric, entry, effect, params or StepPerfParams())
 
+    def load_explains(self, res: CaseResult, metric: str, entry: dict, cmp: Comparison) -> str:
+        """Why other processes on the machine explain a slower timed figure ('' where they do not)."""
+        return judge.load_explains(res, entry, cmp, cmp.slower, metric)
+
     @staticmethod
     def report_data(result: CaseResult) -> dict[str, Any]:
         """Per-step times and per-rank phase medians, for plots and pytest-benchmark."""
