@@ -10,8 +10,9 @@ from pathlib import Path
 
 from harness.errors import BadInput
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_PASS
+from harness.suite_registry import SUITES as REGISTERED
 
-SUITES = ("equivalence", "grad-sync", "ckpt-memory", "dynamic-cp", "step-perf", "peft-ckpt", "train-memory", "golden")
+SUITES = tuple(REGISTERED)  # every registered suite, in the registry's order
 # R2: every construction path; R4: LoRA adapters exist on the megatron-bridge path only
 PATHS = {"grad-sync": ("mcore", "megatron-bridge", "mbridge"), "peft-ckpt": ("megatron-bridge",)}
 DEFAULT_MODELS = {"gloo": ("default", "small"), "nccl": ("default", "small", "1b-2k")}

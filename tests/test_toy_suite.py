@@ -1,5 +1,5 @@
 """Adding a suite touches only its own module and the registry: tests/toy_suite.py, registered here
-in harness.suite_defs.SUITES, runs through `harness run`, the driver's parameters and judging, and
+in harness.suite_registry.SUITES, runs through `harness run`, the driver's parameters and judging, and
 `harness report`, which renders its results.json in a process where neither torch nor any suite
 module can be imported."""
 
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from harness import suite_defs
+from harness import suite_defs, suite_registry
 from harness.cli import main
 from harness.driver import run_suite
 from harness.errors import BadInput
@@ -20,7 +20,7 @@ from harness.errors import BadInput
 
 @pytest.fixture
 def toy_registered(monkeypatch):
-    monkeypatch.setitem(suite_defs.SUITES, "toy", "tests.toy_suite:ToySuite")
+    monkeypatch.setitem(suite_registry.SUITES, "toy", "tests.toy_suite:ToySuite")
 
 
 @pytest.mark.slow
@@ -131,7 +131,7 @@ def test_every_suite_parameter_type_with_flags_is_listed():
     from harness.suite_defs.flags import param_types
 
     listed = set(param_types())
-    for name in suite_defs.SUITES:
+    for name in suite_registry.SUITES:
         params = getattr(suite_defs.get_suite(name), "Params", None)
         if params is not None and any("flag" in f.metadata for f in dataclasses.fields(params)):
             assert params in listed, f"{name}: {params.__qualname__} declares flags: list it in PARAM_TYPES"

@@ -73,9 +73,9 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
             import torch  # noqa: F401
 
             from harness.launch.rank_imports import import_modules
-            from harness.suite_defs import get_suite
+            from harness.suite_registry import load_suite
 
-            suite = get_suite(case.suite_ref or case.suite)
+            suite = load_suite(case.suite_ref or case.suite)
             import_modules(suite.imports, on_cpu=case.backend != "nccl")
         if own_process_group:
             with ctx.phase("init"):

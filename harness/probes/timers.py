@@ -21,10 +21,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
-
-if TYPE_CHECKING:
-    from harness.launch.context import RankContext
+from typing import TypeVar
 
 T = TypeVar("T")
 PHASES = ("forward", "backward", "grad-sync", "optimizer", "param-gather", "other")
@@ -155,25 +152,26 @@ class PhaseTimer:
         return self._bracketed(fn, barrier)[2]
 
 
-def calibrate(ctx: RankContext) -> list[float]:
-    """Seconds of a fixed workload per repetition: 4 GEMMs of 256 x 256 and an all-reduce of 1 MiB."""
+def calibrate(device, on_cpu: bool) -> list[float]:
+    """Seconds of a fixed workload per repetition on the rank's device: 4 GEMMs of 256 x 256 and an all-reduce of
+    1 MiB."""
     import torch
     import torch.distributed as dist
 
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(256, 256, generator=gen).to(ctx.device)
-    buf = torch.ones(256 * 1024, device=ctx.device)
+    a = torch.randn(256, 256, generator=gen).to(device)
+    buf = torch.ones(256 * 1024, device=device)
     out = []
     for _ in range(CALIBRATION_REPS):
         dist.barrier()
-        if not ctx.on_cpu:
+        if not on_cpu:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         x = a
         for _ in range(4):
             x = x @ a
         dist.all_reduce(buf)
-        if not ctx.on_cpu:
+        if not on_cpu:
             torch.cuda.synchronize()
         out.append(time.perf_counter() - t0)
     return out

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from harness.errors import BadInput
+from harness.suite_registry import load_suite
 
 if TYPE_CHECKING:
     from harness.checks import CheckResult
@@ -15,19 +14,8 @@ if TYPE_CHECKING:
     from harness.launch.results import CaseResult
     from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
-# Contract names (docs/architecture.md, docs/suites.md).
-SUITES = {
-    "equivalence": "harness.suite_defs.equivalence:EquivalenceSuite",
-    "grad-sync": "harness.suite_defs.grad_sync:GradSyncSuite",
-    "ckpt-memory": "harness.suite_defs.ckpt_memory:CkptMemorySuite",
-    "dynamic-cp": "harness.suite_defs.dynamic_cp:DynamicCPSuite",
-    "step-perf": "harness.suite_defs.step_perf:StepPerfSuite",
-    "peft-ckpt": "harness.suite_defs.peft_ckpt:PeftCkptSuite",
-    "train-memory": "harness.suite_defs.train_memory:TrainMemorySuite",
-    "golden": "harness.suite_defs.golden:GoldenSuite",
-}
 # The parameter types of the suites (and of their cases) whose fields declare a command-line flag
-# (harness/suite_defs/flags.py); modules that import no torch. tests/test_selection.py holds it to SUITES.
+# (harness/suite_defs/flags.py); modules that import no torch. tests/test_selection.py holds it to the registry (harness/suite_registry.py).
 PARAM_TYPES = (
     "harness.suite_defs.ckpt_memory.params:CkptMemoryParams",
     "harness.suite_defs.ckpt_memory.params:CkptCaseParams",
@@ -191,13 +179,4 @@ def get_suite(name: str | Suite) -> Suite:
 
     A suite object is returned as it is (a configured suite, e.g. a test's subclass).
     """
-    if not isinstance(name, str):
-        return name
-    target = SUITES.get(name, name)
-    if ":" not in target:
-        raise BadInput(f"unknown suite {name!r}; available: {', '.join(SUITES)}")
-    module, _, attr = target.partition(":")
-    try:
-        return getattr(importlib.import_module(module), attr)()
-    except (ImportError, AttributeError) as exc:
-        raise BadInput(f"suite {name!r} cannot be loaded: {exc}") from exc
+    return name if not isinstance(name, str) else load_suite(name)

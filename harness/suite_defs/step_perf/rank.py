@@ -48,7 +48,7 @@ def rank_work(case: Case, ctx: RankContext) -> StepPerfRankData:
         for step in range(warmup):
             engine.train_step(step)
     with ctx.phase("calibrate"):
-        calibration = calibrate(ctx)
+        calibration = calibrate(ctx.device, ctx.on_cpu)
     timer = PhaseTimer(engine, ctx.on_cpu)
     steps, plain = [], []
     overhead = isinstance(case.params, StepPerfParams) and case.params.overhead
