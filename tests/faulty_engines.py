@@ -283,8 +283,8 @@ class ExpertGradsOverDenseDP(McoreEngine):
     (Megatron-LM #5916's shape): the experts are left unmarked (`allreduce=True`), so megatron's DDP puts them in
     the dense buffers - at EP > 1 those sum the gradients of other ranks' experts into this rank's."""
 
-    def build_chunks(self, dtype: str | None = None) -> list:
-        chunks = super().build_chunks(dtype)
+    def build_chunks(self, params_dtype: str | None = None) -> list:
+        chunks = super().build_chunks(params_dtype)
         for chunk in chunks:
             for name, p in chunk.named_parameters():
                 if ".mlp.experts." in name:
@@ -480,19 +480,19 @@ class InitStdChanged(McoreEngine):
 class LayerNormEpsChanged(McoreEngine):
     """The norms' epsilon changed from megatron's 1e-5 to 1e-6 (as a config default that moved would)."""
 
-    def build_chunks(self, dtype: str | None = None) -> list:
+    def build_chunks(self, params_dtype: str | None = None) -> list:
         from harness.engines import mcore
 
         original = mcore.transformer_config
 
-        def changed(case, on_cpu, dtype=None):
-            config = original(case, on_cpu, dtype)
+        def changed(case, on_cpu, params_dtype=None):
+            config = original(case, on_cpu, params_dtype)
             self.change(config)
             return config
 
         mcore.transformer_config = changed
         try:
-            return super().build_chunks(dtype)
+            return super().build_chunks(params_dtype)
         finally:
             mcore.transformer_config = original
 

@@ -594,3 +594,13 @@ def test_a_loads_device_peak_that_cannot_tell_says_so():
     assert tiny.inconclusive and "would stay in the device band" in tiny.message
     bf16, _ = _device_load("small", Layout.parse("tp1-pp1-cp1-dp2"), 0, dtype="bf16")
     assert bf16.inconclusive and "the device load model is of fp32 state, this case trains in bf16" in bf16.message
+    assert bf16.details[0].startswith("  rank 0: load device peak above its start ")
+
+
+def test_the_device_band_names_the_ranks_own_part_of_the_state():
+    from harness.checks.memory_model import device_load_band
+
+    small, dp2 = load_model("small"), Layout.parse("tp1-pp1-cp1-dp2")
+    own = 12 * shard_params(small, dp2, 0) // 2
+    for fmt in ("dp_reshardable", "fully_reshardable"):
+        assert f"(2/3 x S/D, S/D={own / MIB:.1f} MiB)" in device_load_band(fmt, small, dp2, 0).why

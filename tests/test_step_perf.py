@@ -695,3 +695,30 @@ def test_bisect_skips_a_step_whose_slowdown_other_processes_explain(tmp_path, fo
     if verdict == "skip":
         assert step.why.startswith("cannot tell: tp1-pp1-cp1-dp1: step_time_ms x1.300, but other processes used "
                                    "40% of node's 2 CPUs while the steps were timed"), step.why
+
+
+def test_a_bisect_step_with_a_bad_case_is_bad_whatever_another_case_could_not_tell(tmp_path):
+    """One case slower beyond anything (x1.6, quiet machine), another slower within what a busy machine explains
+    (x1.3 beside 40% others, which reads further beyond its threshold): the step is bad, not skipped."""
+    import dataclasses
+    import json
+
+    from harness.bisect import BAD, Threshold, judge_run
+    from harness.suite_defs.step_perf import StepPerfParams, StepPerfSuite
+    from harness.suite_defs.step_perf.figures import key as step_key
+    from harness.suite_run import SuiteRun
+
+    busy = _timed_result([ms * 10 for ms in _steps_around(130.0)], 0.40)  # 1300 ms against 1000: x1.30
+    bad = _timed_result(_steps_around(160.0), 0.0)  # against 100: x1.60, 45 ms beyond its threshold (busy: 150)
+    bad.case = dataclasses.replace(bad.case, options=dataclasses.replace(bad.case.options,
+                                                                         use_distributed_optimizer=True))
+    entries = {}
+    for res, base in ((busy, 1000.0), (bad, 100.0)):
+        entries[step_key(res.case)] = {m: {**v, "tolerance": 0.0} for m, v in _entry([base] * 3).items()}
+    assert len(entries) == 2, "the two cases need their own baseline entries"
+    (tmp_path / "cpu-gloo").mkdir()
+    (tmp_path / "cpu-gloo" / "step-perf.json").write_text(json.dumps({"entries": entries}))
+    run = SuiteRun(StepPerfSuite(), "tiny", 1, "gloo", "mcore", results=[busy, bad],
+                   params=StepPerfParams(baselines_dir=str(tmp_path)))
+    step = judge_run(run, "step_time_ms", Threshold("baseline+15%"))
+    assert step.verdict == BAD and step.case == bad.case.id, step.why

@@ -86,12 +86,18 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
             value = samples[metric]
             step = StepResult(BAD if value > limit else GOOD, value, limit, o.result.case.id,
                               f"{metric} {value:.2f} {'>' if value > limit else '<='} {limit:.2f}", vers)
-        if worst is None or _margin(step) > _margin(worst):
+        if worst is None or _rank(step) > _rank(worst):
             worst = step
     if worst is None:
         known = sorted({m for o in outcomes for m in suite.samples(o.result)})
         raise BadInput(f"no case of the selection has metric {metric!r}; metrics: {', '.join(known) or 'none'}")
     return worst
+
+
+def _rank(step: StepResult) -> tuple[int, float]:
+    """Which case's step speaks for the run: a bad one over one that cannot be judged over a good one, then the
+    one whose figure lies furthest beyond its threshold."""
+    return {BAD: 2, SKIP: 1, GOOD: 0}[step.verdict], _margin(step)
 
 
 def _margin(step: StepResult) -> float:
@@ -105,8 +111,12 @@ def _judge_timed(run, result, metric: str, case_entry: dict, threshold: Threshol
     """A timed figure (step-perf) is judged as the suite judges it: bad when significantly slower than the
     baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's);
     skipped where other processes on the machine explain the slowdown."""
+    from harness.suite_defs import SeesOtherLoad
+
     cmp = run.suite.timed_comparison(result, metric, case_entry, threshold.relative_effect, params=run.params)
-    if cmp.slower and (busy := run.suite.load_explains(result, metric, case_entry, cmp)):
+    busy = (run.suite.load_explains(result, metric, case_entry, cmp)
+            if cmp.slower and isinstance(run.suite, SeesOtherLoad) else "")
+    if busy:
         return StepResult(SKIP, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,
                           f"cannot tell: {busy}", vers)
     return StepResult(BAD if cmp.slower else GOOD, cmp.median_b, cmp.median_a * (1 + cmp.min_effect), result.case.id,

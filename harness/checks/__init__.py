@@ -16,6 +16,7 @@ class Captures:
     leaks: bool = False
 
 
+@dataclass
 class CheckData:
     """A check's machine-readable figures for reports: each kind a dataclass deriving from this, written to
     results.json as its fields (`dataclasses.asdict`)."""

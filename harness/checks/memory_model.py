@@ -231,21 +231,23 @@ def device_load_band(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> B
     the device state in place (fully_reshardable builds the whole shard's tensors on the host); a GLU model's fc1
     weights are merged from their two halves on the device and held through the load. A second copy of the
     rank's state is its part more."""
-    _, own, what = _load_state(fmt, model, layout, rank)
+    _, own, _ = _load_state(fmt, model, layout, rank)
+    part = "S/D + S_e/E" if expert_shard_params(model, layout, rank) else "S/D"
     glu = WEIGHT_BYTES_PER_PARAM * glu_params(model, layout, rank)
     merge = f" + the fc1 merge {glu / MIB:.1f} MiB" if glu else ""
     return Band(0, 2 * own // 3 + glu + DEVICE_LOAD_FIXED_COST,
-                f"{fmt} load on the device: <= the fresh Adam state (2/3 x {what}, {what}={own / MIB:.1f} MiB){merge}")
+                f"{fmt} load on the device: <= the fresh Adam state (2/3 x {part}, {part}={own / MIB:.1f} MiB){merge}")
 
 
 def device_load_blind_spot(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> str:
-    """'' where a second copy of the rank's state beside the fresh Adam state leaves the device band; otherwise
-    why it would not."""
+    """'' where a second copy of the rank's state beside what a correct load holds (the fresh Adam state and a
+    GLU model's fc1 merge) leaves the device band; otherwise why it would not."""
     _, own, _ = _load_state(fmt, model, layout, rank)
-    if 2 * own // 3 + own > device_load_band(fmt, model, layout, rank).high:
+    held = 2 * own // 3 + WEIGHT_BYTES_PER_PARAM * glu_params(model, layout, rank)
+    if held + own > device_load_band(fmt, model, layout, rank).high:
         return ""
-    return (f"a second copy of rank {rank}'s state ({own / MIB:.1f} MiB) beside the fresh Adam state would stay in "
-            f"the device band: it cannot tell; judge on a larger model or at a smaller DP")
+    return (f"a second copy of rank {rank}'s state ({own / MIB:.1f} MiB) beside what a correct load holds would "
+            f"stay in the device band: it cannot tell; judge on a larger model or at a smaller DP")
 
 
 def load_blind_spot(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> str:

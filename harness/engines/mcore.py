@@ -105,14 +105,14 @@ class McoreEngine(McoreCheckpoints):
             **(_offload_config() if o.optimizer_cpu_offload else {}),
         )
 
-    def build_chunks(self, dtype: str | None = None) -> list:
-        """Unwrapped GPTModel chunks of this rank (one per virtual pipeline stage), their parameters in `dtype`
-        where given, else the case's."""
+    def build_chunks(self, params_dtype: str | None = None) -> list:
+        """Unwrapped GPTModel chunks of this rank (one per virtual pipeline stage), their parameters in
+        `params_dtype` where given, else the case's."""
         import torch
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
-        self.config = transformer_config(self.case, self.ctx.on_cpu, dtype)
+        self.config = transformer_config(self.case, self.ctx.on_cpu, params_dtype)
         vpp = self.case.layout.vpp
         chunks = []
         for stage in range(vpp):

@@ -13,14 +13,14 @@ if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
 
-def transformer_config(case: Case, on_cpu: bool, dtype: str | None = None) -> TransformerConfig:
+def transformer_config(case: Case, on_cpu: bool, params_dtype: str | None = None) -> TransformerConfig:
     """TransformerConfig for the model spec and layout (no dropout: the CPU RNG tracker cannot fork); parameters
-    in `dtype` where given, else the case's."""
+    in `params_dtype` where given, else the case's."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    m, lay, params = case.model, case.layout, dtype_of(dtype or case.options.dtype).torch
+    m, lay, params = case.model, case.layout, dtype_of(params_dtype or case.options.dtype).torch
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from harness.spec import Case, CaseOptions, Layout, ModelSpec
 
 # The parameter types of the suites (and of their cases) whose fields declare a command-line flag
-# (harness/suite_defs/flags.py); modules that import no torch. tests/test_selection.py holds it to the registry (harness/suite_registry.py).
+# (harness/suite_defs/flags.py); modules that import no torch. tests/test_toy_suite.py holds it to the registry
+# (harness/suite_registry.py).
 PARAM_TYPES = (
     "harness.suite_defs.ckpt_memory.params:CkptMemoryParams",
     "harness.suite_defs.ckpt_memory.params:CkptCaseParams",
@@ -134,6 +135,12 @@ class TimedBaselines(Protocol):
 
     def timed_comparison(self, res: CaseResult, metric: str, entry: dict, effect: float | None = None,
                          params: Any = None) -> Comparison: ...
+
+
+@runtime_checkable
+class SeesOtherLoad(Protocol):
+    """A timed suite that can tell when other processes on the machine explain a slower figure (step-perf:
+    the CPU time its ranks did not use while timed); `harness bisect` skips such a step."""
 
     def load_explains(self, res: CaseResult, metric: str, entry: dict, cmp: Comparison) -> str: ...
 
