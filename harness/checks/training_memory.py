@@ -55,7 +55,7 @@ MIB = 1024 ** 2
 # model: a conservative 2 GiB). CPU: nothing beyond the heap figures the model is judged against.
 FIXED_OVERHEAD = {"gpu": 2 * GIB, "cpu": 0}
 # What a gloo rank process holds before any tensor of the case: the interpreter with torch and megatron-core
-# imported (~350 MB RSS measured, MEGATRON_FACTS.md) - counted when deciding whether a case fits the host.
+# imported (~350 MB RSS measured) - counted when deciding whether a case fits the host.
 CPU_PROCESS = GIB // 2
 # A prediction within 5% of the memory available is not a fit: the allocator's fragmentation and workspaces
 # are not counted tensor by tensor (the first H100 run OOMed `1b` at seq 4096, predicted 79.3 of 79.6 GiB).

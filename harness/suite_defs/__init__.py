@@ -60,7 +60,7 @@ GPU_DEFAULT_MODELS = {"step-perf": "1b-2k"}
 
 
 # The dtype a suite's cases train in on GPU ranks when none is given: step-perf times steps as Megatron users
-# train them, in bf16 mixed precision (docs/gpu-nodes.md has the fp32 and bf16 figures of one H100); fp32 stays
+# train them, in bf16 mixed precision (docs/step-perf.md has the fp32 and bf16 figures of one H100); fp32 stays
 # the CPU tier's and where numerics are compared at fp32 tolerances.
 GPU_DEFAULT_DTYPES = {"step-perf": "bf16"}
 
