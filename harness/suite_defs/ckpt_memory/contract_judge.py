@@ -75,8 +75,7 @@ def judge_load_peak(res: CaseResult, fmt: str, per_rank: list[LoadTarget]) -> Ch
     device = res.case.backend == "nccl"
     what = "device peak above its start" if device else "host peak"
     if device and res.case.options.dtype != "fp32":
-        peaks = [f"  rank {r.rank}: load device peak above its start "
-                 f"{(d.load.device_allocated_peak - d.load.device_allocated_before) / MIB:.1f} MiB (host peak "
+        peaks = [f"  rank {r.rank}: load device peak above its start {d.load.device_peak / MIB:.1f} MiB (host peak "
                  f"{d.load.host_peak / MIB:.1f} MiB)" for r, d in zip(res.ranks, per_rank) if d.load is not None]
         return cannot_tell("ckpt-memory.load", cid, f"{head}: the device load model is of fp32 state, this case "
                                                     f"trains in {res.case.options.dtype}", peaks)
@@ -85,7 +84,7 @@ def judge_load_peak(res: CaseResult, fmt: str, per_rank: list[LoadTarget]) -> Ch
         model, rank = res.case.model, r.rank
         if device:
             band = device_load_band(fmt, model, target, rank)
-            peak = d.load.device_allocated_peak - d.load.device_allocated_before
+            peak = d.load.device_peak
             why = device_load_blind_spot(fmt, model, target, rank)
             beside = f" (host peak {d.load.host_peak / MIB:.1f} MiB)"
         else:

@@ -86,5 +86,5 @@ def load_samples(result: CaseResult) -> dict[str, float]:
             head = f"load-{d.layout}.rank{r.rank}"
             out[f"{head}.host_peak_mib"] = d.load.host_peak / MIB
             if result.case.backend == "nccl":
-                out[f"{head}.device_peak_mib"] = (d.load.device_allocated_peak - d.load.device_allocated_before) / MIB
+                out[f"{head}.device_peak_mib"] = d.load.device_peak / MIB
     return out

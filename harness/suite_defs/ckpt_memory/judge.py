@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from harness.baselines import Verdict
 
+
 @dataclass
 class BaselineFigures(CheckData):
     """What a baseline check judged: the entry's key and each metric's verdict (measured, baseline, tolerance)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio
 from harness.launch.results import CaseResult
-from harness.probes.cpu_share import FOREIGN_LIMIT
+from harness.probes.cpu_share import FOREIGN_LIMIT, ForeignLoad
 from harness.suite_defs.step_perf import figures
 from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, key, record_command
 from harness.suite_defs.step_perf.params import SUITE, StepPerfParams
@@ -164,12 +164,12 @@ def timed_comparison(res: CaseResult, metric: str, entry: dict, effect: float | 
     return compare_samples(entry[metric]["samples"], measured, effect)
 
 
-def load_explains(res: CaseResult, entry: dict, cmp: Comparison, regressed: bool, what: str = "step time") -> str:
+def load_explains(res: CaseResult, entry: dict, cmp: Comparison, regressed: bool, load: ForeignLoad | None,
+                  what: str = "step time") -> str:
     """Why a busy machine explains a timed verdict, '' where it does not: other processes using a share s of the
     CPUs while the steps were timed slow them by up to x1/(1-s) (measured: 30% beside tiny-moe's 4 ranks,
     x1.27), so a slower figure within that is theirs; a baseline timed beside them explains an improvement down
-    to x(1-s). Also what `harness bisect` skips a step for."""
-    load = figures.foreign_load(res)
+    to x(1-s). load: the case's (`figures.foreign_load`). Also what `harness bisect` skips a step for."""
     if regressed and load is not None and load.too_busy and cmp.ratio <= load.slowdown:
         return (f"{res.case.layout.id}: {what} x{cmp.ratio:.3f}, but {load.describe()} while the steps were timed, "
                 f"which slows them by up to x{load.slowdown:.2f}: run it again on a quiet machine, or compare A/B "
@@ -226,7 +226,7 @@ def _check_time(res: CaseResult, entry: dict, params: StepPerfParams) -> CheckRe
     # also a real share of the step (the minimum effect of the baseline's step median), not 4 ms of
     # scheduling noise on a 2-core machine. A step that did not grow with it ran its compute faster.
     comm_grew = comm.slower and comm_growth > comm.min_effect * step.median_a
-    if busy := load_explains(res, entry, step, step.slower or comm_grew):
+    if busy := load_explains(res, entry, step, step.slower or comm_grew, load):
         return cannot_tell("step-perf.time", res.case.id, busy, rows, step.ratio, data)
     if step.slower:
         msg = (f"{res.case.layout.id}: step time regressed: {step.describe()}; slowest rank {rank} "

@@ -145,7 +145,7 @@ class StepPerfSuite:
 
     def load_explains(self, res: CaseResult, metric: str, entry: dict, cmp: Comparison) -> str:
         """Why other processes on the machine explain a slower timed figure ('' where they do not)."""
-        return judge.load_explains(res, entry, cmp, cmp.slower, metric)
+        return judge.load_explains(res, entry, cmp, cmp.slower, figures.foreign_load(res), metric)
 
     @staticmethod
     def report_data(result: CaseResult) -> dict[str, Any]:
