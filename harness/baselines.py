@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import BadInput
-from harness.files import atomic_write
+from harness.files import atomic_write, locked_dir
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "baselines"
 
@@ -163,14 +163,15 @@ def diff_entries(old: dict, new: dict, removed: bool = False) -> str:
 
 
 def write(path: Path, suite: str, platform: str, entries: dict, provenance: dict) -> str:
-    """Merge entries into the file atomically; return a readable diff of what changed."""
-    old = load(path)
-    data = {"suite": suite, "platform": platform,
-            "entries": {**old.get("entries", {}), **entries},
-            "provenance": {**old.get("provenance", {}), **{k: provenance for k in entries}}}
-    diff = diff_entries(old.get("entries", {}), entries)
-    atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
-    return diff
+    """Merge entries into the file atomically, another recording into the same directory waiting its turn;
+    return a readable diff of what changed."""
+    with locked_dir(path.parent):
+        old = load(path)
+        data = {"suite": suite, "platform": platform,
+                "entries": {**old.get("entries", {}), **entries},
+                "provenance": {**old.get("provenance", {}), **{k: provenance for k in entries}}}
+        atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return diff_entries(old.get("entries", {}), entries)
 
 
 def load_at_revision(path: Path, rev: str) -> dict[str, Any]:

@@ -60,3 +60,20 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def locked_dir(path: str | os.PathLike) -> Iterator[None]:
+    """An exclusive lock on a directory (made if missing) for a read-merge-write of a file in it: two processes
+    merging into one file take turns, so neither writes over what the other added. The lock is the
+    directory's own (flock), so nothing is left beside the file."""
+    import fcntl
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock

@@ -176,3 +176,42 @@ def test_the_regression_runs_are_what_the_suites_run():
         cpu_only |= set(re.findall(r'skip_off_cpu\("([a-z-]+)", "([a-z0-9-]+)"', text))
     assert {(r.suite, r.model) for r in REGRESSION_RUNS} == runs
     assert {(r.suite, r.model) for r in REGRESSION_RUNS if r.cpu_only} == cpu_only
+
+
+def _two_recordings_at_once(tmp_path, monkeypatch, wait_s: float) -> set:
+    """Two recordings into one file at the same moment, each reading the file before either writes if nothing
+    makes them take turns (the first reader waits up to wait_s for the second); the file's entries after."""
+    import threading
+
+    path = tmp_path / "cpu-gloo" / "step-perf.json"
+    load, reads, second_read = baselines.load, [], threading.Event()
+
+    def load_then_wait(p):
+        data = load(p)
+        reads.append(p)
+        if len(reads) == 1:
+            second_read.wait(wait_s)
+        else:
+            second_read.set()
+        return data
+
+    monkeypatch.setattr(baselines, "load", load_then_wait)
+    threads = [threading.Thread(target=baselines.write, args=(path, "step-perf", "cpu-gloo", baselines.build_entries(
+        {key: {"m": [1.0, 1.0, 1.0]}}), {})) for key in ("small/a", "small/b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return set(load(path)["entries"])
+
+
+def test_two_recordings_into_one_file_keep_both(tmp_path, monkeypatch):
+    assert _two_recordings_at_once(tmp_path, monkeypatch, wait_s=0.5) == {"small/a", "small/b"}
+
+
+def test_without_the_lock_one_recording_writes_over_the_other(tmp_path, monkeypatch):
+    """The plant: the write's directory lock taken away; both read the empty file, the second write wins."""
+    import contextlib
+
+    monkeypatch.setattr(baselines, "locked_dir", lambda path: contextlib.nullcontext())
+    assert len(_two_recordings_at_once(tmp_path, monkeypatch, wait_s=60)) == 1

@@ -202,27 +202,35 @@ class McoreEngine(McoreCheckpoints):
     def set_full(self, chunk, full_value) -> list[str]:
         """Copy full (TP-unsharded) values into this rank's shards: full_value(global name, full shape)
         gives the tensor or None (left as it is). Returns the names it set."""
+        from concurrent.futures import ThreadPoolExecutor
+
         import torch
 
-        done = []
-        with torch.no_grad():
-            for name, p in self.global_names(chunk).items():
-                tp_rank, tp = tp_coords(name)
-                dim = partition_dim(p)
-                full_shape = list(p.shape)
-                if dim is not None:
-                    full_shape[dim] *= tp
-                full = full_value(name, tuple(full_shape))
-                if full is None:
-                    continue
-                if tuple(full.shape) != tuple(full_shape):
-                    raise ValueError(f"{name}: a full value of shape {tuple(full.shape)} for a parameter of full "
-                                     f"shape {tuple(full_shape)}")
-                if dim is not None:
-                    full = tp_shard(full, dim, tp, tp_rank, self.tp_parts(name))
+        def set_one(name: str, p) -> str | None:
+            tp_rank, tp = tp_coords(name)
+            dim = partition_dim(p)
+            full_shape = list(p.shape)
+            if dim is not None:
+                full_shape[dim] *= tp
+            full = full_value(name, tuple(full_shape))
+            if full is None:
+                return None
+            if tuple(full.shape) != tuple(full_shape):
+                raise ValueError(f"{name}: a full value of shape {tuple(full.shape)} for a parameter of full "
+                                 f"shape {tuple(full_shape)}")
+            if dim is not None:
+                full = tp_shard(full, dim, tp, tp_rank, self.tp_parts(name))
+            with torch.no_grad():  # grad mode is per thread
                 p.copy_(full)
-                done.append(name)
-        return done
+            return name
+
+        # torch's generators and copies let go of the GIL: the rank's threads fill its parameters side by side,
+        # each drawn from its own generator, so the values do not depend on the order. With megatron drawing
+        # nothing (model_config.undrawn), 1b-2k's build_chunks took 12.5-12.9 s instead of 23.6-25.2 s on a
+        # 2-core VM with no GPU (3 runs each, torch.get_num_threads() 2).
+        params = self.global_names(chunk)
+        with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+            return [name for name in pool.map(set_one, params, params.values()) if name is not None]
 
     def tp_parts(self, name: str) -> int:
         """SwiGLU fc1 holds [gate; up], each block sharded over TP separately - and so do the weights

@@ -33,7 +33,11 @@ def transformer_config(case: Case, on_cpu: bool, params_dtype: str | None = None
         # megatron's MoE layer refuses TP without sequence parallelism; dense models run without it
         sequence_parallel=m.moe and lay.tp > 1,
         params_dtype=params, pipeline_dtype=params, bf16=params is torch.bfloat16, fp16=params is torch.float16,
+        # megatron draws no initial values: the engine overwrites every weight matrix from its global name
+        # (McoreEngine.reinit). perform_initialization stays on: megatron 0.16 marks a weight TP-sharded
+        # (partition_dim) inside its initialisation, so without it a sharded weight looks replicated.
         use_cpu_initialization=True, perform_initialization=True,
+        init_method=undrawn, output_layer_init_method=undrawn, embedding_init_method=undrawn,
         **fusions(on_cpu),
         # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
@@ -41,6 +45,10 @@ def transformer_config(case: Case, on_cpu: bool, params_dtype: str | None = None
         **recompute_config(case.options.recompute),
         **moe_config(case, on_cpu),
     )
+
+
+def undrawn(weight: torch.Tensor) -> None:
+    """megatron's init method for weights the engine sets itself (McoreEngine.reinit): draws nothing."""
 
 
 def moe_config(case: Case, on_cpu: bool) -> dict:
