@@ -50,6 +50,8 @@ class CaseSamples:
     counters: dict[str, float] = field(default_factory=dict)
     rounds_step_ms: list[list[float]] = field(default_factory=list)
     rounds_exposed_ms: list[list[float]] = field(default_factory=list)
+    foreign_share: float | None = None  # others' share of the CPUs while the round's steps were timed
+    rounds_foreign_share: list[float] = field(default_factory=list)  # of the rounds where it was measured
 
 
 def _in_process_round(side: Side, sel: CaseSelection, args, say, plans: dict) -> dict[str, CaseSamples]:
@@ -67,12 +69,15 @@ def _in_process_round(side: Side, sel: CaseSelection, args, say, plans: dict) ->
     for r in run.results:
         if not r.ok:
             raise RuntimeError(f"{side.label}: case {r.case.id} failed: {r.error.splitlines()[0] if r.error else ''}")
-        out[figures.key(r.case)] = CaseSamples(figures.step_ms(r), figures.exposed_ms(r), figures.counters(r))
+        load = figures.foreign_load(r)
+        out[figures.key(r.case)] = CaseSamples(figures.step_ms(r), figures.exposed_ms(r), figures.counters(r),
+                                               foreign_share=load.share if load else None)
     return out
 
 
 def _subprocess_round(side: Side, sel: CaseSelection, args, workdir: Path, n: int) -> dict[str, CaseSamples]:
     from harness.bisect import step_env
+    from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS
 
     out_dir = workdir / f"{side.label.replace('/', '_')}-{n}"
     env = step_env(side.pythonpath)
@@ -91,10 +96,10 @@ def _subprocess_round(side: Side, sel: CaseSelection, args, workdir: Path, n: in
     for c in data["cases"]:
         if c["status"] != "ok":
             raise RuntimeError(f"{side.label}: case {c['id']} failed: {c['reason']}")
-        d = c["data"]
-        counters = {k: v for k, v in c.get("samples", {}).items() if k not in ("step_time_ms", "exposed_comm_ms",
-                                                                                "calibration_ms")}
-        out[c["baseline_key"]] = CaseSamples(d["step_ms"], d["exposed_comm_ms"], counters)
+        d, samples = c["data"], c.get("samples", {})
+        counters = {k: v for k, v in samples.items() if k not in NOT_COUNTERS}
+        out[c["baseline_key"]] = CaseSamples(d["step_ms"], d["exposed_comm_ms"], counters,
+                                             foreign_share=samples.get(FOREIGN))
     return out
 
 
@@ -118,7 +123,34 @@ def run_rounds(a: Side, b: Side, sel: CaseSelection, args, say: Callable[[str], 
                 acc = pooled[side.label].setdefault(key, CaseSamples(counters=s.counters))
                 acc.rounds_step_ms.append(list(s.step_ms))
                 acc.rounds_exposed_ms.append(list(s.exposed_ms))
+                if s.foreign_share is not None:
+                    acc.rounds_foreign_share.append(s.foreign_share)
     return pooled[a.label], pooled[b.label], order
+
+
+def most_other_load(side: dict[str, CaseSamples]) -> float | None:
+    """The largest share of the CPUs that other processes used while a side's steps were timed, over its cases
+    and rounds; None where it was not measured."""
+    shares = [x for s in side.values() for x in s.rounds_foreign_share]
+    return max(shares) if shares else None
+
+
+def other_load_line(a: dict[str, CaseSamples], b: dict[str, CaseSamples], judged_busy: bool) -> str:
+    """What other processes used of the machine while each side was timed ('' where nothing was measured); where
+    it passed FOREIGN_LIMIT and some case is slower or cannot tell, the way out."""
+    from harness.probes.cpu_share import FOREIGN_LIMIT
+
+    share_a, share_b = most_other_load(a), most_other_load(b)
+    if share_a is None and share_b is None:
+        return ""
+    def pct(share: float | None) -> str:
+        return "-" if share is None else f"{share:.0%}"
+
+    line = f"other processes used up to {pct(share_a)} of the CPUs while A's steps were timed, {pct(share_b)} while B's"
+    if max(share_a or 0.0, share_b or 0.0) > FOREIGN_LIMIT and judged_busy:
+        line += (f"; beyond {FOREIGN_LIMIT:.0%}, load that fell on one side's rounds more than the other's moves "
+                 f"the ratio: stop them or compare on a quiet machine")
+    return line
 
 
 def judge(a: dict[str, CaseSamples], b: dict[str, CaseSamples], min_effect: float):
@@ -218,13 +250,18 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
     for key, (_, _, diffs) in verdicts.items():
         for d in diffs:
             print(f"  {key}: {d}")
+    load = other_load_line(samples_a, samples_b, bool(slower or undecided))
+    if load:
+        print(load)
     if args.out:
         from harness.files import atomic_write
 
         atomic_write(Path(args.out) / "compare.json", json.dumps(
             {"a": a.label, "b": b.label, "rounds": args.rounds, "order": order, "min_effect": effect,
              "cases": {k: {"step": vars(s), "exposed": vars(c), "counters_differ": d,
-                           "rounds_a": samples_a[k].rounds_step_ms, "rounds_b": samples_b[k].rounds_step_ms}
+                           "rounds_a": samples_a[k].rounds_step_ms, "rounds_b": samples_b[k].rounds_step_ms,
+                           "foreign_share_a": samples_a[k].rounds_foreign_share,
+                           "foreign_share_b": samples_b[k].rounds_foreign_share}
                        for k, (s, c, d) in verdicts.items()}}, indent=1))
     different = [key for key, (_, _, diffs) in verdicts.items() if diffs]
     if slower:

@@ -127,3 +127,64 @@ def test_no_exposed_communication_in_any_round_reads_x1_and_nothing_more():
     none = compare_rounds([[0.0] * 6] * 3, [[0.0] * 6] * 3, 0.05)
     assert none.ratio == 1.0 and not none.slower and not none.undecided
     assert compare_rounds([[0.0] * 6] * 3, [[2.0] * 6] * 3, 0.05).ratio == float("inf")
+
+
+def _results_json(out_dir, foreign: float) -> None:
+    """What `harness run` writes for one step-perf case: its step times, exact counters and the others' load."""
+    import json
+
+    out_dir.mkdir(parents=True)
+    (out_dir / "results.json").write_text(json.dumps({"cases": [{
+        "id": "step-perf/mcore/tiny/tp1-pp1-cp1-dp2", "status": "ok", "reason": "",
+        "baseline_key": "tiny/tp1-pp1-cp1-dp2/distopt=0,overlap=0",
+        "data": {"step_ms": [100.0, 101.0, 99.0], "exposed_comm_ms": [1.0, 1.0, 1.0]},
+        "samples": {"step_time_ms": 100.0, "exposed_comm_ms": 1.0, "calibration_ms": 5.0,
+                    "foreign_cpu_share": foreign, "rank0.flops": 1e9}}]}))
+
+
+def test_a_side_in_another_environment_does_the_same_work_whatever_the_machine_load(monkeypatch, tmp_path):
+    """A release or commit side runs `harness run` in a subprocess; the others' share of the CPUs it reads is
+    the machine's, not B's work: it is kept apart from the exact counters (it once read as a differing counter)."""
+    import subprocess
+    from pathlib import Path
+
+    from harness import compare
+
+    loads = iter([0.02, 0.31])
+
+    def fake_run(cmd, **kwargs):
+        _results_json(Path(cmd[cmd.index("--out") + 1]), next(loads))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    sel, args = CaseSelection("step-perf", "tiny", 2), argparse.Namespace(steps_per_round=3)
+    a = compare._subprocess_round(compare.Side("A", python="/venv/a"), sel, args, tmp_path, 0)
+    b = compare._subprocess_round(compare.Side("B", python="/venv/b"), sel, args, tmp_path, 0)
+    key = "tiny/tp1-pp1-cp1-dp2/distopt=0,overlap=0"
+    assert a[key].counters == b[key].counters == {"rank0.flops": 1e9}
+    assert (a[key].foreign_share, b[key].foreign_share) == (0.02, 0.31)
+
+
+def _with_load(samples: dict[str, CaseSamples], shares: list[float]) -> dict[str, CaseSamples]:
+    for s in samples.values():
+        s.rounds_foreign_share = list(shares)
+    return samples
+
+
+@pytest.mark.parametrize("b_mean,b_load,advice", [
+    (100.0, 0.04, False),  # same time, little load: said, nothing to do
+    (100.0, 0.35, False),  # much load but nothing slower or undecided: said, no advice
+    (125.0, 0.35, True),  # slower beside 35% others: the way out
+])
+def test_compare_says_what_other_processes_used_of_the_machine(monkeypatch, capsys, b_mean, b_load, advice):
+    from harness import compare
+
+    a = _with_load(_samples(100.0, SAME, 1), [0.01, 0.03, 0.02, 0.01, 0.02])
+    b = _with_load(_samples(b_mean, SAME, 2), [0.02, b_load, 0.01, 0.02, 0.01])
+    monkeypatch.setattr(compare, "run_rounds", lambda *args, **kw: (a, b, ["A", "B"]))
+    args = argparse.Namespace(engine=["mcore", "tests.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
+                              repo=None, cache=None, rounds=5, steps_per_round=6, out=None)
+    compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None)
+    out = capsys.readouterr().out
+    assert f"other processes used up to 3% of the CPUs while A's steps were timed, {b_load:.0%} while B's" in out
+    assert ("stop them or compare on a quiet machine" in out) is advice, out
