@@ -19,21 +19,21 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     from harness.platform import detect_platform
     from harness.platform.backend import machine_fingerprint
     from harness.report.provenance import now, versions
-    from harness.suite_defs import Baselined, RawSamples, RecordingPolicy
+    from harness.suite_defs import Baselined, RawSamples, RecordingPolicy, SizesRecording
 
     if repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {repeats}")
     samples: dict[str, dict[str, list[float]]] = {}
     raw: dict[str, dict[str, list[float]]] = {}  # per-sample figures (e.g. step times), pooled over repeats
     suite: Baselined | None = None
-    backend = ""
+    backend, params = "", None
     for i in range(repeats):
         print(f"repeat {i + 1}/{repeats}", file=sys.stderr, flush=True)
         run = run_suite(suite_name, model, world_size, layout_ids, baselines_dir=baselines_dir,
                         **kwargs).stop_if_interrupted()
         if not isinstance(run.suite, Baselined):
             raise BadInput(f"suite {run.suite.name!r} has no baselines")
-        suite, backend = run.suite, run.backend
+        suite, backend, params = run.suite, run.backend, run.params
         failed = [r for r in run.results if not r.ok and not r.skipped]
         if failed:
             raise RuntimeError(f"not recording: case {failed[0].case.id} failed:\n{failed[0].error}")
@@ -59,7 +59,9 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
                   "machine": machine_fingerprint(backend)}
     policy = suite if isinstance(suite, RecordingPolicy) else None
     entries = build_entries(samples, policy.tolerance if policy else None, raw, policy.digits if policy else 3)
-    return path, write(path, suite.name, platform, entries, provenance)
+    changes = write(path, suite.name, platform, entries, provenance)
+    notes = suite.recording_notes(entries, params, backend) if isinstance(suite, SizesRecording) else []
+    return path, "\n".join([changes, *notes]) if notes else changes
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ def _fake_runs(monkeypatch, values):
 
     def run_suite(*args, **kwargs):
         suite.calls.append(1)
-        run = SimpleNamespace(suite=suite, backend="gloo", results=[SimpleNamespace(ok=True, skipped=False, case=None)])
+        run = SimpleNamespace(suite=suite, backend="gloo", params=None,
+                              results=[SimpleNamespace(ok=True, skipped=False, case=None)])
         run.stop_if_interrupted = lambda: run  # a run that was not interrupted
         return run
     monkeypatch.setattr(driver, "run_suite", run_suite)
@@ -215,3 +216,28 @@ def test_without_the_lock_one_recording_writes_over_the_other(tmp_path, monkeypa
 
     monkeypatch.setattr(baselines, "locked_dir", lambda path: contextlib.nullcontext())
     assert len(_two_recordings_at_once(tmp_path, monkeypatch, wait_s=60)) == 1
+
+
+def test_a_suite_that_sizes_its_recording_says_so_after_the_changes(tmp_path, monkeypatch):
+    """A suite with recording_notes (step-perf: what its timed steps detect) has them printed after the diff."""
+    seen = []
+
+    class Sizing(FakeSuite):
+        def recording_notes(self, entries, params, backend):
+            seen.append((sorted(entries), params, backend))
+            return ["small/tp1-pp1-cp1-dp4/default: 20 timed steps detect >= 4.0% slower"]
+
+    suite = Sizing([10.0, 10.5, 11.0])
+
+    def run_suite(*args, **kwargs):
+        suite.calls.append(1)
+        run = SimpleNamespace(suite=suite, backend="gloo", params="the run's params",
+                              results=[SimpleNamespace(ok=True, skipped=False, case=None)])
+        run.stop_if_interrupted = lambda: run
+        return run
+
+    monkeypatch.setattr(driver, "run_suite", run_suite)
+    _, text = recording.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
+    assert text.splitlines() == ["+ small/tp1-pp1-cp1-dp4/default rank0.save_heap_peak_mib: 10.5 (tolerance 4.0, "
+                                 "spread 1.0)", "small/tp1-pp1-cp1-dp4/default: 20 timed steps detect >= 4.0% slower"]
+    assert seen == [(["small/tp1-pp1-cp1-dp4/default"], "the run's params", "gloo")]

@@ -184,20 +184,38 @@ def minimum_detectable_effect(samples: list[float], n_measured: int, *, alpha: f
     given power, from the spread of the baseline's block means (normal approximation of the Mann-Whitney U
     test over blocks, asymptotic relative efficiency 3/pi against the t-test); at least `floor` (the minimum
     effect)."""
-    from scipy import stats
-
     if len(samples) < 3 or statistics.median(samples) <= 0:  # nothing to be a fraction of
         return math.inf
     block = block_length(min(len(samples), n_measured))  # the units compare_samples tests
     units = block_means(samples, block)
     if len(units) < 2:
         return math.inf
-    sd = statistics.stdev(units)
-    med = statistics.median(samples)
-    n_a, n_b = len(units), max(1, n_measured // block)
+    return max(floor, _detectable(samples, units, len(units), max(1, n_measured // block), alpha, power))
+
+
+def _detectable(samples: list[float], units, n_a: int, n_b: int, alpha: float, power: float) -> float:
+    """minimum_detectable_effect's shift over the median, for n_a baseline and n_b measured block means."""
+    from scipy import stats
+
     z = stats.norm.ppf(1 - alpha) + stats.norm.ppf(power)
-    shift = z * sd * math.sqrt((1 / n_a + 1 / n_b) / (3 / math.pi))
-    return max(floor, shift / med)
+    shift = z * statistics.stdev(units) * math.sqrt((1 / n_a + 1 / n_b) / (3 / math.pi))
+    return shift / statistics.median(samples)
+
+
+def fewest_steps_detecting(samples: list[float], effect: float, repeats: int, *, up_to: int = 200,
+                           alpha: float = ALPHA, power: float = 0.9) -> int | None:
+    """The fewest timed steps per case that detect `effect` with the given power, at the spread these samples
+    show, when the baseline is `repeats` runs of as many steps and a check times one run; None: not within
+    up_to."""
+    if len(samples) < 3 or statistics.median(samples) <= 0:
+        return None
+    for n in range(3, up_to + 1):
+        block = block_length(n)
+        units = block_means(samples, block)
+        if len(units) >= 2 and _detectable(samples, units, max(1, repeats * n // block), max(1, n // block),
+                                           alpha, power) <= effect:
+            return n
+    return None
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,14 @@ class TimedBaselines(Protocol):
 
 
 @runtime_checkable
+class SizesRecording(Protocol):
+    """A baselined suite that reads from a new recording's own samples whether its cases time enough (step-perf:
+    what its timed steps detect, the fewest that detect the minimum effect); lines `baselines record` prints."""
+
+    def recording_notes(self, entries: dict[str, dict], params: Any, backend: str) -> list[str]: ...
+
+
+@runtime_checkable
 class SeesOtherLoad(Protocol):
     """A timed suite that can tell when other processes on the machine explain a slower figure (step-perf:
     the CPU time its ranks did not use while timed); `harness bisect` skips such a step."""

@@ -13,7 +13,7 @@ from harness.launch.results import CaseResult
 from harness.layouts import expert_matrix, validate
 from harness.probes.cpu_share import FOREIGN_LIMIT
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suite_defs.step_perf import figures, judge, rank
+from harness.suite_defs.step_perf import figures, judge, rank, sizing
 from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, TIMED
 from harness.suite_defs.step_perf.params import CPU_BUCKET_ELEMS, DEFAULT_LAYOUTS, OPTION_SETS, SUITE, StepPerfParams
 from harness.suite_defs.step_perf.payload import StepPerfRankData
@@ -113,6 +113,10 @@ class StepPerfSuite:
                 "exposed_comm_ms": statistics.median(figures.exposed_ms(result)),
                 "calibration_ms": figures.calibration_ms(result),
                 **({figures.FOREIGN: round(load.share, 3)} if load else {})}
+
+    def recording_notes(self, entries: dict[str, dict], params: StepPerfParams | None, backend: str) -> list[str]:
+        p = params or StepPerfParams()
+        return sizing.recording_notes(entries, p.timed_steps, p.min_effect, backend)
 
     def raw_samples(self, result: CaseResult) -> dict[str, list[float]]:
         return {"step_time_ms": figures.step_ms(result), "exposed_comm_ms": figures.exposed_ms(result)}
