@@ -355,3 +355,51 @@ def test_a_redundant_token_all_to_all_fails_step_perfs_counters():
     assert counted.message.startswith("tp1-pp1-cp1-dp4-ep2: 4 counters differ from the baseline; "
                                       "ranks0+1.ep/all_to_all.bytes "), counted.message
     assert "  ranks0+1.ep/all_to_all.calls 72 vs baseline 48 (+50.0%)" in counted.details, counted.details
+
+
+def model_outlives_its_case(rank: int, world_size: int) -> dict[str, tuple[bool, int]]:
+    """On each rank (tests.rank_call): after a training step of tiny-moe at EP 2 and the case's teardown, whether
+    its model is still alive and how many threads more the rank has than before the build - with the engine as
+    it is, then with megatron's dispatchers keeping the last batch's routing graph (the plant)."""
+    import gc
+    import os
+    import tempfile
+    import weakref
+    from pathlib import Path
+
+    from harness.engines import mcore
+    from harness.launch.context import RankContext
+    from harness.platform.parallel import teardown_parallel_state
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    out = {}
+    for planted in (False, True):
+        if planted:
+            mcore.drop_routing_graphs = lambda models: None
+        case = Case("equivalence", load_model("tiny-moe"), Layout.parse("tp1-pp1-cp1-dp2-ep2"), "mcore",
+                    CaseOptions(steps=1), "gloo", 120.0)
+        before = threads()
+        engine = mcore.McoreEngine(case, RankContext(rank, world_size, rank, "gloo", Path(tempfile.mkdtemp())))
+        engine.build()
+        engine.train_step(0)
+        model = weakref.ref(engine.models[0])
+        del engine
+        teardown_parallel_state()
+        gc.collect()
+        out["planted" if planted else "engine"] = (model() is not None, threads() - before)
+    return out
+
+
+@pytest.mark.slow
+def test_a_finished_moe_case_leaves_nothing_alive_in_a_warm_rank():
+    """megatron's token dispatcher keeps the last batch's routing probabilities with their autograd graph, whose
+    gradient-accumulator nodes hold DDP's hooks: a cycle through C++ that kept every MoE case's model and its
+    gloo groups' threads alive in a warm rank (which the pool then retired). The engine drops them after a step."""
+    from tests.rank_call import on_ranks
+
+    for rank, got in enumerate(on_ranks("tests.test_moe:model_outlives_its_case", 2)):
+        assert got["engine"] == (False, 0), f"rank {rank}: model alive, threads left: {got['engine']}"
+        alive, threads = got["planted"]
+        assert alive and threads > 0, f"rank {rank}: the plant left nothing alive: {got['planted']}"

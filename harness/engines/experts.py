@@ -34,3 +34,21 @@ def data_parallel(param: Any) -> tuple[Any, int]:
         return ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_rank()
     return (ps.get_data_parallel_group(with_context_parallel=True),
             ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def drop_routing_graphs(models: list) -> None:
+    """Drop what megatron's MoE token dispatchers keep of the batch just run that carries an autograd graph
+    (0.16: the routing probabilities, `probs`). That graph's gradient-accumulator nodes hold DDP's hooks and DDP
+    holds the model: a cycle through autograd's C++ nodes, which Python's collector cannot see, so a finished MoE
+    case's model - and its process groups' gloo threads - outlived the case in a warm rank. The next forward
+    sets them again."""
+    import torch
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for model in models:
+        for module in model.modules():
+            if isinstance(module, MoELayer):
+                dispatcher = module.token_dispatcher
+                for name, value in list(vars(dispatcher).items()):
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        setattr(dispatcher, name, None)

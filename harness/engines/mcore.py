@@ -11,7 +11,7 @@ from harness.dtypes import dtype
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
-from harness.engines.experts import EXPERT_RE, tp_coords
+from harness.engines.experts import EXPERT_RE, drop_routing_graphs, tp_coords
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, layer_spec, transformer_config
@@ -315,6 +315,8 @@ class McoreEngine(McoreCheckpoints):
                 num_microbatches=len(mbs), seq_length=self.case.model.seq_length,
                 micro_batch_size=self.case.micro_batch_size, forward_only=forward_only,
             )
+        if self.config.num_moe_experts:
+            drop_routing_graphs(self.models)
         reported: dict = {"aux_loss": self._take_aux_loss()}
         if not forward_only:
             lr = self.optimizer.param_groups[0]["lr"]
