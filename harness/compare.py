@@ -143,6 +143,7 @@ def other_load_line(a: dict[str, CaseSamples], b: dict[str, CaseSamples], judged
     share_a, share_b = most_other_load(a), most_other_load(b)
     if share_a is None and share_b is None:
         return ""
+
     def pct(share: float | None) -> str:
         return "-" if share is None else f"{share:.0%}"
 
