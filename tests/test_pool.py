@@ -126,17 +126,20 @@ def test_shuffled_warm_ranks_give_the_same_verdicts_and_values(suite):
     assert f_checks == w_checks  # verdicts and judged values (equivalence errors) bit-identical
 
 
-def test_a_timing_suite_gets_ranks_that_ran_no_other_suite(monkeypatch):
-    """step-perf (fresh_pool) retires warm ranks that ran another suite, keeps its own warm ones."""
+@pytest.mark.parametrize("suite", ["step-perf", "train-memory", "ckpt-memory"])
+def test_a_timing_or_memory_suite_gets_ranks_that_ran_no_other_suite(monkeypatch, suite):
+    """The suites whose figures a rank's history moves (fresh_pool) retire warm ranks that ran another suite before
+    them, and keep their own warm ones."""
     from harness.launch import pool as pool_mod
-    from harness.suite_defs.step_perf import StepPerfSuite
+    from harness.suite_defs import FreshRanks, get_suite
 
-    assert StepPerfSuite.fresh_pool
+    found = get_suite(suite)
+    assert isinstance(found, FreshRanks) and found.fresh_pool
     closed = []
     monkeypatch.setattr(pool_mod.RankPool, "close", lambda self, **kw: closed.append(self.world_size))
     monkeypatch.setattr(pool_mod, "_POOLS", {})
     other, own = pool_mod.pool_for(4, "gloo"), pool_mod.pool_for(2, "gloo")
-    other.suites, own.suites = {"step-perf", "peft-ckpt"}, {"step-perf"}
-    pool_mod.retire_pools_used_by_others("step-perf")
-    assert closed == [4] and other.retired == ["ran peft-ckpt before step-perf"]
+    other.suites, own.suites = {suite, "peft-ckpt"}, {suite}
+    pool_mod.retire_pools_used_by_others(suite)
+    assert closed == [4] and other.retired == [f"ran peft-ckpt before {suite}"]
     assert pool_mod.pool_for(2, "gloo") is own and pool_mod.pool_for(4, "gloo") is not other

@@ -163,8 +163,8 @@ class Parameterised(Protocol):
 
 @runtime_checkable
 class FreshRanks(Protocol):
-    """A suite timed on ranks that ran nothing but it (step-perf): the driver retires warm ranks other suites
-    used before it runs."""
+    """A suite timed or measured on ranks that ran nothing but it (step-perf, train-memory, ckpt-memory): the
+    driver retires warm ranks other suites used before it runs."""
 
     name: str
     fresh_pool: bool
