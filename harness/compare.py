@@ -212,7 +212,7 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
 
 def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
     """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds."""
-    from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED
+    from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, tier
     from harness.outcomes import EXIT_NOTHING_JUDGED
     from harness.tables import table
 
@@ -226,8 +226,7 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
 
             worktree = Worktree(Path(args.repo).resolve(), cache)
             b.pythonpath = [str(worktree.checkout(args.rev) / args.path_in_repo)]
-        tier = "gpu" if sel.backend == "nccl" else "cpu"
-        effect = sel.suite_params.get("min_effect", MIN_EFFECT_INTERLEAVED[tier])
+        effect = sel.suite_params.get("min_effect", MIN_EFFECT_INTERLEAVED[tier(sel.backend)])
         samples_a, samples_b, order = run_rounds(a, b, sel, args, say)
     finally:
         if worktree:

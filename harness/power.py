@@ -158,7 +158,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     """Each planted size `trials` times per mode on `backend`'s ranks, judged at that tier's minimum effects."""
     import argparse
 
-    from harness.checks.timing import MIN_EFFECT_INTERLEAVED
+    from harness.checks.timing import MIN_EFFECT_INTERLEAVED, tier
     from harness.compare import Side, judge, run_rounds
     from harness.driver import execute, plan
     from harness.recording import record_suite
@@ -166,7 +166,6 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     from harness.spec import CaseOptions
     from harness.suite_defs import default_dtype
 
-    tier = "gpu" if backend == "nccl" else "cpu"
     options = CaseOptions(use_distributed_optimizer=True, overlap_grad_reduce=True,
                           dtype=default_dtype("step-perf", backend))
     params = {"timed_steps": timed_steps, "option_sets": ((True, True),)}
@@ -207,7 +206,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                 a = Side("A=mcore", "mcore")
                 b = Side(f"B=+{size:.0%}", f"harness.power:{engine_name('step', size)}")
                 samples_a, samples_b, _ = run_rounds(a, b, sel, args, lambda msg: None)
-                step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED[tier]).values()))
+                step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED[tier(backend)]).values()))
                 t = tallies.setdefault(("interleaved", "step", size), Tally("interleaved", "step", size))
                 t.trials += 1
                 t.hits += int(step.slower)

@@ -30,6 +30,12 @@ TIMED_METRICS = ("step_time_ms", "exposed_comm_ms")
 MIN_EFFECT_INTERLEAVED = {"cpu": 0.05, "gpu": 0.03}
 
 
+def tier(backend: str) -> str:
+    """The key of a backend's minimum effects (MIN_EFFECT, MIN_EFFECT_INTERLEAVED): "gpu" on NCCL ranks, else
+    "cpu"."""
+    return "gpu" if backend == "nccl" else "cpu"
+
+
 @dataclass(frozen=True)
 class Comparison:
     """B (measured) against A (baseline) for one figure."""

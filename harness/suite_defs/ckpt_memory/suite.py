@@ -34,9 +34,8 @@ class CkptMemorySuite:
     name = SUITE
     default_model = "small"  # the CPU tier's model when none is given
     Params = CkptMemoryParams
-    # Measured on ranks that ran nothing but this suite, as its baselines were recorded: once MoE cases kept
-    # their warm ranks, train-memory's cases in the cpu-suite ran on ranks step-perf had used, and one case's
-    # rank 0 peaked 6.0 MiB above the others at its second step (31.1 against 25.1 MiB).
+    # Measured on ranks that ran nothing but this suite, as its baselines were recorded (train-memory's suite.py
+    # has what another suite's warm ranks did to a memory figure).
     fresh_pool = True
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel", "megatron.core.dist_checkpointing",

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
-from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio
+from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio, tier
 from harness.launch.results import CaseResult
 from harness.probes.cpu_share import FOREIGN_LIMIT, ForeignLoad
 from harness.suite_defs.step_perf import figures
@@ -159,8 +159,8 @@ def timed_comparison(res: CaseResult, metric: str, entry: dict, effect: float | 
     if params.normalise and calibration:
         scale = calibration / figures.calibration_ms(res)
         measured = [m * scale for m in measured]
-    tier = "gpu" if res.case.backend == "nccl" else "cpu"
-    effect = effect if effect is not None else params.min_effect if params.min_effect is not None else MIN_EFFECT[tier]
+    effect = (effect if effect is not None else params.min_effect if params.min_effect is not None
+              else MIN_EFFECT[tier(res.case.backend)])
     return compare_samples(entry[metric]["samples"], measured, effect)
 
 
