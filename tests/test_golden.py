@@ -64,6 +64,30 @@ def test_a_step_the_run_did_not_report_fails():
     assert "the run reported no step03.grad_norm" in _checks(measured)["golden.trajectory"].message
 
 
+def test_a_fingerprint_the_run_no_longer_reports_fails():
+    # the plant: the engine stops handing out its Adam state (or a parameter), the rest matches
+    for lost in ("exp_avg.embedding.word_embeddings.weight", "param.embedding.word_embeddings.weight"):
+        measured = {m: v for m, v in GOLDEN.items() if m != lost}
+        params = _checks(measured)["golden.params"]
+        assert params.failed
+        assert params.message == (f"the run reported no {lost} (1 of the golden values' 3 fingerprints): a "
+                                  f"parameter or optimizer state the engine no longer hands out")
+
+
+def test_an_engine_without_optimizer_state_is_judged_on_its_parameters_naming_the_moments_not_judged():
+    def params(measured: dict[str, float]):
+        checks = judge("golden/x/tiny/tp1-pp1-cp1-dp1", "tiny/fp32/steps=3", "fp32", measured, _entry(GOLDEN),
+                       moments=False)
+        return {c.check: c for c in checks}["golden.params"]
+
+    measured = {m: v for m, v in GOLDEN.items() if not m.startswith("exp_avg.")}
+    assert params(measured).passed
+    assert params(measured).message.endswith("; not judged: 1 Adam moments of the golden values (the engine "
+                                             "hands out no optimizer state)")
+    measured["param.embedding.word_embeddings.weight"] *= 1.01  # its parameters are still judged
+    assert params(measured).failed
+
+
 def test_a_trajectory_that_does_not_repeat_is_refused_at_recording():
     samples = {"tiny/fp32/steps=12": {"step01.loss": [4.87, 4.87, 4.8705], "step01.lr": [1e-3, 1e-3, 1.1e-3],
                                        "step02.loss": [4.8700001, 4.87, 4.87],

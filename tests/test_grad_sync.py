@@ -94,3 +94,40 @@ def test_gradient_reduction_on_the_wrong_group_is_caught():
                and not r.case.options.overlap_grad_reduce)
     msg = next(c.message for c in run.checks if c.case_id == off.case.id and c.check == "grad-sync.plan")
     assert "configured all-reduce" in msg and "but observed allreduce_coalesced_ on world group (0, 1)" in msg
+
+
+def _recorded(*records: tuple[str, str]):
+    """A world-size-2 grad-sync case whose rank 0 recorded (kind, source) DP collectives, rank 1 the same as both."""
+    from harness.launch.results import CaseResult, RankResult
+    from harness.probes.collectives import Collective
+    from harness.suite_defs.grad_sync import GradSyncRankData
+
+    def coll(kind: str, source: str) -> Collective:
+        return Collective(f"{kind}_", kind, (0, 1), "dp-cp", "float32", 4096, 16384, 1, "backward", source)
+
+    both = [coll("reduce_scatter", "dispatch"), coll("reduce_scatter", "alias")]
+    ranks = [RankResult(r, data=GradSyncRankData({"dp": r}, [coll(*x) for x in records] if r == 0 else both, [], [],
+                                                 0.0, 0.0)) for r in (0, 1)]
+    return CaseResult(Case("grad-sync", load_model("tiny"), Layout(1, 1, 1, 2)), ranks, "ok")
+
+
+def test_recorders_that_disagree_fail_naming_the_rank_and_what_only_one_saw():
+    from harness.suite_defs.grad_sync import GradSyncSuite
+
+    # the plant: megatron's alias no longer sees the all-gather the dispatcher saw
+    check = GradSyncSuite._check_recorders(_recorded(("reduce_scatter", "dispatch"), ("reduce_scatter", "alias"),
+                                                     ("all_gather", "dispatch")))
+    assert check.failed
+    assert check.message == ("rank 0: recorders disagree on DP collectives; only at the dispatcher: "
+                             "{('all_gather', (0, 1), 4096): 1}; only at megatron's aliases: {}")
+    assert GradSyncSuite._check_recorders(_recorded(("reduce_scatter", "dispatch"),
+                                                    ("reduce_scatter", "alias"))).passed
+
+
+def test_recorders_that_saw_nothing_cannot_tell():
+    from harness.launch.results import CaseResult
+    from harness.suite_defs.grad_sync import GradSyncSuite
+
+    nothing = _recorded()
+    check = GradSyncSuite._check_recorders(CaseResult(nothing.case, [nothing.ranks[0]] * 2, "ok"))
+    assert check.inconclusive and "neither recorder saw a DP gradient collective" in check.message

@@ -38,11 +38,9 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
         return out
     for name, tensor in sorted(assemble([d.params for d in data]).tensors.items()):
         out[f"param.{name}"] = float(tensor.double().norm())
-    state = [d.optimizer for d in data]
-    handed_out = [s for s in state if s is not None]
-    if len(handed_out) == len(state):  # the engine hands out its Adam state
+    if hands_out_moments(result):
         steps = []
-        for key, tensor in sorted(assemble(handed_out).tensors.items()):
+        for key, tensor in sorted(assemble([d.optimizer or [] for d in data]).tensors.items()):
             name, _, moment = key.rpartition("#")
             if moment == "step":
                 steps.append(float(tensor.max()))
@@ -51,6 +49,13 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
         if steps:
             out["optimizer.step"] = max(steps)  # Adam's step counter (bias correction)
     return out
+
+
+def hands_out_moments(result: CaseResult) -> bool:
+    """Whether the case's engine handed out its Adam state (HasOptimizerState) on every rank."""
+    from harness.suite_defs.golden.payload import GoldenRankData
+
+    return all(r.payload_as(GoldenRankData).optimizer is not None for r in result.ranks)
 
 
 def key(case: Case) -> str:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult
 from harness.dtypes import dtype
+from harness.suite_defs.golden.figures import hands_out_moments, record_command, trajectory
 from harness.suite_defs.golden.figures import key as key_of
-from harness.suite_defs.golden.figures import record_command, trajectory
 from harness.suite_defs.golden.params import SUITE, GoldenParams
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ def check(results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
             continue
         role = res.case.params.role
         if role == "":
-            out += judge(res.case.id, key, res.case.options.dtype, trajectory(res), entry)
+            out += judge(res.case.id, key, res.case.options.dtype, trajectory(res), entry,
+                         moments=hands_out_moments(res))
         elif role == "first-half":  # its steps here; the rest with the resume after it
             last = res.case.options.steps // 2
             half = {m: e for m, e in entry.items() if m.startswith("step") and int(m[4:6]) <= last}
@@ -111,7 +112,7 @@ def _check_resume(res: CaseResult, first: CaseResult | None, key: str, entry: di
     if first.case.layout != res.case.layout:
         where = where.replace("saved after", f"saved at {first.case.layout.id} after")
     measured = {**trajectory(first), **trajectory(res, first_step=half + 1)}
-    steps, params = judge(res.case.id, key, res.case.options.dtype, measured, entry)
+    steps, params = judge(res.case.id, key, res.case.options.dtype, measured, entry, moments=hands_out_moments(res))
     if steps.failed:
         return CheckResult("golden.resume", res.case.id, False, f"{where}: {steps.message}", steps.details)
     if params.failed:
@@ -119,8 +120,15 @@ def _check_resume(res: CaseResult, first: CaseResult | None, key: str, entry: di
     return CheckResult("golden.resume", res.case.id, True, f"{where}: {steps.message}", value=steps.value)
 
 
-def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], entry: dict) -> list[CheckResult]:
-    """The trajectory check (per step, the first step that left the tolerance) and the fingerprint check."""
+def _is_moment(metric: str) -> bool:
+    return metric.startswith(("exp_avg.", "exp_avg_sq.")) or metric == "optimizer.step"
+
+
+def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], entry: dict, *,
+          moments: bool = True) -> list[CheckResult]:
+    """The trajectory check (per step, the first step that left the tolerance) and the fingerprint check.
+    moments: the engine handed out its Adam state (HasOptimizerState); where it does not, the golden values'
+    moments are named as not judged, and where it does, a moment the run did not report fails like a parameter."""
     rows: list[tuple[str, float, float, float, bool]] = []  # metric, got, want, allowed, ok
     for metric in sorted(set(entry) & set(measured)):
         got, want = measured[metric], float(entry[metric]["value"])
@@ -143,6 +151,8 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
 
     steps = [r for r in rows if r[0].startswith("step")]
     missing = sorted(m for m in entry if m.startswith("step") and m not in measured)
+    unjudged = sorted(m for m in entry if _is_moment(m) and m not in measured) if not moments else []
+    lost = sorted(m for m in entry if not m.startswith("step") and m not in measured and m not in unjudged)
     extra = sorted(m for m in measured if m not in entry)
     details = [f"  {'ok ' if r[4] else 'NO '} {r[0]}: {r[1]:.8g} vs {r[2]:.8g} (allowed +-{r[3]:.2g})" for r in rows]
     out = []
@@ -165,14 +175,23 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
                                 if worst else ""),
                                details, value=_rel(worst[1], worst[2]) if worst else 0.0))
     bad_params = [r for r in params if not r[4]]
-    if bad_params or extra:
-        head = (f"after the last step: {len(bad_params)} of {len(params)} fingerprints left the golden values; "
-                f"{describe(moved[0])}" if bad_params else
-                f"{', '.join(extra[:3])} not in the golden trajectory (a parameter or figure it never saw)")
+    if bad_params or lost or extra:
+        if bad_params:
+            head = (f"after the last step: {len(bad_params)} of {len(params)} fingerprints left the golden values; "
+                    f"{describe(moved[0])}")
+        elif lost:
+            head = (f"the run reported no {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''} ({len(lost)} of "
+                    f"the golden values' {len(params) + len(lost)} fingerprints): a parameter or optimizer state "
+                    f"the engine no longer hands out")
+        else:
+            head = f"{', '.join(extra[:3])} not in the golden trajectory (a parameter or figure it never saw)"
         out.append(CheckResult("golden.params", case_id, False, head, details))
     else:
+        not_judged = (f"; not judged: {len(unjudged)} Adam moments of the golden values (the engine hands out no "
+                      f"optimizer state)" if unjudged else "")
         out.append(CheckResult("golden.params", case_id, True,
                                f"{len(params)} parameter and moment norms within the golden values"
-                               + (f" ({largest})" if largest else ""),
+                               + (f" ({largest})" if largest else "") + not_judged,
                                value=_rel(moved[0][1], moved[0][2]) if moved else 0.0))
     return out
+
