@@ -113,7 +113,7 @@ def expert_matrix(model: ModelSpec, world_size: int, **batch) -> list[Layout]:
     if not model.moe:
         return []
     half = world_size // 2
-    wanted = [Layout(dp=world_size, ep=ep) for ep in sorted({2, 4, world_size})]
+    wanted = [Layout(dp=world_size, ep=ep) for ep in sorted({2, 4, world_size}) if ep > 1]
     if world_size % 2 == 0:
         wanted += [Layout(tp=2, dp=half, ep=2), Layout(tp=2, dp=half, ep=2, etp=1), Layout(cp=2, dp=half, ep=2),
                    Layout(pp=2, dp=half, ep=2)]

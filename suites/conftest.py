@@ -139,6 +139,23 @@ def skip_off_cpu(harness_opts: dict):
     return skip
 
 
+def assert_judged(run, check: str | None = None) -> None:
+    """The `judge` fixture's assertion (below); returns where the run, or its `check`, was judged and passed."""
+    judged = [c for c in run.checks if check is None or c.check == check]
+    skipped = [r for r in run.results if r.skipped]
+    if not judged and skipped:
+        pytest.skip(f"no {check or 'check'} ran: " + "; ".join(dict.fromkeys(r.error.splitlines()[0] for r in skipped)))
+    assert judged, (f"{run.suite.name}: no {check or 'check'} ran "
+                    f"({len(run.results)} cases: {', '.join(o.outcome for o in run.outcomes()) or 'none'})")
+    if check is None:
+        assert run.passed or run.verdict == "nothing judged" and not run.errors and not any(
+            c.failed for c in run.checks), f"{run.suite.name}: verdict {run.verdict}\n" + failures(run)
+    else:
+        assert not any(c.failed for c in judged), failures(run, check)
+    if all(c.inconclusive for c in judged):
+        pytest.skip(f"cannot tell here: {judged[0].case_id}: {judged[0].check}: {judged[0].message}")
+
+
 @pytest.fixture(scope="session")
 def judge(request: pytest.FixtureRequest):
     """judge(run) asserts the whole run: something was judged, every case ran and was judged, every
@@ -150,23 +167,11 @@ def judge(request: pytest.FixtureRequest):
     skipped (e.g. they need more ranks than --world-size)."""
     judged_runs = request.config.stash.setdefault(_JUDGED, [])
 
-    def assert_judged(run, check: str | None = None) -> None:
-        judged = [c for c in run.checks if check is None or c.check == check]
-        skipped = [r for r in run.results if r.skipped]
-        if not judged and skipped:
-            pytest.skip(f"no {check or 'check'} ran: " + "; ".join(dict.fromkeys(r.error.splitlines()[0] for r in skipped)))
-        assert judged, (f"{run.suite.name}: no {check or 'check'} ran "
-                        f"({len(run.results)} cases: {', '.join(o.outcome for o in run.outcomes()) or 'none'})")
-        if check is None:
-            assert run.passed or run.verdict == "nothing judged" and not run.errors and not any(
-                c.failed for c in run.checks), f"{run.suite.name}: verdict {run.verdict}\n" + failures(run)
-        else:
-            assert not any(c.failed for c in judged), failures(run, check)
-        if all(c.inconclusive for c in judged):
-            pytest.skip(f"cannot tell here: {judged[0].case_id}: {judged[0].check}: {judged[0].message}")
+    def judge_and_count(run, check: str | None = None) -> None:
+        assert_judged(run, check)
         judged_runs.append(run.suite.name)
 
-    return assert_judged
+    return judge_and_count
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -153,3 +153,19 @@ class ExpertAdaptersSwapped(MegatronBridgeEngine):
                     break
             out[key] = t
         return out
+
+
+class AdapterNeverTrained(MegatronBridgeEngine):
+    """The adapters take no part in training (a wrapper that leaves them out of the optimizer, or re-initialises
+    them after the step): every B stays zero, so the exported adapter is faithful and does nothing."""
+
+    def train_step(self, step: int):
+        import torch
+
+        out = super().train_step(step)
+        with torch.no_grad():
+            for m in self.models:
+                for name, p in self.global_names(m.module).items():
+                    if name.endswith("adapter.linear_out.weight"):
+                        p.zero_()
+        return out

@@ -205,17 +205,22 @@ def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught(tmp_pa
 
 
 def _against_baseline_of(reference, *runs, tmp_path):
-    """Each run's contract case judged by ckpt-memory.load-baseline against a baseline of `reference`'s loads."""
+    """Each run's contract case judged by the suite's ckpt-memory.load-baseline (its floor, as the suite calls it)
+    against a baseline file of `reference`'s loads in tmp_path."""
+    import dataclasses
+
     from harness import baselines
     from harness.suite_defs.ckpt_memory import figures
-    from harness.suite_defs.ckpt_memory.judge import check_baseline
+    from harness.suite_defs.ckpt_memory.judge import check
 
     (ref,) = [r for r in reference.results if r.case.params.ckpt_role == "reshard"]
     key = figures.key(ref.case)
-    data = {"entries": baselines.build_entries({key: {m: [v] * 3 for m, v in figures.load_samples(ref).items()}})}
+    entries = baselines.build_entries({key: {m: [v] * 3 for m, v in figures.load_samples(ref).items()}})
+    (tmp_path / "cpu-gloo").mkdir(parents=True, exist_ok=True)
+    baselines.write(tmp_path / "cpu-gloo" / "ckpt-memory.json", "ckpt-memory", "cpu-gloo", entries, {})
     out = []
     for run in (reference, *runs):
         (res,) = [r for r in run.results if r.case.params.ckpt_role == "reshard"]
-        out.append(check_baseline("ckpt-memory.load-baseline", res, figures.load_samples(res), data,
-                                  tmp_path / "cpu-gloo" / "ckpt-memory.json", missing_fails=False))
+        params = dataclasses.replace(run.params, baselines_dir=str(tmp_path))
+        out += [c for c in check([res], params) if c.check == "ckpt-memory.load-baseline"]
     return out

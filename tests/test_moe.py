@@ -48,6 +48,28 @@ def test_the_listing_and_the_default_matrix_hold_the_expert_layouts():
     # at world size 2 a pipeline stage has one rank: no expert grid to split
     assert [lay.id for lay in expert_matrix(moe, 2)] == ["tp1-pp1-cp1-dp2-ep2", "tp2-pp1-cp1-dp1-ep2-etp1",
                                                          "tp1-pp1-cp2-dp1-ep2"]
+    # one rank has no expert grid: EP over the whole world is EP 1, the dense layout the suites run already
+    assert expert_matrix(moe, 1) == [] and default_matrix(moe, 1) == [Layout()]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_no_suite_plans_a_case_twice(world_size):
+    """At world size 1 the MoE models' "EP over the whole world" was the dense layout again: grad-sync, step-perf
+    and golden ran every such case twice (step-perf recorded 6 repeats under one key)."""
+    from collections import Counter
+
+    from harness.driver import plan
+    from harness.errors import BadInput, DoesNotFit, MissingDependency
+    from harness.suite_registry import SUITES
+
+    for suite in SUITES:
+        for model in ("tiny", "small", "tiny-moe", "small-moe", "tiny-qwen3-moe"):
+            try:
+                cases = plan(suite, model, world_size, backend="gloo").cases
+            except (BadInput, DoesNotFit, MissingDependency):
+                continue
+            twice = {i: n for i, n in Counter(c.id for c in cases).items() if n > 1}
+            assert not twice, f"{suite} {model} at world size {world_size} plans cases more than once: {twice}"
 
 
 def test_moe_models_count_their_experts():
@@ -357,34 +379,38 @@ def test_a_redundant_token_all_to_all_fails_step_perfs_counters():
     assert "  ranks0+1.ep/all_to_all.calls 72 vs baseline 48 (+50.0%)" in counted.details, counted.details
 
 
-def model_outlives_its_case(rank: int, world_size: int) -> dict[str, tuple[bool, int]]:
-    """On each rank (tests.rank_call): after a training step of tiny-moe at EP 2 and the case's teardown, whether
-    its model is still alive and how many threads more the rank has than before the build - with the engine as
-    it is, then with megatron's dispatchers keeping the last batch's routing graph (the plant)."""
+def model_outlives_its_case(rank: int, world_size: int, engine_name: str = "mcore") -> dict[str, tuple[bool, int]]:
+    """On each rank (tests.rank_call): after a training step of tiny-moe (mcore: at EP 2; fsdp2: pure DP) and the
+    case's teardown, whether its model is still alive and how many threads more the rank has than before the
+    build - with the engine as it is, then with megatron's dispatchers keeping the last batch's routing graph (the
+    plant)."""
     import gc
     import os
     import tempfile
     import weakref
     from pathlib import Path
 
-    from harness.engines import mcore
+    from harness.engines import fsdp2, mcore
     from harness.launch.context import RankContext
     from harness.platform.parallel import teardown_parallel_state
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
 
+    module = {"mcore": mcore, "fsdp2": fsdp2}[engine_name]
+    layout = "tp1-pp1-cp1-dp2-ep2" if engine_name == "mcore" else "tp1-pp1-cp1-dp2"
     out = {}
     for planted in (False, True):
         if planted:
-            mcore.drop_routing_graphs = lambda models: None
-        case = Case("equivalence", load_model("tiny-moe"), Layout.parse("tp1-pp1-cp1-dp2-ep2"), "mcore",
-                    CaseOptions(steps=1), "gloo", 120.0)
+            module.drop_routing_graphs = lambda models: None
+        case = Case("equivalence", load_model("tiny-moe"), Layout.parse(layout), engine_name, CaseOptions(steps=1),
+                    "gloo", 120.0)
         before = threads()
-        engine = mcore.McoreEngine(case, RankContext(rank, world_size, rank, "gloo", Path(tempfile.mkdtemp())))
+        ctx = RankContext(rank, world_size, rank, "gloo", Path(tempfile.mkdtemp()))
+        engine = mcore.McoreEngine(case, ctx) if engine_name == "mcore" else fsdp2.FSDP2Engine(case, ctx)
         engine.build()
         engine.train_step(0)
-        model = weakref.ref(engine.models[0])
+        model = weakref.ref(engine.models[0] if engine_name == "mcore" else engine.model)
         del engine
         teardown_parallel_state()
         gc.collect()
@@ -392,14 +418,21 @@ def model_outlives_its_case(rank: int, world_size: int) -> dict[str, tuple[bool,
     return out
 
 
+def fsdp2_model_outlives_its_case(rank: int, world_size: int) -> dict[str, tuple[bool, int]]:
+    return model_outlives_its_case(rank, world_size, "fsdp2")
+
+
 @pytest.mark.slow
-def test_a_finished_moe_case_leaves_nothing_alive_in_a_warm_rank():
+@pytest.mark.parametrize("engine_name", ["mcore", "fsdp2"])
+def test_a_finished_moe_case_leaves_nothing_alive_in_a_warm_rank(engine_name):
     """megatron's token dispatcher keeps the last batch's routing probabilities with their autograd graph, whose
     gradient-accumulator nodes hold DDP's hooks: a cycle through C++ that kept every MoE case's model and its
-    gloo groups' threads alive in a warm rank (which the pool then retired). The engine drops them after a step."""
+    gloo groups' threads alive in a warm rank (which the pool then retired); FSDP2's post-backward hooks close the
+    same cycle. Both engines drop them after a step."""
     from tests.rank_call import on_ranks
 
-    for rank, got in enumerate(on_ranks("tests.test_moe:model_outlives_its_case", 2)):
+    target = "tests.test_moe:" + ("fsdp2_" if engine_name == "fsdp2" else "") + "model_outlives_its_case"
+    for rank, got in enumerate(on_ranks(target, 2)):
         assert got["engine"] == (False, 0), f"rank {rank}: model alive, threads left: {got['engine']}"
         alive, threads = got["planted"]
         assert alive and threads > 0, f"rank {rank}: the plant left nothing alive: {got['planted']}"

@@ -171,6 +171,15 @@ def test_adapter_gradients_not_reduced_over_dp_fail_replicas_naming_tensor_and_r
     assert "their gradients were not reduced over the group that holds them" in msg
 
 
+@pytest.mark.slow
+def test_an_adapter_that_never_trained_is_named_a_no_op():
+    # the export and Megatron agree (both do nothing), so only the adapter's effect can tell
+    failed = _failed(_run("tests.faulty_peft:AdapterNeverTrained", layouts=["tp1-pp1-cp1-dp1"]))
+    msg = failed[("peft-ckpt.logprobs", "tp1-pp1-cp1-dp1")]
+    assert msg.startswith("tp1-pp1-cp1-dp1: the adapter is a no-op in PEFT: disabling it moves the log-probs by "), msg
+    assert msg.endswith(" after 2 steps"), msg
+
+
 # -- mixtures of experts --------------------------------------------------------------------------
 def _moe_megatron_names(m) -> dict[str, tuple[int, ...]]:
     """The global names and full shapes of a LoRA-wrapped Qwen3-MoE-shaped model under megatron's local spec."""

@@ -379,6 +379,10 @@ def test_an_improvement_that_a_busy_baseline_explains_cannot_be_told(measured, r
                                         "--suite step-perf --model tiny"), check.message
     else:
         assert check.improvement, check.message
+        assert check.message.startswith(f"tp1-pp1-cp1-dp1: step time improved beyond the baseline: {measured:.1f} "
+                                        f"ms vs 505.0 ms: x{measured / 505:.3f}"), check.message
+        assert check.message.endswith("; refresh it with `harness baselines record --suite step-perf --model tiny "
+                                      "--world-size 1 --backend gloo --layout tp1-pp1-cp1-dp1`"), check.message
 
 
 def test_foreign_load_is_the_busy_time_the_timed_processes_did_not_use():

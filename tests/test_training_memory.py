@@ -207,6 +207,30 @@ def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
     assert base.message.endswith("record it with: harness baselines record --suite train-memory --model small "
                                  "--world-size 2 --backend gloo --layout tp1-pp1-cp1-dp2")
 
+    # the same measurement against baselines of it (the default tolerance: 20% of the baseline): equal passes; the
+    # plant, a step that now takes half as much again on rank 1 as its baseline, fails naming the rank, the phase
+    # and the excess; half as much reads as an improvement
+    from harness.baselines import build_entries
+    from harness.suite_defs.train_memory.figures import key, samples
+    from harness.suite_defs.train_memory.judge import _check_baseline
+
+    (res,) = run.results
+    measured = samples(res)
+    got = measured["rank1.step1_mib"]
+
+    def against(factor: float):
+        base = {m: [v * (factor if m == "rank1.step1_mib" else 1.0)] * 3 for m, v in measured.items()}
+        return _check_baseline(res, {"entries": build_entries({key(res.case): base}, digits=None)}, tmp_path / "x")
+
+    assert against(1.0).passed
+    worse = against(1 / 1.5)
+    assert worse.failed and not worse.improvement
+    assert worse.message == (f"rank1.step1_mib {got:.2f} MiB is {got - got / 1.5:+.2f} MiB above baseline "
+                             f"{got / 1.5:.2f} +- {0.2 * got / 1.5:.2f} MiB")
+    better = against(2.0)
+    assert better.failed and better.improvement
+    assert better.message.startswith(f"rank1.step1_mib {got:.2f} MiB is {-got:+.2f} MiB below (improvement: refresh")
+
 
 # train-memory on one H200 (torch 2.11, megatron-core 0.16.1, no Transformer Engine or apex,
 # `harness run --suite train-memory --world-size 1 --backend nccl`): each case's device-allocated peak per phase

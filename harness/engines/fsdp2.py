@@ -15,6 +15,7 @@ from typing import Any
 from harness.dtypes import dtype
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput
+from harness.engines.experts import drop_routing_graphs
 from harness.engines.lr_schedule import SCHEDULER_KEY, make_scheduler, saved_schedule
 from harness.engines.mcore import McoreEngine
 from harness.errors import BadInput
@@ -63,6 +64,8 @@ class FSDP2Engine(McoreEngine):
             loss.backward()
             loss_sum += float(out.detach().float().sum())
             tokens += out.numel()
+        if self.config.num_moe_experts:
+            drop_routing_graphs([self.model])  # FSDP's post-backward hooks close the same cycle as DDP's
         grad_norm, num_zeros = self._clip_and_count()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
