@@ -216,8 +216,9 @@ def _against_baseline_of(reference, *runs, tmp_path):
     (ref,) = [r for r in reference.results if r.case.params.ckpt_role == "reshard"]
     key = figures.key(ref.case)
     entries = baselines.build_entries({key: {m: [v] * 3 for m, v in figures.load_samples(ref).items()}})
-    (tmp_path / "cpu-gloo").mkdir(parents=True, exist_ok=True)
-    baselines.write(tmp_path / "cpu-gloo" / "ckpt-memory.json", "ckpt-memory", "cpu-gloo", entries, {})
+    path = baselines.baseline_path(tmp_path, "cpu-gloo", "ckpt-memory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    baselines.write(path, "ckpt-memory", "cpu-gloo", entries, {})
     out = []
     for run in (reference, *runs):
         (res,) = [r for r in run.results if r.case.params.ckpt_role == "reshard"]

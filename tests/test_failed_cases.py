@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from harness.driver import plan
+from harness.errors import MissingDependency
 from harness.launch.results import CaseResult
 from harness.outcomes import CaseStatus
 from harness.suite_registry import SUITES
@@ -16,7 +17,10 @@ ERROR = "RuntimeError: planted in rank 1 at step 2\nTraceback (most recent call 
 @pytest.mark.parametrize("status", [CaseStatus.ERROR, CaseStatus.TIMEOUT])
 @pytest.mark.parametrize("suite_name", sorted(SUITES))
 def test_a_case_that_did_not_run_fails_naming_its_error(suite_name, status):
-    planned = plan(suite_name, None, 2, backend="gloo")
+    try:
+        planned = plan(suite_name, None, 2, backend="gloo")
+    except MissingDependency as e:  # peft-ckpt without megatron-bridge or peft (nox installs both)
+        pytest.skip(str(e))
     failed = [CaseResult(case, [], status, error=ERROR) for case in planned.cases]
     checks = planned.suite.check(failed, planned.params)
     for case in planned.cases:

@@ -70,8 +70,14 @@ def test_a_fingerprint_the_run_no_longer_reports_fails():
         measured = {m: v for m, v in GOLDEN.items() if m != lost}
         params = _checks(measured)["golden.params"]
         assert params.failed
-        assert params.message == (f"the run reported no {lost} (1 of the golden values' 3 fingerprints): a "
-                                  f"parameter or optimizer state the engine no longer hands out")
+        assert params.message == (f"the run reported no {lost} (1 of the 3 fingerprints judged): a parameter or "
+                                  f"optimizer state the engine no longer hands out")
+        assert f"  NO  {lost}: not reported" in params.details
+    # a renamed parameter: lost under its old name, reported under a new one
+    measured = {m: v for m, v in GOLDEN.items() if m != "param.embedding.word_embeddings.weight"}
+    measured["param.embedding.word_embeddings.weight_renamed"] = 1.8
+    assert _checks(measured)["golden.params"].message.endswith(
+        "; reported instead: param.embedding.word_embeddings.weight_renamed")
 
 
 def test_an_engine_without_optimizer_state_is_judged_on_its_parameters_naming_the_moments_not_judged():
@@ -82,10 +88,64 @@ def test_an_engine_without_optimizer_state_is_judged_on_its_parameters_naming_th
 
     measured = {m: v for m, v in GOLDEN.items() if not m.startswith("exp_avg.")}
     assert params(measured).passed
-    assert params(measured).message.endswith("; not judged: 1 Adam moments of the golden values (the engine "
-                                             "hands out no optimizer state)")
+    assert params(measured).message == ("2 parameter norms within the golden values (largest parameter change: "
+                                        "decoder.layers.1.mlp.linear_fc1.weight norm rel 0.0e+00); not judged: the "
+                                        "golden values' 1 Adam state figures (the engine hands out no optimizer "
+                                        "state)")
     measured["param.embedding.word_embeddings.weight"] *= 1.01  # its parameters are still judged
     assert params(measured).failed
+
+
+def _golden_result(optimizer_on_rank0, steps: int = 2):
+    """A finished golden case at world size 2 (DP 2) whose DP rank 0 hands out `optimizer_on_rank0`, rank 1 []
+    (or both None: an engine without HasOptimizerState)."""
+    import torch
+
+    from harness.engines.base import ParamShard, StepOutput
+    from harness.launch.results import CaseResult, RankResult
+    from harness.models import load_model
+    from harness.spec import Case, Layout
+    from harness.suite_defs.golden.payload import GoldenRankData
+
+    from harness.suite_defs.golden.params import GoldenParams
+
+    case = Case("golden", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions(steps=steps), "gloo",
+                params=GoldenParams())
+    w = ParamShard("w", torch.full((4,), 0.5), None, 0, 1)
+    ranks = [RankResult(r, data=GoldenRankData({"tp": 0, "pp": 0, "cp": 0, "dp": r, "last_stage": 1},
+                                               [StepOutput(4.0 * 64, 64, grad_norm=0.5, lr=1e-3)] * steps, [w],
+                                               optimizer=optimizer_on_rank0 if r == 0 or optimizer_on_rank0 is None
+                                               else [])) for r in (0, 1)]
+    return CaseResult(case, ranks, "ok")
+
+
+def test_the_suite_judges_moments_where_its_engine_hands_them_out(tmp_path):
+    """check() tells the judge whether the engine handed out its Adam state: an engine that hands out none is judged
+    on its parameters, one that hands out a list without the moments fails naming them."""
+    import torch
+
+    from harness import baselines
+    from harness.engines.base import ParamShard
+    from harness.suite_defs.golden.figures import key, trajectory
+    from harness.suite_defs.golden.judge import check
+    from harness.suite_defs.golden.params import GoldenParams
+
+    state = [ParamShard("w#exp_avg", torch.full((4,), 0.1), None, 0, 1),
+             ParamShard("w#step", torch.tensor([2.0]), None, 0, 1)]
+    full = _golden_result(state)
+    assert {"param.w", "exp_avg.w", "optimizer.step"} <= set(trajectory(full))
+    entries = baselines.build_entries({key(full.case): {m: [v] * 3 for m, v in trajectory(full).items()}}, digits=None)
+    baselines.write(baselines.baseline_path(tmp_path, "cpu-gloo", "golden"), "golden", "cpu-gloo", entries, {})
+
+    def params_check(result):
+        return {c.check: c for c in check([result], GoldenParams(baselines_dir=str(tmp_path)))}["golden.params"]
+
+    assert params_check(full).passed
+    assert params_check(_golden_result(None)).passed
+    assert params_check(_golden_result(None)).message.endswith("not judged: the golden values' 2 Adam state figures "
+                                                               "(the engine hands out no optimizer state)")
+    lost = params_check(_golden_result([]))  # the plant: handed out, but without its moments
+    assert lost.failed and lost.message.startswith("the run reported no exp_avg.w, optimizer.step (2 of the 3")
 
 
 def test_a_trajectory_that_does_not_repeat_is_refused_at_recording():

@@ -131,3 +131,6 @@ def test_recorders_that_saw_nothing_cannot_tell():
     nothing = _recorded()
     check = GradSyncSuite._check_recorders(CaseResult(nothing.case, [nothing.ranks[0]] * 2, "ok"))
     assert check.inconclusive and "neither recorder saw a DP gradient collective" in check.message
+    # one recorder blind while the other saw the step's collectives is a disagreement, not "nothing to compare"
+    blind = _recorded(("reduce_scatter", "dispatch"))
+    assert GradSyncSuite._check_recorders(CaseResult(blind.case, [blind.ranks[0]] * 2, "ok")).failed

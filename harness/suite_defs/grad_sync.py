@@ -216,9 +216,10 @@ class GradSyncSuite:
     @staticmethod
     def _check_recorders(res: CaseResult) -> CheckResult:
         """The dispatcher and megatron's aliases must see the same DP gradient collectives."""
-        if not any(dp_records(_data(r).collectives) for r in res.ranks):
+        if not any(dp_records(_data(r).collectives) for r in res.ranks):  # grad-sync.plan fails such a case
             return cannot_tell("grad-sync.recorders", res.case.id, "neither recorder saw a DP gradient collective on "
-                                                                  "any rank: nothing to compare")
+                                                                  "any rank: nothing to compare (the plan check "
+                                                                  "names what was expected)")
         for r in res.ranks:
             recs = dp_records(_data(r).collectives)
             seen = {src: Counter((x.kind, x.ranks, x.numel) for x in recs if x.source == src)

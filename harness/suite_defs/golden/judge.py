@@ -117,7 +117,8 @@ def _check_resume(res: CaseResult, first: CaseResult | None, key: str, entry: di
         return CheckResult("golden.resume", res.case.id, False, f"{where}: {steps.message}", steps.details)
     if params.failed:
         return CheckResult("golden.resume", res.case.id, False, f"{where}: {params.message}", params.details)
-    return CheckResult("golden.resume", res.case.id, True, f"{where}: {steps.message}", value=steps.value)
+    not_judged = params.message[params.message.find("; not judged"):] if "; not judged" in params.message else ""
+    return CheckResult("golden.resume", res.case.id, True, f"{where}: {steps.message}{not_judged}", value=steps.value)
 
 
 def _is_moment(metric: str) -> bool:
@@ -155,6 +156,7 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
     lost = sorted(m for m in entry if not m.startswith("step") and m not in measured and m not in unjudged)
     extra = sorted(m for m in measured if m not in entry)
     details = [f"  {'ok ' if r[4] else 'NO '} {r[0]}: {r[1]:.8g} vs {r[2]:.8g} (allowed +-{r[3]:.2g})" for r in rows]
+    details += [f"  NO  {m}: not reported" for m in lost] + [f"  NO  {m}: not in the golden values" for m in extra]
     out = []
     bad_steps = [r for r in steps if not r[4]]
     if bad_steps or missing:
@@ -180,18 +182,19 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
             head = (f"after the last step: {len(bad_params)} of {len(params)} fingerprints left the golden values; "
                     f"{describe(moved[0])}")
         elif lost:
+            instead = f"; reported instead: {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}" if extra else ""
             head = (f"the run reported no {', '.join(lost[:3])}{' ...' if len(lost) > 3 else ''} ({len(lost)} of "
-                    f"the golden values' {len(params) + len(lost)} fingerprints): a parameter or optimizer state "
-                    f"the engine no longer hands out")
+                    f"the {len(params) + len(lost)} fingerprints judged): a parameter or optimizer state the engine "
+                    f"no longer hands out{instead}")
         else:
             head = f"{', '.join(extra[:3])} not in the golden trajectory (a parameter or figure it never saw)"
         out.append(CheckResult("golden.params", case_id, False, head, details))
     else:
-        not_judged = (f"; not judged: {len(unjudged)} Adam moments of the golden values (the engine hands out no "
-                      f"optimizer state)" if unjudged else "")
+        not_judged = (f"; not judged: the golden values' {len(unjudged)} Adam state figures (the engine hands out "
+                      f"no optimizer state)" if unjudged else "")
         out.append(CheckResult("golden.params", case_id, True,
-                               f"{len(params)} parameter and moment norms within the golden values"
+                               f"{len(params)} parameter{' and moment' if moments else ''} norms within the golden "
+                               f"values"
                                + (f" ({largest})" if largest else "") + not_judged,
                                value=_rel(moved[0][1], moved[0][2]) if moved else 0.0))
     return out
-
