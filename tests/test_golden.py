@@ -401,3 +401,41 @@ def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skip
                                                       "optimizer CPU offload needs a megatron-core that offers them")
     with pytest.raises(BadInput, match="optimizer_cpu_offload needs use_distributed_optimizer"):
         CaseOptions(optimizer_cpu_offload=True)
+
+
+def fsdp2_moe_first_grad_norm(rank: int, world_size: int) -> float:
+    """On each rank (tests.rank_call): tiny-moe's first gradient norm under the fsdp2 engine at pure DP, after an
+    earlier case in this rank left megatron's MoE aux-loss scale at 7 (megatron's schedule sets it every step)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from harness.engines.fsdp2 import FSDP2Engine
+    from harness.launch.context import RankContext
+    from harness.models import load_model
+    from harness.platform.parallel import teardown_parallel_state
+    from harness.spec import Case, Layout
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([7.0]))
+    case = Case("golden", load_model("tiny-moe"), Layout(dp=world_size), "fsdp2", CaseOptions(steps=1), "gloo", 120.0)
+    engine = FSDP2Engine(case, RankContext(rank, world_size, rank, "gloo", Path(tempfile.mkdtemp())))
+    engine.build()
+    norm = engine.train_step(0).grad_norm
+    del engine
+    teardown_parallel_state()
+    return norm
+
+
+@pytest.mark.slow
+def test_fsdp2_trains_an_moe_model_alike_at_every_dp_size_whatever_ran_before():
+    """The MoE load-balancing loss's gradient is scaled by 1 / micro-batches, as megatron's schedule does: the
+    fsdp2 engine left the scale wherever an earlier case had set it (1 in a new rank), so the aux loss's gradient
+    summed over a rank's micro-batches and tiny-moe's first gradient norm was 2.51 at DP 1 and 0.85 at DP 4."""
+    from tests.rank_call import on_ranks
+
+    (dp1,) = on_ranks("tests.test_golden:fsdp2_moe_first_grad_norm", 1)
+    dp2 = on_ranks("tests.test_golden:fsdp2_moe_first_grad_norm", 2)
+    assert dp2[0] == dp2[1]
+    assert dp1 == pytest.approx(dp2[0], rel=1e-5), (dp1, dp2[0])

@@ -57,6 +57,13 @@ class FSDP2Engine(McoreEngine):
 
         mbs = data.microbatches(self.case, step, ps.get_data_parallel_rank())
         dev = self.ctx.device
+        if self.config.num_moe_experts:
+            import torch
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            # as megatron's schedule does every step: the load-balancing loss's gradient is a mean over the
+            # micro-batches, like the loss's, and not whatever scale an earlier case in this rank left
+            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=dev) / len(mbs))
         loss_sum, tokens = 0.0, 0
         for mb in mbs:
             out = self.model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
