@@ -105,9 +105,8 @@ def _golden_result(optimizer_on_rank0, steps: int = 2):
     from harness.launch.results import CaseResult, RankResult
     from harness.models import load_model
     from harness.spec import Case, Layout
-    from harness.suite_defs.golden.payload import GoldenRankData
-
     from harness.suite_defs.golden.params import GoldenParams
+    from harness.suite_defs.golden.payload import GoldenRankData
 
     case = Case("golden", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions(steps=steps), "gloo",
                 params=GoldenParams())

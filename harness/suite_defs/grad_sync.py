@@ -216,12 +216,12 @@ class GradSyncSuite:
     @staticmethod
     def _check_recorders(res: CaseResult) -> CheckResult:
         """The dispatcher and megatron's aliases must see the same DP gradient collectives."""
-        if not any(dp_records(_data(r).collectives) for r in res.ranks):  # grad-sync.plan fails such a case
+        per_rank = [(r, dp_records(_data(r).collectives)) for r in res.ranks]
+        if not any(recs for _, recs in per_rank):  # grad-sync.plan fails such a case
             return cannot_tell("grad-sync.recorders", res.case.id, "neither recorder saw a DP gradient collective on "
                                                                   "any rank: nothing to compare (the plan check "
                                                                   "names what was expected)")
-        for r in res.ranks:
-            recs = dp_records(_data(r).collectives)
+        for r, recs in per_rank:
             seen = {src: Counter((x.kind, x.ranks, x.numel) for x in recs if x.source == src)
                     for src in ("dispatch", "alias")}
             if seen["dispatch"] != seen["alias"]:

@@ -51,6 +51,11 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
     return out
 
 
+def is_optimizer_state(metric: str) -> bool:
+    """A figure of the engine's Adam state (trajectory's exp_avg.<name>, exp_avg_sq.<name>, optimizer.step)."""
+    return metric.startswith(("exp_avg.", "exp_avg_sq.")) or metric == "optimizer.step"
+
+
 def hands_out_moments(result: CaseResult) -> bool:
     """Whether the case's engine handed out its Adam state (HasOptimizerState) on every rank."""
     from harness.suite_defs.golden.payload import GoldenRankData

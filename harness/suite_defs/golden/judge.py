@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult
 from harness.dtypes import dtype
-from harness.suite_defs.golden.figures import hands_out_moments, record_command, trajectory
+from harness.suite_defs.golden.figures import hands_out_moments, is_optimizer_state, record_command, trajectory
 from harness.suite_defs.golden.figures import key as key_of
 from harness.suite_defs.golden.params import SUITE, GoldenParams
 
@@ -112,17 +112,25 @@ def _check_resume(res: CaseResult, first: CaseResult | None, key: str, entry: di
     if first.case.layout != res.case.layout:
         where = where.replace("saved after", f"saved at {first.case.layout.id} after")
     measured = {**trajectory(first), **trajectory(res, first_step=half + 1)}
-    steps, params = judge(res.case.id, key, res.case.options.dtype, measured, entry, moments=hands_out_moments(res))
+    moments = hands_out_moments(res)
+    steps, params = judge(res.case.id, key, res.case.options.dtype, measured, entry, moments=moments)
     if steps.failed:
         return CheckResult("golden.resume", res.case.id, False, f"{where}: {steps.message}", steps.details)
     if params.failed:
         return CheckResult("golden.resume", res.case.id, False, f"{where}: {params.message}", params.details)
-    not_judged = params.message[params.message.find("; not judged"):] if "; not judged" in params.message else ""
-    return CheckResult("golden.resume", res.case.id, True, f"{where}: {steps.message}{not_judged}", value=steps.value)
+    return CheckResult("golden.resume", res.case.id, True,
+                       f"{where}: {steps.message}{_not_judged(_unjudged(entry, measured, moments))}",
+                       value=steps.value)
 
 
-def _is_moment(metric: str) -> bool:
-    return metric.startswith(("exp_avg.", "exp_avg_sq.")) or metric == "optimizer.step"
+def _unjudged(entry: dict, measured: dict[str, float], moments: bool) -> list[str]:
+    """The golden values' Adam state figures an engine that hands out no optimizer state cannot report."""
+    return [] if moments else sorted(m for m in entry if is_optimizer_state(m) and m not in measured)
+
+
+def _not_judged(unjudged: list[str]) -> str:
+    return (f"; not judged: the golden values' {len(unjudged)} Adam state figures (the engine hands out no "
+            f"optimizer state)" if unjudged else "")
 
 
 def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], entry: dict, *,
@@ -152,7 +160,7 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
 
     steps = [r for r in rows if r[0].startswith("step")]
     missing = sorted(m for m in entry if m.startswith("step") and m not in measured)
-    unjudged = sorted(m for m in entry if _is_moment(m) and m not in measured) if not moments else []
+    unjudged = _unjudged(entry, measured, moments)
     lost = sorted(m for m in entry if not m.startswith("step") and m not in measured and m not in unjudged)
     extra = sorted(m for m in measured if m not in entry)
     details = [f"  {'ok ' if r[4] else 'NO '} {r[0]}: {r[1]:.8g} vs {r[2]:.8g} (allowed +-{r[3]:.2g})" for r in rows]
@@ -190,11 +198,8 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
             head = f"{', '.join(extra[:3])} not in the golden trajectory (a parameter or figure it never saw)"
         out.append(CheckResult("golden.params", case_id, False, head, details))
     else:
-        not_judged = (f"; not judged: the golden values' {len(unjudged)} Adam state figures (the engine hands out "
-                      f"no optimizer state)" if unjudged else "")
         out.append(CheckResult("golden.params", case_id, True,
                                f"{len(params)} parameter{' and moment' if moments else ''} norms within the golden "
-                               f"values"
-                               + (f" ({largest})" if largest else "") + not_judged,
+                               f"values" + (f" ({largest})" if largest else "") + _not_judged(unjudged),
                                value=_rel(moved[0][1], moved[0][2]) if moved else 0.0))
     return out
