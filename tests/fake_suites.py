@@ -13,7 +13,7 @@ import signal
 import time
 from typing import Any
 
-OK, RAISE, EXIT, HANG_COLLECTIVE, SIGKILL, SLEEP, PARALLEL_OP = range(7)
+OK, RAISE, EXIT, HANG_COLLECTIVE, SIGKILL, SLEEP, PARALLEL_OP, LARGE_GATHERS = range(8)
 # A case's time limit: rank start-up included (exec'd ranks import torch; a fresh fork server imports it before
 # the first fork), which took up to ~40 s on a 2-core machine running other ranks beside the test.
 CASE_TIMEOUT_S = 300.0
@@ -55,6 +55,9 @@ class Misbehave:
                 time.sleep(3600)
             if mode == PARALLEL_OP:
                 torch.ones(1 << 20).sum()
+            if mode == LARGE_GATHERS:  # as torch.distributed.checkpoint's save plans, on the world group
+                for _ in range(10):
+                    dist.all_gather([torch.empty(1 << 20) for _ in range(dist.get_world_size())], torch.ones(1 << 20))
         return {"sum": float(t[0]), "pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 

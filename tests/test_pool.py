@@ -41,9 +41,11 @@ def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
 
 
 @pytest.mark.slow
-def test_a_rank_of_several_threads_stays_warm_after_its_first_parallel_op():
-    """OpenMP's intra-op pool starts at a rank's first parallel op and lives as long as the rank (world size 1
-    on 2 cores: 2 threads per rank, one pool worker): that is not a leak, and the next case keeps the rank."""
+@pytest.mark.parametrize("mode", [fs.PARALLEL_OP, fs.LARGE_GATHERS], ids=["parallel-op", "large-gathers"])
+def test_a_rank_of_several_threads_stays_warm_after_its_first_parallel_op(mode):
+    """OpenMP's intra-op pool starts at a thread's first parallel op and lives as long as the thread (world size
+    1 on 2 cores: 2 threads per rank, one pool worker): in the rank's main thread and in each gloo thread of the
+    world group (large all-gathers) that is not a leak, and the next case keeps the rank."""
     import os
 
     if (os.cpu_count() or 1) < 2:
@@ -51,12 +53,44 @@ def test_a_rank_of_several_threads_stays_warm_after_its_first_parallel_op():
     pool = RankPool(1, "gloo")
     try:
         runs = [pool.run(Case("tests.fake_suites:Misbehave", load_model("tiny"), Layout(), "mcore",
-                              CaseOptions(seed=fs.PARALLEL_OP), "gloo", fs.CASE_TIMEOUT_S)) for _ in range(2)]
+                              CaseOptions(seed=mode), "gloo", fs.CASE_TIMEOUT_S)) for _ in range(2)]
         assert all(r.ok for r in runs), [r.error for r in runs]
         assert not runs[0].notes, runs[0].notes
         assert not runs[1].fresh_ranks and runs[1].ranks[0].data["pid"] == runs[0].ranks[0].data["pid"]
     finally:
         pool.close()
+
+
+_GATHERS_AFTER_START = """
+import sys, torch, torch.distributed as dist
+from harness.launch import isolation
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+torch.set_num_threads(2)
+isolation.start_lazy_threads() if sys.argv[2] == "started" else torch.ones(1 << 20).sum()
+before = isolation.snapshot()
+for _ in range(10):
+    dist.all_gather([torch.empty(1 << 20)], torch.ones(1 << 20))
+print(isolation.leaks(before, isolation.snapshot()))
+"""
+
+
+@pytest.mark.parametrize("start", ["started", "main-thread-only"])
+def test_the_world_groups_gloo_threads_start_their_openmp_pools_before_the_first_snapshot(tmp_path, start):
+    """Each gloo thread of the world group starts its own OpenMP pool at its first large copy (an all-gather:
+    torch.distributed.checkpoint's save plans do some). Started before the snapshot, they are not a case's
+    leak; started only in the main thread (the plant), the gathers read as a leak of the gloo threads' pools."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _GATHERS_AFTER_START, str(tmp_path / "store"), start],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    leaked = out.stdout.strip().splitlines()[-1]
+    if start == "started":
+        assert leaked == "[]"
+    else:
+        assert re.fullmatch(r"\['threads: (\d+) -> (\d+) \(new: pt_gloo_runloop( x2)?; a process group or pool "
+                            r"the case made outlived it\)'\]", leaked), leaked
 
 
 @pytest.mark.slow
@@ -95,7 +129,8 @@ def test_warm_ranks_keep_their_threads_and_a_kept_group_retires_the_pool():
         assert threads[0] == threads[1] == threads[2], threads
         kept = pool.run(Case("grad-sync", tiny, Layout(dp=2), "tests.faulty_engines:KeepsGroupAlive", opts))
         assert kept.ok
-        assert any(re.search(r"left threads: \d+ -> \d+ \(a process group or pool the case made outlived it\)", n)
+        assert any(re.search(r"left threads: \d+ -> \d+ \(new: [^;]*pt_gloo_runloop[^;]*; a process group or pool "
+                             r"the case made outlived it\)", n)
                    for n in kept.notes), kept.notes
         after = pool.run(Case("grad-sync", tiny, Layout(dp=2), "mcore", opts))
         assert after.ok and after.fresh_ranks and not after.notes

@@ -1,5 +1,5 @@
 """What the harness reads from Linux's /proc: status fields (VmRSS, VmHWM, ...), the reset of the RSS
-high-water mark, the thread count, a process's descendants. A figure that cannot be read raises
+high-water mark, the threads, a process's descendants. A figure that cannot be read raises
 MeasurementError (never 0 bytes)."""
 
 from __future__ import annotations
@@ -37,6 +37,19 @@ def reset_peak_rss() -> bool:
 def thread_count() -> int:
     """Threads of this process (/proc/self/task)."""
     return len(os.listdir("/proc/self/task"))
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads (each task's comm: e.g. pt_gloo_runloop, a gloo group's), sorted; a
+    thread that ended while being read is left out."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            continue
+    return sorted(names)
 
 
 # A kernel property (CONFIG_PROC_CHILDREN): read once, not in every sample.
