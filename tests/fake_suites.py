@@ -13,7 +13,7 @@ import signal
 import time
 from typing import Any
 
-OK, RAISE, EXIT, HANG_COLLECTIVE, SIGKILL, SLEEP, PARALLEL_OP, LARGE_GATHERS = range(8)
+OK, RAISE, EXIT, HANG_COLLECTIVE, SIGKILL, SLEEP, PARALLEL_OP, LARGE_GATHERS, TWO_THREADS = range(9)
 # A case's time limit: rank start-up included (exec'd ranks import torch; a fresh fork server imports it before
 # the first fork), which took up to ~40 s on a 2-core machine running other ranks beside the test.
 CASE_TIMEOUT_S = 300.0
@@ -53,12 +53,16 @@ class Misbehave:
                 time.sleep(3600)
             if mode == SLEEP:
                 time.sleep(3600)
-            if mode == PARALLEL_OP:
+            threads = torch.get_num_threads()
+            if mode == TWO_THREADS:  # the plant: a case that gives the rank's ATen a second thread
+                torch.set_num_threads(2)
+            if mode in (PARALLEL_OP, LARGE_GATHERS, TWO_THREADS):
                 torch.ones(1 << 20).sum()
-            if mode == LARGE_GATHERS:  # as torch.distributed.checkpoint's save plans, on the world group
+            if mode in (LARGE_GATHERS, TWO_THREADS):  # as the distributed optimizer's, on the world group
                 for _ in range(10):
                     dist.all_gather([torch.empty(1 << 20) for _ in range(dist.get_world_size())], torch.ones(1 << 20))
-        return {"sum": float(t[0]), "pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return {"sum": float(t[0]), "pid": os.getpid(), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "intra_op_threads": threads}
 
 
 PASS, REGRESS, IMPROVE, ERROR, SKIPPED = range(5)

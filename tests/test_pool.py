@@ -41,32 +41,33 @@ def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [fs.PARALLEL_OP, fs.LARGE_GATHERS], ids=["parallel-op", "large-gathers"])
-def test_a_rank_of_several_threads_stays_warm_after_its_first_parallel_op(mode):
-    """OpenMP's intra-op pool starts at a thread's first parallel op and lives as long as the thread (world size
-    1 on 2 cores: 2 threads per rank, one pool worker): in the rank's main thread and in each gloo thread of the
-    world group (large all-gathers) that is not a leak, and the next case keeps the rank."""
-    import os
-
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("cannot tell on one core: a rank of world size 1 gets one thread and OpenMP starts no pool")
+def test_a_gloo_rank_runs_one_thread_starts_no_openmp_pool_and_stays_warm():
+    """A gloo rank runs ATen on one thread (harness/platform/backend.py): parallel ops and large all-gathers start
+    no OpenMP pool in it or in its gloo threads, and the next case keeps the rank. A case that gives it a second
+    thread (the plant) leaves that setting and the pool of its main thread, and retires the ranks."""
     pool = RankPool(1, "gloo")
     try:
         runs = [pool.run(Case("tests.fake_suites:Misbehave", load_model("tiny"), Layout(), "mcore",
-                              CaseOptions(seed=mode), "gloo", fs.CASE_TIMEOUT_S)) for _ in range(2)]
+                              CaseOptions(seed=mode), "gloo", fs.CASE_TIMEOUT_S))
+                for mode in (fs.PARALLEL_OP, fs.LARGE_GATHERS, fs.TWO_THREADS, fs.OK)]
         assert all(r.ok for r in runs), [r.error for r in runs]
-        assert not runs[0].notes, runs[0].notes
+        assert [r.ranks[0].data["intra_op_threads"] for r in runs] == [1, 1, 1, 1]
+        assert not runs[0].notes and not runs[1].notes, runs[0].notes + runs[1].notes
         assert not runs[1].fresh_ranks and runs[1].ranks[0].data["pid"] == runs[0].ranks[0].data["pid"]
+        note = " ".join(runs[2].notes)
+        assert "intra-op threads: 1 -> 2" in note, note
+        assert re.search(r"; threads: \d+ -> \d+ \(new: ", note), note  # the pool of the thread that ran an op
+        assert runs[3].fresh_ranks
     finally:
         pool.close()
 
 
-_GATHERS_AFTER_START = """
+_GATHERS = """
 import sys, torch, torch.distributed as dist
 from harness.launch import isolation
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
-torch.set_num_threads(2)
-isolation.start_lazy_threads() if sys.argv[2] == "started" else torch.ones(1 << 20).sum()
+torch.set_num_threads(int(sys.argv[2]))
+isolation.start_lazy_threads()
 before = isolation.snapshot()
 for _ in range(10):
     dist.all_gather([torch.empty(1 << 20)], torch.ones(1 << 20))
@@ -74,19 +75,18 @@ print(isolation.leaks(before, isolation.snapshot()))
 """
 
 
-@pytest.mark.parametrize("start", ["started", "main-thread-only"])
-def test_the_world_groups_gloo_threads_start_their_openmp_pools_before_the_first_snapshot(tmp_path, start):
-    """Each gloo thread of the world group starts its own OpenMP pool at its first large copy (an all-gather:
-    torch.distributed.checkpoint's save plans do some). Started before the snapshot, they are not a case's
-    leak; started only in the main thread (the plant), the gathers read as a leak of the gloo threads' pools."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gloo_threads_start_openmp_pools_only_where_aten_has_more_than_one_thread(tmp_path, threads):
+    """Why a gloo rank runs one thread: each gloo thread that copies an all-gather's output starts an OpenMP pool
+    of its own when ATen has more than one thread (2: the plant), for the thread's life; on one, none starts."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _GATHERS_AFTER_START, str(tmp_path / "store"), start],
+    out = subprocess.run([sys.executable, "-c", _GATHERS, str(tmp_path / "store"), str(threads)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     leaked = out.stdout.strip().splitlines()[-1]
-    if start == "started":
+    if threads == 1:
         assert leaked == "[]"
     else:
         assert re.fullmatch(r"\['threads: (\d+) -> (\d+) \(new: pt_gloo_runloop( x2)?; a process group or pool "

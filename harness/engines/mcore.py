@@ -206,6 +206,8 @@ class McoreEngine(McoreCheckpoints):
 
         import torch
 
+        from harness.platform.backend import cpu_share
+
         def set_one(name: str, p) -> str | None:
             tp_rank, tp = tp_coords(name)
             dim = partition_dim(p)
@@ -227,9 +229,10 @@ class McoreEngine(McoreCheckpoints):
         # torch's generators and copies let go of the GIL: the rank's threads fill its parameters side by side,
         # each drawn from its own generator, so the values do not depend on the order. With megatron drawing
         # nothing (model_config.undrawn), 1b-2k's build_chunks took 12.5-12.9 s instead of 23.6-25.2 s on a
-        # 2-core VM with no GPU (3 runs each, torch.get_num_threads() 2).
+        # 2-core VM with no GPU (3 runs each, 2 threads). As many threads as the rank has cores (a gloo rank's
+        # ATen runs on one thread, so these start no OpenMP pool: harness/platform/backend.py).
         params = self.global_names(chunk)
-        with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        with ThreadPoolExecutor(max_workers=cpu_share()) as pool:
             return [name for name in pool.map(set_one, params, params.values()) if name is not None]
 
     def tp_parts(self, name: str) -> int:

@@ -42,36 +42,15 @@ def _resolve(path: str) -> Any:
 
 
 def start_lazy_threads() -> None:
-    """Start the threads torch starts at first use and keeps for the process's life, before the first snapshot.
-
-    OpenMP gives every thread that runs a parallel op its own team of torch.get_num_threads() - 1 workers, kept
-    for that thread's life. The main thread's team comes up at a rank's first parallel op; without it every case
-    of a rank given more than one thread (world size 1 on 2 cores, world size 4 on 16) read as a leak and retired
-    the warm ranks (`harness run --suite golden --world-size 1` ran each of its 10 cases in fresh ranks). Each
-    of the world group's gloo threads gets its team at its first large copy: an all-gather over the world group
-    (torch.distributed.checkpoint's save plans do one), after which golden's fsdp2 `tiny-moe` resume at world
-    size 1 read as a leak of one thread (named pt_gloo_runloop, after the thread that started it) and retired
-    the warm ranks."""
+    """Start the threads torch starts at first use and keeps for the process's life, before the first snapshot:
+    OpenMP's intra-op pool comes up at a rank's first parallel op. Without it every case of a rank given more
+    than one thread read as a leak of one or more threads and retired the warm ranks (`harness run --suite
+    golden --world-size 1` ran each of its 10 cases in fresh ranks, when gloo ranks ran two threads on 2
+    cores). A gloo rank now runs one (harness/platform/backend.py: no pool forms there); a GPU rank runs its
+    share of the node's cores."""
     import torch
 
     torch.ones(1 << 20).sum()  # above ATen's grain size (32768 elements): runs on every intra-op thread
-    start_gloo_thread_teams()
-
-
-def start_gloo_thread_teams(rounds: int = 4, at_once: int = 4) -> None:
-    """Give each gloo thread of the world group its OpenMP team: rounds of all-gathers queued at_once (more than
-    the group's threads, 2, so each thread takes one), each copying above ATen's grain size. A collective: every
-    rank calls it the same number of times."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_backend() != "gloo":
-        return
-    chunk = torch.ones(1 << 16)
-    for _ in range(rounds):
-        outs = [[torch.empty_like(chunk) for _ in range(dist.get_world_size())] for _ in range(at_once)]
-        for work in [dist.all_gather(out, chunk, async_op=True) for out in outs]:
-            work.wait()
 
 
 def snapshot() -> dict[str, Any]:
@@ -95,6 +74,7 @@ def snapshot() -> dict[str, Any]:
     snap["torch dispatch modes"] = torch._C._len_torch_dispatch_stack()
     snap["process groups"] = len(c10d._world.pg_map)
     snap["threads"] = proc.thread_names()
+    snap["intra-op threads"] = torch.get_num_threads()
     snap["default dtype"] = str(torch.get_default_dtype())
     snap["grad enabled"] = torch.is_grad_enabled()
     try:
@@ -124,7 +104,7 @@ def leaks(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
                            f"the case made outlived it)")
             continue
         if before[key] != value:
-            if key.endswith(("modes", "groups", "dtype", "enabled", "initialised")):
+            if key.endswith(("modes", "groups", "threads", "dtype", "enabled", "initialised")):
                 out.append(f"{key}: {before[key]} -> {value}")
             else:
                 out.append(f"{key} was replaced and not restored")

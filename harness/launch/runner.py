@@ -24,7 +24,7 @@ from harness.launch import zygote
 from harness.launch.children import die_with_parent, import_path
 from harness.launch.results import CaseResult, RankResult, read, write_atomic
 from harness.outcomes import CaseStatus
-from harness.platform.backend import CPU_RANK_ENV
+from harness.platform.backend import CPU_RANK_ENV, cpu_share
 from harness.spec import Case
 
 GRACE_S = 5.0  # how long peers of a failed rank may still finish before they are killed
@@ -40,7 +40,7 @@ def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         HARNESS_STORE=str(workdir / "store"), HARNESS_SPAWN_T=repr(time.time()),
         PYTHONPATH=import_path(),
-        OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // world)),
+        OMP_NUM_THREADS=str(cpu_share(world)),  # a GPU rank's; a gloo rank's is CPU_RANK_ENV's
         PYTHONUNBUFFERED="1",
     )
     env.pop("MASTER_ADDR", None)

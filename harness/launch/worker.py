@@ -29,10 +29,10 @@ def init_distributed(ctx: RankContext, timeout_s: float) -> None:
         torch.cuda.set_device(ctx.local_rank)
     else:
         from harness.platform import cpu_layer
+        from harness.platform.backend import CPU_RANK_THREADS
 
         cpu_layer.activate()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1)
-                                  // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)))))
+        torch.set_num_threads(CPU_RANK_THREADS)  # why one: harness/platform/backend.py
     timeout = timedelta(seconds=timeout_s)
     store_path = os.environ.get("HARNESS_STORE")
     if store_path:
