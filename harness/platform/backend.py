@@ -12,16 +12,9 @@ BACKENDS = ("auto", "gloo", "nccl")
 # The environment of every gloo (CPU-tier) rank process: it sees no GPU, so on a GPU node (e.g. world size
 # 4 on a one-GPU node, where `auto` picks gloo) the CPU layer runs as on a CPU box instead of refusing a
 # process where CUDA is available, and no rank holds a CUDA context it does not use.
-#
-# It runs ATen on one thread (CPU_RANK_THREADS). OpenMP gives every thread that runs a parallel op a pool of its
-# own, gloo's threads included (an all-gather's copy into its output: the distributed optimizer's, a DCP save
-# plan's), and once a process's OpenMP threads outnumber the cores libgomp cuts every pool's spin-wait to ~100
-# spins: each small parallel op of the rank then pays a futex wake-up, for the rest of the rank's life. On a
-# 2-core VM at world size 1 (two threads a rank) an in-place add of 65536 floats took 5-7 us before the gloo
-# threads had pools and 26-59 us after; step-perf's `tiny-moe` steps took 122-152 ms until a distributed-
-# optimizer case had run in the rank and 209-266 ms after, whichever case came next. On one thread no pool
-# forms anywhere: all four cases 122-148 ms (`small`: 634-711 ms, against 453-571 before a distributed-optimizer
-# case and 575-754 after, on two threads). A step time then does not depend on what ran before it in the rank.
+# It runs ATen on one thread: with more, each gloo thread that copies an all-gather's output starts an OpenMP
+# pool of its own, and once a process's OpenMP threads outnumber the cores libgomp makes every small parallel
+# op wait for a wake-up, for the rest of the rank's life (docs/internals.md, "One thread per CPU rank").
 CPU_RANK_THREADS = 1
 CPU_RANK_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(CPU_RANK_THREADS)}
 
