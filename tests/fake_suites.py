@@ -3,7 +3,8 @@
 Behaviour is chosen by CaseOptions.seed so one suite class covers every fault:
 seed 0 ok, 1 rank 1 raises, 2 rank 1 dies (os._exit), 3 rank 1 hangs in a collective,
 4 rank 1 is SIGKILLed, 5 every rank sleeps forever outside collectives, 6 every rank runs a parallel op
-(OpenMP starts its intra-op pool there on a rank with more than one thread).
+(OpenMP starts its intra-op pool there on a rank with more than one thread), 7 and large all-gathers
+(whose copies start pools in gloo's threads there), 8 gives ATen a second thread first (the plant).
 """
 
 from __future__ import annotations
