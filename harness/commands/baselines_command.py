@@ -105,7 +105,8 @@ def record_missing(args) -> int:
     todo = missing_baselines(args.world_size, args.backend, args.baselines_dir, args.suite)
     if not todo:
         print(f"nothing missing: every baseline the regression suites look for at world size {args.world_size} "
-              f"is recorded")
+              f"is recorded (an entry recorded before a metric was measured is named by the suite's check, with "
+              f"the command that records it again)")
         return 0
     for m in todo:
         print(f"{m.suite} {m.model}: {len(m.missing)} of {m.planned} entries missing from {m.path}", flush=True)
