@@ -128,3 +128,27 @@ def test_the_bad_input_count_the_docs_claim_is_the_tests():
     claims = [int(m) for p in _docs() for m in re.findall(r"`tests/test_bad_input\.py` refuses (\d+) bad inputs",
                                                           p.read_text())]
     assert claims == [len(CASES)], f"the docs claim {claims} bad inputs; tests/test_bad_input.py has {len(CASES)}"
+
+
+def headless_table_rows(text: str) -> list[int]:
+    """Line numbers of Markdown table rows that open a table without a header and delimiter row (outside code
+    fences): a blank line inside a table cuts it, and the rows after it render as plain text with pipes."""
+    lines, out, fenced = text.splitlines(), [], False
+    for n, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("|") or (n and lines[n - 1].startswith("|")):
+            continue
+        if not re.fullmatch(r"\|[\s:|-]+\|", lines[n + 1] if n + 1 < len(lines) else ""):
+            out.append(n + 1)
+    return out
+
+
+def test_every_table_in_the_docs_has_its_header():
+    assert {str(p.relative_to(ROOT)): headless_table_rows(p.read_text()) for p in _docs()} == \
+        {str(p.relative_to(ROOT)): [] for p in _docs()}
+
+
+def test_a_table_cut_by_a_blank_line_is_caught():
+    table = "| a | b |\n| --- | --- |\n| 1 | 2 |\n\n| 3 | 4 |\n\n```\n| code | only |\n```\n"
+    assert headless_table_rows(table) == [5]
