@@ -3,6 +3,8 @@ listed among the harness's adjustments with the reason; all off on CPU ranks."""
 
 from __future__ import annotations
 
+import pytest
+
 from harness import adjustments
 from harness.engines import model_config
 
@@ -25,8 +27,30 @@ def test_fusions_on_a_gpu_without_te_or_apex_are_the_jitted_ones(monkeypatch):
     assert flags == {"bias_activation_fusion": True, "bias_dropout_fusion": True, "masked_softmax_fusion": False,
                      "apply_rope_fusion": False, "gradient_accumulation_fusion": False, "persist_layer_norm": False}
     assert "fusion masked_softmax_fusion off: apex's fused softmax kernels are not installed" in notes
-    assert ("fusion gradient_accumulation_fusion off: neither Transformer Engine nor apex's "
-            "fused_weight_gradient_mlp_cuda") in notes
+    assert ("fusion gradient_accumulation_fusion off: apex's fused_weight_gradient_mlp_cuda is not installed "
+            "(megatron's output layer needs it, with Transformer Engine too)") in notes
+
+
+def test_gradient_accumulation_fusion_needs_apex_with_transformer_engine_too(monkeypatch):
+    """megatron's ColumnParallelLinear (the GPT output layer, in TE's spec too) refuses the fusion without apex's
+    kernel: with TE and no apex the fusion stays off, and the flags build that layer here (no apex either)."""
+    import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    monkeypatch.setattr(model_config, "_importable", lambda module: module == "transformer_engine")
+    with _Notes() as notes:
+        flags = model_config.fusions(on_cpu=False)
+    assert any(n.startswith("fusion gradient_accumulation_fusion off: apex's") for n in notes)
+
+    def output_layer(fusion: bool) -> None:
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
+                                   perform_initialization=False, gradient_accumulation_fusion=fusion)
+        ColumnParallelLinear(8, 16, config=config, init_method=torch.nn.init.zeros_, bias=False)
+
+    output_layer(flags["gradient_accumulation_fusion"])
+    with pytest.raises(RuntimeError, match="gradient_accumulation_fusion"):  # the plant: the fusion on under TE
+        output_layer(True)
 
 
 def test_fusions_with_apex_kernels_are_on(monkeypatch):

@@ -107,9 +107,11 @@ def fusions(on_cpu: bool) -> dict[str, bool]:
         "masked_softmax_fusion": (_importable("scaled_upper_triang_masked_softmax_cuda"),
                                   "apex's fused softmax kernels are not installed"),
         "apply_rope_fusion": (rope, "Transformer Engine's fused RoPE is not available"),
-        # TE's linears accumulate into main_grad themselves; the local spec's need apex's kernel
-        "gradient_accumulation_fusion": (te or _importable("fused_weight_gradient_mlp_cuda"),
-                                         "neither Transformer Engine nor apex's fused_weight_gradient_mlp_cuda"),
+        # apex's kernel even under TE's spec: the GPT output layer is megatron's own ColumnParallelLinear, which
+        # raises at construction with this fusion on and the kernel missing (megatron-core 0.16)
+        "gradient_accumulation_fusion": (_importable("fused_weight_gradient_mlp_cuda"),
+                                         "apex's fused_weight_gradient_mlp_cuda is not installed (megatron's output "
+                                         "layer needs it, with Transformer Engine too)"),
         "persist_layer_norm": (_importable("fast_layer_norm"), "apex's persistent layer norm is not installed"),
     }
     for name, (ok, why) in kernels.items():
