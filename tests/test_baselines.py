@@ -125,7 +125,7 @@ def _fake_recorder(monkeypatch, refuse: str = ""):
         planned = plan(suite, model, world_size, backend=backend, baselines_dir=baselines_dir)
         found, cases = planned.suite, planned.cases
         path = baselines.baseline_path(baselines_dir, "cpu-gloo", found.name)
-        keys = {found.key(c) for c in cases}
+        keys = {found.key(c) for c in cases if not c.skip}  # as record_suite: a skipped case records nothing
         data = baselines.load(path)
         entries = {**data.get("entries", {}), **baselines.build_entries({k: {"m": [1.0] * 3} for k in keys})}
         return path, baselines.write(path, found.name, "cpu-gloo", entries, data.get("provenance", {}))
@@ -146,6 +146,19 @@ def test_record_missing_records_each_lacking_run_then_finds_nothing(tmp_path, mo
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.startswith("nothing missing: every baseline the regression suites look for at "
                                               "world size 2 is recorded")
+
+
+def test_record_missing_at_world_size_1_finds_nothing_once_recorded(tmp_path, monkeypatch, capsys):
+    """At world size 1 some planned cases are skipped (the DP-only reshard load needs DP 2): they are not looked
+    for, as they are not recorded, so a second run finds nothing missing."""
+    asked = _fake_recorder(monkeypatch)
+    argv = ["baselines", "record", "--missing", "--backend", "gloo", "--world-size", "1", "--baselines-dir",
+            str(tmp_path)]
+    assert cli.main(argv) == 0 and asked
+    assert "ckpt-memory small: 13 of 13 entries missing from " in capsys.readouterr().out
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.startswith("nothing missing: ")
+    assert len(asked) == len({a[:2] for a in asked})  # each run recorded once
 
 
 def test_record_missing_goes_on_past_a_refused_run_and_exits_1_naming_it(tmp_path, monkeypatch, capsys):
