@@ -214,6 +214,7 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
     """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds."""
     from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, tier
     from harness.outcomes import EXIT_NOTHING_JUDGED
+    from harness.platform import resolve_backend
     from harness.tables import table
 
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
@@ -226,7 +227,8 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
 
             worktree = Worktree(Path(args.repo).resolve(), cache)
             b.pythonpath = [str(worktree.checkout(args.rev) / args.path_in_repo)]
-        effect = sel.suite_params.get("min_effect", MIN_EFFECT_INTERLEAVED[tier(sel.backend)])
+        backend = resolve_backend(sel.backend, sel.world_size)  # auto: nccl where there are GPUs enough
+        effect = sel.suite_params.get("min_effect", MIN_EFFECT_INTERLEAVED[tier(backend)])
         samples_a, samples_b, order = run_rounds(a, b, sel, args, say)
     finally:
         if worktree:

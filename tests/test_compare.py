@@ -46,6 +46,14 @@ def test_same_time_and_same_work_passes(monkeypatch, capsys):
     assert code == 0 and "does the same work" in out
 
 
+@pytest.mark.parametrize("gpus,effect", [(0, "5%"), (2, "3%")])
+def test_compare_judges_at_the_minimum_effect_of_the_ranks_it_runs(monkeypatch, capsys, gpus, effect):
+    """--backend auto (the default) runs NCCL ranks where every rank has a GPU: judged at the GPU's effect."""
+    monkeypatch.setattr("harness.platform.backend.cuda_device_count", lambda: gpus)
+    code, out = _compare(monkeypatch, capsys, 100.0, SAME)
+    assert code == 0 and f"min effect {effect}" in out
+
+
 def test_differing_exact_counters_fail_even_when_b_is_not_slower(monkeypatch, capsys):
     code, out = _compare(monkeypatch, capsys, 100.0, {**SAME, "rank0.dp-cp/reduce_scatter.calls": 12.0})
     assert code == 1
