@@ -71,16 +71,19 @@ class Plan:
 
 def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
          *, engine: str = "mcore", backend: str = "auto", options: CaseOptions | None = None,
-         timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None) -> Plan:
+         timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None,
+         local_world_size: int | None = None) -> Plan:
     """The run's Plan, or BadInput, before anything runs or is written; it starts nothing. model_name None: the
     suite's default; options None: the defaults, in the suite's dtype for the backend (default_dtype).
     suite_params: values of the suite's parameters (`suite.Params` fields, e.g. step-perf's timed_steps). A suite
-    with baselines has its baseline file parsed here (a corrupt one is refused before any rank)."""
+    with baselines has its baseline file parsed here (a corrupt one is refused before any rank).
+    local_world_size: the ranks on this node where they span several (torchrun's LOCAL_WORLD_SIZE): NCCL needs a
+    GPU for each of those, not for the whole world."""
     suite = get_suite(suite_name)
     params = suite_parameters(suite, suite_params, baselines_dir)
     if world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {world_size}")
-    backend = resolve_backend(backend, world_size)
+    backend = resolve_backend(backend, local_world_size or world_size)
     if options is None:
         options = CaseOptions(dtype=default_dtype(suite.name, backend))
     model = load_model(model_name or default_model(suite, backend))

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         suite_params = {"timed_steps": args.timed_steps} if args.timed_steps is not None else None
         planned = plan(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
                        options=CaseOptions(steps=args.steps, dtype=default_dtype(args.suite, backend)),
-                       timeout_s=args.timeout, suite_params=suite_params, baselines_dir=args.baselines_dir)
+                       timeout_s=args.timeout, suite_params=suite_params, baselines_dir=args.baselines_dir,
+                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         suite, params, cases = planned.suite, planned.params, planned.cases
     except BadInput as exc:
         if rank == 0:

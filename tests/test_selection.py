@@ -174,3 +174,32 @@ def test_plan_starts_nothing_and_run_plans_once(monkeypatch):
     with pytest.raises(SystemExit):
         args.func(args)
     assert len(calls) == 1 and executed[0].cases == planned.cases
+
+
+def test_nccl_over_several_nodes_needs_a_gpu_per_rank_of_the_node_not_of_the_world(monkeypatch):
+    """torchrun --nnodes 2 --nproc-per-node 4: 8 ranks, 4 GPUs on each node; plan checks the node's ranks."""
+    from harness import driver
+
+    monkeypatch.setattr("harness.platform.backend.cuda_device_count", lambda: 4)
+    monkeypatch.setattr(driver, "refuse_what_does_not_fit", lambda cases, backend, world_size: None)
+    cases = driver.plan("equivalence", "tiny", 8, backend="nccl", local_world_size=4).cases
+    assert cases and {c.backend for c in cases} == {"nccl"}
+    with pytest.raises(BadInput, match="world size 8 but 4 GPU"):  # the whole world on one node's GPUs
+        driver.plan("equivalence", "tiny", 8, backend="nccl")
+
+
+def test_the_torchrun_entry_plans_with_the_ranks_of_its_node(monkeypatch):
+    from harness import driver, torchrun
+
+    asked = {}
+
+    def plan(*args, **kwargs):
+        asked.update(kwargs, world_size=args[2])
+        raise BadInput("stop here")
+
+    monkeypatch.setattr(driver, "plan", plan)
+    monkeypatch.setenv("HARNESS_PHASE_LOG", "0")
+    for name, value in (("RANK", "3"), ("WORLD_SIZE", "16"), ("LOCAL_WORLD_SIZE", "8")):
+        monkeypatch.setenv(name, value)
+    assert torchrun.main(["--suite", "equivalence", "--model", "tiny", "--backend", "nccl"]) == 2
+    assert asked["world_size"] == 16 and asked["local_world_size"] == 8
