@@ -12,10 +12,16 @@ pytestmark = [pytest.mark.cpu, pytest.mark.gpu, pytest.mark.slow]
 def pytest_generate_tests(metafunc):
     if "case_id" in metafunc.fixturenames:
         from harness.driver import plan
+        from harness.errors import DoesNotFit, MissingDependency
 
         c = metafunc.config
-        cases = plan("step-perf", c.getoption("--model"), c.getoption("--world-size"),
-                     engine=c.getoption("--engine"), backend=c.getoption("--backend")).cases
+        try:
+            cases = plan("step-perf", c.getoption("--model"), c.getoption("--world-size"),
+                         engine=c.getoption("--engine"), backend=c.getoption("--backend")).cases
+        except (MissingDependency, DoesNotFit) as exc:  # skipped as suite_runner skips it, not a collection error
+            metafunc.parametrize("case_id", [pytest.param("", marks=pytest.mark.skip(reason=str(exc)))],
+                                 ids=["not-planned"])
+            return
         metafunc.parametrize("case_id", [case.id for case in cases], ids=[case.id.split("/", 3)[-1] for case in cases])
 
 

@@ -70,3 +70,32 @@ def test_a_check_that_could_not_tell_anywhere_skips_naming_why():
     run = _run([cannot_tell("grad-sync.replicas", CASE.id, "DP replicas need DP >= 2")])
     with pytest.raises(pytest.skip.Exception, match="cannot tell here: .*grad-sync.replicas: cannot tell: DP"):
         assert_judged(run, "grad-sync.replicas")
+
+
+@pytest.mark.parametrize("error", ["DoesNotFit", "MissingDependency"])
+def test_step_perf_skips_where_its_model_does_not_fit_instead_of_an_error_at_collection(monkeypatch, error):
+    """suites/test_step_perf.py plans its cases at collection (one benchmark per case): a GPU too small for the
+    GPU reference model, or a dependency not installed, skips them as suite_runner skips the suite's checks."""
+    from harness import driver, errors
+
+    def plan(*args, **kwargs):
+        raise getattr(errors, error)("predicted 37.5 GiB, 22.0 GiB available")
+
+    monkeypatch.setattr(driver, "plan", plan)
+    path = Path(__file__).resolve().parents[1] / "suites" / "test_step_perf.py"
+    spec = importlib.util.spec_from_file_location("suites_step_perf_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls = []
+
+    class Metafunc:
+        fixturenames = ["case_id"]
+        config = type("Config", (), {"getoption": staticmethod(lambda name: None)})()
+
+        def parametrize(self, *args, **kwargs):
+            calls.append((args, kwargs))
+
+    module.pytest_generate_tests(Metafunc())
+    (name, params), _ = calls[0]
+    assert len(calls) == 1 and name == "case_id" and len(params) == 1
+    assert [m.kwargs["reason"] for m in params[0].marks] == ["predicted 37.5 GiB, 22.0 GiB available"]
