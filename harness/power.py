@@ -37,18 +37,25 @@ def busy_wait(seconds: float) -> None:
 
 class DeviceWait:
     """A wait enqueued on the device: `sleep(cycles)` spins the GPU for that many clock cycles on the current
-    stream; the cycles per second are measured once (`timed(cycles)` gives the seconds a sleep of them took on
-    the device). On GPU ranks torch.cuda._sleep timed by CUDA events; tests stand in for both."""
+    stream, at a rate of cycles per second measured by `calibrate` (`timed(cycles)` gives the seconds a sleep of
+    them took on the device): after the warm-up steps, at the clocks the steps run at, which an idle GPU's are
+    not; a wait before any calibration calibrates first. On GPU ranks torch.cuda._sleep timed by CUDA events;
+    tests stand in for both."""
 
     CALIBRATION_CYCLES = 50_000_000
 
     def __init__(self, sleep: Callable[[int], None], timed: Callable[[int], float]):
         self.sleep = sleep
-        self.cycles_per_s = self.CALIBRATION_CYCLES / max(timed(self.CALIBRATION_CYCLES), 1e-9)
+        self.timed = timed
+        self.cycles_per_s: float | None = None
+
+    def calibrate(self) -> float:
+        self.cycles_per_s = self.CALIBRATION_CYCLES / max(self.timed(self.CALIBRATION_CYCLES), 1e-9)
+        return self.cycles_per_s
 
     def __call__(self, seconds: float) -> None:
         if seconds > 0:
-            self.sleep(int(seconds * self.cycles_per_s))
+            self.sleep(int(seconds * (self.cycles_per_s or self.calibrate())))
 
     @classmethod
     def on_gpu(cls) -> DeviceWait:
@@ -112,6 +119,8 @@ class PlantedSlowdown(McoreEngine):
             out = super().train_step(step)
             self._sync()
             self._own.append(time.perf_counter() - t0)
+            if step == warmup - 1 and isinstance(self._wait, DeviceWait):
+                self._wait.calibrate()  # the device hot from the warm-up steps, outside the timed ones
             return out
         return super().train_step(step)
 

@@ -40,18 +40,47 @@ def test_power_on_nccl_ranks_without_gpus_is_refused_naming_them(capsys):
 
 def test_a_device_wait_asks_the_device_for_the_cycles_of_the_planted_seconds():
     """The GPU ranks' planted wait, with stand-ins for torch.cuda._sleep and its CUDA-event timing: the rate is
-    measured once from a timed sleep, and each wait asks for seconds x that rate, in whole cycles."""
+    measured from a timed sleep when calibrated (or at the first wait), and each wait asks for seconds x that rate,
+    in whole cycles."""
     from harness.power import DeviceWait
 
-    slept, timed = [], []
+    slept, timed, took = [], [], [0.04]
 
     def timed_sleep(cycles: int) -> float:  # the device took 0.04 s for them: 1.25e9 cycles/s
         timed.append(cycles)
-        return 0.04
+        return took[0]
 
     wait = DeviceWait(slept.append, timed_sleep)
-    assert timed == [DeviceWait.CALIBRATION_CYCLES] and wait.cycles_per_s == pytest.approx(1.25e9)
+    wait(0.0)  # nothing planted: nothing enqueued, nothing measured
+    assert timed == [] and slept == []
     wait(0.2)
-    wait(0.0)  # nothing planted: nothing enqueued
+    assert timed == [DeviceWait.CALIBRATION_CYCLES] and wait.cycles_per_s == pytest.approx(1.25e9)
     assert slept == [250_000_000]
+    took[0] = 0.05  # clocks lower under load: 1e9 cycles/s
+    wait.calibrate()
+    wait(0.2)
+    assert slept == [250_000_000, 200_000_000]
 
+
+def test_the_planted_device_wait_is_calibrated_after_the_warm_up_steps_outside_the_timed_ones(monkeypatch):
+    """An idle GPU's clocks are not those of its steps: the rate is measured once the last warm-up step is done,
+    before the first timed step and its wait."""
+    from types import SimpleNamespace
+
+    from harness.engines.mcore import McoreEngine
+    from harness.power import DeviceWait, PlantedSlowdown
+
+    events: list[str] = []
+    monkeypatch.setattr(McoreEngine, "train_step", lambda self, step: events.append(f"step {step}"))
+    engine = object.__new__(PlantedSlowdown)
+    engine.SIZE, engine.WHERE = 0.1, "step"
+    engine.case = SimpleNamespace(options=SimpleNamespace(warmup_steps=2))
+    engine.config = SimpleNamespace(finalize_model_grads_func=None)
+    engine._own, engine._wait_s, engine._wrapped, engine._on_cpu = [], 0.0, False, False
+    engine._sync = lambda: None
+    engine._wait = DeviceWait(lambda cycles: events.append("wait"), lambda cycles: events.append("calibrate") or 0.04)
+    for step in range(4):  # each call is one step as step-perf times it
+        events.append(f"call {step}")
+        engine.train_step(step)
+    assert events == ["call 0", "step 0", "call 1", "step 1", "calibrate", "call 2", "wait", "step 2",
+                      "call 3", "wait", "step 3"]
