@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -47,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from harness.broken_env import broken_environment
-    from harness.driver import plan, with_outputs
+    from harness.driver import new_run_dir, plan, with_outputs
     from harness.outcomes import CaseStatus
     from harness.platform.parallel import release_memory
+    from harness.probes.memory import run_captures
+    from harness.report import artifacts
     from harness.report.results_file import write_results
     from harness.report.terminal import format_run
     from harness.suite_defs import default_dtype
@@ -73,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     freeze_long_lived()  # one process runs every case, as a warm pool rank does
     results_group = dist.new_group(backend="gloo")  # results travel as objects, on the CPU
     run = SuiteRun(suite, planned.model_name, world, backend, planned.engine, planned=len(cases), params=params)
-    cases = with_outputs(cases, base.workdir / "outputs", suite)
+    # one directory for this run, as the driver's (new_run_dir: $HARNESS_ARTIFACTS, which several nodes must
+    # share, since a case's checkpoint is written by the ranks of every node), named by rank 0
+    shared = [str(new_run_dir()) if rank == 0 else ""]
+    dist.broadcast_object_list(shared, src=0, group=results_group)
+    run_dir = Path(shared[0])
+    cases = with_outputs(cases, run_dir, suite)
     t_run = time.monotonic()
     for case in cases:
         t_case = time.monotonic()
@@ -82,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                 run.results.append(CaseResult(case, [], CaseStatus.SKIPPED, case.skip, fresh_ranks=False))
                 print(f"[{len(run.results)}/{len(cases)}] {case.id} skipped: {case.skip}", file=sys.stderr, flush=True)
             continue
-        ctx = RankContext(rank, world, local_rank, backend, base.workdir)
+        workdir = run_dir / "work" / Path(case.out_dir).name  # the case's own scratch, as a pool rank's
+        workdir.mkdir(parents=True, exist_ok=True)  # on every node
+        ctx = RankContext(rank, world, local_rank, backend, workdir)
         rank_result = run_rank(case, ctx, own_process_group=False)
         release_memory()
         gathered: list[Any] | None = [None] * world if rank == 0 else None
@@ -106,12 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     if rank == 0:
         run.judge()
+        for note in artifacts.finish(run.checks, str(run_captures(run_dir))):  # a failed check's flamegraph stays
+            print(note, file=sys.stderr)
         run.wall_s = time.monotonic() - t_run
         print(format_run(run))
         if args.out:
             print(f"results: {write_results(run, Path(args.out))}")
         code = run.exit_code
     dist.barrier(group=results_group)
+    if local_rank == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
     shutdown_distributed(base)
     return code
 

@@ -215,3 +215,34 @@ class OwnErrors(Mixed):
         if case.options.seed % 100 == ERROR:
             raise RuntimeError(f"case {case.options.seed // 100} cannot run here")
         return super().rank_work(case, ctx)
+
+
+class Scratch(Mixed):
+    """Two cases that each look into their scratch directory (ctx.workdir) and leave a file there: the check
+    fails a case whose directory held anything when it began (another case's or another run's files)."""
+
+    name = "scratch"
+
+    def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
+        from harness.spec import Case, CaseOptions, Layout
+
+        return [Case("tests.fake_suites:Scratch", model, Layout(dp=world_size), engine, CaseOptions(seed=i), backend,
+                     CASE_TIMEOUT_S) for i in range(2)]
+
+    def metrics(self, result) -> dict[str, Any]:
+        return {}
+
+    def rank_work(self, case, ctx) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        found = sorted(p.name for p in ctx.workdir.iterdir())
+        dist.barrier()  # every rank has looked before any leaves its file
+        (ctx.workdir / f"left-by-rank{ctx.rank}").write_text(case.id)
+        return {"found": found, "workdir": str(ctx.workdir)}
+
+    def check(self, results, params=None):
+        from harness.checks import CheckResult
+
+        return [CheckResult("scratch.empty", res.case.id, not found, f"the case's scratch held {found}" if found
+                            else "the case's scratch was its own") for res in results
+                for found in [sorted({f for r in res.ranks for f in r.data["found"]})]]
