@@ -44,8 +44,14 @@ def _offload_config() -> dict:
     return dict(OFFLOAD)
 
 
-def offload_unsupported(backend: str) -> str:
-    """'' where CaseOptions.optimizer_cpu_offload can run; otherwise why not, naming what it needs."""
+# The last megatron-core whose HybridDeviceOptimizer cannot load the state of fp32 parameters: it makes fp32 master
+# copies only of low-precision ones (param_to_fp32_param) and looks every parameter up there after a load
+# (_update_fp32_params_by_new_state: KeyError).
+OFFLOAD_FP32_LOAD_BROKEN_UP_TO = "0.16.1"
+
+
+def offload_unsupported(backend: str, dtype: str) -> str:
+    """'' where CaseOptions.optimizer_cpu_offload can run and resume; otherwise why not, naming what it needs."""
     if backend != "nccl":
         return ("megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the state between CUDA streams: it "
                 "runs on NCCL ranks only")
@@ -58,6 +64,12 @@ def offload_unsupported(backend: str) -> str:
     if missing:
         return (f"megatron-core {version('megatron-core')}'s OptimizerConfig has no {', '.join(missing)}: optimizer "
                 f"CPU offload needs a megatron-core that offers them")
+    from packaging.version import Version
+
+    if dtype == "fp32" and Version(version("megatron-core")) <= Version(OFFLOAD_FP32_LOAD_BROKEN_UP_TO):
+        return (f"megatron-core {version('megatron-core')}'s HybridDeviceOptimizer cannot load the optimizer state of "
+                f"fp32 parameters (KeyError in _update_fp32_params_by_new_state: its fp32 master copies are made only "
+                f"of low-precision parameters); a resume with the offload needs a later megatron-core or bf16")
     return ""
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1\.weight$")
