@@ -19,6 +19,7 @@ THIRD_PARTY_PROBES = {
     ("harness/engines/base.py", "tensor_model_parallel"): "megatron's parameter attribute",
     ("harness/engines/cp_attention.py", "cp"): "megatron's pg_collection",
     ("harness/engines/experts.py", "allreduce"): "megatron's parameter attribute (unset: reduced with the dense ones)",
+    ("harness/platform/without_te.py", "te_general_gemm"): "megatron-core moe_utils: defined where TE imports",
     ("harness/engines/cp_attention.py", "cp_group"): "megatron's PackedSeqParams",
     ("harness/engines/cp_attention.py", "qkv_format"): "megatron's PackedSeqParams",
     ("harness/engines/hybrid_cp_api.py", "BalancedCPScheduler"): "megatron-core version probe (hybrid CP)",

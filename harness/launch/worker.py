@@ -26,7 +26,10 @@ def init_distributed(ctx: RankContext, timeout_s: float) -> None:
     import torch.distributed as dist
 
     if ctx.backend == "nccl":
+        from harness.platform.without_te import define_router_gemm
+
         torch.cuda.set_device(ctx.local_rank)
+        define_router_gemm()
     else:
         from harness.platform import cpu_layer
         from harness.platform.backend import CPU_RANK_THREADS

@@ -56,10 +56,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from harness.platform.without_te import MOE_UTILS
+
 WRITER_POINT = "megatron checkpoint write-results queue (filesystem_async: its Manager forked, not spawned)"
 ROUTER_POINT = "megatron MoE router's te_general_gemm (undefined without Transformer Engine -> None: torch's matmul)"
 DISPATCHER_POINT = "megatron MoE dispatcher's maybe_move_tensor_to_cpu (CPU split sizes -> numpy, as after a copy)"
-_MOE_UTILS, _DISPATCHER = "megatron.core.transformer.moe.moe_utils", "megatron.core.transformer.moe.token_dispatcher"
+_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
 _ABSENT = object()  # an attribute the layer adds where megatron has none (deleted again at deactivate)
 PATCHED_POINTS = (
     "torch.cuda.current_device",
@@ -204,7 +206,7 @@ def _moe_modules() -> tuple[Any, Any] | None:
     import importlib
 
     try:
-        return importlib.import_module(_MOE_UTILS), importlib.import_module(_DISPATCHER)
+        return importlib.import_module(MOE_UTILS), importlib.import_module(_DISPATCHER)
     except ImportError:
         return None
 
