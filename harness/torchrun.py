@@ -19,7 +19,7 @@ from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.launch.worker import freeze_long_lived, init_distributed, run_rank, shutdown_distributed
-from harness.platform.backend import CPU_RANK_ENV
+from harness.platform.backend import CPU_RANK_ENV, GPU_RANK_ENV
 from harness.spec import CaseOptions
 
 
@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend if args.backend != "auto" else _auto_backend()
     if backend == "gloo":
         os.environ.update(CPU_RANK_ENV)  # before torch is imported: a gloo rank sees no GPU
+    else:
+        for name, value in GPU_RANK_ENV.items():  # before torch's inductor reads its config
+            os.environ.setdefault(name, value)
 
     import torch.distributed as dist
 

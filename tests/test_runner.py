@@ -189,3 +189,17 @@ def test_torchrun_entry_gives_each_case_its_own_scratch_and_leaves_none(tmp_path
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "scratch: 2 checks passed, 0 failed" in proc.stdout, proc.stdout[-3000:]
     assert [p.name for p in (tmp_path / "artifacts").iterdir() if not p.name.endswith("-captures")] == []
+
+
+def test_gpu_ranks_compile_in_their_own_process_unless_told_and_gloo_ranks_see_no_gpu(monkeypatch, tmp_path):
+    """An NCCL rank's environment sets TORCHINDUCTOR_COMPILE_THREADS=1 (no compile worker process appearing in a
+    warm rank at its first torch.compile); a user's own setting wins. A gloo rank sees no GPU."""
+    from harness.launch.runner import rank_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    nccl = Case(SUITE, load_model("tiny"), Layout(dp=2), "mcore", CaseOptions(), "nccl", fs.CASE_TIMEOUT_S)
+    assert rank_env(nccl, 1, tmp_path)["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    gloo = rank_env(case(fs.OK), 1, tmp_path)
+    assert gloo["CUDA_VISIBLE_DEVICES"] == "" and "TORCHINDUCTOR_COMPILE_THREADS" not in gloo
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
+    assert rank_env(nccl, 1, tmp_path)["TORCHINDUCTOR_COMPILE_THREADS"] == "8"

@@ -24,7 +24,7 @@ from harness.launch import zygote
 from harness.launch.children import die_with_parent, import_path
 from harness.launch.results import CaseResult, RankResult, read, write_atomic
 from harness.outcomes import CaseStatus
-from harness.platform.backend import CPU_RANK_ENV, cpu_share
+from harness.platform.backend import CPU_RANK_ENV, GPU_RANK_ENV, cpu_share
 from harness.spec import Case
 
 GRACE_S = 5.0  # how long peers of a failed rank may still finish before they are killed
@@ -48,6 +48,8 @@ def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
     if case.backend == "gloo":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.update(CPU_RANK_ENV)
+    else:
+        env.update({k: env.get(k, v) for k, v in GPU_RANK_ENV.items()})  # the user's setting wins
     return env
 
 

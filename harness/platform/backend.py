@@ -17,6 +17,10 @@ BACKENDS = ("auto", "gloo", "nccl")
 # op wait for a wake-up, for the rest of the rank's life (docs/internals.md, "One thread per CPU rank").
 CPU_RANK_THREADS = 1
 CPU_RANK_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(CPU_RANK_THREADS)}
+# A GPU rank compiles megatron's fused functions (jit_fuser is torch.compile there) in its own process: inductor's
+# default compile pool is a worker process with threads, started at the first compile - whichever case that is
+# in a warm rank, which then reads as that case's leak (measured on an H100: 2 threads and a child process).
+GPU_RANK_ENV = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 def cpu_share(local_world_size: int | None = None) -> int:

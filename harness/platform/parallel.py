@@ -45,6 +45,17 @@ def _live_groups() -> set:
     return set(c10d._world.pg_map) if dist.is_initialized() else set()
 
 
+def destroy_groups_since(before: set) -> None:
+    """Destroy the process groups created after `before` was taken, newest first: the same order on every rank
+    (the order they were made in, which is every rank's), as torch destroys its own in a fixed order because
+    destroying an NCCL communicator has been a collective call in some NCCL versions."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in reversed([g for g in c10d._world.pg_map if g not in before]):
+        dist.destroy_process_group(group)
+
+
 def teardown_parallel_state() -> None:
     """Destroy every group and global megatron-core created for a case."""
     import torch.distributed as dist
@@ -65,8 +76,7 @@ def teardown_parallel_state() -> None:
             setattr(parallel_state, name, None)
     if _GROUPS_BEFORE is not None:
         # megatron forgets its groups but does not destroy them; a warm rank would accumulate them.
-        for group in _live_groups() - _GROUPS_BEFORE:
-            dist.destroy_process_group(group)
+        destroy_groups_since(_GROUPS_BEFORE)
         _GROUPS_BEFORE = None
     clear_megatron_caches()
     clear_moe_tracker()
@@ -125,11 +135,18 @@ def clear_megatron_caches() -> int:
 def release_memory() -> None:
     """Collect reference cycles, then give the freed heap back to the OS (glibc's malloc_trim), so the next case
     in a warm rank starts from the same resident memory: without the trim a rank's RSS grew 504 -> 786 MiB over
-    8 step-perf cases of `small` (415 -> 482 MiB trimmed). The trim is a no-op where libc has no malloc_trim."""
+    8 step-perf cases of `small` (415 -> 482 MiB trimmed). The trim is a no-op where libc has no malloc_trim.
+    On a GPU rank the caching allocator's free blocks go back too and its peaks start again, so a case's device
+    figures (reserved memory, a lifetime peak) do not hold the earlier cases' of a warm rank."""
+    import torch
+
     gc.collect()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 @functools.cache  # find_library runs `ldconfig -p` in a child process on every call
