@@ -293,3 +293,23 @@ def test_a_fused_adam_or_cpu_ranks_make_no_foreach_temporary(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "apex" else real(name, *a))
     assert not any(training_of(c).foreach_adam for c in cases)  # apex's FusedAdam: megatron takes it
+
+
+@pytest.mark.parametrize("dtype,fused", [("fp32", False), ("bf16", True)])
+def test_transformer_engine_attention_is_fused_only_in_half_precision(monkeypatch, dtype, fused):
+    """TE's flash and fused attention take fp16 / bf16 only; in fp32 TE runs its unfused attention and keeps the
+    a x s x s probabilities, so a case on TE's spec in fp32 is predicted with them (and with TE's parameters)."""
+    import importlib.util
+
+    from harness.checks.training_memory import training_of
+    from harness.spec import Case, CaseOptions
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine"
+                        else real(name, *a))
+    case = Case("train-memory", load_model("1b-2k"), Layout(), "mcore", CaseOptions(dtype=dtype), "nccl")
+    training = training_of(case)
+    assert (training.fused_attention, training.te_spec) == (fused, True)
+    unfused = predict(case.model, Layout(), Training(dtype=dtype, fused_attention=False, te_spec=True))
+    got = predict(case.model, Layout(), training).activations
+    assert got == unfused.activations if not fused else got < unfused.activations / 2  # at seq 2048

@@ -76,8 +76,12 @@ class Training:
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None  # DDP bucket size in elements (None: megatron's default)
     # a fused / flash attention kernel (Transformer Engine) keeps no a x s x s probabilities; megatron's local
-    # spec (what the harness builds without TE) keeps them
+    # spec (what the harness builds without TE) keeps them, and so does TE in fp32: its flash and fused kernels
+    # take fp16 / bf16 only, fp32 runs its unfused attention
     fused_attention: bool = False
+    # Transformer Engine's layer spec: its parameters (e.g. the layer norms fused into the linears); None: as
+    # fused_attention (a projection that asks for TE's attention asks for its spec)
+    te_spec: bool | None = None
     # sequence parallelism: what TP replicates (norms, residuals, layer inputs) is split over TP as well; the
     # harness runs without it, projections of users' configs may ask for it
     sequence_parallel: bool = False
@@ -144,13 +148,13 @@ class TrainingMemory:
 
 def training_of(case) -> Training:
     """The model's view of a case's options (the harness builds megatron's local spec: unfused attention,
-    unless Transformer Engine's spec is in use on a GPU)."""
+    unless Transformer Engine's spec is in use on a GPU and the case trains in fp16 / bf16)."""
     o = case.options
     te = case.te_spec
     return Training(dtype=o.dtype, micro_batch_size=case.micro_batch_size, num_microbatches=case.num_microbatches,
                     use_distributed_optimizer=o.use_distributed_optimizer, grad_reduce_in_fp32=o.grad_reduce_in_fp32,
                     recompute=o.recompute, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.bucket_size,
-                    fused_attention=te, foreach_adam=case.foreach_adam,
+                    fused_attention=te and o.dtype in ("bf16", "fp16"), te_spec=te, foreach_adam=case.foreach_adam,
                     sequence_parallel=case.model.moe and case.layout.tp > 1)  # megatron's MoE layer needs it
 
 
@@ -295,7 +299,8 @@ def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) ->
     largest_param, largest_bucket = 0, 0
     for vp in range(layout.vpp):
         for experts, group in ((False, d), (True, layout.edp)):  # the dense buffer; an MoE model's experts at EP > 1
-            params = chunk_params(model, layout, c.pp, vp, te=training.fused_attention, expert_buffer=experts)
+            te = training.fused_attention if training.te_spec is None else training.te_spec
+            params = chunk_params(model, layout, c.pp, vp, te=te, expert_buffer=experts)
             if not params:
                 continue
             largest_param = max([largest_param, *(numel for _, numel, _ in params)])
