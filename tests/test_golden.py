@@ -459,3 +459,27 @@ def test_fsdp2_trains_an_moe_model_alike_at_every_dp_size_whatever_ran_before():
     dp2 = on_ranks("tests.test_golden:fsdp2_moe_first_grad_norm", 2)
     assert dp2[0] == dp2[1]
     assert dp1 == pytest.approx(dp2[0], rel=1e-5), (dp1, dp2[0])
+
+
+def test_the_adam_step_is_read_where_fused_adam_keeps_it():
+    """golden's optimizer.step figure: torch's Adam keeps the step per parameter, Transformer Engine's and apex's
+    FusedAdam in the parameter's group; read per parameter only, a FusedAdam's step was -inf (none found), which
+    golden refuses to record and fails to judge."""
+    import torch
+
+    from harness.engines.mcore_ckpt import adam_state
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    torch_adam = torch.optim.Adam([a, b])
+    assert adam_state(torch_adam, a) == {}  # no step taken yet
+    (a.sum() + b.sum()).backward()
+    torch_adam.step()
+    assert float(adam_state(torch_adam, a)["step"]) == 1.0
+
+    class FusedAdamLike:  # what TE's / apex's FusedAdam hold after 6 steps
+        param_groups = [{"params": [a], "step": 6}, {"params": [b], "step": 6}]
+        state = {a: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}, b: {}}
+
+    got = adam_state(FusedAdamLike(), b)
+    assert float(got["step"]) == 6.0 and "exp_avg" not in got
+    assert float(adam_state(FusedAdamLike(), a)["step"]) == 6.0 and "exp_avg" in adam_state(FusedAdamLike(), a)

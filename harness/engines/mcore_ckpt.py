@@ -43,17 +43,17 @@ class McoreCheckpoints:
                 # for bf16 / fp16 ones (Float16OptimizerWithFloat16Params) their fp32 main copies
                 for g in opt.optimizer.param_groups:
                     for p in g["params"]:
-                        owner[p] = (opt.optimizer.state.get(p, {}), None)
+                        owner[p] = (adam_state(opt.optimizer, p), None)
                 for model_group, main_group in zip(getattr(opt, "float16_groups", []),
                                                    getattr(opt, "fp32_from_float16_groups", [])):
                     for p, main in zip(model_group, main_group):
-                        owner[p] = (opt.optimizer.state.get(main, {}), None)
+                        owner[p] = (adam_state(opt.optimizer, main), None)
                 continue
             distributed = True  # a parameter held wholly by other DP ranks is not in this rank's index
             for p, (group, order) in index.items():
                 main = opt.optimizer.param_groups[group]["params"][order]
                 rng = opt._get_model_param_range_map(p)["param"]
-                owner[p] = (opt.optimizer.state.get(main, {}), (rng.start, rng.end))
+                owner[p] = (adam_state(opt.optimizer, main), (rng.start, rng.end))
         out = []
         for model in self.models:
             for name, p in self.global_names(model.module).items():
@@ -208,3 +208,16 @@ def _keep_torch_adam_step() -> Iterator[None]:
         yield
     finally:
         DistributedOptimizer._set_main_param_and_optimizer_states = original
+
+
+def adam_state(inner: Any, param: Any) -> dict:
+    """One parameter's Adam state with its step, wherever the optimizer keeps it: torch's Adam per parameter,
+    Transformer Engine's and apex's FusedAdam in the parameter's group (where megatron's distributed optimizer
+    reads it for them too); without a step anywhere (no step taken) as it is."""
+    import torch
+
+    state = inner.state.get(param, {})
+    if "step" in state:
+        return state
+    group: dict = next((g for g in inner.param_groups if any(q is param for q in g["params"])), {})
+    return {**state, "step": torch.tensor(float(group["step"]))} if "step" in group else state
