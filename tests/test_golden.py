@@ -483,3 +483,37 @@ def test_the_adam_step_is_read_where_fused_adam_keeps_it():
     got = adam_state(FusedAdamLike(), b)
     assert float(got["step"]) == 6.0 and "exp_avg" not in got
     assert float(adam_state(FusedAdamLike(), a)["step"]) == 6.0 and "exp_avg" in adam_state(FusedAdamLike(), a)
+
+
+def test_the_state_to_load_into_is_made_as_each_optimizer_needs_it(monkeypatch):
+    """Without TE / apex megatron's distributed optimizer asserts on a per-parameter 'step' at the load: filled
+    here. With TE's / apex's FusedAdam megatron allocates the state itself (and their step is per group): nothing
+    added. The optimizer CPU offload's HybridDeviceOptimizer gets megatron's own dummy step (a state filled here
+    lacked the fp32 master copies its load reads)."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from harness.engines.mcore_ckpt import McoreCheckpoints
+
+    def engine(inner):
+        e = object.__new__(McoreCheckpoints)
+        e.optimizer = SimpleNamespace(optimizer=inner)
+        return e
+
+    p = torch.nn.Parameter(torch.ones(2))
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", False)
+    adam = torch.optim.Adam([p])
+    engine(adam)._init_optimizer_state()
+    assert set(adam.state[p]) == {"exp_avg", "exp_avg_sq", "step"}
+    monkeypatch.setattr(distrib_optimizer, "HAVE_APEX_OR_TE", True)
+    fused = torch.optim.Adam([p])
+    engine(fused)._init_optimizer_state()
+    assert not fused.state
+    hybrid = object.__new__(HybridDeviceOptimizer)
+    hybrid.state, steps = {}, []
+    hybrid.dummy_step = lambda: steps.append("dummy step")
+    engine(hybrid)._init_optimizer_state()
+    assert steps == ["dummy step"] and hybrid.state == {}

@@ -168,11 +168,21 @@ class McoreCheckpoints:
 
     def _init_optimizer_state(self) -> None:
         """Empty Adam state to load into. megatron's init_state_fn creates no 'step', which the
-        distributed optimizer's state_dict asserts on without TE / apex (megatron-core 0.16)."""
+        distributed optimizer's state_dict asserts on without TE / apex (megatron-core 0.16). With TE's or apex's
+        FusedAdam megatron allocates the state at the load itself (their step lives in the param groups), and the
+        optimizer CPU offload's HybridDeviceOptimizer gets its state from megatron's own dummy step, as megatron's
+        load does where its state is empty: a state filled here lacked the fp32 master copies its load reads."""
         import torch
+        from megatron.core.optimizer import distrib_optimizer
 
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = opt.optimizer
+            if isinstance(inner, _hybrid_device_optimizer()):
+                if not inner.state:
+                    inner.dummy_step()
+                continue
+            if distrib_optimizer.HAVE_APEX_OR_TE:
+                continue
             for group in inner.param_groups:
                 for p in group["params"]:
                     if not inner.state[p]:
@@ -221,3 +231,13 @@ def adam_state(inner: Any, param: Any) -> dict:
         return state
     group: dict = next((g for g in inner.param_groups if any(q is param for q in g["params"])), {})
     return {**state, "step": torch.tensor(float(group["step"]))} if "step" in group else state
+
+
+def _hybrid_device_optimizer() -> Any:
+    """megatron's HybridDeviceOptimizer (the optimizer CPU offload), or a class nothing is an instance of where this
+    megatron-core has none."""
+    try:
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    except ImportError:
+        return type("NoHybridDeviceOptimizer", (), {})
+    return HybridDeviceOptimizer
