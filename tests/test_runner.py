@@ -203,3 +203,26 @@ def test_gpu_ranks_compile_in_their_own_process_unless_told_and_gloo_ranks_see_n
     assert gloo["CUDA_VISIBLE_DEVICES"] == "" and "TORCHINDUCTOR_COMPILE_THREADS" not in gloo
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
     assert rank_env(nccl, 1, tmp_path)["TORCHINDUCTOR_COMPILE_THREADS"] == "8"
+
+
+def test_a_pool_rank_that_failed_reports_without_a_teardown(monkeypatch, tmp_path):
+    """A warm pool's rank exits after a failed case: it reports at once, with no teardown of megatron's groups to
+    wait on (on NCCL destroying a group waits for operations its failed peers never match: a timeout without
+    the traceback). A torchrun rank goes on to its next case and tears down (the plant: the pool's call
+    without exits_on_failure)."""
+    import sys
+
+    from harness.launch.context import RankContext
+    from harness.launch.worker import run_rank
+    from harness.platform import parallel
+
+    torn: list[str] = []
+    monkeypatch.setattr(parallel, "teardown_parallel_state", lambda: torn.append("teardown"))
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", sys.modules.get("megatron.core.parallel_state")
+                        or object())
+    failing = Case("tests.fake_suites:Mixed", load_model("tiny"), Layout(dp=2), "mcore",
+                   CaseOptions(seed=fs.ERROR), "gloo", fs.CASE_TIMEOUT_S)
+    pool = run_rank(failing, RankContext(1, 2, 1, "gloo", tmp_path), own_process_group=False, exits_on_failure=True)
+    assert not pool.ok and "planted failure on rank 1" in pool.error and torn == []
+    torchrun = run_rank(failing, RankContext(1, 2, 1, "gloo", tmp_path), own_process_group=False)
+    assert not torchrun.ok and torn == ["teardown"]

@@ -59,11 +59,15 @@ def shutdown_distributed(ctx: RankContext) -> None:
     cpu_layer.deactivate()
 
 
-def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) -> RankResult:
+def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
+             exits_on_failure: bool | None = None) -> RankResult:
     """Run the case's suite work on this rank; never raises (errors go into the result).
 
     With own_process_group=False (torchrun, several cases per process) the process group outlives
-    the case and only megatron's parallel state is torn down.
+    the case and only megatron's parallel state is torn down. exits_on_failure (default: own_process_group): the
+    process ends after a failed case, so there is no teardown to wait for - on NCCL ranks destroying a group
+    waits for the operations issued on it, which peers that failed elsewhere never match, and the failure
+    would reach the parent as a timeout without its traceback.
     """
     from harness import adjustments
     from harness.platform.parallel import teardown_parallel_state
@@ -95,7 +99,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True) ->
         result.error = traceback.format_exc()
         if isinstance(exc, MissingDependency):  # this installation cannot run the case: a skip, not a failure
             result.skip_reason = str(exc)
-    if not result.ok and own_process_group:
+    if not result.ok and (own_process_group if exits_on_failure is None else exits_on_failure):
         return result  # the process ends here; peers may be gone, so no collective teardown
     failed_in = result.phase
     try:  # also after a failure: a torchrun rank goes on to the next case
@@ -161,7 +165,7 @@ def pool_main(pool_dir: Path) -> None:
         if first:  # the pool's start-up is paid by its first case
             ctx.result.timings.update(startup.result.timings)
             first = False
-        result = run_rank(case, ctx, own_process_group=False)
+        result = run_rank(case, ctx, own_process_group=False, exits_on_failure=True)
         # What the case left collected and its heap given back before the next: after a grad-sync case with the
         # distributed optimizer its DDP (a reference cycle through the gradient hooks) and with it 16 destroyed
         # gloo groups (48 threads) outlived the teardown's collection and ran through the whole next case.
