@@ -84,51 +84,55 @@ def main(argv: list[str] | None = None) -> int:
     shared = [str(new_run_dir()) if rank == 0 else ""]
     dist.broadcast_object_list(shared, src=0, group=results_group)
     run_dir = Path(shared[0])
-    cases = with_outputs(cases, run_dir, suite)
-    t_run = time.monotonic()
-    for case in cases:
-        t_case = time.monotonic()
-        if case.skip:  # e.g. needs more ranks than this world: every rank skips it alike
-            if rank == 0:
-                run.results.append(CaseResult(case, [], CaseStatus.SKIPPED, case.skip, fresh_ranks=False))
-                print(f"[{len(run.results)}/{len(cases)}] {case.id} skipped: {case.skip}", file=sys.stderr, flush=True)
-            continue
-        workdir = run_dir / "work" / Path(case.out_dir).name  # the case's own scratch, as a pool rank's
-        workdir.mkdir(parents=True, exist_ok=True)  # on every node
-        ctx = RankContext(rank, world, local_rank, backend, workdir)
-        rank_result = run_rank(case, ctx, own_process_group=False)
-        release_memory()
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(rank_result, gathered, dst=0, group=results_group)
-        if gathered is not None:  # rank 0
-            failed = [r for r in gathered if not r.ok]
-            error = f"case {case.id}: rank {failed[0].rank} failed in phase '{failed[0].phase}'\n{failed[0].error}" \
-                if failed else ""
-            run.results.append(CaseResult(case, gathered, CaseStatus.ERROR if failed else CaseStatus.OK, error,
-                                          time.monotonic() - t_case))
-            print(f"[{len(run.results)}/{len(cases)}] {case.id} {run.results[-1].status}", file=sys.stderr, flush=True)
-        # every rank stops alike when rank 0 finds the first cases all errored alike (harness/broken_env.py)
-        stop = [broken_environment(run.results) if rank == 0 and case is not cases[-1] else ""]
-        dist.broadcast_object_list(stop, src=0, group=results_group)
-        if stop[0]:
-            run.stopped = stop[0]
-            if rank == 0:
-                print(f"stopping after {len(run.results)} of {len(cases)} cases: {run.stopped}", file=sys.stderr,
+    try:  # the run's directory goes, also when a case or the judging raises
+        cases = with_outputs(cases, run_dir, suite)
+        t_run = time.monotonic()
+        for case in cases:
+            t_case = time.monotonic()
+            if case.skip:  # e.g. needs more ranks than this world: every rank skips it alike
+                if rank == 0:
+                    run.results.append(CaseResult(case, [], CaseStatus.SKIPPED, case.skip, fresh_ranks=False))
+                    print(f"[{len(run.results)}/{len(cases)}] {case.id} skipped: {case.skip}", file=sys.stderr,
+                          flush=True)
+                continue
+            workdir = run_dir / "work" / Path(case.out_dir).name  # the case's own scratch, as a pool rank's
+            workdir.mkdir(parents=True, exist_ok=True)  # on every node
+            ctx = RankContext(rank, world, local_rank, backend, workdir)
+            rank_result = run_rank(case, ctx, own_process_group=False)
+            release_memory()
+            gathered: list[Any] | None = [None] * world if rank == 0 else None
+            dist.gather_object(rank_result, gathered, dst=0, group=results_group)
+            if gathered is not None:  # rank 0
+                failed = [r for r in gathered if not r.ok]
+                error = (f"case {case.id}: rank {failed[0].rank} failed in phase '{failed[0].phase}'\n"
+                         f"{failed[0].error}") if failed else ""
+                run.results.append(CaseResult(case, gathered, CaseStatus.ERROR if failed else CaseStatus.OK, error,
+                                              time.monotonic() - t_case))
+                print(f"[{len(run.results)}/{len(cases)}] {case.id} {run.results[-1].status}", file=sys.stderr,
                       flush=True)
-            break
-    code = 0
-    if rank == 0:
-        run.judge()
-        for note in artifacts.finish(run.checks, str(run_captures(run_dir))):  # a failed check's flamegraph stays
-            print(note, file=sys.stderr)
-        run.wall_s = time.monotonic() - t_run
-        print(format_run(run))
-        if args.out:
-            print(f"results: {write_results(run, Path(args.out))}")
-        code = run.exit_code
-    dist.barrier(group=results_group)
-    if local_rank == 0:
-        shutil.rmtree(run_dir, ignore_errors=True)
+            # every rank stops alike when rank 0 finds the first cases all errored alike (harness/broken_env.py)
+            stop = [broken_environment(run.results) if rank == 0 and case is not cases[-1] else ""]
+            dist.broadcast_object_list(stop, src=0, group=results_group)
+            if stop[0]:
+                run.stopped = stop[0]
+                if rank == 0:
+                    print(f"stopping after {len(run.results)} of {len(cases)} cases: {run.stopped}", file=sys.stderr,
+                          flush=True)
+                break
+        code = 0
+        if rank == 0:
+            run.judge()
+            for note in artifacts.finish(run.checks, str(run_captures(run_dir))):  # a failed check's flamegraph stays
+                print(note, file=sys.stderr)
+            run.wall_s = time.monotonic() - t_run
+            print(format_run(run))
+            if args.out:
+                print(f"results: {write_results(run, Path(args.out))}")
+            code = run.exit_code
+        dist.barrier(group=results_group)
+    finally:
+        if local_rank == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)
     shutdown_distributed(base)
     return code
 

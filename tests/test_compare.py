@@ -25,8 +25,11 @@ def _samples(mean: float, counters: dict[str, float], seed: int, round_sd: float
 
 
 def _compare(monkeypatch, capsys, b_mean: float, b_counters: dict[str, float], round_sd: float = 0.0,
-             seeds: tuple[int, int] = (1, 2), rounds: int = 5) -> tuple[int, str]:
+             seeds: tuple[int, int] = (1, 2), rounds: int = 5, gpus: int = 0) -> tuple[int, str]:
+    """compare's verdict on the samples, on a machine with `gpus` GPUs (the minimum effect follows the ranks)."""
     from harness import compare
+
+    monkeypatch.setattr("harness.platform.backend.cuda_device_count", lambda: gpus)
 
     a = _samples(100.0, {"rank0.flops": 1e9, "rank0.dp-cp/reduce_scatter.calls": 7.0}, seeds[0], round_sd, rounds)
     b = _samples(b_mean, b_counters, seeds[1], round_sd, rounds)
@@ -49,8 +52,7 @@ def test_same_time_and_same_work_passes(monkeypatch, capsys):
 @pytest.mark.parametrize("gpus,effect", [(0, "5%"), (2, "3%")])
 def test_compare_judges_at_the_minimum_effect_of_the_ranks_it_runs(monkeypatch, capsys, gpus, effect):
     """--backend auto (the default) runs NCCL ranks where every rank has a GPU: judged at the GPU's effect."""
-    monkeypatch.setattr("harness.platform.backend.cuda_device_count", lambda: gpus)
-    code, out = _compare(monkeypatch, capsys, 100.0, SAME)
+    code, out = _compare(monkeypatch, capsys, 100.0, SAME, gpus=gpus)
     assert code == 0 and f"min effect {effect}" in out
 
 

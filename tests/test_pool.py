@@ -31,6 +31,8 @@ def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
         assert [r.data["pid"] for r in first.ranks] == [r.data["pid"] for r in second.ranks]
         bad = pool.run(fake(fs.RAISE))
         assert bad.status == "error" and "rank 1 failed in phase 'work'" in bad.error
+        # the failed rank reported without a teardown (on NCCL one can wait forever on its failed peers)
+        assert [("teardown" in r.timings) for r in sorted(bad.ranks, key=lambda r: r.rank)] == [True, False]
         hung = pool.run(fake(fs.HANG_COLLECTIVE, timeout_s=15))  # includes the fresh ranks' start-up: forked
         assert hung.fresh_ranks and hung.status == "timeout" and "rank 1 in 'work'" in hung.error
         after = pool.run(fake(fs.OK))

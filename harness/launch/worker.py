@@ -166,6 +166,9 @@ def pool_main(pool_dir: Path) -> None:
             ctx.result.timings.update(startup.result.timings)
             first = False
         result = run_rank(case, ctx, own_process_group=False, exits_on_failure=True)
+        if not result.ok:  # reported before anything that could wait on the device (empty_cache) or on peers
+            write_result(case_dir, result)
+            break
         # What the case left collected and its heap given back before the next: after a grad-sync case with the
         # distributed optimizer its DDP (a reference cycle through the gradient hooks) and with it 16 destroyed
         # gloo groups (48 threads) outlived the teardown's collection and ran through the whole next case.
@@ -178,7 +181,7 @@ def pool_main(pool_dir: Path) -> None:
         leaked = isolation.leaks(baseline, after)
         result.leaks = leaked
         write_result(case_dir, result)
-        if leaked or not result.ok:
+        if leaked:
             break
     sys.stdout.flush()
     sys.stderr.flush()
