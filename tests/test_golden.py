@@ -479,18 +479,20 @@ def test_the_adam_step_is_read_where_fused_adam_keeps_it():
 
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
     torch_adam = torch.optim.Adam([a, b])
-    assert adam_state(torch_adam, a) == {}  # no step taken yet
+    assert adam_state(torch_adam, a, torch_adam.param_groups[0]) == {}  # no step taken yet
     (a.sum() + b.sum()).backward()
     torch_adam.step()
-    assert float(adam_state(torch_adam, a)["step"]) == 1.0
+    assert float(adam_state(torch_adam, a, torch_adam.param_groups[0])["step"]) == 1.0
 
     class FusedAdamLike:  # what TE's / apex's FusedAdam hold after 6 steps
         param_groups = [{"params": [a], "step": 6}, {"params": [b], "step": 6}]
         state = {a: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}, b: {}}
 
-    got = adam_state(FusedAdamLike(), b)
+    fused = FusedAdamLike()
+    got = adam_state(fused, b, fused.param_groups[1])
     assert float(got["step"]) == 6.0 and "exp_avg" not in got
-    assert float(adam_state(FusedAdamLike(), a)["step"]) == 6.0 and "exp_avg" in adam_state(FusedAdamLike(), a)
+    assert float(adam_state(fused, a, fused.param_groups[0])["step"]) == 6.0
+    assert "exp_avg" in adam_state(fused, a, fused.param_groups[0])
 
 
 def test_the_state_to_load_into_is_made_as_each_optimizer_needs_it(monkeypatch):

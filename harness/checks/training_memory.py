@@ -79,9 +79,8 @@ class Training:
     # spec (what the harness builds without TE) keeps them, and so does TE in fp32: its flash and fused kernels
     # take fp16 / bf16 only, fp32 runs its unfused attention
     fused_attention: bool = False
-    # Transformer Engine's layer spec: its parameters (e.g. the layer norms fused into the linears); None: as
-    # fused_attention (a projection that asks for TE's attention asks for its spec)
-    te_spec: bool | None = None
+    # Transformer Engine's layer spec: its parameters (e.g. the layer norms fused into the linears)
+    te_spec: bool = False
     # sequence parallelism: what TP replicates (norms, residuals, layer inputs) is split over TP as well; the
     # harness runs without it, projections of users' configs may ask for it
     sequence_parallel: bool = False
@@ -299,8 +298,7 @@ def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) ->
     largest_param, largest_bucket = 0, 0
     for vp in range(layout.vpp):
         for experts, group in ((False, d), (True, layout.edp)):  # the dense buffer; an MoE model's experts at EP > 1
-            te = training.fused_attention if training.te_spec is None else training.te_spec
-            params = chunk_params(model, layout, c.pp, vp, te=te, expert_buffer=experts)
+            params = chunk_params(model, layout, c.pp, vp, te=training.te_spec, expert_buffer=experts)
             if not params:
                 continue
             largest_param = max([largest_param, *(numel for _, numel, _ in params)])

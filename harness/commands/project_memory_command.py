@@ -55,6 +55,7 @@ def training(args) -> int:
     tr = Training(dtype=args.dtype, micro_batch_size=mbs, num_microbatches=gbs // (mbs * layout.dp),
                   use_distributed_optimizer=args.distributed_optimizer, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
                   recompute=args.recompute, fused_attention=args.fused_attention,
+                  te_spec=args.fused_attention,
                   sequence_parallel=args.sequence_parallel)
     m = worst_rank(model, layout, tr)
     print(f"model {model.name} ({model.num_params() / 1e9:.2f}B params), layout {layout.id}, {args.dtype}, seq "

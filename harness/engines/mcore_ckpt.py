@@ -43,17 +43,19 @@ class McoreCheckpoints:
                 # for bf16 / fp16 ones (Float16OptimizerWithFloat16Params) their fp32 main copies
                 for g in opt.optimizer.param_groups:
                     for p in g["params"]:
-                        owner[p] = (adam_state(opt.optimizer, p), None)
-                for model_group, main_group in zip(getattr(opt, "float16_groups", []),
-                                                   getattr(opt, "fp32_from_float16_groups", [])):
+                        owner[p] = (adam_state(opt.optimizer, p, g), None)
+                # megatron makes one float16 / fp32-main group per param group of the inner optimizer, in order
+                for model_group, main_group, g in zip(getattr(opt, "float16_groups", []),
+                                                      getattr(opt, "fp32_from_float16_groups", []),
+                                                      opt.optimizer.param_groups):
                     for p, main in zip(model_group, main_group):
-                        owner[p] = (adam_state(opt.optimizer, main), None)
+                        owner[p] = (adam_state(opt.optimizer, main, g), None)
                 continue
             distributed = True  # a parameter held wholly by other DP ranks is not in this rank's index
             for p, (group, order) in index.items():
                 main = opt.optimizer.param_groups[group]["params"][order]
                 rng = opt._get_model_param_range_map(p)["param"]
-                owner[p] = (adam_state(opt.optimizer, main), (rng.start, rng.end))
+                owner[p] = (adam_state(opt.optimizer, main, opt.optimizer.param_groups[group]), (rng.start, rng.end))
         out = []
         for model in self.models:
             for name, p in self.global_names(model.module).items():
@@ -174,10 +176,11 @@ class McoreCheckpoints:
         load does where its state is empty: a state filled here lacked the fp32 master copies its load reads."""
         import torch
         from megatron.core.optimizer import distrib_optimizer
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             inner = opt.optimizer
-            if isinstance(inner, _hybrid_device_optimizer()):
+            if isinstance(inner, HybridDeviceOptimizer):
                 if not inner.state:
                     inner.dummy_step()
                 continue
@@ -220,24 +223,13 @@ def _keep_torch_adam_step() -> Iterator[None]:
         DistributedOptimizer._set_main_param_and_optimizer_states = original
 
 
-def adam_state(inner: Any, param: Any) -> dict:
+def adam_state(inner: Any, param: Any, group: dict) -> dict:
     """One parameter's Adam state with its step, wherever the optimizer keeps it: torch's Adam per parameter,
     Transformer Engine's and apex's FusedAdam in the parameter's group (where megatron's distributed optimizer
     reads it for them too); without a step anywhere (no step taken) as it is."""
     import torch
 
     state = inner.state.get(param, {})
-    if "step" in state:
+    if "step" in state or "step" not in group:
         return state
-    group: dict = next((g for g in inner.param_groups if any(q is param for q in g["params"])), {})
-    return {**state, "step": torch.tensor(float(group["step"]))} if "step" in group else state
-
-
-def _hybrid_device_optimizer() -> Any:
-    """megatron's HybridDeviceOptimizer (the optimizer CPU offload), or a class nothing is an instance of where this
-    megatron-core has none."""
-    try:
-        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-    except ImportError:
-        return type("NoHybridDeviceOptimizer", (), {})
-    return HybridDeviceOptimizer
+    return {**state, "step": torch.tensor(float(group["step"]))}

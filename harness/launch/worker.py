@@ -60,14 +60,14 @@ def shutdown_distributed(ctx: RankContext) -> None:
 
 
 def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
-             exits_on_failure: bool | None = None) -> RankResult:
+             exits_on_failure: bool = False) -> RankResult:
     """Run the case's suite work on this rank; never raises (errors go into the result).
 
     With own_process_group=False (torchrun, several cases per process) the process group outlives
-    the case and only megatron's parallel state is torn down. exits_on_failure (default: own_process_group): the
-    process ends after a failed case, so there is no teardown to wait for - on NCCL ranks destroying a group
-    waits for the operations issued on it, which peers that failed elsewhere never match, and the failure
-    would reach the parent as a timeout without its traceback.
+    the case and only megatron's parallel state is torn down. exits_on_failure (a warm pool's rank; a rank with
+    its own process group always does): the process ends after a failed case, so there is no teardown to wait
+    for - on NCCL ranks destroying a group waits for the operations issued on it, which peers that failed
+    elsewhere never match, and the failure would reach the parent as a timeout without its traceback.
     """
     from harness import adjustments
     from harness.platform.parallel import teardown_parallel_state
@@ -99,7 +99,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
         result.error = traceback.format_exc()
         if isinstance(exc, MissingDependency):  # this installation cannot run the case: a skip, not a failure
             result.skip_reason = str(exc)
-    if not result.ok and (own_process_group if exits_on_failure is None else exits_on_failure):
+    if not result.ok and (own_process_group or exits_on_failure):
         return result  # the process ends here; peers may be gone, so no collective teardown
     failed_in = result.phase
     try:  # also after a failure: a torchrun rank goes on to the next case
