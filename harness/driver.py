@@ -103,7 +103,7 @@ def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layou
     cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options, params=params)
     if timeout_s is not None:
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
-    refuse_what_does_not_fit(cases, backend, world_size)
+    refuse_what_does_not_fit(cases, backend, local_world_size or world_size)
     if isinstance(suite, Baselined) and cases:
         from harness import baselines
         from harness.platform import detect_platform
@@ -113,16 +113,16 @@ def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layou
     return Plan(suite, params, cases, model.name, world_size, backend, cases[0].engine if cases else engine)
 
 
-def refuse_what_does_not_fit(cases: list[Case], backend: str, world_size: int) -> None:
+def refuse_what_does_not_fit(cases: list[Case], backend: str, local_world_size: int) -> None:
     """DoesNotFit (exit 2, a skip in pytest) for the first case the training-memory model predicts will not fit
-    the memory a rank has, before any rank starts."""
+    the memory a rank has, before any rank starts; local_world_size: the ranks sharing this node."""
     from harness.checks.training_memory import refusal
     from harness.errors import DoesNotFit
     from harness.platform.backend import memory_per_rank
 
     if not cases:
         return
-    available = memory_per_rank(backend, world_size)
+    available = memory_per_rank(backend, local_world_size)
     for case in cases:
         why = "" if case.skip else refusal(case, available)
         if why:

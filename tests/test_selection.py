@@ -188,6 +188,22 @@ def test_nccl_over_several_nodes_needs_a_gpu_per_rank_of_the_node_not_of_the_wor
         driver.plan("equivalence", "tiny", 8, backend="nccl")
 
 
+def test_gloo_over_several_nodes_shares_a_host_among_the_ranks_of_its_node(monkeypatch):
+    """torchrun --nnodes 4 --nproc-per-node 2 on gloo: each host's memory goes to its 2 ranks, not to 8."""
+    from harness import driver
+    from harness.errors import DoesNotFit
+
+    shares = []
+    monkeypatch.setattr("harness.platform.backend.memory_per_rank",
+                        lambda backend, ranks: shares.append(ranks) or 1 << 40)
+    driver.plan("train-memory", "tiny", 8, backend="gloo", local_world_size=2)
+    driver.plan("train-memory", "tiny", 8, backend="gloo")  # one host runs all 8
+    assert shares == [2, 8]
+    monkeypatch.setattr("harness.platform.backend.memory_per_rank", lambda backend, ranks: (1 << 20) // ranks)
+    with pytest.raises(DoesNotFit, match="will not fit"):
+        driver.plan("train-memory", "tiny", 8, backend="gloo", local_world_size=2)
+
+
 def test_the_torchrun_entry_plans_with_the_ranks_of_its_node(monkeypatch):
     from harness import driver, torchrun
 

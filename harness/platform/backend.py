@@ -103,16 +103,16 @@ def resolve_backend(requested: str, world_size: int | None = None) -> str:
     return requested
 
 
-def memory_per_rank(backend: str, world_size: int) -> int:
+def memory_per_rank(backend: str, local_world_size: int) -> int:
     """Bytes one rank may use: its GPU's memory (one rank per GPU), or on gloo ranks the host's available
-    memory divided among the ranks."""
+    memory divided among the ranks on this host."""
     if backend == "nccl":
         import torch
 
         return torch.cuda.get_device_properties(0).total_memory
     import psutil
 
-    return psutil.virtual_memory().available // max(1, world_size)
+    return psutil.virtual_memory().available // max(1, local_world_size)
 
 
 def detect_platform(backend: str) -> Platform:
