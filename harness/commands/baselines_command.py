@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from harness.commands.case_args import add_case_args
@@ -111,8 +112,10 @@ def record_missing(args) -> int:
     for m in todo:
         print(f"{m.suite} {m.model}: {len(m.missing)} of {m.planned} entries missing from {m.path}", flush=True)
     refused = []
+    started = time.monotonic()
     for i, m in enumerate(todo, 1):
         print(f"[{i}/{len(todo)}] recording {m.suite} {m.model} ({args.repeats} repeats)", file=sys.stderr, flush=True)
+        run_started = time.monotonic()
         try:
             path, changes = record_suite(m.suite, m.model, args.world_size, repeats=args.repeats,
                                          baselines_dir=args.baselines_dir, backend=args.backend)
@@ -120,11 +123,11 @@ def record_missing(args) -> int:
             refused.append(f"{m.suite} {m.model}: {exc}")
             print(f"harness: error: {m.suite} {m.model}: not recorded: {exc}", file=sys.stderr, flush=True)
             continue
-        print(f"recorded {path}:\n{changes}", flush=True)
+        print(f"recorded {path} in {time.monotonic() - run_started:.0f} s:\n{changes}", flush=True)
     if refused:
-        print(f"harness: error: {len(refused)} of {len(todo)} runs not recorded:\n  " + "\n  ".join(
-            r.splitlines()[0] for r in refused), file=sys.stderr)
+        print(f"harness: error: {len(refused)} of {len(todo)} runs not recorded ({time.monotonic() - started:.0f} s "
+              f"in all):\n  " + "\n  ".join(r.splitlines()[0] for r in refused), file=sys.stderr)
         return 1
     print(f"recorded every missing baseline of the regression suites at world size {args.world_size} "
-          f"({len(todo)} runs)")
+          f"({len(todo)} runs in {time.monotonic() - started:.0f} s)")
     return 0
