@@ -169,6 +169,48 @@ def test_the_model_holds_against_measured_peaks_of_small():
 
 
 @pytest.mark.slow
+def test_the_model_holds_in_bf16_with_the_optimizers_fp32_gradient_copies():
+    """bf16 parameters with a bf16 gradient buffer: megatron's optimizer steps fp32 copies of the gradients
+    (`main_grad.float()`, 4 bytes per parameter it steps) made at every step. Every default case of `small` at
+    world size 2 in bf16 within the model's band; without those copies the steps fall outside it (a model
+    that left them out failed 4 of the 8 cases, step0 at up to +43%)."""
+    import dataclasses
+
+    from harness.checks.training_memory import training_of
+    from harness.spec import CaseOptions
+    from harness.suite_defs.train_memory.figures import phase_figures
+    from harness.suite_defs.train_memory.judge import band
+
+    run = _run(options=CaseOptions(dtype="bf16"))
+    model = [c for c in run.checks if c.check == "train-memory.model"]
+    assert len(model) == 8 and all(c.passed for c in model), [c.message for c in model if not c.passed]
+    outside = []
+    for res in run.results:
+        for r in res.ranks:
+            m = predict(res.case.model, res.case.layout, training_of(res.case), r.rank, "cpu")
+            assert m.main_grads > 0
+            without = dataclasses.replace(m, main_grads=0).phases(res.case.options.steps)
+            for phase, got in phase_figures(r, "gloo").items():
+                low, high = band(without[phase])
+                if not low <= got <= high:
+                    outside.append((res.case.layout.id, res.case.variant, r.rank, phase))
+    assert len({case[:2] for case in outside}) >= 4, outside
+
+
+def test_a_gpus_later_step_counts_the_free_of_the_previous_steps_gradient_copies():
+    """A step's zero_grad frees the fp32 gradient copies of the step before: a device's allocated bytes above
+    the step's start count that free, memray's heap of the step's own allocations does not."""
+    m, lay, tr = load_model("small"), Layout(dp=2), Training(dtype="bf16", recompute="full")
+    gpu, cpu = predict(m, lay, tr, 0, "gpu"), predict(m, lay, tr, 0, "cpu")
+    n = shard_params(m, lay, 0)
+    assert gpu.main_grads == cpu.main_grads == 4 * n
+    assert gpu.phases(2)["step1"] == max(gpu.forward_backward, gpu.optimizer_step) - 4 * n
+    assert cpu.phases(2)["step1"] == max(cpu.forward_backward, cpu.collective, cpu.optimizer_step)
+    assert predict(m, lay, Training(dtype="bf16", grad_reduce_in_fp32=True)).main_grads == 0  # stepped in place
+    assert predict(m, lay, Training(dtype="fp32")).main_grads == 0
+
+
+@pytest.mark.slow
 def test_tiny_is_below_what_the_model_can_tell_and_says_so():
     """`tiny` at one sample per micro-batch: every phase under 1.1 MiB, inside the slack for fixed costs."""
     from harness.spec import CaseOptions

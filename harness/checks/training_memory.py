@@ -18,6 +18,9 @@ dtypes megatron-core uses:
   and the micro-batches in flight on the first pipeline stage (1F1B: min(PP, micro-batches); interleaved:
   megatron's penalty 1 + (PP - 1) / (PP x VPP)); plus the embedding output, and on the last stage the logits
   (in the param dtype and their fp32 softmax in the vocab-parallel cross entropy);
+- the optimizer step's fp32 copies of the gradients it steps where the gradient buffer is in bf16 / fp16
+  (megatron's `main_grad.float()`: 4 bytes per parameter, /D with the distributed optimizer), made at every
+  step and freed by the next step's zero_grad;
 - transients: the distributed optimizer's parameter buffer while DDP builds (the weights once more), the
   optimizer's per-parameter temporaries (the largest parameter shard: Adam's, and on CPU ranks the float64
   copy of the CPU layer's norms; on GPUs without Transformer Engine or apex megatron steps with torch's
@@ -27,11 +30,12 @@ dtypes megatron-core uses:
   distributed optimizer's all-gather) - NCCL works in place;
 - a fixed overhead (FIXED_OVERHEAD: a measured constant per device kind).
 
-What a phase adds (`phases`): build = weights + gradient buffers + master copies (+ the parameter buffer's
-copy); a step = the largest of its forward-backward (activations, one layer's transient, logits), its
-gradient sync (the collective copy) and its optimizer step (the first step also creates Adam's moments,
-next to the all-gather's copy or the optimizer's temporaries) - measured on CPU ranks, the three do not
-overlap in time without overlap_grad_reduce.
+What a phase adds (`phases`): build = weights + gradient buffers + the larger of the parameter buffer's copy
+and the master copies (made after the buffer replaced the weights' first copies); a step = the largest of
+its forward-backward (activations, one layer's transient, logits), its gradient sync (the collective copy)
+and its optimizer step (the fp32 gradient copies, next to the all-gather's copy or the optimizer's
+temporaries; the first step also creates Adam's moments) - measured on CPU ranks, the three do not overlap
+in time without overlap_grad_reduce.
 
 The Korthikanti et al. count ("Reducing Activation Recomputation in Large Transformer Models", Table 2:
 s b h (34 + 5 a s / h) bytes per layer in fp16 with dropout masks) and Megatron-LM's
@@ -108,6 +112,12 @@ class TrainingMemory:
     build_transient: int = 0  # the distributed optimizer's parameter buffer filled from the weights
     collective: int = 0  # gloo ranks: the flat copy of the largest bucket a coalesced collective makes
     optimizer_transient: int = 0  # the optimizer step's temporaries
+    # the fp32 copies of the gradients the optimizer steps (fp16 / bf16 params whose gradient buffer is not
+    # fp32: megatron's `main_grad.float()`), made at each step and freed at the next step's zero_grad
+    main_grads: int = 0
+    # what a phase's figure counts: "cpu", the heap a phase allocates itself (memray: a free of what was
+    # allocated before the phase does not lower it); "gpu", the device's allocated bytes above the phase's start
+    device: str = "gpu"
     parts: dict[str, int] = field(default_factory=dict)  # the activation count's terms, for the report
 
     @property
@@ -120,23 +130,36 @@ class TrainingMemory:
         return self.activations + self.transient + self.logits
 
     @property
+    def build(self) -> int:
+        """The build's peak: weights and gradient buffers, then the distributed optimizer's parameter buffer
+        filled from the weights (whose first copies go) or the master copies the optimizer makes after it."""
+        return self.weights + self.gradients + max(self.masters, self.build_transient)
+
+    @property
+    def optimizer_step(self) -> int:
+        """What a step's optimizer adds beside the state: the fp32 gradient copies, and next to them the
+        optimizer's temporaries or the distributed optimizer's parameter all-gather right after the step (its
+        copy on gloo)."""
+        beside = max(self.collective, self.optimizer_transient) if self.build_transient else self.optimizer_transient
+        return self.main_grads + beside
+
+    @property
     def peak(self) -> int:
         """The most the rank holds at once: after the build, every step's largest sub-phase on top of the
         state it keeps; or the build's own peak."""
-        step = max(self.forward_backward, self.collective, self.optimizer_transient)
-        build = self.weights + self.gradients + self.masters + self.build_transient
-        return max(self.static + step, build) + self.overhead
+        step = max(self.forward_backward, self.collective, self.optimizer_step)
+        return max(self.static + step, self.build) + self.overhead
 
     def phases(self, steps: int) -> dict[str, int]:
         """What each measured phase adds on top of what the rank held before it: build, step0, step1, ..."""
         moments = self.optimizer - self.masters
-        # the first step creates the moments; next to them: the optimizer's temporaries, or the distributed
-        # optimizer's parameter all-gather right after the step (its copy on gloo)
-        beside = max(self.collective, self.optimizer_transient) if self.build_transient else self.optimizer_transient
-        out = {"build": self.weights + self.gradients + self.masters + self.build_transient,
-               "step0": max(self.forward_backward, self.collective, moments + beside)}
-        out.update({f"step{i}": max(self.forward_backward, self.collective, self.optimizer_transient)
-                    for i in range(1, steps)})
+        out = {"build": self.build,  # the first step creates the moments
+               "step0": max(self.forward_backward, self.collective, moments + self.optimizer_step)}
+        # a later step starts holding the previous step's gradient copies, freed by its zero_grad: a device's
+        # figure counts that free, a heap figure (only what the phase allocates) does not
+        freed = self.main_grads if self.device == "gpu" else 0
+        later = max(self.forward_backward, self.collective, self.optimizer_step) - freed
+        out.update({f"step{i}": later for i in range(1, steps)})
         return out
 
     def rows(self) -> list[tuple[str, int]]:
@@ -282,9 +305,11 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
     optimizer_transient = buckets * (12 if device == "cpu" else 8)
     if device == "gpu" and training.foreach_adam:
         optimizer_transient = max(optimizer_transient, 4 * n // share)
+    # megatron's optimizer steps fp32 copies of the gradients where the buffer holds them in the param dtype
+    main_grads = masters if gbytes < 4 else 0
     return TrainingMemory(rank, n * pbytes, n * gbytes, optimizer, activations + int(embedding), transient, logits,
                           FIXED_OVERHEAD[device], masters, build_transient, collective, optimizer_transient,
-                          {k: int(v) for k, v in parts.items()})
+                          main_grads, device, {k: int(v) for k, v in parts.items()})
 
 
 def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) -> tuple[int, int]:
