@@ -169,3 +169,14 @@ class LoadKeepsASecondCopyOfTheOptimizerState(McoreEngine):
             t.detach().clone() for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
             for group in opt.optimizer.param_groups for p in group["params"]
             for t in (p, *opt.optimizer.state.get(p, {}).values()) if isinstance(t, torch.Tensor) and t.numel() > 1]
+
+
+class LoadZeroesTheLearningRate(McoreEngine):
+    """The load leaves the learning rate at 0 (a scheduler state restored empty, say): every value it loads is the
+    saved one, and the next step updates nothing."""
+
+    def load_checkpoint(self, ckpt_dir: str, fmt: str) -> None:
+        super().load_checkpoint(ckpt_dir, fmt)
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for group in opt.optimizer.param_groups:
+                group["lr"] = 0.0

@@ -11,7 +11,7 @@ from harness.suite_defs.ckpt_memory.contract_judge import promised
 from harness.driver import run_suite
 from harness.suite_defs.ckpt_memory.contract import contract_cases
 from harness.suite_defs.ckpt_memory import CkptMemorySuite
-from harness.spec import Layout
+from harness.spec import CaseOptions, Layout
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +26,11 @@ class ContractOnly(CkptMemorySuite):
         return contract_cases(self.name, model, world_size, engine, backend, options, self.contract_formats)
 
 
-def _run(engine="mcore", formats=("fully_reshardable",)):
+def _run(engine="mcore", formats=("fully_reshardable",), dtype="fp32"):
     """On `tiny` at world size 2 (saved at dp2; loaded at dp2, tp2, pp2 and, the DP-only change, dp1): the
     harness's contract logic and every planted fault show on it, at about half the CPU of world size 4; the
     cpu-suite runs the contract on `small` at world size 4."""
-    return run_suite(ContractOnly(formats), "tiny", 2, engine=engine, backend="gloo")
+    return run_suite(ContractOnly(formats), "tiny", 2, engine=engine, backend="gloo", options=CaseOptions(dtype=dtype))
 
 
 def _failed(run, check="ckpt-memory.reshard") -> dict[str, str]:
@@ -128,6 +128,19 @@ def test_optimizer_state_shard_off_after_load_is_caught():
     assert set(failed) == {"tp1-pp1-cp1-dp2"}  # the only promised target with a DP rank 1
     assert all("optimizer state differs from the saved one: " in m and "#exp_avg_sq rel 1.0" in m
                for m in failed.values()), failed
+
+
+def test_in_bf16_a_load_at_another_layout_steps_within_bf16s_tolerance_and_a_lost_update_fails():
+    """bf16 loads at TP 2, PP 2 and DP 1 step within 1.3e-3 of the uninterrupted run at DP 2 (their own rounding,
+    beyond fp32's 1e-5); a load that leaves the learning rate at 0 loads every value right and fails the step."""
+    run = _run(dtype="bf16")
+    reshard = [c for c in run.checks if c.check == "ckpt-memory.reshard"]
+    assert len(reshard) == 4 and all(c.passed for c in reshard), [c.message for c in reshard if not c.passed]
+    assert max(c.value for c in reshard) > 1e-5  # what fp32's tolerance would have failed
+    failed = _failed(_run("tests.faulty_ckpt:LoadZeroesTheLearningRate", dtype="bf16"))
+    assert set(failed) == {"tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp1-dp1"}
+    assert all("the step after the load differs from the uninterrupted run (optimizer state not restored?): " in m
+               and m.endswith("> 2e-02") for m in failed.values()), failed
 
 
 def test_corrupted_shard_after_load_is_caught():

@@ -8,13 +8,17 @@ import math
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, within
 from harness.checks.tensors import assemble, rel_error
+from harness.dtypes import dtype
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.spec import Layout
 from harness.suite_defs.ckpt_memory.payload import ContractRankData, LoadTarget
 
-# loaded values are copies (bit-identical); the step after the load differs only by reduction order
-STEP_RTOL = 1e-5
+# Loaded values are copies (bit-identical). The step after a load at another layout differs by that layout's
+# reduction order, as any two layouts do: compared at the case dtype's tolerance across layouts (DType.rtol; bf16's
+# measured against a planted lost update in docs/suites.md). The step after a save runs at the layout that saved,
+# with the uninterrupted run's reductions: compared at fp32's 1e-5 in every dtype.
+SAME_LAYOUT_RTOL = 1e-5
 
 
 def promised(fmt: str, saved: Layout, target: Layout) -> bool:
@@ -165,10 +169,11 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[LoadTarget], s
                            f"{sorted(set(loaded) ^ set(saved))[:5]}")
     worst_load, load_err = _worst({n: rel_error(loaded[n], saved[n]) for n in saved})
     worst_step, step_err = _worst({n: rel_error(stepped[n], reference[n]) for n in reference})
+    rtol = dtype(res.case.options.dtype).rtol
     rows = [f"  load host peak MiB/rank: {peaks}",
             f"  loaded == saved: worst {worst_load} rel {fmt_err(load_err)} (must be 0)",
             f"  one step after the load == the uninterrupted run: worst {worst_step} rel "
-            f"{fmt_err(step_err)} (<= {STEP_RTOL:.0e})"]
+            f"{fmt_err(step_err)} (<= {rtol:.0e}, {res.case.options.dtype})"]
     loaded_optim = _assemble_optional([d.loaded_optim for d in per_rank])
     if loaded_optim is None or saved_optim is None:
         optim_msg = ("Adam state not compared: the engine has no optimizer_state_shards() (exp_avg, exp_avg_sq "
@@ -182,9 +187,9 @@ def _judge(res: CaseResult, fmt: str, src: Layout, per_rank: list[LoadTarget], s
                + _nonfinite(worst_load, loaded))
     elif optim_msg:
         msg = optim_msg
-    elif beyond(step_err, STEP_RTOL):
+    elif beyond(step_err, rtol):
         msg = (f"the step after the load differs from the uninterrupted run (optimizer state not restored?): "
-               f"{worst_step} rel {fmt_err(step_err)} > {STEP_RTOL:.0e}" + _nonfinite(worst_step, stepped))
+               f"{worst_step} rel {fmt_err(step_err)} > {rtol:.0e}" + _nonfinite(worst_step, stepped))
     else:
         return CheckResult("ckpt-memory.reshard", cid, True,
                            f"{head}: loads with the saved values; step after load rel {fmt_err(step_err)}",
@@ -218,9 +223,9 @@ def _judge_error(cid: str, head: str, promise: bool, errors: list[tuple[int, Loa
 
 def _judge_side_effects(res: CaseResult, fmt: str, continued, reference) -> CheckResult:
     worst, err = _worst({n: rel_error(continued[n], reference[n]) for n in reference})
-    ok = within(err, STEP_RTOL)
+    ok = within(err, SAME_LAYOUT_RTOL)
     return CheckResult("ckpt-memory.save-side-effects", res.case.id, ok,
                        f"{fmt}: the step after the save {'equals' if ok else 'differs from'} the uninterrupted run: "
-                       f"worst {worst} rel {fmt_err(err)} {'<=' if ok else 'not <='} {STEP_RTOL:.0e}"
+                       f"worst {worst} rel {fmt_err(err)} {'<=' if ok else 'not <='} {SAME_LAYOUT_RTOL:.0e}"
                        + ("" if ok else _nonfinite(worst, continued) + " - the save changed the training state"),
                        value=err)
