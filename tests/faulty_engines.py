@@ -68,6 +68,19 @@ class SkipParamAllGather(McoreEngine):
 _KEPT_GROUPS: list = []
 
 
+class NormsKeptInFp32(McoreEngine):
+    """Builds a bf16 model whose norms stay fp32, as megatron's local spec makes them without Float16Module's cast:
+    their gradients take a DDP buffer of their own."""
+
+    def reinit(self, chunk) -> None:
+        import torch
+
+        super().reinit(chunk)
+        for module in chunk.modules():
+            if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                module.float()
+
+
 class KeepsGroupAlive(McoreEngine):
     """Keeps a reference to its DP process group after the case (as an lru_cache on a method did): the group
     is destroyed but its gloo threads run on in the warm rank."""

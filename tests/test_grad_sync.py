@@ -55,6 +55,23 @@ def test_world_size_2_passes_and_prints_plan_tables():
     assert all(c.show and any("DP gradient reduction" in d for d in c.details) for c in tables)
 
 
+@pytest.mark.slow
+def test_bf16_issues_one_gradient_reduction_as_megatron_does_and_norms_left_in_fp32_fail():
+    """In bf16 every parameter is bf16, as megatron's Float16Module makes it (its local spec builds the norms in fp32):
+    one buffer, one all-reduce. A model whose norms stay fp32 reduces two buffers, coalesced."""
+    bf16 = CaseOptions(dtype="bf16")
+    run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", options=bf16)
+    assert run.passed, [c.message for c in run.checks if c.failed]
+    planted = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", options=bf16,
+                        engine="tests.faulty_engines:NormsKeptInFp32")
+    failed = [c for c in planted.checks if c.check == "grad-sync.plan" and c.failed]
+    assert len(failed) == 4 and all(" x fp32 x3 " in "\n".join(c.details) for c in failed), \
+        [c.message for c in failed]  # the norms' own buffer
+    plain = next(c for c in failed if "use_distributed_optimizer=False, overlap_grad_reduce=False" in c.message)
+    assert "but observed allreduce_coalesced_ on dp-cp group (0, 1), 81920 x bf16, 3 calls" in plain.message
+    assert "allreduce_coalesced_ on dp-cp (0, 1), 320 x fp32 x3" in "\n".join(plain.details)  # 5 norms of 64
+
+
 def _failures(run):
     return {c.check: c.message for c in run.checks if c.failed}
 

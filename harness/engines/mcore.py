@@ -14,7 +14,7 @@ from harness.engines.cp_data import zigzag_positions
 from harness.engines.experts import EXPERT_RE, drop_routing_graphs, tp_coords
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
-from harness.engines.model_config import _full_init, layer_spec, transformer_config
+from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
 from harness.launch.context import RankContext
 from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
@@ -204,7 +204,9 @@ class McoreEngine(McoreCheckpoints):
         return out
 
     def reinit(self, chunk) -> None:
-        """Overwrite every weight matrix from its global name so all layouts start equal."""
+        """The chunk in its parameter dtype, then every weight matrix overwritten from its global name so all layouts
+        start equal."""
+        in_params_dtype(chunk)
         seed = self.case.options.seed
         # norms keep their deterministic ones / zeros; LoRA's B starts at zero (the adapted model starts
         # as the base model)

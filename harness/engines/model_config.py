@@ -47,6 +47,18 @@ def transformer_config(case: Case, on_cpu: bool, params_dtype: str | None = None
     )
 
 
+def in_params_dtype(chunk: Any) -> None:
+    """Cast a chunk built for fp16 / bf16 wholly to that dtype, as megatron's Float16Module does to the module it
+    wraps (`module.bfloat16()`), which the engines do not use (`model.module` is the GPTModel chunk). Megatron's
+    local spec builds its norms with torch's RMSNorm / LayerNorm, in fp32 whatever the config's dtype: left so,
+    their gradients took a DDP buffer of their own (two coalesced all-reduces where megatron issues one) and torch
+    cannot dispatch its fused norm to a bf16 input with an fp32 weight."""
+    import torch
+
+    if chunk.config.params_dtype != torch.float32:
+        chunk.to(chunk.config.params_dtype)
+
+
 def undrawn(weight: torch.Tensor) -> None:
     """megatron's init method for weights the engine sets itself (McoreEngine.reinit): draws nothing."""
 
