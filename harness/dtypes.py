@@ -4,9 +4,8 @@ each family of checks compares its figures with.
 fp32 on CPU ranks: layouts differ only in reduction order, ~1e-7 on losses and log-probs and up to ~2e-6 on
 gradients (dynamic-cp), so 1e-5 leaves headroom while a skipped reduction or a wrong shard shows at >= 1e-3; golden's
 recordings of one trajectory spread <= 1e-4 (docs/golden.md). bf16 and fp16 keep 8 and 11 bits of mantissa: the
-layout checks compare them at 2e-2 and 1e-2. golden's bf16 figures are measured: on gloo ranks `tiny`'s 8 layouts of
-world size 4 repeat bit for bit and differ by at most 3.2e-3 of a figure (an Adam moment; losses 3.3e-5, gradient
-norms 1.0e-3, parameters 8.9e-5), so its floor is 1e-2 and a recording spreading beyond 2e-2 is refused; fp16's are
+layout checks compare them at 2e-2 and 1e-2. golden's bf16 figures are measured (docs/golden.md): its floor is 1e-2
+and a recording spreading beyond 2e-2 is refused; fp16's are
 not measured (megatron's fp16 trains with a loss scaler the CPU tier does not run).
 """
 

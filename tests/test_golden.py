@@ -187,7 +187,7 @@ def test_tolerances_are_measured_and_floored_by_dtype():
     far = {"step01.loss": 4.8705 * (1 + 2 * BF16.golden_rtol)}
     beyond = judge("c", "tiny/bf16/steps=3", "bf16", dict(GOLDEN, **far), _entry(GOLDEN))
     assert not beyond[0].passed and beyond[0].message.startswith("step 1: loss"), beyond[0].message
-    # a bf16 recording may spread up to 2e-2 (measured on gloo ranks: 3.2e-3 at most over tiny's layouts)
+    # a bf16 recording may spread up to 2e-2 (measured on gloo ranks: 5.1e-3 at most over tiny's layouts)
     assert noisy_metrics({"tiny/bf16/steps=12": {"step01.loss": [4.87, 4.87 * 1.015, 4.87]}}) == []
     assert len(noisy_metrics({"tiny/bf16/steps=12": {"step01.loss": [4.87, 4.87 * 1.03, 4.87]}})) == 1
 
