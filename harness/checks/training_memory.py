@@ -107,7 +107,6 @@ class TrainingMemory:
     activations: int  # of every micro-batch in flight, the first stage's schedule
     transient: int  # one layer's activations more while a layer is recomputed / its backward runs
     logits: int
-    overhead: int
     masters: int = 0  # of `optimizer`: the fp32 master copies (bf16 / fp16 params), made when the optimizer is built
     build_transient: int = 0  # the distributed optimizer's parameter buffer filled from the weights
     collective: int = 0  # gloo ranks: the flat copy of the largest bucket a coalesced collective makes
@@ -115,10 +114,15 @@ class TrainingMemory:
     # the fp32 copies of the gradients the optimizer steps (fp16 / bf16 params whose gradient buffer is not
     # fp32: megatron's `main_grad.float()`), made at each step and freed at the next step's zero_grad
     main_grads: int = 0
-    # what a phase's figure counts: "cpu", the heap a phase allocates itself (memray: a free of what was
-    # allocated before the phase does not lower it); "gpu", the device's allocated bytes above the phase's start
+    # the device kind: its fixed overhead, and what a phase's figure counts: "cpu", the heap a phase allocates
+    # itself (memray: a free of what was allocated before the phase does not lower it); "gpu", the device's
+    # allocated bytes above the phase's start
     device: str = "gpu"
     parts: dict[str, int] = field(default_factory=dict)  # the activation count's terms, for the report
+
+    @property
+    def overhead(self) -> int:
+        return FIXED_OVERHEAD[self.device]
 
     @property
     def static(self) -> int:
@@ -308,8 +312,8 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
     # megatron's optimizer steps fp32 copies of the gradients where the buffer holds them in the param dtype
     main_grads = masters if gbytes < 4 else 0
     return TrainingMemory(rank, n * pbytes, n * gbytes, optimizer, activations + int(embedding), transient, logits,
-                          FIXED_OVERHEAD[device], masters, build_transient, collective, optimizer_transient,
-                          main_grads, device, {k: int(v) for k, v in parts.items()})
+                          masters, build_transient, collective, optimizer_transient, main_grads, device,
+                          {k: int(v) for k, v in parts.items()})
 
 
 def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) -> tuple[int, int]:

@@ -8,6 +8,7 @@ from typing import Any
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.checks.step_outputs import TrainedRankData
+from harness.dtypes import dtype
 from harness.engines.base import ParamShard, StepOutput
 from harness.engines.lora import CONFIG_FILE, hf_target_modules
 from harness.launch.results import CaseResult, RankResult
@@ -232,10 +233,11 @@ def _check_logprobs(res: CaseResult, hf: dict) -> CheckResult:
     diff = LogprobDiff.of(peft_lp, megatron, LOGPROB_RTOL)
     worst = diff.worst
     effect = float(((peft_lp - off).abs() / (float(megatron.abs().max()) or 1.0)).max())
-    if diff.bad.any() and (unjudged := _beyond_fp32(name, cid, f"{lay}: HF + PEFT against the Megatron model", worst,
-                                                     res.case.options.dtype, effect)):
-        return unjudged
     if diff.bad.any():
+        unjudged = _beyond_fp32(name, cid, f"{lay}: HF + PEFT against the Megatron model", worst,
+                                res.case.options.dtype, effect)
+        if unjudged:
+            return unjudged
         sample = diff.first_sample
         return CheckResult(name, cid, False,
                            f"{lay}: HF + PEFT log-probs differ from the Megatron model at {int(diff.bad.sum())}/"
@@ -257,12 +259,11 @@ def _beyond_fp32(name: str, cid: str, head: str, worst: float, dtype_name: str, 
     """In fp16 / bf16 a log-prob difference beyond fp32's tolerance and within the dtype's is rounding as much as a
     wrong adapter: what the adapter itself moves (~1e-3 after two steps) hides in it, so the comparison cannot tell
     (None: fp32, or beyond the dtype's tolerance: the caller judges)."""
-    from harness.dtypes import dtype
-
-    if dtype_name == "fp32" or beyond(worst, dtype(dtype_name).rtol):
+    rtol = dtype(dtype_name).rtol
+    if dtype_name == "fp32" or beyond(worst, rtol):
         return None
     moved = f", and the adapter moves them by {effect:.2e}" if effect is not None else ""
-    rounding = f"{dtype_name}'s rounding ({dtype(dtype_name).rtol:.0e})"
+    rounding = f"{dtype_name}'s rounding ({rtol:.0e})"
     return cannot_tell(name, cid, f"{head}: log-probs differ by {worst:.2e} in {dtype_name}, beyond fp32's "
                                   f"{LOGPROB_RTOL:.0e} and within {rounding}{moved}: a wrong adapter can hide there; "
                                   f"judge with --dtype fp32", value=worst)
@@ -296,10 +297,10 @@ def _check_reload(res: CaseResult, which: str) -> CheckResult:
         return CheckResult(name, cid, False, f"{lay} -> {target}: held-out log-probs: {coverage}")
     diff = LogprobDiff.of(got, want, LOGPROB_RTOL)
     worst = diff.worst
-    if diff.bad.any() and (unjudged := _beyond_fp32(name, cid, f"{lay} -> {target}: {what}", worst,
-                                                     res.case.options.dtype)):
-        return unjudged
     if diff.bad.any():
+        unjudged = _beyond_fp32(name, cid, f"{lay} -> {target}: {what}", worst, res.case.options.dtype)
+        if unjudged:
+            return unjudged
         sample = diff.first_sample
         return CheckResult(name, cid, False,
                            f"{lay} -> {target}: {what} loaded, but the held-out log-probs differ from the model "
