@@ -82,6 +82,37 @@ def unit(session: nox.Session) -> None:
     session.run("pytest", "tests", "-m", "not slow", "-n", TEST_WORKERS, *session.posargs)
 
 
+FLAKE_TESTS = ("tests/test_rendezvous.py", "tests/test_zygote.py", "tests/test_pool.py", "tests/test_runner.py")
+
+
+@nox.session
+def flakes(session: nox.Session) -> None:
+    """Hunt a flaky test: pytest ROUNDS times in a row beside a CPU-bound process on one core (as a shared CI
+    runner is), counting the rounds that failed; their logs stay in .flakes/. `-- ROUNDS [pytest args]` (default:
+    5 rounds of the rank-start tests: rendezvous, fork server, pool, runner, on two workers)."""
+    _install_cpu(session)
+    rounds = int(session.posargs[0]) if session.posargs and session.posargs[0].isdigit() else 5
+    args = session.posargs[1:] if session.posargs and session.posargs[0].isdigit() else session.posargs
+    args = args or [*FLAKE_TESTS, "-n", TEST_WORKERS, "--dist", "loadscope"]
+    os.makedirs(".flakes", exist_ok=True)
+    load = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    failed = []
+    try:
+        for r in range(1, rounds + 1):
+            log = os.path.join(".flakes", f"round{r}.log")
+            with open(log, "w") as f:
+                code = subprocess.run([os.path.join(session.bin, "pytest"), "-q", *args], stdout=f,
+                                      stderr=subprocess.STDOUT).returncode
+            session.log(f"round {r}/{rounds}: {'pass' if code == 0 else f'FAILED (exit {code}, {log})'}")
+            if code != 0:
+                failed.append(log)
+    finally:
+        load.kill()
+    if failed:
+        session.error(f"{len(failed)} of {rounds} rounds failed: {', '.join(failed)}")
+    session.log(f"{rounds} of {rounds} rounds passed beside a one-core load")
+
+
 @nox.session(name="cpu-suite")
 def cpu_suite(session: nox.Session) -> None:
     """The regression suites on CPU ranks (gloo), world size 4 by default."""

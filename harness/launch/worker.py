@@ -44,6 +44,20 @@ def init_distributed(ctx: RankContext, timeout_s: float) -> None:
     else:
         dist.init_process_group(ctx.backend, init_method="env://", rank=ctx.rank, world_size=ctx.world_size,
                                 timeout=timeout)
+    all_connected(ctx.backend)
+
+
+def all_connected(backend: str) -> None:
+    """Return only once every rank's gloo connections are up: gloo's connecting side of a pair is done when it
+    has written its handshake, its accepting side only when it has read it, and torch adds no barrier to
+    init_process_group or new_group (TORCH_DIST_INIT_BARRIER=0). Without this a rank whose case issues no
+    collective could finish and close its sockets while a peer, descheduled on a loaded machine, was still
+    accepting: the peer failed its init with "Gloo connectFullMesh failed ... Connection closed by peer".
+    NCCL connects at the first collective, inside the case."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        dist.barrier()
 
 
 def shutdown_distributed(ctx: RankContext) -> None:
