@@ -48,9 +48,24 @@ def parse(text: str, source: str) -> dict[str, Any]:
             for m in metrics.values():
                 float(m["value"]), float(m["tolerance"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise BadInput(f"baseline file {source} is corrupt ({exc}); restore it from git "
-                       f"(git checkout -- {source}) or re-record it with `harness baselines record`") from None
+        restore = f"restore it from git (git checkout -- {source}) or " if _tracked(source) else ""
+        raise BadInput(f"baseline file {source} is corrupt ({exc}); {restore}re-record it with "
+                       "`harness baselines record`, or give another --baselines-dir") from None
     return data
+
+
+def _tracked(source: str) -> bool:
+    """Whether git tracks the file (a baseline file read from disk, not a revision's text)."""
+    import subprocess
+
+    path = Path(source)
+    if not path.is_file():
+        return False
+    try:
+        return subprocess.run(["git", "ls-files", "--error-unmatch", path.name], cwd=path.parent,
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 @dataclass(frozen=True)

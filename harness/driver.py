@@ -134,7 +134,6 @@ def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, 
               timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None,
               **run_options) -> SuiteRun:
     """plan then execute: the suite's cases planned from these arguments, run with run_options (execute's)."""
-    zygote.prestart(backend)  # the rank fork server imports while the harness plans
     return execute(plan(suite_name, model_name, world_size, layout_ids, engine=engine, backend=backend, options=options,
                         timeout_s=timeout_s, suite_params=suite_params, baselines_dir=baselines_dir), **run_options)
 
@@ -151,7 +150,7 @@ def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fre
     there (`stopped` says why; harness/broken_env.py): exit 3, what it measured kept.
     """
     suite, params, cases = planned.suite, planned.params, planned.cases
-    zygote.prestart(planned.backend)
+    zygote.prestart(planned.backend)  # only for a valid plan: bad input starts no process
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     run = SuiteRun(suite, planned.model_name, planned.world_size, planned.backend, planned.engine,
                    planned=len(cases), label=label, params=params)

@@ -69,7 +69,7 @@ CASES = [
     (["nightly", "--out", "/proc/forbidden"], "--out /proc/forbidden: cannot write there"),
     (["nightly", "--out", "{tmp}/n", "--suite", "nope"], "unknown suite(s) ['nope']"),
     (["nightly", "--out", "{tmp}/n", "--world-size", "-2"], "--world-size must be >= 1, got -2"),
-    (["report", "{tmp}"], "no results.json under {tmp}"),
+    (["report", "{tmp}/" + CORRUPT], "no results.json under {tmp}/" + CORRUPT),
     (["bisect", "--suite", "equivalence", "--metric", "fail", "--max", "abc"], "--max 'abc': give a number"),
     (["bisect", "--suite", "equivalence", "--metric", "fail", "--repo", "{tmp}", "--good", "a", "--bad", "b"],
      "--repo {tmp}: not a git checkout"),
@@ -88,6 +88,28 @@ CASES = [
     (["bisect", "--suite", "equivalence", "--metric", "fail", "--megatron-core", "0.16.0", "0.16.1", "--git-bisect-run"],
      "--git-bisect-run bisects the commits of --repo"),
     (["bisect-step", "--suite", "equivalence", "--metric", "fail", "--timeout", "0"], "--timeout must be > 0 seconds"),
+    (["run", "--suite", "equivalence", "--engine", "tests.engine_raises_at_import:make"],
+     "engine 'tests.engine_raises_at_import:make': importing 'tests.engine_raises_at_import' raised RuntimeError: "
+     "planted: this engine module cannot be imported (fix that module)"),
+    (["run", "--suite", "equivalence", "--engine", "tests.fake_suites:CASE_TIMEOUT_S"],
+     "tests.fake_suites.CASE_TIMEOUT_S is a float, not a factory"),
+    (["project-memory", "--model", "70b", "--layout", "tp8-pp2-cp1-dp16", "--training", "--device-gib", "nan"],
+     "--device-gib must be a finite number of GiB > 0 (e.g. 80), got nan"),
+    (["project-memory", "--model", "70b", "--layout", "tp8-pp2-cp1-dp16", "--training", "--device-gib", "inf"],
+     "--device-gib must be a finite number of GiB > 0 (e.g. 80), got inf"),
+    (["project-memory", "--model", "70b", "--layout", "tp8-pp2-cp1-dp16", "--training", "--seq-length", "999999999999"],
+     "--seq-length must be between 1 and 4194304 tokens"),
+    (["baselines", "check", "--suite", "ckpt-memory", "--baselines-dir", "{tmp}/nowhere"],
+     "--baselines-dir {tmp}/nowhere does not exist: give the directory that holds <platform>/ckpt-memory.json"),
+    (["run", "--suite", "ckpt-memory", "--baselines-dir", "{tmp}/nowhere"], "--baselines-dir {tmp}/nowhere does not exist"),
+    (["bisect-step", "--suite", "ckpt-memory", "--model", "small", "--metric", "rank0.nonsense_metric"],
+     "--metric 'rank0.nonsense_metric': the ckpt-memory suite has no such metric; its baselined metrics: "),
+    (["bisect", "--suite", "ckpt-memory", "--metric", "rank0.nonsense_metric", "--megatron-core", "0.16.0", "0.16.1"],
+     "--metric 'rank0.nonsense_metric': the ckpt-memory suite has no such metric"),
+    (["bisect", "--suite", "ckpt-memory", "--metric", "fail", "--megatron-core", "0.16.1..0.15.0"],
+     "version range 0.16.1..0.15.0 runs backwards: give the older release first (0.15.0..0.16.1"),
+    (["run", "--suite", "equivalence", "--out", "{tmp}/earlier"],
+     "--out {tmp}/earlier holds an earlier run (results.json, report.md): give a new directory, or add --force"),
     (["history", "ingest", "{tmp}/nowhere"], "{tmp}/nowhere: not a directory"),
     (["history", "ingest", "{tmp}", "--db", "/proc/forbidden/h.sqlite"], "--db /proc/forbidden/h.sqlite: cannot"),
     (["history", "show", "--metric", "x", "--db", "{tmp}/none.sqlite"], "history database {tmp}/none.sqlite does not exist"),
@@ -97,6 +119,10 @@ CASES = [
 ]
 
 
+def test_the_table_holds_every_bad_input():
+    assert len(CASES) == 74  # one more per bad input added; none dropped without a word
+
+
 @pytest.fixture
 def sandbox(tmp_path, monkeypatch):
     """An empty directory (plus the corrupt baseline files the cases name) and spawning forbidden."""
@@ -104,11 +130,15 @@ def sandbox(tmp_path, monkeypatch):
         (tmp_path / sub / "cpu-gloo").mkdir(parents=True)
         (tmp_path / sub / "cpu-gloo" / f"{suite}.json").write_text("{ not json")
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "earlier").mkdir()
+    for name in ("results.json", "report.md"):
+        (tmp_path / "earlier" / name).write_text("{}")
 
     def no_rank(*args, **kwargs):
         raise AssertionError("a rank process was started for bad input")
 
     monkeypatch.setattr("harness.launch.runner.spawn_rank", no_rank)  # every rank start, fresh or pooled
+    monkeypatch.setattr("harness.launch.zygote.Zygote", no_rank)  # the fork server: only for a valid plan
     monkeypatch.setattr("harness.bisect.version_env", no_rank)  # compare's
     monkeypatch.setattr("harness.bisect.candidates.version_env", no_rank)  # bisect's
     return tmp_path
@@ -130,3 +160,42 @@ def test_bad_input_is_refused_before_any_rank(sandbox, capsys, argv, message):
     assert message.replace("{tmp}", str(sandbox)) in lines[0], lines[0]
     assert _listing(sandbox) == before  # nothing written, no directory left behind
     assert not out.strip()  # nothing half-printed (project-memory's header, a table)
+
+
+def test_force_replaces_the_earlier_run_and_says_so(tmp_path, capsys):
+    from harness.report.directory import refuse_earlier_run
+
+    for name in ("results.json", "report.md", "junit.xml"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "a.png").write_text("")
+    (tmp_path / "notes.txt").write_text("the user's own")
+    refuse_earlier_run(tmp_path, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # the earlier run's files only
+    assert "removed the earlier run's results.json, report.md, junit.xml, plots" in capsys.readouterr().err
+
+
+def test_equivalence_given_only_pure_dp_names_the_layouts_to_add():
+    from harness.models import load_model
+    from harness.spec import Layout
+    from harness.suite_defs import get_suite
+
+    [case] = get_suite("equivalence").cases(load_model("tiny"), 2, [Layout(dp=2)])
+    assert case.skip.startswith("equivalence compares every layout with pure DP, and --layout named only pure DP: "
+                                "add a layout to compare (valid for tiny at world size 2: tp1-pp1-cp2-dp1"), case.skip
+
+
+def test_a_corrupt_baseline_outside_git_is_not_told_to_git_checkout(tmp_path):
+    from harness import baselines
+    from harness.errors import BadInput
+
+    path = tmp_path / "cpu-gloo" / "ckpt-memory.json"
+    path.parent.mkdir()
+    path.write_text("{ not json")
+    with pytest.raises(BadInput) as outside:
+        baselines.load(path)
+    assert "git checkout" not in str(outside.value) and "re-record it" in str(outside.value)
+    tracked = baselines.baseline_path(None, "cpu-gloo", "ckpt-memory")  # the repository's own file
+    with pytest.raises(BadInput) as inside:
+        baselines.parse("{ not json", str(tracked))
+    assert f"git checkout -- {tracked}" in str(inside.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -94,6 +95,31 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
     return worst
 
 
+def refuse_unknown_metric(planned, metric: str) -> None:
+    """BadInput before anything runs for a metric the suite's baseline file names for none of its cases (as
+    rankN.name, any rank): else the whole suite would run before the metric was refused."""
+    from harness import baselines
+    from harness.platform import detect_platform
+    from harness.suite_defs import Baselined, baselines_dir_of
+
+    suite = planned.suite
+    if metric == "fail":
+        return
+    if not isinstance(suite, Baselined):
+        raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")
+    path = baselines.baseline_path(baselines_dir_of(planned.params), detect_platform(planned.backend).key, suite.name)
+    known = sorted({_any_rank(m) for entry in baselines.load(path).get("entries", {}).values() for m in entry},
+                   key=lambda m: (len(m), m))
+    if known and _any_rank(metric) not in known:
+        raise BadInput(f"--metric {metric!r}: the {suite.name} suite has no such metric; its baselined metrics "
+                       f"(N: a rank): {', '.join(known[:6])}{' ...' if len(known) > 6 else ''}, or --metric fail")
+
+
+def _any_rank(metric: str) -> str:
+    """A metric named for any rank: rank3.save_heap_peak_mib -> rankN.save_heap_peak_mib."""
+    return re.sub(r"\brank\d+\b", "rankN", metric)
+
+
 def _rank(step: StepResult) -> tuple[int, float]:
     """Which case's step speaks for the run: a bad one over one that cannot be judged over a good one, then the
     one whose figure lies furthest beyond its threshold."""
@@ -138,6 +164,7 @@ def run_step(plan_args: tuple, plan_kwargs: dict, spec: StepSpec) -> StepResult:
 
     threshold = Threshold(spec.max)
     planned = plan(*plan_args, baselines_dir=spec.baselines_dir, **plan_kwargs)
+    refuse_unknown_metric(planned, spec.metric)
     run = execute(planned, fresh_ranks=spec.fresh_ranks).stop_if_interrupted()
     return judge_run(run, spec.metric, threshold, spec.error_is_bad)
 

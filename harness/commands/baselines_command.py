@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from harness.commands.case_args import add_case_args
+from harness.commands.common import existing_baselines_dir
 from harness.errors import BadInput
 from harness.selection import CaseSelection
 
@@ -48,6 +49,7 @@ def main(args) -> int:
     if not isinstance(planned.suite, Baselined):
         raise BadInput(f"suite {args.suite!r} has no baselines")
     if args.action == "check":
+        existing_baselines_dir(args.baselines_dir, planned.suite.name)
         run = execute(planned)
         print(format_run(run))
         return run.exit_code

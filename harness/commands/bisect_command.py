@@ -79,6 +79,10 @@ def main(args) -> int:
                        "e.g. --package megatron-core 0.16.0..0.16.1")
     package, versions = (args.package[0], args.package[1:]) if args.package else \
         ("megatron-core", args.megatron_core) if args.megatron_core else (None, None)
+    if versions:
+        from harness.bisect.candidates import check_ranges
+
+        check_ranges(versions)
     if args.repo and not Path(args.repo, ".git").exists():
         raise BadInput(f"--repo {args.repo}: not a git checkout (no .git there)")
     if not package and not (args.repo and args.good and args.bad):
@@ -89,7 +93,10 @@ def main(args) -> int:
     sel = CaseSelection.from_args(args)
     # the selection is planned here too, so bad input is refused before any environment is built; the
     # engine is imported in each candidate's environment (a --repo engine lives in the checkout), not here
-    plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **{**sel.plan_kwargs(), "engine": "mcore"})
+    planned = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **{**sel.plan_kwargs(), "engine": "mcore"})
+    from harness.bisect.step import refuse_unknown_metric
+
+    refuse_unknown_metric(planned, args.metric)
     return bisect(args, _spec(args, sel), package, versions)
 
 

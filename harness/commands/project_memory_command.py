@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 from harness.dtypes import DTYPES
 from harness.errors import BadInput
 
+MAX_SEQ_LENGTH = 1 << 22  # 4M tokens: beyond any context trained today; a larger one is a typo
 KNOWN_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
 
 
@@ -41,8 +44,9 @@ def training(args) -> int:
     from harness.spec import Layout
 
     model = load_model(args.model)
-    if args.seq_length is not None and args.seq_length < 1:
-        raise BadInput(f"--seq-length must be >= 1, got {args.seq_length}")
+    if args.seq_length is not None and not 1 <= args.seq_length <= MAX_SEQ_LENGTH:
+        raise BadInput(f"--seq-length must be between 1 and {MAX_SEQ_LENGTH} tokens (a micro-batch's sequence), "
+                       f"got {args.seq_length}")
     if args.seq_length:
         model = dataclasses.replace(model, seq_length=args.seq_length)
     mbs = model.micro_batch_size if args.micro_batch_size is None else args.micro_batch_size
@@ -50,8 +54,8 @@ def training(args) -> int:
     if mbs < 1 or gbs < 1:
         raise BadInput(f"--micro-batch-size and --global-batch-size must be >= 1, got {mbs} and {gbs}")
     layout = validate(Layout.parse(args.layout), model, global_batch_size=gbs, micro_batch_size=mbs)
-    if args.device_gib is not None and args.device_gib <= 0:
-        raise BadInput(f"--device-gib must be > 0, got {args.device_gib}")
+    if args.device_gib is not None and not (math.isfinite(args.device_gib) and args.device_gib > 0):
+        raise BadInput(f"--device-gib must be a finite number of GiB > 0 (e.g. 80), got {args.device_gib}")
     tr = Training(dtype=args.dtype, micro_batch_size=mbs, num_microbatches=gbs // (mbs * layout.dp),
                   use_distributed_optimizer=args.distributed_optimizer, grad_reduce_in_fp32=args.grad_reduce_in_fp32,
                   recompute=args.recompute, fused_attention=args.fused_attention,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness.commands.case_args import add_case_args
-from harness.commands.common import out_dir
+from harness.commands.common import existing_baselines_dir, out_dir
 from harness.errors import BadInput
 from harness.selection import CaseSelection
 
@@ -11,7 +11,9 @@ from harness.selection import CaseSelection
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a suite over layouts on local ranks and judge it")
     add_case_args(p)
-    p.add_argument("--out", help="directory for results.json")
+    p.add_argument("--out", help="directory for results.json (refused where an earlier run's files are, "
+                                 "unless --force)")
+    p.add_argument("--force", action="store_true", help="replace the earlier run in --out")
     p.add_argument("--label", default=None, help="names this run in reports and the history (e.g. the engine's "
                                                  "branch), so runs of one engine at two versions are told apart")
     p.add_argument("--fresh-ranks", action="store_true",
@@ -24,15 +26,20 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from harness.driver import execute, plan
-    from harness.launch import zygote
     from harness.report.terminal import format_run
+    from harness.suite_defs import Baselined
 
     sel = CaseSelection.from_args(args)
     if args.shuffle is not None and args.shuffle < 0:
         raise BadInput(f"--shuffle takes a seed >= 0, got {args.shuffle}")
-    zygote.prestart(sel.backend)  # the rank fork server imports while the harness plans
     planned = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())  # bad input: exit 2
+    if isinstance(planned.suite, Baselined):
+        existing_baselines_dir(args.baselines_dir, planned.suite.name)
     out = out_dir(args.out)
+    if out:
+        from harness.report.directory import refuse_earlier_run
+
+        refuse_earlier_run(out, args.force)
     run = execute(planned, fresh_ranks=args.fresh_ranks, shuffle_seed=args.shuffle, out_dir=out, label=args.label)
     print(format_run(run))
     if out:

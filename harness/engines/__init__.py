@@ -33,10 +33,17 @@ def resolve_factory(name: str) -> Callable[[Case, RankContext], Engine]:
     except ModuleNotFoundError as exc:
         raise MissingDependency(f"engine {name!r}: cannot import {exc.name!r} "
                                 f"(install it, or check PYTHONPATH for {module_name!r})") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's module, whatever it raises, is bad input
+        said = f": {str(exc).splitlines()[0]}" if str(exc).strip() else ""
+        raise BadInput(f"engine {name!r}: importing {module_name!r} raised {type(exc).__name__}{said} "
+                       "(fix that module)") from None
     try:
         factory = getattr(module, attr)
     except AttributeError:
         raise BadInput(f"engine {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(factory):
+        raise BadInput(f"engine {name!r}: {module_name}.{attr} is a {type(factory).__name__}, not a factory; give a "
+                       "class or function called as factory(case, ctx) that returns the engine")
     # An engine whose packages may be missing (the bridges) exposes check_available(), on the factory
     # (so subclasses in other modules inherit it) or on its module: MissingDependency with the install
     # command, raised here in the parent before any rank starts.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -31,6 +32,25 @@ def prepare_out_dir(path: Path, flag: str = "--out") -> Path:
         raise BadInput(f"{flag} {path}: cannot write there ({exc.strerror or exc}); "
                        f"give a writable directory") from None
     return path
+
+
+# What a run (results.json) and `harness report` (the rest) write into a run's directory.
+RUN_FILES = ("results.json", "report.md", "report.json", "junit.xml", "plots")
+
+
+def refuse_earlier_run(path: Path, force: bool, flag: str = "--out") -> None:
+    """BadInput where the directory holds an earlier run's files, which this run would replace or sit beside
+    (a report describing a run no longer there); with force they are removed first."""
+    found = [name for name in RUN_FILES if (path / name).exists()]
+    if not found:
+        return
+    if not force:
+        raise BadInput(f"{flag} {path} holds an earlier run ({', '.join(found)}): give a new directory, or add "
+                       "--force to replace that run")
+    for name in found:
+        target = path / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    print(f"harness: --force: removed the earlier run's {', '.join(found)} from {path}", file=sys.stderr)
 
 
 def summary_json(runs: list[RunFile], plots: dict[str, list[Path]]) -> dict[str, Any]:

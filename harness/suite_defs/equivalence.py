@@ -61,12 +61,19 @@ class EquivalenceSuite:
         MoE model with the expert layouts of layouts.expert_matrix)."""
         options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
+        others = [lay for lay in default_matrix(model, world_size) if lay != reference]
+        given = layouts is not None
         if layouts is None:
-            layouts = [lay for lay in default_matrix(model, world_size) if lay != reference]
+            layouts = others
         batch = dict(global_batch_size=options.global_batch_size, micro_batch_size=options.micro_batch_size)
         for lay in [reference, *layouts]:
             validate(lay, model, world_size, **batch)
         ordered = [reference] + [lay for lay in layouts if lay != reference]
+        if len(ordered) == 1 and given and others:
+            return [Case(self.name, model, reference, engine, options, backend).skipped(
+                f"equivalence compares every layout with pure DP, and --layout named only pure DP: add a layout to "
+                f"compare (valid for {model.name} at world size {world_size}: {', '.join(map(str, others[:4]))}"
+                f"{' ...' if len(others) > 4 else ''}) or drop --layout")]
         if len(ordered) == 1:  # nothing to compare the reference with: say so, judge nothing
             return [Case(self.name, model, reference, engine, options, backend).skipped(
                 f"equivalence compares every layout with pure DP, and world size {world_size} has no other valid "
