@@ -140,3 +140,15 @@ def test_r2_override_only_ddp_config_is_caught():
         assert plan[cid].startswith("grad-sync: rank 0: configured all-reduce (use_distributed_optimizer=False")
         assert "but observed reduce_scatter_tensor_coalesced_ on dp-cp group (0, 1)" in plan[cid]
         assert cid in drift
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["mcore", *(_installed(e) for e in BRIDGES)])
+def test_every_path_builds_the_qwen3_moe_it_was_asked_for(engine):
+    """tiny-qwen3-moe at EP 2 with TP 2: its q/k layernorms in the gradient buffer, MoE layers (mbridge's CPU spec
+    built dense MLPs, and its dispatcher issued no token all-to-all), sequence parallelism with TP; the grad-sync
+    plan and the dispatcher's collectives as planned."""
+    run = run_suite("grad-sync", "tiny-qwen3-moe", 2, ["tp2-pp1-cp1-dp1-ep2-etp1"], backend="gloo", engine=engine,
+                    suite_params=None)
+    assert run.passed, _failures(run)
+    assert {c.check for c in run.checks if c.passed} >= {"grad-sync.plan", "grad-sync.dispatch"}

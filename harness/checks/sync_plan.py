@@ -60,6 +60,8 @@ def chunk_params(model: ModelSpec, layout: Layout, pp_rank: int, vp_stage: int,
         out += [("self_attention.linear_proj.weight", proj, False)]
         out += [(f"self_attention.linear_qkv.layer_norm_{p}", h, False) for p in norm_params] if te else []
         out += [("self_attention.linear_qkv.weight", qkv, False)]
+        if model.qk_layernorm:  # per head, replicated over TP, registered after linear_qkv
+            out += [(f"self_attention.{qk}_layernorm.{p}", kv, False) for qk in "qk" for p in norm_params]
         if not is_moe:
             pre_mlp = "mlp.linear_fc1.layer_norm_" if te else "pre_mlp_layernorm."
             out += [(f"{pre_mlp}{p}", h, False) for p in norm_params]
@@ -151,19 +153,34 @@ class Planned:
                 f"{self.calls} call{'s' if self.calls != 1 else ''}")
 
 
-def plan(case: Case, rank: int) -> list[Planned]:
+# One trained parameter of a built model chunk, in registration order: (name, local numel, shared_embedding,
+# expert: megatron's DDP reduces it in the expert-data-parallel buffer, allreduce=False)
+ChunkParam = tuple[str, int, bool, bool]
+
+
+def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) -> list[Planned]:
     """Expected gradient-sync collectives of this rank over case.options.steps steps: the dense parameters' buffer
     over the DP x CP group and, for an MoE model at EP > 1, the experts' buffer over the expert-data-parallel
-    group (megatron's DDP keeps them apart)."""
+    group (megatron's DDP keeps them apart).
+
+    chunks: the parameters of the rank's built model chunks (what its gradient buffers must hold, whatever kinds
+    of weight the model has); None: from the model spec's arithmetic (chunk_params). Either way the collectives'
+    kind and group come from the options the user configured, never from the DDP config the engine built."""
     o, lay, m = case.options, case.layout, case.model
     c = coords_of(lay, rank)
+
+    def params_of(vp: int, experts: bool) -> list[tuple[str, int, bool]]:
+        if chunks is None:
+            return chunk_params(m, lay, c.pp, vp, te=case.te_spec, expert_buffer=experts)
+        return [(name, numel, shared) for name, numel, shared, expert in chunks[vp] if expert == experts]
+
     param_dtype = dtype(o.dtype).name
     grad_dtype = "fp32" if (o.grad_reduce_in_fp32 or param_dtype == "fp32") else param_dtype
     reduce_kind = "reduce_scatter" if o.use_distributed_optimizer else "all_reduce"
     reduce_phases = frozenset({"backward", "grad-finalize"}) if o.overlap_grad_reduce else frozenset({"grad-finalize"})
     dp_cp = lay.dp * lay.cp
     buffers = [("DP", "dp-cp", dp_cp_ranks(lay, rank), False)]
-    if any(chunk_params(m, lay, c.pp, vp, expert_buffer=True) for vp in range(lay.vpp)):  # experts on this stage
+    if any(params_of(vp, True) for vp in range(lay.vpp)):  # experts on this stage
         buffers.append(("expert DP", "edp", expert_dp_ranks(lay, rank), True))
     # Where a stage holds experts at EP > 1 megatron's ChainedOptimizer steps a dense and an expert
     # DistributedOptimizer, and each all-gathers every bucket of the model chunk (step_with_ready_grads without
@@ -176,8 +193,7 @@ def plan(case: Case, rank: int) -> list[Planned]:
             bucket_size = None
             if o.overlap_grad_reduce and c.pp == 0 and vp == 0:
                 bucket_size = o.bucket_size or max(DEFAULT_BUCKET_ELEMS, 1_000_000 * dp_cp)
-            params = chunk_params(m, lay, c.pp, vp, te=case.te_spec, expert_buffer=experts)
-            for numel in chunk_buckets(params, distopt=o.use_distributed_optimizer, dp_cp=len(group),
+            for numel in chunk_buckets(params_of(vp, experts), distopt=o.use_distributed_optimizer, dp_cp=len(group),
                                        bucket_size=bucket_size):
                 sizes[numel] += o.steps
         for numel, calls in sorted(sizes.items(), reverse=True):

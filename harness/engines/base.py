@@ -86,6 +86,14 @@ class HasOptimizerState(Protocol):
 
 
 @runtime_checkable
+class HasGradBuffers(Protocol):
+    """An engine built on megatron's DDP that lists, per model chunk in registration order, the parameters its
+    gradient buffers hold: (name, local numel, shared_embedding, expert) - grad-sync plans its buffers from them."""
+
+    def grad_buffer_params(self) -> list[list[tuple[str, int, bool, bool]]]: ...
+
+
+@runtime_checkable
 class Checkpointing(Engine, Protocol):
     """An engine that saves and loads distributed checkpoints in named formats (ckpt-memory, golden's resumes)."""
 

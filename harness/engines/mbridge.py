@@ -107,13 +107,18 @@ class MbridgeEngine(McoreEngine):
     def config_overrides(self) -> dict[str, Any]:
         """TransformerConfig fields set through the bridge's set_extra_args."""
         o, lay = self.case.options, self.case.layout
-        extra = dict(hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=False,
-                     bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
-                     # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
-                     batch_p2p_comm=False if lay.vpp > 1 else None)
+        extra: dict[str, Any] = dict(
+            hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=self.case.model.moe and lay.tp > 1,
+            bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
+            # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
+            batch_p2p_comm=False if lay.vpp > 1 else None)
         extra = {k: v for k, v in extra.items() if v is not None}
+        if self.case.model.moe:  # the case's dispatcher, not the bridge's default
+            extra["moe_token_dispatcher_type"] = o.moe_dispatcher
         if self.ctx.on_cpu:
             extra.update({name: False for name in _CPU_FUSIONS}, use_cpu_initialization=True)
+            if self.case.model.moe:  # megatron's SequentialMLP: grouped GEMM needs Transformer Engine
+                extra["moe_grouped_gemm"] = False
         return extra
 
     def _reinit_new_chunk(self, model, **_: Any) -> None:
@@ -130,12 +135,14 @@ class MbridgeEngine(McoreEngine):
         bridge = AutoBridge.from_config(hf_config(self.case.model), dtype=dtype(self.case.options.dtype).torch)
         bridge.set_extra_args(**self.config_overrides())
         if self.ctx.on_cpu:
-            spec = layer_spec(True, self.case.model.normalization, self.case.layout.cp,
-                              qk_layernorm=self.case.model.qk_layernorm)
+            m = self.case.model
 
             def local_spec(vp_stage=None):
                 bridge.has_vp_stage = True  # what the bridge's own method records (megatron-core >= 0.13)
-                return spec
+                # an MoE model's decoder block spec of the stage: without the config its layers were dense MLPs,
+                # and grad-sync's dispatch check found no token all-to-all at EP 2
+                return layer_spec(True, m.normalization, self.case.layout.cp, bridge.config if m.moe else None,
+                                  vp_stage, qk_layernorm=m.qk_layernorm)
 
             bridge._get_transformer_layer_spec = local_spec
         self.models = bridge.get_model(

@@ -361,6 +361,13 @@ class McoreEngine(McoreCheckpoints):
         return value
 
     # -- outputs ------------------------------------------------------------------------------
+    def grad_buffer_params(self) -> list[list[tuple[str, int, bool, bool]]]:
+        """Per chunk, the parameters megatron's DDP puts in a gradient buffer (those that train), in registration
+        order; `allreduce=False` marks the experts megatron reduces over the expert-data-parallel group."""
+        return [[(name, p.numel(), bool(getattr(p, "shared_embedding", False)), not getattr(p, "allreduce", True))
+                 for name, p in model.module.named_parameters() if p.requires_grad]
+                for model in self.models]
+
     def param_shards(self) -> list[ParamShard]:
         out = []
         for model in self.models:

@@ -13,7 +13,7 @@ from harness.checks.numeric import beyond, severity
 from harness.checks.sync_plan import compare, compare_dispatch, dispatch_plan, dispatch_records, dp_records, plan
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
-from harness.engines.base import ParamShard
+from harness.engines.base import HasGradBuffers, ParamShard
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult, RankResult
 from harness.layouts import default_matrix, validate
@@ -35,6 +35,9 @@ class GradSyncRankData:
     step_s: list[float]
     unrecorded_step_s: float
     recorder_bookkeeping_s: float
+    # per model chunk, what the built model's gradient buffers hold (engines with HasGradBuffers); None: planned
+    # from the model spec's arithmetic
+    buffer_params: list[list[tuple[str, int, bool, bool]]] | None = None
 
 
 def _data(rank: RankResult) -> GradSyncRankData:
@@ -85,8 +88,9 @@ class GradSyncSuite:
         with ctx.phase("steps"):
             engine.train_step(case.options.steps)
         unrecorded = time.perf_counter() - t0
+        buffers = engine.grad_buffer_params() if isinstance(engine, HasGradBuffers) else None
         return GradSyncRankData(layout_coords(), recorder.records, shards, step_times, unrecorded,
-                                recorder.overhead_s)
+                                recorder.overhead_s, buffers)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
@@ -161,7 +165,7 @@ class GradSyncSuite:
         rows: list[list] = []  # rank, expected, observed (dispatcher), ok
         for r in res.ranks:
             records = dp_records([x for x in _data(r).collectives if x.source == "dispatch"])
-            planned = plan(case, r.rank)
+            planned = plan(case, r.rank, _data(r).buffer_params)
             cmp = compare(planned, records)
             by_key: dict[tuple, Counter] = {}
             ops: dict[tuple, str] = {}
