@@ -23,7 +23,7 @@ from harness.layouts import validate
 from harness.models import load_model
 from harness.outcomes import CaseStatus
 from harness.platform import resolve_backend
-from harness.spec import Case, CaseOptions, Layout
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs import (
     MOE_MISSING,
     MOE_SUITES,
@@ -92,15 +92,22 @@ def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layou
         raise BadInput(f"the {suite.name} suite does not judge mixture-of-experts models yet (model {model.name}): "
                        f"{why}; run {model.name} with --suite {' or --suite '.join(MOE_SUITES)}, or a dense model "
                        f"here")
+    factory = None
     if engine != "mcore":
         from harness.engines import resolve_factory
 
-        resolve_factory(engine)  # fail fast in the parent on a bad import path
+        factory = resolve_factory(engine)  # fail fast in the parent on a bad import path
     batch = dict(global_batch_size=options.global_batch_size, micro_batch_size=options.micro_batch_size)
     layouts = None
     if layout_ids:
         layouts = [validate(Layout.parse(i), model, world_size, **batch) for i in layout_ids]
+        for lay in layouts:
+            refused = refusal(factory, model, lay)
+            if refused:
+                raise BadInput(f"{refused} (--engine {engine} cannot build --layout {lay.id}; drop it or use "
+                               "--engine mcore)")
     cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options, params=params)
+    cases = buildable(cases, factory, engine)
     if timeout_s is not None:
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
     refuse_what_does_not_fit(cases, backend, local_world_size or world_size)
@@ -111,6 +118,26 @@ def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layou
         baselines.load(baselines.baseline_path(baselines_dir_of(params),
                                                detect_platform(backend).key, suite.name))
     return Plan(suite, params, cases, model.name, world_size, backend, cases[0].engine if cases else engine)
+
+
+def refusal(factory: Any, model: ModelSpec, layout: Layout) -> str | None:
+    """Why the engine factory cannot build the model at the layout (RefusesCases); None where it can."""
+    from harness.engines.base import RefusesCases
+
+    return factory.refusal(model, layout) if isinstance(factory, RefusesCases) else None
+
+
+def buildable(cases: list[Case], factory: Any, engine: str) -> list[Case]:
+    """The cases of a suite's default matrix that the engine can build (and those that read their outputs);
+    BadInput naming why when it can build none."""
+    refused = {c.id: why for c in cases if not c.skip and c.engine == engine
+               and (why := refusal(factory, c.model, c.layout))}
+    if not refused:
+        return cases
+    kept = [c for c in cases if c.id not in refused and not set(c.after) & refused.keys()]
+    if not [c for c in kept if not c.skip]:
+        raise BadInput(f"{next(iter(refused.values()))} (--engine {engine} can build no case of this selection)")
+    return kept
 
 
 def refuse_what_does_not_fit(cases: list[Case], backend: str, local_world_size: int) -> None:

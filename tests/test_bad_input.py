@@ -103,13 +103,26 @@ CASES = [
      "--baselines-dir {tmp}/nowhere does not exist: give the directory that holds <platform>/ckpt-memory.json"),
     (["run", "--suite", "ckpt-memory", "--baselines-dir", "{tmp}/nowhere"], "--baselines-dir {tmp}/nowhere does not exist"),
     (["bisect-step", "--suite", "ckpt-memory", "--model", "small", "--metric", "rank0.nonsense_metric"],
-     "--metric 'rank0.nonsense_metric': the ckpt-memory suite has no such metric; its baselined metrics: "),
+     "--metric 'rank0.nonsense_metric': the ckpt-memory suite has no such metric; its baselined metrics (N: a rank): "
+     "rankN.save_heap_peak_mib"),
     (["bisect", "--suite", "ckpt-memory", "--metric", "rank0.nonsense_metric", "--megatron-core", "0.16.0", "0.16.1"],
      "--metric 'rank0.nonsense_metric': the ckpt-memory suite has no such metric"),
     (["bisect", "--suite", "ckpt-memory", "--metric", "fail", "--megatron-core", "0.16.1..0.15.0"],
      "version range 0.16.1..0.15.0 runs backwards: give the older release first (0.15.0..0.16.1"),
     (["run", "--suite", "equivalence", "--out", "{tmp}/earlier"],
      "--out {tmp}/earlier holds an earlier run (results.json, report.md): give a new directory, or add --force"),
+    (["run", "--suite", "grad-sync", "--engine", "fsdp2"],
+     "the grad-sync suite judges megatron DDP's gradient-sync modes"),
+    (["run", "--suite", "equivalence", "--engine", "fsdp2", "--world-size", "2", "--layout", "tp2-pp1-cp1-dp1"],
+     "engine fsdp2 shards over data parallel only: layout tp2-pp1-cp1-dp1 must be tp1-pp1-cp1-dpN (--engine fsdp2 "
+     "cannot build --layout tp2-pp1-cp1-dp1"),
+    (["run", "--suite", "equivalence", "--engine", "fsdp2", "--model", "tiny-moe", "--layout", "tp1-pp1-cp1-dp4-ep2"],
+     "engine fsdp2 shards over data parallel only: layout tp1-pp1-cp1-dp4-ep2"),
+    (["run", "--suite", "grad-sync", "--engine", "mbridge", "--model", "tiny-moe"],
+     "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE, which needs "
+     "qk_layernorm = true: use --model tiny-qwen3-moe or a model with them (--engine mbridge can build no case"),
+    (["run", "--suite", "equivalence", "--engine", "megatron-bridge", "--model", "small-moe"],
+     "(--engine megatron-bridge can build no case of this selection)"),
     (["history", "ingest", "{tmp}/nowhere"], "{tmp}/nowhere: not a directory"),
     (["history", "ingest", "{tmp}", "--db", "/proc/forbidden/h.sqlite"], "--db /proc/forbidden/h.sqlite: cannot"),
     (["history", "show", "--metric", "x", "--db", "{tmp}/none.sqlite"], "history database {tmp}/none.sqlite does not exist"),
@@ -120,7 +133,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 74  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 79  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture
@@ -199,3 +212,16 @@ def test_a_corrupt_baseline_outside_git_is_not_told_to_git_checkout(tmp_path):
     with pytest.raises(BadInput) as inside:
         baselines.parse("{ not json", str(tracked))
     assert f"git checkout -- {tracked}" in str(inside.value)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_a_default_matrix_holds_only_the_layouts_the_path_builds(model):
+    from harness.driver import plan
+    from harness.layouts import default_matrix
+
+    planned = plan("equivalence", model, 4, engine="fsdp2", backend="gloo")
+    assert {c.layout.id for c in planned.cases} == {"tp1-pp1-cp1-dp4"}  # FSDP2 shards over DP only
+    assert len(default_matrix(planned.cases[0].model, 4)) > 1  # what mcore runs
+    ckpt = plan("ckpt-memory", "small", 4, engine="fsdp2", backend="gloo")
+    own = [c for c in ckpt.cases if c.engine == "fsdp2" and not c.skip]  # its megatron formats run on mcore
+    assert own and all((c.layout.tp, c.layout.pp, c.layout.cp) == (1, 1, 1) for c in own)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # planning and judging import no torch; ranks do
     import torch
 
+    from harness.spec import Layout, ModelSpec
+
 
 @dataclass
 class ParamShard:
@@ -122,6 +124,15 @@ class LabelsCheckpoints(Protocol):
     content metadata."""
 
     def saved_metadata(self, ckpt_dir: str) -> dict: ...
+
+
+@runtime_checkable
+class RefusesCases(Protocol):
+    """An engine factory that cannot build every model or layout: refusal(model, layout) says why it cannot build
+    that one (None: it can). Asked in the parent: a default matrix drops what the path cannot build, a layout the
+    user named is refused as bad input, before any rank starts."""
+
+    def refusal(self, model: ModelSpec, layout: Layout) -> str | None: ...
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ from harness.engines.experts import drop_routing_graphs
 from harness.engines.lr_schedule import SCHEDULER_KEY, make_scheduler, saved_schedule
 from harness.engines.mcore import McoreEngine
 from harness.errors import BadInput
+from harness.spec import Layout, ModelSpec
 
 FORMATS = ("fsdp2_sharded", "fsdp2_full")
 
@@ -26,14 +27,23 @@ FORMATS = ("fsdp2_sharded", "fsdp2_full")
 class FSDP2Engine(McoreEngine):
     default_ckpt_format = "fsdp2_sharded"  # what "fsdp2_default" saves
 
+    @staticmethod
+    def refusal(model: ModelSpec, layout: Layout) -> str | None:
+        """fully_shard over one data-parallel mesh: no TP, PP, CP, and no expert grid (experts that differ between
+        EP ranks would be sharded as if replicated)."""
+        if (layout.tp, layout.pp, layout.cp, layout.vpp, layout.ep, layout.expert_tp) != (1, 1, 1, 1, 1, 1):
+            return f"engine fsdp2 shards over data parallel only: layout {layout.id} must be tp1-pp1-cp1-dpN"
+        return None
+
     def build(self) -> None:
         import torch
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         lay = self.case.layout
-        if (lay.tp, lay.pp, lay.cp, lay.vpp) != (1, 1, 1, 1):
-            raise BadInput(f"engine fsdp2 shards over data parallel only: layout {lay.id} must be tp1-pp1-cp1-dpN")
+        why = self.refusal(self.case.model, lay)
+        if why:
+            raise BadInput(why)
         self.setup_parallel()
         mp, built_in = MixedPrecisionPolicy(), None
         if self.case.options.dtype != "fp32":

@@ -34,7 +34,7 @@ from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import BadInput, MissingDependency
 
 if TYPE_CHECKING:
-    from harness.spec import ModelSpec
+    from harness.spec import Layout, ModelSpec
 
 INSTALL = "pip install -c constraints-cpu.txt -e .[mbridge]"
 # import name -> distribution (mbridge's own "megatron" extra: transformers, safetensors, einops)
@@ -93,9 +93,19 @@ def hf_config(m: ModelSpec):
                           mlp_only_layers=[], router_aux_loss_coef=m.moe_aux_loss_coeff)
 
 
+def bridge_refusal(model: ModelSpec, layout: Layout) -> str | None:
+    """Why a bridge cannot build the model (no Hugging Face architecture maps it here); None where it can."""
+    try:
+        hf_architecture(model)
+    except BadInput as exc:
+        return str(exc)
+    return None
+
+
 class MbridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
     check_available = staticmethod(check_available)
+    refusal = staticmethod(bridge_refusal)
 
     def bridge_ddp_config(self) -> dict[str, Any]:
         """What this path hands to bridge.get_model(ddp_config=...): the merged wrap config.

@@ -36,7 +36,7 @@ from harness.engines.lora import (
     read_adapter_dir,
     write_adapter_dir,
 )
-from harness.engines.mbridge import hf_config
+from harness.engines.mbridge import bridge_refusal, hf_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.megatron_bridge_import import check_available, import_bridge
 from harness.engines.model_config import layer_spec, moe_config
@@ -53,6 +53,7 @@ class MegatronBridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
     peft: Any = None  # megatron-bridge's LoRA when the case asks for adapters
     check_available = staticmethod(check_available)
+    refusal = staticmethod(bridge_refusal)
 
     def bridge_ddp_config(self) -> dict[str, Any]:
         """DistributedDataParallelConfig kwargs this path builds: the merged wrap config."""

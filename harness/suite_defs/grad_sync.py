@@ -14,6 +14,7 @@ from harness.checks.sync_plan import compare, compare_dispatch, dispatch_plan, d
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
 from harness.engines.base import HasGradBuffers, ParamShard
+from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult, RankResult
 from harness.layouts import default_matrix, validate
@@ -53,6 +54,13 @@ class GradSyncSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
+        from harness.engines import is_fsdp2
+
+        if is_fsdp2(engine):
+            raise BadInput(f"the grad-sync suite judges megatron DDP's gradient-sync modes (all-reduce, or reduce-"
+                           f"scatter with the distributed optimizer); engine {engine} reduces with FSDP2's own "
+                           "reduce-scatter, whatever those options say: judge it with --suite equivalence, golden "
+                           "or ckpt-memory")
         if layouts is None:  # every valid layout (an MoE model's expert ones: the default expert matrix); CP > 1
             # runs the reference CP attention on CPU ranks
             layouts = default_matrix(model, world_size)
