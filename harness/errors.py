@@ -9,6 +9,12 @@ class MissingDependency(BadInput):
     """An engine or path needs a package that is not installed; the message names the install command."""
 
 
+class DoesNotApply(BadInput):
+    """The selection asks a path or a suite for what it does not do: a model or layout the engine cannot build, a
+    suite whose contract is not the engine's. Refused before any rank starts; a nightly records the pair as not
+    applicable, not as a failure."""
+
+
 class DoesNotFit(BadInput):
     """The training-memory model predicts a case will not fit the memory it would run in; the message names the
     predicted and available GiB and the nearest setting that fits. Refused before any rank starts."""

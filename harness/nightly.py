@@ -8,14 +8,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.errors import BadInput
+from harness.errors import BadInput, DoesNotApply
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_PASS
 from harness.suite_registry import SUITES as REGISTERED
 
 SUITES = tuple(REGISTERED)  # every registered suite, in the registry's order
-# R2: every construction path; R4: LoRA adapters exist on the megatron-bridge path only
-PATHS = {"grad-sync": ("mcore", "megatron-bridge", "mbridge"), "peft-ckpt": ("megatron-bridge",)}
-DEFAULT_MODELS = {"gloo": ("default", "small"), "nccl": ("default", "small", "1b-2k")}
+# Every construction path through every suite (R2 on each); a pair that does not apply (DoesNotApply: fsdp2 under
+# grad-sync, a bridge and a model it cannot map) is reported as such. peft-ckpt's mcore is megatron-bridge.
+ENGINES = ("mcore", "mbridge", "megatron-bridge", "fsdp2")
+PATHS = {"peft-ckpt": ("megatron-bridge",)}
+# On CPU ranks every reference model that runs there: no shipped model or path may raise a false alarm
+DEFAULT_MODELS = {"gloo": ("tiny", "small", "tiny-moe", "small-moe", "tiny-qwen3-moe"),
+                  "nccl": ("default", "small", "1b-2k")}
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ def plan_items(suites: list[str], models: list[str], engine: str | None) -> list
     for name in suites:
         default = get_suite(name).default_model
         for model in dict.fromkeys(default if m == "default" else m for m in models):
-            for eng in ([engine] if engine else PATHS.get(name, ("mcore",))):
+            for eng in ([engine] if engine else PATHS.get(name, ENGINES)):
                 items.append(Item(name, model, eng))
     return items
 
@@ -64,10 +68,13 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     # Every run planned before any rank starts: a run that cannot be planned (a path whose package is
     # missing, a model too large for the world size) is recorded as judging nothing - a failure, not a skip.
     refused: dict[Item, str] = {}
+    inapplicable: dict[Item, str] = {}  # pairs the harness knows a path or suite does not do: no failure
     plans: dict[Item, driver.Plan] = {}
     for item in items:
         try:
             plans[item] = driver.plan(item.suite, item.model, world, engine=item.engine, backend=backend)
+        except DoesNotApply as exc:
+            inapplicable[item] = str(exc)
         except BadInput as exc:
             refused[item] = str(exc)
     from harness.history import store
@@ -82,6 +89,10 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     for i, item in enumerate(items, 1):
         say(f"== run {i}/{len(items)} ({format_clock(time.monotonic() - t0)} elapsed): "
             f"{item.suite} {item.model} {item.engine}")
+        if item in inapplicable:
+            rows.append([item.suite, item.model, item.engine, "does not apply", "-", inapplicable[item][:100]])
+            say(f"   does not apply: {inapplicable[item]}")
+            continue
         try:
             if item in refused:
                 raise BadInput(refused[item])

@@ -115,12 +115,35 @@ def test_report_refuses_a_directory_without_results(tmp_path, capsys):
 def test_nightly_plan_covers_every_suite_model_and_construction_path():
     from harness.nightly import plan_items
 
-    items = plan_items(["grad-sync", "ckpt-memory"], ["default", "small"], None)
+    items = plan_items(["grad-sync", "peft-ckpt"], ["default", "small"], None)
+    paths = ["mcore", "mbridge", "megatron-bridge", "fsdp2"]
     assert [(i.suite, i.model, i.engine) for i in items] == [
-        ("grad-sync", "tiny", "mcore"), ("grad-sync", "tiny", "megatron-bridge"), ("grad-sync", "tiny", "mbridge"),
-        ("grad-sync", "small", "mcore"), ("grad-sync", "small", "megatron-bridge"), ("grad-sync", "small", "mbridge"),
-        ("ckpt-memory", "small", "mcore")]  # small is ckpt-memory's own model: once
+        *(("grad-sync", "tiny", e) for e in paths), *(("grad-sync", "small", e) for e in paths),
+        ("peft-ckpt", "small", "megatron-bridge")]  # small is its own model: once
     assert [i.engine for i in plan_items(["grad-sync"], ["default"], "my_rl.engine:make")] == ["my_rl.engine:make"]
+    assert len(plan_items(["ckpt-memory"], ["default", "small"], None)) == 4  # small is its own model: once
+
+
+def test_nightly_reports_a_pair_that_does_not_apply_and_is_no_failure(tmp_path, capsys, monkeypatch):
+    """fsdp2 under grad-sync, a bridge and tiny-moe: not applicable rows; the applicable runs decide the exit."""
+    from harness import nightly
+    from harness.suite_run import SuiteRun
+
+    ran = []
+
+    def execute(planned, **kwargs):
+        ran.append((planned.suite.name, planned.model_name, planned.engine))
+        return SuiteRun(planned.suite, planned.model_name, planned.world_size, planned.backend, planned.engine)
+
+    monkeypatch.setattr("harness.driver.execute", execute)
+    monkeypatch.setattr("harness.report.directory.write_report", lambda out: {"markdown": "-", "junit": "-"})
+    for judged in ("passed", "conclusive"):  # as a run that judged and passed
+        monkeypatch.setattr(f"harness.suite_run.SuiteRun.{judged}", property(lambda self: True))
+    code = nightly.run_nightly(tmp_path, ["grad-sync"], ["tiny-moe"], 2, "gloo", None, lambda msg: None)
+    out = capsys.readouterr().out
+    assert ran == [("grad-sync", "tiny-moe", "mcore")]
+    assert out.count("does not apply") == 3, out  # mbridge, megatron-bridge (no mapping), fsdp2 (not DDP)
+    assert code == 0, out
 
 
 @pytest.mark.slow

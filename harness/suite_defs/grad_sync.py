@@ -14,7 +14,7 @@ from harness.checks.sync_plan import compare, compare_dispatch, dispatch_plan, d
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
 from harness.engines.base import HasGradBuffers, ParamShard
-from harness.errors import BadInput
+from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult, RankResult
 from harness.layouts import default_matrix, validate
@@ -57,7 +57,7 @@ class GradSyncSuite:
         from harness.engines import is_fsdp2
 
         if is_fsdp2(engine):
-            raise BadInput(f"the grad-sync suite judges megatron DDP's gradient-sync modes (all-reduce, or reduce-"
+            raise DoesNotApply(f"the grad-sync suite judges megatron DDP's gradient-sync modes (all-reduce, or reduce-"
                            f"scatter with the distributed optimizer); engine {engine} reduces with FSDP2's own "
                            "reduce-scatter, whatever those options say: judge it with --suite equivalence, golden "
                            "or ckpt-memory")

@@ -29,7 +29,7 @@ from harness.checks import CheckResult
 from harness.engines.base import PeftExporting, peft_exporting
 from harness.engines.lora import read_adapter_dir
 from harness.engines.mbridge import hf_architecture
-from harness.errors import BadInput, MissingDependency
+from harness.errors import BadInput, DoesNotApply, MissingDependency
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import expert_matrix, validate
@@ -140,10 +140,13 @@ class PeftCkptSuite:
 
         factory = resolve_factory(engine)
         if not (isinstance(factory, type) and issubclass(factory, PeftExporting)):
-            raise BadInput(f"engine {engine!r} has no export_peft_adapter(path): the peft-ckpt suite needs an engine "
-                           "that trains LoRA adapters and exports them (built-in: megatron-bridge)")
+            raise DoesNotApply(f"engine {engine!r} has no export_peft_adapter(path): the peft-ckpt suite needs an "
+                               "engine that trains LoRA adapters and exports them (built-in: megatron-bridge)")
         _require_peft()  # in the parent: a missing peft is named before any rank starts
-        hf_architecture(model)  # a model the HF side cannot hold is refused before any rank starts
+        try:
+            hf_architecture(model)  # a model the HF side cannot hold is refused before any rank starts
+        except BadInput as exc:
+            raise DoesNotApply(str(exc)) from None
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps,
                                       lora_dim=options.lora_dim or LORA_DIM,
                                       lora_alpha=options.lora_alpha or LORA_ALPHA)
