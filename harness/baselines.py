@@ -24,13 +24,6 @@ def baseline_path(baselines_dir: Path | str | None, platform: str, suite: str) -
     return Path(baselines_dir or DEFAULT_DIR) / platform / f"{suite}.json"
 
 
-def record_command(suite: str, model: str, world_size: int, backend: str = "gloo") -> str:
-    """The head of the command that records a suite's baselines on this platform (a case's layout and
-    parameters follow). The backend is named: on a GPU node `auto` would pick gloo for a world size larger
-    than its GPUs, and the baseline would land under another platform."""
-    return f"harness baselines record --suite {suite} --model {model} --world-size {world_size} --backend {backend}"
-
-
 def load(path: Path) -> dict[str, Any]:
     """The baseline file, {} when absent; BadInput naming the file and the fix when corrupt."""
     if not path.exists():

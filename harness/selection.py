@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from harness.errors import BadInput
-from harness.spec import CaseOptions
+from harness.spec import Case, CaseOptions, id_fragment
 from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
 
 OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--dtype", "dtype", "dtype"),
@@ -113,8 +113,8 @@ class CaseSelection:
         from harness.platform import resolve_backend
         from harness.suite_defs import default_dtype
 
-        defaults = {**vars(OPTION_DEFAULTS),
-                    "dtype": default_dtype(self.suite, resolve_backend(self.backend, self.world_size))}
+        backend = self.backend if self.backend != "auto" else resolve_backend(self.backend, self.world_size)
+        defaults = {**vars(OPTION_DEFAULTS), "dtype": default_dtype(self.suite, backend)}
         for flag, name, dest in OPTION_FLAGS:
             add(dest, flag, getattr(self.options, name), defaults[name])
         add("timeout", "--timeout", self.timeout)
@@ -134,3 +134,24 @@ class CaseSelection:
         """The keyword arguments of harness.driver.plan / run_suite this selection sets."""
         return dict(engine=self.engine, backend=self.backend, options=self.options, timeout_s=self.timeout,
                     suite_params=dict(self.suite_params))
+
+
+def record_command(case: Case, *, layout: bool = True, world_size: int | None = None, params: bool = True,
+                   skip: tuple[str, ...] = ()) -> str:
+    """The command that records this case's baseline entry, from the case itself: its model, world size, layout,
+    engine, backend (named: on a GPU node `auto` could pick another platform), the options a flag sets (dtype,
+    steps, micro-batch size, distributed optimizer, recompute, ...) and its suite parameters (checkpoint format,
+    ...). layout=False: the suite records the entry from its whole matrix (golden's one trajectory, a checkpoint
+    contract); world_size: the run's where it differs from the case's layout (a contract's half-DP load); params=False:
+    without the suite parameters (a contract comes with the default formats); skip: flags the suite sets itself
+    (to_argv's destinations, e.g. "steps")."""
+    import shlex
+
+    options = CaseOptions(**{name: getattr(case.options, name) for _, name, _ in OPTION_FLAGS})
+    sel = CaseSelection(case.suite, case.model.name, world_size or case.layout.world_size,
+                        (case.layout.id,) if layout else (), case.engine, case.backend, options)
+    argv = ["harness", "baselines", "record", *sel.to_argv(skip),
+            *(variant_argv(id_fragment(case.params)) if params else [])]
+    if "--world-size" not in argv:  # the default, named all the same
+        argv[argv.index("--model") + 2:argv.index("--model") + 2] = ["--world-size", str(sel.world_size)]
+    return " ".join(shlex.quote(a) for a in argv)

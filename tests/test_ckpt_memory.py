@@ -141,7 +141,8 @@ def test_missing_baseline_fails_with_the_record_command(tmp_path):
     (fail,) = _failed(run, "ckpt-memory.baseline")
     assert "no baseline for small/tp1-pp1-cp1-dp4/default rank0.save_heap_peak_mib on platform cpu-gloo (" in fail.message
     assert fail.message.endswith("record it with: harness baselines record --suite ckpt-memory --model small "
-                                 "--world-size 4 --backend gloo --layout tp1-pp1-cp1-dp4 --ckpt-format default")
+                                 "--world-size 4 --layout tp1-pp1-cp1-dp4 --backend gloo --distributed-optimizer "
+                                 "--ckpt-format default")
     assert not _failed(run, "ckpt-memory.model") and not _failed(run, "ckpt-memory.contract")
 
 

@@ -272,7 +272,7 @@ def test_a_missing_baseline_fails_with_the_record_command(tmp_path):
     assert checks["step-perf.counters"].message == (
         f"no baseline for tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1 on platform cpu-gloo "
         f"({tmp_path}/cpu-gloo/step-perf.json); record it with: harness baselines record --suite step-perf --model tiny "
-        f"--world-size 2 --backend gloo --layout tp1-pp1-cp1-dp2")
+        f"--world-size 2 --layout tp1-pp1-cp1-dp2 --backend gloo --distributed-optimizer --overlap-grad-reduce")
 
 
 @pytest.mark.slow
@@ -382,7 +382,7 @@ def test_an_improvement_that_a_busy_baseline_explains_cannot_be_told(measured, r
         assert check.message.startswith(f"tp1-pp1-cp1-dp1: step time improved beyond the baseline: {measured:.1f} "
                                         f"ms vs 505.0 ms: x{measured / 505:.3f}"), check.message
         assert check.message.endswith("; refresh it with `harness baselines record --suite step-perf --model tiny "
-                                      "--world-size 1 --backend gloo --layout tp1-pp1-cp1-dp1`"), check.message
+                                      "--world-size 1 --layout tp1-pp1-cp1-dp1 --backend gloo`"), check.message
 
 
 def test_foreign_load_is_the_busy_time_the_timed_processes_did_not_use():

@@ -247,7 +247,7 @@ def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
     (base,) = [c for c in run.checks if c.check == "train-memory.baseline"]
     assert base.failed and base.message.startswith("no baseline for small/tp1-pp1-cp1-dp2/fp32/mbs2/distopt=0 ")
     assert base.message.endswith("record it with: harness baselines record --suite train-memory --model small "
-                                 "--world-size 2 --backend gloo --layout tp1-pp1-cp1-dp2")
+                                 "--world-size 2 --layout tp1-pp1-cp1-dp2 --backend gloo --micro-batch-size 2")
 
     # the same measurement against baselines of it (the default tolerance: 20% of the baseline): equal passes; the
     # plant, a step that now takes half as much again on rank 1 as its baseline, fails naming the rank, the phase

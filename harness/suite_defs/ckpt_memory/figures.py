@@ -23,17 +23,13 @@ def key(case: Case) -> str:
 
 def record_command(case: Case) -> str:
     """The command that records exactly this case's baseline."""
-    from harness import baselines
+    from harness import selection
 
     o = case.params
     if o.ckpt_role:  # the contract comes with the default matrix only; a reshard-load case runs at half the DP
         world_size = case.layout.world_size * (2 if o.ckpt_role == "reshard-load" else 1)
-        return baselines.record_command(case.suite, case.model.name, world_size, case.backend)
-    engine = "" if case.engine in ("mcore", "fsdp2") else f" --engine {case.engine}"
-    return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
-            + f" --layout {case.layout.id} --ckpt-format {o.ckpt_format}{engine}"
-            + (" --fully-parallel-save" if o.fully_parallel_save else "")
-            + (" --async-save" if o.async_save else ""))
+        return selection.record_command(case, layout=False, world_size=world_size, params=False, skip=("steps",))
+    return selection.record_command(case, skip=("steps",))  # the suite's own
 
 
 # The absolute floor of `retained_per_save_mib`'s tolerance: the cache a rank process fills once over a few saves

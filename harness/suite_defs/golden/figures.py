@@ -76,6 +76,7 @@ def key(case: Case) -> str:
 
 
 def record_command(case: Case) -> str:
-    from harness import baselines
+    """The whole suite at the case's world size, dtype, steps and engine: one trajectory for every layout."""
+    from harness import selection
 
-    return baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
+    return selection.record_command(case, layout=False)

@@ -122,10 +122,6 @@ def key(case: Case) -> str:
 
 
 def record_command(case: Case) -> str:
-    from harness import baselines
-    from harness.suite_defs import default_dtype
+    from harness import selection
 
-    dtype = case.options.dtype
-    return (baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend)
-            + f" --layout {case.layout.id}" + (f" --engine {case.engine}" if case.engine != "mcore" else "")
-            + (f" --dtype {dtype}" if dtype != default_dtype(case.suite, case.backend) else ""))
+    return selection.record_command(case, skip=("steps",))  # timed steps are --timed-steps

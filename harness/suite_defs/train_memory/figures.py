@@ -23,10 +23,9 @@ def key(case: Case) -> str:
 
 
 def record_command(case: Case) -> str:
-    from harness import baselines
+    from harness import selection
 
-    return baselines.record_command(case.suite, case.model.name, case.layout.world_size, case.backend) + \
-        f" --layout {case.layout.id}"
+    return selection.record_command(case, skip=("steps",))  # the suite's own
 
 
 def samples(result: CaseResult) -> dict[str, float]:
