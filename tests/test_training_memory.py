@@ -231,6 +231,14 @@ def test_a_planted_extra_copy_fails_the_model_in_its_phase(engine, layout, param
     run = _run(layouts=[layout], engine=engine, recompute=(), **params)
     (model,) = [c for c in run.checks if c.check == "train-memory.model"]
     assert model.failed and f"rank 0 {phase}: measured " in model.message and "outside the model's band" in model.message
+    # what the rank held there is kept: every rank's captures of the case and the failing phase's flamegraph
+    import os
+
+    from harness.probes.memory import flamegraph_path
+
+    assert model.captures.flamegraph_of.endswith(f"memray-{phase}-rank0.bin"), model.captures
+    assert os.path.exists(flamegraph_path(model.captures.flamegraph_of))
+    assert len(model.captures.files) == 2 * 3  # 2 ranks x build and 2 steps
 
 
 @pytest.mark.slow
@@ -269,6 +277,7 @@ def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
     assert worse.failed and not worse.improvement
     assert worse.message == (f"rank1.step1_mib {got:.2f} MiB is {got - got / 1.5:+.2f} MiB above baseline "
                              f"{got / 1.5:.2f} +- {0.2 * got / 1.5:.2f} MiB")
+    assert worse.captures.flamegraph_of.endswith("memray-step1-rank1.bin")  # the excess's phase and rank
     better = against(2.0)
     assert better.failed and better.improvement
     assert better.message.startswith(f"rank1.step1_mib {got:.2f} MiB is {-got:+.2f} MiB below (improvement: refresh")

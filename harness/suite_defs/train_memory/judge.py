@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.training_memory import MIB, predict, training_of
 from harness.launch.results import CaseResult
 from harness.suite_defs.train_memory.figures import key as key_of
@@ -59,7 +59,7 @@ def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckRes
             out.append(CheckResult("train-memory.model", res.case.id, False,
                                    f"rank {rank} {phase}: measured {got / MIB:.2f} MiB outside the model's band "
                                    f"[{max(low, 0) / MIB:.2f}, {high / MIB:.2f}] MiB (model {want / MIB:.2f} MiB)",
-                                   rows))
+                                   rows, captures=captures_of(res, rank, phase)))
         elif biggest < ABS_SLACK:
             out.append(cannot_tell("train-memory.model", res.case.id,
                                    f"the model's largest phase is {biggest / MIB:.2f} MiB, below the "
@@ -96,7 +96,20 @@ def _check_baseline(res: CaseResult, data: dict, path) -> CheckResult:
         v = verdicts[m]
         verb = "above" if worse else "below (improvement: refresh the baseline with " \
             f"`{record_command(res.case)}`)"
+        rank, _, phase = m.partition(".")  # rank0.step1_mib
         return CheckResult("train-memory.baseline", res.case.id, False,
                            f"{m} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline {v.baseline:.2f} +- "
-                           f"{v.tolerance:.2f} MiB", rows, improvement=not worse)
+                           f"{v.tolerance:.2f} MiB", rows, improvement=not worse,
+                           captures=captures_of(res, int(rank.removeprefix("rank")), phase.removesuffix("_mib")))
     return CheckResult("train-memory.baseline", res.case.id, True, f"within baseline ({key})", rows)
+
+
+def captures_of(res: CaseResult, rank: int, phase: str) -> Captures:
+    """Every rank's memray captures of the case, kept with a failed check (the other ranks' beside the failing
+    one: the excess is often what one rank holds and the others do not), and the flamegraph of the failing phase's.
+    Passed checks name none: the report stage deletes what no failed check kept."""
+    from harness.suite_defs.train_memory.payload import TrainMemoryRankData
+
+    peaks = {(r.rank, p.phase): p.capture for r in res.ranks
+             for d in (r.payload_as(TrainMemoryRankData),) for p in (d.build, *d.steps)}
+    return Captures([c for c in peaks.values() if c], peaks.get((rank, phase), ""))

@@ -69,8 +69,8 @@ class TrainMemorySuite:
             with ctx.phase("steps"), measure(f"step{step}", captures, ctx.rank, device=device) as peak:
                 engine.train_step(step)
             steps.append(peak)
-        for peak in (build, *steps):  # the figures are kept; the captures are not needed past the rank
-            _drop_capture(peak.capture)
+        # the captures stay until the parent has judged: a failed check keeps its rank's and renders the phase's
+        # flamegraph (what rank 0 held in an intermittent step-1 excess), the report stage deletes the rest
         return TrainMemoryRankData(build, steps, layout_coords())
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
@@ -85,11 +85,3 @@ class TrainMemorySuite:
 
     def check(self, results: list[CaseResult], params: TrainMemoryParams | None = None) -> list[CheckResult]:
         return judge.check(results, params or TrainMemoryParams())
-
-
-def _drop_capture(capture: str) -> None:
-    import glob
-    import os
-
-    for f in ([] if os.environ.get("HARNESS_KEEP") else glob.glob(capture + "*") if capture else []):
-        os.unlink(f)
