@@ -14,6 +14,7 @@ from typing import Any
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import OUTCOMES, check_failed
+from harness.report.plots import PLOTTED
 from harness.report.runs import RunFile, load_runs
 from harness.tables import markdown_table, md_escape
 
@@ -102,6 +103,8 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
                                      for i, c in enumerate(r.data["cases"], 1)]))
         for png in plots.get(str(r.path), []):
             lines += ["", f"![{png.stem}]({png.relative_to(out_dir)})"]
+        if not plots.get(str(r.path)):
+            lines += ["", f"No plot: none of the report's plots draws from this run's results (they show {PLOTTED})."]
         failed = [c for c in r.data["checks"] if check_failed(c)]
         if failed:
             lines += ["", "### Failed checks", ""]

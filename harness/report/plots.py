@@ -28,6 +28,15 @@ def pyplot():
     return plt
 
 
+def distinct_colors(plt, n: int) -> list:
+    """n colours no two of which are the same: tab10 / tab20 where they suffice, else evenly spaced on turbo."""
+    if n <= 10:
+        return [plt.get_cmap("tab10")(i) for i in range(n)]
+    if n <= 20:
+        return [plt.get_cmap("tab20")(i) for i in range(n)]
+    return [plt.get_cmap("turbo")(i / (n - 1)) for i in range(n)]
+
+
 def case_label(case: dict[str, Any]) -> str:
     """Short label: the layout and what distinguishes the case within its suite."""
     o = {**case.get("options", {}), **(case.get("params") or {})}  # older results.json: params in options
@@ -60,6 +69,7 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
     plt = pyplot()
     bases = _baseline_checks(run)
     ranks = max(len(c["data"]["save"]) for c in cases)
+    rank_colors = distinct_colors(plt, ranks)
     device = any(p.get("device_allocated_peak") for c in cases for p in c["data"]["save"].values())
     fig, axes = plt.subplots(2 if device else 1, 1,
                              figsize=(max(8, 0.9 * len(cases) * ranks / 4 + 2), 9 if device else 5.5),
@@ -71,7 +81,7 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
         for r, peak in sorted(c["data"]["save"].items(), key=lambda kv: int(kv[0])):
             x = i + (int(r) - (ranks - 1) / 2) * width
             heap, kids = peak["heap_peak"] / MIB, peak["children_heap_peak"] / MIB
-            color = f"C{int(r) % 10}"
+            color = rank_colors[int(r)]
             ax.bar(x, heap, width, color=color, label=f"rank {r}" if i == 0 else None)
             ax.bar(x, kids, width, bottom=heap, color=color, alpha=0.4, hatch="//")
             h, w = metrics.get(f"rank{r}.save_heap_peak_mib"), metrics.get(f"rank{r}.save_writer_peak_mib")
@@ -98,8 +108,8 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
         for i, c in enumerate(cases):
             for r, peak in sorted(c["data"]["save"].items(), key=lambda kv: int(kv[0])):
                 x = i + (int(r) - (ranks - 1) / 2) * width
-                ax.bar(x, peak["device_reserved_peak"] / MIB, width, color=f"C{int(r) % 10}", alpha=0.4)
-                ax.bar(x, peak["device_allocated_peak"] / MIB, width, color=f"C{int(r) % 10}")
+                ax.bar(x, peak["device_reserved_peak"] / MIB, width, color=rank_colors[int(r)], alpha=0.4)
+                ax.bar(x, peak["device_allocated_peak"] / MIB, width, color=rank_colors[int(r)])
         ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
         _mark_failed(ax, cases, _failed_cases(run))
         ax.set_ylabel("device peak, MiB")
@@ -159,10 +169,10 @@ def collective_bytes(run: RunFile, path: Path) -> Path | None:
     keys = sorted({k for t in totals for k in t})
     fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(cases) + 3), 5.5))
     bottom = [0.0] * len(cases)
-    colors = plt.get_cmap("tab20")
+    colors = distinct_colors(plt, len(keys))  # an MoE run has over 20 (role, kind) series
     for j, key in enumerate(keys):
         vals = [t.get(key, 0.0) for t in totals]
-        ax.bar(range(len(cases)), vals, 0.7, bottom=bottom, label=key, color=colors(j % 20))
+        ax.bar(range(len(cases)), vals, 0.7, bottom=bottom, label=key, color=colors[j])
         bottom = [b + v for b, v in zip(bottom, vals)]
     return _finish_per_case(plt, fig, ax, run, cases, path, "MiB moved, all ranks, all recorded steps",
                             "collective bytes by group role / kind", rotation=70)
@@ -205,13 +215,13 @@ def step_phases(run: RunFile, path: Path) -> Path | None:
     ranks = max(len(c["data"]["phases_ms"]) for c in cases)
     width = 0.8 / ranks
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases) + 3), 5.5))
-    colors = plt.get_cmap("tab10")
+    colors = distinct_colors(plt, len(phases))
     for r in range(ranks):
         bottom = [0.0] * len(cases)
         for j, phase in enumerate(phases):
             vals = [c["data"]["phases_ms"].get(str(r), {}).get(phase, 0.0) for c in cases]
             xs = [i + (r - (ranks - 1) / 2) * width for i in range(len(cases))]
-            ax.bar(xs, vals, width * 0.9, bottom=bottom, color=colors(j), label=phase if r == 0 else None)
+            ax.bar(xs, vals, width * 0.9, bottom=bottom, color=colors[j], label=phase if r == 0 else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
     return _finish_per_case(plt, fig, ax, run, cases, path, "median ms per step (one bar per rank)",
                             "step phases per rank")
@@ -252,4 +262,11 @@ def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Path]]:
             png = plot(run, out_dir / f"{slug}-{name}.png")
             if png:
                 out.setdefault(str(run.path), []).append(png)
+    if out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()  # no empty folder: the report says per run why it has no plot
     return out
+
+
+# What the plots draw from, for a report's line on a run that has none
+PLOTTED = ("checkpoint save peaks and timelines (ckpt-memory), collective bytes (grad-sync), step phases and "
+           "times (step-perf)")
