@@ -162,6 +162,25 @@ def test_fp32_norms_are_accurate(layer):
     w = torch.randn(8, requires_grad=True)
     torch.norm(w).backward()  # still differentiable, gradient in the parameter's dtype
     assert w.grad.dtype == torch.float32 and torch.allclose(w.grad, (w / w.norm()).detach())
+    big = torch.randn(1 << 17, requires_grad=True)  # over NORM_CHUNK: summed in chunks, differentiable as well
+    torch.norm(big).backward()
+    assert big.grad.dtype == torch.float32 and torch.allclose(big.grad, (big / big.norm()).detach())
+    spectral = torch.linalg.norm(x.view(1024, 1024), 2)  # linalg.norm(A, 2) is no 2-norm of the elements
+    assert abs(float(spectral) / float(torch.linalg.matrix_norm(x.view(1024, 1024).double(), 2)) - 1) < 1e-6
+
+
+def test_a_norm_makes_no_float64_copy_of_the_whole_tensor(layer, tmp_path):
+    """A step's largest temporary was the float64 copy of a whole gradient (8 MiB for 1M elements), which stood
+    on top of a late-freed gloo buffer in train-memory's intermittent excess; chunked it is below 2 MiB."""
+    import memray
+
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    exact = torch.norm(x.double()).float()
+    with memray.Tracker(tmp_path / "norm.bin"):
+        norm = torch.norm(x)
+    peak = memray.FileReader(tmp_path / "norm.bin").metadata.peak_memory
+    assert peak < 2 * 2**20, f"{peak / 2**20:.2f} MiB"
+    assert norm.item() == exact.item()  # the same float32 value as the whole float64 norm
 
 
 @covers("megatron recompute RNG state (tensor_parallel.random._get/_set_cuda_rng_state -> CPU generator)")

@@ -21,9 +21,9 @@ class TrainMemorySuite:
     name = SUITE
     default_model = "small"
     Params = TrainMemoryParams
-    # Measured on ranks that ran nothing but this suite, as its baselines were recorded: once MoE cases kept
-    # their warm ranks, train-memory's cases in the cpu-suite ran on ranks step-perf had used, and one case's
-    # rank 0 peaked 6.0 MiB above the others at its second step (31.1 against 25.1 MiB).
+    # Measured on ranks that ran nothing but this suite, as its baselines were recorded. (A rank's intermittent
+    # +6 MiB at its second step, once put down to ranks step-perf had used, was a late-freed gloo buffer under the
+    # CPU layer's float64 norm copy: docs/internals.md.)
     fresh_pool = True
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
                "megatron.core.optimizer", "megatron.core.pipeline_parallel", "memray")
