@@ -17,7 +17,7 @@ from harness.checks import CheckResult
 from harness.engines import resolve_factory
 from harness.engines.cp_modes import CPCaseParams, CPEngine, TokenOutputs
 from harness.engines.hybrid_cp_api import check_dynamic_cp_available
-from harness.errors import BadInput
+from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
@@ -98,6 +98,7 @@ class DynamicCPSuite:
         """Per mix: no CP (reference), static CP at every CP size of the layouts, dynamic CP."""
         p = params or DynamicCPParams()
         check_dynamic_cp_available()
+        cp_engine(engine)  # the path is refused before any rank: its ranks could not build the suite's engine
         if world_size < 2 or world_size % 2:
             return [Case(self.name, model, Layout(dp=world_size), engine, options, backend).skipped(
                 f"dynamic CP needs an even DP x CP size of at least 2 (megatron's hybrid CP groups), world size "
@@ -140,12 +141,19 @@ class DynamicCPSuite:
         return judge(results)
 
 
-def make_cp_engine(case: Case, ctx: RankContext) -> CPEngine:
-    factory = CPEngine if case.engine == "mcore" else resolve_factory(case.engine)
+def cp_engine(engine: str) -> type[CPEngine]:
+    """The suite's engine class for --engine (mcore: CPEngine); DoesNotApply for one that is no CPEngine (the
+    bridges, fsdp2: they build no packed-sequence model with static or dynamic CP)."""
+    factory = CPEngine if engine == "mcore" else resolve_factory(engine)
     if not (isinstance(factory, type) and issubclass(factory, CPEngine)):
-        raise BadInput(f"engine {case.engine!r} cannot run the dynamic-cp suite: it must be "
-                       f"harness.engines.cp_modes:CPEngine or a subclass")
-    return factory(case, ctx)
+        raise DoesNotApply(f"engine {engine!r} cannot run the dynamic-cp suite: it compares megatron's no, static "
+                           "and dynamic CP on packed sequences through harness.engines.cp_modes:CPEngine or a "
+                           "subclass; run it with --engine mcore")
+    return factory
+
+
+def make_cp_engine(case: Case, ctx: RankContext) -> CPEngine:
+    return cp_engine(case.engine)(case, ctx)
 
 
 def _plain(r: TokenOutputs) -> TokenOutputs:
