@@ -25,7 +25,6 @@ THIRD_PARTY_PROBES = {
     ("harness/engines/hybrid_cp_api.py", "BalancedCPScheduler"): "megatron-core version probe (hybrid CP)",
     ("harness/engines/mcore.py", "decoder"): "megatron's model chunk (pipeline stages without one)",
     ("harness/engines/mcore.py", "share_embeddings_and_output_weights"): "megatron's model chunk",
-    ("harness/engines/mcore.py", "shared_embedding"): "megatron's parameter attribute (a bucket of its own)",
     ("harness/engines/mcore_ckpt.py", "chained_optimizers"): "megatron's ChainedOptimizer",
     ("harness/engines/mcore_ckpt.py", "model_param_group_index_map"): "megatron's DistributedOptimizer",
     ("harness/engines/mcore_ckpt.py", "float16_groups"): "megatron's Float16OptimizerWithFloat16Params",

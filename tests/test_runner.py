@@ -132,8 +132,8 @@ def test_torchrun_entry_at_world_size_1_judges_step_perf(tmp_path):
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step-perf: 0 checks passed, 8 failed (4 cases" in proc.stdout, proc.stdout[-3000:]
-    assert ("record it with: harness baselines record --suite step-perf --model tiny --world-size 1 --backend gloo "
-            "--layout tp1-pp1-cp1-dp1") in proc.stdout
+    assert ("record it with: harness baselines record --suite step-perf --model tiny --world-size 1 --layout "
+            "tp1-pp1-cp1-dp1 --backend gloo") in proc.stdout
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["world_size"] == 1 and [c["outcome"] for c in data["cases"]] == ["regression"] * 4
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.dtypes import dtype
+from harness.engines.experts import is_expert
 from harness.layouts import coords_of, dp_cp_ranks, expert_dp_ranks, expert_group
 from harness.spec import Case, Layout, ModelSpec
 
@@ -153,9 +154,8 @@ class Planned:
                 f"{self.calls} call{'s' if self.calls != 1 else ''}")
 
 
-# One trained parameter of a built model chunk, in registration order: (name, local numel, shared_embedding,
-# expert: megatron's DDP reduces it in the expert-data-parallel buffer, allreduce=False)
-ChunkParam = tuple[str, int, bool, bool]
+# One trained parameter of a built model chunk, in registration order: (name, local numel)
+ChunkParam = tuple[str, int]
 
 
 def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) -> list[Planned]:
@@ -163,16 +163,24 @@ def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) ->
     over the DP x CP group and, for an MoE model at EP > 1, the experts' buffer over the expert-data-parallel
     group (megatron's DDP keeps them apart).
 
-    chunks: the parameters of the rank's built model chunks (what its gradient buffers must hold, whatever kinds
-    of weight the model has); None: from the model spec's arithmetic (chunk_params). Either way the collectives'
-    kind and group come from the options the user configured, never from the DDP config the engine built."""
+    chunks: the parameters of the rank's built model chunks, names and sizes in registration order (what its
+    gradient buffers must hold, whatever kinds of weight the model has); None: from the model spec's arithmetic
+    (chunk_params). Which buffer and bucket a parameter belongs in is megatron's rule applied here, never read
+    from the built model (whose marks a regression may have moved): the routed experts go to the expert-data-
+    parallel buffer at EP > 1, a tied embedding shared across pipeline stages to a bucket of its own. The
+    collectives' kind and group come from the options the user configured, never from the engine's DDP config."""
     o, lay, m = case.options, case.layout, case.model
     c = coords_of(lay, rank)
 
     def params_of(vp: int, experts: bool) -> list[tuple[str, int, bool]]:
         if chunks is None:
             return chunk_params(m, lay, c.pp, vp, te=case.te_spec, expert_buffer=experts)
-        return [(name, numel, shared) for name, numel, shared, expert in chunks[vp] if expert == experts]
+        first = c.pp == 0 and vp == 0
+        last = c.pp == lay.pp - 1 and vp == lay.vpp - 1
+        tied = lay.pp > 1 and m.tie_embeddings
+        return [(name, numel, tied and ((name == "embedding.word_embeddings.weight" and not last)
+                                        or (name == "output_layer.weight" and not first)))
+                for name, numel in chunks[vp] if (lay.ep > 1 and is_expert(name)) == experts]
 
     param_dtype = dtype(o.dtype).name
     grad_dtype = "fp32" if (o.grad_reduce_in_fp32 or param_dtype == "fp32") else param_dtype

@@ -89,10 +89,10 @@ class HasOptimizerState(Protocol):
 
 @runtime_checkable
 class HasGradBuffers(Protocol):
-    """An engine built on megatron's DDP that lists, per model chunk in registration order, the parameters its
-    gradient buffers hold: (name, local numel, shared_embedding, expert) - grad-sync plans its buffers from them."""
+    """An engine built on megatron's DDP that lists, per model chunk in registration order, the parameters that
+    train, as (name, local numel): its gradient buffers must hold them, and grad-sync plans the buffers from them."""
 
-    def grad_buffer_params(self) -> list[list[tuple[str, int, bool, bool]]]: ...
+    def grad_buffer_params(self) -> list[list[tuple[str, int]]]: ...
 
 
 @runtime_checkable

@@ -25,18 +25,12 @@ def tp_coords(name: str) -> tuple[int, int]:
     return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
 
-def in_expert_buffer(param: Any) -> bool:
-    """Whether megatron's DDP reduces the parameter in its expert-data-parallel buffer: the experts it marks
-    `allreduce=False` (EP > 1)."""
-    return not getattr(param, "allreduce", True)
-
-
 def data_parallel(param: Any) -> tuple[Any, int]:
     """(group, this rank's index in it) over which megatron reduces a parameter's gradient and shards its
     distributed-optimizer state: the expert data-parallel group for the experts it marks (EP > 1), else DP x CP."""
     from megatron.core import parallel_state as ps
 
-    if in_expert_buffer(param):
+    if not getattr(param, "allreduce", True):
         return ps.get_expert_data_parallel_group(), ps.get_expert_data_parallel_rank()
     return (ps.get_data_parallel_group(with_context_parallel=True),
             ps.get_data_parallel_rank(with_context_parallel=True))

@@ -11,7 +11,7 @@ from harness.dtypes import dtype
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
-from harness.engines.experts import EXPERT_RE, drop_routing_graphs, in_expert_buffer, tp_coords
+from harness.engines.experts import EXPERT_RE, drop_routing_graphs, tp_coords
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
@@ -361,11 +361,10 @@ class McoreEngine(McoreCheckpoints):
         return value
 
     # -- outputs ------------------------------------------------------------------------------
-    def grad_buffer_params(self) -> list[list[tuple[str, int, bool, bool]]]:
-        """Per chunk, the parameters megatron's DDP puts in a gradient buffer (those that train), in registration
-        order; `allreduce=False` marks the experts megatron reduces over the expert-data-parallel group."""
-        return [[(name, p.numel(), bool(getattr(p, "shared_embedding", False)), in_expert_buffer(p))
-                 for name, p in model.module.named_parameters() if p.requires_grad]
+    def grad_buffer_params(self) -> list[list[tuple[str, int]]]:
+        """Per chunk, the parameters that train (megatron's DDP must put each in a gradient buffer), in
+        registration order."""
+        return [[(name, p.numel()) for name, p in model.module.named_parameters() if p.requires_grad]
                 for model in self.models]
 
     def param_shards(self) -> list[ParamShard]:

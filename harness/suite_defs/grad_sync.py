@@ -36,9 +36,9 @@ class GradSyncRankData:
     step_s: list[float]
     unrecorded_step_s: float
     recorder_bookkeeping_s: float
-    # per model chunk, what the built model's gradient buffers hold (engines with HasGradBuffers); None: planned
-    # from the model spec's arithmetic
-    buffer_params: list[list[tuple[str, int, bool, bool]]] | None = None
+    # per model chunk, the built model's parameters that train, (name, numel) in registration order (engines with
+    # HasGradBuffers); None: planned from the model spec's arithmetic
+    buffer_params: list[list[tuple[str, int]]] | None = None
 
 
 def _data(rank: RankResult) -> GradSyncRankData:
