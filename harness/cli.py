@@ -10,6 +10,7 @@ import atexit
 import os
 import signal
 import sys
+import warnings
 
 from harness.commands import (
     baselines_command,
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (CI's timeout or cancel) unwinds like Ctrl-C: runs keep their finished cases (driver.run_suite)
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            # megatron-core's import-time notes ("Transformer Engine and Apex are not installed") where planning
+            # probes it in this process: a refusal stays one line; the ranks log theirs, and adjustments say it
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+            return args.func(args)
     except BadInput as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
         return 2

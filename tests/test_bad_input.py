@@ -227,3 +227,17 @@ def test_a_default_matrix_holds_only_the_layouts_the_path_builds(model):
     ckpt = plan("ckpt-memory", "small", 4, engine="fsdp2", backend="gloo")
     own = [c for c in ckpt.cases if c.engine == "fsdp2" and not c.skip]  # its megatron formats run on mcore
     assert own and all((c.layout.tp, c.layout.pp, c.layout.cp) == (1, 1, 1) for c in own)
+
+
+def test_a_refusal_after_megatron_was_imported_is_one_line_in_a_fresh_process(tmp_path):
+    """dynamic-cp probes megatron-core's API while planning; its import-time warnings (Transformer Engine and Apex
+    missing) are not part of a refusal's one line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--suite", "dynamic-cp", "--engine",
+                           "megatron-bridge"], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONWARNINGS"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith("harness: error: engine 'megatron-bridge' cannot run the dynamic-cp suite")
