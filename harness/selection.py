@@ -122,6 +122,17 @@ class CaseSelection:
             add(pf.dest, pf.flag, self.suite_params.get(pf.field))
         return out
 
+    def record_command(self, skip: tuple[str, ...] = (), extra: list[str] | None = None) -> str:
+        """`harness baselines record` of this selection (its world size named even where it is the default),
+        then extra flags (a case's suite parameters)."""
+        import shlex
+
+        argv = ["harness", "baselines", "record", *self.to_argv(skip), *(extra or [])]
+        if "--world-size" not in argv:
+            at = argv.index("--model") + 2 if "--model" in argv else argv.index("--suite") + 2
+            argv[at:at] = ["--world-size", str(self.world_size)]
+        return " ".join(shlex.quote(a) for a in argv)
+
     @property
     def layout_ids(self) -> list[str] | None:
         return list(self.layouts) or None
@@ -145,13 +156,7 @@ def record_command(case: Case, *, layout: bool = True, world_size: int | None = 
     contract); world_size: the run's where it differs from the case's layout (a contract's half-DP load); params=False:
     without the suite parameters (a contract comes with the default formats); skip: flags the suite sets itself
     (to_argv's destinations, e.g. "steps")."""
-    import shlex
-
     options = CaseOptions(**{name: getattr(case.options, name) for _, name, _ in OPTION_FLAGS})
     sel = CaseSelection(case.suite, case.model.name, world_size or case.layout.world_size,
                         (case.layout.id,) if layout else (), case.engine, case.backend, options)
-    argv = ["harness", "baselines", "record", *sel.to_argv(skip),
-            *(variant_argv(id_fragment(case.params)) if params else [])]
-    if "--world-size" not in argv:  # the default, named all the same
-        argv[argv.index("--model") + 2:argv.index("--model") + 2] = ["--world-size", str(sel.world_size)]
-    return " ".join(shlex.quote(a) for a in argv)
+    return sel.record_command(skip, variant_argv(id_fragment(case.params)) if params else [])

@@ -127,14 +127,14 @@ _JUDGED = pytest.StashKey[list]()
 def skip_off_cpu(harness_opts: dict):
     """skip_off_cpu(suite, model, what): skips unless the session runs gloo ranks, where `what` (the model's figures
     the suite judges) is recorded, naming the command that records this platform's."""
-    from harness.baselines import record_command
     from harness.platform import resolve_backend
+    from harness.selection import CaseSelection
 
     def skip(suite: str, model: str, what: str) -> None:
         backend = resolve_backend(harness_opts["backend"], harness_opts["world_size"])
         if backend != "gloo":
             pytest.skip(f"{what} is recorded for CPU ranks only; record this platform's with: "
-                        + record_command(suite, model, harness_opts["world_size"], backend))
+                        + CaseSelection(suite, model, harness_opts["world_size"], backend=backend).record_command())
 
     return skip
 
