@@ -88,8 +88,8 @@ FLAKE_TESTS = ("tests/test_rendezvous.py", "tests/test_zygote.py", "tests/test_p
 @nox.session
 def flakes(session: nox.Session) -> None:
     """Hunt a flaky test: pytest ROUNDS times in a row beside a CPU-bound process on one core (as a shared CI
-    runner is), counting the rounds that failed; their logs stay in .flakes/. `-- ROUNDS [pytest args]` (default:
-    5 rounds of the rank-start tests: rendezvous, fork server, pool, runner, on two workers)."""
+    runner is), counting the rounds that failed; each round's log is in .flakes/. `-- ROUNDS [pytest args]`
+    (default: 5 rounds of the rank-start tests: rendezvous, fork server, pool, runner, on two workers)."""
     _install_cpu(session)
     rounds = int(session.posargs[0]) if session.posargs and session.posargs[0].isdigit() else 5
     args = session.posargs[1:] if session.posargs and session.posargs[0].isdigit() else session.posargs
