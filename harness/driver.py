@@ -104,8 +104,8 @@ def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layou
         for lay in layouts:
             refused = refusal(factory, model, lay)
             if refused:
-                raise DoesNotApply(f"{refused} (--engine {engine} cannot build --layout {lay.id}; drop it or use "
-                               "--engine mcore)")
+                raise DoesNotApply(f"{refused} (--engine {engine} cannot build --layout {lay.id}; drop it or "
+                                   "use --engine mcore)")
     cases = suite.cases(model, world_size, layouts, engine=engine, backend=backend, options=options, params=params)
     cases = buildable(cases, factory, engine)
     if timeout_s is not None:
@@ -129,7 +129,7 @@ def refusal(factory: Any, model: ModelSpec, layout: Layout) -> str | None:
 
 def buildable(cases: list[Case], factory: Any, engine: str) -> list[Case]:
     """The cases of a suite's default matrix that the engine can build (and those that read their outputs);
-    BadInput naming why when it can build none."""
+    DoesNotApply naming why when it can build none of its own."""
     refused = {c.id: why for c in cases if not c.skip and c.engine == engine
                and (why := refusal(factory, c.model, c.layout))}
     if not refused:

@@ -10,12 +10,12 @@ lcm(dp*cp, 128); a tied embedding shared across pipeline stages gets a bucket of
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.dtypes import dtype
-from harness.engines.experts import is_expert
 from harness.layouts import coords_of, dp_cp_ranks, expert_dp_ranks, expert_group
 from harness.spec import Case, Layout, ModelSpec
 
@@ -156,6 +156,8 @@ class Planned:
 
 # One trained parameter of a built model chunk, in registration order: (name, local numel)
 ChunkParam = tuple[str, int]
+# A routed expert's weight in megatron's MoE layer: SequentialMLP's local_experts.E.*, TEGroupedMLP's linear_fcN.weightE
+ROUTED_EXPERT = re.compile(r"(^|\.)mlp\.experts\.")
 
 
 def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) -> list[Planned]:
@@ -180,7 +182,7 @@ def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) ->
         tied = lay.pp > 1 and m.tie_embeddings
         return [(name, numel, tied and ((name == "embedding.word_embeddings.weight" and not last)
                                         or (name == "output_layer.weight" and not first)))
-                for name, numel in chunks[vp] if (lay.ep > 1 and is_expert(name)) == experts]
+                for name, numel in chunks[vp] if (lay.ep > 1 and bool(ROUTED_EXPERT.search(name))) == experts]
 
     param_dtype = dtype(o.dtype).name
     grad_dtype = "fp32" if (o.grad_reduce_in_fp32 or param_dtype == "fp32") else param_dtype
