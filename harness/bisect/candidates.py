@@ -111,23 +111,25 @@ def index_versions(package: str, prereleases: bool = False, find_links: list[str
     return sorted((v for v in found if prereleases or not Version(v).is_prerelease), key=Version)
 
 
-def refuse_backwards(spec: str, lo, hi) -> None:
+def version_range(spec: str):
+    """(A, B) of 'A..B' as versions, oldest first; BadInput for a malformed or backwards range."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        lo, hi = (Version(x) for x in spec.split("..", 1))
+    except InvalidVersion:
+        raise BadInput(f"{spec!r} is not a version range (give e.g. 0.15.0..0.16.1)") from None
     if lo > hi:
         raise BadInput(f"version range {spec} runs backwards: give the older release first ({hi}..{lo}; "
                        "--find-fix searches for the first fixed one)")
+    return lo, hi
 
 
 def check_ranges(specs: list[str]) -> None:
     """BadInput for a malformed or backwards A..B, before the index is asked or anything is made."""
-    from packaging.version import InvalidVersion, Version
-
     for spec in specs:
         if ".." in spec:
-            try:
-                lo, hi = (Version(x) for x in spec.split("..", 1))
-            except InvalidVersion:
-                raise BadInput(f"{spec!r} is not a version range (give e.g. 0.15.0..0.16.1)") from None
-            refuse_backwards(spec, lo, hi)
+            version_range(spec)
 
 
 def expand_versions(specs: list[str], available: Callable[[], list[str]], prereleases: bool = False) -> list[str]:
@@ -137,11 +139,7 @@ def expand_versions(specs: list[str], available: Callable[[], list[str]], prerel
     out: list[str] = []
     for spec in specs:
         if ".." in spec:
-            try:
-                lo, hi = (Version(x) for x in spec.split("..", 1))
-            except InvalidVersion:
-                raise BadInput(f"{spec!r} is not a version range (give e.g. 0.15.0..0.16.1)") from None
-            refuse_backwards(spec, lo, hi)
+            lo, hi = version_range(spec)
             inside = [v for v in available()
                       if lo <= Version(v) <= hi and (prereleases or not Version(v).is_prerelease)]
             if not inside:
