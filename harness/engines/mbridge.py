@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.dtypes import dtype
 from harness.engines.mcore import McoreEngine
-from harness.engines.model_config import layer_spec
+from harness.engines.model_config import layer_spec, sequence_parallel
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import BadInput, MissingDependency
 
@@ -118,7 +118,7 @@ class MbridgeEngine(McoreEngine):
         """TransformerConfig fields set through the bridge's set_extra_args."""
         o, lay = self.case.options, self.case.layout
         extra: dict[str, Any] = dict(
-            hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=self.case.model.moe and lay.tp > 1,
+            hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel(self.case),
             bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
             # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
             batch_p2p_comm=False if lay.vpp > 1 else None)

@@ -39,7 +39,7 @@ from harness.engines.lora import (
 from harness.engines.mbridge import bridge_refusal, hf_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.megatron_bridge_import import check_available, import_bridge
-from harness.engines.model_config import layer_spec, moe_config
+from harness.engines.model_config import layer_spec, moe_config, sequence_parallel
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class MegatronBridgeEngine(McoreEngine):
             gated_linear_unit=m.swiglu, activation_func=F.silu if m.swiglu else F.gelu, add_bias_linear=False,
             qk_layernorm=m.qk_layernorm, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
             virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
-            context_parallel_size=lay.cp, sequence_parallel=m.moe and lay.tp > 1,  # as the mcore engine
+            context_parallel_size=lay.cp, sequence_parallel=sequence_parallel(self.case),
             params_dtype=dtype, pipeline_dtype=dtype, bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
             hidden_dropout=0.0, attention_dropout=0.0,
             # megatron-core's defaults, which the mcore engine keeps (the provider flips both)

@@ -30,8 +30,7 @@ def transformer_config(case: Case, on_cpu: bool, params_dtype: str | None = None
         tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
         virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
         context_parallel_size=lay.cp,
-        # megatron's MoE layer refuses TP without sequence parallelism; dense models run without it
-        sequence_parallel=m.moe and lay.tp > 1,
+        sequence_parallel=sequence_parallel(case),
         params_dtype=params, pipeline_dtype=params, bf16=params is torch.bfloat16, fp16=params is torch.float16,
         # megatron draws no initial values: the engine overwrites every weight matrix from its global name
         # (McoreEngine.reinit). perform_initialization stays on: megatron 0.16 marks a weight TP-sharded
@@ -45,6 +44,11 @@ def transformer_config(case: Case, on_cpu: bool, params_dtype: str | None = None
         **recompute_config(case.options.recompute),
         **moe_config(case, on_cpu),
     )
+
+
+def sequence_parallel(case: Case) -> bool:
+    """Every path's sequence_parallel: megatron's MoE layer refuses TP without it; dense models run without it."""
+    return case.model.moe and case.layout.tp > 1
 
 
 def in_params_dtype(chunk: Any) -> None:
