@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.platform import cpu_layer
+from harness.platform import cpu_collectives, cpu_layer
 
 
 @pytest.fixture
@@ -362,7 +362,7 @@ def test_an_uneven_all_gather_runs_on_gloo(layer, tmp_path):
     try:
         out = [torch.empty(3, 2)]
         assert dist.all_gather(out, torch.ones(3, 2)) is None and out[0].tolist() == [[1.0, 1.0]] * 3
-        from harness.platform.cpu_layer import _uneven_all_gather
+        from harness.platform.cpu_collectives import uneven_all_gather
 
         calls = []
 
@@ -372,11 +372,98 @@ def test_an_uneven_all_gather_runs_on_gloo(layer, tmp_path):
                 t.copy_(torch.full_like(t, float(i)) if i else tensor)
 
         uneven = [torch.empty(3, 2), torch.empty(1, 2)]
-        handle = _uneven_all_gather(fake)(uneven, torch.ones(3, 2), async_op=True)
+        handle = uneven_all_gather(fake)(uneven, torch.ones(3, 2), async_op=True)
         assert handle.wait() and calls == [[(3, 2), (3, 2), (3, 2)]]
         assert uneven[0].tolist() == [[1.0, 1.0]] * 3 and uneven[1].tolist() == [[1.0, 1.0]]
     finally:
         dist.destroy_process_group()
+
+
+def _heap_in_use() -> float:
+    """MiB malloc holds in use (every arena and mmapped chunk), from glibc's mallinfo2."""
+    import ctypes
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Info
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
+
+
+def late_frees(rank: int, world_size: int) -> dict[str, int]:
+    """On a gloo rank whose group worker shares the rank's core at idle priority (SCHED_IDLE: the waiter, woken by
+    it, runs first): in how many of 12 coalesced reduce-scatters of 16 MiB, issued as megatron's gradient buffer
+    issues them, gloo's clone of the input was still allocated when the block returned; and in how many of 12 with
+    the release taken out (the plant)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    from harness.platform import cpu_collectives
+
+    def workers() -> set[int]:
+        tids = set()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == "pt_gloo_runloop":
+                        tids.add(int(tid))
+            except OSError:
+                pass
+        return tids
+
+    before = workers()
+    group = dist.new_group(list(range(world_size)))
+    dist.barrier(group)  # its worker has run, and named itself
+    starved = workers() - before
+    assert len(starved) == 1, f"the new group has {len(starved)} gloo worker threads"
+    affinity = os.sched_getaffinity(0)
+    core = {sorted(affinity)[rank % len(affinity)]}
+    os.sched_setaffinity(0, core)
+    for tid in starved:
+        os.sched_setaffinity(tid, core)
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    grads, shard = torch.ones(4 << 20), torch.empty((4 << 20) // world_size)
+
+    def still_held() -> bool:
+        base = _heap_in_use()
+        with pgb._coalescing_manager(group, async_ops=False):
+            pgb.dist_reduce_scatter_func(shard, grads, group=group)
+        held = _heap_in_use() - base > 8
+        deadline = time.monotonic() + 10
+        while _heap_in_use() - base > 8 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return held
+
+    try:
+        late = sum(still_held() for _ in range(12))
+        release, cpu_collectives.release = cpu_collectives.release, lambda group: None
+        try:
+            planted = sum(still_held() for _ in range(12))
+        finally:
+            cpu_collectives.release = release
+    finally:
+        os.sched_setaffinity(0, affinity)
+        dist.destroy_process_group(group)
+    return {"late": late, "planted": planted}
+
+
+@covers(cpu_collectives.ONE_WORKER_POINT)
+@covers(cpu_collectives.RELEASE_POINT)
+@pytest.mark.slow
+def test_a_coalesced_reduce_scatter_frees_gloos_clone_before_it_returns():
+    """gloo's reduce-scatter clones its input; its worker thread, starved here, held the clone after the waiter went
+    on (train-memory's one-rank step-1 excess). With one worker a group and the release, never; without, soon."""
+    from tests.rank_call import on_ranks
+
+    got = on_ranks("tests.test_cpu_layer:late_frees", 2)
+    assert [g["late"] for g in got] == [0, 0], f"the clone outlived the reduce-scatter: {got}"
+    assert any(g["planted"] for g in got), f"the plant (no release) freed every clone in time: {got}"
 
 
 def test_every_point_is_tested():

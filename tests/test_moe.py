@@ -344,7 +344,7 @@ def test_an_uneven_all_gather_is_recorded_at_its_size_not_its_padding():
     reads the size of the gather it stands in for."""
     import torch
 
-    from harness.platform.cpu_layer import _uneven_all_gather, unpadded_numel
+    from harness.platform.cpu_collectives import unpadded_numel, uneven_all_gather
 
     seen = []
 
@@ -354,7 +354,7 @@ def test_an_uneven_all_gather_is_recorded_at_its_size_not_its_padding():
             out.copy_(tensor)
 
     outputs = [torch.empty(n, 3) for n in (2, 5, 1)]
-    _uneven_all_gather(padded_gather)(outputs, torch.ones(2, 3))
+    uneven_all_gather(padded_gather)(outputs, torch.ones(2, 3))
     assert seen == [((2 + 5 + 1) * 3, 5)] and unpadded_numel() is None
 
 

@@ -40,22 +40,20 @@ Patched points (see docs/architecture.md, "megatron-core on CPU ranks"):
 - MoE token dispatcher: `maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA tensors, so on CPU ranks
   the all-to-all's split sizes stayed tensors, which `all_to_all_single` refuses; CPU tensors become numpy
   arrays there too, as they would after the device-to-host copy.
-- Uneven all-gather: megatron gathers a variable number of tokens per TP rank (the MoE dispatcher with TP > 1,
-  `gather_from_sequence_parallel_region(output_split_sizes=...)`) with torch.distributed.all_gather over
-  tensors of different lengths, which NCCL accepts and gloo refuses ("invalid tensor size"). On CPU ranks such a
-  gather pads every tensor to the longest along dim 0, gathers, and copies the rows each rank sent: the same
-  result, with the padded bytes on the wire (the collective recorder sees those).
+- Collectives (harness/platform/cpu_collectives.py): gloo's all-gather of tensors of different lengths, and gloo's
+  buffers released before the caller goes on (one worker thread a group, a coalesced collective drained).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from harness.platform import cpu_collectives
+from harness.platform.cpu_collectives import ONE_WORKER_POINT, RELEASE_POINT, UNEVEN_POINT
 from harness.platform.without_te import MOE_UTILS
 
 WRITER_POINT = "megatron checkpoint write-results queue (filesystem_async: its Manager forked, not spawned)"
@@ -82,7 +80,9 @@ PATCHED_POINTS = (
     "megatron recompute RNG state (tensor_parallel.random._get/_set_cuda_rng_state -> CPU generator)",
     WRITER_POINT,
     "autograd Function backward (run under the device mode)",
-    "torch.distributed.all_gather of tensors of different lengths (padded on gloo)",
+    UNEVEN_POINT,
+    ONE_WORKER_POINT,
+    RELEASE_POINT,
     ROUTER_POINT,
     DISPATCHER_POINT,
 )
@@ -143,8 +143,7 @@ _LOW_PRECISION = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 # A whole tensor's 2-norm is summed in float64 over chunks of this many elements: a float64 copy of a whole
-# gradient (8 bytes an element) was the largest temporary of a training step, and when gloo released the
-# reduce-scatter's coalesced buffer late it stood on top of it (train-memory's intermittent +6 MiB of small at dp4).
+# gradient (8 bytes an element) was the largest temporary of a training step (docs/internals.md).
 NORM_CHUNK = 1 << 16
 
 
@@ -234,50 +233,6 @@ def _split_sizes_to_numpy(tensor: Any, as_numpy: bool = False, record_stream: bo
     return tensor.numpy() if as_numpy and isinstance(tensor, torch.Tensor) else tensor
 
 
-class _Done:
-    """The work handle of a collective that has completed."""
-
-    def wait(self, *args, **kwargs) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-# The elements an uneven all-gather gathers, while its padded stand-in runs: a collective recorder counts these,
-# not the padding (which would make an MoE rank's figures depend on the longest of its peers' token counts).
-_UNPADDED: contextvars.ContextVar[int | None] = contextvars.ContextVar("unpadded_all_gather", default=None)
-
-
-def unpadded_numel() -> int | None:
-    """Inside the CPU layer's padded all-gather: the elements the uneven all-gather it stands in for gathers."""
-    return _UNPADDED.get()
-
-
-def _uneven_all_gather(original: Any) -> Any:
-    """torch.distributed.all_gather that also gathers tensors of different lengths along dim 0 on gloo."""
-
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        shapes = {tuple(t.shape[1:]) for t in tensor_list} | {tuple(tensor.shape[1:])}
-        lengths = [t.shape[0] if t.dim() else 1 for t in tensor_list]
-        if len(set(lengths)) <= 1 or len(shapes) != 1 or tensor.dim() == 0:
-            return original(tensor_list, tensor, group=group, async_op=async_op)
-        longest = max(lengths)
-        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
-        padded[: tensor.shape[0]] = tensor
-        gathered = [torch.empty_like(padded) for _ in tensor_list]
-        token = _UNPADDED.set(sum(lengths) * padded[0].numel())
-        try:
-            original(gathered, padded, group=group)
-        finally:
-            _UNPADDED.reset(token)
-        for out, got, n in zip(tensor_list, gathered, lengths):
-            out.copy_(got[:n])
-        return _Done() if async_op else None
-
-    return all_gather
-
-
 class CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA placements to the CPU for every torch call made while it is active."""
 
@@ -353,9 +308,8 @@ class CpuLayer:
                 return backward(fn, *args)
 
         self._replace(torch.autograd.function.BackwardCFunction, "apply", apply_under_the_mode)
-        import torch.distributed as dist
-
-        self._replace(dist, "all_gather", _uneven_all_gather(dist.all_gather))
+        for module, name, value in cpu_collectives.replacements():
+            self._replace(module, name, value)
         mode.__enter__()
 
     def deactivate(self) -> None:

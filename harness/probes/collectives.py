@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from harness.platform.cpu_layer import unpadded_numel
+from harness.platform.cpu_collectives import unpadded_numel
 
 # c10d op name -> collective kind
 _KINDS = {
