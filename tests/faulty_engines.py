@@ -153,6 +153,19 @@ class MbridgeOverrideOnly(_mbridge_engine()):
         return dict(self.overrides)
 
 
+class MbridgeWithoutTrainingOptions(_mbridge_engine()):
+    """What the bridge paths were: the model built without the case's training fields (the loss mask's per-token
+    normalisation, recompute) and the optimizer stepped without its learning-rate schedule."""
+
+    def config_overrides(self):
+        extra = super().config_overrides()
+        extra.pop("calculate_per_token_loss", None)
+        return extra
+
+    def after_optimizer(self):
+        self._wire_config()
+
+
 class NaNParamAfterLastStep(McoreEngine):
     """Writes NaN into one element of one parameter after the last training step, on every layout but
     pure DP (the equivalence reference): a NaN error must fail, not compare as within tolerance."""

@@ -13,12 +13,12 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, help="directory for every run's results.json and the report")
     p.add_argument("--suite", action="append", help="only these suites (repeatable; default: all)")
     p.add_argument("--model", action="append",
-                   help="models (repeatable; 'default' is each suite's own; default: default + small on CPU, "
-                        "+ 1b on GPUs)")
+                   help="models (repeatable; 'default' is each suite's own; default: every CPU reference model "
+                        "on gloo, default + small + 1b-2k on GPUs)")
     p.add_argument("--world-size", type=int, default=None, help="default: the node's GPUs, or 4 CPU ranks")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--engine", default=None, help="only this engine (default: mcore, and every construction "
-                                                  "path for grad-sync)")
+    p.add_argument("--engine", default=None, help="only this construction path (default: every one; "
+                                                  "peft-ckpt: megatron-bridge)")
     p.add_argument("--label", default=None, help="names every run of this nightly in the report and the history")
     p.add_argument("--history-db", default=None, help="the history database every run is ingested into at the end "
                                                       "(default: OUT/history.sqlite)")

@@ -131,7 +131,7 @@ class CPEngine(McoreEngine):
         if not self.ctx.on_cpu:
             chunk.cuda(torch.cuda.current_device())
         self.models = self.wrap([chunk], self.ddp_config())
-        self._wire_config()
+        self.after_optimizer()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
 

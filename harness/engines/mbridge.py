@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.dtypes import dtype
 from harness.engines.mcore import McoreEngine
-from harness.engines.model_config import layer_spec, sequence_parallel
+from harness.engines.model_config import layer_spec, sequence_parallel, training_fields
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import BadInput, MissingDependency
 
@@ -121,7 +121,7 @@ class MbridgeEngine(McoreEngine):
             hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel(self.case),
             bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
             # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
-            batch_p2p_comm=False if lay.vpp > 1 else None)
+            batch_p2p_comm=False if lay.vpp > 1 else None, **training_fields(self.case))
         extra = {k: v for k, v in extra.items() if v is not None}
         if self.case.model.moe:  # the case's dispatcher, not the bridge's default
             extra["moe_token_dispatcher_type"] = o.moe_dispatcher
@@ -161,4 +161,4 @@ class MbridgeEngine(McoreEngine):
         )
         self.config = bridge.config
         self.optimizer = self.make_optimizer(self.models, self.case.options.use_distributed_optimizer)
-        self._wire_config()
+        self.after_optimizer()

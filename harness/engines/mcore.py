@@ -162,6 +162,11 @@ class McoreEngine(McoreCheckpoints):
         ddp_config = self.ddp_config()
         self.models = self.wrap(chunks, ddp_config)
         self.optimizer = self.make_optimizer(self.models, ddp_config.use_distributed_optimizer)
+        self.after_optimizer()
+
+    def after_optimizer(self) -> None:
+        """What every construction path does once its models and optimizer exist: the case's learning-rate
+        schedule over the optimizer, and the config's hooks into the models."""
         self.scheduler = make_scheduler(self.optimizer, self.case.options, self.case.global_batch_size)
         self._wire_config()
 

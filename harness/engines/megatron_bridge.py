@@ -39,7 +39,7 @@ from harness.engines.lora import (
 from harness.engines.mbridge import bridge_refusal, hf_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.megatron_bridge_import import check_available, import_bridge
-from harness.engines.model_config import layer_spec, moe_config, sequence_parallel
+from harness.engines.model_config import layer_spec, moe_config, sequence_parallel, training_fields
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ class MegatronBridgeEngine(McoreEngine):
             cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,
             # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
             batch_p2p_comm=not lay.vpp > 1,
+            **training_fields(self.case),
             **moe_config(self.case, self.ctx.on_cpu),
         )
         if m.moe:
@@ -132,7 +133,7 @@ class MegatronBridgeEngine(McoreEngine):
             mixed_precision_wrapper=None,
         )
         self.optimizer = self.make_optimizer(self.models, self.case.options.use_distributed_optimizer)
-        self._wire_config()
+        self.after_optimizer()
 
     # -- LoRA adapters in HF PEFT format ------------------------------------------------------
     def adapter_tensors(self) -> dict[str, torch.Tensor]:

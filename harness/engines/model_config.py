@@ -40,10 +40,15 @@ def transformer_config(case: Case, on_cpu: bool, params_dtype: str | None = None
         **fusions(on_cpu),
         # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
-        calculate_per_token_loss=case.options.loss_mask,
-        **recompute_config(case.options.recompute),
+        **training_fields(case),
         **moe_config(case, on_cpu),
     )
+
+
+def training_fields(case: Case) -> dict:
+    """TransformerConfig fields the case's training options set, on every construction path: per-token loss
+    normalisation with a loss mask, activation recompute."""
+    return dict(calculate_per_token_loss=case.options.loss_mask, **recompute_config(case.options.recompute))
 
 
 def sequence_parallel(case: Case) -> bool:
