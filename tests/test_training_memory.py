@@ -249,6 +249,27 @@ def test_recompute_that_is_not_applied_fails_the_steps():
     assert model.failed and "rank 0 step" in model.message, model.message
 
 
+def test_fsdp2_runs_plain_data_parallel_only():
+    """megatron's distributed optimizer and recompute mean nothing on the FSDP2 path: no case claims them."""
+    from harness.models import load_model
+    from harness.suite_defs import get_suite
+
+    cases = get_suite("train-memory").cases(load_model("small"), 2, None, engine="fsdp2")
+    assert cases and all(not c.options.use_distributed_optimizer and not c.options.recompute for c in cases)
+    assert len({c.layout for c in cases}) == len(cases)
+
+
+@pytest.mark.slow
+def test_fsdp2_memory_is_not_judged_by_megatrons_model_but_by_its_baseline(tmp_path):
+    """The model describes megatron DDP's buffers: on FSDP2 it cannot tell, and says why (small at dp2 read 69.8 MiB
+    at step 1 against the DDP model's 41.4); the baseline check still judges the figures."""
+    run = _run(layouts=["tp1-pp1-cp1-dp2"], engine="fsdp2", baselines_dir=str(tmp_path))
+    (model,) = [c for c in run.checks if c.check == "train-memory.model"]
+    assert model.inconclusive and "FSDP2 shards parameters" in model.message, model.message
+    (base,) = [c for c in run.checks if c.check == "train-memory.baseline"]
+    assert base.failed and "record it with: harness baselines record --suite train-memory" in base.message
+
+
 @pytest.mark.slow
 def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
     run = _run(layouts=["tp1-pp1-cp1-dp2"], baselines_dir=str(tmp_path), distributed_optimizer=(False,), recompute=())

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.training_memory import MIB, predict, training_of
 from harness.launch.results import CaseResult
 from harness.suite_defs.train_memory.figures import key as key_of
 from harness.suite_defs.train_memory.figures import phase_figures, record_command, samples
-from harness.suite_defs.train_memory.params import SUITE, TrainMemoryParams
+from harness.suite_defs.train_memory.params import SUITE, UNMODELLED, TrainMemoryParams
 
 # How far a measured phase may lie from the model's prediction, relative, plus an absolute slack for what
 # a phase allocates beyond tensors (Python objects, module construction, megatron's bookkeeping). Measured on
@@ -32,14 +33,16 @@ def band(expected: int) -> tuple[float, float]:
 
 
 def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckResult]:
-    from harness import baselines
-    from harness.platform import detect_platform
-
     out: list[CheckResult] = []
     files: dict[str, dict] = {}
     for res in results:
         if not res.ok:
             out.append(case_failed("train-memory.run", res))
+            continue
+        if res.case.engine in UNMODELLED:
+            out.append(cannot_tell("train-memory.model", res.case.id,
+                                   f"engine {res.case.engine}: {UNMODELLED[res.case.engine]}"))
+            out.append(_check_baseline(res, _baselines(params, res, files)))
             continue
         rows, bad = [], []
         for r in res.ranks:
@@ -69,16 +72,23 @@ def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckRes
             out.append(CheckResult("train-memory.model", res.case.id, True,
                                    f"every rank's build and steps inside the model's band (+-{REL_TOL:.0%} + "
                                    f"{ABS_SLACK / MIB:.1f} MiB)", rows, show=True))
-        platform = detect_platform(res.case.backend).key
-        path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
-        data = files.setdefault(str(path), baselines.load(path))
-        out.append(_check_baseline(res, data, path))
+        out.append(_check_baseline(res, _baselines(params, res, files)))
     return out
 
 
-def _check_baseline(res: CaseResult, data: dict, path) -> CheckResult:
+def _baselines(params: TrainMemoryParams, res: CaseResult, files: dict[str, dict]) -> tuple[dict, Any]:
+    """The baselines file the case is judged against (each file read once), and its path."""
+    from harness import baselines
+    from harness.platform import detect_platform
+
+    path = baselines.baseline_path(params.baselines_dir, detect_platform(res.case.backend).key, SUITE)
+    return files.setdefault(str(path), baselines.load(path)), path
+
+
+def _check_baseline(res: CaseResult, baseline: tuple[dict, Any]) -> CheckResult:
     from harness import baselines
 
+    data, path = baseline
     key = key_of(res.case)
     verdicts = {m: baselines.compare(data, key, m, v) for m, v in samples(res).items()}
     rows = [f"{m}: {v.measured:.2f} MiB, baseline " + ("-" if v.baseline is None else f"{v.baseline:.2f} +- "

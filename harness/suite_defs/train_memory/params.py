@@ -13,6 +13,11 @@ STEPS = 2  # the first creates the optimizer state; the second holds activations
 # step's peak would say nothing about activations; at two they lead wherever TP or PP splits the weights.
 MICRO_BATCH = 2
 RECOMPUTE = ("full", "selective")
+# Paths whose memory the model (harness/checks/training_memory.py: megatron DDP's buffers, its optimizers,
+# recompute) does not describe, and why; they run plain data parallel and are judged against their baselines only.
+UNMODELLED = {"fsdp2": "FSDP2 shards parameters, gradients and optimizer state over DP and gathers each layer's "
+                       "weights for its forward and backward; the model describes megatron DDP's buffers and "
+                       "optimizers, and this path has no distributed optimizer or recompute of megatron's"}
 
 
 @dataclass(frozen=True)

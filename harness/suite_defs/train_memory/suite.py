@@ -13,7 +13,7 @@ from harness.layouts import reference_layouts, validate
 from harness.probes.memory import MIB, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.train_memory import figures, judge
-from harness.suite_defs.train_memory.params import MICRO_BATCH, STEPS, SUITE, TrainMemoryParams
+from harness.suite_defs.train_memory.params import MICRO_BATCH, STEPS, SUITE, UNMODELLED, TrainMemoryParams
 from harness.suite_defs.train_memory.payload import TrainMemoryRankData
 
 
@@ -41,11 +41,13 @@ class TrainMemorySuite:
             validate(lay, model, world_size)
         opts = dataclasses.replace(options, steps=STEPS, micro_batch_size=options.micro_batch_size or MICRO_BATCH)
         distopt = (True,) if options.use_distributed_optimizer else p.distributed_optimizer  # --distributed-optimizer
+        if engine in UNMODELLED:  # megatron's optimizer and recompute options mean nothing there
+            distopt = (options.use_distributed_optimizer,)
         out = [Case(self.name, model, lay, engine, dataclasses.replace(opts, use_distributed_optimizer=d), backend)
                for lay in chosen for d in distopt]
         out += [Case(self.name, model, chosen[0], engine,
                      dataclasses.replace(opts, use_distributed_optimizer=True, recompute=r), backend)
-                for r in p.recompute if not options.recompute]
+                for r in p.recompute if not options.recompute and engine not in UNMODELLED]
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> TrainMemoryRankData:
