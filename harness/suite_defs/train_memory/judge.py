@@ -42,7 +42,7 @@ def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckRes
         if res.case.engine in UNMODELLED:
             out.append(cannot_tell("train-memory.model", res.case.id,
                                    f"engine {res.case.engine}: {UNMODELLED[res.case.engine]}"))
-            out.append(_check_baseline(res, _baselines(params, res, files)))
+            out.append(_check_baseline(res, *_baselines(params, res, files)))
             continue
         rows, bad = [], []
         for r in res.ranks:
@@ -72,7 +72,7 @@ def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckRes
             out.append(CheckResult("train-memory.model", res.case.id, True,
                                    f"every rank's build and steps inside the model's band (+-{REL_TOL:.0%} + "
                                    f"{ABS_SLACK / MIB:.1f} MiB)", rows, show=True))
-        out.append(_check_baseline(res, _baselines(params, res, files)))
+        out.append(_check_baseline(res, *_baselines(params, res, files)))
     return out
 
 
@@ -85,10 +85,9 @@ def _baselines(params: TrainMemoryParams, res: CaseResult, files: dict[str, dict
     return files.setdefault(str(path), baselines.load(path)), path
 
 
-def _check_baseline(res: CaseResult, baseline: tuple[dict, Any]) -> CheckResult:
+def _check_baseline(res: CaseResult, data: dict, path: Any) -> CheckResult:
     from harness import baselines
 
-    data, path = baseline
     key = key_of(res.case)
     verdicts = {m: baselines.compare(data, key, m, v) for m, v in samples(res).items()}
     rows = [f"{m}: {v.measured:.2f} MiB, baseline " + ("-" if v.baseline is None else f"{v.baseline:.2f} +- "
