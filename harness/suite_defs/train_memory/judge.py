@@ -39,41 +39,43 @@ def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckRes
         if not res.ok:
             out.append(case_failed("train-memory.run", res))
             continue
-        if res.case.engine in UNMODELLED:
-            out.append(cannot_tell("train-memory.model", res.case.id,
-                                   f"engine {res.case.engine}: {UNMODELLED[res.case.engine]}"))
-            out.append(_check_baseline(res, *_baselines(params, res, files)))
-            continue
-        rows, bad = [], []
-        for r in res.ranks:
-            measured = phase_figures(r, res.case.backend)
-            for phase, want in expected_phases(res.case, r.rank).items():
-                got = measured[phase]
-                low, high = band(want)
-                ok = low <= got <= high and math.isfinite(got)
-                err = (got - want) / want if want else math.inf
-                rows.append(f"rank {r.rank} {phase}: measured {got / MIB:.2f} MiB, model {want / MIB:.2f} MiB "
-                            f"({err:+.0%}), band [{max(low, 0) / MIB:.2f}, {high / MIB:.2f}]{'' if ok else ' OUTSIDE'}")
-                if not ok:
-                    bad.append((r.rank, phase, got, want, low, high))
-        biggest = max(w for r in res.ranks for w in expected_phases(res.case, r.rank).values())
-        if bad:
-            rank, phase, got, want, low, high = bad[0]
-            out.append(CheckResult("train-memory.model", res.case.id, False,
-                                   f"rank {rank} {phase}: measured {got / MIB:.2f} MiB outside the model's band "
-                                   f"[{max(low, 0) / MIB:.2f}, {high / MIB:.2f}] MiB (model {want / MIB:.2f} MiB)",
-                                   rows, captures=captures_of(res, rank, phase)))
-        elif biggest < ABS_SLACK:
-            out.append(cannot_tell("train-memory.model", res.case.id,
-                                   f"the model's largest phase is {biggest / MIB:.2f} MiB, below the "
-                                   f"{ABS_SLACK / MIB:.1f} MiB a phase allocates beyond its tensors: a doubled tensor "
-                                   f"would hide in the band; judge on a larger model (small)", rows))
-        else:
-            out.append(CheckResult("train-memory.model", res.case.id, True,
-                                   f"every rank's build and steps inside the model's band (+-{REL_TOL:.0%} + "
-                                   f"{ABS_SLACK / MIB:.1f} MiB)", rows, show=True))
+        out.append(_check_model(res))
         out.append(_check_baseline(res, *_baselines(params, res, files)))
     return out
+
+
+def _check_model(res: CaseResult) -> CheckResult:
+    """Every rank's phases against the training-memory model's bands."""
+    if res.case.engine in UNMODELLED:
+        engine = res.case.engine
+        return cannot_tell("train-memory.model", res.case.id, f"engine {engine}: {UNMODELLED[engine]}")
+    rows, bad = [], []
+    for r in res.ranks:
+        measured = phase_figures(r, res.case.backend)
+        for phase, want in expected_phases(res.case, r.rank).items():
+            got = measured[phase]
+            low, high = band(want)
+            ok = low <= got <= high and math.isfinite(got)
+            err = (got - want) / want if want else math.inf
+            rows.append(f"rank {r.rank} {phase}: measured {got / MIB:.2f} MiB, model {want / MIB:.2f} MiB "
+                        f"({err:+.0%}), band [{max(low, 0) / MIB:.2f}, {high / MIB:.2f}]{'' if ok else ' OUTSIDE'}")
+            if not ok:
+                bad.append((r.rank, phase, got, want, low, high))
+    biggest = max(w for r in res.ranks for w in expected_phases(res.case, r.rank).values())
+    if bad:
+        rank, phase, got, want, low, high = bad[0]
+        return CheckResult("train-memory.model", res.case.id, False,
+                           f"rank {rank} {phase}: measured {got / MIB:.2f} MiB outside the model's band "
+                           f"[{max(low, 0) / MIB:.2f}, {high / MIB:.2f}] MiB (model {want / MIB:.2f} MiB)",
+                           rows, captures=captures_of(res, rank, phase))
+    if biggest < ABS_SLACK:
+        return cannot_tell("train-memory.model", res.case.id,
+                           f"the model's largest phase is {biggest / MIB:.2f} MiB, below the "
+                           f"{ABS_SLACK / MIB:.1f} MiB a phase allocates beyond its tensors: a doubled tensor "
+                           f"would hide in the band; judge on a larger model (small)", rows)
+    return CheckResult("train-memory.model", res.case.id, True,
+                       f"every rank's build and steps inside the model's band (+-{REL_TOL:.0%} + "
+                       f"{ABS_SLACK / MIB:.1f} MiB)", rows, show=True)
 
 
 def _baselines(params: TrainMemoryParams, res: CaseResult, files: dict[str, dict]) -> tuple[dict, Any]:
@@ -82,7 +84,9 @@ def _baselines(params: TrainMemoryParams, res: CaseResult, files: dict[str, dict
     from harness.platform import detect_platform
 
     path = baselines.baseline_path(params.baselines_dir, detect_platform(res.case.backend).key, SUITE)
-    return files.setdefault(str(path), baselines.load(path)), path
+    if str(path) not in files:
+        files[str(path)] = baselines.load(path)
+    return files[str(path)], path
 
 
 def _check_baseline(res: CaseResult, data: dict, path: Any) -> CheckResult:
