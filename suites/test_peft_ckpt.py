@@ -22,23 +22,6 @@ def test_adapter_export(peft_run, judge, check):
     judge(peft_run, f"peft-ckpt.{check}")
 
 
-# megatron-bridge's expert LoRA on megatron's SequentialMLP experts (the experts without Transformer Engine's
-# grouped GEMM), measured on 0.3.1: its adapter export gathers over TP and PP but not EP, its adapter-only
-# distributed checkpoint of expert adapters is refused by megatron's sharding validation, and at ETP 2 its expert
-# fc2 adapters compute a wrong delta (Megatron-Bridge #5634) (docs/moe.md).
-_EXPERT_LORA = ("megatron-bridge <= 0.3.1: expert LoRA on SequentialMLP experts: no EP gather in the export, "
-                "an invalid adapter checkpoint, wrong expert fc2 deltas at ETP 2 (#5634) (docs/moe.md)")
-
-
-def _bridge_at_most_0_3_1() -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return tuple(int(x) for x in version("megatron-bridge").split(".")[:3]) <= (0, 3, 1)
-    except (PackageNotFoundError, ValueError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def peft_moe_run(suite_runner):
     """tiny-qwen3-moe (tiny-moe in Qwen3-MoE's shape, which megatron-bridge converts to HF) on its expert layouts."""
@@ -57,7 +40,7 @@ def test_moe_adapter_replicas(peft_moe_run, judge):
     judge(peft_moe_run, "peft-ckpt.replicas")
 
 
-def test_every_moe_check_passes(peft_moe_run, judge, request):
-    if _bridge_at_most_0_3_1() and any(r.case.layout.ep > 1 or r.case.layout.tp > 1 for r in peft_moe_run.results):
-        request.applymarker(pytest.mark.xfail(reason=_EXPERT_LORA, strict=True))
+def test_every_moe_check_passes(peft_moe_run, judge):
+    """Every check of the MoE model at its layouts (megatron-bridge 0.3.1 on SequentialMLP experts: pure DP and
+    PP, the layouts its expert adapters are right at, harness.engines.megatron_bridge.adapter_refusal)."""
     judge(peft_moe_run)

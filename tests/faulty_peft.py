@@ -169,3 +169,12 @@ class AdapterNeverTrained(MegatronBridgeEngine):
                     if name.endswith("adapter.linear_out.weight"):
                         p.zero_()
         return out
+
+
+class JudgedAtEveryLayout(MegatronBridgeEngine):
+    """The pinned bridge judged at every expert layout, as a megatron-bridge newer than the last known wrong one
+    is (its `adapter_refusal` asked of nothing)."""
+
+    @staticmethod
+    def adapter_refusal(model, layout, backend) -> None:
+        return None

@@ -20,6 +20,8 @@ CASES = [
     (["run", "--suite", "peft-ckpt", "--model", "tiny-moe"],
      "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE, which needs "
      "qk_layernorm = true: use --model tiny-qwen3-moe or a model with them"),
+    (["run", "--suite", "peft-ckpt", "--model", "tiny-qwen3-moe", "--world-size", "2", "--layout", "tp1-pp1-cp1-dp2-ep2"],
+     "layout tp1-pp1-cp1-dp2-ep2: megatron-bridge 0.3.1's LoRA on SequentialMLP experts"),
     (["run", "--suite", "equivalence", "--model", "tiny", "--layout", "tp1-pp1-cp1-dp4-ep2"],
      "layout tp1-pp1-cp1-dp4-ep2 is invalid for model tiny: ep=2, etp=1: model tiny has no experts"),
     (["run", "--suite", "equivalence", "--model", "tiny-moe", "--layout", "tp1-pp1-cp1-dp4-ep3"],
@@ -135,7 +137,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 80  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 81  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -30,6 +30,12 @@ def _failed(run) -> dict[tuple[str, str], str]:
     return {(c.check, c.case_id.split("/")[3].split("[")[0]): c.message for c in run.checks if c.failed}
 
 
+def _bridge_version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-bridge")
+
+
 # -- the harness's own arithmetic -----------------------------------------------------------------
 def test_expected_hf_names_split_fused_adapters_by_query_group():
     m = load_model("tiny")  # 4 heads, 2 query groups, head dim 16
@@ -279,10 +285,34 @@ def test_an_moe_model_without_an_hf_mapping_is_refused_before_any_rank():
         plan("peft-ckpt", "tiny-moe", 2, None)
 
 
-def _bridge_version() -> str:
-    from importlib.metadata import version
+@pytest.mark.skipif(_bridge_version() != "0.3.1", reason="the expert LoRA of megatron-bridge 0.3.1, as pinned")
+def test_the_pinned_bridges_expert_adapters_are_judged_at_ep1_and_refused_beyond():
+    """On CPU ranks (SequentialMLP experts) megatron-bridge 0.3.1 exports EP rank 0's expert adapters only and
+    computes a wrong expert fc2 delta at ETP 2: the default MoE matrix holds pure DP and PP 2, a round trip loads
+    at PP (TP 2 would put the experts at ETP 2), and an EP or ETP layout named by the user is refused before any
+    rank, naming why and what runs."""
+    from harness.driver import plan
+    from harness.engines import resolve_factory
+    from harness.errors import DoesNotApply
+    from harness.spec import Layout
+    from harness.suite_defs.peft_ckpt.suite import adapter_refusal, roundtrip_layout
 
-    return version("megatron-bridge")
+    assert [c.layout.id for c in plan("peft-ckpt", "tiny-qwen3-moe", 4, None).cases] == \
+        ["tp1-pp1-cp1-dp4", "tp1-pp2-cp1-dp2"]
+    refused = adapter_refusal(resolve_factory("megatron-bridge"), load_model("tiny-qwen3-moe"), "gloo")
+    assert roundtrip_layout(Layout(dp=4), refused) == Layout(pp=2, dp=2)
+    assert roundtrip_layout(Layout(pp=2, dp=2), refused) == Layout(dp=4)
+    assert roundtrip_layout(Layout(dp=4)) == Layout(tp=2, dp=2)  # a dense model's: TP changes
+    for lay in ("tp1-pp1-cp1-dp2-ep2", "tp2-pp1-cp1-dp1"):
+        with pytest.raises(DoesNotApply, match=rf"layout {lay}: megatron-bridge 0.3.1's LoRA on SequentialMLP experts "
+                                               r".* exports EP rank 0's expert adapters only, and computes a wrong "
+                                               r"expert fc2 delta at ETP 2 \(Megatron-Bridge #5634\); run the "
+                                               r"adapters at EP 1 and ETP 1"):
+            plan("peft-ckpt", "tiny-qwen3-moe", 2, [lay])
+    # a dense model, and a user engine that judges every layout, keep the expert layouts
+    assert len(plan("peft-ckpt", "tiny", 4, None).cases) == 4
+    assert "tp1-pp1-cp1-dp2-ep2" in [c.layout.id for c in plan(
+        "peft-ckpt", "tiny-qwen3-moe", 2, None, engine="tests.faulty_peft:JudgedAtEveryLayout").cases]
 
 
 @pytest.mark.slow
@@ -300,8 +330,10 @@ def test_moe_experts_exported_in_another_order_fail_tensors_and_logprobs():
 @pytest.mark.skipif(_bridge_version() != "0.3.1", reason="the expert export of megatron-bridge 0.3.1, as pinned")
 def test_moe_export_of_the_pinned_bridge_lacks_other_ep_ranks_experts():
     """megatron-bridge 0.3.1's export_adapter_weights gathers adapters over TP and PP, not EP: at EP 2 rank 0
-    writes its own experts' adapters only. The pure-DP export passes the same checks."""
-    run = _run("megatron-bridge", model="tiny-qwen3-moe", layouts=["tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp2-ep2"])
+    writes its own experts' adapters only (what its adapter_refusal names, so the suite judges the built-in path
+    at EP 1 only). The pure-DP export passes the same checks."""
+    run = _run("tests.faulty_peft:JudgedAtEveryLayout", model="tiny-qwen3-moe",
+               layouts=["tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp2-ep2"])
     failed = _failed(run)
     for check in ("valid", "tensors", "logprobs", "replicas"):
         assert (f"peft-ckpt.{check}", "tp1-pp1-cp1-dp2") not in failed, failed

@@ -136,6 +136,15 @@ class RefusesCases(Protocol):
 
 
 @runtime_checkable
+class RefusesAdapterLayouts(Protocol):
+    """An engine factory whose LoRA adapters cannot be exported or loaded correctly at every layout:
+    adapter_refusal(model, layout, backend) says why not at that one (None: it can). Asked in the parent by the
+    peft-ckpt suite, like RefusesCases."""
+
+    def adapter_refusal(self, model: ModelSpec, layout: Layout, backend: str) -> str | None: ...
+
+
+@runtime_checkable
 class ChecksAvailability(Protocol):
     """An engine factory, or its module, whose packages may be missing (the bridges): check_available() raises
     MissingDependency with the install command, in the parent before any rank starts."""

@@ -83,7 +83,7 @@ def moe_config(case: Case, on_cpu: bool) -> dict:
         from harness.errors import BadInput
 
         raise BadInput(f"MoE dispatcher {o.moe_dispatcher!r}: expected alltoall or allgather (flex needs DeepEP)")
-    grouped = not on_cpu and _importable("transformer_engine")
+    grouped = grouped_experts(on_cpu)
     return dict(
         num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.expert_ffn,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=m.moe_aux_loss_coeff,
@@ -96,6 +96,12 @@ def moe_config(case: Case, on_cpu: bool) -> dict:
 
 FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
            "gradient_accumulation_fusion", "persist_layer_norm")
+
+
+def grouped_experts(on_cpu: bool) -> bool:
+    """Whether megatron's engines build grouped-GEMM experts (Transformer Engine's, on GPU ranks where it is
+    installed); megatron's SequentialMLP (one GEMM per expert) otherwise."""
+    return not on_cpu and _importable("transformer_engine")
 
 
 def _importable(module: str) -> bool:

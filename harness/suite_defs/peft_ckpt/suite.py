@@ -22,17 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.engines.base import PeftExporting, peft_exporting
+from harness.engines.base import PeftExporting, RefusesAdapterLayouts, peft_exporting
 from harness.engines.lora import read_adapter_dir
 from harness.engines.mbridge import hf_architecture
 from harness.errors import BadInput, DoesNotApply, MissingDependency
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
-from harness.layouts import expert_matrix, validate
+from harness.layouts import expert_matrix, validate, violations
 from harness.platform.parallel import teardown_parallel_state
 from harness.probes.memory import MIB, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
@@ -154,10 +155,12 @@ class PeftCkptSuite:
 
         options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
+        refused = adapter_refusal(factory, model, backend)
         if layouts is None:
-            # an MoE model: the expert layouts (EP, EP with TP at ETP 2 and 1, EP with PP), as every suite's
-            layouts = [lay for lay in expert_matrix(model, world_size) if lay.cp == 1] if model.moe else \
-                [Layout.parse(x) for x in LAYOUTS if Layout.parse(x).world_size == world_size]
+            layouts = default_layouts(model, world_size, refused)
+        for lay in layouts:
+            if why := refused(lay):
+                raise DoesNotApply(f"{why} (--engine {engine} cannot judge --layout {lay.id}: drop it)")
         for lay in [reference, *layouts]:
             validate(lay, model, world_size)
             for what, size in (("TP", lay.tp), ("ETP", lay.expert_tp if model.moe else 1)):
@@ -201,7 +204,9 @@ class PeftCkptSuite:
         coords = layout_coords()
         legacy.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        target = roundtrip_layout(case.layout)
+        from harness.engines import resolve_factory
+
+        target = roundtrip_layout(case.layout, adapter_refusal(resolve_factory(case.engine), case.model, case.backend))
         with ctx.phase("save"):
             saved = _attempt(target, "save", lambda e=engine: e.save_adapter_checkpoint(str(legacy)))
         del engine
@@ -216,12 +221,35 @@ class PeftCkptSuite:
         return judge(results)
 
 
-def roundtrip_layout(layout: Layout) -> Layout:
-    """Another layout of the same world size to load an adapter into: TP changes (TP2 <-> none)."""
+def default_layouts(model: ModelSpec, world_size: int, refused: Callable[[Layout], str | None]) -> list[Layout]:
+    """The layouts beside pure DP: TP and PP for a dense model; for an MoE model the expert layouts (EP, EP with
+    TP at ETP 2 and 1, EP with PP) as every suite's, or PP 2 where the engine's adapters refuse all of those."""
+    if not model.moe:
+        return [Layout.parse(x) for x in LAYOUTS if Layout.parse(x).world_size == world_size]
+    expert = [lay for lay in expert_matrix(model, world_size) if lay.cp == 1 and not refused(lay)]
+    pp = Layout(pp=2, dp=world_size // 2)
+    if expert or world_size % 2 or violations(pp, model, world_size):
+        return expert
+    return [pp]
+
+
+def adapter_refusal(factory: Any, model: ModelSpec, backend: str) -> Callable[[Layout], str | None]:
+    """Why the engine factory's adapters cannot be judged at a layout (RefusesAdapterLayouts); None where they can."""
+    if isinstance(factory, RefusesAdapterLayouts):
+        return lambda lay: factory.adapter_refusal(model, lay, backend)
+    return lambda lay: None
+
+
+def roundtrip_layout(layout: Layout, refused: Callable[[Layout], str | None] = lambda lay: None) -> Layout:
+    """Another layout of the same world size to load an adapter into: TP changes (TP2 <-> none); PP 2 where the
+    engine's adapters refuse TP 2 (an MoE model's experts at ETP 2)."""
     w = layout.world_size
-    if layout.tp == 1 and w % 2 == 0:
-        return Layout(tp=2, dp=w // 2)
-    return Layout(dp=w)
+    if layout.tp > 1 or w % 2:
+        return Layout(dp=w)
+    tp = Layout(tp=2, dp=w // 2)
+    if not refused(tp):
+        return tp
+    return Layout(pp=2, dp=w // 2) if layout.pp == 1 else Layout(dp=w)
 
 
 def _attempt(layout: Layout, phase: str, work) -> Reload | None:
