@@ -1,18 +1,22 @@
 """grad-sync plans each rank's gradient buffers from the parameters of its built model chunks (HasGradBuffers);
 the model spec's arithmetic (chunk_params, which project-memory and the training-memory model use) must give the
-same parameters, element for element, for every shipped CPU model at every layout of world sizes 2 and 4."""
+same parameters, element for element: on real ranks for every shipped CPU model at every layout of world sizes 2
+and 4, and built a rank at a time on a fake process group for every shipped model at every layout up to 8."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
 from harness.checks.sync_plan import chunk_params, plan
 from harness.launch.pool import pool_for
 from harness.layouts import coords_of, default_matrix
-from harness.models import load_model
+from harness.models import known_models, load_model
 from harness.spec import Case, CaseOptions, Layout
-
-pytestmark = pytest.mark.slow
+from tests.fake_world import MAX_WORLD, fake_process_group_missing
 
 CPU_MODELS = ("tiny", "small", "tiny-moe", "small-moe", "tiny-qwen3-moe")
 
@@ -41,6 +45,7 @@ def _arithmetic(case: Case, rank: int) -> list[list[tuple[int, bool, bool]]]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("model", CPU_MODELS)
 def test_the_spec_arithmetic_counts_what_megatron_builds(model, world):
@@ -73,3 +78,41 @@ def test_a_plan_from_the_built_model_counts_a_weight_the_arithmetic_lacks():
     assert plan(case, 0, [chunk]) == plan(case, 0)
     [reduction] = plan(case, 0, [extra])
     assert reduction.numel == plan(case, 0)[0].numel + 16
+
+
+@pytest.mark.skipif(bool(fake_process_group_missing()), reason=fake_process_group_missing())
+@pytest.mark.parametrize("tier", ["cpu", "gpu"])
+def test_the_plan_counts_what_megatron_builds_for_every_shipped_model_up_to_world_size_8(tier):
+    names = [n for n in known_models() if load_model(n).tier == tier]
+    done = subprocess.run([sys.executable, "-m", "tests.fake_world", *names], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    judged = json.loads(done.stdout.splitlines()[-1])
+    assert set(judged) == set(names) and MAX_WORLD == 8
+    for name, got in judged.items():
+        assert got["layouts"] >= 20 and got["builds"] >= 5, (name, got)  # every world size's matrix was built
+        assert not got["differ"], f"{name}: " + "\n".join(got["differ"][:10])
+
+
+_PLANT = """
+import json, sys
+import harness.checks.sync_plan as sp
+import tests.fake_world as fw
+from harness.platform import cpu_layer
+
+spec_arithmetic = sp.chunk_params
+sp.chunk_params = lambda *a, **k: [p for p in spec_arithmetic(*a, **k) if "final_layernorm" not in p[0]]
+cpu_layer.activate()
+print(json.dumps(fw.judge("tiny")))
+"""
+
+
+@pytest.mark.skipif(bool(fake_process_group_missing()), reason=fake_process_group_missing())
+def test_an_arithmetic_that_forgets_a_weight_differs_from_the_fake_world_build():
+    """The plant: the spec's arithmetic without the final layernorm (as it was without qk_layernorm once)."""
+    done = subprocess.run([sys.executable, "-c", _PLANT], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    differ = json.loads(done.stdout.splitlines()[-1])["differ"]
+    assert differ, "a missing final layernorm went unnoticed"
+    assert any(d.startswith("tp1-pp1-cp1-dp2 rank 0: built [") and "elements per chunk, the arithmetic [" in d
+               for d in differ), differ[:3]
