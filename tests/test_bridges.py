@@ -49,6 +49,8 @@ def test_wrap_config_is_what_the_user_configured_with_overrides_on_top():
     assert merged == {"use_distributed_optimizer": False, "overlap_grad_reduce": False, "grad_reduce_in_fp32": False,
                       "overlap_param_gather": False, "average_in_collective": False, "bucket_size": 1000}
     assert ddp_config_dict(wrap) == ddp_config_dict(wrap, None) == ddp_config_dict(wrap, {}) != {}
+    assert "bucket_size" not in ddp_config_dict(wrap)  # megatron's default where the case sets none
+    assert ddp_config_dict(WrapConfig.from_options(CaseOptions(bucket_size=1_000_000)))["bucket_size"] == 1_000_000
 
 
 def test_wrap_config_dict_is_valid_ddp_config():
@@ -162,6 +164,17 @@ def test_the_bridges_train_with_the_cases_training_options(engine):
     other (step 1's grad norm 3% off, its learning rate 1e-3 where the warmup starts at 0)."""
     run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine=engine)
     assert run.passed, _failures(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [_installed(e) for e in BRIDGES])
+def test_the_bridges_reduce_gradients_in_the_cases_buckets(engine):
+    """A case's DDP bucket size reaches each bridge's DDP config: grad-sync plans 1M-element buckets (step-perf's
+    overlap cases set them). The bridges once built with megatron's 40M default, one bucket where mcore had five."""
+    run = run_suite("grad-sync", "small", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine=engine,
+                    options=CaseOptions(steps=1, overlap_grad_reduce=True, bucket_size=1_000_000))
+    planned = [c for c in run.checks if c.check == "grad-sync.plan"]
+    assert planned and all(c.passed for c in planned), _failures(run)
 
 
 @pytest.mark.slow

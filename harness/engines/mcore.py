@@ -15,6 +15,7 @@ from harness.engines.experts import EXPERT_RE, drop_routing_graphs, tp_coords
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
+from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.launch.context import RankContext
 from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
@@ -94,12 +95,7 @@ class McoreEngine(McoreCheckpoints):
         """DDP config from the options the user configured for the case."""
         from megatron.core.distributed import DistributedDataParallelConfig
 
-        o = self.case.options
-        return DistributedDataParallelConfig(
-            grad_reduce_in_fp32=o.grad_reduce_in_fp32, overlap_grad_reduce=o.overlap_grad_reduce,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-            **({"bucket_size": o.bucket_size} if o.bucket_size else {}),
-        )
+        return DistributedDataParallelConfig(**ddp_config_dict(WrapConfig.from_options(self.case.options)))
 
     def optimizer_config(self, use_distributed_optimizer: bool):
         from megatron.core.optimizer import OptimizerConfig
