@@ -130,6 +130,10 @@ def refusal(factory: Any, model: ModelSpec, layout: Layout) -> str | None:
 def buildable(cases: list[Case], factory: Any, engine: str) -> list[Case]:
     """The cases of a suite's default matrix that the engine can build (and those that read their outputs);
     DoesNotApply naming why when it can build none of its own."""
+    if engine != "mcore" and cases and not any(c.engine == engine for c in cases):
+        engines = sorted({c.engine for c in cases})
+        raise DoesNotApply(f"--engine {engine} runs no case of this selection (its cases are {' and '.join(engines)}'s"
+                           f" alone): run it with --engine {engines[0]}")
     refused = {c.id: why for c in cases if not c.skip and c.engine == engine
                and (why := refusal(factory, c.model, c.layout))}
     if not refused:

@@ -275,3 +275,25 @@ def test_only_the_first_cases_erring_alike_stop_a_run():
     assert broken_environment([_errored(i, "build", "x", "timeout") for i in range(3)]) == ""  # a hang is its own
     assert broken_environment([_errored(i, "build", "RuntimeError: CUDA driver too old") for i in range(3)]).endswith(
         "with RuntimeError: CUDA driver too old: fix what it names and run again")
+
+
+def test_an_engine_the_suite_plans_no_case_for_is_refused_not_run_as_another():
+    """A suite whose cases for --engine X are all another engine's (ckpt-memory on fsdp2 once ran megatron's
+    saves of an MoE model under fsdp2's name) is refused before any rank, naming the engine to run."""
+    from harness.driver import plan
+    from harness.errors import DoesNotApply
+    from harness.suite_defs import get_suite
+
+    class OnlyMcore:
+        def __init__(self, suite):
+            self._suite = suite
+
+        def __getattr__(self, name):
+            return getattr(self._suite, name)
+
+        def cases(self, *args, engine="mcore", **kwargs):
+            return self._suite.cases(*args, engine="mcore", **kwargs)
+
+    with pytest.raises(DoesNotApply, match=r"--engine mbridge runs no case of this selection \(its cases are mcore's "
+                                           r"alone\): run it with --engine mcore"):
+        plan(OnlyMcore(get_suite("equivalence")), "tiny", 2, None, engine="mbridge", backend="gloo")

@@ -8,6 +8,7 @@ from typing import Any
 from harness.checks import CheckResult
 from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import LabelsCheckpoints
+from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
@@ -55,6 +56,10 @@ class CkptMemorySuite:
         for lay in layouts:
             validate(lay, model, world_size)
         fsdp2 = is_fsdp2(engine)
+        if fsdp2 and model.moe:
+            raise DoesNotApply(f"--engine {engine} saves FSDP2 checkpoints of dense models only (torch's fully_shard "
+                               f"over DP), so ckpt-memory has no case of it for mixture-of-experts model {model.name}: "
+                               "run the model with --engine mcore, or a dense model here")
         mcore_engine, fsdp2_engine = ("mcore", engine) if fsdp2 else (engine, "fsdp2")
         memory = []
         for lay in layouts:
