@@ -726,3 +726,20 @@ def test_a_bisect_step_with_a_bad_case_is_bad_whatever_another_case_could_not_te
                    params=StepPerfParams(baselines_dir=str(tmp_path)))
     step = judge_run(run, "step_time_ms", Threshold("baseline+15%"))
     assert step.verdict == BAD and step.case == bad.case.id, step.why
+
+
+def test_the_fsdp2_path_steps_plain_dp_without_megatrons_ddp_options():
+    """FSDP2 has no distributed optimizer, overlap or buckets of megatron DDP's: one plain case per layout, and a
+    flag asking for them is refused before any rank (it once ran four identical cases labelled with them)."""
+    from harness.driver import plan
+    from harness.errors import DoesNotApply
+    from harness.spec import CaseOptions
+
+    [case] = plan("step-perf", "small", 4, None, engine="fsdp2", backend="gloo").cases
+    o = case.options
+    assert case.layout.id == "tp1-pp1-cp1-dp4" and not (o.use_distributed_optimizer or o.overlap_grad_reduce)
+    assert o.bucket_size is None
+    with pytest.raises(DoesNotApply, match="--engine fsdp2 shards with torch's fully_shard, which has no distributed "
+                                           "optimizer"):
+        plan("step-perf", "small", 4, None, engine="fsdp2", backend="gloo",
+             options=CaseOptions(use_distributed_optimizer=True))

@@ -70,3 +70,10 @@ def is_fsdp2(engine: str) -> bool:
 
     factory = resolve_factory(engine)
     return isinstance(factory, type) and issubclass(factory, FSDP2Engine)
+
+
+def baseline_suffix(engine: str) -> str:
+    """The part of a baseline entry's key that names the engine's own figures: "/fsdp2" for the fsdp2 path (another
+    trainer, with its own collectives, memory and trajectory); "" for megatron's paths (mcore and the bridges build
+    the same DDP and share one entry, so a bridge that builds otherwise fails against mcore's figures)."""
+    return "/fsdp2" if is_fsdp2(engine) else ""

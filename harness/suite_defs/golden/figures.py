@@ -66,10 +66,10 @@ def hands_out_moments(result: CaseResult) -> bool:
 def key(case: Case) -> str:
     """One trajectory per model, dtype, step count and learning-rate schedule: every layout is judged against it.
     The fsdp2 engine (torch Adam, no loss mask) trains another one, stored beside it."""
-    from harness.engines import is_fsdp2
+    from harness.engines import baseline_suffix
 
     o = case.options
-    engine = "/fsdp2" if is_fsdp2(case.engine) else ""
+    engine = baseline_suffix(case.engine)
     schedule = (f"/lr=warmup{o.lr_warmup_steps}-{o.lr_decay_style}{o.lr_decay_steps}-min{o.min_lr:g}"
                 if o.lr_decay_steps else "")
     return f"{case.model.name}/{o.dtype}/steps={o.steps}{schedule}{engine}"

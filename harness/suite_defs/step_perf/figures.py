@@ -115,10 +115,14 @@ def flops_used(result: CaseResult) -> tuple[list[int], str]:
 
 
 def key(case: Case) -> str:
-    """The case's entry in baselines/<platform>/step-perf.json (its dtype named where it is not fp32)."""
+    """The case's entry in baselines/<platform>/step-perf.json (its dtype named where it is not fp32, the fsdp2
+    path's own entry beside megatron's)."""
+    from harness.engines import baseline_suffix
+
     o = case.options
     return (f"{case.model.name}/{case.layout.id}/distopt={int(o.use_distributed_optimizer)}"
-            f",overlap={int(o.overlap_grad_reduce)}" + (f"/{o.dtype}" if o.dtype != "fp32" else ""))
+            f",overlap={int(o.overlap_grad_reduce)}" + (f"/{o.dtype}" if o.dtype != "fp32" else "")
+            + baseline_suffix(case.engine))
 
 
 def record_command(case: Case) -> str:

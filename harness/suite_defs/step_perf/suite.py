@@ -8,6 +8,8 @@ from typing import Any
 
 from harness.checks import CheckResult
 from harness.checks.timing import MIN_EFFECT, Comparison
+from harness.engines import is_fsdp2
+from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import expert_matrix, validate
@@ -45,6 +47,13 @@ class StepPerfSuite:
                 or [Layout(dp=world_size)]
         out = []
         option_sets = p.option_sets
+        fsdp2 = is_fsdp2(engine)
+        if fsdp2:  # megatron DDP's options (distributed optimizer, overlap, buckets) mean nothing to FSDP2
+            if options.use_distributed_optimizer or options.overlap_grad_reduce or p.option_sets:
+                raise DoesNotApply(f"--engine {engine} shards with torch's fully_shard, which has no distributed "
+                                   "optimizer, grad-reduce overlap or buckets of megatron DDP's: drop "
+                                   "--distributed-optimizer / --overlap-grad-reduce / the option sets")
+            option_sets = ((False, False),)
         if option_sets is None and (options.use_distributed_optimizer or options.overlap_grad_reduce):
             # --distributed-optimizer / --overlap-grad-reduce given: that option set only
             option_sets = ((options.use_distributed_optimizer, options.overlap_grad_reduce),)
@@ -54,7 +63,7 @@ class StepPerfSuite:
             for distopt, overlap in option_sets or OPTION_SETS:
                 if not explicit and option_sets is None and not pure_dp and not (distopt and overlap):
                     continue
-                bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == "gloo" else None)
+                bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == "gloo" and not fsdp2 else None)
                 opts = dataclasses.replace(options, steps=p.timed_steps, warmup_steps=p.warmup_steps,
                                            use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                                            bucket_size=bucket)

@@ -16,10 +16,13 @@ def phase_figures(rank: RankResult, backend: str) -> dict[str, int]:
 
 
 def key(case: Case) -> str:
-    """The case's entry in baselines/<platform>/train-memory.json."""
+    """The case's entry in baselines/<platform>/train-memory.json (the fsdp2 path's own entry beside megatron's)."""
+    from harness.engines import baseline_suffix
+
     o = case.options
     return (f"{case.model.name}/{case.layout.id}/{o.dtype}/mbs{case.micro_batch_size}/"
-            f"distopt={int(o.use_distributed_optimizer)}" + (f",recompute={o.recompute}" if o.recompute else ""))
+            f"distopt={int(o.use_distributed_optimizer)}" + (f",recompute={o.recompute}" if o.recompute else "")
+            + baseline_suffix(case.engine))
 
 
 def record_command(case: Case) -> str:
