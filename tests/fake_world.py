@@ -5,7 +5,8 @@ shard no weight.
 
 python -m tests.fake_world MODEL [MODEL ...] prints, as JSON, per model the layouts and builds it judged and
 every (layout, rank) whose built chunks hold other parameter sizes than the model spec's arithmetic
-(chunk_params), or whose gradient-sync plan from them differs from the arithmetic's (checks/sync_plan.py). Run as a subprocess: it activates the CPU layer and megatron's globals."""
+(chunk_params), or whose gradient-sync plan from them differs from the arithmetic's (checks/sync_plan.py).
+Run it as a subprocess: it activates the CPU layer and megatron's globals."""
 
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def fake_process_group_missing() -> str:
     return ""
 
 
+def arithmetic_sizes(case, rank: int) -> list[list[int]]:
+    """Per model chunk of the rank, the sorted sizes of its trained parameters by the spec's arithmetic: the dense
+    buffer's and the experts' (chunk_params)."""
+    from harness.checks.sync_plan import chunk_params
+    from harness.layouts import coords_of
+
+    m, lay, pp = case.model, case.layout, coords_of(case.layout, rank).pp
+    return [sorted(n for _, n, _ in chunk_params(m, lay, pp, vp) + chunk_params(m, lay, pp, vp, expert_buffer=True))
+            for vp in range(lay.vpp)]
+
+
 def judge(model_name: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -32,7 +44,7 @@ def judge(model_name: str) -> dict:
     from megatron.core.tensor_parallel import layers
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from harness.checks.sync_plan import chunk_params, plan
+    from harness.checks.sync_plan import plan
     from harness.engines.mcore import McoreEngine
     from harness.launch.context import RankContext
     from harness.layouts import coords_of, default_matrix
@@ -63,9 +75,7 @@ def judge(model_name: str) -> dict:
                                   for c in chunks]
                     parallel_state.destroy_model_parallel()
                     dist.destroy_process_group()
-                c = coords_of(lay, rank)
-                arithmetic = [sorted(n for _, n, _ in chunk_params(spec, lay, c.pp, vp)
-                                     + chunk_params(spec, lay, c.pp, vp, expert_buffer=True)) for vp in range(lay.vpp)]
+                arithmetic = arithmetic_sizes(case, rank)
                 if [sorted(n for _, n in chunk) for chunk in built[key]] != arithmetic:
                     differ.append(f"{lay.id} rank {rank}: built {[sum(n for _, n in ch) for ch in built[key]]} "
                                   f"elements per chunk, the arithmetic {[sum(ch) for ch in arithmetic]}")

@@ -13,10 +13,10 @@ import pytest
 
 from harness.checks.sync_plan import chunk_params, plan
 from harness.launch.pool import pool_for
-from harness.layouts import coords_of, default_matrix
+from harness.layouts import default_matrix
 from harness.models import known_models, load_model
 from harness.spec import Case, CaseOptions, Layout
-from tests.fake_world import MAX_WORLD, fake_process_group_missing
+from tests.fake_world import MAX_WORLD, arithmetic_sizes, fake_process_group_missing
 
 CPU_MODELS = ("tiny", "small", "tiny-moe", "small-moe", "tiny-qwen3-moe")
 
@@ -35,16 +35,6 @@ class BuildOnly:
         return {"chunks": engine.grad_buffer_params()}
 
 
-def _arithmetic(case: Case, rank: int) -> list[list[tuple[int, bool, bool]]]:
-    c, lay = coords_of(case.layout, rank), case.layout
-    out = []
-    for vp in range(lay.vpp):
-        dense = [(n, s, False) for _, n, s in chunk_params(case.model, lay, c.pp, vp)]
-        experts = [(n, s, True) for _, n, s in chunk_params(case.model, lay, c.pp, vp, expert_buffer=True)]
-        out.append(dense + experts)
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("model", CPU_MODELS)
@@ -58,7 +48,7 @@ def test_the_spec_arithmetic_counts_what_megatron_builds(model, world):
         for r in res.ranks:
             built = r.data["chunks"]
             got = [sorted(n for _, n in chunk) for chunk in built]
-            want = [sorted(n for n, _, _ in chunk) for chunk in _arithmetic(case, r.rank)]
+            want = arithmetic_sizes(case, r.rank)
             if got != want:
                 names = [name for chunk in built for name, _ in chunk]
                 mismatches.append(f"{lay} rank {r.rank}: built {sum(map(sum, got))} elements in "

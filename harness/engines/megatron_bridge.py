@@ -54,31 +54,28 @@ _CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout
 # Engine's grouped GEMM builds) is known wrong beyond pure DP and PP (docs/moe.md): its adapter export gathers
 # expert adapters over TP and PP, not EP, and at ETP 2 its expert fc2 adapters compute a wrong delta
 # (Megatron-Bridge #5634). A newer bridge is judged at every layout.
-EXPERT_LORA_WRONG_UP_TO = (0, 3, 1)
-
-
-def _bridge_version() -> tuple[int, ...] | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return tuple(int(x) for x in version("megatron-bridge").split(".")[:3])
-    except (PackageNotFoundError, ValueError):
-        return None
+EXPERT_LORA_WRONG_UP_TO = "0.3.1"
 
 
 def adapter_refusal(model: ModelSpec, layout: Layout, backend: str) -> str | None:
     """Why this bridge's expert adapters cannot be exported or loaded right at the layout; None where they can."""
     if not model.moe or (layout.ep == 1 and layout.expert_tp == 1) or grouped_experts(on_cpu=backend == "gloo"):
         return None
-    found = _bridge_version()
-    if found is None or found > EXPERT_LORA_WRONG_UP_TO:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        found = version("megatron-bridge")
+    except PackageNotFoundError:
         return None
-    pinned = ".".join(map(str, found))
-    return (f"layout {layout.id}: megatron-bridge {pinned}'s LoRA on SequentialMLP experts (built here: grouped GEMM "
+    if Version(found) > Version(EXPERT_LORA_WRONG_UP_TO):
+        return None
+    return (f"layout {layout.id}: megatron-bridge {found}'s LoRA on SequentialMLP experts (built here: grouped GEMM "
             "needs Transformer Engine on NCCL ranks) exports EP rank 0's expert adapters only, and computes a wrong "
             "expert fc2 delta at ETP 2 (Megatron-Bridge #5634); run the adapters at EP 1 and ETP 1 (pure DP or PP), "
-            "on GPU ranks with Transformer Engine, or with a megatron-bridge newer than "
-            f"{'.'.join(map(str, EXPERT_LORA_WRONG_UP_TO))} (docs/moe.md)")
+            f"on GPU ranks with Transformer Engine, or with a megatron-bridge newer than {EXPERT_LORA_WRONG_UP_TO} "
+            "(docs/moe.md)")
 
 
 class MegatronBridgeEngine(McoreEngine):
