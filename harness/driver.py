@@ -29,6 +29,7 @@ from harness.suite_defs import (
     MOE_SUITES,
     Baselined,
     FreshRanks,
+    FreshRanksPerCase,
     Parameterised,
     Suite,
     baselines_dir_of,
@@ -193,6 +194,7 @@ def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fre
         # the suite's timings must not depend on what other suites left in the warm ranks (its own
         # earlier runs - baseline repeats, compare rounds - keep them warm)
         retire_pools_used_by_others(suite.name)
+    per_case = fresh_ranks or (isinstance(suite, FreshRanksPerCase) and suite.fresh_ranks_per_case)
     run_dir = new_run_dir()
     cases = with_outputs(cases, run_dir, suite)
     order = run_order(cases, shuffle_seed)
@@ -207,7 +209,7 @@ def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fre
             if case.skip:
                 result = CaseResult(case, [], CaseStatus.SKIPPED, error=case.skip, fresh_ranks=False)
             else:
-                result = run_case(case) if fresh_ranks else pool_for(case.layout.world_size, case.backend).run(case)
+                result = run_case(case) if per_case else pool_for(case.layout.world_size, case.backend).run(case)
             results[idx] = run.describe(result)
             warm = "" if result.fresh_ranks or case.skip else " (warm ranks)"
             why = f": {result.error.splitlines()[0]}" if result.skipped and result.error else ""

@@ -180,3 +180,17 @@ def test_a_timing_or_memory_suite_gets_ranks_that_ran_no_other_suite(monkeypatch
     pool_mod.retire_pools_used_by_others(suite)
     assert closed == [4] and other.retired == [f"ran peft-ckpt before {suite}"]
     assert pool_mod.pool_for(2, "gloo") is own and pool_mod.pool_for(4, "gloo") is not other
+
+
+@pytest.mark.slow
+def test_a_suite_whose_figures_a_ranks_history_moves_gets_fresh_ranks_for_every_case():
+    """ckpt-memory's save peaks moved with the cases a warm rank had run (harness/suite_defs/ckpt_memory/suite.py):
+    such a suite's every case runs on ranks of its own; others keep their warm ranks."""
+    from harness.suite_defs import FreshRanksPerCase, get_suite
+
+    assert isinstance(get_suite("ckpt-memory"), FreshRanksPerCase)
+    per_case = run_suite("tests.toy_suite:ToySuiteRanksPerCase", "tiny", 2, backend="gloo")
+    warm = run_suite("tests.toy_suite:ToySuite", "tiny", 2, backend="gloo")
+    assert per_case.passed and warm.passed
+    assert [r.fresh_ranks for r in per_case.results] == [True, True]
+    assert [r.fresh_ranks for r in warm.results][1:] == [False]

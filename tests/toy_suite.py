@@ -70,3 +70,9 @@ class ToySuite:
                                    f"all-reduced sum {got:g} {'==' if ok else '!='} {expected:g} (error {err:g})",
                                    value=err))
         return out
+
+
+class ToySuiteRanksPerCase(ToySuite):
+    """The toy suite on ranks forked for each case (harness.suite_defs.FreshRanksPerCase)."""
+
+    fresh_ranks_per_case = True

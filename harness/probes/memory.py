@@ -14,6 +14,7 @@ reason) instead of reading as 0 bytes: no capture, an unreadable capture, a samp
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import os
 import threading
@@ -146,7 +147,12 @@ class _Sampler(threading.Thread):
 
 @contextlib.contextmanager
 def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, device: bool = False):
-    """Measure the enclosed phase; yields the MemoryPeak, filled in on exit."""
+    """Measure the enclosed phase; yields the MemoryPeak, filled in on exit.
+
+    A full collection first: what a reference cycle of an earlier phase holds is not freed inside this one,
+    and the collector's generation counts start at zero, so a collection inside the phase (which frees the
+    phase's own cyclic garbage and lowers its peak) comes at the same allocation whatever the rank ran before."""
+    gc.collect()
     peak = MemoryPeak(phase)
     capture = capture_dir / f"memray-{phase}-rank{rank}.bin"
     for old in glob.glob(f"{capture}*"):

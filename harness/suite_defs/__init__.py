@@ -171,6 +171,14 @@ class FreshRanks(Protocol):
 
 
 @runtime_checkable
+class FreshRanksPerCase(Protocol):
+    """A suite whose figures a rank's own earlier cases move (ckpt-memory): each case runs on ranks forked for it
+    from the fork server, as with --fresh-ranks, so a figure does not depend on what ran before it."""
+
+    fresh_ranks_per_case: bool
+
+
+@runtime_checkable
 class WithBaselinesDir(Protocol):
     """Suite parameters that name the baselines directory (None: the repository's baselines/)."""
 
