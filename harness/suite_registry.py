@@ -18,6 +18,7 @@ SUITES = {
     "peft-ckpt": "harness.suite_defs.peft_ckpt:PeftCkptSuite",
     "train-memory": "harness.suite_defs.train_memory:TrainMemorySuite",
     "golden": "harness.suite_defs.golden:GoldenSuite",
+    "batch-split": "harness.suite_defs.batch_split:BatchSplitSuite",
 }
 
 

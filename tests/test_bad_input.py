@@ -16,6 +16,12 @@ CASES = [
     (["run", "--suite", "peft-ckpt", "--engine", "fsdp2"],
      "engine 'fsdp2' has no export_peft_adapter(path): the peft-ckpt suite needs an engine that trains LoRA adapters"),
     (["run", "--suite", "equivalence", "--model", "gpt5"], "unknown model 'gpt5'; known models: tiny"),
+    (["run", "--suite", "batch-split", "--cut", "mbs3"], "cut mbs3: a DP rank's 4 samples (global batch 16 over DP 4) "
+                                                         "do not split into micro-batches of 3"),
+    (["run", "--suite", "batch-split", "--cut", "tokens"], "cut 'tokens': give mbs<N>"),
+    (["run", "--suite", "batch-split", "--loss-agg", "mean"], "loss aggregation 'mean': choose one of token-mean"),
+    (["run", "--suite", "batch-split", "--micro-batch-size", "2"], "batch-split cuts the batch itself: give --cut"),
+    (["run", "--suite", "batch-split", "--model", "tiny-moe"], "the batch-split suite does not judge mixture-of-experts"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
     (["run", "--suite", "peft-ckpt", "--model", "tiny-moe"],
      "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE, which needs "
@@ -140,7 +146,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 82  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 87  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import argparse
 
 from harness.selection import DEFAULT_WORLD_SIZE, OPTION_DEFAULTS
 from harness.suite_defs.flags import param_flags
+from harness.suite_registry import SUITES
 
 
 def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_required: bool = True) -> None:
@@ -16,9 +17,7 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
         p.add_argument("--suite", default="step-perf", help="step-perf (the suite whose step times are compared)")
         p.add_argument("--engine", action="append", help="A then B (twice), or the engine of both sides (once)")
     else:
-        p.add_argument("--suite", required=suite_required,
-                       help="equivalence, grad-sync, ckpt-memory, dynamic-cp, step-perf, peft-ckpt, train-memory, "
-                            "golden, or package.module:Suite")
+        p.add_argument("--suite", required=suite_required, help=f"{', '.join(SUITES)}, or package.module:Suite")
     p.add_argument("--model", default=None, help="model spec (default: the suite's CPU model, tiny or small)")
     p.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, help="ranks per case (default 4)")
     p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:  # planning and judging import no torch; ranks do
     import torch
 
+    from harness.engines.rl_batch import RLBatch
     from harness.spec import Layout, ModelSpec
 
 
@@ -93,6 +94,16 @@ class HasGradBuffers(Protocol):
     train, as (name, local numel): its gradient buffers must hold them, and grad-sync plans the buffers from them."""
 
     def grad_buffer_params(self) -> list[list[tuple[str, int]]]: ...
+
+
+@runtime_checkable
+class TrainsRLBatches(Protocol):
+    """Steps on RL batches cut the way a framework cuts them (batch-split): McoreEngine and its subclasses
+    (harness/engines/rl_steps.py has the parts a framework's own aggregation overrides)."""
+
+    def train_rl_batch(self, batch: RLBatch, microbatches: list[list[int]], mode: str) -> StepOutput: ...
+
+    def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]: ...
 
 
 @runtime_checkable

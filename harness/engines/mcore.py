@@ -15,6 +15,7 @@ from harness.engines.experts import EXPERT_RE, drop_routing_graphs, tp_coords
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
+from harness.engines.rl_steps import RLSteps
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.launch.context import RankContext
 from harness.platform.parallel import init_parallel_state
@@ -76,7 +77,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1\.weight$")
 
 
-class McoreEngine(McoreCheckpoints):
+class McoreEngine(McoreCheckpoints, RLSteps):
     """megatron-core directly: the reference construction path."""
 
     def __init__(self, case: Case, ctx: RankContext):
@@ -266,15 +267,16 @@ class McoreEngine(McoreCheckpoints):
         dev = self.ctx.device
         output = model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
         mask = mb["loss_mask"].to(dev) if "loss_mask" in mb else None
+        loss = mb.get("loss_fn") or functools.partial(self.loss_func, loss_mask=mask)  # an RL step's own (rl_steps)
         if self._captured is not None and "samples" in mb:
-            return output, functools.partial(self._capture_then_loss, mb, mask)
-        return output, functools.partial(self.loss_func, loss_mask=mask)
+            return output, functools.partial(self._capture_then_loss, mb, loss)
+        return output, loss
 
-    def _capture_then_loss(self, mb, mask, output_tensor):
-        """Keep the micro-batch's per-token log-probs (minus the per-token loss), then megatron's loss."""
+    def _capture_then_loss(self, mb, loss, output_tensor):
+        """Keep the micro-batch's per-token log-probs (minus the per-token loss), then the loss."""
         self._captured.append(TokenLogprobs(mb["samples"], mb["positions"],
                                             -output_tensor.detach().float().cpu().reshape(len(mb["samples"]), -1)))
-        return self.loss_func(output_tensor, loss_mask=mask)
+        return loss(output_tensor)
 
     @staticmethod
     def loss_func(output_tensor, loss_mask=None):
@@ -301,14 +303,29 @@ class McoreEngine(McoreCheckpoints):
     def _run_batch(self, step: int, forward_only: bool, capture: bool) -> StepOutput:
         import torch
         from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        dp_rank, cp = ps.get_data_parallel_rank(), self.case.layout.cp
+        dp_rank = ps.get_data_parallel_rank()
         mbs = data.microbatches(self.case, step, dp_rank)
-        if cp > 1:
+        if self.case.layout.cp > 1:
             from megatron.core.utils import get_batch_on_this_cp_rank
 
             mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
+        firsts = [data.first_sample(self.case, dp_rank, i) for i in range(len(mbs))]
+        return self.run_microbatches(mbs, [torch.arange(f, f + mb["tokens"].shape[0]) for f, mb in zip(firsts, mbs)],
+                                     forward_only, capture)
+
+    def run_microbatches(self, mbs: list[dict], samples: list, forward_only: bool, capture: bool,
+                         loss_fns: list | None = None) -> StepOutput:
+        """One forward(-backward) over this rank's micro-batches (already split over CP; `samples`: each one's
+        sample indices in the global batch), then the optimizer's step unless forward only. `loss_fns`: each
+        micro-batch's own loss function (default: the per-token loss over its loss mask)."""
+        import torch
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cp = self.case.layout.cp
+        for i, fn in enumerate(loss_fns or []):
+            mbs[i]["loss_fn"] = fn
         self._captured = [] if capture else None
         if self._captured is not None:
             # Where each local token sits in the global batch, by the harness's own arithmetic (DP slice,
@@ -316,10 +333,8 @@ class McoreEngine(McoreCheckpoints):
             # the split: get_batch_on_this_cp_rank slices every key it is given.
             seq = self.case.model.seq_length
             positions = zigzag_positions(seq, cp, ps.get_context_parallel_rank()) if cp > 1 else torch.arange(seq)
-            for i, mb in enumerate(mbs):
-                first = data.first_sample(self.case, dp_rank, i)
-                mb["samples"] = torch.arange(first, first + mb["tokens"].shape[0])
-                mb["positions"] = positions
+            for mb, ids in zip(mbs, samples):
+                mb["samples"], mb["positions"] = ids, positions
         iters = [iter(mbs) for _ in self.models]
         if not forward_only:
             for m in self.models:
@@ -331,7 +346,7 @@ class McoreEngine(McoreCheckpoints):
                 data_iterator=iters if len(iters) > 1 else iters[0],
                 model=self.models if len(self.models) > 1 else self.models[0],
                 num_microbatches=len(mbs), seq_length=self.case.model.seq_length,
-                micro_batch_size=self.case.micro_batch_size, forward_only=forward_only,
+                micro_batch_size=max(int(mb["tokens"].shape[0]) for mb in mbs), forward_only=forward_only,
             )
         if self.config.num_moe_experts:
             drop_routing_graphs(self.models)

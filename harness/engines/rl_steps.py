@@ -1,0 +1,109 @@
+"""Steps on RL batches as RL frameworks run them through megatron (McoreEngine's; the batch-split suite).
+
+The framework's part, each a method a user engine overrides to have its own code judged:
+- `batch_totals`: the global batch's normalisers, all-reduced from what this rank holds (tokens over DP x CP, samples
+  over DP), before the step;
+- `sample_token_counts`: each local sample's valid tokens over the whole sequence (summed over CP);
+- `aggregate_loss`: a micro-batch's share of the global loss in the case's mode (`harness/engines/loss_agg.py`);
+- `to_schedule`: that share as handed to megatron's schedule, which divides a loss by the number of micro-batches
+  (the 2-tuple return) and whose DDP averages gradients over DP x CP after multiplying by CP: x micro-batches x DP.
+The step reports the shares' sum as its loss (`StepOutput.loss_sum`: summed over the last-stage ranks of TP rank 0,
+the global batch's loss) and the valid tokens as `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from harness.engines.base import StepOutput, TokenLogprobs
+from harness.engines.loss_agg import BatchTotals, MicroBatchLoss, aggregate
+from harness.engines.rl_batch import RLBatch, microbatch_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RLSteps:
+    """Mixin of McoreEngine: `train_rl_batch` and `rl_logprobs` (the `TrainsRLBatches` protocol)."""
+
+    case: Any
+    config: Any
+
+    def run_microbatches(self, mbs: list[dict], samples: list, forward_only: bool, capture: bool,
+                         loss_fns: list | None = None) -> StepOutput:
+        raise NotImplementedError  # McoreEngine's
+
+    # -- the framework's part -----------------------------------------------------------------
+    def batch_totals(self, local_masks: list[torch.Tensor], local_counts: list[torch.Tensor]) -> BatchTotals:
+        """The global batch's totals from this rank's micro-batches (masks of its CP part, per-sample counts)."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        tokens = torch.tensor([float(sum(m.sum() for m in local_masks))], dtype=torch.float64)
+        dist.all_reduce(tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
+        counts = torch.cat(local_counts) if local_counts else torch.zeros(0)
+        samples = torch.tensor([float(counts.numel()), float((counts > 0).sum())], dtype=torch.float64)
+        dist.all_reduce(samples, group=ps.get_data_parallel_group())
+        return BatchTotals(int(tokens[0]), int(samples[0]), int(samples[1]))
+
+    def sample_token_counts(self, local_mask: torch.Tensor) -> torch.Tensor:
+        """[n] each sample's valid tokens over the whole sequence: this CP rank's counts summed over CP."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        counts = local_mask.sum(dim=1).to(torch.float64)
+        if ps.get_context_parallel_world_size() > 1:
+            dist.all_reduce(counts, group=ps.get_context_parallel_group())
+        return counts.round().to(torch.int64)
+
+    def aggregate_loss(self, inputs: MicroBatchLoss) -> torch.Tensor:
+        """A micro-batch's share of the global batch's loss (override to plug in a framework's own aggregation)."""
+        return aggregate(inputs)
+
+    def to_schedule(self, share: torch.Tensor, num_microbatches: int) -> torch.Tensor:
+        """The share as megatron's schedule takes a 2-tuple loss: it multiplies by CP, divides by the number of
+        micro-batches, and DDP averages the gradients over DP x CP, so the gradient is the share's."""
+        from megatron.core import parallel_state as ps
+
+        return share * num_microbatches * ps.get_data_parallel_world_size()
+
+    # -- the steps ------------------------------------------------------------------------------
+    def train_rl_batch(self, batch: RLBatch, microbatches: list[list[int]], mode: str) -> StepOutput:
+        """One training step on this DP rank's micro-batches (sample indices into the global batch)."""
+        mbs, samples, fns = self._rl_inputs(batch, microbatches, mode)
+        return self.run_microbatches(mbs, samples, forward_only=False, capture=False, loss_fns=fns)
+
+    def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]:
+        """Forward only, no gradient (as a framework's compute_log_prob): every token's log-prob."""
+        mbs, samples, fns = self._rl_inputs(batch, microbatches, "token-sum")
+        return self.run_microbatches(mbs, samples, forward_only=True, capture=True, loss_fns=fns).token_logprobs or []
+
+    def _rl_inputs(self, batch: RLBatch, microbatches: list[list[int]], mode: str):
+        import torch
+        from megatron.core import parallel_state as ps
+
+        seq, cp = self.case.model.seq_length, ps.get_context_parallel_world_size()
+        if self.case.layout.pp > 1:
+            self.config.variable_seq_lengths = True  # micro-batches of different sizes pass between stages
+        mbs = [microbatch_tensors(batch, group, seq) for group in microbatches]
+        if cp > 1:
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
+        counts = [self.sample_token_counts(mb["loss_mask"]) for mb in mbs]
+        totals = self.batch_totals([mb["loss_mask"] for mb in mbs], counts)
+        n = len(mbs)
+        fns = [functools.partial(self._rl_loss, mode, mb["loss_mask"], c, totals, n) for mb, c in zip(mbs, counts)]
+        return mbs, [torch.tensor(group) for group in microbatches], fns
+
+    def _rl_loss(self, mode: str, mask, counts, totals: BatchTotals, num_microbatches: int, output_tensor):
+        import torch
+
+        dev = output_tensor.device
+        token_loss = output_tensor.float().reshape(mask.shape)
+        share = self.aggregate_loss(MicroBatchLoss(mode, token_loss, mask.to(dev).float(), counts.to(dev), totals))
+        reported = torch.stack([share.detach().float(), mask.sum().float().to(dev)])
+        return self.to_schedule(share, num_microbatches), {"lm loss": reported}

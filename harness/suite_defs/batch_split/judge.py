@@ -1,0 +1,177 @@
+"""batch-split's checks: every case against its mode's reference (the global batch as one micro-batch on one rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harness.checks import CheckResult, case_failed
+from harness.checks.numeric import beyond, fmt_err, severity, within
+from harness.checks.step_outputs import LogprobDiff, TrainedRankData, coverage_problem, first_step_logprobs, trained
+from harness.checks.tensors import assemble, rel_error
+from harness.dtypes import dtype
+from harness.engines.base import StepOutput
+from harness.launch.results import CaseResult
+
+REFERENCE = "one micro-batch on one rank"
+
+
+@dataclass(frozen=True)
+class BatchSplitRankData(TrainedRankData):
+    """A rank's steps and parameters (TrainedRankData), its forward-only log-prob pass of the first step's batch, and
+    its DP rank's micro-batches of that batch (sample indices), for messages."""
+
+    logprob_pass: list[StepOutput] = field(default_factory=list)
+    microbatches: list[list[int]] = field(default_factory=list)
+
+
+def data(result: CaseResult) -> list[BatchSplitRankData]:
+    return [r.payload_as(BatchSplitRankData) for r in result.ranks]
+
+
+def step_figures(result: CaseResult) -> dict[str, list[float]]:
+    """Per step: the global batch's loss (the last-stage, TP-rank-0 ranks' shares summed), the gradient norm and the
+    zero gradient elements (what the optimizer reported on rank 0)."""
+    ranks = data(result)
+    losses: dict[int, float] = {}
+    for d in ranks:
+        if d.coords.get("last_stage") and d.coords.get("tp") == 0:
+            for i, out in enumerate(d.steps):
+                if out.loss_sum is not None:
+                    losses[i] = losses.get(i, 0.0) + out.loss_sum
+    first = ranks[0].steps if ranks else []
+    return {"loss": [losses[i] for i in sorted(losses)],
+            "grad norm": [float("nan") if o.grad_norm is None else o.grad_norm for o in first],
+            "zero grads": [float("nan") if o.num_zeros is None else float(o.num_zeros) for o in first]}
+
+
+def where(result: CaseResult) -> str:
+    """'token-mean, cut tokens96 at tp1-pp1-cp2-dp2 (micro-batches of 2-5 samples)'."""
+    p = result.case.params
+    sizes = sorted({len(m) for m in data(result)[0].microbatches}) if result.ok and result.ranks else []
+    shape = "" if not sizes else f" (micro-batches of {sizes[0]}{'' if len(sizes) == 1 else f'-{sizes[-1]}'} " \
+        f"sample{'s' if sizes[-1] > 1 else ''})"
+    return f"{p.mode}, cut {p.cut} at {result.case.layout.id}{shape}"
+
+
+def judge(results: list[CaseResult]) -> list[CheckResult]:
+    """Each mode's cases against its reference: loss, gradient norm, zero gradients, parameters, log-probs."""
+    refs = {r.case.params.mode: r for r in results if is_reference(r)}
+    out: list[CheckResult] = []
+    for res in results:
+        if not res.ok:
+            out.append(case_failed("batch-split.run", res))
+            continue
+        out.append(_aggregation(res))
+        if is_reference(res):
+            continue
+        ref = refs.get(res.case.params.mode)
+        if ref is None or not ref.ok:
+            out.append(CheckResult("batch-split.loss", res.case.id, False,
+                                   f"{where(res)}: its reference ({REFERENCE}) did not run"))
+            continue
+        rtol = dtype(res.case.options.dtype).rtol
+        got, want = step_figures(res), step_figures(ref)
+        for figure, check in (("loss", "loss"), ("grad norm", "grad_norm"), ("zero grads", "num_zeros")):
+            out.append(_steps(res, figure, check, got[figure], want[figure], 0.0 if check == "num_zeros" else rtol))
+        out.append(_params(res, ref, rtol))
+        out.append(_logprobs(res, ref, rtol))
+    return out
+
+
+def is_reference(result: CaseResult) -> bool:
+    return result.case.layout.world_size == 1 and result.case.params.cut == f"mbs{result.case.global_batch_size}"
+
+
+def _steps(res: CaseResult, figure: str, check: str, got: list[float], want: list[float], tol: float) -> CheckResult:
+    cid, name = res.case.id, f"batch-split.{check}"
+    if len(got) != len(want) or not got:
+        return CheckResult(name, cid, False, f"{where(res)}: the {figure} of {len(got)} steps, the reference's of "
+                                             f"{len(want)}")
+    errs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(got, want)]
+    worst = max(range(len(errs)), key=lambda i: severity(errs[i]))
+    ok = within(errs[worst], tol)
+    rows = [f"  step {i}: {a:.8g} vs {b:.8g}  rel {fmt_err(e)}" for i, (a, b, e) in enumerate(zip(got, want, errs))]
+    kind = "exactly" if tol == 0 else f"rel {'<=' if ok else '>'} {tol:.0e}"
+    msg = (f"{where(res)}: {figure} of step {worst} {got[worst]:.8g} vs {want[worst]:.8g} ({REFERENCE}), "
+           f"rel diff {fmt_err(errs[worst])}" + ("" if ok else f", {kind}"))
+    if ok:
+        msg = f"{where(res)}: {figure} of {len(got)} steps equal the reference's, worst rel {fmt_err(errs[worst])}"
+    return CheckResult(name, cid, ok, msg, rows, value=errs[worst])
+
+
+def _aggregation(res: CaseResult) -> CheckResult:
+    """The first step's loss against the mode's formula (harness/engines/loss_agg.py) over the forward-only pass's
+    log-probs of the same batch on the same weights, with the response masks of the harness's own batch: an engine
+    whose aggregation is wrong alike at every cut (the reference's too) passes the comparisons and fails here."""
+    from harness.engines.loss_agg import reference_loss
+    from harness.engines.rl_batch import rl_batch
+
+    cid, case = res.case.id, res.case
+    got = first_step_logprobs(res, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
+    losses = step_figures(res)["loss"]
+    if got is None or not losses:
+        return CheckResult("batch-split.aggregation", cid, False,
+                           f"{where(res)}: no first-step loss or forward-only log-probs to judge the aggregation by")
+    values, counts = got
+    if bool((counts != 1).any()):
+        return CheckResult("batch-split.aggregation", cid, False,
+                           f"{where(res)}: forward-only log-probs: {coverage_problem(counts)}")
+    batch, seq = rl_batch(case.model, case.global_batch_size, case.options.seed, 0), case.model.seq_length
+    import torch
+
+    mask = torch.stack([batch.response_mask(i, seq) for i in range(batch.size)]).double()
+    want = reference_loss(case.params.mode, -values.double(), mask)
+    err = abs(losses[0] - want) / abs(want) if want else abs(losses[0])
+    rtol = dtype(case.options.dtype).rtol
+    ok = within(err, rtol)
+    return CheckResult("batch-split.aggregation", cid, ok,
+                       f"{where(res)}: step-0 loss {losses[0]:.8g} {'equals' if ok else 'is not'} the "
+                       f"{case.params.mode} of its forward-only log-probs over the response masks, {want:.8g} "
+                       f"(rel {fmt_err(err)} {'<=' if ok else '>'} {rtol:.0e})", value=err)
+
+
+def _params(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
+    cid = res.case.id
+    full = assemble([trained(r).params for r in res.ranks]).tensors
+    want = assemble([trained(r).params for r in ref.ranks]).tensors
+    if set(full) != set(want):
+        return CheckResult("batch-split.params", cid, False,
+                           f"{where(res)}: parameter names differ from the reference's: "
+                           f"{sorted(set(full) ^ set(want))[:5]}")
+    errs = {n: rel_error(full[n], want[n]) for n in want}
+    bad = sorted((n for n in errs if beyond(errs[n], rtol)), key=lambda n: -severity(errs[n]))
+    worst = max(errs, key=lambda n: severity(errs[n]))
+    steps = res.case.options.steps
+    if not bad:
+        return CheckResult("batch-split.params", cid, True,
+                           f"{where(res)}: {len(errs)} params after {steps} steps equal the reference's; worst {worst} "
+                           f"rel {fmt_err(errs[worst])} <= {rtol:.0e}", value=errs[worst])
+    return CheckResult("batch-split.params", cid, False,
+                       f"{where(res)}: {len(bad)}/{len(errs)} params after {steps} steps differ from {REFERENCE}; "
+                       f"worst {bad[0]}: rel {fmt_err(errs[bad[0]])} > {rtol:.0e}",
+                       [f"  {n}: rel {fmt_err(errs[n])}" for n in bad], value=errs[bad[0]])
+
+
+def _logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
+    """The forward-only pass (no gradient, the case's own cut) against the reference's, token by token."""
+    cid = res.case.id
+    got = first_step_logprobs(res, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
+    want = first_step_logprobs(ref, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
+    if got is None or want is None:
+        return CheckResult("batch-split.logprobs", cid, False,
+                           f"{where(res)}: the forward-only pass captured no per-token log-probs")
+    (values, counts), (ref_values, _) = got, want
+    coverage = coverage_problem(counts)
+    if coverage:
+        return CheckResult("batch-split.logprobs", cid, False, f"{where(res)}: forward-only log-probs: {coverage}")
+    diff = LogprobDiff.of(values, ref_values, rtol)
+    exact = int((values == ref_values).sum())
+    if not diff.bad.any():
+        return CheckResult("batch-split.logprobs", cid, True,
+                           f"{where(res)}: forward-only log-probs of {values.numel()} tokens equal the reference's "
+                           f"({exact} bit for bit), worst rel {fmt_err(diff.worst)} <= {rtol:.0e}", value=diff.worst)
+    first = diff.first_sample
+    return CheckResult("batch-split.logprobs", cid, False,
+                       f"{where(res)}: forward-only log-probs differ from {REFERENCE} at {int(diff.bad.sum())}/"
+                       f"{values.numel()} tokens (worst rel {fmt_err(diff.worst)} > {rtol:.0e}); first: sample "
+                       f"{first}, positions {diff.positions(first)}", value=diff.worst)

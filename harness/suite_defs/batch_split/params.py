@@ -1,0 +1,55 @@
+"""batch-split's parameters, its per-case parameters and its default matrix."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from harness.engines.loss_agg import MODES, check_mode
+from harness.engines.rl_batch import Cut
+from harness.suite_defs.flags import flag
+
+SUITE = "batch-split"
+STEPS = 3
+GLOBAL_BATCH = 16  # 4 samples per DP rank at DP 4: micro-batches of 1, 2 and 4 samples
+# A token budget that cuts `tiny`'s batches (prompt + valid response: 8-72 tokens per sample) into 2-5 micro-batches
+# of 1-5 samples per DP rank at DP 2, and 1-2 at DP 4.
+TOKEN_BUDGET = 96
+DYNAMIC = f"tokens{TOKEN_BUDGET}"
+
+# Per mode, the (layout, cut) pairs of the default matrix: every mode through a dynamic cut and a static one, at CP 2
+# (where a token count must be summed over CP) and at PP 2 (where the schedule needs as many micro-batches as stages,
+# of different sizes passed between them); token-mean, the mode most frameworks default to, also over pure DP with
+# one sample per micro-batch and dynamically. Layouts: "dp" is pure DP over the world size, "cp2" and "pp2" that
+# with the rest of the ranks as DP.
+MATRIX = {
+    "token-mean": (("dp", "mbs1"), ("cp2", DYNAMIC), ("pp2", "mbs4"), ("dp", DYNAMIC)),
+    "seq-mean-token-mean": (("cp2", DYNAMIC), ("pp2", "mbs2")),
+    "seq-mean-token-sum": (("cp2", "mbs2"), ("pp2", DYNAMIC)),
+    "token-sum": (("pp2", DYNAMIC), ("cp2", "mbs4")),
+}
+
+
+@dataclass(frozen=True)
+class BatchSplitParams:
+    """The suite's parameters: the loss aggregation modes and the cuts (none: the default matrix's)."""
+
+    modes: tuple[str, ...] = dataclasses.field(default=MODES, metadata=flag(
+        "--loss-agg", f"batch-split: the loss aggregation modes judged (repeatable; default all: {', '.join(MODES)})"))
+    cuts: tuple[str, ...] = dataclasses.field(default=(), metadata=flag(
+        "--cut", "batch-split: cut every layout's batch this way (repeatable): mbs<N> samples per micro-batch, or "
+                 "tokens<B> dynamic micro-batches of at most B valid tokens (default: the suite's matrix)"))
+
+    def __post_init__(self) -> None:
+        for mode in self.modes:
+            check_mode(mode)
+        for cut in self.cuts:
+            Cut.parse(cut)
+
+
+@dataclass(frozen=True)
+class BatchSplitCaseParams:
+    """A case's own: its loss aggregation mode and cut; the reference runs the global batch as one micro-batch."""
+
+    mode: str = "token-mean"
+    cut: str = "mbs1"

@@ -1,0 +1,110 @@
+"""The batch-split suite: its cases (per mode, a reference and the cuts x layouts) and the rank work."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from harness.checks import CheckResult
+from harness.engines import make_engine
+from harness.engines.base import TrainsRLBatches
+from harness.engines.rl_batch import Cut, check_cut, microbatch_samples, rl_batch
+from harness.errors import BadInput, DoesNotApply
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.layouts import validate
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.batch_split.judge import BatchSplitRankData, judge, step_figures
+from harness.suite_defs.batch_split.params import (
+    GLOBAL_BATCH,
+    MATRIX,
+    STEPS,
+    SUITE,
+    BatchSplitCaseParams,
+    BatchSplitParams,
+)
+from harness.suite_defs.equivalence import with_equivalence_eps
+
+
+class BatchSplitSuite:
+    name = SUITE
+    default_model = "tiny"
+    Params = BatchSplitParams
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+               "megatron.core.optimizer", "megatron.core.pipeline_parallel")
+
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: BatchSplitParams | None = None) -> list[Case]:
+        p = params or BatchSplitParams()
+        gbs = options.global_batch_size or GLOBAL_BATCH
+        steps = options.steps if options.steps != CaseOptions.steps else STEPS
+        opts = dataclasses.replace(with_equivalence_eps(options), steps=steps, global_batch_size=gbs,
+                                   log_num_zeros_in_grad=True)
+        if opts.micro_batch_size is not None:
+            raise BadInput("batch-split cuts the batch itself: give --cut mbs<N> instead of --micro-batch-size")
+        pairs = self._pairs(model, world_size, layouts, p)
+        out: list[Case] = []
+        reference = Layout(dp=1)
+        if world_size == 1:
+            why = ("batch-split compares cuts over several ranks with one micro-batch on one rank: needs world size 2 "
+                   "or more (e.g. --world-size 4)")
+            return [Case(self.name, model, reference, engine, opts, backend, params=BatchSplitCaseParams(mode, "mbs1"))
+                    .skipped(why) for mode in p.modes]
+        for mode in p.modes:
+            out.append(Case(self.name, model, reference, engine, opts, backend,
+                            params=BatchSplitCaseParams(mode, f"mbs{gbs}")))
+            for lay, cut in pairs.get(mode, ()):
+                check_cut(Cut.parse(cut), gbs, lay.dp)
+                validate(lay, model, world_size, global_batch_size=gbs)
+                out.append(Case(self.name, model, lay, engine, opts, backend, params=BatchSplitCaseParams(mode, cut)))
+        return out
+
+    @staticmethod
+    def _pairs(model: ModelSpec, world_size: int, layouts: list[Layout] | None,
+               p: BatchSplitParams) -> dict[str, list[tuple[Layout, str]]]:
+        """Per mode, the (layout, cut) pairs: the matrix's, or every given layout x every given cut."""
+        if layouts is None and not p.cuts:
+            shapes = {"dp": Layout(dp=world_size)}
+            if world_size % 2 == 0:
+                shapes.update(cp2=Layout(cp=2, dp=world_size // 2), pp2=Layout(pp=2, dp=world_size // 2))
+            return {mode: [(shapes[s], cut) for s, cut in MATRIX[mode] if s in shapes] for mode in p.modes}
+        lays = layouts if layouts is not None else [Layout(dp=world_size)]
+        cuts = p.cuts or ("mbs1",)
+        return {mode: [(lay, cut) for lay in lays for cut in cuts] for mode in p.modes}
+
+    def rank_work(self, case: Case, ctx: RankContext) -> BatchSplitRankData:
+        from megatron.core import parallel_state as ps
+
+        from harness.platform.parallel import layout_coords
+
+        engine = make_engine(case, ctx)
+        if not isinstance(engine, TrainsRLBatches):
+            raise DoesNotApply(f"engine {case.engine} has no train_rl_batch / rl_logprobs (harness.engines.base."
+                               "TrainsRLBatches; McoreEngine and its subclasses have them): batch-split cannot cut its "
+                               "batches")
+        with ctx.phase("build"):
+            engine.build()
+        lay, o = case.layout, case.options
+        cut, dp_rank = Cut.parse(case.params.cut), ps.get_data_parallel_rank()
+        batch = rl_batch(case.model, case.global_batch_size, o.seed, 0)
+        first = microbatch_samples(batch, cut, lay.dp, lay.pp, dp_rank)
+        with ctx.phase("logprobs"):
+            logprobs = engine.rl_logprobs(batch, first)
+        steps = []
+        for step in range(o.steps):
+            batch = rl_batch(case.model, case.global_batch_size, o.seed, step)
+            with ctx.phase("steps"):
+                steps.append(engine.train_rl_batch(batch, microbatch_samples(batch, cut, lay.dp, lay.pp, dp_rank),
+                                                   case.params.mode))
+        with ctx.phase("collect"):
+            shards = engine.param_shards()
+        from harness.engines.base import StepOutput
+
+        return BatchSplitRankData(layout_coords(), steps, shards, [StepOutput(None, None, logprobs)], first)
+
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
+        return {"losses": step_figures(result)["loss"]} if result.ok else {}
+
+    def check(self, results: list[CaseResult], params: BatchSplitParams | None = None) -> list[CheckResult]:
+        return judge(results)

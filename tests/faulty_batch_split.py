@@ -1,0 +1,38 @@
+"""RL-step engines with planted loss-aggregation regressions (batch-split), each one seen in 2026's RL frameworks."""
+
+from __future__ import annotations
+
+from harness.engines.loss_agg import BatchTotals, MicroBatchLoss
+from harness.engines.mcore import McoreEngine
+
+
+class PerMicroBatchTokenMean(McoreEngine):
+    """verl <= 0.6: token-mean over each micro-batch's own tokens, averaged over micro-batches by megatron's 2-tuple
+    path, so a micro-batch with 3 valid tokens weighs as much as one with 3000."""
+
+    def aggregate_loss(self, inputs: MicroBatchLoss):
+        return (inputs.token_loss * inputs.mask).sum() / inputs.mask.sum().clamp(min=1)
+
+    def to_schedule(self, share, num_microbatches: int):
+        return share
+
+
+class LossDividedByMicroBatchesTwice(McoreEngine):
+    """AReaL #1273: the framework divides by the number of micro-batches and megatron's schedule does again."""
+
+    def to_schedule(self, share, num_microbatches: int):
+        return super().to_schedule(share, num_microbatches) / num_microbatches
+
+
+class CPTokensNotSummedOverCP(McoreEngine):
+    """verl #5863: the global token count summed over DP only, so with CP 2 each rank counts its half of the tokens."""
+
+    def batch_totals(self, local_masks, local_counts) -> BatchTotals:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        right = super().batch_totals(local_masks, local_counts)
+        tokens = torch.tensor([float(sum(m.sum() for m in local_masks))], dtype=torch.float64)
+        dist.all_reduce(tokens, group=ps.get_data_parallel_group())
+        return BatchTotals(int(tokens[0]), right.samples, right.nonempty)

@@ -1,0 +1,102 @@
+"""batch-split: correct megatron code passes every mode, cut and layout; each planted aggregation bug
+(tests/faulty_batch_split.py) fails it with a message naming the mode, the cut and the figure."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.driver import plan, run_suite
+from harness.engines.loss_agg import MODES
+from harness.engines.rl_batch import Cut, microbatch_samples, num_microbatches, rl_batch
+from harness.errors import BadInput
+from harness.models import load_model
+
+CP2, PP2, DP4 = "tp1-pp1-cp2-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp4"
+
+
+def _failed(run) -> dict[tuple[str, str], str]:
+    """(layout, check) -> message of every failed check."""
+    by_id = {r.case.id: r.case for r in run.results}
+    return {(by_id[c.case_id].layout.id, c.check): c.message for c in run.checks if c.failed}
+
+
+def test_dynamic_cuts_are_uneven_agree_across_dp_ranks_and_hold_every_sample_once():
+    batch = rl_batch(load_model("tiny"), 16, 1234, 0)
+    assert batch.response_len[0] == 0 and batch.prompt_len[1] + batch.response_len[1] == 65  # masked; to the end
+    cut = Cut.parse("tokens96")
+    for dp, pp in ((1, 1), (2, 1), (2, 2), (4, 1)):
+        groups = [microbatch_samples(batch, cut, dp, pp, r) for r in range(dp)]
+        assert len({len(g) for g in groups}) == 1 and len(groups[0]) == num_microbatches(batch, cut, dp, pp) >= pp
+        flat = sorted(i for g in groups for mb in g for i in mb)
+        assert flat == list(range(16))
+        if dp <= 2:
+            assert len({len(mb) for g in groups for mb in g}) > 1  # micro-batches of different sizes
+    tokens = [sum(batch.valid_tokens(i) for mb in g for i in mb) for g in
+              (microbatch_samples(batch, cut, 2, 1, r) for r in range(2))]
+    assert max(tokens) - min(tokens) < max(batch.valid_tokens(i) for i in range(16))  # balanced over DP
+
+
+@pytest.mark.parametrize("given, said", [
+    ({"cuts": ("mbs3",)}, "do not split into micro-batches of 3"),
+    ({"cuts": ("tokens0",)}, "give mbs<N>"),
+    ({"modes": ("mean",)}, "loss aggregation 'mean': choose one of token-mean"),
+])
+def test_bad_cuts_and_modes_are_refused_before_any_rank(given, said):
+    with pytest.raises(BadInput, match=said):
+        plan("batch-split", "tiny", 4, [DP4], backend="gloo", suite_params=given)
+
+
+def test_the_default_matrix_judges_every_mode_through_a_dynamic_and_a_static_cut_at_cp2_and_pp2():
+    cases = plan("batch-split", "tiny", 4, backend="gloo").cases
+    for mode in MODES:
+        mine = [c for c in cases if c.params.mode == mode and c.layout.world_size > 1]
+        assert {c.layout.id for c in mine} >= {CP2, PP2}
+        assert any(Cut.parse(c.params.cut).dynamic for c in mine) and any(
+            not Cut.parse(c.params.cut).dynamic for c in mine)
+    assert sum(c.layout.world_size == 1 for c in cases) == len(MODES)  # one reference per mode
+
+
+@pytest.mark.slow
+def test_unmodified_megatron_passes_every_mode_at_cp2_and_pp2_dynamically():
+    run = run_suite("batch-split", "tiny", 4, [CP2, PP2], backend="gloo", suite_params={"cuts": ("tokens96",)})
+    assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
+    assert len(run.results) == len(MODES) * 3
+    for check in ("loss", "grad_norm", "num_zeros", "params", "logprobs", "aggregation"):
+        assert any(c.check == f"batch-split.{check}" and c.passed for c in run.checks), check
+
+
+@pytest.mark.slow
+def test_per_micro_batch_token_mean_is_caught():
+    run = run_suite("batch-split", "tiny", 4, [DP4], engine="tests.faulty_batch_split:PerMicroBatchTokenMean",
+                    backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("tokens96",)})
+    failed = _failed(run)
+    assert failed[(DP4, "batch-split.loss")].startswith(
+        f"token-mean, cut tokens96 at {DP4} (micro-batches of 1-3 samples): loss of step ")
+    assert "(one micro-batch on one rank)" in failed[(DP4, "batch-split.loss")]
+    assert (DP4, "batch-split.aggregation") in failed and (DP4, "batch-split.params") in failed
+    assert ("tp1-pp1-cp1-dp1", "batch-split.aggregation") not in failed  # one micro-batch: its mean is the batch's
+
+
+@pytest.mark.slow
+def test_a_loss_divided_by_the_micro_batches_twice_shows_in_the_gradient_norm():
+    run = run_suite("batch-split", "tiny", 4, [DP4], engine="tests.faulty_batch_split:LossDividedByMicroBatchesTwice",
+                    backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs1",)})
+    failed = _failed(run)
+    msg = failed[(DP4, "batch-split.grad_norm")]
+    assert msg.startswith(f"token-mean, cut mbs1 at {DP4} (micro-batches of 1 sample): grad norm of step ")
+    assert "rel diff 7.50e-01" in msg  # 4 micro-batches per rank: a quarter of the gradient
+    assert (DP4, "batch-split.loss") not in failed  # the loss it reports is right; the gradient is not
+
+
+@pytest.mark.slow
+def test_a_cp_token_count_not_summed_over_cp_is_caught_at_cp2_only():
+    run = run_suite("batch-split", "tiny", 4, [CP2, DP4], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
+                    backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
+    failed = _failed(run)
+    assert failed[(CP2, "batch-split.loss")].startswith(f"token-mean, cut mbs2 at {CP2} (micro-batches of 2 samples): "
+                                                        "loss of step ")
+    assert (CP2, "batch-split.grad_norm") in failed
+    assert not [k for k in failed if k[0] == DP4]
+    # equivalence runs megatron's own per-token loss, never this aggregation: it cannot see it
+    assert run_suite("equivalence", "tiny", 4, [CP2], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
+                     backend="gloo").passed
