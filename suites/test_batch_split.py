@@ -20,3 +20,19 @@ def test_every_check_passes(batch_split_run, judge):
 @pytest.mark.parametrize("check", ["aggregation", "loss", "grad_norm", "num_zeros", "params", "logprobs"])
 def test_every_cut_trains_as_one_micro_batch(batch_split_run, judge, check):
     judge(batch_split_run, f"batch-split.{check}")
+
+
+@pytest.fixture(scope="module")
+def moe_run(suite_runner):
+    """tiny-moe with its experts over EP 2 on the pure-DP layout; each cut also against a reference that runs its
+    micro-batches on one rank (the load-balancing loss is per micro-batch)."""
+    return suite_runner("batch-split", model="tiny-moe", label="batch-split-moe")
+
+
+def test_every_moe_check_passes(moe_run, judge):
+    judge(moe_run)
+
+
+@pytest.mark.parametrize("check", ["aggregation", "loss", "grad_norm", "num_zeros", "aux_loss", "params", "logprobs"])
+def test_every_moe_cut_trains_as_its_micro_batches_on_one_rank(moe_run, judge, check):
+    judge(moe_run, f"batch-split.{check}")

@@ -36,3 +36,19 @@ class CPTokensNotSummedOverCP(McoreEngine):
         tokens = torch.tensor([float(sum(m.sum() for m in local_masks))], dtype=torch.float64)
         dist.all_reduce(tokens, group=ps.get_data_parallel_group())
         return BatchTotals(int(tokens[0]), right.samples, right.nonempty)
+
+
+class AuxLossCoefficientPerMicroBatch(McoreEngine):
+    """Megatron-LM #5694's shape: the load-balancing loss at its full coefficient in every micro-batch, megatron's
+    averaging over the micro-batches (MoEAuxLossAutoScaler's scale, 1 / micro-batches) undone."""
+
+    def train_rl_batch(self, batch, microbatches, mode):
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        original = MoEAuxLossAutoScaler.set_loss_scale
+        n = len(microbatches)
+        MoEAuxLossAutoScaler.set_loss_scale = staticmethod(lambda scale: original(scale * n))  # type: ignore[method-assign]
+        try:
+            return super().train_rl_batch(batch, microbatches, mode)
+        finally:
+            MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)  # type: ignore[method-assign]

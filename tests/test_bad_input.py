@@ -21,7 +21,8 @@ CASES = [
     (["run", "--suite", "batch-split", "--cut", "tokens"], "cut 'tokens': give mbs<N>"),
     (["run", "--suite", "batch-split", "--loss-agg", "mean"], "loss aggregation 'mean': choose one of token-mean"),
     (["run", "--suite", "batch-split", "--micro-batch-size", "2"], "batch-split cuts the batch itself: give --cut"),
-    (["run", "--suite", "batch-split", "--model", "tiny-moe"], "the batch-split suite does not judge mixture-of-experts"),
+    (["run", "--suite", "batch-split", "--world-size", "3"],
+     "layout tp1-pp1-cp1-dp3 is invalid for model tiny: global_batch_size=16 not divisible"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
     (["run", "--suite", "peft-ckpt", "--model", "tiny-moe"],
      "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE, which needs "

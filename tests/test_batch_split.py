@@ -100,3 +100,30 @@ def test_a_cp_token_count_not_summed_over_cp_is_caught_at_cp2_only():
     # equivalence runs megatron's own per-token loss, never this aggregation: it cannot see it
     assert run_suite("equivalence", "tiny", 4, [CP2], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
                      backend="gloo").passed
+
+
+def test_an_moe_model_gets_a_reference_with_each_cases_own_micro_batches():
+    cases = plan("batch-split", "tiny-moe", 4, backend="gloo").cases
+    judged = [c for c in cases if c.layout.world_size > 1]
+    likes = {(c.params.mode, c.params.cut, c.params.like) for c in cases if c.params.like}
+    assert {(c.params.mode, c.params.cut, c.layout.id) for c in judged} == likes
+    assert "tp1-pp1-cp1-dp4-ep2" in {c.layout.id for c in judged}  # the experts over EP 2
+
+
+@pytest.mark.slow
+def test_unmodified_megatron_passes_an_moe_model_at_ep2_and_cp2_dynamically():
+    run = run_suite("batch-split", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2", CP2], backend="gloo",
+                    suite_params={"modes": ("token-mean",), "cuts": ("tokens96",)})
+    assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
+    assert sum(c.check == "batch-split.aux_loss" and c.passed for c in run.checks) == 2
+
+
+@pytest.mark.slow
+def test_the_load_balancing_coefficient_applied_per_micro_batch_is_caught():
+    run = run_suite("batch-split", "tiny-moe", 4, [CP2], engine="tests.faulty_batch_split:AuxLossCoefficientPerMicroBatch",
+                    backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
+    failed = _failed(run)
+    assert failed[(CP2, "batch-split.grad_norm")].startswith(
+        f"token-mean, cut mbs2 at {CP2} (micro-batches of 2 samples): grad norm of step ")
+    assert f"({CP2}'s micro-batches on one rank)" in failed[(CP2, "batch-split.grad_norm")]
+    assert "router.weight" in failed[(CP2, "batch-split.params")]

@@ -49,7 +49,9 @@ class BatchSplitParams:
 
 @dataclass(frozen=True)
 class BatchSplitCaseParams:
-    """A case's own: its loss aggregation mode and cut; the reference runs the global batch as one micro-batch."""
+    """A case's own: its loss aggregation mode and cut. A reference runs on one rank: the global batch as one
+    micro-batch, or (`like`, an MoE model's) the micro-batches that layout's DP ranks run, all of them."""
 
     mode: str = "token-mean"
     cut: str = "mbs1"
+    like: str = ""

@@ -8,7 +8,7 @@ from typing import Any
 from harness.checks import CheckResult
 from harness.engines import make_engine
 from harness.engines.base import TrainsRLBatches
-from harness.engines.rl_batch import Cut, check_cut, microbatch_samples, rl_batch
+from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -24,6 +24,15 @@ from harness.suite_defs.batch_split.params import (
     BatchSplitParams,
 )
 from harness.suite_defs.equivalence import with_equivalence_eps
+
+
+def microbatches(case: Case, batch: RLBatch, dp_rank: int) -> list[list[int]]:
+    """This DP rank's micro-batches of the case's cut; a `like` reference's: every DP rank's of that layout."""
+    cut = Cut.parse(case.params.cut)
+    if case.params.like:
+        like = Layout.parse(case.params.like)
+        return [mb for r in range(like.dp) for mb in microbatch_samples(batch, cut, like.dp, like.pp, r)]
+    return microbatch_samples(batch, cut, case.layout.dp, case.layout.pp, dp_rank)
 
 
 class BatchSplitSuite:
@@ -57,6 +66,9 @@ class BatchSplitSuite:
             for lay, cut in pairs.get(mode, ()):
                 check_cut(Cut.parse(cut), gbs, lay.dp)
                 validate(lay, model, world_size, global_batch_size=gbs)
+                if model.moe:  # its load-balancing loss is per micro-batch: a reference with the same micro-batches
+                    out.append(Case(self.name, model, reference, engine, opts, backend,
+                                    params=BatchSplitCaseParams(mode, cut, like=lay.id)))
                 out.append(Case(self.name, model, lay, engine, opts, backend, params=BatchSplitCaseParams(mode, cut)))
         return out
 
@@ -65,7 +77,9 @@ class BatchSplitSuite:
                p: BatchSplitParams) -> dict[str, list[tuple[Layout, str]]]:
         """Per mode, the (layout, cut) pairs: the matrix's, or every given layout x every given cut."""
         if layouts is None and not p.cuts:
-            shapes = {"dp": Layout(dp=world_size)}
+            # an MoE model's experts over EP 2 on the pure-DP layout, where its expert grid admits it
+            ep = 2 if model.moe and world_size % 2 == 0 and (model.num_experts or 0) % 2 == 0 else 1
+            shapes = {"dp": Layout(dp=world_size, ep=ep)}
             if world_size % 2 == 0:
                 shapes.update(cp2=Layout(cp=2, dp=world_size // 2), pp2=Layout(pp=2, dp=world_size // 2))
             return {mode: [(shapes[s], cut) for s, cut in MATRIX[mode] if s in shapes] for mode in p.modes}
@@ -85,17 +99,16 @@ class BatchSplitSuite:
                                "batches")
         with ctx.phase("build"):
             engine.build()
-        lay, o = case.layout, case.options
-        cut, dp_rank = Cut.parse(case.params.cut), ps.get_data_parallel_rank()
+        o = case.options
         batch = rl_batch(case.model, case.global_batch_size, o.seed, 0)
-        first = microbatch_samples(batch, cut, lay.dp, lay.pp, dp_rank)
+        first = microbatches(case, batch, ps.get_data_parallel_rank())
         with ctx.phase("logprobs"):
             logprobs = engine.rl_logprobs(batch, first)
         steps = []
         for step in range(o.steps):
             batch = rl_batch(case.model, case.global_batch_size, o.seed, step)
             with ctx.phase("steps"):
-                steps.append(engine.train_rl_batch(batch, microbatch_samples(batch, cut, lay.dp, lay.pp, dp_rank),
+                steps.append(engine.train_rl_batch(batch, microbatches(case, batch, ps.get_data_parallel_rank()),
                                                    case.params.mode))
         with ctx.phase("collect"):
             shards = engine.param_shards()
