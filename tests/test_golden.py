@@ -386,13 +386,13 @@ def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skip
 
     from packaging.version import Version
 
-    from harness.engines import mcore
+    from harness.engines import mcore, optimizer_offload
     from harness.errors import BadInput
     from harness.models import load_model
     from harness.suite_defs.golden import GoldenSuite
 
     suite, tiny = GoldenSuite(), load_model("tiny")
-    broken = Version(version("megatron-core")) <= Version(mcore.OFFLOAD_FP32_LOAD_BROKEN_UP_TO)
+    broken = Version(version("megatron-core")) <= Version(optimizer_offload.OFFLOAD_FP32_LOAD_BROKEN_UP_TO)
     for backend in ("gloo", "nccl"):
         cases = suite.cases(tiny, 2, None, backend=backend)
         assert len({c.id for c in cases}) == len(cases)
@@ -424,9 +424,10 @@ def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skip
                                       "use_precision_aware_optimizer"]
     else:
         assert config.use_precision_aware_optimizer
-    monkeypatch.setattr(mcore, "OFFLOAD", {**mcore.OFFLOAD, "optimizer_offload_to_moon": True})
-    assert mcore.offload_unsupported("nccl", "bf16").endswith("'s OptimizerConfig has no optimizer_offload_to_moon: "
-                                                      "optimizer CPU offload needs a megatron-core that offers them")
+    monkeypatch.setattr(optimizer_offload, "OFFLOAD", {**optimizer_offload.OFFLOAD, "optimizer_offload_to_moon": True})
+    assert optimizer_offload.offload_unsupported("nccl", "bf16").endswith(
+        "'s OptimizerConfig has no optimizer_offload_to_moon: optimizer CPU offload needs a megatron-core that offers "
+        "them")
     with pytest.raises(BadInput, match="optimizer_cpu_offload needs use_distributed_optimizer"):
         CaseOptions(optimizer_cpu_offload=True)
 

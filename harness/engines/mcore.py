@@ -15,6 +15,7 @@ from harness.engines.experts import EXPERT_RE, drop_routing_graphs, tp_coords
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
+from harness.engines.optimizer_offload import offload_config
 from harness.engines.rl_steps import RLSteps
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.launch.context import RankContext
@@ -25,54 +26,6 @@ if TYPE_CHECKING:
     import torch
 
 MEGATRON_ADAM_EPS = 1e-8  # OptimizerConfig's default
-# CaseOptions.optimizer_cpu_offload: the whole optimizer state on the host (HybridDeviceOptimizer; megatron asserts
-# AdamW mode, OptimizerConfig's default), with the precision-aware optimizer where Transformer Engine is installed:
-# megatron-core 0.16.1's OptimizerConfig asks TE's version for it (is_te_min_version: a TypeError without TE), though
-# the offloaded optimizer itself does not use TE
-OFFLOAD = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
-PRECISION_AWARE = {"use_precision_aware_optimizer": True}
-
-
-def _offload_config() -> dict:
-    """OptimizerConfig's fields of CaseOptions.optimizer_cpu_offload here (the adjustment noted where TE is not)."""
-    import importlib.util
-
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return {**OFFLOAD, **PRECISION_AWARE}
-    from harness.adjustments import note
-
-    note("optimizer CPU offload without the precision-aware optimizer: megatron-core's OptimizerConfig needs "
-         "Transformer Engine installed for use_precision_aware_optimizer")
-    return dict(OFFLOAD)
-
-
-# The last megatron-core whose HybridDeviceOptimizer cannot load the state of fp32 parameters: it makes fp32 master
-# copies only of low-precision ones (param_to_fp32_param) and looks every parameter up there after a load
-# (_update_fp32_params_by_new_state: KeyError).
-OFFLOAD_FP32_LOAD_BROKEN_UP_TO = "0.16.1"
-
-
-def offload_unsupported(backend: str, dtype: str) -> str:
-    """'' where CaseOptions.optimizer_cpu_offload can run and resume; otherwise why not, naming what it needs."""
-    if backend != "nccl":
-        return ("megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the state between CUDA streams: it "
-                "runs on NCCL ranks only")
-    import dataclasses
-    from importlib.metadata import version
-
-    from megatron.core.optimizer import OptimizerConfig
-
-    missing = sorted((set(OFFLOAD) | set(PRECISION_AWARE)) - {f.name for f in dataclasses.fields(OptimizerConfig)})
-    if missing:
-        return (f"megatron-core {version('megatron-core')}'s OptimizerConfig has no {', '.join(missing)}: optimizer "
-                f"CPU offload needs a megatron-core that offers them")
-    from packaging.version import Version
-
-    if dtype == "fp32" and Version(version("megatron-core")) <= Version(OFFLOAD_FP32_LOAD_BROKEN_UP_TO):
-        return (f"megatron-core {version('megatron-core')}'s HybridDeviceOptimizer cannot load the optimizer state of "
-                f"fp32 parameters (KeyError in _update_fp32_params_by_new_state: its fp32 master copies are made only "
-                f"of low-precision parameters); a resume with the offload needs a later megatron-core or bf16")
-    return ""
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1\.weight$")
 
@@ -111,7 +64,7 @@ class McoreEngine(McoreCheckpoints, RLSteps):
             log_num_zeros_in_grad=o.log_num_zeros_in_grad,
             bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=dtype(o.dtype).torch,
             use_distributed_optimizer=use_distributed_optimizer, min_lr=o.min_lr,
-            **(_offload_config() if o.optimizer_cpu_offload else {}),
+            **(offload_config() if o.optimizer_cpu_offload else {}),
         )
 
     def build_chunks(self, params_dtype: str | None = None) -> list:

@@ -121,7 +121,7 @@ class GoldenSuite:
         optimizer's CPU offload and the precision-aware optimizer (Megatron-LM #1842: the loss jumped from 0.31 to
         10 after such a resume), judged against the same trajectory; skipped, naming why, where it cannot run."""
         from harness.engines import is_fsdp2
-        from harness.engines.mcore import offload_unsupported
+        from harness.engines.optimizer_offload import offload_unsupported
 
         fmt = next((f for f in params.formats if f not in FSDP2_FORMATS), None)
         if fmt is None or is_fsdp2(engine):

@@ -1,0 +1,53 @@
+"""megatron's optimizer CPU offload (CaseOptions.optimizer_cpu_offload): the OptimizerConfig fields it sets, and
+where it cannot run or resume (probed on megatron-core's OptimizerConfig and version)."""
+
+from __future__ import annotations
+
+# CaseOptions.optimizer_cpu_offload: the whole optimizer state on the host (HybridDeviceOptimizer; megatron asserts
+# AdamW mode, OptimizerConfig's default), with the precision-aware optimizer where Transformer Engine is installed:
+# megatron-core 0.16.1's OptimizerConfig asks TE's version for it (is_te_min_version: a TypeError without TE), though
+# the offloaded optimizer itself does not use TE
+OFFLOAD = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
+PRECISION_AWARE = {"use_precision_aware_optimizer": True}
+
+
+def offload_config() -> dict:
+    """OptimizerConfig's fields of CaseOptions.optimizer_cpu_offload here (the adjustment noted where TE is not)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return {**OFFLOAD, **PRECISION_AWARE}
+    from harness.adjustments import note
+
+    note("optimizer CPU offload without the precision-aware optimizer: megatron-core's OptimizerConfig needs "
+         "Transformer Engine installed for use_precision_aware_optimizer")
+    return dict(OFFLOAD)
+
+
+# The last megatron-core whose HybridDeviceOptimizer cannot load the state of fp32 parameters: it makes fp32 master
+# copies only of low-precision ones (param_to_fp32_param) and looks every parameter up there after a load
+# (_update_fp32_params_by_new_state: KeyError).
+OFFLOAD_FP32_LOAD_BROKEN_UP_TO = "0.16.1"
+
+
+def offload_unsupported(backend: str, dtype: str) -> str:
+    """'' where CaseOptions.optimizer_cpu_offload can run and resume; otherwise why not, naming what it needs."""
+    if backend != "nccl":
+        return ("megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the state between CUDA streams: it "
+                "runs on NCCL ranks only")
+    import dataclasses
+    from importlib.metadata import version
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    missing = sorted((set(OFFLOAD) | set(PRECISION_AWARE)) - {f.name for f in dataclasses.fields(OptimizerConfig)})
+    if missing:
+        return (f"megatron-core {version('megatron-core')}'s OptimizerConfig has no {', '.join(missing)}: optimizer "
+                f"CPU offload needs a megatron-core that offers them")
+    from packaging.version import Version
+
+    if dtype == "fp32" and Version(version("megatron-core")) <= Version(OFFLOAD_FP32_LOAD_BROKEN_UP_TO):
+        return (f"megatron-core {version('megatron-core')}'s HybridDeviceOptimizer cannot load the optimizer state of "
+                f"fp32 parameters (KeyError in _update_fp32_params_by_new_state: its fp32 master copies are made only "
+                f"of low-precision parameters); a resume with the offload needs a later megatron-core or bf16")
+    return ""
