@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from harness.engines.loss_agg import BatchTotals, MicroBatchLoss
+from harness.engines.fsdp2 import FSDP2Engine
 from harness.engines.mcore import McoreEngine
 
 
@@ -52,3 +53,12 @@ class AuxLossCoefficientPerMicroBatch(McoreEngine):
             return super().train_rl_batch(batch, microbatches, mode)
         finally:
             MoEAuxLossAutoScaler.set_loss_scale = staticmethod(original)  # type: ignore[method-assign]
+
+
+class FSDP2LocalTokenCount(FSDP2Engine):
+    """An FSDP path that normalises token-mean by its local token count (the same model on the second backend
+    reports different losses and gradient norms: verl #4710, slime #290)."""
+
+    def batch_totals(self, local_masks, local_counts) -> BatchTotals:
+        right = super().batch_totals(local_masks, local_counts)
+        return BatchTotals(int(sum(float(m.sum()) for m in local_masks)), right.samples, right.nonempty)

@@ -127,3 +127,20 @@ def test_the_load_balancing_coefficient_applied_per_micro_batch_is_caught():
         f"token-mean, cut mbs2 at {CP2} (micro-batches of 2 samples): grad norm of step ")
     assert f"({CP2}'s micro-batches on one rank)" in failed[(CP2, "batch-split.grad_norm")]
     assert "router.weight" in failed[(CP2, "batch-split.params")]
+
+
+@pytest.mark.slow
+def test_an_fsdp2_path_normalising_by_its_local_token_count_is_caught():
+    run = run_suite("batch-split", "tiny", 4, engine="tests.faulty_batch_split:FSDP2LocalTokenCount", backend="gloo",
+                    suite_params={"modes": ("token-mean", "token-sum")})
+    losses = [c.message for c in run.checks if c.failed and c.check == "batch-split.loss"]
+    assert any(m.startswith(f"token-mean, cut mbs2 at {DP4} "
+                            "(micro-batches of 2 samples): loss of step ") and "rel diff 3.00e+00" in m for m in losses)
+    failed = _failed(run)
+    assert not [k for k in failed if "token-sum" in failed[k]]  # token-sum needs no count
+
+
+def test_the_default_matrix_runs_the_second_backend_against_megatrons_reference():
+    cases = plan("batch-split", "tiny", 4, backend="gloo").cases
+    assert sorted(c.params.mode for c in cases if c.engine == "fsdp2") == sorted(MODES)
+    assert {c.engine for c in cases if c.layout.world_size == 1} == {"mcore"}

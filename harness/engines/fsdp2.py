@@ -91,6 +91,54 @@ class FSDP2Engine(McoreEngine):
             self.scheduler.step(increment=self.case.global_batch_size)
         return StepOutput(loss_sum, tokens, grad_norm=grad_norm, num_zeros=num_zeros, lr=lr)
 
+    def run_microbatches(self, mbs: list[dict], samples: list, forward_only: bool, capture: bool,
+                         loss_fns: list | None = None) -> StepOutput:
+        """The RL steps' loop (rl_steps.py) without megatron's schedule: each micro-batch's loss as its function
+        hands it over (to_schedule), backward, then the clipped optimizer step unless forward only."""
+        import contextlib
+
+        import torch
+
+        from harness.engines.base import TokenLogprobs
+
+        dev = self.ctx.device
+        if self.config.num_moe_experts:
+            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=dev) / len(mbs))
+        captured: list[TokenLogprobs] = []
+        reported = []
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            for i, mb in enumerate(mbs):
+                out = self.model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
+                if capture:
+                    captured.append(TokenLogprobs(samples[i], torch.arange(out.shape[1]),
+                                                  -out.detach().float().cpu().reshape(len(samples[i]), -1)))
+                loss, report = loss_fns[i](out) if loss_fns else (out.float().mean() / len(mbs), None)
+                if not forward_only:
+                    loss.backward()
+                if report is not None:
+                    reported.append(report["lm loss"])
+        if self.config.num_moe_experts:
+            drop_routing_graphs([self.model])
+        step: dict = {"aux_loss": self._take_aux_loss()}
+        if not forward_only:
+            grad_norm, num_zeros = self._clip_and_count()
+            step.update(grad_norm=grad_norm, num_zeros=num_zeros, lr=float(self.optimizer.param_groups[0]["lr"]))
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            if self.scheduler is not None:
+                self.scheduler.step(increment=self.case.global_batch_size)
+        total = torch.stack(reported).sum(0) if reported else None
+        return StepOutput(None if total is None else float(total[0]), None if total is None else int(total[1]),
+                          captured if capture else None, **step)
+
+    def to_schedule(self, share, num_microbatches: int):
+        """FSDP2 averages gradients over the DP ranks; no schedule divides by the micro-batches."""
+        from megatron.core import parallel_state as ps
+
+        return share * ps.get_data_parallel_world_size()
+
     def _clip_and_count(self) -> tuple[float, int | None]:
         """The global gradient norm before clipping (clipped at clip_grad; 0: not clipped) and, where the case
         logs it, the number of zero gradient elements - what megatron's optimizer step reports."""

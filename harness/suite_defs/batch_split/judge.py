@@ -51,14 +51,16 @@ def step_figures(result: CaseResult) -> dict[str, list[float]]:
             "zero grads": [float("nan") if o.num_zeros is None else float(o.num_zeros) for o in first]}
 
 
-def where(result: CaseResult) -> str:
-    """'token-mean, cut tokens96 at tp1-pp1-cp2-dp2 (micro-batches of 2-5 samples)'."""
+def where(result: CaseResult, ref_engine: str | None = None) -> str:
+    """'token-mean, cut tokens96 at tp1-pp1-cp2-dp2 (micro-batches of 2-5 samples)'; the engine named where it is not
+    the reference's."""
     p = result.case.params
     sizes = sorted({len(m) for m in data(result)[0].microbatches}) if result.ok and result.ranks else []
     shape = "" if not sizes else f" (micro-batches of {sizes[0]}{'' if len(sizes) == 1 else f'-{sizes[-1]}'} " \
         f"sample{'s' if sizes[-1] > 1 else ''})"
     at = f"one rank as {p.like}'s DP ranks" if p.like else result.case.layout.id
-    return f"{p.mode}, cut {p.cut} at {at}{shape}"
+    engine = f" on {result.case.engine}" if ref_engine and result.case.engine != ref_engine else ""
+    return f"{p.mode}, cut {p.cut} at {at}{engine}{shape}"
 
 
 def judge(results: list[CaseResult]) -> list[CheckResult]:
@@ -74,26 +76,27 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
         if not res.ok:
             out.append(case_failed("batch-split.run", res))
             continue
-        out.append(_aggregation(res))
-        if is_reference(res):
-            continue
         p = res.case.params
         ref = refs.get((p.mode, "", ""))
         same = refs.get((p.mode, p.cut, res.case.layout.id), ref)
+        at = where(res, ref.case.engine if ref is not None else None)
+        out.append(_aggregation(res, at))
+        if is_reference(res):
+            continue
         if ref is None or not ref.ok or same is None or not same.ok:
             out.append(CheckResult("batch-split.loss", res.case.id, False,
-                                   f"{where(res)}: its reference ({REFERENCE}) did not run"))
+                                   f"{at}: its reference ({REFERENCE}) did not run"))
             continue
         rtol = dtype(res.case.options.dtype).rtol
         got, want_same = step_figures(res), step_figures(same)
         for figure, check in (("loss", "loss"), ("grad norm", "grad_norm"), ("zero grads", "num_zeros")):
-            out.append(_steps(res, same, figure, check, got[figure], want_same[figure],
+            out.append(_steps(res, same, at, figure, check, got[figure], want_same[figure],
                               0.0 if check == "num_zeros" else rtol))
         aux, ref_aux = step_aux_losses(res), step_aux_losses(same)
         if aux is not None or ref_aux is not None:
-            out.append(_steps(res, same, "load-balancing loss", "aux_loss", aux or [], ref_aux or [], rtol))
-        out.append(_params(res, same, rtol))
-        out.append(_logprobs(res, ref, rtol))
+            out.append(_steps(res, same, at, "load-balancing loss", "aux_loss", aux or [], ref_aux or [], rtol))
+        out.append(_params(res, same, at, rtol))
+        out.append(_logprobs(res, ref, at, rtol))
     return out
 
 
@@ -106,26 +109,26 @@ def what(ref: CaseResult) -> str:
     return f"{ref.case.params.like}'s micro-batches on one rank" if ref.case.params.like else REFERENCE
 
 
-def _steps(res: CaseResult, ref: CaseResult, figure: str, check: str, got: list[float], want: list[float],
+def _steps(res: CaseResult, ref: CaseResult, at: str, figure: str, check: str, got: list[float], want: list[float],
            tol: float) -> CheckResult:
     cid, name = res.case.id, f"batch-split.{check}"
     if len(got) != len(want) or not got:
-        return CheckResult(name, cid, False, f"{where(res)}: the {figure} of {len(got)} steps, the reference's of "
+        return CheckResult(name, cid, False, f"{at}: the {figure} of {len(got)} steps, the reference's of "
                                              f"{len(want)}")
     errs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in zip(got, want)]
     worst = max(range(len(errs)), key=lambda i: severity(errs[i]))
     ok = within(errs[worst], tol)
     rows = [f"  step {i}: {a:.8g} vs {b:.8g}  rel {fmt_err(e)}" for i, (a, b, e) in enumerate(zip(got, want, errs))]
     if ok:
-        return CheckResult(name, cid, ok, f"{where(res)}: {figure} of {len(got)} steps equal the reference's "
+        return CheckResult(name, cid, ok, f"{at}: {figure} of {len(got)} steps equal the reference's "
                                           f"({what(ref)}), worst rel {fmt_err(errs[worst])}", rows, value=errs[worst])
     bound = "exactly" if tol == 0 else f"rel > {tol:.0e}"
-    return CheckResult(name, cid, ok, f"{where(res)}: {figure} of step {worst} {got[worst]:.8g} vs {want[worst]:.8g} "
+    return CheckResult(name, cid, ok, f"{at}: {figure} of step {worst} {got[worst]:.8g} vs {want[worst]:.8g} "
                                       f"({what(ref)}), rel diff {fmt_err(errs[worst])}, {bound}", rows,
                        value=errs[worst])
 
 
-def _aggregation(res: CaseResult) -> CheckResult:
+def _aggregation(res: CaseResult, at: str) -> CheckResult:
     """The first step's loss against the mode's formula (harness/engines/loss_agg.py) over the forward-only pass's
     log-probs of the same batch on the same weights, with the response masks of the harness's own batch: an engine
     whose aggregation is wrong alike at every cut (the reference's too) passes the comparisons and fails here."""
@@ -137,11 +140,11 @@ def _aggregation(res: CaseResult) -> CheckResult:
     losses = step_figures(res)["loss"]
     if got is None or not losses:
         return CheckResult("batch-split.aggregation", cid, False,
-                           f"{where(res)}: no first-step loss or forward-only log-probs to judge the aggregation by")
+                           f"{at}: no first-step loss or forward-only log-probs to judge the aggregation by")
     values, counts = got
     if bool((counts != 1).any()):
         return CheckResult("batch-split.aggregation", cid, False,
-                           f"{where(res)}: forward-only log-probs: {coverage_problem(counts)}")
+                           f"{at}: forward-only log-probs: {coverage_problem(counts)}")
     batch, seq = rl_batch(case.model, case.global_batch_size, case.options.seed, 0), case.model.seq_length
     import torch
 
@@ -151,18 +154,18 @@ def _aggregation(res: CaseResult) -> CheckResult:
     rtol = dtype(case.options.dtype).rtol
     ok = within(err, rtol)
     return CheckResult("batch-split.aggregation", cid, ok,
-                       f"{where(res)}: step-0 loss {losses[0]:.8g} {'equals' if ok else 'is not'} the "
+                       f"{at}: step-0 loss {losses[0]:.8g} {'equals' if ok else 'is not'} the "
                        f"{case.params.mode} of its forward-only log-probs over the response masks, {want:.8g} "
                        f"(rel {fmt_err(err)} {'<=' if ok else '>'} {rtol:.0e})", value=err)
 
 
-def _params(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
+def _params(res: CaseResult, ref: CaseResult, at: str, rtol: float) -> CheckResult:
     cid = res.case.id
     full = assemble([trained(r).params for r in res.ranks]).tensors
     want = assemble([trained(r).params for r in ref.ranks]).tensors
     if set(full) != set(want):
         return CheckResult("batch-split.params", cid, False,
-                           f"{where(res)}: parameter names differ from the reference's: "
+                           f"{at}: parameter names differ from the reference's: "
                            f"{sorted(set(full) ^ set(want))[:5]}")
     errs = {n: rel_error(full[n], want[n]) for n in want}
     bad = sorted((n for n in errs if beyond(errs[n], rtol)), key=lambda n: -severity(errs[n]))
@@ -170,35 +173,35 @@ def _params(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
     steps = res.case.options.steps
     if not bad:
         return CheckResult("batch-split.params", cid, True,
-                           f"{where(res)}: {len(errs)} params after {steps} steps equal the reference's ({what(ref)}); "
+                           f"{at}: {len(errs)} params after {steps} steps equal the reference's ({what(ref)}); "
                            f"worst {worst} "
                            f"rel {fmt_err(errs[worst])} <= {rtol:.0e}", value=errs[worst])
     return CheckResult("batch-split.params", cid, False,
-                       f"{where(res)}: {len(bad)}/{len(errs)} params after {steps} steps differ from {what(ref)}; "
+                       f"{at}: {len(bad)}/{len(errs)} params after {steps} steps differ from {what(ref)}; "
                        f"worst {bad[0]}: rel {fmt_err(errs[bad[0]])} > {rtol:.0e}",
                        [f"  {n}: rel {fmt_err(errs[n])}" for n in bad], value=errs[bad[0]])
 
 
-def _logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
+def _logprobs(res: CaseResult, ref: CaseResult, at: str, rtol: float) -> CheckResult:
     """The forward-only pass (no gradient, the case's own cut) against the reference's, token by token."""
     cid = res.case.id
     got = first_step_logprobs(res, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
     want = first_step_logprobs(ref, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
     if got is None or want is None:
         return CheckResult("batch-split.logprobs", cid, False,
-                           f"{where(res)}: the forward-only pass captured no per-token log-probs")
+                           f"{at}: the forward-only pass captured no per-token log-probs")
     (values, counts), (ref_values, _) = got, want
     coverage = coverage_problem(counts)
     if coverage:
-        return CheckResult("batch-split.logprobs", cid, False, f"{where(res)}: forward-only log-probs: {coverage}")
+        return CheckResult("batch-split.logprobs", cid, False, f"{at}: forward-only log-probs: {coverage}")
     diff = LogprobDiff.of(values, ref_values, rtol)
     exact = int((values == ref_values).sum())
     if not diff.bad.any():
         return CheckResult("batch-split.logprobs", cid, True,
-                           f"{where(res)}: forward-only log-probs of {values.numel()} tokens equal the reference's "
+                           f"{at}: forward-only log-probs of {values.numel()} tokens equal the reference's "
                            f"({exact} bit for bit), worst rel {fmt_err(diff.worst)} <= {rtol:.0e}", value=diff.worst)
     first = diff.first_sample
     return CheckResult("batch-split.logprobs", cid, False,
-                       f"{where(res)}: forward-only log-probs differ from {REFERENCE} at {int(diff.bad.sum())}/"
+                       f"{at}: forward-only log-probs differ from {REFERENCE} at {int(diff.bad.sum())}/"
                        f"{values.numel()} tokens (worst rel {fmt_err(diff.worst)} > {rtol:.0e}); first: sample "
                        f"{first}, positions {diff.positions(first)}", value=diff.worst)

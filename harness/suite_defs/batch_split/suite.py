@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.engines import make_engine
+from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import TrainsRLBatches
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.errors import BadInput, DoesNotApply
@@ -16,6 +16,7 @@ from harness.layouts import validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.batch_split.judge import BatchSplitRankData, judge, step_figures
 from harness.suite_defs.batch_split.params import (
+    DYNAMIC,
     GLOBAL_BATCH,
     MATRIX,
     STEPS,
@@ -52,7 +53,7 @@ class BatchSplitSuite:
                                    log_num_zeros_in_grad=True)
         if opts.micro_batch_size is not None:
             raise BadInput("batch-split cuts the batch itself: give --cut mbs<N> instead of --micro-batch-size")
-        pairs = self._pairs(model, world_size, layouts, p)
+        pairs = self._pairs(model, world_size, layouts, p, fsdp2=is_fsdp2(engine))
         out: list[Case] = []
         reference = Layout(dp=1)
         if world_size == 1:
@@ -70,12 +71,24 @@ class BatchSplitSuite:
                     out.append(Case(self.name, model, reference, engine, opts, backend,
                                     params=BatchSplitCaseParams(mode, cut, like=lay.id)))
                 out.append(Case(self.name, model, lay, engine, opts, backend, params=BatchSplitCaseParams(mode, cut)))
+            if engine == "mcore" and layouts is None and not p.cuts:
+                # the second backend: FSDP2 and torch Adam on the same model, batch and aggregation, against
+                # megatron's reference
+                dp = Layout(dp=world_size)
+                if model.moe:
+                    out.append(Case(self.name, model, reference, engine, opts, backend,
+                                    params=BatchSplitCaseParams(mode, DYNAMIC, like=dp.id)))
+                out.append(Case(self.name, model, dp, "fsdp2", opts, backend,
+                                params=BatchSplitCaseParams(mode, DYNAMIC)))
         return out
 
     @staticmethod
-    def _pairs(model: ModelSpec, world_size: int, layouts: list[Layout] | None,
-               p: BatchSplitParams) -> dict[str, list[tuple[Layout, str]]]:
-        """Per mode, the (layout, cut) pairs: the matrix's, or every given layout x every given cut."""
+    def _pairs(model: ModelSpec, world_size: int, layouts: list[Layout] | None, p: BatchSplitParams,
+               fsdp2: bool) -> dict[str, list[tuple[Layout, str]]]:
+        """Per mode, the (layout, cut) pairs: the matrix's (the fsdp2 engine's: pure DP, static and dynamic), or
+        every given layout x every given cut."""
+        if layouts is None and not p.cuts and fsdp2:
+            return {mode: [(Layout(dp=world_size), "mbs2"), (Layout(dp=world_size), DYNAMIC)] for mode in p.modes}
         if layouts is None and not p.cuts:
             # an MoE model's experts over EP 2 on the pure-DP layout, where its expert grid admits it
             ep = 2 if model.moe and world_size % 2 == 0 and (model.num_experts or 0) % 2 == 0 else 1
