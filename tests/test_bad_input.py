@@ -21,6 +21,8 @@ CASES = [
     (["run", "--suite", "batch-split", "--cut", "tokens"], "cut 'tokens': give mbs<N>"),
     (["run", "--suite", "batch-split", "--loss-agg", "mean"], "loss aggregation 'mean': choose one of token-mean"),
     (["run", "--suite", "batch-split", "--micro-batch-size", "2"], "batch-split cuts the batch itself: give --cut"),
+    (["run", "--suite", "batch-split", "--engine", "tests.faulty_engines:_DoneHandle"],
+     "engine 'tests.faulty_engines:_DoneHandle' is not a class with train_rl_batch / rl_logprobs"),
     (["run", "--suite", "batch-split", "--world-size", "3"],
      "layout tp1-pp1-cp1-dp3 is invalid for model tiny: global_batch_size=16 not divisible"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
@@ -147,7 +149,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 87  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 88  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.engines import is_fsdp2, make_engine
+from harness.engines import is_fsdp2, make_engine, resolve_factory
 from harness.engines.base import TrainsRLBatches
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.errors import BadInput, DoesNotApply
@@ -47,6 +47,11 @@ class BatchSplitSuite:
               engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
               params: BatchSplitParams | None = None) -> list[Case]:
         p = params or BatchSplitParams()
+        factory = resolve_factory(engine)
+        if not (isinstance(factory, type) and issubclass(factory, TrainsRLBatches)):
+            raise DoesNotApply(f"engine {engine!r} is not a class with train_rl_batch / rl_logprobs (harness.engines."
+                               "base.TrainsRLBatches): batch-split cannot cut its batches; give a subclass of "
+                               "McoreEngine, whose RL steps run your aggregate_loss (docs/engines.md)")
         gbs = options.global_batch_size or GLOBAL_BATCH
         steps = options.steps if options.steps != CaseOptions.steps else STEPS
         opts = dataclasses.replace(with_equivalence_eps(options), steps=steps, global_batch_size=gbs,
@@ -106,10 +111,8 @@ class BatchSplitSuite:
         from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
-        if not isinstance(engine, TrainsRLBatches):
-            raise DoesNotApply(f"engine {case.engine} has no train_rl_batch / rl_logprobs (harness.engines.base."
-                               "TrainsRLBatches; McoreEngine and its subclasses have them): batch-split cannot cut its "
-                               "batches")
+        if not isinstance(engine, TrainsRLBatches):  # the plan refused its factory; an engine a factory function made
+            raise DoesNotApply(f"engine {case.engine} has no train_rl_batch / rl_logprobs (TrainsRLBatches)")
         with ctx.phase("build"):
             engine.build()
         o = case.options
