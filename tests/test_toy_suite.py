@@ -51,15 +51,16 @@ def test_a_parameter_the_suite_does_not_have_is_refused(toy_registered):
 
 # A process where torch, megatron and every suite module fail to import: what `harness report` needs
 # of a run is in its results.json. The suites' parameter types stay importable (plain dataclasses, the CLI's
-# flags): their modules, the packages' __init__ that import them, and the registry.
+# flags): their modules, the packages' __init__ that import them (from suite_defs.PARAM_TYPES), and the registry.
+PARAM_MODULES = tuple(name for module, _, _ in (t.partition(":") for t in suite_defs.PARAM_TYPES)
+                      for name in (module.rpartition(".")[0], module))
 _NO_TORCH = textwrap.dedent("""
     import sys
+    PARAM_MODULES = @PARAM_MODULES@
 
     class Refuse:
         BLOCKED = ("torch", "megatron", "harness.suite_defs", "harness.driver", "harness.launch", "tests.toy_suite")
-        PARAMS = ("harness.suite_defs", "harness.suite_defs.flags") + tuple(
-            f"harness.suite_defs.{p}{m}" for p in ("ckpt_memory", "step_perf", "golden", "train_memory")
-            for m in ("", ".params"))
+        PARAMS = ("harness.suite_defs", "harness.suite_defs.flags") + PARAM_MODULES
 
         def find_spec(self, name, path=None, target=None):
             if name not in self.PARAMS and any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
@@ -67,7 +68,7 @@ _NO_TORCH = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, Refuse())
-""")
+""").replace("@PARAM_MODULES@", repr(PARAM_MODULES))
 
 
 @pytest.mark.slow
