@@ -7,7 +7,7 @@ from typing import Any
 
 from harness.checks import CheckResult
 from harness.engines import is_fsdp2, make_engine, resolve_factory
-from harness.engines.base import TrainsRLBatches
+from harness.engines.base import StepOutput, TrainsRLBatches
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
@@ -96,7 +96,7 @@ class BatchSplitSuite:
             return {mode: [(Layout(dp=world_size), "mbs2"), (Layout(dp=world_size), DYNAMIC)] for mode in p.modes}
         if layouts is None and not p.cuts:
             # an MoE model's experts over EP 2 on the pure-DP layout, where its expert grid admits it
-            ep = 2 if model.moe and world_size % 2 == 0 and (model.num_experts or 0) % 2 == 0 else 1
+            ep = 2 if model.moe and world_size % 2 == 0 and model.num_experts % 2 == 0 else 1
             shapes = {"dp": Layout(dp=world_size, ep=ep)}
             if world_size % 2 == 0:
                 shapes.update(cp2=Layout(cp=2, dp=world_size // 2), pp2=Layout(pp=2, dp=world_size // 2))
@@ -111,7 +111,7 @@ class BatchSplitSuite:
         from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
-        if not isinstance(engine, TrainsRLBatches):  # the plan refused its factory; an engine a factory function made
+        if not isinstance(engine, TrainsRLBatches):  # the plan refuses such a factory; here for the type checker
             raise DoesNotApply(f"engine {case.engine} has no train_rl_batch / rl_logprobs (TrainsRLBatches)")
         with ctx.phase("build"):
             engine.build()
@@ -128,8 +128,6 @@ class BatchSplitSuite:
                                                    case.params.mode))
         with ctx.phase("collect"):
             shards = engine.param_shards()
-        from harness.engines.base import StepOutput
-
         return BatchSplitRankData(layout_coords(), steps, shards, [StepOutput(None, None, logprobs)], first)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
