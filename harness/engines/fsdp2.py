@@ -67,13 +67,7 @@ class FSDP2Engine(McoreEngine):
 
         mbs = data.microbatches(self.case, step, ps.get_data_parallel_rank())
         dev = self.ctx.device
-        if self.config.num_moe_experts:
-            import torch
-            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-            # as megatron's schedule does every step: the load-balancing loss's gradient is a mean over the
-            # micro-batches, like the loss's, and not whatever scale an earlier case in this rank left
-            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=dev) / len(mbs))
+        self._aux_loss_over(len(mbs))
         loss_sum, tokens = 0.0, 0
         for mb in mbs:
             out = self.model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
@@ -83,13 +77,28 @@ class FSDP2Engine(McoreEngine):
             tokens += out.numel()
         if self.config.num_moe_experts:
             drop_routing_graphs([self.model])  # FSDP's post-backward hooks close the same cycle as DDP's
+        return StepOutput(loss_sum, tokens, **self._optimizer_step())
+
+    def _aux_loss_over(self, num_microbatches: int) -> None:
+        """As megatron's schedule does every step: the load-balancing loss's gradient is a mean over the micro-batches,
+        like the loss's, and not whatever scale an earlier case in this rank left."""
+        if not self.config.num_moe_experts:
+            return
+        import torch
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=self.ctx.device) / num_microbatches)
+
+    def _optimizer_step(self) -> dict[str, Any]:
+        """Clip, count, step the optimizer and the schedule: what megatron's optimizer step reports (StepOutput's
+        grad_norm, num_zeros and the lr it applied)."""
         grad_norm, num_zeros = self._clip_and_count()
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.optimizer.zero_grad()
         if self.scheduler is not None:
             self.scheduler.step(increment=self.case.global_batch_size)
-        return StepOutput(loss_sum, tokens, grad_norm=grad_norm, num_zeros=num_zeros, lr=lr)
+        return {"grad_norm": grad_norm, "num_zeros": num_zeros, "lr": lr}
 
     def run_microbatches(self, mbs: list[dict], samples: list, forward_only: bool, capture: bool,
                          loss_fns: list | None = None) -> StepOutput:
@@ -102,10 +111,7 @@ class FSDP2Engine(McoreEngine):
         from harness.engines.base import TokenLogprobs
 
         dev = self.ctx.device
-        if self.config.num_moe_experts:
-            from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=dev) / len(mbs))
+        self._aux_loss_over(len(mbs))
         captured: list[TokenLogprobs] = []
         reported = []
         with torch.no_grad() if forward_only else contextlib.nullcontext():
@@ -121,14 +127,7 @@ class FSDP2Engine(McoreEngine):
                     reported.append(report["lm loss"])
         if self.config.num_moe_experts:
             drop_routing_graphs([self.model])
-        step: dict = {"aux_loss": self._take_aux_loss()}
-        if not forward_only:
-            grad_norm, num_zeros = self._clip_and_count()
-            step.update(grad_norm=grad_norm, num_zeros=num_zeros, lr=float(self.optimizer.param_groups[0]["lr"]))
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            if self.scheduler is not None:
-                self.scheduler.step(increment=self.case.global_batch_size)
+        step: dict = {"aux_loss": self._take_aux_loss(), **({} if forward_only else self._optimizer_step())}
         total = torch.stack(reported).sum(0) if reported else None
         return StepOutput(None if total is None else float(total[0]), None if total is None else int(total[1]),
                           captured if capture else None, **step)

@@ -78,6 +78,12 @@ class RLBatch:
         mask[start:start + self.response_len[sample]] = 1.0
         return mask
 
+    def response_masks(self, samples: list[int], seq: int) -> torch.Tensor:
+        """[len(samples), seq] the samples' response masks."""
+        import torch
+
+        return torch.stack([self.response_mask(i, seq) for i in samples])
+
     def valid_tokens(self, sample: int) -> int:
         """What frameworks balance micro-batches on: the prompt and the valid response (its attention mask)."""
         return self.prompt_len[sample] + self.response_len[sample]
@@ -117,9 +123,9 @@ def dp_samples(batch: RLBatch, cut: Cut, dp: int) -> list[list[int]]:
     return [sorted(r) for r in ranks]
 
 
-def num_microbatches(batch: RLBatch, cut: Cut, dp: int, pp: int) -> int:
-    """Micro-batches per DP rank, the same on every rank."""
-    shares = dp_samples(batch, cut, dp)
+def num_microbatches(batch: RLBatch, cut: Cut, dp: int, pp: int, shares: list[list[int]] | None = None) -> int:
+    """Micro-batches per DP rank, the same on every rank (`shares`: dp_samples's, where the caller has them)."""
+    shares = shares or dp_samples(batch, cut, dp)
     per = len(shares[0])
     if not cut.dynamic:
         return per // cut.size
@@ -129,8 +135,8 @@ def num_microbatches(batch: RLBatch, cut: Cut, dp: int, pp: int) -> int:
 
 def microbatch_samples(batch: RLBatch, cut: Cut, dp: int, pp: int, dp_rank: int) -> list[list[int]]:
     """This DP rank's micro-batches, each a list of sample indices into the global batch."""
-    mine = dp_samples(batch, cut, dp)[dp_rank]
-    m = num_microbatches(batch, cut, dp, pp)
+    shares = dp_samples(batch, cut, dp)
+    mine, m = shares[dp_rank], num_microbatches(batch, cut, dp, pp, shares)
     if not cut.dynamic:
         return [mine[i * cut.size:(i + 1) * cut.size] for i in range(m)]
     # every micro-batch gets one sample first (none may be empty), then the rest by tokens, longest first
@@ -159,4 +165,4 @@ def microbatch_tensors(batch: RLBatch, samples: list[int], seq: int) -> dict[str
     ids = batch.tokens[samples]
     return {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous(),
             "position_ids": torch.arange(seq).unsqueeze(0).expand(len(samples), seq).contiguous(),
-            "loss_mask": torch.stack([batch.response_mask(i, seq) for i in samples])}
+            "loss_mask": batch.response_masks(samples, seq)}

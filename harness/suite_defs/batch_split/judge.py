@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
@@ -18,6 +19,9 @@ from harness.checks.tensors import assemble, rel_error
 from harness.dtypes import dtype
 from harness.engines.base import StepOutput
 from harness.launch.results import CaseResult
+
+if TYPE_CHECKING:
+    import torch
 
 REFERENCE = "one micro-batch on one rank"
 
@@ -51,6 +55,12 @@ def step_figures(result: CaseResult) -> dict[str, list[float]]:
             "zero grads": [float("nan") if o.num_zeros is None else float(o.num_zeros) for o in first]}
 
 
+def forward_logprobs(result: CaseResult) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The forward-only pass's log-probs over the global batch and how many ranks reported each token
+    (checks.step_outputs.first_step_logprobs of the pass); None when none was captured."""
+    return first_step_logprobs(result, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
+
+
 def where(result: CaseResult, ref_engine: str | None = None) -> str:
     """'token-mean, cut tokens96 at tp1-pp1-cp2-dp2 (micro-batches of 2-5 samples)'; the engine named where it is not
     the reference's."""
@@ -71,16 +81,18 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
     load-balancing loss. Every case's first-step loss is judged against the mode's formula (_aggregation)."""
     refs = {(r.case.params.mode, r.case.params.like and r.case.params.cut, r.case.params.like): r
             for r in results if is_reference(r)}
+    forward = {r.case.id: forward_logprobs(r) for r in results if r.ok}
     out: list[CheckResult] = []
     for res in results:
         if not res.ok:
             out.append(case_failed("batch-split.run", res))
             continue
+        got_forward = forward[res.case.id]
         p = res.case.params
         ref = refs.get((p.mode, "", ""))
         same = refs.get((p.mode, p.cut, res.case.layout.id), ref)
         at = where(res, ref.case.engine if ref is not None else None)
-        out.append(_aggregation(res, at))
+        out.append(_aggregation(res, at, got_forward))
         if is_reference(res):
             continue
         if ref is None or not ref.ok or same is None or not same.ok:
@@ -96,7 +108,7 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
         if aux is not None or ref_aux is not None:
             out.append(_steps(res, same, at, "load-balancing loss", "aux_loss", aux or [], ref_aux or [], rtol))
         out.append(_params(res, same, at, rtol))
-        out.append(_logprobs(res, ref, at, rtol))
+        out.append(_logprobs(res, at, got_forward, forward[ref.case.id], rtol))
     return out
 
 
@@ -128,7 +140,7 @@ def _steps(res: CaseResult, ref: CaseResult, at: str, figure: str, check: str, g
                        value=errs[worst])
 
 
-def _aggregation(res: CaseResult, at: str) -> CheckResult:
+def _aggregation(res: CaseResult, at: str, got: tuple[torch.Tensor, torch.Tensor] | None) -> CheckResult:
     """The first step's loss against the mode's formula (harness/engines/loss_agg.py) over the forward-only pass's
     log-probs of the same batch on the same weights, with the response masks of the harness's own batch: an engine
     whose aggregation is wrong alike at every cut (the reference's too) passes the comparisons and fails here."""
@@ -136,19 +148,16 @@ def _aggregation(res: CaseResult, at: str) -> CheckResult:
     from harness.engines.rl_batch import rl_batch
 
     cid, case = res.case.id, res.case
-    got = first_step_logprobs(res, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
     losses = step_figures(res)["loss"]
     if got is None or not losses:
         return CheckResult("batch-split.aggregation", cid, False,
                            f"{at}: no first-step loss or forward-only log-probs to judge the aggregation by")
     values, counts = got
-    if bool((counts != 1).any()):
-        return CheckResult("batch-split.aggregation", cid, False,
-                           f"{at}: forward-only log-probs: {coverage_problem(counts)}")
-    batch, seq = rl_batch(case.model, case.global_batch_size, case.options.seed, 0), case.model.seq_length
-    import torch
-
-    mask = torch.stack([batch.response_mask(i, seq) for i in range(batch.size)]).double()
+    coverage = coverage_problem(counts)
+    if coverage:
+        return CheckResult("batch-split.aggregation", cid, False, f"{at}: forward-only log-probs: {coverage}")
+    batch = rl_batch(case.model, case.global_batch_size, case.options.seed, 0)
+    mask = batch.response_masks(list(range(batch.size)), case.model.seq_length).double()
     want = reference_loss(case.params.mode, -values.double(), mask)
     err = abs(losses[0] - want) / abs(want) if want else abs(losses[0])
     rtol = dtype(case.options.dtype).rtol
@@ -182,11 +191,10 @@ def _params(res: CaseResult, ref: CaseResult, at: str, rtol: float) -> CheckResu
                        [f"  {n}: rel {fmt_err(errs[n])}" for n in bad], value=errs[bad[0]])
 
 
-def _logprobs(res: CaseResult, ref: CaseResult, at: str, rtol: float) -> CheckResult:
+def _logprobs(res: CaseResult, at: str, got: tuple[torch.Tensor, torch.Tensor] | None,
+              want: tuple[torch.Tensor, torch.Tensor] | None, rtol: float) -> CheckResult:
     """The forward-only pass (no gradient, the case's own cut) against the reference's, token by token."""
     cid = res.case.id
-    got = first_step_logprobs(res, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
-    want = first_step_logprobs(ref, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [])
     if got is None or want is None:
         return CheckResult("batch-split.logprobs", cid, False,
                            f"{at}: the forward-only pass captured no per-token log-probs")

@@ -66,25 +66,24 @@ class BatchSplitSuite:
                    "or more (e.g. --world-size 4)")
             return [Case(self.name, model, reference, engine, opts, backend, params=BatchSplitCaseParams(mode, "mbs1"))
                     .skipped(why) for mode in p.modes]
+        def judged(mode: str, lay: Layout, cut: str, on: str) -> list[Case]:
+            """The case, after an MoE model's reference with the same micro-batches (its load-balancing loss is
+            per micro-batch)."""
+            same = [Case(self.name, model, reference, engine, opts, backend,
+                         params=BatchSplitCaseParams(mode, cut, like=lay.id))] if model.moe else []
+            return same + [Case(self.name, model, lay, on, opts, backend, params=BatchSplitCaseParams(mode, cut))]
+
         for mode in p.modes:
             out.append(Case(self.name, model, reference, engine, opts, backend,
                             params=BatchSplitCaseParams(mode, f"mbs{gbs}")))
             for lay, cut in pairs.get(mode, ()):
                 check_cut(Cut.parse(cut), gbs, lay.dp)
                 validate(lay, model, world_size, global_batch_size=gbs)
-                if model.moe:  # its load-balancing loss is per micro-batch: a reference with the same micro-batches
-                    out.append(Case(self.name, model, reference, engine, opts, backend,
-                                    params=BatchSplitCaseParams(mode, cut, like=lay.id)))
-                out.append(Case(self.name, model, lay, engine, opts, backend, params=BatchSplitCaseParams(mode, cut)))
+                out += judged(mode, lay, cut, engine)
             if engine == "mcore" and layouts is None and not p.cuts:
                 # the second backend: FSDP2 and torch Adam on the same model, batch and aggregation, against
                 # megatron's reference
-                dp = Layout(dp=world_size)
-                if model.moe:
-                    out.append(Case(self.name, model, reference, engine, opts, backend,
-                                    params=BatchSplitCaseParams(mode, DYNAMIC, like=dp.id)))
-                out.append(Case(self.name, model, dp, "fsdp2", opts, backend,
-                                params=BatchSplitCaseParams(mode, DYNAMIC)))
+                out += judged(mode, Layout(dp=world_size), DYNAMIC, "fsdp2")
         return out
 
     @staticmethod
