@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.engines.base import TokenLogprobs
 from harness.engines.loss_agg import BatchTotals, MicroBatchLoss
 from harness.engines.fsdp2 import FSDP2Engine
 from harness.engines.mcore import McoreEngine
@@ -62,3 +63,12 @@ class FSDP2LocalTokenCount(FSDP2Engine):
     def batch_totals(self, local_masks, local_counts) -> BatchTotals:
         right = super().batch_totals(local_masks, local_counts)
         return BatchTotals(int(sum(float(m.sum()) for m in local_masks)), right.samples, right.nonempty)
+
+
+class ForwardPassMixesSamples(McoreEngine):
+    """A log-prob pass that hands each micro-batch's rows back in the wrong order (a regrouped cut not undone), so
+    the old policy's log-probs sit under other samples' tokens."""
+
+    def rl_logprobs(self, batch, microbatches):
+        return [TokenLogprobs(p.samples.flip(0), p.positions, p.logprobs) for p in super().rl_logprobs(batch,
+                                                                                                    microbatches)]

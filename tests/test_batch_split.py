@@ -14,10 +14,10 @@ from harness.models import load_model
 CP2, PP2, DP4 = "tp1-pp1-cp2-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp4"
 
 
-def _failed(run) -> dict[tuple[str, str], str]:
-    """(layout, check) -> message of every failed check."""
+def _failed(run, checks=None) -> dict[tuple[str, str], str]:
+    """(layout, check) -> message of every failed check (of the run's, or of `checks` judged on its results)."""
     by_id = {r.case.id: r.case for r in run.results}
-    return {(by_id[c.case_id].layout.id, c.check): c.message for c in run.checks if c.failed}
+    return {(by_id[c.case_id].layout.id, c.check): c.message for c in (checks or run.checks) if c.failed}
 
 
 def test_dynamic_cuts_are_uneven_agree_across_dp_ranks_and_hold_every_sample_once():
@@ -127,6 +127,8 @@ def test_the_load_balancing_coefficient_applied_per_micro_batch_is_caught():
         f"token-mean, cut mbs2 at {CP2} (micro-batches of 2 samples): grad norm of step ")
     assert f"({CP2}'s micro-batches on one rank)" in failed[(CP2, "batch-split.grad_norm")]
     assert "router.weight" in failed[(CP2, "batch-split.params")]
+    assert failed[(CP2, "batch-split.aux_loss")].startswith(
+        f"token-mean, cut mbs2 at {CP2} (micro-batches of 2 samples): load-balancing loss of step ")
 
 
 @pytest.mark.slow
@@ -144,3 +146,38 @@ def test_the_default_matrix_runs_the_second_backend_against_megatrons_reference(
     cases = plan("batch-split", "tiny", 4, backend="gloo").cases
     assert sorted(c.params.mode for c in cases if c.engine == "fsdp2") == sorted(MODES)
     assert {c.engine for c in cases if c.layout.world_size == 1} == {"mcore"}
+
+
+@pytest.mark.slow
+def test_a_forward_pass_that_mixes_up_samples_is_caught():
+    run = run_suite("batch-split", "tiny", 4, [DP4], engine="tests.faulty_batch_split:ForwardPassMixesSamples",
+                    backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
+    failed = _failed(run)
+    assert failed[(DP4, "batch-split.logprobs")].startswith(
+        f"token-mean, cut mbs2 at {DP4} (micro-batches of 2 samples): forward-only log-probs differ from one "
+        "micro-batch on one rank at ")
+    assert (DP4, "batch-split.params") not in failed  # training itself is right
+
+
+@pytest.mark.slow
+def test_one_more_zero_gradient_element_is_caught_exactly():
+    """The zero gradient elements are compared exactly: one element more on every rank at step 1 of a correct run,
+    planted in its results, fails the check naming the step and both counts."""
+    import dataclasses
+
+    from harness.suite_defs.batch_split.judge import BatchSplitRankData
+
+    run = run_suite("batch-split", "tiny", 4, [DP4], backend="gloo",
+                    suite_params={"modes": ("token-mean",), "cuts": ("mbs1",)})
+    assert run.passed
+    case = next(r for r in run.results if r.case.layout.id == DP4)
+    for rank in case.ranks:
+        d: BatchSplitRankData = rank.payload_as(BatchSplitRankData)
+        steps = list(d.steps)
+        steps[1] = dataclasses.replace(steps[1], num_zeros=steps[1].num_zeros + 1)
+        rank.data = dataclasses.replace(d, steps=steps)
+    failed = _failed(run, run.suite.check(run.results))
+    msg = failed[(DP4, "batch-split.num_zeros")]
+    assert msg.startswith(f"token-mean, cut mbs1 at {DP4} (micro-batches of 1 sample): zero grads of step 1 ")
+    assert msg.endswith(", exactly")
+
