@@ -38,6 +38,9 @@ class ModelSpec:
     moe_first_dense_layers: int = 0  # this many layers first keep the dense MLP
     moe_aux_loss_coeff: float = 1e-2  # the load-balancing auxiliary loss (megatron's "aux_loss")
     qk_layernorm: bool = False  # a norm over each head's queries and keys before RoPE (Qwen3's)
+    # aux-loss-free balancing (DeepSeek-V3's): a sigmoid router whose per-expert bias, updated from each step's
+    # expert loads, shifts the top-k choice
+    moe_expert_bias: bool = False
 
     @property
     def kv_channels(self) -> int:

@@ -19,6 +19,7 @@ SUITES = {
     "train-memory": "harness.suite_defs.train_memory:TrainMemorySuite",
     "golden": "harness.suite_defs.golden:GoldenSuite",
     "batch-split": "harness.suite_defs.batch_split:BatchSplitSuite",
+    "refit": "harness.suite_defs.refit:RefitSuite",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -104,6 +105,17 @@ class TrainsRLBatches(Protocol):
     def train_rl_batch(self, batch: RLBatch, microbatches: list[list[int]], mode: str) -> StepOutput: ...
 
     def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]: ...
+
+
+@runtime_checkable
+class ExportsWeights(Protocol):
+    """An engine that streams its weights to a rollout engine as an RL framework's refit does (the refit suite):
+    buckets of (Hugging Face name, full tensor) of at most bucket_bytes each (a larger tensor alone), collective
+    (every rank iterates to the end). McoreEngine's is the harness's per-tensor exporter
+    (harness/engines/weight_export.py), the bridges' their bridge's own export; a framework's engine overrides it
+    with its own."""
+
+    def export_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
 
 
 @runtime_checkable

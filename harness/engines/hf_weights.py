@@ -27,6 +27,8 @@ _ONE_TO_ONE = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    # aux-loss-free balancing's per-expert bias (a buffer): DeepSeek-V3's and GLM-4.5's name for it
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 

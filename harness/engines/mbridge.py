@@ -64,6 +64,8 @@ def hf_architecture(m: ModelSpec) -> str:
                                     (m.moe_shared_expert_ffn, "no shared expert (moe_shared_expert_ffn = 0)"),
                                     (m.moe_first_dense_layers, "no dense layers first (moe_first_dense_layers = 0)"),
                                     (not m.swiglu, "SwiGLU experts"),
+                                    (m.moe_expert_bias, "softmax routing without an expert bias "
+                                                        "(moe_expert_bias = false)"),
                                     (m.normalization != "RMSNorm", "RMSNorm")) if bad]
     if missing:
         raise BadInput(f"model {m.name}: megatron-bridge converts a mixture of experts to Hugging Face here as "
@@ -104,6 +106,7 @@ def bridge_refusal(model: ModelSpec, layout: Layout) -> str | None:
 
 class MbridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
+    bridge: Any = None
     check_available = staticmethod(check_available)
     refusal = staticmethod(bridge_refusal)
 
@@ -130,6 +133,11 @@ class MbridgeEngine(McoreEngine):
             if self.case.model.moe:  # megatron's SequentialMLP: grouped GEMM needs Transformer Engine
                 extra["moe_grouped_gemm"] = False
         return extra
+
+    def hf_weight_stream(self):
+        """The bridge's own export as RL frameworks call it at refit (mbridge's export_weights: every rank yields
+        every tensor)."""
+        return self.bridge.export_weights(self.models)
 
     def _reinit_new_chunk(self, model, **_: Any) -> None:
         self.reinit(model)
@@ -160,5 +168,6 @@ class MbridgeEngine(McoreEngine):
             use_cpu_initialization=self.ctx.on_cpu, post_model_creation_callbacks=[self._reinit_new_chunk],
         )
         self.config = bridge.config
+        self.bridge = bridge
         self.optimizer = self.make_optimizer(self.models, self.case.options.use_distributed_optimizer)
         self.after_optimizer()

@@ -17,6 +17,7 @@ from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
 from harness.engines.optimizer_offload import offload_config
 from harness.engines.rl_steps import RLSteps
+from harness.engines.weight_export import PerTensorExport
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.launch.context import RankContext
 from harness.platform.parallel import init_parallel_state
@@ -30,7 +31,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1\.weight$")
 
 
-class McoreEngine(McoreCheckpoints, RLSteps):
+class McoreEngine(McoreCheckpoints, RLSteps, PerTensorExport):
     """megatron-core directly: the reference construction path."""
 
     def __init__(self, case: Case, ctx: RankContext):

@@ -81,6 +81,7 @@ def adapter_refusal(model: ModelSpec, layout: Layout, backend: str) -> str | Non
 class MegatronBridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
     peft: Any = None  # megatron-bridge's LoRA when the case asks for adapters
+    _export_tasks: list | None = None  # the bridge's conversion plan of the refit export
     check_available = staticmethod(check_available)
     refusal = staticmethod(bridge_refusal)
     adapter_refusal = staticmethod(adapter_refusal)
@@ -265,6 +266,14 @@ class MegatronBridgeEngine(McoreEngine):
             AutoModelForCausalLM.from_config(hf_config(self.case.model)).save_pretrained(str(hf_dir))
         dist.barrier()
         return self.bridge.get_conversion_tasks(self.models, hf_path=str(hf_dir))
+
+    def hf_weight_stream(self):
+        """The bridge's own export as RL frameworks call it at refit (AutoBridge.export_hf_weights: every rank yields
+        every tensor, gathered over TP / PP / EP), planned once per engine."""
+        if self._export_tasks is None:
+            self._export_tasks = self.hf_conversion_tasks(self.ctx.workdir)
+        return self.bridge.export_hf_weights(self.models, cpu=True, show_progress=False,
+                                             conversion_tasks=self._export_tasks)
 
     def hf_base_state_dict(self, workdir: Path) -> dict[str, torch.Tensor]:
         """The base (frozen) weights under HF names, on every rank (collective), without the adapters."""

@@ -91,6 +91,8 @@ def moe_config(case: Case, on_cpu: bool) -> dict:
         moe_shared_expert_intermediate_size=m.moe_shared_expert_ffn or None,
         moe_layer_freq=[0] * m.moe_first_dense_layers + [1] * m.moe_layers(),
         expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.expert_tp,
+        **(dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) if m.moe_expert_bias
+           else {}),
     )
 
 

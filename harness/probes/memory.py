@@ -253,3 +253,28 @@ def _peak_of(path: str) -> int:
         return memray.FileReader(path).metadata.peak_memory
     except (OSError, RuntimeError, ValueError) as exc:
         raise MeasurementError(f"memray capture {path} is unreadable ({type(exc).__name__}: {exc})") from exc
+
+
+def in_c10d(record) -> bool:
+    """Whether a memray allocation record was made inside a torch.distributed collective: its innermost Python frame
+    is torch.distributed's, or it has none (a native thread's: gloo's workers run a collective's transfers, and its
+    flat buffer of an all_gather's outputs). gloo's transport buffers and torch's flight recorder, not what the
+    caller built."""
+    frames = record.stack_trace(max_stacks=1)
+    return not frames or frames[0][1].endswith("distributed_c10d.py")
+
+
+def largest_allocation(capture: str) -> tuple[int, str]:
+    """(bytes, where: its innermost Python frames) of the largest single allocation a memray capture recorded
+    outside torch.distributed's collectives (in_c10d): the largest buffer the phase itself built at once."""
+    import memray
+
+    try:
+        records = [r for r in memray.FileReader(capture).get_allocation_records() if r.size and not in_c10d(r)]
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise MeasurementError(f"memray capture {capture} is unreadable ({type(exc).__name__}: {exc})") from exc
+    best = max(records, key=lambda r: r.size, default=None)
+    if best is None:
+        raise MeasurementError(f"memray capture {capture} recorded no allocation: the tracker saw nothing")
+    frames = [f"{fn} {file.rsplit('/', 1)[-1]}:{line}" for fn, file, line in best.stack_trace(max_stacks=4)]
+    return best.size, " < ".join(frames) or "(no Python frame)"

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.probes.memory import in_c10d
 from harness.probes.proc import MeasurementError, status_field
 
 
@@ -26,6 +27,9 @@ class Retention:
     kept_allocations: int
     rss_after: list[int] = field(default_factory=list)  # VmRSS before the first save, then after each
     capture: str = ""  # memray capture of the saves (its leaks flamegraph shows what stayed)
+    # what stayed that torch.distributed allocated inside a collective itself (not in `kept`): its flight recorder's
+    # entries, a ring of TORCH_FR_BUFFER_SIZE collectives on gloo ranks (about 1.4 KiB each until it is full)
+    bookkeeping: int = 0
     # where what stayed was allocated: (the innermost frames "function file:line" of the stack, bytes, allocations),
     # largest first
     top: list[tuple[str, int, int]] = field(default_factory=list)
@@ -35,9 +39,11 @@ class Retention:
         return self.kept / self.saves if self.saves else 0.0
 
 
-def measure_retention(save: Callable[[int], None], saves: int, capture: Path) -> Retention:
+def measure_retention(save: Callable[[int], None], saves: int, capture: Path, c10d_apart: bool = False
+                      ) -> Retention:
     """Run save(i) for i in range(saves) under a memray tracker; what each allocated and still holds once the
-    garbage collector ran is memray's leaked allocations at the tracker's end."""
+    garbage collector ran is memray's leaked allocations at the tracker's end. c10d_apart: what a collective
+    allocated inside torch.distributed itself is counted apart (`bookkeeping`), not as kept."""
     import memray
 
     for old in capture.parent.glob(capture.name + "*"):
@@ -53,8 +59,11 @@ def measure_retention(save: Callable[[int], None], saves: int, capture: Path) ->
         records = list(memray.FileReader(str(capture)).get_leaked_allocation_records(merge_threads=True))
     except (OSError, RuntimeError, ValueError) as exc:
         raise MeasurementError(f"memray capture {capture} is unreadable ({type(exc).__name__}: {exc})") from exc
+    apart = [r for r in records if c10d_apart and in_c10d(r)]
+    records = [r for r in records if not (c10d_apart and in_c10d(r))]
     return Retention(saves, sum(r.size for r in records), sum(r.n_allocations for r in records), rss, str(capture),
-                     _largest(records))
+                     top=_largest(records), bookkeeping=sum(r.size for r in apart))
+
 
 
 def _largest(records: list, n: int = 5, depth: int = 4) -> list[tuple[str, int, int]]:

@@ -1,0 +1,234 @@
+"""refit's checks: per bucket size, the stream complete and right, its memory and what repeated exports keep; per
+case, the policy a Hugging Face model loaded from the stream computes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks.numeric import fmt_err
+from harness.dtypes import dtype
+from harness.launch.results import CaseResult
+from harness.probes.memory import MIB
+from harness.suite_defs.refit.payload import Export, RefitRankData, Sent
+
+if TYPE_CHECKING:
+    import torch
+
+# fp32 on CPU: HF and Megatron differ by reduction order (~1e-7); one wrong or stale tensor moves tokens by >= 1e-3
+LOGPROB_RTOL = 1e-5
+# What an export may hold beyond its bucket and the tensors it must build: the collectives' and Python's objects
+# (names, shapes, a bridge's conversion plan walked per tensor). Measured on gloo ranks: see docs/suites.md#refit.
+OVERHEAD = 1 * MIB
+# A rank's memory left allocated per repeated export: megatron's and torch's per-collective bookkeeping. A bucket
+# kept alive per export is the stream, bucket by bucket (tiny's 330 KiB at fp32).
+RETAINED_PER_REFIT = 16 * 1024
+
+
+def data(result: CaseResult) -> list[RefitRankData]:
+    return [r.payload_as(RefitRankData) for r in result.ranks]
+
+
+def size_text(n: int) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k} {unit}"
+    return f"{n} B"
+
+
+def where(res: CaseResult, size: int | None = None) -> str:
+    """'tiny+untied at tp1-pp2-cp1-dp2 on mcore, buckets of 8 KiB'."""
+    c = res.case
+    return f"{c.model.name} at {c.layout.id} on {c.engine}" + (f", buckets of {size_text(size)}" if size else "")
+
+
+def reference(res: CaseResult) -> dict[str, torch.Tensor]:
+    """The trained parameters (and expert biases) of every rank assembled, under HF names by the harness's own
+    arithmetic: what the export must send."""
+    from harness.checks.tensors import assemble
+    from harness.engines.hf_weights import hf_state_dict
+
+    return hf_state_dict(assemble([d.params for d in data(res)]).tensors, res.case.model)
+
+
+def must_build(res: CaseResult) -> int:
+    """The largest tensor an export must build at once, in the case's dtype: the largest parameter gathered whole (a
+    fused QKV or gate/up weight; one expert's)."""
+    from harness.checks.tensors import assemble
+
+    itemsize = dtype(res.case.options.dtype).torch.itemsize
+    return max(t.numel() for t in assemble([d.params for d in data(res)]).tensors.values()) * itemsize
+
+
+def judge(results: list[CaseResult]) -> list[CheckResult]:
+    out: list[CheckResult] = []
+    for res in results:
+        if not res.ok:
+            out.append(case_failed("refit.run", res))
+            continue
+        ranks = data(res)
+        ref = reference(res)
+        hf = ranks[0].hf
+        expected = {k: shape for k, (shape, _) in hf.expected.items()} if hf else \
+            {k: tuple(t.shape) for k, t in ref.items()}
+        biggest = must_build(res)
+        for i, export in enumerate(ranks[0].exports):
+            per_rank = [(r.rank, d.exports[i]) for r, d in zip(res.ranks, ranks)]
+            at = where(res, export.bucket_bytes)
+            out.append(check_complete(res, at, per_rank, set(expected)))
+            out.append(check_values(res, at, per_rank, expected, ref, ranks[0].stream or {}))
+            out.append(check_memory(res, at, per_rank, biggest))
+            out.append(check_repeats(res, at, per_rank))
+        out.append(check_policy(res, ranks))
+    return out
+
+
+def _first(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def check_complete(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], expected: set[str]) -> CheckResult:
+    """Every rank that sends sends each of the HF model's keys exactly once, over all its buckets, and nothing else."""
+    cid, name = res.case.id, "refit.complete"
+    senders = [(r, e) for r, e in per_rank if e.sent]
+    if not senders:
+        return CheckResult(name, cid, False, f"{at}: no rank sent anything")
+    for r, e in senders:
+        seen: dict[str, list[int]] = {}
+        for s in e.sent:
+            seen.setdefault(s.name, []).append(s.bucket)
+        missing = sorted(expected - set(seen))
+        extra = sorted(set(seen) - expected)
+        twice = sorted(k for k, b in seen.items() if len(b) > 1)
+        if missing or extra or twice:
+            buckets = max(s.bucket for s in e.sent) + 1
+            parts = ([f"never sent {_first(missing)}"] if missing else []) + \
+                ([f"sent twice {_first([f'{k} (buckets {seen[k]})' for k in twice])}"] if twice else []) + \
+                ([f"sent what HF has no key for: {_first([f'{k} (bucket {seen[k][0]})' for k in extra])}"]
+                 if extra else [])
+            return CheckResult(name, cid, False, f"{at}: rank {r}, {len(seen)} tensors in {buckets} buckets of "
+                                                 f"{len(expected)} HF keys: " + "; ".join(parts),
+                               [f"  never sent: {k}" for k in missing])
+    buckets = max(s.bucket for s in senders[0][1].sent) + 1
+    return CheckResult(name, cid, True, f"{at}: {len(senders)} ranks each sent the {len(expected)} HF keys once, in "
+                                        f"{buckets} buckets")
+
+
+def check_values(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], expected: dict[str, tuple],
+                 ref: dict[str, torch.Tensor], stream: dict[str, torch.Tensor]) -> CheckResult:
+    """Shapes as HF's, the values rank 0 sent equal to the trained parameters bit for bit, and every rank's tensor
+    the same as rank 0's."""
+    import torch
+
+    from harness.suite_defs.refit.payload import digest
+
+    cid, name = res.case.id, "refit.values"
+    for r, e in per_rank:
+        for s in e.sent:
+            if s.name in expected and tuple(s.shape) != tuple(expected[s.name]):
+                return CheckResult(name, cid, False, f"{at}: rank {r}, bucket {s.bucket}: {s.name} of shape "
+                                                     f"{list(s.shape)}, HF expects {list(expected[s.name])}")
+    for key, t in stream.items():
+        want = ref.get(key)
+        if want is not None and (t.shape != want.shape or not torch.equal(t.float(), want)):
+            diff = float((t.float() - want).abs().max()) if t.shape == want.shape else float("nan")
+            return CheckResult(name, cid, False, f"{at}: rank 0 sent {key} unlike the trained parameter (largest "
+                                                 f"difference {diff:.3g}): the rollout gets other weights")
+    digests = {k: digest(t) for k, t in stream.items()}
+    for r, e in per_rank:
+        for s in e.sent:
+            if s.name in digests and s.digest != digests[s.name]:
+                return CheckResult(name, cid, False, f"{at}: rank {r}, bucket {s.bucket}: {s.name} differs from "
+                                                     "rank 0's copy of the trained parameter")
+    n = sum(len(e.sent) for _, e in per_rank)
+    return CheckResult(name, cid, True, f"{at}: {n} tensors sent by {len(per_rank)} ranks have HF's shapes and equal "
+                                        f"the trained parameters bit for bit")
+
+
+def check_memory(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], biggest: int) -> CheckResult:
+    """Per rank: the export's host peak within a bucket + 2 x the largest tensor it must build (its gathered pieces
+    and the whole) + OVERHEAD; its largest single allocation within that tensor."""
+    cid, name = res.case.id, "refit.memory"
+    rows = [f"  rank {r}: peak {e.peak.host_peak / 1024:.0f} KiB, largest allocation {e.largest / 1024:.1f} KiB at "
+            f"{e.largest_at}" for r, e in per_rank]
+    for r, e in per_rank:
+        if e.largest > biggest:
+            return CheckResult(name, cid, False, f"{at}: rank {r} built {e.largest / 1024:.1f} KiB at once, beyond "
+                                                 f"the largest tensor the export must build ({biggest / 1024:.1f} "
+                                                 f"KiB), at {e.largest_at}", rows, value=e.largest)
+    bound = per_rank[0][1].bucket_bytes + 2 * biggest + OVERHEAD
+    r, worst = max(per_rank, key=lambda x: x[1].peak.host_peak)
+    ok = worst.peak.host_peak <= bound
+    return CheckResult(name, cid, ok, f"{at}: rank {r}'s export peak {worst.peak.host_peak / 1024:.0f} KiB "
+                                      f"{'within' if ok else 'beyond'} bucket + 2 x largest tensor "
+                                      f"({biggest / 1024:.1f} KiB) + {OVERHEAD // MIB} MiB = {bound / 1024:.0f} KiB; "
+                                      f"largest allocation {worst.largest / 1024:.1f} KiB", rows,
+                       value=worst.peak.host_peak / MIB, show=not ok)
+
+
+def check_repeats(res: CaseResult, at: str, per_rank: list[tuple[int, Export]]) -> CheckResult:
+    """Repeated exports of the same weights: the same stream each time, and at most RETAINED_PER_REFIT left
+    allocated per export."""
+    cid, name = res.case.id, "refit.repeat"
+    for r, e in per_rank:
+        if e.differ:
+            return CheckResult(name, cid, False, f"{at}: rank {r}, the same weights exported again: {e.differ[0]}",
+                               [f"  {x}" for x in e.differ])
+    kept = [(r, e.retention) for r, e in per_rank if e.retention is not None]
+    if not kept:
+        return cannot_tell(name, cid, f"{at}: no repeated exports measured")
+    r, worst = max(kept, key=lambda x: x[1].per_save)
+    ok = worst.per_save <= RETAINED_PER_REFIT
+    site = worst.top[0][0] if worst.top else "(no stack)"
+    msg = (f"{at}: {worst.saves} exports of the same weights give the same stream on every rank, and rank {r} keeps "
+           f"{worst.per_save / 1024:.1f} KiB per export (bound {RETAINED_PER_REFIT // 1024} KiB; torch.distributed's "
+           f"flight recorder apart: {worst.bookkeeping / worst.saves / 1024:.1f} KiB)")
+    return CheckResult(name, cid, ok, msg if ok else msg + f"; most of it from {site}", value=worst.per_save)
+
+
+def check_policy(res: CaseResult, ranks: list[RefitRankData]) -> CheckResult:
+    """The HF model loaded from the stream (no key missing, none unexpected) computes the Megatron model's
+    log-probs of a held-out batch."""
+    from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs
+
+    cid, name, at = res.case.id, "refit.policy", where(res)
+    hf = ranks[0].hf
+    if hf is None:
+        return cannot_tell(name, cid, f"{at}: no Hugging Face model holds it ({ranks[0].hf_none})")
+    if hf.load_error or hf.missing or hf.unexpected:
+        why = hf.load_error or "; ".join(x for x in (hf.missing and f"missing {_first(hf.missing)}",
+                                                     hf.unexpected and f"unexpected {_first(hf.unexpected)}") if x)
+        return CheckResult(name, cid, False, f"{at}: the HF model does not load from the stream strictly: {why}")
+    got = first_step_logprobs(res, lambda d: d.held_out if isinstance(d, RefitRankData) else [])
+    if got is None or hf.logprobs is None:
+        return CheckResult(name, cid, False, f"{at}: no held-out log-probs captured")
+    megatron, counts = got
+    problem = coverage_problem(counts)
+    if problem:
+        return CheckResult(name, cid, False, f"{at}: held-out log-probs: {problem}")
+    rtol = LOGPROB_RTOL if res.case.options.dtype == "fp32" else dtype(res.case.options.dtype).rtol
+    diff = LogprobDiff.of(hf.logprobs, megatron, rtol)
+    if diff.bad.any():
+        s = diff.first_sample
+        return CheckResult(name, cid, False, f"{at}: the HF model loaded from the stream differs from the Megatron "
+                                             f"model at {int(diff.bad.sum())}/{megatron.numel()} held-out tokens "
+                                             f"(worst rel {fmt_err(diff.worst)} > {rtol:.0e}); first: sample {s}, "
+                                             f"positions {diff.positions(s)}", value=diff.worst)
+    return CheckResult(name, cid, True, f"{at}: the HF model loaded from the stream computes the Megatron model's "
+                                        f"log-probs of {megatron.numel()} held-out tokens, worst rel "
+                                        f"{fmt_err(diff.worst)} <= {rtol:.0e}", value=diff.worst)
+
+
+def figures(result: CaseResult) -> dict[str, Any]:
+    """Per bucket size: the largest export peak and allocation over the ranks (KiB), and the buckets sent."""
+    out: dict[str, Any] = {}
+    ranks = data(result)
+    for i, e in enumerate(ranks[0].exports):
+        size = size_text(e.bucket_bytes).replace(" ", "")
+        out[f"peak_kib@{size}"] = round(max(d.exports[i].peak.host_peak for d in ranks) / 1024, 1)
+        out[f"largest_kib@{size}"] = round(max(d.exports[i].largest for d in ranks) / 1024, 1)
+        out[f"buckets@{size}"] = max((s.bucket for s in e.sent), default=-1) + 1
+    return out
+
+
+__all__ = ["Sent", "judge", "figures"]

@@ -1,0 +1,52 @@
+"""refit's parameters: the bucket sizes of the export and the refits repeated."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from harness.errors import BadInput
+from harness.suite_defs.flags import flag
+
+SUITE = "refit"
+STEPS = 2  # trained before the export: the exported weights are the optimizer's, not the initial ones
+REFITS = 10  # repeated exports per bucket size: what each leaves allocated, and whether the streams agree
+# verl's default refit bucket (update_weights_bucket_megabytes 512: one bucket for a tiny model), and one that cuts
+# tiny's tensors (16-32 KiB each at fp32) and each MoE layer's experts over several buckets.
+BUCKETS = ("8KiB", "512MiB")
+_SIZE = re.compile(r"^(\d+)(B|KiB|MiB|GiB)$")
+_UNIT = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def bucket_bytes(text: str) -> int:
+    """'8KiB' -> 8192; BadInput naming the form otherwise."""
+    m = _SIZE.match(text.strip())
+    if not m or int(m.group(1)) == 0:
+        raise BadInput(f"--bucket-size {text!r}: expected a positive size with a unit, e.g. 8KiB, 512MiB, 1GiB")
+    return int(m.group(1)) * _UNIT[m.group(2)]
+
+
+@dataclass(frozen=True)
+class RefitParams:
+    """The suite's parameters: the bucket sizes every layout exports with, and how many refits are repeated."""
+
+    bucket_sizes: tuple[str, ...] = dataclasses.field(default=BUCKETS, metadata=flag(
+        "--bucket-size", f"refit: export in buckets of this size (repeatable; default {', '.join(BUCKETS)})"))
+    refits: int = dataclasses.field(default=REFITS, metadata=flag(
+        "--refits", f"refit: exports repeated per bucket size to judge what they leave allocated (default {REFITS})"))
+
+    # a case's own: the model variant it runs (suite.variant), chosen by the suite's matrix
+    variant: str = dataclasses.field(default="", metadata=flag(
+        "--refit-variant", "refit: the model variant of a case (untied, 4-layers, expert-bias)", cli=False))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bucket_sizes", tuple(self.bucket_sizes))
+        if not self.bucket_sizes:
+            raise BadInput("--bucket-size: give at least one size, e.g. --bucket-size 8KiB")
+        for size in self.bucket_sizes:
+            bucket_bytes(size)
+        if self.variant and self.variant not in ("untied", "4-layers", "expert-bias"):
+            raise BadInput(f"refit variant {self.variant!r}: expected untied, 4-layers or expert-bias")
+        if self.refits < 2:
+            raise BadInput(f"--refits {self.refits}: at least 2 (what repeated exports keep is judged per refit)")

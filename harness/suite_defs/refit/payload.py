@@ -1,0 +1,82 @@
+"""What a refit rank returns: what it sent, bucket by bucket, what each export cost, and rank 0's Hugging Face side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from harness.checks.step_outputs import TrainedRankData
+from harness.engines.base import StepOutput
+from harness.probes.memory import MemoryPeak
+from harness.probes.retention import Retention
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One tensor a rank handed to the rollout engine."""
+
+    name: str
+    bucket: int  # the bucket's index in the export
+    shape: tuple[int, ...]
+    dtype: str
+    digest: str  # blake2b of its bytes
+
+
+@dataclass(frozen=True)
+class Export:
+    """One bucket size's exports on a rank: the measured one's stream and memory, and the repeated ones'."""
+
+    bucket_bytes: int
+    sent: list[Sent]
+    peak: MemoryPeak
+    largest: int  # the largest single allocation during the measured export, bytes
+    largest_at: str  # where it was made
+    retention: Retention | None = None  # what the repeated exports left allocated
+    differ: list[str] = field(default_factory=list)  # the repeated exports whose stream differs from the first
+
+
+@dataclass(frozen=True)
+class HFSide:
+    """Rank 0: the Hugging Face model built from the config and loaded from the exported stream."""
+
+    expected: dict[str, tuple[tuple[int, ...], str]]  # the HF model's own state-dict keys: (shape, dtype)
+    tied: list[str]  # keys HF ties to another (not sent)
+    missing: list[str] = field(default_factory=list)  # load_state_dict's, less the tied ones
+    unexpected: list[str] = field(default_factory=list)
+    load_error: str = ""
+    logprobs: torch.Tensor | None = None  # [batch, seq] of the held-out batch, float64
+
+
+@dataclass(frozen=True)
+class RefitRankData(TrainedRankData):
+    """A rank's trained parameters (TrainedRankData.params, the routers' expert biases among them: the reference),
+    the held-out batch's log-probs (`held_out`), its exports per bucket size, and on rank 0 the stream of one
+    export kept whole and the Hugging Face side (None: the model has no Hugging Face architecture here)."""
+
+    held_out: list[StepOutput] = field(default_factory=list)
+    exports: list[Export] = field(default_factory=list)
+    stream: dict[str, Any] | None = None
+    hf: HFSide | None = None
+    hf_none: str = ""  # why there is no Hugging Face side
+
+
+def digest(t: torch.Tensor) -> str:
+    """A tensor's bytes hashed in place (no copy of a contiguous tensor)."""
+    import hashlib
+
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.blake2b(memoryview(flat.numpy()), digest_size=16).hexdigest()
+
+
+def receive(buckets: Any) -> list[Sent]:
+    """The rollout side of one export: each bucket read (named, shaped, hashed) and let go of before the next."""
+    sent: list[Sent] = []
+    for i, bucket in enumerate(buckets):
+        sent += [Sent(name, i, tuple(t.shape), str(t.dtype).removeprefix("torch."), digest(t)) for name, t in bucket]
+        del bucket
+    return sent

@@ -1,0 +1,194 @@
+"""The refit suite: its cases (layouts and model variants per path) and the rank work."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from harness.checks import CheckResult
+from harness.engines.base import ExportsWeights, ParamShard, RefusesCases
+from harness.errors import DoesNotApply
+from harness.launch.context import RankContext
+from harness.launch.results import CaseResult
+from harness.layouts import violations
+from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.refit.params import STEPS, SUITE, RefitParams, bucket_bytes
+from harness.suite_defs.refit.payload import Export, HFSide, RefitRankData, receive
+
+EVAL_STEP = 1_000_003  # the held-out batch: a step index no training step uses
+
+
+VARIANTS: dict[str, dict[str, Any]] = {"untied": dict(tie_embeddings=False), "4-layers": dict(num_layers=4),
+                                      "expert-bias": dict(moe_expert_bias=True)}
+
+
+def variant(model: ModelSpec, what: str) -> ModelSpec:
+    """The model with untied embeddings ("untied"), with 4 layers for two virtual stages per PP stage ("4-layers"),
+    or with aux-loss-free balancing ("expert-bias"); its name says which."""
+    changes = VARIANTS[what]
+    return dataclasses.replace(model, name=f"{model.name}+{what}", **changes)
+
+
+def matrix(model: ModelSpec, world_size: int) -> list[tuple[str, Layout]]:
+    """The default (model, layout) pairs: pure DP; TP 2; PP 2 with the model's embeddings and the other way; PP 2
+    with two virtual stages each; CP 2; an MoE model's EP 2, EP 2 with ETP 2, EP 2 with PP 2, and EP 2 with
+    aux-loss-free balancing. What the world size or the model cannot lay out is left out."""
+    w, half = world_size, world_size // 2
+    pairs: list[tuple[str, Layout]] = [("", Layout(dp=w)), ("", Layout(tp=2, dp=half)), ("", Layout(pp=2, dp=half))]
+    if model.tie_embeddings:
+        pairs.append(("untied", Layout(pp=2, dp=half)))
+    pairs += [("4-layers" if model.num_layers < 4 else "", Layout(pp=2, dp=half, vpp=2)), ("", Layout(cp=2, dp=half))]
+    if model.moe:
+        pairs = pairs[:1] + [("", Layout(dp=w, ep=2)), ("", Layout(dp=w, ep=2, etp=2)),
+                             ("", Layout(pp=2, dp=half, ep=2)), ("expert-bias", Layout(dp=w, ep=2))] + pairs[1:]
+    return [(v, lay) for v, lay in pairs
+            if not violations(lay, variant(model, v) if v else model, world_size)]
+
+
+class RefitSuite:
+    name = SUITE
+    default_model = "tiny"
+    Params = RefitParams
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "transformers", "memray")
+
+    def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
+              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              params: RefitParams | None = None) -> list[Case]:
+        from harness.engines import resolve_factory
+        from harness.layouts import validate
+
+        params = params or RefitParams()
+        factory = resolve_factory(engine)
+        if not (isinstance(factory, type) and issubclass(factory, ExportsWeights)):
+            raise DoesNotApply(f"engine {engine!r} has no export_buckets(bucket_bytes) (harness.engines.base."
+                               "ExportsWeights): refit needs the export your framework streams to its rollout engine; "
+                               "give a subclass of McoreEngine whose hf_weight_stream is yours (docs/engines.md)")
+        options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps)
+        if layouts is not None:
+            pairs = [(params.variant, validate(lay, model, world_size)) for lay in layouts]
+        else:
+            pairs = matrix(model, world_size)
+        out = []
+        for what, lay in pairs:
+            m = variant(model, what) if what else model
+            case = Case(self.name, m, lay, engine, options, backend, params=dataclasses.replace(params, variant=what))
+            why = factory.refusal(m, lay) if isinstance(factory, RefusesCases) and what else None
+            out.append(case.skipped(f"the {what} variant of {model.name}: {why}") if why else case)
+        return out
+
+    def rank_work(self, case: Case, ctx: RankContext) -> RefitRankData:
+        import torch.distributed as dist
+
+        from harness.engines import make_engine
+        from harness.platform.parallel import layout_coords
+
+        engine = make_engine(case, ctx)
+        if not isinstance(engine, ExportsWeights):  # the plan refuses such a factory; here for the type checker
+            raise DoesNotApply(f"engine {case.engine} has no export_buckets (ExportsWeights)")
+        with ctx.phase("build"):
+            engine.build()
+        steps = []
+        for step in range(case.options.steps):
+            with ctx.phase("steps"):
+                steps.append(engine.train_step(step))
+        with ctx.phase("eval"):
+            held_out = engine.eval_step(EVAL_STEP)
+        with ctx.phase("collect"):
+            params = engine.param_shards() + _expert_biases(engine)
+        p = case.params if isinstance(case.params, RefitParams) else RefitParams()
+        with ctx.phase("refit"):
+            # the first export, unmeasured, kept whole on rank 0: its values are judged, and it plans what a
+            # bridge plans once (its conversion tasks) and imports what the export imports
+            kept = {name: t.clone() for bucket in engine.export_buckets(bucket_bytes(p.bucket_sizes[0]))
+                    for name, t in bucket} if ctx.rank == 0 else None
+            if ctx.rank != 0:
+                receive(engine.export_buckets(bucket_bytes(p.bucket_sizes[0])))
+            exports = [_exports(engine, bucket_bytes(size), p.refits, case, ctx) for size in p.bucket_sizes]
+        hf, hf_none = None, ""
+        if ctx.rank == 0:
+            with ctx.phase("hf"):
+                hf, hf_none = hf_side(case, kept or {})
+        dist.barrier()
+        return RefitRankData(layout_coords(), steps, params, held_out=[held_out], exports=exports,
+                             stream=kept, hf=hf, hf_none=hf_none)
+
+    def metrics(self, result: CaseResult) -> dict[str, Any]:
+        from harness.suite_defs.refit.judge import figures
+
+        return figures(result) if result.ok else {}
+
+    def check(self, results: list[CaseResult], params: RefitParams | None = None) -> list[CheckResult]:
+        from harness.suite_defs.refit.judge import judge
+
+        return judge(results)
+
+
+def _exports(engine: ExportsWeights, size: int, refits: int, case: Case, ctx: RankContext) -> Export:
+    """One bucket size: an export measured (host peak, largest allocation), then `refits` more under a tracker of what
+    they leave allocated."""
+    import torch.distributed as dist
+
+    from harness.probes.memory import captures_dir, largest_allocation, measure
+    from harness.probes.retention import measure_retention
+    from harness.suite_defs.refit.payload import digest
+
+    dist.barrier()
+    with measure(f"refit-{size}", captures_dir(case), ctx.rank, device=not ctx.on_cpu) as peak:
+        sent = receive(engine.export_buckets(size))
+    largest, at = largest_allocation(peak.capture)
+    first = [(s.name, s.digest) for s in sent]
+    differ: list[str] = []  # only what differs is kept: what the exports leave allocated is judged
+
+    def refit(i: int) -> None:
+        stream = [(name, digest(t)) for bucket in engine.export_buckets(size) for name, t in bucket]
+        if stream != first:
+            at = next((a[0] for a, b in zip(stream, first) if a != b), f"{len(stream)} tensors, not {len(first)}")
+            differ.append(f"export {i + 2} differs from the first at {at}")
+
+    dist.barrier()
+    kept = measure_retention(refit, refits, captures_dir(case) / f"memray-refits-{size}-rank{ctx.rank}.bin",
+                             c10d_apart=True)
+    return Export(size, sent, peak, largest, at, kept, differ)
+
+
+def _expert_biases(engine: Any) -> list[ParamShard]:
+    """The routers' expert biases of the engine's chunks as replicated shards (the reference holds them too)."""
+    from harness.engines.weight_export import expert_biases
+
+    return [ParamShard(name, b.detach().float().cpu().clone(), None, 0, 1)
+            for model in engine.models for name, b in expert_biases(model.module).items()]
+
+
+def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:
+    """Rank 0: the HF model's own keys (built from the config on the meta device), that model loaded from the
+    stream, and the held-out batch through it; (None, why) for a model with no Hugging Face architecture here."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from harness.dtypes import dtype
+    from harness.engines import data
+    from harness.engines.mbridge import hf_architecture, hf_config
+    from harness.errors import BadInput
+    from harness.suite_defs.peft_ckpt.suite import label_logprobs
+
+    try:
+        hf_architecture(case.model)
+    except BadInput as exc:
+        return None, str(exc)
+    config = hf_config(case.model)
+    torch_dtype = dtype(case.options.dtype).torch
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype)
+    tied = ["lm_head.weight"] if config.tie_word_embeddings else []
+    expected = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in meta.state_dict().items()
+                if k not in tied}
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype).eval()
+    try:
+        res = model.load_state_dict(stream, strict=False)
+    except RuntimeError as exc:  # shapes HF refuses
+        return HFSide(expected, tied, load_error=str(exc).splitlines()[0][:300]), ""
+    missing = [k for k in res.missing_keys if k not in tied]
+    tokens = data.global_batch(case, EVAL_STEP)
+    with torch.no_grad():
+        logprobs = label_logprobs(model(input_ids=tokens[:, :-1]).logits, tokens)
+    return HFSide(expected, tied, missing, list(res.unexpected_keys), logprobs=logprobs), ""
