@@ -25,6 +25,13 @@ CASES = [
      "engine 'tests.faulty_engines:_DoneHandle' is not a class with train_rl_batch / rl_logprobs"),
     (["run", "--suite", "batch-split", "--world-size", "3"],
      "layout tp1-pp1-cp1-dp3 is invalid for model tiny: global_batch_size=16 not divisible"),
+    (["run", "--suite", "refit", "--bucket-size", "8kb"], "--bucket-size '8kb': expected a positive size with a unit"),
+    (["run", "--suite", "refit", "--refits", "1"], "--refits 1: at least 2"),
+    (["run", "--suite", "refit", "--engine", "fsdp2"], "engine 'fsdp2' has no export_buckets(bucket_bytes)"),
+    (["run", "--suite", "refit", "--engine", "mbridge"],
+     "engine 'mbridge': mbridge's export_weights maps Transformer Engine's layer names only"),
+    (["run", "--suite", "refit", "--engine", "megatron-bridge", "--model", "tiny-moe"],
+     "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
     (["run", "--suite", "peft-ckpt", "--model", "tiny-moe"],
      "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE, which needs "
@@ -149,7 +156,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 88  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 93  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -119,6 +119,14 @@ class ExportsWeights(Protocol):
 
 
 @runtime_checkable
+class RefusesExports(Protocol):
+    """An engine factory whose weight export cannot run at every backend: export_refusal(model, backend) says why
+    not (None: it can). Asked in the parent by the refit suite, like RefusesCases."""
+
+    def export_refusal(self, model: ModelSpec, backend: str) -> str | None: ...
+
+
+@runtime_checkable
 class Checkpointing(Engine, Protocol):
     """An engine that saves and loads distributed checkpoints in named formats (ckpt-memory, golden's resumes)."""
 

@@ -215,6 +215,27 @@ class FSDP2Engine(McoreEngine):
             out.append(ParamShard(name, full.detach().float().cpu().clone(), None, 0, 1))
         return out
 
+    def export_chunks(self) -> list:
+        return [self.model]
+
+    def hf_weight_stream(self):
+        """Every weight whole under its HF name, one at a time, on every rank: each parameter gathered from its FSDP
+        shards (DTensor.full_tensor, collective), as FSDP frameworks refit."""
+        import torch
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+        from torch.distributed.tensor import DTensor
+
+        from harness.engines.hf_weights import hf_state_dict
+        from harness.engines.weight_export import expert_biases
+
+        named = {**self.global_names(self.model), **expert_biases(self.model)}
+        for name, p in named.items():
+            with torch.no_grad():
+                full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            if isinstance(full, AsyncCollectiveTensor):  # the gather waited for, its work let go of
+                full = full.wait()
+            yield from hf_state_dict({name: full}, self.case.model).items()
+
     def optimizer_state_shards(self) -> list[ParamShard]:
         """torch Adam's state (exp_avg, exp_avg_sq gathered whole; step) per global name, from rank 0 only."""
         import torch

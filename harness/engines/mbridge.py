@@ -104,11 +104,25 @@ def bridge_refusal(model: ModelSpec, layout: Layout) -> str | None:
     return None
 
 
+def export_refusal(model: ModelSpec, backend: str) -> str | None:
+    """mbridge's export names only Transformer Engine's layer spec (a norm fused into the next linear:
+    `linear_qkv.layer_norm_weight`); without it (CPU ranks, GPU ranks without Transformer Engine) the harness builds
+    megatron's local spec (`input_layernorm.weight`), which the export refuses by name."""
+    import importlib.util
+
+    if backend == "nccl" and importlib.util.find_spec("transformer_engine") is not None:
+        return None
+    return ("mbridge's export_weights maps Transformer Engine's layer names only (it raises 'Unsupported parameter "
+            "name: decoder.layers.0.input_layernorm.weight' on megatron's local spec, which ranks without Transformer "
+            "Engine build): run --engine mbridge on GPU ranks with Transformer Engine, or --engine megatron-bridge")
+
+
 class MbridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
     bridge: Any = None
     check_available = staticmethod(check_available)
     refusal = staticmethod(bridge_refusal)
+    export_refusal = staticmethod(export_refusal)
 
     def bridge_ddp_config(self) -> dict[str, Any]:
         """What this path hands to bridge.get_model(ddp_config=...): the merged wrap config.

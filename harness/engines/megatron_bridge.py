@@ -272,8 +272,21 @@ class MegatronBridgeEngine(McoreEngine):
         every tensor, gathered over TP / PP / EP), planned once per engine."""
         if self._export_tasks is None:
             self._export_tasks = self.hf_conversion_tasks(self.ctx.workdir)
-        return self.bridge.export_hf_weights(self.models, cpu=True, show_progress=False,
-                                             conversion_tasks=self._export_tasks)
+        try:
+            yield from self.bridge.export_hf_weights(self.models, cpu=True, show_progress=False,
+                                                     conversion_tasks=self._export_tasks)
+        except ValueError as exc:
+            if not (self.case.model.moe and "invalid literal for int()" in str(exc)):
+                raise
+            from importlib.metadata import version
+
+            raise RuntimeError(
+                f"megatron-bridge {version('megatron-bridge')} cannot export megatron's SequentialMLP experts (what "
+                "ranks without Transformer Engine's grouped GEMM build): its expert mapping reads a grouped-GEMM "
+                "expert index from the end of '...experts.linear_fc1.weight<N>' and finds none in "
+                "'...local_experts.<N>.linear_fc1.weight' (int('') in gather_from_ep_ranks) - an upstream defect; "
+                "judge this export on GPU ranks with Transformer Engine, or with a megatron-bridge that maps "
+                "SequentialMLP experts") from exc
 
     def hf_base_state_dict(self, workdir: Path) -> dict[str, torch.Tensor]:
         """The base (frozen) weights under HF names, on every rank (collective), without the adapters."""

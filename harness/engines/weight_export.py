@@ -75,6 +75,10 @@ class PerTensorExport:
     def tp_parts(self, name: str) -> int:
         raise NotImplementedError  # McoreEngine's
 
+    def export_chunks(self) -> list:
+        """The unwrapped model chunks whose weights are exported, in order."""
+        return [m.module for m in self.models]
+
     def export_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The HF-named weights in buckets of at most bucket_bytes (collective: every rank iterates to the end)."""
         return buckets(self.hf_weight_stream(), bucket_bytes)
@@ -132,8 +136,7 @@ class PerTensorExport:
         from megatron.core import parallel_state as ps
 
         out = []
-        for model in self.models:
-            chunk = model.module
+        for chunk in self.export_chunks():
             named = dict(self.global_names(chunk))
             named.update(expert_biases(chunk))
             local_experts = (self.case.model.num_experts // ps.get_expert_model_parallel_world_size()

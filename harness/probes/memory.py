@@ -255,13 +255,24 @@ def _peak_of(path: str) -> int:
         raise MeasurementError(f"memray capture {path} is unreadable ({type(exc).__name__}: {exc})") from exc
 
 
+_CPU_LAYER = "harness/platform/cpu_layer.py"
+
+
 def in_c10d(record) -> bool:
-    """Whether a memray allocation record was made inside a torch.distributed collective: its innermost Python frame
-    is torch.distributed's, or it has none (a native thread's: gloo's workers run a collective's transfers, and its
-    flat buffer of an all_gather's outputs). gloo's transport buffers and torch's flight recorder, not what the
-    caller built."""
-    frames = record.stack_trace(max_stacks=1)
-    return not frames or frames[0][1].endswith("distributed_c10d.py")
+    """Whether a memray allocation record was made by torch.distributed itself: within the innermost run of torch's
+    own frames there is one of torch.distributed's (a collective, DTensor's redistribution), or it has no Python
+    frame (a native thread's: gloo's workers run a collective's transfers and build an all_gather's flat buffer).
+    gloo's transport buffers, torch's flight recorder (a ring of TORCH_FR_BUFFER_SIZE entries, about 1.4 KiB per
+    collective until it is full) and DTensor's plan caches - not what the caller built or kept."""
+    frames = record.stack_trace(max_stacks=16)
+    for _, file, _ in frames:
+        if file.endswith(_CPU_LAYER):  # the CPU layer's stand-ins call torch on torch's behalf
+            continue
+        if "/torch/" not in file:
+            return False
+        if "/torch/distributed/" in file:
+            return True
+    return not frames
 
 
 def largest_allocation(capture: str) -> tuple[int, str]:

@@ -27,8 +27,8 @@ class Retention:
     kept_allocations: int
     rss_after: list[int] = field(default_factory=list)  # VmRSS before the first save, then after each
     capture: str = ""  # memray capture of the saves (its leaks flamegraph shows what stayed)
-    # what stayed that torch.distributed allocated inside a collective itself (not in `kept`): its flight recorder's
-    # entries, a ring of TORCH_FR_BUFFER_SIZE collectives on gloo ranks (about 1.4 KiB each until it is full)
+    # what stayed that torch.distributed allocated itself (memory.in_c10d; not in `kept`): its flight recorder's
+    # entries, a ring of TORCH_FR_BUFFER_SIZE collectives (about 1.4 KiB each until it is full), DTensor's caches
     bookkeeping: int = 0
     # where what stayed was allocated: (the innermost frames "function file:line" of the stack, bytes, allocations),
     # largest first

@@ -6,7 +6,8 @@ import dataclasses
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.engines.base import ExportsWeights, ParamShard, RefusesCases
+from harness.engines.base import ExportsWeights, ParamShard, RefusesCases, RefusesExports
+from harness.engines.weight_export import PerTensorExport
 from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -63,16 +64,22 @@ class RefitSuite:
             raise DoesNotApply(f"engine {engine!r} has no export_buckets(bucket_bytes) (harness.engines.base."
                                "ExportsWeights): refit needs the export your framework streams to its rollout engine; "
                                "give a subclass of McoreEngine whose hf_weight_stream is yours (docs/engines.md)")
+        if isinstance(factory, RefusesExports) and (why := factory.export_refusal(model, backend)):
+            raise DoesNotApply(f"engine {engine!r}: {why}")
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps)
         if layouts is not None:
             pairs = [(params.variant, validate(lay, model, world_size)) for lay in layouts]
         else:
             pairs = matrix(model, world_size)
+        refuses = isinstance(factory, RefusesCases)
+        if layouts is None and refuses:  # a default matrix drops what the path cannot build
+            pairs = [(v, lay) for v, lay in pairs if not factory.refusal(variant(model, v) if v else model, lay)
+                     or v == "expert-bias"]
         out = []
         for what, lay in pairs:
             m = variant(model, what) if what else model
             case = Case(self.name, m, lay, engine, options, backend, params=dataclasses.replace(params, variant=what))
-            why = factory.refusal(m, lay) if isinstance(factory, RefusesCases) and what else None
+            why = factory.refusal(m, lay) if refuses and what else None
             out.append(case.skipped(f"the {what} variant of {model.name}: {why}") if why else case)
         return out
 
@@ -94,7 +101,7 @@ class RefitSuite:
         with ctx.phase("eval"):
             held_out = engine.eval_step(EVAL_STEP)
         with ctx.phase("collect"):
-            params = engine.param_shards() + _expert_biases(engine)
+            params = engine.param_shards() + (_expert_biases(engine) if isinstance(engine, PerTensorExport) else [])
         p = case.params if isinstance(case.params, RefitParams) else RefitParams()
         with ctx.phase("refit"):
             # the first export, unmeasured, kept whole on rank 0: its values are judged, and it plans what a
@@ -151,12 +158,12 @@ def _exports(engine: ExportsWeights, size: int, refits: int, case: Case, ctx: Ra
     return Export(size, sent, peak, largest, at, kept, differ)
 
 
-def _expert_biases(engine: Any) -> list[ParamShard]:
+def _expert_biases(engine: PerTensorExport) -> list[ParamShard]:
     """The routers' expert biases of the engine's chunks as replicated shards (the reference holds them too)."""
     from harness.engines.weight_export import expert_biases
 
     return [ParamShard(name, b.detach().float().cpu().clone(), None, 0, 1)
-            for model in engine.models for name, b in expert_biases(model.module).items()]
+            for chunk in engine.export_chunks() for name, b in expert_biases(chunk).items()]
 
 
 def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:
