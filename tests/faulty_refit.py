@@ -67,3 +67,15 @@ class KeepsBucketsAlive(McoreEngine):
         for bucket in super().export_buckets(bucket_bytes):
             self.sent.append(bucket)
             yield bucket
+
+
+class StaleWeights(McoreEngine):
+    """A refit that streams the weights as they were when the engine was built (a copy refreshed once, never after
+    a step): the rollout samples from the initial policy."""
+
+    def build(self):
+        super().build()
+        self.initial = {name: t.clone() for name, t in self.hf_weight_stream()}
+
+    def export_buckets(self, bucket_bytes: int):
+        return buckets(iter(self.initial.items()), bucket_bytes)

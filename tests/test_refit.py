@@ -1,0 +1,130 @@
+"""refit: correct exports pass on every layout and path; each planted export regression (tests/faulty_refit.py) fails
+it with a message naming the layout, the path, the bucket size and the tensor."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.driver import plan, run_suite
+from harness.errors import BadInput
+
+TP2, PP2, DP4 = "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp4"
+EP2, ETP2 = "tp1-pp1-cp1-dp4-ep2", "tp1-pp1-cp1-dp4-ep2-etp2"
+QUICK = {"bucket_sizes": ("8KiB",)}
+
+
+def _failed(run) -> dict[str, str]:
+    """check -> message of every failed check of the run (the case's error for refit.run)."""
+    out = {c.check: c.message for c in run.checks if c.failed}
+    out.update({"error": r.error for r in run.results if r.error})
+    return out
+
+
+def test_buckets_cut_a_stream_in_order_with_a_large_tensor_alone():
+    import torch
+
+    from harness.engines.weight_export import buckets
+
+    stream = [("a", torch.zeros(2)), ("b", torch.zeros(2)), ("big", torch.zeros(10)), ("c", torch.zeros(1))]
+    cut = [[name for name, _ in b] for b in buckets(iter(stream), 16)]  # 8-byte tensors, a 40-byte one
+    assert cut == [["a", "b"], ["big"], ["c"]]
+
+
+def test_the_default_matrix_lays_out_every_layout_that_matters():
+    dense = {(c.params.variant, c.layout.id) for c in plan("refit", "tiny", 4, backend="gloo").cases}
+    assert dense == {("", DP4), ("", TP2), ("", PP2), ("untied", PP2), ("4-layers", "tp1-pp2-cp1-dp2-vpp2"),
+                     ("", "tp1-pp1-cp2-dp2")}
+    moe = {(c.params.variant, c.layout.id) for c in plan("refit", "tiny-moe", 4, backend="gloo").cases}
+    assert moe == {("", DP4), ("", EP2), ("", ETP2), ("", "tp1-pp2-cp1-dp2-ep2"), ("expert-bias", EP2)}
+    untied = next(c for c in plan("refit", "tiny", 4, backend="gloo").cases if c.params.variant == "untied")
+    assert untied.model.name == "tiny+untied" and not untied.model.tie_embeddings
+    assert {c.layout.id for c in plan("refit", "tiny", 4, engine="fsdp2", backend="gloo").cases} == {DP4}
+
+
+@pytest.mark.parametrize("given, said", [
+    ({"bucket_sizes": ("8kb",)}, "--bucket-size '8kb': expected a positive size with a unit"),
+    ({"bucket_sizes": ("0KiB",)}, "expected a positive size"),
+    ({"refits": 1}, "--refits 1: at least 2"),
+    ({"variant": "tied"}, "refit variant 'tied': expected untied, 4-layers or expert-bias"),
+])
+def test_bad_parameters_are_refused_before_any_rank(given, said):
+    with pytest.raises(BadInput, match=said):
+        plan("refit", "tiny", 4, [DP4], backend="gloo", suite_params=given)
+
+
+@pytest.mark.slow
+def test_megatrons_export_passes_at_tp2_and_pp2_untied():
+    run = run_suite("refit", "tiny", 4, [TP2, PP2], backend="gloo", suite_params={**QUICK, "variant": "untied"})
+    assert run.passed, _failed(run)
+    for check in ("complete", "values", "memory", "repeat", "policy"):
+        assert sum(c.check == f"refit.{check}" and c.passed for c in run.checks) == 2, check
+
+
+@pytest.mark.slow
+def test_megatron_bridges_export_and_fsdp2s_pass():
+    for engine, layout in (("megatron-bridge", TP2), ("fsdp2", DP4)):
+        run = run_suite("refit", "tiny", 4, [layout], engine=engine, backend="gloo", suite_params=QUICK)
+        assert run.passed, (engine, _failed(run))
+
+
+@pytest.mark.slow
+def test_megatron_bridges_sequential_mlp_expert_export_fails_naming_the_upstream_defect():
+    run = run_suite("refit", "tiny-qwen3-moe", 4, [DP4], engine="megatron-bridge", backend="gloo", suite_params=QUICK)
+    assert not run.passed
+    assert "cannot export megatron's SequentialMLP experts" in _failed(run)["error"]
+
+
+@pytest.mark.slow
+def test_an_expert_task_split_across_buckets_that_is_never_yielded_is_caught():
+    run = run_suite("refit", "tiny-moe", 4, [EP2], engine="tests.faulty_refit:ExpertBucketNeverYielded",
+                    backend="gloo", suite_params=QUICK)
+    msg = _failed(run)["refit.complete"]
+    assert msg.startswith(f"tiny-moe at {EP2} on tests.faulty_refit:ExpertBucketNeverYielded, buckets of 8 KiB: "
+                          "rank 0, ")
+    assert "never sent model.layers.0.mlp.experts." in msg
+
+
+@pytest.mark.slow
+def test_the_local_etp_shard_sent_instead_of_the_gathered_expert_is_caught():
+    run = run_suite("refit", "tiny-moe", 4, [ETP2], engine="tests.faulty_refit:ETPLocalShard", backend="gloo",
+                    suite_params=QUICK)
+    msg = _failed(run)["refit.values"]
+    assert f"tiny-moe at {ETP2} on tests.faulty_refit:ETPLocalShard, buckets of 8 KiB: rank 0, bucket " in msg
+    assert ".mlp.experts.0.gate_proj.weight of shape [32, 64], HF expects [64, 64]" in msg
+
+
+@pytest.mark.slow
+def test_a_dropped_expert_bias_is_caught():
+    run = run_suite("refit", "tiny-moe", 4, [EP2], engine="tests.faulty_refit:DropsExpertBias", backend="gloo",
+                    suite_params={**QUICK, "variant": "expert-bias"})
+    msg = _failed(run)["refit.complete"]
+    assert "never sent model.layers.0.mlp.gate.e_score_correction_bias" in msg
+    assert msg.startswith(f"tiny-moe+expert-bias at {EP2} on tests.faulty_refit:DropsExpertBias, buckets of 8 KiB")
+
+
+@pytest.mark.slow
+def test_a_fused_expert_tensor_built_whole_is_caught():
+    run = run_suite("refit", "tiny-moe", 4, [EP2], engine="tests.faulty_refit:FusedExpertsBuiltWhole",
+                    backend="gloo", suite_params=QUICK)
+    msg = _failed(run)["refit.memory"]
+    assert "built 64.0 KiB at once, beyond the largest tensor the export must build (32.0 KiB), at " in msg
+    assert "faulty_refit.py" in msg
+    assert "refit.values" not in _failed(run)  # the same tensors, bit for bit: only the memory shows it
+
+
+@pytest.mark.slow
+def test_an_exporter_that_keeps_its_buckets_is_caught():
+    run = run_suite("refit", "tiny", 4, [TP2], engine="tests.faulty_refit:KeepsBucketsAlive", backend="gloo",
+                    suite_params=QUICK)
+    msg = _failed(run)["refit.repeat"]
+    assert f"tiny at {TP2} on tests.faulty_refit:KeepsBucketsAlive, buckets of 8 KiB: 10 exports of the same " in msg
+    assert "KiB per export (bound 16 KiB" in msg
+
+
+@pytest.mark.slow
+def test_stale_weights_are_caught_by_value_and_by_the_policy():
+    run = run_suite("refit", "tiny", 4, [DP4], engine="tests.faulty_refit:StaleWeights", backend="gloo",
+                    suite_params=QUICK)
+    failed = _failed(run)
+    assert "unlike the trained parameter" in failed["refit.values"]
+    assert "the HF model loaded from the stream differs from the Megatron model at " in failed["refit.policy"]
