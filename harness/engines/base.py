@@ -113,9 +113,11 @@ class ExportsWeights(Protocol):
     buckets of (Hugging Face name, full tensor) of at most bucket_bytes each (a larger tensor alone), collective
     (every rank iterates to the end). McoreEngine's is the harness's per-tensor exporter
     (harness/engines/weight_export.py), the bridges' their bridge's own export; a framework's engine overrides it
-    with its own."""
+    with its own. eval_step gives the held-out batch's per-token log-probs the exported policy must reproduce."""
 
     def export_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+
+    def eval_step(self, step: int) -> StepOutput: ...
 
 
 @runtime_checkable

@@ -180,9 +180,9 @@ def check_repeats(res: CaseResult, at: str, per_rank: list[tuple[int, Export]]) 
     r, worst = max(kept, key=lambda x: x[1].per_save)
     ok = worst.per_save <= RETAINED_PER_REFIT
     site = worst.top[0][0] if worst.top else "(no stack)"
-    msg = (f"{at}: {worst.saves} exports of the same weights give the same stream on every rank, and rank {r} keeps "
-           f"{worst.per_save / 1024:.1f} KiB per export (bound {RETAINED_PER_REFIT // 1024} KiB; what torch.distributed "
-           f"keeps for itself apart: {worst.bookkeeping / worst.saves / 1024:.1f} KiB)")
+    msg = (f"{at}: {worst.saves} exports of the same weights give the same stream on every rank, and rank {r} "
+           f"keeps {worst.per_save / 1024:.1f} KiB per export (bound {RETAINED_PER_REFIT // 1024} KiB; what "
+           f"torch.distributed keeps for itself apart: {worst.bookkeeping / worst.saves / 1024:.1f} KiB)")
     return CheckResult(name, cid, ok, msg if ok else msg + f"; most of it from {site}", value=worst.per_save)
 
 

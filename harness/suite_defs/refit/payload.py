@@ -70,7 +70,7 @@ def digest(t: torch.Tensor) -> str:
     import torch
 
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.blake2b(memoryview(flat.numpy()), digest_size=16).hexdigest()
+    return hashlib.blake2b(flat.numpy().data, digest_size=16).hexdigest()
 
 
 def receive(buckets: Any) -> list[Sent]:

@@ -35,6 +35,8 @@ def matrix(model: ModelSpec, world_size: int) -> list[tuple[str, Layout]]:
     PP 2 with two virtual stages each; CP 2. An MoE model's: pure DP, EP 2, EP 2 with ETP 2, EP 2 with PP 2, and EP 2
     with aux-loss-free balancing. What the world size or the model cannot lay out is left out."""
     w, half = world_size, world_size // 2
+    if half == 0 or w % 2:
+        return [("", Layout(dp=w))]
     pairs: list[tuple[str, Layout]] = [("", Layout(dp=w)), ("", Layout(tp=2, dp=half)), ("", Layout(pp=2, dp=half))]
     if model.tie_embeddings:
         pairs.append(("untied", Layout(pp=2, dp=half)))
@@ -67,19 +69,24 @@ class RefitSuite:
         if isinstance(factory, RefusesExports) and (why := factory.export_refusal(model, backend)):
             raise DoesNotApply(f"engine {engine!r}: {why}")
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps)
+        def of(what: str) -> ModelSpec:
+            return variant(model, what) if what else model
+
         if layouts is not None:
-            pairs = [(params.variant, validate(lay, model, world_size)) for lay in layouts]
+            pairs = [(params.variant, validate(lay, of(params.variant), world_size)) for lay in layouts]
         else:
             pairs = matrix(model, world_size)
-        refuses = isinstance(factory, RefusesCases)
-        if layouts is None and refuses:  # a default matrix drops what the path cannot build
-            pairs = [(v, lay) for v, lay in pairs if not factory.refusal(variant(model, v) if v else model, lay)
-                     or v == "expert-bias"]
+        refusal = factory.refusal if isinstance(factory, RefusesCases) else (lambda m, lay: None)
+        if layouts is None:  # a default matrix drops what the path cannot build (a variant is skipped, saying why)
+            kept = [(v, lay) for v, lay in pairs if not refusal(of(v), lay)]
+            if not kept:
+                raise DoesNotApply(f"engine {engine!r}: {refusal(of(pairs[0][0]), pairs[0][1])}")
+            pairs = [(v, lay) for v, lay in pairs if v == "expert-bias" or (v, lay) in kept]
         out = []
         for what, lay in pairs:
-            m = variant(model, what) if what else model
-            case = Case(self.name, m, lay, engine, options, backend, params=dataclasses.replace(params, variant=what))
-            why = factory.refusal(m, lay) if refuses and what else None
+            case = Case(self.name, of(what), lay, engine, options, backend,
+                        params=dataclasses.replace(params, variant=what))
+            why = refusal(of(what), lay) if what else None
             out.append(case.skipped(f"the {what} variant of {model.name}: {why}") if why else case)
         return out
 
