@@ -17,7 +17,7 @@ def test_every_check_passes(refit_run, judge):
     judge(refit_run)
 
 
-@pytest.mark.parametrize("check", ["complete", "values", "memory", "repeat", "policy"])
+@pytest.mark.parametrize("check", ["complete", "values", "memory", "repeat", "policy", "baseline"])
 def test_every_layout_streams_the_trained_policy(refit_run, judge, check):
     judge(refit_run, f"refit.{check}")
 
@@ -32,6 +32,6 @@ def test_every_moe_check_passes(moe_run, judge):
     judge(moe_run)
 
 
-@pytest.mark.parametrize("check", ["complete", "values", "memory", "repeat"])
+@pytest.mark.parametrize("check", ["complete", "values", "memory", "repeat", "baseline"])
 def test_every_expert_layout_streams_the_trained_policy(moe_run, judge, check):
     judge(moe_run, f"refit.{check}")

@@ -142,10 +142,10 @@ def test_record_missing_records_each_lacking_run_then_finds_nothing(tmp_path, mo
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "step-perf tiny-moe: 7 of 7 entries missing from " in out
-    assert re.search(r"recorded every missing baseline of the regression suites at world size 2 \(8 runs in \d+ s\)$",
+    assert re.search(r"recorded every missing baseline of the regression suites at world size 2 \(10 runs in \d+ s\)$",
                      out.rstrip())
-    assert len(re.findall(r"^recorded \S+ in \d+ s:$", out, re.M)) == 8  # each run's own time
-    assert ("golden", "tiny-moe", 2, None, 3, "gloo") in asked and len(asked) == 8
+    assert len(re.findall(r"^recorded \S+ in \d+ s:$", out, re.M)) == 10  # each run's own time
+    assert ("golden", "tiny-moe", 2, None, 3, "gloo") in asked and len(asked) == 10
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.startswith("nothing missing: every baseline the regression suites look for at "
                                               "world size 2 is recorded")
@@ -169,8 +169,8 @@ def test_record_missing_goes_on_past_a_refused_run_and_exits_1_naming_it(tmp_pat
     code = cli.main(["baselines", "record", "--missing", "--backend", "gloo", "--world-size", "2", "--baselines-dir",
                      str(tmp_path)])
     err = capsys.readouterr().err
-    assert code == 1 and len(asked) == 8
-    assert re.search(r"harness: error: 2 of 8 runs not recorded \(\d+ s in all\):\n", err)
+    assert code == 1 and len(asked) == 10
+    assert re.search(r"harness: error: 2 of 10 runs not recorded \(\d+ s in all\):\n", err)
     assert err.rstrip().endswith(" in all):\n"
                                  "  step-perf small: not recording: 1 metric(s) too noisy to baseline\n"
                                  "  step-perf tiny-moe: not recording: 1 metric(s) too noisy to baseline")

@@ -37,7 +37,7 @@ def test_the_default_matrix_lays_out_every_layout_that_matters():
     moe = {(c.params.variant, c.layout.id) for c in plan("refit", "tiny-moe", 4, backend="gloo").cases}
     assert moe == {("", DP4), ("", EP2), ("", ETP2), ("", "tp1-pp2-cp1-dp2-ep2"), ("expert-bias", EP2)}
     untied = next(c for c in plan("refit", "tiny", 4, backend="gloo").cases if c.params.variant == "untied")
-    assert untied.model.name == "tiny+untied" and not untied.model.tie_embeddings
+    assert untied.model.name == "tiny" and not untied.model.tie_embeddings
     assert {c.layout.id for c in plan("refit", "tiny", 4, engine="fsdp2", backend="gloo").cases} == {DP4}
 
 
@@ -128,3 +128,29 @@ def test_stale_weights_are_caught_by_value_and_by_the_policy():
     failed = _failed(run)
     assert "unlike the trained parameter" in failed["refit.values"]
     assert "the HF model loaded from the stream differs from the Megatron model at " in failed["refit.policy"]
+
+
+@pytest.mark.slow
+def test_an_export_peak_above_its_baseline_fails_naming_the_rank_and_the_bucket(tmp_path):
+    import json
+
+    from harness.suite_defs.refit import RefitParams, RefitSuite
+    from harness.suite_defs.refit.figures import key, samples
+
+    run = run_suite("refit", "tiny", 4, [TP2], backend="gloo", suite_params=QUICK)
+    res = run.results[0]
+    suite, path = RefitSuite(), tmp_path / "cpu-gloo" / "refit.json"
+
+    def judged(scale: float):
+        path.parent.mkdir(exist_ok=True)
+        entries = {m: {"value": v * scale, "tolerance": 16 / 1024} for m, v in samples(res).items()}
+        path.write_text(json.dumps({"entries": {key(res.case): entries}}))
+        return next(c for c in suite.check([res], RefitParams(**QUICK, baselines_dir=str(tmp_path)))
+                    if c.check == "refit.baseline")
+
+    assert judged(1.0).passed
+    low = judged(0.5)  # as if the export had needed half the memory when the baseline was recorded
+    assert not low.passed and not low.improvement
+    assert low.message.startswith(f"tiny at {TP2} on mcore: rank") and "export_mib@8KiB" in low.message
+    assert "KiB above baseline" in low.message
+    assert judged(2.0).improvement

@@ -10,6 +10,7 @@ from harness.checks.numeric import fmt_err
 from harness.dtypes import dtype
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
+from harness.suite_defs.refit.params import RefitParams, size_text
 from harness.suite_defs.refit.payload import Export, RefitRankData, Sent
 
 if TYPE_CHECKING:
@@ -29,17 +30,11 @@ def data(result: CaseResult) -> list[RefitRankData]:
     return [r.payload_as(RefitRankData) for r in result.ranks]
 
 
-def size_text(n: int) -> str:
-    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k and n % k == 0:
-            return f"{n // k} {unit}"
-    return f"{n} B"
-
-
 def where(res: CaseResult, size: int | None = None) -> str:
     """'tiny+untied at tp1-pp2-cp1-dp2 on mcore, buckets of 8 KiB'."""
     c = res.case
-    return f"{c.model.name} at {c.layout.id} on {c.engine}" + (f", buckets of {size_text(size)}" if size else "")
+    name = c.model.name + (f"+{c.params.variant}" if isinstance(c.params, RefitParams) and c.params.variant else "")
+    return f"{name} at {c.layout.id} on {c.engine}" + (f", buckets of {size_text(size)}" if size else "")
 
 
 def reference(res: CaseResult) -> dict[str, torch.Tensor]:
@@ -60,8 +55,9 @@ def must_build(res: CaseResult) -> int:
     return max(t.numel() for t in assemble([d.params for d in data(res)]).tensors.values()) * itemsize
 
 
-def judge(results: list[CaseResult]) -> list[CheckResult]:
+def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
     out: list[CheckResult] = []
+    files: dict[str, dict] = {}
     for res in results:
         if not res.ok:
             out.append(case_failed("refit.run", res))
@@ -80,7 +76,41 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
             out.append(check_memory(res, at, per_rank, biggest))
             out.append(check_repeats(res, at, per_rank))
         out.append(check_policy(res, ranks))
+        out.append(check_baseline(res, params, files))
     return out
+
+
+def check_baseline(res: CaseResult, params: RefitParams, files: dict[str, dict]) -> CheckResult:
+    """Each rank's export peak per bucket size against its baseline entry (figures.key)."""
+    from harness import baselines
+    from harness.platform import detect_platform
+    from harness.suite_defs.refit import figures
+
+    path = baselines.baseline_path(params.baselines_dir, detect_platform(res.case.backend).key, "refit")
+    if str(path) not in files:
+        files[str(path)] = baselines.load(path)
+    key, cid = figures.key(res.case), res.case.id
+    verdicts = {m: baselines.compare(files[str(path)], key, m, v) for m, v in figures.samples(res).items()}
+    rows = [f"  {m}: {v.measured * 1024:.0f} KiB, baseline " + ("-" if v.baseline is None else
+            f"{v.baseline * 1024:.0f} +- {(v.tolerance or 0) * 1024:.0f}") + f": {v.status}"
+            for m, v in verdicts.items()]
+    missing = [m for m, v in verdicts.items() if v.status == "missing"]
+    if missing:
+        return CheckResult("refit.baseline", cid, False, f"{where(res)}: no baseline for {key} {missing[0]} on "
+                                                         f"platform {path.parent.name} ({path}); record it with: "
+                                                         f"{figures.record_command(res.case)}", rows)
+    moved = [m for m, v in verdicts.items() if v.status in ("regression", "improvement")]
+    if not moved:
+        return CheckResult("refit.baseline", cid, True, f"{where(res)}: every rank's export peak within its baseline "
+                                                        f"({key})", rows)
+    m = max(moved, key=lambda x: abs(verdicts[x].delta))
+    v = verdicts[m]
+    worse = v.status == "regression"
+    verb = "above" if worse else f"below (improvement: refresh the baseline with `{figures.record_command(res.case)}`)"
+    base, tol = (v.baseline or 0) * 1024, (v.tolerance or 0) * 1024
+    return CheckResult("refit.baseline", cid, False, f"{where(res)}: {m} {v.measured * 1024:.0f} KiB is "
+                                                     f"{v.delta * 1024:+.0f} KiB {verb} baseline {base:.0f} +- "
+                                                     f"{tol:.0f} KiB", rows, improvement=not worse)
 
 
 def _first(names: list[str], n: int = 3) -> str:

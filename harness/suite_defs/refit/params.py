@@ -27,6 +27,14 @@ def bucket_bytes(text: str) -> int:
     return int(m.group(1)) * _UNIT[m.group(2)]
 
 
+def size_text(n: int) -> str:
+    """8192 -> '8 KiB'."""
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return f"{n // k} {unit}"
+    return f"{n} B"
+
+
 @dataclass(frozen=True)
 class RefitParams:
     """The suite's parameters: the bucket sizes every layout exports with, and how many refits are repeated."""
@@ -36,9 +44,11 @@ class RefitParams:
     refits: int = dataclasses.field(default=REFITS, metadata=flag(
         "--refits", f"refit: exports repeated per bucket size to judge what they leave allocated (default {REFITS})"))
 
-    # a case's own: the model variant it runs (suite.variant), chosen by the suite's matrix
     variant: str = dataclasses.field(default="", metadata=flag(
-        "--refit-variant", "refit: the model variant of a case (untied, 4-layers, expert-bias)", cli=False))
+        "--refit-variant", "refit: run the model as this variant at every layout given: untied (embeddings), "
+                           "4-layers (for virtual stages), expert-bias (aux-loss-free balancing) (default: the "
+                           "matrix's, the model as it is with --layout)"))
+    baselines_dir: str | None = None  # None: the repository's baselines/
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_sizes", tuple(self.bucket_sizes))

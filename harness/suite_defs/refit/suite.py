@@ -13,6 +13,7 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import violations
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.refit import figures
 from harness.suite_defs.refit.params import STEPS, SUITE, RefitParams, bucket_bytes
 from harness.suite_defs.refit.payload import Export, HFSide, RefitRankData, receive
 
@@ -25,9 +26,9 @@ VARIANTS: dict[str, dict[str, Any]] = {"untied": dict(tie_embeddings=False), "4-
 
 def variant(model: ModelSpec, what: str) -> ModelSpec:
     """The model with untied embeddings ("untied"), with 4 layers for two virtual stages per PP stage ("4-layers"),
-    or with aux-loss-free balancing ("expert-bias"); its name says which."""
-    changes = VARIANTS[what]
-    return dataclasses.replace(model, name=f"{model.name}+{what}", **changes)
+    or with aux-loss-free balancing ("expert-bias"), under its own name (the case's parameters name the variant:
+    `--refit-variant`)."""
+    return dataclasses.replace(model, **VARIANTS[what])
 
 
 def matrix(model: ModelSpec, world_size: int) -> list[tuple[str, Layout]]:
@@ -126,6 +127,23 @@ class RefitSuite:
         return RefitRankData(layout_coords(), steps, params, held_out=[held_out], exports=exports,
                              stream=kept, hf=hf, hf_none=hf_none)
 
+    key = staticmethod(figures.key)
+    record_command = staticmethod(figures.record_command)
+    samples = staticmethod(figures.samples)
+    digits = 3
+
+    @staticmethod
+    def tolerance(metric: str, values: list[float]) -> float:
+        from harness.baselines import tolerance_for
+
+        return tolerance_for(values, figures.FLOOR_MIB)
+
+    @staticmethod
+    def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
+        from harness.baselines import noisy_metrics
+
+        return noisy_metrics(samples, lambda metric: figures.FLOOR_MIB)
+
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         from harness.suite_defs.refit.judge import figures
 
@@ -134,7 +152,7 @@ class RefitSuite:
     def check(self, results: list[CaseResult], params: RefitParams | None = None) -> list[CheckResult]:
         from harness.suite_defs.refit.judge import judge
 
-        return judge(results)
+        return judge(results, params or RefitParams())
 
 
 def _exports(engine: ExportsWeights, size: int, refits: int, case: Case, ctx: RankContext) -> Export:

@@ -1,0 +1,39 @@
+"""refit's baselined figures: each rank's export peak per bucket size, the key it is stored under, and its policy."""
+
+from __future__ import annotations
+
+from harness.launch.results import CaseResult
+from harness.probes.memory import MIB
+from harness.spec import Case
+from harness.suite_defs.refit.payload import RefitRankData
+
+# The least tolerance of an export peak: the figures are memray's heap high-water marks, repeatable to a few KiB on
+# gloo ranks; a bucket kept alive per refit of `tiny` is 330 KiB.
+FLOOR_MIB = 32 / 1024
+
+
+def key(case: Case) -> str:
+    """The case's entry in baselines/<platform>/refit.json (a path's own entry: each export is its own code)."""
+    from harness.suite_defs.refit.params import RefitParams
+
+    variant = case.params.variant if isinstance(case.params, RefitParams) else ""
+    return f"{case.model.name}{'+' + variant if variant else ''}/{case.layout.id}/{case.options.dtype}/{case.engine}"
+
+
+def record_command(case: Case) -> str:
+    from harness import selection
+
+    return selection.record_command(case, skip=("steps",))
+
+
+def samples(result: CaseResult) -> dict[str, float]:
+    """Per rank and bucket size, MiB: the export's host peak (memray's heap high-water; on GPU ranks the device's
+    allocated peak above the export's start)."""
+    from harness.suite_defs.refit.params import size_text
+
+    out = {}
+    for r in result.ranks:
+        for e in r.payload_as(RefitRankData).exports:
+            peak = e.peak.device_peak if result.case.backend == "nccl" else e.peak.host_peak
+            out[f"rank{r.rank}.export_mib@{size_text(e.bucket_bytes).replace(' ', '')}"] = peak / MIB
+    return out
