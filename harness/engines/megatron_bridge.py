@@ -286,7 +286,7 @@ class MegatronBridgeEngine(McoreEngine):
                 "expert index from the end of '...experts.linear_fc1.weight<N>' and finds none in "
                 "'...local_experts.<N>.linear_fc1.weight' (int('') in gather_from_ep_ranks) - an upstream defect; "
                 "judge this export on GPU ranks with Transformer Engine, or with a megatron-bridge that maps "
-                "SequentialMLP experts") from exc
+                f"SequentialMLP experts ({type(exc).__name__}: {exc})") from None
 
     def hf_base_state_dict(self, workdir: Path) -> dict[str, torch.Tensor]:
         """The base (frozen) weights under HF names, on every rank (collective), without the adapters."""
