@@ -48,7 +48,7 @@ class RefitParams:
         "--refit-variant", "refit: run the model as this variant at every layout given: untied (embeddings), "
                            "4-layers (for virtual stages), expert-bias (aux-loss-free balancing) (default: the "
                            "matrix's, the model as it is with --layout)"))
-    baselines_dir: str | None = None  # None: the repository's baselines/
+    baselines_dir: str | None = dataclasses.field(default=None, metadata={"in_id": False})  # None: baselines/
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bucket_sizes", tuple(self.bucket_sizes))
