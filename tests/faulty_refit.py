@@ -79,3 +79,13 @@ class StaleWeights(McoreEngine):
 
     def export_buckets(self, bucket_bytes: int):
         return buckets(iter(self.initial.items()), bucket_bytes)
+
+
+class OneBucketWithTiedHead(McoreEngine):
+    """NeMo-RL #630's shape: every tensor packed into one bucket whatever the bucket size. It also sends a tied model's
+    lm_head (the embedding again), which HF and the rollout engines accept: not a fault."""
+
+    def export_buckets(self, bucket_bytes: int):
+        stream = list(self.hf_weight_stream())
+        head = [("lm_head.weight", t) for name, t in stream if name == "model.embed_tokens.weight"]
+        yield stream + (head if self.case.model.tie_embeddings else [])

@@ -42,14 +42,17 @@ def test_the_default_matrix_lays_out_every_layout_that_matters():
 
 
 @pytest.mark.parametrize("given, said", [
+    ({"variant": "untied", "layouts": None}, "--refit-variant untied runs the variant at the layouts given"),
     ({"bucket_sizes": ("8kb",)}, "--bucket-size '8kb': expected a positive size with a unit"),
     ({"bucket_sizes": ("0KiB",)}, "expected a positive size"),
     ({"refits": 1}, "--refits 1: at least 2"),
     ({"variant": "tied"}, "refit variant 'tied': expected untied, 4-layers or expert-bias"),
 ])
 def test_bad_parameters_are_refused_before_any_rank(given, said):
+    given = dict(given)
+    layouts = given.pop("layouts", [DP4])
     with pytest.raises(BadInput, match=said):
-        plan("refit", "tiny", 4, [DP4], backend="gloo", suite_params=given)
+        plan("refit", "tiny", 4, layouts, backend="gloo", suite_params=given)
 
 
 @pytest.mark.slow
@@ -90,7 +93,7 @@ def test_the_local_etp_shard_sent_instead_of_the_gathered_expert_is_caught():
                     suite_params=QUICK)
     msg = _failed(run)["refit.values"]
     assert f"tiny-moe at {ETP2} on tests.faulty_refit:ETPLocalShard, buckets of 8 KiB: rank 0, bucket " in msg
-    assert ".mlp.experts.0.gate_proj.weight of shape [32, 64], HF expects [64, 64]" in msg
+    assert ".mlp.experts.0.gate_proj.weight of shape [32, 64], the harness's mapping expects [64, 64]" in msg
 
 
 @pytest.mark.slow
@@ -154,3 +157,14 @@ def test_an_export_peak_above_its_baseline_fails_naming_the_rank_and_the_bucket(
     assert low.message.startswith(f"tiny at {TP2} on mcore: rank") and "export_mib@8KiB" in low.message
     assert "KiB above baseline" in low.message
     assert judged(2.0).improvement
+
+
+@pytest.mark.slow
+def test_an_exporter_that_ignores_the_bucket_size_is_caught_and_a_sent_tied_head_is_not():
+    run = run_suite("refit", "tiny", 4, [PP2], engine="tests.faulty_refit:OneBucketWithTiedHead", backend="gloo",
+                    suite_params=QUICK)
+    failed = _failed(run)
+    assert failed["refit.memory"].startswith(
+        f"tiny at {PP2} on tests.faulty_refit:OneBucketWithTiedHead, buckets of 8 KiB: rank 0, bucket 0 holds ")
+    assert "beyond the bucket size 8 KiB" in failed["refit.memory"]
+    assert "refit.complete" not in failed and "refit.values" not in failed  # lm_head sent, equal to the embedding

@@ -85,6 +85,7 @@ class MegatronBridgeEngine(McoreEngine):
     check_available = staticmethod(check_available)
     refusal = staticmethod(bridge_refusal)
     adapter_refusal = staticmethod(adapter_refusal)
+    export_refusal = staticmethod(lambda model, backend: None)  # its own export maps grouped-GEMM experts
 
     def bridge_ddp_config(self) -> dict[str, Any]:
         """DistributedDataParallelConfig kwargs this path builds: the merged wrap config."""

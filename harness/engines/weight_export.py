@@ -25,6 +25,8 @@ from harness.engines.hf_weights import hf_state_dict
 if TYPE_CHECKING:
     import torch
 
+    from harness.spec import ModelSpec
+
 Stream = Iterator[tuple[str, "torch.Tensor"]]
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -62,11 +64,24 @@ class _Entry:
     expert: int | None  # the local expert index of a routed expert's weight
 
 
+def export_refusal(model: ModelSpec, backend: str) -> str | None:
+    """The harness's exporter knows megatron's SequentialMLP experts (`local_experts.N.`); GPU ranks with
+    Transformer Engine build grouped-GEMM experts (`experts.linear_fc1.weightN`), which it does not gather."""
+    from harness.engines.model_config import grouped_experts
+
+    if model.moe and grouped_experts(on_cpu=backend != "nccl"):
+        return ("the harness's own exporter gathers megatron's SequentialMLP experts only, and ranks with "
+                "Transformer Engine build grouped-GEMM experts: run the MoE model with --engine megatron-bridge, "
+                "or your engine's exporter")
+    return None
+
+
 class PerTensorExport:
     """Mixin of McoreEngine: `hf_weight_stream` (every rank yields every tensor, once) and `export_buckets`
     (the `ExportsWeights` protocol)."""
 
     case: Any
+    ctx: Any
     models: list
 
     def global_names(self, chunk) -> dict[str, Any]:
@@ -74,6 +89,8 @@ class PerTensorExport:
 
     def tp_parts(self, name: str) -> int:
         raise NotImplementedError  # McoreEngine's
+
+    export_refusal = staticmethod(export_refusal)
 
     def export_chunks(self) -> list:
         """The unwrapped model chunks whose weights are exported, in order."""
@@ -100,7 +117,7 @@ class PerTensorExport:
                 if e.name in sent:  # a tied embedding's copy on the last stage
                     continue
                 sent.add(e.name)
-                t = local[i][1] if stage == mine else torch.empty(e.shape, dtype=e.dtype)
+                t = local[i][1] if stage == mine else torch.empty(e.shape, dtype=e.dtype, device=self.ctx.device)
                 dist.broadcast(t, dist.get_global_rank(pp_group, stage), group=pp_group)
                 yield from self._full(e, t).items()
 

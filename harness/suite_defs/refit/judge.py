@@ -3,6 +3,7 @@ case, the policy a Hugging Face model loaded from the stream computes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
@@ -11,7 +12,7 @@ from harness.dtypes import dtype
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.suite_defs.refit.params import RefitParams, size_text
-from harness.suite_defs.refit.payload import Export, RefitRankData, Sent
+from harness.suite_defs.refit.payload import Export, RefitRankData
 
 if TYPE_CHECKING:
     import torch
@@ -65,13 +66,13 @@ def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
         ranks = data(res)
         ref = reference(res)
         hf = ranks[0].hf
-        expected = {k: shape for k, (shape, _) in hf.expected.items()} if hf else \
-            {k: tuple(t.shape) for k, t in ref.items()}
+        expected = Expected({k: shape for k, (shape, _) in hf.expected.items()}, set(hf.tied), "HF") if hf else \
+            Expected({k: tuple(t.shape) for k, t in ref.items()}, set(), "the harness's mapping")
         biggest = must_build(res)
         for i, export in enumerate(ranks[0].exports):
             per_rank = [(r.rank, d.exports[i]) for r, d in zip(res.ranks, ranks)]
             at = where(res, export.bucket_bytes)
-            out.append(check_complete(res, at, per_rank, set(expected)))
+            out.append(check_complete(res, at, per_rank, expected))
             out.append(check_values(res, at, per_rank, expected, ref, ranks[0].stream or {}))
             out.append(check_memory(res, at, per_rank, biggest))
             out.append(check_repeats(res, at, per_rank))
@@ -113,13 +114,27 @@ def check_baseline(res: CaseResult, params: RefitParams, files: dict[str, dict])
                                                      f"{tol:.0f} KiB", rows, improvement=not worse)
 
 
+@dataclass(frozen=True)
+class Expected:
+    """What an export must send: the keys and their shapes, the keys HF ties to another (may be sent, equal to it)
+    and whose keys they are (HF's own model, or the harness's mapping where no HF model holds the model)."""
+
+    shapes: dict[str, tuple]
+    tied: set[str]
+    source: str
+
+
+TIED_TO = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
 def _first(names: list[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
-def check_complete(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], expected: set[str]) -> CheckResult:
-    """Every rank that sends sends each of the HF model's keys exactly once, over all its buckets, and nothing else."""
-    cid, name = res.case.id, "refit.complete"
+def check_complete(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], want: Expected) -> CheckResult:
+    """Every rank that sends sends each of the HF model's keys exactly once, over all its buckets, and nothing else
+    (a tied key may be sent)."""
+    cid, name, expected = res.case.id, "refit.complete", set(want.shapes)
     senders = [(r, e) for r, e in per_rank if e.sent]
     if not senders:
         return CheckResult(name, cid, False, f"{at}: no rank sent anything")
@@ -128,26 +143,26 @@ def check_complete(res: CaseResult, at: str, per_rank: list[tuple[int, Export]],
         for s in e.sent:
             seen.setdefault(s.name, []).append(s.bucket)
         missing = sorted(expected - set(seen))
-        extra = sorted(set(seen) - expected)
+        extra = sorted(set(seen) - expected - want.tied)
         twice = sorted(k for k, b in seen.items() if len(b) > 1)
         if missing or extra or twice:
             buckets = max(s.bucket for s in e.sent) + 1
             parts = ([f"never sent {_first(missing)}"] if missing else []) + \
                 ([f"sent twice {_first([f'{k} (buckets {seen[k]})' for k in twice])}"] if twice else []) + \
-                ([f"sent what HF has no key for: {_first([f'{k} (bucket {seen[k][0]})' for k in extra])}"]
+                ([f"sent what {want.source} has no key for: {_first([f'{k} (bucket {seen[k][0]})' for k in extra])}"]
                  if extra else [])
             return CheckResult(name, cid, False, f"{at}: rank {r}, {len(seen)} tensors in {buckets} buckets of "
-                                                 f"{len(expected)} HF keys: " + "; ".join(parts),
+                                                 f"{len(expected)} {want.source} keys: " + "; ".join(parts),
                                [f"  never sent: {k}" for k in missing])
     buckets = max(s.bucket for s in senders[0][1].sent) + 1
-    return CheckResult(name, cid, True, f"{at}: {len(senders)} ranks each sent the {len(expected)} HF keys once, in "
-                                        f"{buckets} buckets")
+    return CheckResult(name, cid, True, f"{at}: {len(senders)} ranks each sent the {len(expected)} {want.source} keys "
+                                        f"once, in {buckets} buckets")
 
 
-def check_values(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], expected: dict[str, tuple],
+def check_values(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], want: Expected,
                  ref: dict[str, torch.Tensor], stream: dict[str, torch.Tensor]) -> CheckResult:
-    """Shapes as HF's, the values rank 0 sent equal to the trained parameters bit for bit, and every rank's tensor
-    the same as rank 0's."""
+    """Shapes as expected; rank 0's stream (every key) equal to the trained parameters bit for bit; every rank's
+    tensor the same as rank 0's."""
     import torch
 
     from harness.suite_defs.refit.payload import digest
@@ -155,15 +170,23 @@ def check_values(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], e
     cid, name = res.case.id, "refit.values"
     for r, e in per_rank:
         for s in e.sent:
-            if s.name in expected and tuple(s.shape) != tuple(expected[s.name]):
+            shape = want.shapes.get(s.name) or want.shapes.get(TIED_TO.get(s.name, ""))
+            if shape is not None and tuple(s.shape) != tuple(shape):
                 return CheckResult(name, cid, False, f"{at}: rank {r}, bucket {s.bucket}: {s.name} of shape "
-                                                     f"{list(s.shape)}, HF expects {list(expected[s.name])}")
+                                                     f"{list(s.shape)}, {want.source} expects {list(shape)}")
+    unkept = sorted(set(want.shapes) - set(stream))
+    if unkept:
+        return CheckResult(name, cid, False, f"{at}: rank 0's stream holds {len(stream)} of {len(want.shapes)} keys, "
+                                             f"not {_first(unkept)}: their values were not compared with the trained "
+                                             "parameters")
+    bucket = {s.name: s.bucket for r, e in per_rank if r == 0 for s in e.sent}
     for key, t in stream.items():
-        want = ref.get(key)
-        if want is not None and (t.shape != want.shape or not torch.equal(t.float(), want)):
-            diff = float((t.float() - want).abs().max()) if t.shape == want.shape else float("nan")
-            return CheckResult(name, cid, False, f"{at}: rank 0 sent {key} unlike the trained parameter (largest "
-                                                 f"difference {diff:.3g}): the rollout gets other weights")
+        wanted = ref.get(key, ref.get(TIED_TO.get(key, "")))
+        if wanted is not None and (t.shape != wanted.shape or not torch.equal(t.float(), wanted)):
+            diff = float((t.float() - wanted).abs().max()) if t.shape == wanted.shape else float("nan")
+            return CheckResult(name, cid, False, f"{at}: rank 0, bucket {bucket.get(key, '?')}: {key} unlike the "
+                                                 f"trained parameter (largest difference {diff:.3g}): the rollout "
+                                                 "gets other weights")
     digests = {k: digest(t) for k, t in stream.items()}
     for r, e in per_rank:
         for s in e.sent:
@@ -171,14 +194,18 @@ def check_values(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], e
                 return CheckResult(name, cid, False, f"{at}: rank {r}, bucket {s.bucket}: {s.name} differs from "
                                                      "rank 0's copy of the trained parameter")
     n = sum(len(e.sent) for _, e in per_rank)
-    return CheckResult(name, cid, True, f"{at}: {n} tensors sent by {len(per_rank)} ranks have HF's shapes and equal "
-                                        f"the trained parameters bit for bit")
+    return CheckResult(name, cid, True, f"{at}: {n} tensors sent by {len(per_rank)} ranks have {want.source}'s shapes "
+                                        f"and equal the trained parameters bit for bit")
 
 
 def check_memory(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], biggest: int) -> CheckResult:
     """Per rank: the export's host peak within a bucket + 2 x the largest tensor it must build (its gathered pieces
     and the whole) + OVERHEAD; its largest single allocation within that tensor."""
     cid, name = res.case.id, "refit.memory"
+    for r, e in per_rank:
+        over = _over_budget(e)
+        if over:
+            return CheckResult(name, cid, False, f"{at}: rank {r}, {over}")
     rows = [f"  rank {r}: peak {e.peak.host_peak / 1024:.0f} KiB, largest allocation {e.largest / 1024:.1f} KiB at "
             f"{e.largest_at}" for r, e in per_rank]
     for r, e in per_rank:
@@ -194,6 +221,24 @@ def check_memory(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], b
                                       f"({biggest / 1024:.1f} KiB) + {OVERHEAD // MIB} MiB = {bound / 1024:.0f} KiB; "
                                       f"largest allocation {worst.largest / 1024:.1f} KiB", rows,
                        value=worst.peak.host_peak / MIB, show=not ok)
+
+
+def _over_budget(e: Export) -> str:
+    """'' when every bucket holds at most the bucket size (a larger tensor alone in its own); else the first that
+    does not."""
+    import torch
+
+    sizes: dict[int, list[int]] = {}
+    for s in e.sent:
+        numel = 1
+        for d in s.shape:
+            numel *= d
+        sizes.setdefault(s.bucket, []).append(numel * getattr(torch, s.dtype).itemsize)
+    for b, tensors in sorted(sizes.items()):
+        if sum(tensors) > max(e.bucket_bytes, max(tensors)):
+            return (f"bucket {b} holds {sum(tensors) / 1024:.1f} KiB in {len(tensors)} tensors, beyond the bucket size "
+                    f"{size_text(e.bucket_bytes)}")
+    return ""
 
 
 def check_repeats(res: CaseResult, at: str, per_rank: list[tuple[int, Export]]) -> CheckResult:
@@ -249,7 +294,7 @@ def check_policy(res: CaseResult, ranks: list[RefitRankData]) -> CheckResult:
                                         f"{fmt_err(diff.worst)} <= {rtol:.0e}", value=diff.worst)
 
 
-def figures(result: CaseResult) -> dict[str, Any]:
+def table_figures(result: CaseResult) -> dict[str, Any]:
     """Per bucket size: the largest export peak and allocation over the ranks (KiB), and the buckets sent."""
     out: dict[str, Any] = {}
     ranks = data(result)
@@ -261,4 +306,4 @@ def figures(result: CaseResult) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Sent", "judge", "figures"]
+__all__ = ["judge", "table_figures"]

@@ -69,7 +69,7 @@ def digest(t: torch.Tensor) -> str:
 
     import torch
 
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return hashlib.blake2b(flat.numpy().data, digest_size=16).hexdigest()
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from harness.checks import CheckResult
 from harness.engines.base import ExportsWeights, ParamShard, RefusesCases, RefusesExports
 from harness.engines.weight_export import PerTensorExport
-from harness.errors import DoesNotApply
+from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import violations
@@ -78,6 +78,9 @@ class RefitSuite:
 
         if layouts is not None:
             pairs = [(params.variant, validate(lay, of(params.variant), world_size)) for lay in layouts]
+        elif params.variant:
+            raise BadInput(f"--refit-variant {params.variant} runs the variant at the layouts given: add --layout "
+                           "(e.g. tp1-pp2-cp1-dp2), or drop it for the matrix's variants")
         else:
             pairs = matrix(model, world_size)
         refusal = factory.refusal if isinstance(factory, RefusesCases) else (lambda m, lay: None)
@@ -117,10 +120,11 @@ class RefitSuite:
         with ctx.phase("refit"):
             # the first export, unmeasured, kept whole on rank 0: its values are judged, and it plans what a
             # bridge plans once (its conversion tasks) and imports what the export imports
-            kept = {name: t.clone() for bucket in engine.export_buckets(bucket_bytes(p.bucket_sizes[0]))
+            first = bucket_bytes(p.bucket_sizes[0])
+            kept = {name: t.detach().cpu().clone() for bucket in engine.export_buckets(first)
                     for name, t in bucket} if ctx.rank == 0 else None
             if ctx.rank != 0:
-                receive(engine.export_buckets(bucket_bytes(p.bucket_sizes[0])))
+                receive(engine.export_buckets(first))
             exports = [_exports(engine, bucket_bytes(size), p.refits, case, ctx) for size in p.bucket_sizes]
         hf, hf_none = None, ""
         if ctx.rank == 0:
@@ -148,9 +152,9 @@ class RefitSuite:
         return noisy_metrics(samples, lambda metric: figures.FLOOR_MIB)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
-        from harness.suite_defs.refit.judge import figures
+        from harness.suite_defs.refit.judge import table_figures
 
-        return figures(result) if result.ok else {}
+        return table_figures(result) if result.ok else {}
 
     def check(self, results: list[CaseResult], params: RefitParams | None = None) -> list[CheckResult]:
         from harness.suite_defs.refit.judge import judge
@@ -178,7 +182,8 @@ def _exports(engine: ExportsWeights, size: int, refits: int, case: Case, ctx: Ra
         stream = [(name, digest(t)) for bucket in engine.export_buckets(size) for name, t in bucket]
         if stream != first:
             at = next((a[0] for a, b in zip(stream, first) if a != b), f"{len(stream)} tensors, not {len(first)}")
-            differ.append(f"export {i + 3} differs from the first at {at}")
+            differ.append(f"{'its warm-up repeat' if i < 0 else f'repeat {i + 1} of {refits}'} differs from the "
+                          f"measured export at {at}")
 
     refit(-1)  # this loop's own first-time costs (what its first call caches) before what the refits keep
     dist.barrier()
