@@ -21,9 +21,17 @@ def key(case: Case) -> str:
 
 
 def record_command(case: Case) -> str:
-    from harness import selection
+    """The case's record command: its selection, its variant and bucket sizes (the metrics' names)."""
+    import shlex
 
-    return selection.record_command(case, skip=("steps",))
+    from harness import selection
+    from harness.suite_defs.refit.params import RefitParams
+
+    p = case.params if isinstance(case.params, RefitParams) else RefitParams()
+    extra = ["--refit-variant", p.variant] if p.variant else []
+    if p.bucket_sizes != RefitParams().bucket_sizes:
+        extra += [a for size in p.bucket_sizes for a in ("--bucket-size", size)]
+    return " ".join([selection.record_command(case, skip=("steps",), params=False), *map(shlex.quote, extra)])
 
 
 def samples(result: CaseResult) -> dict[str, float]:
