@@ -83,7 +83,7 @@ def test_an_expert_task_split_across_buckets_that_is_never_yielded_is_caught():
                     backend="gloo", suite_params=QUICK)
     msg = _failed(run)["refit.complete"]
     assert msg.startswith(f"tiny-moe at {EP2} on tests.faulty_refit:ExpertBucketNeverYielded, buckets of 8 KiB: "
-                          "rank 0, ")
+                          "rank 0 sent ")
     assert "never sent model.layers.0.mlp.experts." in msg
 
 

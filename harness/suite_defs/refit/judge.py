@@ -151,8 +151,8 @@ def check_complete(res: CaseResult, at: str, per_rank: list[tuple[int, Export]],
                 ([f"sent twice {_first([f'{k} (buckets {seen[k]})' for k in twice])}"] if twice else []) + \
                 ([f"sent what {want.source} has no key for: {_first([f'{k} (bucket {seen[k][0]})' for k in extra])}"]
                  if extra else [])
-            return CheckResult(name, cid, False, f"{at}: rank {r}, {len(seen)} tensors in {buckets} buckets of "
-                                                 f"{len(expected)} {want.source} keys: " + "; ".join(parts),
+            return CheckResult(name, cid, False, f"{at}: rank {r} sent {len(seen)} of the {len(expected)} keys "
+                                                 f"({want.source}) in {buckets} buckets: " + "; ".join(parts),
                                [f"  never sent: {k}" for k in missing])
     buckets = max(s.bucket for s in senders[0][1].sent) + 1
     return CheckResult(name, cid, True, f"{at}: {len(senders)} ranks each sent the {len(expected)} {want.source} keys "
