@@ -38,22 +38,24 @@ def where(res: CaseResult, size: int | None = None) -> str:
     return f"{name} at {c.layout.id} on {c.engine}" + (f", buckets of {size_text(size)}" if size else "")
 
 
-def reference(res: CaseResult) -> dict[str, torch.Tensor]:
-    """The trained parameters (and expert biases) of every rank assembled, under HF names by the harness's own
-    arithmetic: what the export must send."""
+def trained(res: CaseResult) -> dict[str, torch.Tensor]:
+    """The trained parameters (and expert biases) of every rank assembled, under megatron's global names."""
     from harness.checks.tensors import assemble
+
+    return assemble([d.params for d in data(res)]).tensors
+
+
+def reference(full: dict[str, torch.Tensor], res: CaseResult) -> dict[str, torch.Tensor]:
+    """The trained parameters under HF names by the harness's own arithmetic: what the export must send."""
     from harness.engines.hf_weights import hf_state_dict
 
-    return hf_state_dict(assemble([d.params for d in data(res)]).tensors, res.case.model)
+    return hf_state_dict(full, res.case.model)
 
 
-def must_build(res: CaseResult) -> int:
+def must_build(full: dict[str, torch.Tensor], res: CaseResult) -> int:
     """The largest tensor an export must build at once, in the case's dtype: the largest parameter gathered whole (a
     fused QKV or gate/up weight; one expert's)."""
-    from harness.checks.tensors import assemble
-
-    itemsize = dtype(res.case.options.dtype).torch.itemsize
-    return max(t.numel() for t in assemble([d.params for d in data(res)]).tensors.values()) * itemsize
+    return max(t.numel() for t in full.values()) * dtype(res.case.options.dtype).torch.itemsize
 
 
 def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
@@ -64,11 +66,12 @@ def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
             out.append(case_failed("refit.run", res))
             continue
         ranks = data(res)
-        ref = reference(res)
+        full = trained(res)
+        ref = reference(full, res)
         hf = ranks[0].hf
         expected = Expected({k: shape for k, (shape, _) in hf.expected.items()}, set(hf.tied), "HF") if hf else \
             Expected({k: tuple(t.shape) for k, t in ref.items()}, set(), "the harness's mapping")
-        biggest = must_build(res)
+        biggest = must_build(full, res)
         for i, export in enumerate(ranks[0].exports):
             per_rank = [(r.rank, d.exports[i]) for r, d in zip(res.ranks, ranks)]
             at = where(res, export.bucket_bytes)

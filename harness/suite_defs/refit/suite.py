@@ -120,11 +120,12 @@ class RefitSuite:
         with ctx.phase("refit"):
             # the first export, unmeasured, kept whole on rank 0: its values are judged, and it plans what a
             # bridge plans once (its conversion tasks) and imports what the export imports
-            first = bucket_bytes(p.bucket_sizes[0])
-            kept = {name: t.detach().cpu().clone() for bucket in engine.export_buckets(first)
-                    for name, t in bucket} if ctx.rank == 0 else None
-            if ctx.rank != 0:
-                receive(engine.export_buckets(first))
+            stream = engine.export_buckets(bucket_bytes(p.bucket_sizes[0]))
+            kept: dict[str, Any] | None = None
+            if ctx.rank == 0:
+                kept = {name: t.detach().cpu().clone() for bucket in stream for name, t in bucket}
+            else:
+                receive(stream)
             exports = [_exports(engine, bucket_bytes(size), p.refits, case, ctx) for size in p.bucket_sizes]
         hf, hf_none = None, ""
         if ctx.rank == 0:
