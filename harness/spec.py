@@ -204,6 +204,11 @@ class CaseOptions:
     # installed, engines/mcore.py), as long jobs that resume run it (Megatron-LM #1842); needs the distributed
     # optimizer and CUDA (NCCL ranks)
     optimizer_cpu_offload: bool = False
+    # RL: megatron's routing replay (TransformerConfig.moe_enable_routing_replay, megatron-core >= 0.16: a
+    # RouterReplay per MoE router, its top-k recorded in one pass and replayed in another), and the routers frozen
+    # (their weights do not train, as RL recipes freeze them)
+    routing_replay: bool = False
+    freeze_router: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_cpu_offload and not self.use_distributed_optimizer:

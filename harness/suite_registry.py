@@ -20,6 +20,7 @@ SUITES = {
     "golden": "harness.suite_defs.golden:GoldenSuite",
     "batch-split": "harness.suite_defs.batch_split:BatchSplitSuite",
     "refit": "harness.suite_defs.refit:RefitSuite",
+    "rl-cycle": "harness.suite_defs.rl_cycle:RLCycleSuite",
 }
 
 

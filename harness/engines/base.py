@@ -102,9 +102,30 @@ class TrainsRLBatches(Protocol):
     """Steps on RL batches cut the way a framework cuts them (batch-split): McoreEngine and its subclasses
     (harness/engines/rl_steps.py has the parts a framework's own aggregation overrides)."""
 
-    def train_rl_batch(self, batch: RLBatch, microbatches: list[list[int]], mode: str) -> StepOutput: ...
+    def train_rl_batch(self, batch: RLBatch, microbatches: list[list[int]], mode: str,
+                       capture: bool = False) -> StepOutput: ...
 
     def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]: ...
+
+
+@runtime_checkable
+class RunsRLCycles(TrainsRLBatches, Protocol):
+    """An engine that runs an RL framework's iteration (the rl-cycle suite): the log-prob pass with the routing
+    recorded, training steps with it replayed, offload and reload, a weights-only load. McoreEngine and its
+    subclasses (harness/engines/rl_cycle.py has the parts a framework overrides)."""
+
+    def build_model(self) -> None: ...
+
+    def record_routing(self, batch: RLBatch, microbatches: list[list[int]]) -> tuple[list[TokenLogprobs], Any]: ...
+
+    def replay_routing(self, batch: RLBatch, microbatches: list[list[int]], recorded: Any, mode: str,
+                       capture: bool = False) -> tuple[StepOutput, Any]: ...
+
+    def offload(self, store: Any) -> None: ...
+
+    def reload(self, store: Any) -> None: ...
+
+    def load_weights(self, seed: int) -> None: ...
 
 
 @runtime_checkable

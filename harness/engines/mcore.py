@@ -16,6 +16,7 @@ from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
 from harness.engines.optimizer_offload import offload_config
+from harness.engines.rl_cycle import RLCycle
 from harness.engines.rl_steps import RLSteps
 from harness.engines.weight_export import PerTensorExport
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
@@ -31,7 +32,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1\.weight$")
 
 
-class McoreEngine(McoreCheckpoints, RLSteps, PerTensorExport):
+class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
     """megatron-core directly: the reference construction path."""
 
     def __init__(self, case: Case, ctx: RankContext):
@@ -41,6 +42,7 @@ class McoreEngine(McoreCheckpoints, RLSteps, PerTensorExport):
         self.scheduler: Any = None  # megatron's OptimizerParamScheduler where the case has an lr schedule
         self.config: Any = None  # megatron's TransformerConfig, once built
         self._captured: list[TokenLogprobs] | None = None  # the current step's log-probs, when captured
+        self.init_seed: int | None = None  # the weights' initial values drawn from this seed (None: the case's)
 
     # -- build --------------------------------------------------------------------------------
     def setup_parallel(self) -> None:
@@ -75,6 +77,7 @@ class McoreEngine(McoreCheckpoints, RLSteps, PerTensorExport):
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
 
+        self.before_build()
         self.config = transformer_config(self.case, self.ctx.on_cpu, params_dtype)
         vpp = self.case.layout.vpp
         chunks = []
@@ -94,6 +97,7 @@ class McoreEngine(McoreCheckpoints, RLSteps, PerTensorExport):
             self.reinit(chunk)
             if not self.ctx.on_cpu:
                 chunk.cuda(torch.cuda.current_device())
+        self.after_build(chunks)
         return chunks
 
     def wrap(self, chunks: list, ddp_config) -> list:
@@ -109,6 +113,10 @@ class McoreEngine(McoreCheckpoints, RLSteps, PerTensorExport):
 
     def build(self) -> None:
         self.setup_parallel()
+        self.build_model()
+
+    def build_model(self) -> None:
+        """The model chunks, DDP and the optimizer on the parallel state already set up."""
         chunks = self.build_chunks()
         ddp_config = self.ddp_config()
         self.models = self.wrap(chunks, ddp_config)
@@ -163,7 +171,7 @@ class McoreEngine(McoreCheckpoints, RLSteps, PerTensorExport):
         """The chunk in its parameter dtype, then every weight matrix overwritten from its global name so all layouts
         start equal."""
         in_params_dtype(chunk)
-        seed = self.case.options.seed
+        seed = self.case.options.seed if self.init_seed is None else self.init_seed
         # norms keep their deterministic ones / zeros; LoRA's B starts at zero (the adapted model starts
         # as the base model)
         self.set_full(chunk, lambda name, shape: None if len(shape) < 2 or name.endswith(".adapter.linear_out.weight")

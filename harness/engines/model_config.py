@@ -93,7 +93,23 @@ def moe_config(case: Case, on_cpu: bool) -> dict:
         expert_model_parallel_size=lay.ep, expert_tensor_parallel_size=lay.expert_tp,
         **(dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True) if m.moe_expert_bias
            else {}),
+        **(routing_replay_config() if o.routing_replay else {}),
     )
+
+
+def routing_replay_config() -> dict:
+    """TransformerConfig's routing replay switch, probed: megatron-core 0.16 added it."""
+    import dataclasses
+    from importlib.metadata import version
+
+    from megatron.core.transformer import TransformerConfig
+
+    if "moe_enable_routing_replay" not in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        from harness.errors import DoesNotApply
+
+        raise DoesNotApply(f"megatron-core {version('megatron-core')} has no routing replay "
+                           "(TransformerConfig.moe_enable_routing_replay): it needs megatron-core 0.16 or later")
+    return {"moe_enable_routing_replay": True}
 
 
 FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",

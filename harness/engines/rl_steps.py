@@ -71,10 +71,12 @@ class RLSteps:
         return share * num_microbatches * ps.get_data_parallel_world_size()
 
     # -- the steps ------------------------------------------------------------------------------
-    def train_rl_batch(self, batch: RLBatch, microbatches: list[list[int]], mode: str) -> StepOutput:
-        """One training step on this DP rank's micro-batches (sample indices into the global batch)."""
+    def train_rl_batch(self, batch: RLBatch, microbatches: list[list[int]], mode: str,
+                       capture: bool = False) -> StepOutput:
+        """One training step on this DP rank's micro-batches (sample indices into the global batch); capture: its
+        forward's per-token log-probs too."""
         mbs, samples, fns = self._rl_inputs(batch, microbatches, mode)
-        return self.run_microbatches(mbs, samples, forward_only=False, capture=False, loss_fns=fns)
+        return self.run_microbatches(mbs, samples, forward_only=False, capture=capture, loss_fns=fns)
 
     def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]:
         """Forward only, no gradient (as a framework's compute_log_prob): every token's log-prob."""

@@ -25,11 +25,12 @@ PARAM_TYPES = (
     "harness.suite_defs.train_memory.params:TrainMemoryParams",
     "harness.suite_defs.batch_split.params:BatchSplitParams",
     "harness.suite_defs.refit.params:RefitParams",
+    "harness.suite_defs.rl_cycle.params:RLCycleParams",
 )
 # The suites that judge a mixture-of-experts model (its experts by global index, its EP / ETP layouts, its
 # auxiliary loss); the others' plans and models know dense models only and refuse an MoE one (docs/moe.md).
 MOE_SUITES = ("equivalence", "golden", "grad-sync", "ckpt-memory", "train-memory", "step-perf", "peft-ckpt",
-              "batch-split", "refit")
+              "batch-split", "refit", "rl-cycle")
 # What a suite that refuses an MoE model lacks for one.
 MOE_MISSING = {
     "dynamic-cp": "its packed-sequence engine builds dense layers only",
@@ -58,6 +59,7 @@ REGRESSION_RUNS = (
     RegressionRun("golden"), RegressionRun("golden", "tiny-moe", cpu_only=True),
     RegressionRun("batch-split"), RegressionRun("batch-split", "tiny-moe"),
     RegressionRun("refit"), RegressionRun("refit", "tiny-moe"),
+    RegressionRun("rl-cycle"), RegressionRun("rl-cycle", "tiny-moe"),
 )
 # The model a suite runs on GPU ranks when none is given, where its CPU model says nothing there: `small` is
 # launch-bound on an H100 (0.2 TFLOP/s, MFU 0.0%), so step-perf times the 1B shape that fits one GPU.

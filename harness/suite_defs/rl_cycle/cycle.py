@@ -1,0 +1,112 @@
+"""A rank's RL iterations: the log-prob pass, two training steps with its routing replayed, offload and reload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.engines.base import StepOutput
+from harness.launch.context import RankContext
+from harness.spec import Case
+from harness.suite_defs.rl_cycle.params import MINI_BATCHES, MODE, RLCycleCaseParams
+from harness.suite_defs.rl_cycle.payload import Iteration, Offloaded
+
+# What an offload may leave on the device besides the model's registered buffers (rotary frequencies, an expert
+# bias and its token counts) and what the MoE dispatchers keep of the last micro-batch: megatron's own small
+# bookkeeping tensors (its RNG tracker's states, the MoE loss tracker's). tiny and tiny-moe leave 2-13 KiB of it
+# on CPU ranks.
+FIXED_RESIDUE = 64 << 10
+# What megatron's schedules keep of one micro-batch's activations per model chunk once a step is over (the
+# interleaved schedule: two [seq, 1, hidden] tensors of the last micro-batch per virtual stage), in [seq, hidden]
+# tensors: 4.
+ACTIVATIONS = 4
+
+
+def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
+              ) -> tuple[list[StepOutput], list[Iteration], list[dict[str, Any]]]:
+    from megatron.core import parallel_state as ps
+
+    from harness.engines.offload import HostStore, census
+    from harness.engines.rl_batch import Cut, microbatch_samples, rl_batch
+    from harness.engines.weight_export import expert_biases
+
+    def biases() -> dict[str, Any]:
+        return {k: v.detach().clone() for m in engine.models for k, v in expert_biases(m.module).items()}
+
+    replay = case.options.routing_replay
+    steps: list[StepOutput] = []
+    iterations: list[Iteration] = []
+    store = HostStore(ctx.on_cpu)
+    for i in range(p.iterations):
+        batch = rl_batch(case.model, case.global_batch_size, case.options.seed, i)
+        mbs = microbatch_samples(batch, Cut("mbs", 1), case.layout.dp, case.layout.pp, ps.get_data_parallel_rank())
+        cut = len(mbs) // MINI_BATCHES
+        with ctx.phase("logprobs"):
+            logprobs, recorded = engine.record_routing(batch, mbs)
+        seen = [biases()]
+        used = []
+        train_logprobs: list = []
+        for k in range(MINI_BATCHES):
+            stop = None if k == MINI_BATCHES - 1 else (k + 1) * cut
+            with ctx.phase("steps"):
+                out, routing = engine.replay_routing(batch, mbs[k * cut:stop],
+                                                     recorded.part(k * cut, stop) if replay else None, MODE,
+                                                     capture=k == 0)
+            steps.append(out)
+            used.append(routing)
+            seen.append(biases())
+            if k == 0:
+                train_logprobs = out.token_logprobs or []
+                out.token_logprobs = None
+        kept = [t for t in logprobs if _first_minibatch(t, mbs[:cut])]
+        offloaded = None
+        if p.offload:
+            with ctx.phase("offload"):
+                engine.offload(store)
+                left = engine.offloaded()
+                ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps]
+                now = census(store, exempt=ours)
+                engine.reload(store)
+                offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident())
+        iterations.append(Iteration(kept, train_logprobs, recorded, used, seen, offloaded))
+        if offloaded is not None and offloaded.not_back:
+            break  # a step on what did not come back reads freed storage: the cycle ends here, judged as it is
+    probe: list[dict[str, Any]] = []
+    complete = all(it.offload is None or not it.offload.not_back for it in iterations)
+    if case.options.freeze_router and case.model.moe_expert_bias and complete:
+        # megatron's own update with the router frozen: a step with nothing held and nothing replayed
+        batch = rl_batch(case.model, case.global_batch_size, case.options.seed, p.iterations)
+        mbs = microbatch_samples(batch, Cut("mbs", 1), case.layout.dp, case.layout.pp, ps.get_data_parallel_rank())
+        probe.append(biases())
+        with ctx.phase("steps"):
+            steps.append(engine.train_rl_batch(batch, mbs, MODE))
+        probe.append(biases())
+    return steps, iterations, probe
+
+
+def _first_minibatch(part: Any, first: list[list[int]]) -> bool:
+    """Whether a log-prob pass micro-batch is one of the first mini-batch's."""
+    samples = [int(s) for s in part.samples]
+    return samples in first
+
+
+def residue_bound(engine: Any, case: Case) -> int:
+    """What an offload may leave on this rank's device: the chunks' registered buffers, megatron's global memory
+    buffer (kept for its collectives), what each MoE layer's dispatcher keeps of one micro-batch (its routing map and
+    probabilities, its token counts) and FIXED_RESIDUE."""
+    from megatron.core import parallel_state as ps
+
+    kept = [b for m in engine.models for b in m.module.buffers() if b is not None]
+    kept += list(ps.get_global_memory_buffer().buffer.values())
+    bufs = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in kept}
+    m = case.model
+    tokens = m.seq_length  # one sample per micro-batch
+    per_layer = tokens * m.num_experts * (1 + 4 + 8) + m.num_experts * 8 if m.moe else 0
+    moe_layers = sum(1 for _ in engine_routers(engine))
+    return (sum(bufs.values()) + moe_layers * per_layer + len(engine.models) * ACTIVATIONS * tokens * m.hidden_size * 4
+            + FIXED_RESIDUE)
+
+
+def engine_routers(engine: Any) -> list:
+    from harness.engines.rl_cycle import routers
+
+    return routers([m.module for m in engine.models])

@@ -1,0 +1,64 @@
+"""rl-cycle's parameters and its cases' own."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from harness.errors import BadInput
+from harness.suite_defs.flags import flag
+
+SUITE = "rl-cycle"
+ITERATIONS = 4
+GLOBAL_BATCH = 16
+# Each iteration trains its batch as two mini-batches (two optimizer steps, as PPO's mini-batches do), so the second
+# one's forward runs on weights the first changed: routing afresh would choose other experts there than the log-prob
+# pass recorded, and replay has something to hold. The learning rate makes that change large enough to move tiny-moe's
+# routing at some tokens of every case (`rl-cycle.replay` says so, or cannot tell).
+MINI_BATCHES = 2
+LR = 1e-2
+MODE = "token-mean"
+VARIANTS = ("4-layers", "expert-bias", "frozen-router")
+WEIGHTS = ("", "loaded", "as-loaded")
+
+
+@dataclass(frozen=True)
+class RLCycleParams:
+    """The suite's parameters: how many RL iterations each case runs."""
+
+    iterations: int = dataclasses.field(default=ITERATIONS, metadata=flag(
+        "--iterations", f"rl-cycle: RL iterations per case (log-probs, training, offload, reload; default "
+                        f"{ITERATIONS}, at least 2)"))
+
+    def __post_init__(self) -> None:
+        if self.iterations < 2:
+            raise BadInput(f"--iterations {self.iterations}: at least 2 (what an iteration leaves behind is judged "
+                           "against the next)")
+
+
+@dataclass(frozen=True)
+class RLCycleCaseParams:
+    """A case's own. variant: the model as it is (""), with 4 layers (two virtual stages per PP stage), with
+    aux-loss-free balancing ("expert-bias": its router trains, routing not replayed) or with it and the router frozen
+    ("frozen-router", routing replayed). offload: parameters, gradients and optimizer state offloaded and reloaded
+    after each iteration (False: the twin the trajectory is compared with). builds: the model built this many times
+    in the process, the policy last. weights: "loaded" - built, then the weights of the next seed loaded alone (no
+    optimizer state); "as-loaded" - built with those weights (the loaded case's twin)."""
+
+    iterations: int = ITERATIONS
+    variant: str = ""
+    offload: bool = True
+    builds: int = 1
+    weights: str = ""
+
+    def __post_init__(self) -> None:
+        if self.variant and self.variant not in VARIANTS:
+            raise BadInput(f"rl-cycle variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        if self.weights not in WEIGHTS:
+            raise BadInput(f"rl-cycle weights {self.weights!r}: expected loaded or as-loaded")
+
+    def twin(self) -> RLCycleCaseParams:
+        """The case whose trajectory this one's must equal: the same without offload; a loaded case's, built with
+        the loaded weights."""
+        return dataclasses.replace(self, offload=False, weights="as-loaded" if self.weights == "loaded"
+                                   else self.weights)

@@ -1,0 +1,47 @@
+"""What an rl-cycle rank returns: its steps and parameters, and per iteration what the suite judges."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness.checks.step_outputs import TrainedRankData
+from harness.engines.base import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class Offloaded:
+    """One offload and reload of a rank: what stayed on the device that should have left, the census of the device
+    after the offload, and what the reload did not bring back."""
+
+    left: list[str]
+    bytes: int
+    storages: int
+    largest: list[tuple[str, int]]
+    not_back: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One RL iteration of a rank: the log-prob pass (the first mini-batch's micro-batches' log-probs, the routing
+    recorded), the two steps (the first one's forward log-probs, the routing each used), the expert biases before and
+    after each step, and the offload."""
+
+    logprobs: list[TokenLogprobs]
+    train_logprobs: list[TokenLogprobs]
+    recorded: Any  # harness.engines.rl_cycle.Routing
+    used: list[Any]  # per mini-batch
+    biases: list[dict[str, Any]]  # name -> expert bias tensor: before the first step, after each step
+    offload: Offloaded | None = None
+
+
+@dataclass(frozen=True)
+class RLCycleRankData(TrainedRankData):
+    """A rank's steps (two per iteration, then the probe's) and parameters (TrainedRankData), its iterations,
+    RouterReplay's list after the build and after the cycle, the residue an offload may leave, and the probe of
+    megatron's own expert-bias update (biases before and after a step with the router frozen and nothing held)."""
+
+    iterations: list[Iteration] = field(default_factory=list)
+    instances: list[tuple[int, int, int]] = field(default_factory=list)  # (listed, live, live listed)
+    residue_bound: int = 0
+    probe: list[dict[str, Any]] = field(default_factory=list)
