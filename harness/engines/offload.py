@@ -160,7 +160,7 @@ def census(store: HostStore | None, exempt: Iterable[Any] = ()) -> Census:
     skip |= {t.untyped_storage().data_ptr() for t in _tensors_in(exempt)}
     sizes: dict[int, tuple[str, int]] = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
             try:
                 storage = obj.untyped_storage()
                 ptr, n = storage.data_ptr(), storage.nbytes()

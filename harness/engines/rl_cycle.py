@@ -88,7 +88,7 @@ class RLCycle:
         """A training step on the micro-batches with the recorded routing replayed (None: routed afresh); what each
         router used, and how many tokens fresh scores would have routed elsewhere."""
         import torch
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+        from megatron.core.transformer.moe.router_replay import RouterReplay
 
         live = routers([m.module for m in self.models])
         used = Routing(router_names(self.models), [[] for _ in live])
@@ -112,12 +112,18 @@ class RLCycle:
                 fresh = scores.topk(k, dim=-1).indices.sort(dim=-1).values
             used.fresh_differs += int((fresh != chosen).any(dim=-1).sum())
 
-        action = RouterReplayAction.REPLAY_FORWARD if recorded is not None else None
+        action = self.replay_action() if recorded is not None else None
         with self.hold_expert_bias(replayed=recorded is not None), _hooks(live, pre=target, post=observe), \
                 _action(RouterReplay, action):
             out = self.train_rl_batch(batch, microbatches, mode, capture)  # type: ignore[attr-defined]
         RouterReplay.clear_global_indices()
         return out, used
+
+    def replay_action(self) -> Any:
+        """The RouterReplayAction a training step's forward runs under: the recorded top-k replayed."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        return RouterReplayAction.REPLAY_FORWARD
 
     @contextlib.contextmanager
     def hold_expert_bias(self, replayed: bool) -> Iterator[None]:

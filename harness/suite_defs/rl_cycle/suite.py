@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from harness.checks import CheckResult
-from harness.errors import DoesNotApply
+from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate, violations
@@ -22,31 +22,46 @@ def variant(model: ModelSpec, what: str) -> ModelSpec:
     return dataclasses.replace(model, **VARIANTS[what]) if what else model
 
 
-def matrix(model: ModelSpec, world_size: int) -> list[tuple[Layout, RLCycleCaseParams, dict[str, Any]]]:
-    """The default cases before their twins: (layout, case parameters, case options). A dense model at pure DP with
-    and without the distributed optimizer, TP 2, PP 2, PP 2 with two virtual stages each, and a weights-only load
-    (bf16, the distributed optimizer: master copies to refresh); an MoE model with routing replayed at EP 2 (built
-    twice, with the distributed optimizer), at EP 2 with PP 2, and with aux-loss-free balancing - its router training
+def kind(model: ModelSpec, what: str) -> tuple[RLCycleCaseParams, dict[str, Any]]:
+    """A case of one kind before its twin: its parameters and options (--rl-variant; "": the model as it is, its
+    routing replayed where it is an MoE model)."""
+    replay: dict[str, Any] = dict(routing_replay=True) if model.moe else {}
+    p = RLCycleCaseParams
+    if what == "built-twice":
+        return p(builds=2), dict(replay, use_distributed_optimizer=True)
+    if what == "4-layers":
+        return p(variant="4-layers" if model.num_layers < 4 else ""), replay
+    if what == "expert-bias":
+        return p(variant="expert-bias"), {}
+    if what == "frozen-router":
+        return p(variant="frozen-router"), dict(routing_replay=True, freeze_router=True)
+    if what == "weights-only-load":
+        return p(weights="loaded"), dict(replay, use_distributed_optimizer=True, dtype="bf16")
+    return p(), replay
+
+
+def matrix(model: ModelSpec, world_size: int) -> list[tuple[Layout, str]]:
+    """The default cases before their twins: (layout, kind). A dense model at pure DP with and without the
+    distributed optimizer, TP 2, PP 2, PP 2 with two virtual stages each, and a weights-only load (bf16 with the
+    distributed optimizer: master copies to refresh); an MoE model with routing replayed at EP 2 (also built twice,
+    with the distributed optimizer), at EP 2 with PP 2, and with aux-loss-free balancing - its router training
     unreplayed, and frozen and replayed. What the world size or the model cannot lay out is left out."""
     w, half = world_size, world_size // 2
-    distopt: dict[str, Any] = dict(use_distributed_optimizer=True)
-    p = RLCycleCaseParams
     if not model.moe:
-        out = [(Layout(dp=w), p(), {}), (Layout(dp=w), p(), distopt)]
+        out = [(Layout(dp=w), ""), (Layout(dp=w), "distopt")]
         if w % 2 == 0:
-            out += [(Layout(tp=2, dp=half), p(), {}), (Layout(pp=2, dp=half), p(), {}),
-                    (Layout(pp=2, dp=half, vpp=2), p(variant="4-layers" if model.num_layers < 4 else ""), {})]
-        out.append((Layout(dp=w), p(weights="loaded"), dict(distopt, dtype="bf16")))
+            out += [(Layout(tp=2, dp=half), ""), (Layout(pp=2, dp=half), ""),
+                    (Layout(pp=2, dp=half, vpp=2), "4-layers")]
+        out.append((Layout(dp=w), "weights-only-load"))
     else:
-        replay: dict[str, Any] = dict(routing_replay=True)
         ep = 2 if w % 2 == 0 and model.num_experts % 2 == 0 else 1
-        out = [(Layout(dp=w, ep=ep), p(), replay), (Layout(dp=w, ep=ep), p(builds=2), dict(replay, **distopt))]
+        out = [(Layout(dp=w, ep=ep), ""), (Layout(dp=w, ep=ep), "built-twice")]
         if w % 2 == 0:
-            out.append((Layout(pp=2, dp=half, ep=ep), p(), replay))
-        out += [(Layout(dp=w, ep=ep), p(variant="expert-bias"), {}),
-                (Layout(dp=w, ep=ep), p(variant="frozen-router"), dict(replay, freeze_router=True))]
-    return [(lay, cp, o) for lay, cp, o in out if not violations(lay, variant(model, cp.variant), world_size,
-                                                                 global_batch_size=GLOBAL_BATCH)]
+            out.append((Layout(pp=2, dp=half, ep=ep), ""))
+        out += [(Layout(dp=w, ep=ep), "expert-bias"), (Layout(dp=w, ep=ep), "frozen-router")]
+    return [(lay, what) for lay, what in out
+            if not violations(lay, variant(model, kind(model, what)[0].variant), world_size,
+                              global_batch_size=GLOBAL_BATCH)]
 
 
 class RLCycleSuite:
@@ -72,14 +87,22 @@ class RLCycleSuite:
                                "a subclass of McoreEngine whose framework parts are yours (docs/engines.md)")
         base = dataclasses.replace(options, global_batch_size=options.global_batch_size or GLOBAL_BATCH,
                                    lr=LR if options.lr == CaseOptions.lr else options.lr)
+        if p.rl_variant in ("expert-bias", "frozen-router") and not model.moe:
+            raise BadInput(f"--rl-variant {p.rl_variant} needs an MoE model (its routers' expert bias): give --model "
+                           "tiny-moe")
         if layouts is not None:
-            replay: dict[str, Any] = dict(routing_replay=True) if model.moe else {}
-            todo = [(validate(lay, model, world_size, global_batch_size=base.global_batch_size), RLCycleCaseParams(),
-                     replay) for lay in layouts]
+            todo = [(validate(lay, variant(model, kind(model, p.rl_variant)[0].variant), world_size,
+                              global_batch_size=base.global_batch_size), p.rl_variant) for lay in layouts]
+        elif p.rl_variant:
+            raise BadInput(f"--rl-variant {p.rl_variant} runs that kind of case at the layouts given: add --layout (e.g. "
+                           "tp1-pp1-cp1-dp4), or drop it for the matrix's")
         else:
             todo = matrix(model, world_size)
         out = []
-        for lay, cp, extra in todo:
+        for lay, what in todo:
+            cp, extra = kind(model, "" if what == "distopt" else what)
+            if what == "distopt":
+                extra = dict(extra, use_distributed_optimizer=True)
             cp = dataclasses.replace(cp, iterations=p.iterations)
             opts = dataclasses.replace(base, **extra)
             for q in (cp, cp.twin()):

@@ -1,0 +1,69 @@
+"""RL-cycle engines with planted regressions, each one seen in 2026's RL frameworks (the rl-cycle suite)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from harness.engines.mcore import McoreEngine
+
+
+class SecondBuildStaysInReplay(McoreEngine):
+    """verl #7340: the bridge builds the decoder twice and the first build's routers stay in RouterReplay's
+    process-wide list (2N entries: replay data set by position reaches the wrong routers)."""
+
+    def before_build(self) -> None:
+        pass
+
+
+class ReplayRoutesByFreshScores(McoreEngine):
+    """Replay that sets the recorded indices as targets but routes by fresh scores (the action left at RECORD)."""
+
+    def replay_action(self):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        return RouterReplayAction.RECORD
+
+
+class ExpertBiasUpdatedWhenFrozen(McoreEngine):
+    """Megatron-LM #4785, prime-rl #2953: the aux-loss-free expert bias keeps updating with the router frozen and
+    its routing replayed (nothing holds it)."""
+
+    @contextlib.contextmanager
+    def hold_expert_bias(self, replayed: bool):
+        yield
+
+
+class DispatcherKeepsRouting(McoreEngine):
+    """NeMo-RL #2319: the all-to-all dispatcher keeps each step's routing tensors alive across the offload."""
+
+    def replay_routing(self, *args, **kwargs):
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        out = super().replay_routing(*args, **kwargs)
+        for model in self.models:
+            for module in model.modules():
+                if isinstance(module, MoELayer):
+                    d = module.token_dispatcher
+                    vars(d).setdefault("kept", []).append(d.routing_map.clone())
+        return out
+
+
+class ReloadSkipsMasterCopies(McoreEngine):
+    """NeMo-RL #2371: the reload brings back the model and Adam's moments but not the optimizer's fp32 master
+    copies."""
+
+    def reload(self, store) -> None:
+        masters = [m for m in store.moved if " parameter " in m.what]
+        store.moved = [m for m in store.moved if m not in masters]
+        super().reload(store)
+
+
+class LoadLeavesMastersStale(McoreEngine):
+    """Megatron-LM #5071, Megatron-Bridge #4082: weights loaded without the optimizer state, and the fp32 master
+    copies not refreshed from them: the first step overwrites the loaded weights with the initial ones' update."""
+
+    def load_weights(self, seed: int) -> None:
+        from harness.engines.model_config import _full_init
+
+        for model in self.models:
+            self.set_full(model.module, lambda name, shape: None if len(shape) < 2 else _full_init(name, shape, seed))

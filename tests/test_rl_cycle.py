@@ -1,0 +1,125 @@
+"""rl-cycle: correct RL iterations pass; each planted regression (tests/faulty_rl_cycle.py) fails it with a message
+naming the iteration, the layer or tensor, the rank and the figure."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.driver import plan, run_suite
+from harness.errors import BadInput
+
+DP4, EP2 = "tp1-pp1-cp1-dp4", "tp1-pp1-cp1-dp4-ep2"
+QUICK = {"iterations": 3}
+
+
+def _failed(run) -> dict[str, str]:
+    """check -> message of every failed check (the case's error under "error")."""
+    out = {c.check: c.message for c in run.checks if c.failed}
+    out.update({"error": r.error for r in run.results if r.error})
+    return out
+
+
+def _faulty(name: str, model: str, layout: str, rl_variant: str = ""):
+    return run_suite("rl-cycle", model, 4, [layout], engine=f"tests.faulty_rl_cycle:{name}", backend="gloo",
+                     suite_params={**QUICK, "rl_variant": rl_variant})
+
+
+def test_the_default_matrix_runs_every_kind_with_its_twin():
+    dense = plan("rl-cycle", "tiny", 4, backend="gloo").cases
+    assert {(c.layout.id, c.params.variant, c.params.weights, c.options.use_distributed_optimizer)
+            for c in dense if c.params.offload} == {
+        (DP4, "", "", False), (DP4, "", "", True), ("tp2-pp1-cp1-dp2", "", "", False),
+        ("tp1-pp2-cp1-dp2", "", "", False), ("tp1-pp2-cp1-dp2-vpp2", "4-layers", "", False),
+        (DP4, "", "loaded", True)}
+    moe = plan("rl-cycle", "tiny-moe", 4, backend="gloo").cases
+    assert {(c.layout.id, c.params.variant, c.params.builds, c.options.routing_replay, c.options.freeze_router)
+            for c in moe if c.params.offload} == {
+        (EP2, "", 1, True, False), (EP2, "", 2, True, False), ("tp1-pp2-cp1-dp2-ep2", "", 1, True, False),
+        (EP2, "expert-bias", 1, False, False), (EP2, "frozen-router", 1, True, True)}
+    for cases in (dense, moe):  # every case has its twin
+        ids = {c.id for c in cases}
+        import dataclasses
+
+        assert all(dataclasses.replace(c, params=c.params.twin()).id in ids for c in cases if c.params.offload)
+    loaded = next(c for c in dense if c.params.weights == "loaded")
+    assert loaded.options.dtype == "bf16"  # master copies to refresh
+
+
+@pytest.mark.parametrize("given, said", [
+    ({"iterations": 1}, "--iterations 1: at least 2"),
+    ({"rl_variant": "frozen"}, "--rl-variant 'frozen': expected one of"),
+    ({"rl_variant": "frozen-router", "model": "tiny"}, "needs an MoE model"),
+    ({"rl_variant": "built-twice", "layouts": None}, "--rl-variant built-twice runs that kind of case at the layouts"),
+])
+def test_bad_parameters_are_refused_before_any_rank(given, said):
+    given = dict(given)
+    layouts = given.pop("layouts", [DP4])
+    model = given.pop("model", "tiny-moe")
+    with pytest.raises(BadInput, match=said):
+        plan("rl-cycle", model, 4, layouts, backend="gloo", suite_params=given)
+
+
+def test_an_offload_moves_storages_and_a_reload_brings_their_bytes_back():
+    import torch
+
+    from harness.engines.offload import HostStore, census
+
+    store = HostStore(on_cpu=True)
+    weight = torch.arange(4096, dtype=torch.float32)
+    view = weight[10:20]
+    before = census(store).bytes
+    assert store.move([("weight", weight), ("its view", view)]) == 4096 * 4  # one storage, moved once
+    assert weight.untyped_storage().nbytes() == 0
+    assert census(store).bytes <= before - 4096 * 4  # the host copy is not counted as the device's
+    store.restore()
+    assert torch.equal(view, torch.arange(10, 20, dtype=torch.float32))
+
+
+@pytest.mark.slow
+def test_a_frozen_replayed_router_holds_its_bias_and_megatrons_own_update_is_reported():
+    run = run_suite("rl-cycle", "tiny-moe", 4, [EP2], backend="gloo",
+                    suite_params={**QUICK, "rl_variant": "frozen-router"})
+    assert not _failed(run)
+    upstream = [c for c in run.checks if c.check == "rl-cycle.upstream-bias"]
+    assert upstream and all(c.inconclusive and "NVIDIA/Megatron-LM#4785" in c.message for c in upstream)
+    assert sum(c.check == "rl-cycle.replay" and c.passed for c in run.checks) == 2
+
+
+@pytest.mark.slow
+def test_a_second_builds_routers_left_in_the_replay_list_are_caught():
+    msg = _failed(_faulty("SecondBuildStaysInReplay", "tiny-moe", EP2, "built-twice"))["rl-cycle.replay"]
+    assert "rank 0 after the build: RouterReplay lists 4 routers, 2 of them this rank's 2 live ones" in msg
+
+
+@pytest.mark.slow
+def test_replay_that_routes_by_fresh_scores_is_caught():
+    msg = _failed(_faulty("ReplayRoutesByFreshScores", "tiny-moe", EP2))["rl-cycle.replay"]
+    assert "mini-batch 2" in msg and "decoder.layers." in msg and "tokens routed to other experts than the " \
+        "log-prob pass recorded" in msg
+
+
+@pytest.mark.slow
+def test_an_expert_bias_updated_under_a_frozen_router_is_caught():
+    msg = _failed(_faulty("ExpertBiasUpdatedWhenFrozen", "tiny-moe", EP2, "frozen-router"))["rl-cycle.expert-bias"]
+    assert msg.startswith("iteration 1, mini-batch 1, decoder.layers.") and "the expert bias moved by" in msg
+    assert "while the router is frozen" in msg
+
+
+@pytest.mark.slow
+def test_a_dispatcher_that_keeps_its_routing_across_offload_is_caught():
+    msg = _failed(_faulty("DispatcherKeepsRouting", "tiny-moe", EP2))["rl-cycle.offload"]
+    assert msg.startswith("iteration 3, rank ") and "KiB and +" in msg and "tensors more after the offload than " \
+        "after iteration 2's" in msg
+
+
+@pytest.mark.slow
+def test_a_reload_that_skips_the_master_copies_is_caught():
+    msg = _failed(_faulty("ReloadSkipsMasterCopies", "tiny", DP4, "weights-only-load"))["rl-cycle.reload"]
+    assert msg.startswith("iteration 1, rank 0: the reload did not bring back") and "optimizer 0 parameter" in msg
+
+
+@pytest.mark.slow
+def test_a_weights_only_load_that_leaves_the_master_copies_stale_is_caught():
+    msg = _failed(_faulty("LoadLeavesMastersStale", "tiny", DP4, "weights-only-load"))["rl-cycle.load"]
+    assert "iteration 1, mini-batch 2, rank 0: loss sum" in msg
+    assert "the first step did not start from the loaded weights" in msg
