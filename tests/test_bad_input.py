@@ -33,6 +33,12 @@ CASES = [
      "engine 'mbridge': mbridge's export_weights maps Transformer Engine's layer names only"),
     (["run", "--suite", "refit", "--engine", "megatron-bridge", "--model", "tiny-moe"],
      "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE"),
+    (["run", "--suite", "rl-cycle", "--iterations", "1"], "--iterations 1: at least 2"),
+    (["run", "--suite", "rl-cycle", "--rl-variant", "frozen"], "--rl-variant 'frozen': expected one of built-twice"),
+    (["run", "--suite", "rl-cycle", "--rl-variant", "expert-bias", "--layout", "tp1-pp1-cp1-dp4"],
+     "--rl-variant expert-bias needs an MoE model"),
+    (["run", "--suite", "rl-cycle", "--engine", "tests.faulty_engines:_DoneHandle"],
+     "engine 'tests.faulty_engines:_DoneHandle' has no record_routing / replay_routing / offload / reload"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
     (["run", "--suite", "peft-ckpt", "--model", "tiny-moe"],
      "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE, which needs "
@@ -157,7 +163,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 93  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 97  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -15,7 +15,9 @@ QUICK = {"iterations": 3}
 def _failed(run) -> dict[str, str]:
     """check -> message of every failed check (the case's error under "error")."""
     out = {c.check: c.message for c in run.checks if c.failed}
-    out.update({"error": r.error for r in run.results if r.error})
+    errors = [r.error for r in run.results if r.error]
+    if errors:
+        out["error"] = errors[0]
     return out
 
 
@@ -32,10 +34,12 @@ def test_the_default_matrix_runs_every_kind_with_its_twin():
         ("tp1-pp2-cp1-dp2", "", "", False), ("tp1-pp2-cp1-dp2-vpp2", "4-layers", "", False),
         (DP4, "", "loaded", True)}
     moe = plan("rl-cycle", "tiny-moe", 4, backend="gloo").cases
-    assert {(c.layout.id, c.params.variant, c.params.builds, c.options.routing_replay, c.options.freeze_router)
-            for c in moe if c.params.offload} == {
-        (EP2, "", 1, True, False), (EP2, "", 2, True, False), ("tp1-pp2-cp1-dp2-ep2", "", 1, True, False),
-        (EP2, "expert-bias", 1, False, False), (EP2, "frozen-router", 1, True, True)}
+    assert {(c.layout.id, c.params.variant, c.params.builds, c.params.offload, c.options.routing_replay,
+             c.options.freeze_router) for c in moe if c.params.offload or c.params.variant} == {
+        (EP2, "", 1, True, True, False), (EP2, "", 2, True, True, False),
+        ("tp1-pp2-cp1-dp2-ep2", "", 1, True, True, False),
+        (EP2, "expert-bias", 1, False, False, False), (EP2, "frozen-router", 1, False, True, True)}
+    assert len(moe) == 8  # the expert-bias kinds without a twin
     for cases in (dense, moe):  # every case has its twin
         ids = {c.id for c in cases}
         import dataclasses
@@ -82,7 +86,7 @@ def test_a_frozen_replayed_router_holds_its_bias_and_megatrons_own_update_is_rep
     assert not _failed(run)
     upstream = [c for c in run.checks if c.check == "rl-cycle.upstream-bias"]
     assert upstream and all(c.inconclusive and "NVIDIA/Megatron-LM#4785" in c.message for c in upstream)
-    assert sum(c.check == "rl-cycle.replay" and c.passed for c in run.checks) == 2
+    assert sum(c.check == "rl-cycle.replay" and c.passed for c in run.checks) == 1
 
 
 @pytest.mark.slow

@@ -31,10 +31,12 @@ def kind(model: ModelSpec, what: str) -> tuple[RLCycleCaseParams, dict[str, Any]
         return p(builds=2), dict(replay, use_distributed_optimizer=True)
     if what == "4-layers":
         return p(variant="4-layers" if model.num_layers < 4 else ""), replay
+    # the expert bias is judged without offload (no twin): the bias is a buffer, what an offload moves is judged
+    # by the other kinds
     if what == "expert-bias":
-        return p(variant="expert-bias"), {}
+        return p(variant="expert-bias", offload=False), {}
     if what == "frozen-router":
-        return p(variant="frozen-router"), dict(routing_replay=True, freeze_router=True)
+        return p(variant="frozen-router", offload=False), dict(routing_replay=True, freeze_router=True)
     if what == "weights-only-load":
         return p(weights="loaded"), dict(replay, use_distributed_optimizer=True, dtype="bf16")
     return p(), replay
@@ -94,8 +96,8 @@ class RLCycleSuite:
             todo = [(validate(lay, variant(model, kind(model, p.rl_variant)[0].variant), world_size,
                               global_batch_size=base.global_batch_size), p.rl_variant) for lay in layouts]
         elif p.rl_variant:
-            raise BadInput(f"--rl-variant {p.rl_variant} runs that kind of case at the layouts given: add --layout (e.g. "
-                           "tp1-pp1-cp1-dp4), or drop it for the matrix's")
+            raise BadInput(f"--rl-variant {p.rl_variant} runs that kind of case at the layouts given: add --layout "
+                           "(e.g. tp1-pp1-cp1-dp4), or drop it for the matrix's")
         else:
             todo = matrix(model, world_size)
         out = []
@@ -105,7 +107,7 @@ class RLCycleSuite:
                 extra = dict(extra, use_distributed_optimizer=True)
             cp = dataclasses.replace(cp, iterations=p.iterations)
             opts = dataclasses.replace(base, **extra)
-            for q in (cp, cp.twin()):
+            for q in (cp, cp.twin()) if cp.offload else (cp,):
                 out.append(Case(self.name, variant(model, q.variant), lay, engine, opts, backend, params=q))
         return out
 
