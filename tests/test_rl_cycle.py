@@ -50,7 +50,7 @@ def test_the_default_matrix_runs_every_kind_with_its_twin():
 
 
 @pytest.mark.parametrize("given, said", [
-    ({"iterations": 1}, "--iterations 1: at least 2"),
+    ({"iterations": 1}, "--iterations 1: at least 3"),
     ({"rl_variant": "frozen"}, "--rl-variant 'frozen': expected one of"),
     ({"rl_variant": "frozen-router", "model": "tiny"}, "needs an MoE model"),
     ({"rl_variant": "built-twice", "layouts": None}, "--rl-variant built-twice runs that kind of case at the layouts"),

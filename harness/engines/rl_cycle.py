@@ -76,7 +76,7 @@ class RLCycle:
 
         def keep(i: int, router, inputs, output) -> None:
             if router.router_replay is not None and router.router_replay.recorded_topk_idx is not None:
-                rec.indices[i].append(router.router_replay.recorded_topk_idx.detach().clone())
+                rec.indices[i].append(router.router_replay.recorded_topk_idx.detach().cpu().clone())
 
         replaying = self.case.options.routing_replay
         with _hooks(live, post=keep), _action(RouterReplay, RouterReplayAction.RECORD if replaying else None):
@@ -103,7 +103,7 @@ class RLCycle:
             routing_map = output[1].detach()
             k = router.topk
             chosen = routing_map.nonzero()[:, 1].reshape(-1, k)  # each token's experts, ascending
-            used.indices[i].append(chosen.clone())
+            used.indices[i].append(chosen.cpu().clone())
             with torch.no_grad():
                 logits = router.gating(inputs[0].detach()).reshape(-1, routing_map.shape[-1]).float()
                 scores = torch.sigmoid(logits) if router.score_function == "sigmoid" else logits

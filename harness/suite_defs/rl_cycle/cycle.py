@@ -30,7 +30,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
     from harness.engines.weight_export import expert_biases
 
     def biases() -> dict[str, Any]:
-        return {k: v.detach().clone() for m in engine.models for k, v in expert_biases(m.module).items()}
+        return {k: v.detach().cpu().clone() for m in engine.models for k, v in expert_biases(m.module).items()}
 
     replay = case.options.routing_replay
     steps: list[StepOutput] = []

@@ -30,7 +30,7 @@ class RLCycleParams:
 
     iterations: int = dataclasses.field(default=ITERATIONS, metadata=flag(
         "--iterations", f"rl-cycle: RL iterations per case (log-probs, training, offload, reload; default "
-                        f"{ITERATIONS}, at least 2)"))
+                        f"{ITERATIONS}, at least 3)"))
 
     rl_variant: str = dataclasses.field(default="", metadata=flag(
         "--rl-variant", "rl-cycle: run this kind of case at every layout given: built-twice (the model built twice "
@@ -41,9 +41,9 @@ class RLCycleParams:
     def __post_init__(self) -> None:
         if self.rl_variant and self.rl_variant not in RL_VARIANTS:
             raise BadInput(f"--rl-variant {self.rl_variant!r}: expected one of {', '.join(RL_VARIANTS)}")
-        if self.iterations < 2:
-            raise BadInput(f"--iterations {self.iterations}: at least 2 (what an iteration leaves behind is judged "
-                           "against the next)")
+        if self.iterations < 3:
+            raise BadInput(f"--iterations {self.iterations}: at least 3 (what an offload leaves is judged from the "
+                           "second iteration on, against the next ones)")
 
 
 @dataclass(frozen=True)
