@@ -91,8 +91,8 @@ def compare(data: dict[str, Any], key: str, metric: str, measured: float, floor:
 # gathered 160 MiB are judged at the same relative resolution. ABS_FLOOR is measurement resolution only:
 # in baselines/cpu-gloo/ckpt-memory.json (3 repeats, memray tracing Python allocators) writer peaks spread
 # <= 0.045 MiB and heap peaks <= 0.07 MiB on warm ranks; the first measured save of a process adds
-# 0.13-0.39 MiB (inside 20% of its 1.4-86 MiB peak). Hence 0.25 MiB. (It was 2 MiB: a writer peak of
-# 0.1-0.3 MiB had to grow 10-20x before a regression showed.)
+# 0.13-0.39 MiB (inside 20% of its 1.4-86 MiB peak). Hence 0.25 MiB: a floor much above that would let a
+# writer peak of 0.1-0.3 MiB grow several times over before a regression showed.
 REL_TOLERANCE = 0.20
 ABS_FLOOR = 0.25
 
