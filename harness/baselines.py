@@ -1,7 +1,7 @@
 """Stored baselines: baselines/<platform>/<suite>.json, compared with a per-metric tolerance.
 
-File layout: {"suite", "platform", "entries": {case_key: {metric: {"value", "tolerance", "spread",
-"repeats", "values"}}, "provenance": {case_key: {...versions, date, commit}}}}. Recording writes
+File layout: {"schema" (harness/schema.py), "suite", "platform", "entries": {case_key: {metric: {"value",
+"tolerance", "spread", "repeats", "values"}}, "provenance": {case_key: {...versions, date, commit}}}}. Recording writes
 atomically and returns the diff against the previous file.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import schema
 from harness.errors import BadInput
 from harness.files import atomic_write, locked_dir
 
@@ -44,7 +45,8 @@ def parse(text: str, source: str) -> dict[str, Any]:
         restore = f"restore it from git (git checkout -- {source}) or " if _tracked(source) else ""
         raise BadInput(f"baseline file {source} is corrupt ({exc}); {restore}re-record it with "
                        "`harness baselines record`, or give another --baselines-dir") from None
-    return data
+    return schema.checked(data, schema.BASELINES, "baseline file", source,
+                          "re-record it with `harness baselines record`, or give another --baselines-dir")
 
 
 def _tracked(source: str) -> bool:
@@ -175,7 +177,7 @@ def write(path: Path, suite: str, platform: str, entries: dict, provenance: dict
     return a readable diff of what changed."""
     with locked_dir(path.parent):
         old = load(path)
-        data = {"suite": suite, "platform": platform,
+        data = {"schema": schema.BASELINES, "suite": suite, "platform": platform,
                 "entries": {**old.get("entries", {}), **entries},
                 "provenance": {**old.get("provenance", {}), **{k: provenance for k in entries}}}
         atomic_write(path, json.dumps(data, indent=1, sort_keys=True) + "\n")

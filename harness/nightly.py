@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import schema
 from harness.errors import BadInput, DoesNotApply
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_PASS
 from harness.suite_registry import SUITES as REGISTERED
@@ -100,9 +101,9 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
         except BadInput as exc:  # a path whose package is missing, a corrupt baseline file, ...
             reason = str(exc)
             atomic_write(out / item.slug / "results.json", json.dumps(
-                {"suite": item.suite, "engine": item.engine, "model": item.model, "world_size": world,
-                 "backend": backend, "cases": [], "checks": [], "passed": False, "verdict": "nothing judged",
-                 "nothing_judged": reason}))
+                {"schema": schema.RESULTS, "suite": item.suite, "engine": item.engine, "model": item.model,
+                 "world_size": world, "backend": backend, "cases": [], "checks": [], "passed": False,
+                 "verdict": "nothing judged", "nothing_judged": reason}))
             passed = False
             failing.append("nothing judged")
             rows.append([item.suite, item.model, item.engine, "NOTHING JUDGED", "-", reason[:100]])

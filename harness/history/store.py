@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import schema
 from harness.errors import BadInput
 
 SCHEMA_VERSION = 1
@@ -140,6 +141,8 @@ def ingest(con: sqlite3.Connection, root: Path) -> tuple[int, int]:
             except json.JSONDecodeError as exc:
                 raise BadInput(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); "
                                f"nothing was ingested") from None
+            if isinstance(data, dict):
+                data = schema.checked(data, schema.RESULTS, "results file", str(path), "nothing was ingested")
             if not data.get("judged", True) or "date" not in data:
                 continue  # written while its run went on (the final file replaces it), or a run that judged nothing
             digest = hashlib.sha256(raw).hexdigest()

@@ -18,12 +18,13 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
     """A run as data (results.json): everything a report shows, so reports are rendered without the suite."""
     from dataclasses import asdict
 
+    from harness import schema
     from harness.platform import detect_platform
 
     return {
-        "suite": run.suite.name, "model": run.model, "world_size": run.world_size, "engine": run.engine,
-        "backend": run.backend, "platform": detect_platform(run.backend).key, "versions": versions(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": run.wall_s,
+        "schema": schema.RESULTS, "suite": run.suite.name, "model": run.model, "world_size": run.world_size,
+        "engine": run.engine, "backend": run.backend, "platform": detect_platform(run.backend).key,
+        "versions": versions(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": run.wall_s,
         "passed": run.passed, "verdict": run.verdict, "exit_code": run.exit_code, "adjustments": run_adjustments(run),
         "judged": run.judged, "interrupted": str(run.interrupted) if run.interrupted else None,
         "stopped": run.stopped or None,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import schema
 from harness.errors import BadInput
 
 
@@ -74,6 +75,8 @@ def load_runs(directory: Path) -> list[RunFile]:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise BadInput(f"{path} is not a harness results file ({type(exc).__name__}: {exc}); "
                            f"re-run the suite with `harness run ... --out {path.parent}`") from None
+        data = schema.checked(data, schema.RESULTS, "results file", str(path),
+                              f"re-run the suite with `harness run ... --out {path.parent}`")
         runs.append(RunFile(path, data))
     if not runs:
         raise BadInput(f"no results.json under {directory}; write one with `harness run ... --out {directory}`")
