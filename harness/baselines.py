@@ -11,6 +11,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +64,18 @@ def _tracked(source: str) -> bool:
         return False
 
 
+class BaselineStatus(StrEnum):
+    """A figure against its baseline: within tolerance, above it, below it, or not recorded."""
+
+    PASS = "pass"
+    REGRESSION = "regression"
+    IMPROVEMENT = "improvement"
+    MISSING = "missing"
+
+
 @dataclass(frozen=True)
 class Verdict:
-    status: str  # pass | regression | improvement | missing
+    status: BaselineStatus
     measured: float
     baseline: float | None = None
     tolerance: float | None = None
@@ -80,13 +90,13 @@ def compare(data: dict[str, Any], key: str, metric: str, measured: float, floor:
     tolerance, whatever the recorded one."""
     entry = data.get("entries", {}).get(key, {}).get(metric)
     if entry is None:
-        return Verdict("missing", measured)
+        return Verdict(BaselineStatus.MISSING, measured)
     value, tol = float(entry["value"]), max(float(entry["tolerance"]), floor)
     if not math.isfinite(measured) or measured > value + tol:
-        return Verdict("regression", measured, value, tol)
+        return Verdict(BaselineStatus.REGRESSION, measured, value, tol)
     if measured < value - tol:
-        return Verdict("improvement", measured, value, tol)
-    return Verdict("pass", measured, value, tol)
+        return Verdict(BaselineStatus.IMPROVEMENT, measured, value, tol)
+    return Verdict(BaselineStatus.PASS, measured, value, tol)
 
 
 # The tolerance scales with the metric (REL_TOLERANCE of its median): a writer peak of 0.3 MiB and a

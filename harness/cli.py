@@ -25,6 +25,7 @@ from harness.commands import (
     run_command,
 )
 from harness.errors import BadInput, Interrupted
+from harness.outcomes import EXIT_BAD_INPUT
 
 # in the order of `harness --help`
 COMMANDS = (layouts_command, run_command, baselines_command, report_command, bisect_command, compare_command,
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
     except BadInput as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except (Interrupted, KeyboardInterrupt) as exc:
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         print(f"harness: interrupted ({stop}); what was written before is kept", file=sys.stderr)

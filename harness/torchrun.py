@@ -19,6 +19,7 @@ from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.launch.worker import freeze_long_lived, init_distributed, run_rank, shutdown_distributed
+from harness.outcomes import EXIT_BAD_INPUT
 from harness.platform.backend import CPU_RANK_ENV, GPU_RANK_ENV
 from harness.spec import CaseOptions
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as exc:
         if rank == 0:
             print(f"harness: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     base = RankContext(rank, world, local_rank, backend, Path(os.environ.get("TMPDIR", "/tmp")))
     init_distributed(base, max(c.timeout_s for c in cases))

@@ -14,6 +14,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from harness.outcomes import Outcome
+
 ALPHA = 0.01  # one-sided significance level of the Mann-Whitney U test
 CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 2000
@@ -70,8 +72,8 @@ class Comparison:
         return not self.slower and self.ci_high > 1 + self.min_effect
 
     @property
-    def verdict(self) -> str:
-        return "regression" if self.slower else "improvement" if self.faster else "pass"
+    def verdict(self) -> Outcome:
+        return Outcome.REGRESSION if self.slower else Outcome.IMPROVEMENT if self.faster else Outcome.PASS
 
     def describe(self, unit: str = "ms") -> str:
         """e.g. '123.4 ms vs 110.2 ms: x1.12 [1.08, 1.16] 95% CI, Mann-Whitney p=0.0003 (n=20/60), min effect 10%'."""

@@ -217,14 +217,13 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: 
         rows.append(f"{metric}: {value:.2f} MiB, baseline {base}, delta {v.delta:+.2f} MiB: {v.status}"
                     + (f"; detects {_detects(v)}" if v.baseline is not None else ""))
     shown = BaselineFigures(key, verdicts)
-    by_status = {st: [m for m, v in verdicts.items() if v.status == st]
-                 for st in ("missing", "regression", "improvement", "pass")}
+    by_status = {st: [m for m, v in verdicts.items() if v.status is st] for st in baselines.BaselineStatus}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
     captures = Captures(files or [])
     record = record_command(res.case)
-    if by_status["regression"] or by_status["improvement"]:
+    if by_status[baselines.BaselineStatus.REGRESSION] or by_status[baselines.BaselineStatus.IMPROVEMENT]:
         # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
-        metric = max(by_status["regression"] or by_status["improvement"],
+        metric = max(by_status[baselines.BaselineStatus.REGRESSION] or by_status[baselines.BaselineStatus.IMPROVEMENT],
                      key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
         v = verdicts[metric]
         capture = capture_of(metric) if capture_of else ""
@@ -235,23 +234,25 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: 
                                f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
                                f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{flame}", rows, data=shown,
                                captures=failed)
-        verb = "above" if v.status == "regression" else f"below (improvement: refresh the baseline with `{record}`)"
+        verb = ("above" if v.status is baselines.BaselineStatus.REGRESSION
+                else f"below (improvement: refresh the baseline with `{record}`)")
         return CheckResult(name, res.case.id, False,
                            f"{metric} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline "
                            f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{flame}", rows,
-                           improvement=not by_status["regression"], data=shown, captures=failed)
-    unrecorded = by_status["missing"]
+                           improvement=not by_status[baselines.BaselineStatus.REGRESSION], data=shown, captures=failed)
+    unrecorded = by_status[baselines.BaselineStatus.MISSING]
     if unrecorded and not recorded:
         message = (f"no baseline for {key} {unrecorded[0]} on platform {path.parent.name} ({path}); record it "
                    f"with: {record}")
         if missing_fails:
             return CheckResult(name, res.case.id, False, message, rows, data=shown, captures=captures)
         return cannot_tell(name, res.case.id, message, rows, data=shown)
-    if unrecorded and not by_status["pass"]:
+    if unrecorded and not by_status[baselines.BaselineStatus.PASS]:
         return cannot_tell(name, res.case.id, f"{key}'s entry in {path} has none of {', '.join(unrecorded)} "
                                               f"(recorded before they were measured); re-record it with: {record}",
                            rows, data=shown)
-    coarsest = max(by_status["pass"], key=lambda m: _relative_tolerance(verdicts[m]), default=None)
+    coarsest = max(by_status[baselines.BaselineStatus.PASS], key=lambda m: _relative_tolerance(verdicts[m]),
+                   default=None)
     sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
     later = (f"; not judged, recorded before they were measured: {', '.join(unrecorded)} (re-record with `{record}`)"
              if unrecorded else "")

@@ -98,18 +98,19 @@ def check_baseline(res: CaseResult, params: RefitParams, files: dict[str, dict])
     rows = [f"  {m}: {v.measured * 1024:.0f} KiB, baseline " + ("-" if v.baseline is None else
             f"{v.baseline * 1024:.0f} +- {(v.tolerance or 0) * 1024:.0f}") + f": {v.status}"
             for m, v in verdicts.items()]
-    missing = [m for m, v in verdicts.items() if v.status == "missing"]
+    missing = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.MISSING]
     if missing:
         return CheckResult("refit.baseline", cid, False, f"{where(res)}: no baseline for {key} {missing[0]} on "
                                                          f"platform {path.parent.name} ({path}); record it with: "
                                                          f"{figures.record_command(res.case)}", rows)
-    moved = [m for m, v in verdicts.items() if v.status in ("regression", "improvement")]
+    off = (baselines.BaselineStatus.REGRESSION, baselines.BaselineStatus.IMPROVEMENT)
+    moved = [m for m, v in verdicts.items() if v.status in off]
     if not moved:
         return CheckResult("refit.baseline", cid, True, f"{where(res)}: every rank's export peak within its baseline "
                                                         f"({key})", rows)
     m = max(moved, key=lambda x: abs(verdicts[x].delta))
     v = verdicts[m]
-    worse = v.status == "regression"
+    worse = v.status is baselines.BaselineStatus.REGRESSION
     verb = "above" if worse else f"below (improvement: refresh the baseline with `{figures.record_command(res.case)}`)"
     base, tol = (v.baseline or 0) * 1024, (v.tolerance or 0) * 1024
     return CheckResult("refit.baseline", cid, False, f"{where(res)}: {m} {v.measured * 1024:.0f} KiB is "

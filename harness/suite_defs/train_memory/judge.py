@@ -97,13 +97,13 @@ def _check_baseline(res: CaseResult, data: dict, path: Any) -> CheckResult:
     rows = [f"{m}: {v.measured:.2f} MiB, baseline " + ("-" if v.baseline is None else f"{v.baseline:.2f} +- "
                                                         f"{v.tolerance:.2f}") + f": {v.status}"
             for m, v in verdicts.items()]
-    missing = [m for m, v in verdicts.items() if v.status == "missing"]
+    missing = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.MISSING]
     if missing:
         return CheckResult("train-memory.baseline", res.case.id, False,
                            f"no baseline for {key} {missing[0]} on platform {path.parent.name} ({path}); record it "
                            f"with: {record_command(res.case)}", rows)
-    worse = [m for m, v in verdicts.items() if v.status == "regression"]
-    better = [m for m, v in verdicts.items() if v.status == "improvement"]
+    worse = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.REGRESSION]
+    better = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.IMPROVEMENT]
     if worse or better:
         m = max(worse or better, key=lambda x: abs(verdicts[x].delta))
         v = verdicts[m]
