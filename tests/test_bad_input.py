@@ -33,7 +33,7 @@ CASES = [
      "engine 'mbridge': mbridge's export_weights maps Transformer Engine's layer names only"),
     (["run", "--suite", "refit", "--engine", "megatron-bridge", "--model", "tiny-moe"],
      "model tiny-moe: megatron-bridge converts a mixture of experts to Hugging Face here as Qwen3-MoE"),
-    (["run", "--suite", "rl-cycle", "--iterations", "1"], "--iterations 1: at least 3"),
+    (["run", "--suite", "rl-cycle", "--iterations", "1"], "--iterations 1: at least 4"),
     (["run", "--suite", "rl-cycle", "--rl-variant", "frozen"], "--rl-variant 'frozen': expected one of built-twice"),
     (["run", "--suite", "rl-cycle", "--rl-variant", "expert-bias", "--layout", "tp1-pp1-cp1-dp4"],
      "--rl-variant expert-bias needs an MoE model"),

@@ -40,11 +40,14 @@ class Moved:
 @dataclass(frozen=True)
 class Census:
     """The device's live tensors (CPU ranks: every live tensor that is not a host copy): distinct storages and
-    their bytes, with the largest storages named."""
+    their bytes, the largest named, those new since the previous census with what holds them; on GPU ranks also
+    torch's allocated bytes (what C++ holds too: workspaces, saved tensors)."""
 
     bytes: int
     storages: int
     largest: list[tuple[str, int]] = field(default_factory=list)  # (shape dtype, bytes), largest first
+    new: list[str] = field(default_factory=list)  # "holder shape dtype size" of storages new since the previous one
+    allocated: int = 0
 
 
 @dataclass
@@ -147,20 +150,22 @@ def optimizer_tensors(optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
                     yield f"optimizer {i} {key} {tuple(value.shape)}", value
 
 
-def census(store: HostStore | None, exempt: Iterable[Any] = ()) -> Census:
-    """The device's live tensors now: on GPU ranks torch's allocated bytes; on CPU ranks every live tensor's distinct
-    storage (garbage collected first) that is neither a host copy of the store nor among `exempt` (what the caller
-    keeps of its own: its records)."""
+def census(store: HostStore | None, exempt: Iterable[Any] = (), previous: set[int] | None = None,
+           owners: dict[int, str] | None = None) -> tuple[Census, set[int]]:
+    """The device's live tensors now (garbage collected first): every live tensor's distinct storage on the device
+    (CPU ranks: every CPU tensor) that is neither a host copy of the store nor among `exempt` (what the caller keeps
+    of its own: its records); and the storages' addresses, for the next census's `previous`. owners: id(object) ->
+    name of the objects (modules, dispatchers) whose attributes name a new storage's holder."""
     import torch
 
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return Census(torch.cuda.memory_allocated(), 0)
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
     skip = store.host_ptrs() if store else set()
     skip |= {t.untyped_storage().data_ptr() for t in _tensors_in(exempt)}
     sizes: dict[int, tuple[str, int]] = {}
+    found: dict[int, Any] = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and obj.is_cuda == on_gpu:
             try:
                 storage = obj.untyped_storage()
                 ptr, n = storage.data_ptr(), storage.nbytes()
@@ -168,8 +173,41 @@ def census(store: HostStore | None, exempt: Iterable[Any] = ()) -> Census:
                 continue
             if n and ptr not in skip:
                 sizes[ptr] = (f"{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}", n)
+                found.setdefault(ptr, obj)
     largest = sorted(sizes.values(), key=lambda s: -s[1])[:5]
-    return Census(sum(n for _, n in sizes.values()), len(sizes), largest)
+    new = []
+    if previous is not None:
+        for ptr in sorted(set(sizes) - previous, key=lambda p: -sizes[p][1])[:5]:
+            what, n = sizes[ptr]
+            new.append(f"{_holder(found[ptr], owners or {}) or 'a tensor'} {what} {n / 1024:.1f} KiB")
+    allocated = torch.cuda.memory_allocated() if on_gpu else 0
+    return Census(sum(n for _, n in sizes.values()), len(sizes), largest, new, allocated), set(sizes)
+
+
+def _holder(t: Any, owners: dict[int, str]) -> str:
+    """The attribute that holds a tensor, itself or in a list: 'decoder.layers.0.mlp.token_dispatcher.kept[]'."""
+    for ref in gc.get_referrers(t):
+        if isinstance(ref, dict):
+            if name := _attribute(ref, t, owners):
+                return name
+        elif isinstance(ref, list):
+            for d in gc.get_referrers(ref):
+                if isinstance(d, dict) and (name := _attribute(d, ref, owners)):
+                    return name + "[]"
+    return ""
+
+
+def _attribute(d: dict, value: Any, owners: dict[int, str]) -> str:
+    import torch
+
+    for obj in gc.get_referrers(d):
+        if id(obj) not in owners:
+            continue
+        held = [vars(obj)] + ([obj._buffers, obj._parameters] if isinstance(obj, torch.nn.Module) else [])
+        if any(h is d for h in held):
+            key = next((k for k, v in d.items() if v is value), "?")
+            return f"{owners[id(obj)]}.{key}"
+    return ""
 
 
 def _tensors_in(obj: Any) -> Iterator[Any]:

@@ -36,6 +36,8 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
     steps: list[StepOutput] = []
     iterations: list[Iteration] = []
     store = HostStore(ctx.on_cpu)
+    owners = holders(engine)
+    previous: set[int] | None = None
     for i in range(p.iterations):
         batch = rl_batch(case.model, case.global_batch_size, case.options.seed, i)
         mbs = microbatch_samples(batch, Cut("mbs", 1), case.layout.dp, case.layout.pp, ps.get_data_parallel_rank())
@@ -64,9 +66,10 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
                 engine.offload(store)
                 left = engine.offloaded()
                 ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps]
-                now = census(store, exempt=ours)
+                now, previous = census(store, exempt=ours, previous=previous, owners=owners)
                 engine.reload(store)
-                offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident())
+                offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident(), now.new,
+                                      now.allocated)
         iterations.append(Iteration(kept, train_logprobs, recorded, used, seen, offloaded))
         if offloaded is not None and offloaded.not_back:
             break  # a step on what did not come back reads freed storage: the cycle ends here, judged as it is
@@ -104,6 +107,21 @@ def residue_bound(engine: Any, case: Case) -> int:
     moe_layers = sum(1 for _ in engine_routers(engine))
     return (sum(bufs.values()) + moe_layers * per_layer + len(engine.models) * ACTIVATIONS * tokens * m.hidden_size * 4
             + FIXED_RESIDUE)
+
+
+def holders(engine: Any) -> dict[int, str]:
+    """id -> name of the objects whose attributes may hold what an offload leaves: every module of the chunks (as
+    named in its chunk) and each MoE layer's token dispatcher."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    out: dict[int, str] = {}
+    for i, model in enumerate(engine.models):
+        prefix = f"chunk {i}: " if len(engine.models) > 1 else ""
+        for name, m in model.module.named_modules():
+            out[id(m)] = prefix + (name or "model")
+            if isinstance(m, MoELayer):
+                out[id(m.token_dispatcher)] = f"{prefix}{name}.token_dispatcher"
+    return out
 
 
 def engine_routers(engine: Any) -> list:

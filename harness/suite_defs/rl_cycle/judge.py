@@ -14,6 +14,10 @@ from harness.suite_defs.rl_cycle.payload import RLCycleRankData
 # (finalize_model_grads checks only moe_router_enable_expert_bias): NVIDIA/Megatron-LM#4785.
 FROZEN_BIAS_UPDATED_UP_TO = "0.16.1"
 KIB = 1024
+# What an offload leaves may move by this much from one iteration to the next without growing: the allgather
+# dispatcher keeps the last micro-batch's permutation of the tokens routed to its experts (at most tokens x top-k x 8
+# bytes per MoE layer: tiny-moe's 2 KiB), whose size follows the routing.
+GROWTH_SLACK = 4 * KIB
 
 
 def data(result: CaseResult) -> list[RLCycleRankData]:
@@ -197,7 +201,8 @@ def trajectory(res: CaseResult, twin: CaseResult | None) -> CheckResult:
                     i, k = divmod(s, MINI_BATCHES)
                     return CheckResult(name, cid, False,
                                        f"{_it(i, k)}, rank {rank}: {figure.replace('_', ' ')} {x!r} vs {y!r} of "
-                                       f"{what}" + (" (the first step did not start from the loaded weights)"
+                                       f"{what}" + (" (the optimizer's master copies did not follow the loaded "
+                                                    "weights: its first update was applied to other values)"
                                                     if p.weights == "loaded" else ""))
         if len(got.steps) != len(want.steps):
             return CheckResult(name, cid, False, f"rank {rank}: {len(got.steps)} steps, {what} {len(want.steps)}")
@@ -239,14 +244,16 @@ def offload(res: CaseResult) -> list[CheckResult]:
                                     f"KiB (the model's buffers, the dispatchers' last micro-batch, 64 KiB); largest: "
                                     f"{_largest(o.largest)}", value=o.bytes / KIB)]
         done = [it.offload for it in d.iterations if it.offload is not None]
-        for i in range(2, len(done)):
-            if (done[i].bytes, done[i].storages) != (done[1].bytes, done[1].storages):
-                grew = done[i].bytes - done[1].bytes
-                return [CheckResult(f"{SUITE}.offload", cid, False,
-                                    f"{_it(i)}, rank {rank}: the device held {grew / KIB:+.1f} KiB and "
-                                    f"{done[i].storages - done[1].storages:+d} tensors more after the offload than "
-                                    f"after iteration 2's: something of every iteration stays (largest now: "
-                                    f"{_largest(done[i].largest)})", value=grew / KIB)]
+        later = done[1:]  # the first iteration pays what the process allocates once
+        if len(later) >= 2 and (all(b.storages > a.storages for a, b in zip(later, later[1:]))
+                                or all(b.bytes - a.bytes > GROWTH_SLACK for a, b in zip(later, later[1:]))):
+            last = len(done) - 1
+            grew = done[last].bytes - done[1].bytes
+            return [CheckResult(f"{SUITE}.offload", cid, False,
+                                f"{_it(last)}, rank {rank}: the device held {grew / KIB:+.1f} KiB and "
+                                f"{done[last].storages - done[1].storages:+d} tensors more after the offload than "
+                                f"after iteration 2's, more at every iteration: something of each stays (new in "
+                                f"{_it(last)}: {', '.join(done[last].new[:3]) or 'none named'})", value=grew / KIB)]
     bound = data(res)[0].residue_bound
     return [CheckResult(f"{SUITE}.offload", cid, True, f"every offload left at most {worst / KIB:.1f} KiB on the "
                         f"device (bound {bound / KIB:.1f} KiB), the same from iteration 2 on", value=worst / KIB),
@@ -261,5 +268,7 @@ def _largest(largest: list[tuple[str, int]]) -> str:
 def table_figures(result: CaseResult) -> dict[str, Any]:
     ranks = data(result)
     residues = [it.offload.bytes for d in ranks for it in d.iterations if it.offload is not None]
+    allocated = [it.offload.allocated for d in ranks for it in d.iterations if it.offload is not None]
     return {"iterations": len(ranks[0].iterations) if ranks else 0,
-            **({"residue KiB": round(max(residues) / KIB, 1)} if residues else {})}
+            **({"residue KiB": round(max(residues) / KIB, 1)} if residues else {}),
+            **({"allocated MiB": round(max(allocated) / KIB / KIB, 1)} if any(allocated) else {})}

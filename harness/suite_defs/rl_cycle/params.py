@@ -18,10 +18,10 @@ GLOBAL_BATCH = 16
 MINI_BATCHES = 2
 LR = 1e-2
 MODE = "token-mean"
-VARIANTS = ("4-layers", "expert-bias", "frozen-router")
+VARIANTS = ("4-layers", "expert-bias", "replayed-bias", "frozen-router")
 WEIGHTS = ("", "loaded", "as-loaded")
 # --rl-variant: a case of the default matrix's kinds at the layouts given
-RL_VARIANTS = ("built-twice", "4-layers", "expert-bias", "frozen-router", "weights-only-load")
+RL_VARIANTS = ("built-twice", "4-layers", "expert-bias", "replayed-bias", "frozen-router", "weights-only-load")
 
 
 @dataclass(frozen=True)
@@ -30,20 +30,21 @@ class RLCycleParams:
 
     iterations: int = dataclasses.field(default=ITERATIONS, metadata=flag(
         "--iterations", f"rl-cycle: RL iterations per case (log-probs, training, offload, reload; default "
-                        f"{ITERATIONS}, at least 3)"))
+                        f"{ITERATIONS}, the least)"))
 
     rl_variant: str = dataclasses.field(default="", metadata=flag(
         "--rl-variant", "rl-cycle: run this kind of case at every layout given: built-twice (the model built twice "
                         "in the process), 4-layers (for virtual stages), expert-bias (the router training, not "
-                        "replayed), frozen-router (expert bias, frozen and replayed), weights-only-load (default: "
+                        "replayed), replayed-bias (training, replayed), frozen-router (frozen and replayed), "
+                        "weights-only-load (default: "
                         "the matrix's, the model as it is with --layout)"))
 
     def __post_init__(self) -> None:
         if self.rl_variant and self.rl_variant not in RL_VARIANTS:
             raise BadInput(f"--rl-variant {self.rl_variant!r}: expected one of {', '.join(RL_VARIANTS)}")
-        if self.iterations < 3:
-            raise BadInput(f"--iterations {self.iterations}: at least 3 (what an offload leaves is judged from the "
-                           "second iteration on, against the next ones)")
+        if self.iterations < ITERATIONS:
+            raise BadInput(f"--iterations {self.iterations}: at least {ITERATIONS} (what an offload leaves is judged "
+                           "from the second iteration on: growth needs two more)")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ class Offloaded:
     storages: int
     largest: list[tuple[str, int]]
     not_back: list[str] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)  # storages new since the previous offload, with their holders
+    allocated: int = 0  # GPU ranks: torch's allocated bytes after the offload (0 on CPU ranks)
 
 
 @dataclass(frozen=True)

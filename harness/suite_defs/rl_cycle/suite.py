@@ -15,6 +15,7 @@ from harness.suite_defs.rl_cycle.params import GLOBAL_BATCH, LR, SUITE, RLCycleC
 from harness.suite_defs.rl_cycle.payload import RLCycleRankData
 
 VARIANTS: dict[str, dict[str, Any]] = {"4-layers": dict(num_layers=4), "expert-bias": dict(moe_expert_bias=True),
+                                      "replayed-bias": dict(moe_expert_bias=True),
                                       "frozen-router": dict(moe_expert_bias=True)}
 
 
@@ -35,6 +36,8 @@ def kind(model: ModelSpec, what: str) -> tuple[RLCycleCaseParams, dict[str, Any]
     # by the other kinds
     if what == "expert-bias":
         return p(variant="expert-bias", offload=False), {}
+    if what == "replayed-bias":
+        return p(variant="replayed-bias", offload=False), dict(routing_replay=True)
     if what == "frozen-router":
         return p(variant="frozen-router", offload=False), dict(routing_replay=True, freeze_router=True)
     if what == "weights-only-load":
@@ -59,8 +62,9 @@ def matrix(model: ModelSpec, world_size: int) -> list[tuple[Layout, str]]:
         ep = 2 if w % 2 == 0 and model.num_experts % 2 == 0 else 1
         out = [(Layout(dp=w, ep=ep), ""), (Layout(dp=w, ep=ep), "built-twice")]
         if w % 2 == 0:
-            out.append((Layout(pp=2, dp=half, ep=ep), ""))
-        out += [(Layout(dp=w, ep=ep), "expert-bias"), (Layout(dp=w, ep=ep), "frozen-router")]
+            out += [(Layout(pp=2, dp=half, ep=ep), ""), (Layout(pp=2, dp=half, ep=ep, vpp=2), "4-layers")]
+        out += [(Layout(dp=w, ep=ep), "expert-bias"), (Layout(dp=w, ep=ep), "replayed-bias"),
+                (Layout(dp=w, ep=ep), "frozen-router")]
     return [(lay, what) for lay, what in out
             if not violations(lay, variant(model, kind(model, what)[0].variant), world_size,
                               global_batch_size=GLOBAL_BATCH)]
@@ -89,7 +93,10 @@ class RLCycleSuite:
                                "a subclass of McoreEngine whose framework parts are yours (docs/engines.md)")
         base = dataclasses.replace(options, global_batch_size=options.global_batch_size or GLOBAL_BATCH,
                                    lr=LR if options.lr == CaseOptions.lr else options.lr)
-        if p.rl_variant in ("expert-bias", "frozen-router") and not model.moe:
+        if options.recompute:
+            raise BadInput(f"rl-cycle replays each router's recorded routing once per micro-batch forward: "
+                           f"--recompute {options.recompute} runs the routers again in backward; drop it")
+        if p.rl_variant in ("expert-bias", "replayed-bias", "frozen-router") and not model.moe:
             raise BadInput(f"--rl-variant {p.rl_variant} needs an MoE model (its routers' expert bias): give --model "
                            "tiny-moe")
         if layouts is not None:
