@@ -175,13 +175,16 @@ def census(store: HostStore | None, exempt: Iterable[Any] = (), previous: set[in
                 sizes[ptr] = (f"{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}", n)
                 found.setdefault(ptr, obj)
     largest = sorted(sizes.values(), key=lambda s: -s[1])[:5]
-    new = []
+    new: list[tuple[bool, int, str]] = []
     if previous is not None:
-        for ptr in sorted(set(sizes) - previous, key=lambda p: -sizes[p][1])[:5]:
+        # what accumulates sits in a list: those first (a replaced attribute's new tensor is new here too), then by size
+        for ptr in sorted(set(sizes) - previous, key=lambda p: -sizes[p][1])[:20]:
             what, n = sizes[ptr]
-            new.append(f"{_holder(found[ptr], owners or {}) or 'a tensor'} {what} {n / 1024:.1f} KiB")
+            holder = _holder(found[ptr], owners or {}) or "a tensor"
+            new.append((not holder.endswith("[]"), -n, f"{holder} {what} {n / 1024:.1f} KiB"))
     allocated = torch.cuda.memory_allocated() if on_gpu else 0
-    return Census(sum(n for _, n in sizes.values()), len(sizes), largest, new, allocated), set(sizes)
+    return (Census(sum(n for _, n in sizes.values()), len(sizes), largest, [text for *_, text in sorted(new)][:5],
+                   allocated), set(sizes))
 
 
 def _holder(t: Any, owners: dict[int, str]) -> str:
