@@ -20,7 +20,7 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.launch.worker import freeze_long_lived, init_distributed, run_rank, shutdown_distributed
 from harness.outcomes import EXIT_BAD_INPUT
-from harness.platform.backend import CPU_RANK_ENV, GPU_RANK_ENV
+from harness.platform.backend import BACKENDS, CPU_RANK_ENV, GPU_RANK_ENV
 from harness.spec import CaseOptions
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--layout", action="append")
     p.add_argument("--engine", default="mcore")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto: nccl when every local rank has a GPU of its own, else gloo (ranks on CPU)")
     p.add_argument("--out")
     p.add_argument("--baselines-dir", default=None,

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.platform.backend import BACKENDS
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("harness")
     g.addoption("--world-size", type=int, default=4, help="ranks per case (default 4)")
-    g.addoption("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    g.addoption("--backend", default="auto", choices=BACKENDS)
     g.addoption("--model", default=None, help="model spec (default: each suite's CPU model)")
     g.addoption("--engine", default="mcore", help="mcore or package.module:factory")
     g.addoption("--results-dir", default=None, help="write <suite>/results.json per suite here")

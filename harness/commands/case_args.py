@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from harness.platform.backend import BACKENDS
 from harness.selection import DEFAULT_WORLD_SIZE, OPTION_DEFAULTS
 from harness.suite_defs.flags import param_flags
 from harness.suite_registry import SUITES
@@ -23,7 +24,7 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
     p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")
     if not compare:
         p.add_argument("--engine", default="mcore", help="mcore, or a user engine package.module:factory")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--steps", type=int, default=OPTION_DEFAULTS.steps)
     p.add_argument("--seed", type=int, default=OPTION_DEFAULTS.seed)
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],

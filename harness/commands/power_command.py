@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from harness.commands.common import say
 from harness.errors import BadInput
+from harness.platform.backend import BACKENDS
 
 
 def add_parser(sub) -> None:
@@ -17,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved: rounds per side per comparison (default 3)")
     p.add_argument("--timed-steps", type=int, default=12, help="timed steps per run / round (default 12)")
     p.add_argument("--mode", action="append", choices=["baseline", "compare"], help="default: both")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="the node's ranks (auto: one GPU per rank where there are GPUs enough, else gloo); on GPU "
                         "ranks the planted wait runs on the device")
     p.set_defaults(func=main)

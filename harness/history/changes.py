@@ -7,11 +7,11 @@ difference (a step moves one difference, not the median). PELT finds the exact o
 penalised cost in linear time; E-divisive means (MongoDB's signal-processing-algorithms) needs a
 permutation test per candidate and its package pins numpy < 2 and Python < 3.12, Apache Otava pins
 numpy 2.2 and pulls cloud clients - neither installs next to this harness's torch. A step smaller than
-MIN_EFFECT relative is not reported.
+MIN_SHIFT relative is not reported.
 
 Creep: a change of 0.5% a night never shows as one step (PELT cuts it into stairs). Kendall's tau of
 value against night (two-sided p < CREEP_ALPHA) with a Theil-Sen slope whose drift over the window
-exceeds MIN_EFFECT flags the series as creeping, where a line fits it at a lower penalised cost than
+exceeds MIN_SHIFT flags the series as creeping, where a line fits it at a lower penalised cost than
 the steps do (or no step was found).
 
 PENALTY, CREEP_ALPHA: in 100 noise-only histories of 30 nights (3% noise) at most 5% may flag anything
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 MIN_SIZE = 3
 PENALTY = 4.0
-MIN_EFFECT = 0.02
+MIN_SHIFT = 0.02
 CREEP_ALPHA = 0.01
 
 
@@ -66,7 +66,7 @@ def detect(values: list[float], penalty: float = PENALTY) -> list[Change]:
     steps = []
     for lo, mid, hi in zip(edges, edges[1:], edges[2:]):
         before, after = float(np.median(v[lo:mid])), float(np.median(v[mid:hi]))
-        if before and abs(after / before - 1) >= MIN_EFFECT:
+        if before and abs(after / before - 1) >= MIN_SHIFT:
             steps.append(Change("step", mid, before, after))
     creep = _creep(v)
     if creep and steps:
@@ -89,6 +89,6 @@ def _creep(v) -> Change | None:
         return None
     slope, intercept, *_ = stats.theilslopes(v, t)
     first, last = intercept, intercept + slope * (len(v) - 1)
-    if not first or abs(last / first - 1) < MIN_EFFECT:
+    if not first or abs(last / first - 1) < MIN_SHIFT:
         return None
     return Change("creep", 0, float(first), float(last))
