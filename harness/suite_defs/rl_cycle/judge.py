@@ -205,7 +205,9 @@ def trajectory(res: CaseResult, twin: CaseResult | None) -> CheckResult:
                                                     "weights: its first update was applied to other values)"
                                                     if p.weights == "loaded" else ""))
         if len(got.steps) != len(want.steps):
-            return CheckResult(name, cid, False, f"rank {rank}: {len(got.steps)} steps, {what} {len(want.steps)}")
+            return CheckResult(name, cid, False, f"rank {rank}: {len(got.steps)} steps ran, {what} ran "
+                                                 f"{len(want.steps)} (a cycle stops at a reload that failed: "
+                                                 "rl-cycle.reload says where)")
         theirs = {sh.name: sh.tensor for sh in want.params}
         for sh in got.params:
             other = theirs.get(sh.name)
