@@ -159,27 +159,23 @@ class RLCycle:
 
     def offloaded(self) -> list[str]:
         """What should be off the device and is not: each tensor still holding bytes, named."""
-        from harness.engines.offload import buffers
-
-        left = [f"gradient buffer of {len(b.params)} parameters" for b in buffers(self.models)
-                if b.grad_data.untyped_storage().nbytes()]
-        left += [f"parameter buffer of {len(b.params)} parameters" for b in buffers(self.models)
-                 if b.param_data is not None and b.param_data.untyped_storage().nbytes()]
-        left += [name for name, t in [*loose_params(self.models), *optimizer_tensors(self.optimizer)]
-                 if t.untyped_storage().nbytes()]
-        return left
+        return [name for name, t in self._moved_tensors() if t.untyped_storage().nbytes()]
 
     def not_resident(self) -> list[str]:
         """What should be back on the device after a reload and is not: each tensor without its bytes, named."""
+        return [name for name, t in self._moved_tensors() if not t.untyped_storage().nbytes()]
+
+    def _moved_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every non-empty tensor an offload moves and a reload brings back, named."""
         from harness.engines.offload import buffers
 
-        gone = [f"gradient buffer of {len(b.params)} parameters" for b in buffers(self.models)
-                if not b.grad_data.untyped_storage().nbytes()]
-        gone += [f"parameter buffer of {len(b.params)} parameters" for b in buffers(self.models)
-                 if b.param_data is not None and not b.param_data.untyped_storage().nbytes()]
-        gone += [name for name, t in [*loose_params(self.models), *optimizer_tensors(self.optimizer)]
-                 if t.numel() and not t.untyped_storage().nbytes()]
-        return gone
+        for b in buffers(self.models):
+            yield f"gradient buffer of {len(b.params)} parameters", b.grad_data
+            if b.param_data is not None:
+                yield f"parameter buffer of {len(b.params)} parameters", b.param_data
+        for name, t in [*loose_params(self.models), *optimizer_tensors(self.optimizer)]:
+            if t.numel():
+                yield name, t
 
     # -- weights-only load -------------------------------------------------------------------------
     def load_weights(self, seed: int) -> None:

@@ -32,6 +32,12 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
     def biases() -> dict[str, Any]:
         return {k: v.detach().cpu().clone() for m in engine.models for k, v in expert_biases(m.module).items()}
 
+    def batch_of(i: int) -> tuple[Any, list[list[int]]]:
+        """Iteration i's batch and this DP rank's micro-batches of it, one sample each."""
+        batch = rl_batch(case.model, case.global_batch_size, case.options.seed, i)
+        return batch, microbatch_samples(batch, Cut("mbs", 1), case.layout.dp, case.layout.pp,
+                                         ps.get_data_parallel_rank())
+
     replay = case.options.routing_replay
     steps: list[StepOutput] = []
     iterations: list[Iteration] = []
@@ -39,8 +45,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
     owners = holders(engine)
     previous: set[int] | None = None
     for i in range(p.iterations):
-        batch = rl_batch(case.model, case.global_batch_size, case.options.seed, i)
-        mbs = microbatch_samples(batch, Cut("mbs", 1), case.layout.dp, case.layout.pp, ps.get_data_parallel_rank())
+        batch, mbs = batch_of(i)
         cut = len(mbs) // MINI_BATCHES
         with ctx.phase("logprobs"):
             logprobs, recorded = engine.record_routing(batch, mbs)
@@ -77,8 +82,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
     complete = all(it.offload is None or not it.offload.not_back for it in iterations)
     if case.options.freeze_router and case.model.moe_expert_bias and complete:
         # megatron's own update with the router frozen: a step with nothing held and nothing replayed
-        batch = rl_batch(case.model, case.global_batch_size, case.options.seed, p.iterations)
-        mbs = microbatch_samples(batch, Cut("mbs", 1), case.layout.dp, case.layout.pp, ps.get_data_parallel_rank())
+        batch, mbs = batch_of(p.iterations)
         probe.append(biases())
         with ctx.phase("steps"):
             steps.append(engine.train_rl_batch(batch, mbs, MODE))
@@ -98,13 +102,15 @@ def residue_bound(engine: Any, case: Case) -> int:
     probabilities, its token counts) and FIXED_RESIDUE."""
     from megatron.core import parallel_state as ps
 
+    from harness.engines.rl_cycle import routers
+
     kept = [b for m in engine.models for b in m.module.buffers() if b is not None]
     kept += list(ps.get_global_memory_buffer().buffer.values())
     bufs = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in kept}
     m = case.model
     tokens = m.seq_length  # one sample per micro-batch
     per_layer = tokens * m.num_experts * (1 + 4 + 8) + m.num_experts * 8 if m.moe else 0
-    moe_layers = sum(1 for _ in engine_routers(engine))
+    moe_layers = len(routers([c.module for c in engine.models]))
     return (sum(bufs.values()) + moe_layers * per_layer + len(engine.models) * ACTIVATIONS * tokens * m.hidden_size * 4
             + FIXED_RESIDUE)
 
@@ -123,8 +129,3 @@ def holders(engine: Any) -> dict[int, str]:
                 out[id(m.token_dispatcher)] = f"{prefix}{name}.token_dispatcher"
     return out
 
-
-def engine_routers(engine: Any) -> list:
-    from harness.engines.rl_cycle import routers
-
-    return routers([m.module for m in engine.models])
