@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.backends import Backend
 from harness.broken_env import broken_environment
 from harness.errors import BadInput, DoesNotApply, Interrupted
 from harness.launch import CaseResult, run_case, zygote
@@ -66,12 +67,12 @@ class Plan:
     cases: list[Case]
     model_name: str
     world_size: int
-    backend: str
+    backend: Backend
     engine: str
 
 
 def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
-         *, engine: str = "mcore", backend: str = "auto", options: CaseOptions | None = None,
+         *, engine: str = "mcore", backend: str = Backend.AUTO, options: CaseOptions | None = None,
          timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None,
          local_world_size: int | None = None) -> Plan:
     """The run's Plan, or BadInput, before anything runs or is written; it starts nothing. model_name None: the
@@ -146,7 +147,7 @@ def buildable(cases: list[Case], factory: Any, engine: str) -> list[Case]:
     return kept
 
 
-def refuse_what_does_not_fit(cases: list[Case], backend: str, local_world_size: int) -> None:
+def refuse_what_does_not_fit(cases: list[Case], backend: Backend, local_world_size: int) -> None:
     """DoesNotFit (exit 2, a skip in pytest) for the first case the training-memory model predicts will not fit
     the memory a rank has, before any rank starts; local_world_size: the ranks sharing this node."""
     from harness.checks.training_memory import refusal
@@ -163,7 +164,7 @@ def refuse_what_does_not_fit(cases: list[Case], backend: str, local_world_size: 
 
 
 def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
-              engine: str = "mcore", backend: str = "auto", options: CaseOptions | None = None,
+              engine: str = "mcore", backend: str = Backend.AUTO, options: CaseOptions | None = None,
               timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None,
               **run_options) -> SuiteRun:
     """plan then execute: the suite's cases planned from these arguments, run with run_options (execute's)."""

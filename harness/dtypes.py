@@ -12,6 +12,7 @@ not measured (megatron's fp16 trains with a loss scaler the CPU tier does not ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,8 +20,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class DType:
-    name: str  # as the CLI, case ids and baseline keys spell it
+class DTypeTraits:
     bytes: int  # per element
     torch_name: str  # the attribute of torch
     rtol: float  # relative tolerance of values compared across layouts (losses, log-probs, parameters, gradients)
@@ -30,6 +30,42 @@ class DType:
     # layouts of `tiny` (whether an element underflows to exactly 0 depends on the reduction order)
     golden_zero_count: bool = True
 
+
+class DType(StrEnum):
+    """A dtype by the name the CLI, case ids and baseline keys spell (`CaseOptions.dtype`), with its traits."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+    @property
+    def traits(self) -> DTypeTraits:
+        return _TRAITS[self]
+
+    @property
+    def bytes(self) -> int:
+        return self.traits.bytes
+
+    @property
+    def torch_name(self) -> str:
+        return self.traits.torch_name
+
+    @property
+    def rtol(self) -> float:
+        return self.traits.rtol
+
+    @property
+    def golden_max_spread(self) -> float:
+        return self.traits.golden_max_spread
+
+    @property
+    def golden_rtol(self) -> float:
+        return self.traits.golden_rtol
+
+    @property
+    def golden_zero_count(self) -> bool:
+        return self.traits.golden_zero_count
+
     @property
     def torch(self) -> torch.dtype:
         import torch
@@ -37,10 +73,13 @@ class DType:
         return getattr(torch, self.torch_name)
 
 
-FP32 = DType("fp32", 4, "float32", 1e-5, 1e-4, 1e-5)
-BF16 = DType("bf16", 2, "bfloat16", 2e-2, 2e-2, 1e-2, golden_zero_count=False)
-FP16 = DType("fp16", 2, "float16", 1e-2, 5e-2, 1e-2, golden_zero_count=False)
-DTYPES = {d.name: d for d in (FP32, BF16, FP16)}
+_TRAITS = {
+    DType.fp32: DTypeTraits(4, "float32", 1e-5, 1e-4, 1e-5),
+    DType.bf16: DTypeTraits(2, "bfloat16", 2e-2, 2e-2, 1e-2, golden_zero_count=False),
+    DType.fp16: DTypeTraits(2, "float16", 1e-2, 5e-2, 1e-2, golden_zero_count=False),
+}
+FP32, BF16, FP16 = DType.fp32, DType.bf16, DType.fp16
+DTYPES = {d.value: d for d in DType}
 
 
 def dtype(name: str) -> DType:

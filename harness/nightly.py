@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import schema
+from harness.backends import Backend
 from harness.errors import BadInput, DoesNotApply
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_PASS
 from harness.suite_registry import SUITES as REGISTERED
@@ -46,7 +47,7 @@ def plan_items(suites: list[str], models: list[str], engine: str | None) -> list
     return items
 
 
-def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_size: int | None, backend: str,
+def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_size: int | None, backend: Backend,
                 engine: str | None, say: Callable[[str], None], label: str | None = None,
                 history_db: Path | None = None) -> int:
     import json
@@ -63,7 +64,8 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
         raise BadInput(f"unknown suite(s) {unknown}; nightly runs {', '.join(SUITES)}")
-    world = world_size or (cuda_device_count() if backend in ("auto", "nccl") and cuda_device_count() else 4)
+    gpus = cuda_device_count() if backend in (Backend.AUTO, Backend.NCCL) else 0
+    world = world_size or gpus or 4
     backend = resolve_backend(backend, world)
     items = plan_items(suites, list(models or DEFAULT_MODELS[backend]), engine)
     # Every run planned before any rank starts: a run that cannot be planned (a path whose package is

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness.backends import Backend
 from harness.engines.mcore import McoreEngine
 
 SIZES = (0.0, 0.03, 0.05, 0.10, 0.25)
@@ -163,7 +164,7 @@ class Tally:
 
 
 def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int, timed_steps: int,
-              modes: tuple[str, ...], say: Callable[[str], None], backend: str = "gloo") -> list[Tally]:
+              modes: tuple[str, ...], say: Callable[[str], None], backend: Backend = Backend.GLOO) -> list[Tally]:
     """Each planted size `trials` times per mode on `backend`'s ranks, judged at that tier's minimum effects."""
     import argparse
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.backends import Backend
 from harness.baselines import ABS_FLOOR, REL_TOLERANCE, baseline_path, build_entries, noisy_metrics, write
 from harness.errors import BadInput
 
@@ -26,7 +27,8 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     samples: dict[str, dict[str, list[float]]] = {}
     raw: dict[str, dict[str, list[float]]] = {}  # per-sample figures (e.g. step times), pooled over repeats
     suite: Baselined | None = None
-    backend, params = "", None
+    backend: Backend = Backend.GLOO
+    params = None
     for i in range(repeats):
         print(f"repeat {i + 1}/{repeats}", file=sys.stderr, flush=True)
         run = run_suite(suite_name, model, world_size, layout_ids, baselines_dir=baselines_dir,
@@ -75,7 +77,7 @@ class MissingBaselines:
     path: Path
 
 
-def missing_baselines(world_size: int, backend: str, baselines_dir: str | None = None,
+def missing_baselines(world_size: int, backend: Backend, baselines_dir: str | None = None,
                       suite: str | None = None) -> list[MissingBaselines]:
     """The regression suites' runs (suite_defs.REGRESSION_RUNS) with baselines, on this backend and world size,
     whose platform file lacks an entry of a case they plan; planned only, nothing runs. A run whose model does
@@ -90,7 +92,7 @@ def missing_baselines(world_size: int, backend: str, baselines_dir: str | None =
     platform = detect_platform(backend).key
     out = []
     for run in REGRESSION_RUNS:
-        if (suite and run.suite != get_suite(suite).name) or (run.cpu_only and backend != "gloo"):
+        if (suite and run.suite != get_suite(suite).name) or (run.cpu_only and backend != Backend.GLOO):
             continue
         if not isinstance(get_suite(run.suite), Baselined):
             continue

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from harness.backends import Backend
 from harness.errors import BadInput
 from harness.spec import Case, CaseOptions, id_fragment
 from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
@@ -45,7 +46,7 @@ class CaseSelection:
     world_size: int = DEFAULT_WORLD_SIZE
     layouts: tuple[str, ...] = ()  # (): the suite's matrix
     engine: str = "mcore"
-    backend: str = "auto"
+    backend: Backend = Backend.AUTO
     options: CaseOptions = field(default_factory=CaseOptions)  # steps, seed, dtype, distributed optimizer, overlap
     timeout: float | None = None  # per-case seconds; None: the case's default
     suite_params: dict = field(default_factory=dict)
@@ -79,7 +80,8 @@ class CaseSelection:
             given["dtype"] = default_dtype(args.suite, resolve_backend(args.backend, args.world_size))
         options = CaseOptions(**given)
         return cls(suite=args.suite, model=args.model, world_size=args.world_size, layouts=tuple(args.layout or ()),
-                   engine=engine, backend=args.backend, options=options, timeout=args.timeout, suite_params=params)
+                   engine=engine, backend=Backend(args.backend), options=options, timeout=args.timeout,
+                   suite_params=params)
 
     def to_argv(self, skip: tuple[str, ...] = ()) -> list[str]:
         """The flags that reproduce this selection (non-defaults only; --suite always). `skip`: flags left
@@ -113,7 +115,7 @@ class CaseSelection:
         from harness.platform import resolve_backend
         from harness.suite_defs import default_dtype
 
-        backend = self.backend if self.backend != "auto" else resolve_backend(self.backend, self.world_size)
+        backend = self.backend if self.backend != Backend.AUTO else resolve_backend(self.backend, self.world_size)
         defaults = {**vars(OPTION_DEFAULTS), "dtype": default_dtype(self.suite, backend)}
         for flag, name, dest in OPTION_FLAGS:
             add(dest, flag, getattr(self.options, name), defaults[name])

@@ -7,6 +7,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.backends import Backend
+from harness.dtypes import DType
+from harness.dtypes import dtype as dtype_of
 from harness.errors import BadInput
 
 
@@ -164,7 +167,7 @@ class CaseOptions:
     steps: int = 2
     warmup_steps: int = 0  # untimed steps before the `steps` a suite measures (step-perf)
     seed: int = 1234
-    dtype: str = "fp32"
+    dtype: DType = DType.fp32  # a name given ("bf16") becomes its DType; an unknown one is BadInput
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     grad_reduce_in_fp32: bool = False
@@ -211,6 +214,7 @@ class CaseOptions:
     freeze_router: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_of(self.dtype))
         if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
             raise BadInput("optimizer_cpu_offload needs use_distributed_optimizer (the harness offloads the "
                            "distributed optimizer's state, as megatron's precision-aware optimizer requires)")
@@ -233,7 +237,7 @@ class Case:
     layout: Layout
     engine: str = "mcore"
     options: CaseOptions = field(default_factory=CaseOptions)
-    backend: str = "gloo"
+    backend: Backend = Backend.GLOO
     timeout_s: float = 300.0
     # ids of cases whose artefacts this case reads: the driver runs them first, shuffled or not, and
     # hands this case their output directories as `inputs` (same order)
@@ -271,7 +275,7 @@ class Case:
         transformer_engine is installed (harness.engines.model_config.layer_spec); the local spec otherwise."""
         import importlib.util
 
-        return self.backend == "nccl" and importlib.util.find_spec("transformer_engine") is not None
+        return self.backend == Backend.NCCL and importlib.util.find_spec("transformer_engine") is not None
 
     @property
     def foreach_adam(self) -> bool:
@@ -280,7 +284,7 @@ class Case:
         import importlib.util
 
         fused = ("transformer_engine", "apex")
-        return self.backend == "nccl" and all(importlib.util.find_spec(m) is None for m in fused)
+        return self.backend == Backend.NCCL and all(importlib.util.find_spec(m) is None for m in fused)
 
     @property
     def global_batch_size(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.backends import Backend
 from harness.broken_env import exception_line
 from harness.checks import CheckResult
 from harness.errors import Interrupted
@@ -58,7 +59,7 @@ class SuiteRun:
     suite: Suite
     model: str
     world_size: int
-    backend: str
+    backend: Backend
     engine: str
     results: list[CaseResult] = field(default_factory=list)
     checks: list[CheckResult] = field(default_factory=list)

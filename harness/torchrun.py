@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.backends import Backend
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.launch.worker import freeze_long_lived, init_distributed, run_rank, shutdown_distributed
 from harness.outcomes import EXIT_BAD_INPUT
-from harness.platform.backend import BACKENDS, CPU_RANK_ENV, GPU_RANK_ENV
+from harness.platform.backend import BACKENDS, CPU_RANK_ENV, GPU_RANK_ENV, gpus_from_device_files, resolve_backend
 from harness.spec import CaseOptions
 
 
@@ -42,8 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.verbose:
         os.environ["HARNESS_PHASE_LOG"] = "0"
-    backend = args.backend if args.backend != "auto" else _auto_backend()
-    if backend == "gloo":
+    rank = int(os.environ["RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    try:  # every local rank its own GPU, counted without torch: a gloo rank must never see one
+        backend = resolve_backend(args.backend, local_world, gpus=gpus_from_device_files())
+    except BadInput as exc:
+        if rank == 0:
+            print(f"harness: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if backend == Backend.GLOO:
         os.environ.update(CPU_RANK_ENV)  # before torch is imported: a gloo rank sees no GPU
     else:
         for name, value in GPU_RANK_ENV.items():  # before torch's inductor reads its config
@@ -62,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     from harness.suite_defs import default_dtype
     from harness.suite_run import SuiteRun
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
     try:
         suite_params = {"timed_steps": args.timed_steps} if args.timed_steps is not None else None
         planned = plan(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
                        options=CaseOptions(steps=args.steps, dtype=default_dtype(args.suite, backend)),
                        timeout_s=args.timeout, suite_params=suite_params, baselines_dir=args.baselines_dir,
-                       local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+                       local_world_size=local_world)
         suite, params, cases = planned.suite, planned.params, planned.cases
     except BadInput as exc:
         if rank == 0:
@@ -136,19 +144,6 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
     shutdown_distributed(base)
     return code
-
-
-def _auto_backend() -> str:
-    """nccl when this node has a GPU for every local rank, else gloo. Counted from the device files (and
-    CUDA_VISIBLE_DEVICES), not through torch: once torch has asked CUDA, hiding the GPUs from a gloo rank
-    would come too late."""
-    import glob
-    import re
-
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    devices = [d for d in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", d)]
-    gpus = len(devices) if visible is None else len([v for v in visible.split(",") if v.strip()])
-    return "nccl" if gpus >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) else "gloo"
 
 
 if __name__ == "__main__":

@@ -214,6 +214,7 @@ def test_the_torchrun_entry_plans_with_the_ranks_of_its_node(monkeypatch):
         raise BadInput("stop here")
 
     monkeypatch.setattr(driver, "plan", plan)
+    monkeypatch.setattr(torchrun, "gpus_from_device_files", lambda: 8)  # a node of 8 GPUs
     monkeypatch.setenv("HARNESS_PHASE_LOG", "0")
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # torchrun.main sets it for NCCL ranks: undone after
     for name, value in (("RANK", "3"), ("WORLD_SIZE", "16"), ("LOCAL_WORLD_SIZE", "8")):

@@ -18,6 +18,7 @@ stands in for it (step-perf says which one it used).
 
 from __future__ import annotations
 
+from harness.dtypes import DType
 from harness.spec import Layout, ModelSpec
 
 
@@ -109,4 +110,4 @@ def peak_tflops(device_name: str, matmul_dtype: str) -> tuple[float | None, str]
 
 def matmul_dtype(param_dtype: str, tf32: bool) -> str:
     """The dtype a case's matmuls run in: its param dtype, fp32 on tensor cores (tf32) where torch allows it."""
-    return "tf32" if param_dtype == "fp32" and tf32 else param_dtype
+    return "tf32" if param_dtype == DType.fp32 and tf32 else param_dtype

@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from harness.dtypes import dtype
+from harness.dtypes import DType, dtype
 from harness.layouts import coords_of, dp_cp_ranks, expert_dp_ranks, expert_group
 from harness.spec import Case, Layout, ModelSpec
 
@@ -185,7 +185,7 @@ def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) ->
                 for name, numel in chunks[vp] if (lay.ep > 1 and bool(ROUTED_EXPERT.search(name))) == experts]
 
     param_dtype = dtype(o.dtype).name
-    grad_dtype = "fp32" if (o.grad_reduce_in_fp32 or param_dtype == "fp32") else param_dtype
+    grad_dtype = "fp32" if (o.grad_reduce_in_fp32 or param_dtype == DType.fp32) else param_dtype
     reduce_kind = "reduce_scatter" if o.use_distributed_optimizer else "all_reduce"
     reduce_phases = frozenset({"backward", "grad-finalize"}) if o.overlap_grad_reduce else frozenset({"grad-finalize"})
     dp_cp = lay.dp * lay.cp

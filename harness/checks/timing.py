@@ -14,6 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from harness.backends import Backend
 from harness.outcomes import Outcome
 
 ALPHA = 0.01  # one-sided significance level of the Mann-Whitney U test
@@ -32,10 +33,10 @@ TIMED_METRICS = ("step_time_ms", "exposed_comm_ms")
 MIN_EFFECT_INTERLEAVED = {"cpu": 0.05, "gpu": 0.03}
 
 
-def tier(backend: str) -> str:
+def tier(backend: Backend) -> str:
     """The key of a backend's minimum effects (MIN_EFFECT, MIN_EFFECT_INTERLEAVED): "gpu" on NCCL ranks, else
     "cpu"."""
-    return "gpu" if backend == "nccl" else "cpu"
+    return "gpu" if backend == Backend.NCCL else "cpu"
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harness.backends import Backend
 from harness.checks.memory_model import expert_shard_params, shard_params
-from harness.dtypes import dtype
+from harness.dtypes import DType, dtype
 from harness.spec import Layout, ModelSpec
 
 GIB = 1024 ** 3
@@ -180,7 +181,8 @@ def training_of(case) -> Training:
     return Training(dtype=o.dtype, micro_batch_size=case.micro_batch_size, num_microbatches=case.num_microbatches,
                     use_distributed_optimizer=o.use_distributed_optimizer, grad_reduce_in_fp32=o.grad_reduce_in_fp32,
                     recompute=o.recompute, overlap_grad_reduce=o.overlap_grad_reduce, bucket_size=o.bucket_size,
-                    fused_attention=te and o.dtype in ("bf16", "fp16"), te_spec=te, foreach_adam=case.foreach_adam,
+                    fused_attention=te and o.dtype in (DType.bf16, DType.fp16), te_spec=te,
+                    foreach_adam=case.foreach_adam,
                     sequence_parallel=case.model.moe and case.layout.tp > 1)  # megatron's MoE layer needs it
 
 
@@ -267,12 +269,12 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
     """The model's prediction for one rank."""
     n = shard_params(model, layout, rank)
     pbytes = dtype(training.dtype).bytes
-    gbytes = 4 if (training.grad_reduce_in_fp32 or training.dtype == "fp32") else pbytes
+    gbytes = 4 if (training.grad_reduce_in_fp32 or training.dtype == DType.fp32) else pbytes
     d = layout.dp * layout.cp
     # an MoE model's experts at EP > 1 have an optimizer of their own, sharded over the expert-DP group
     ne = expert_shard_params(model, layout, rank)
     share, expert_share = (d, layout.edp) if training.use_distributed_optimizer else (1, 1)
-    masters = 0 if training.dtype == "fp32" else 4 * (n - ne) // share + 4 * ne // expert_share
+    masters = 0 if training.dtype == DType.fp32 else 4 * (n - ne) // share + 4 * ne // expert_share
     optimizer = 8 * (n - ne) // share + 8 * ne // expert_share + masters
     parts = layer_activation_bytes(model, layout, training)
     dense_layers, moe_layers = stage_layers(model, layout, rank)
@@ -389,7 +391,7 @@ def nearest_fitting(model: ModelSpec, layout: Layout, training: Training, availa
 def refusal(case, available: int) -> str:
     """'' when the model predicts the case fits `available` bytes per rank; else one line naming the predicted
     and the available GiB and the nearest setting that fits."""
-    device = "gpu" if case.backend == "nccl" else "cpu"
+    device = "gpu" if case.backend == Backend.NCCL else "cpu"
     training = training_of(case)
     ok, m = fits(case.model, case.layout, training, available, device)
     if ok:

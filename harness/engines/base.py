@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from harness.backends import Backend
+
 if TYPE_CHECKING:  # planning and judging import no torch; ranks do
     import torch
 
@@ -146,7 +148,7 @@ class RefusesExports(Protocol):
     """An engine factory whose weight export cannot run at every backend: export_refusal(model, backend) says why
     not (None: it can). Asked in the parent by the refit suite, like RefusesCases."""
 
-    def export_refusal(self, model: ModelSpec, backend: str) -> str | None: ...
+    def export_refusal(self, model: ModelSpec, backend: Backend) -> str | None: ...
 
 
 @runtime_checkable
@@ -195,7 +197,7 @@ class RefusesAdapterLayouts(Protocol):
     adapter_refusal(model, layout, backend) says why not at that one (None: it can). Asked in the parent by the
     peft-ckpt suite, like RefusesCases."""
 
-    def adapter_refusal(self, model: ModelSpec, layout: Layout, backend: str) -> str | None: ...
+    def adapter_refusal(self, model: ModelSpec, layout: Layout, backend: Backend) -> str | None: ...
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from harness.dtypes import dtype
+from harness.dtypes import DType, dtype
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput
 from harness.engines.experts import drop_routing_graphs
@@ -46,7 +46,7 @@ class FSDP2Engine(McoreEngine):
             raise BadInput(why)
         self.setup_parallel()
         mp, built_in = MixedPrecisionPolicy(), None
-        if self.case.options.dtype != "fp32":
+        if self.case.options.dtype != DType.fp32:
             # FSDP2's mixed precision, as it trains in bf16: fp32 parameters sharded (the optimizer's master
             # weights), gathered in the case's dtype for forward and backward, gradients reduced in fp32. (A model
             # built in bf16 keeps some fp32 parameters, and fully_shard refuses mixed dtypes: "FSDP expects

@@ -27,7 +27,8 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from harness.dtypes import dtype
+from harness.backends import Backend
+from harness.dtypes import DType, dtype
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, sequence_parallel, training_fields
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
@@ -104,13 +105,13 @@ def bridge_refusal(model: ModelSpec, layout: Layout) -> str | None:
     return None
 
 
-def export_refusal(model: ModelSpec, backend: str) -> str | None:
+def export_refusal(model: ModelSpec, backend: Backend) -> str | None:
     """mbridge's export names only Transformer Engine's layer spec (a norm fused into the next linear:
     `linear_qkv.layer_norm_weight`); without it (CPU ranks, GPU ranks without Transformer Engine) the harness builds
     megatron's local spec (`input_layernorm.weight`), which the export refuses by name."""
     import importlib.util
 
-    if backend == "nccl" and importlib.util.find_spec("transformer_engine") is not None:
+    if backend == Backend.NCCL and importlib.util.find_spec("transformer_engine") is not None:
         return None
     return ("mbridge's export_weights maps Transformer Engine's layer names only (it raises 'Unsupported parameter "
             "name: decoder.layers.0.input_layernorm.weight' on megatron's local spec, which ranks without Transformer "
@@ -136,7 +137,7 @@ class MbridgeEngine(McoreEngine):
         o, lay = self.case.options, self.case.layout
         extra: dict[str, Any] = dict(
             hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel(self.case),
-            bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
+            bf16=o.dtype == DType.bf16, fp16=o.dtype == DType.fp16,
             # Interleaved PP with batched p2p swaps messages on gloo (docs/architecture.md).
             batch_p2p_comm=False if lay.vpp > 1 else None, **training_fields(self.case))
         extra = {k: v for k, v in extra.items() if v is not None}

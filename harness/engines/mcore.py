@@ -7,7 +7,7 @@ import functools
 import re
 from typing import TYPE_CHECKING, Any
 
-from harness.dtypes import dtype
+from harness.dtypes import DType, dtype
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
@@ -65,7 +65,7 @@ class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
         return OptimizerConfig(
             optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=o.clip_grad,
             log_num_zeros_in_grad=o.log_num_zeros_in_grad,
-            bf16=o.dtype == "bf16", fp16=o.dtype == "fp16", params_dtype=dtype(o.dtype).torch,
+            bf16=o.dtype == DType.bf16, fp16=o.dtype == DType.fp16, params_dtype=dtype(o.dtype).torch,
             use_distributed_optimizer=use_distributed_optimizer, min_lr=o.min_lr,
             **(offload_config() if o.optimizer_cpu_offload else {}),
         )

@@ -27,6 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.backends import Backend
+from harness.dtypes import DType
 from harness.dtypes import dtype as dtype_of
 from harness.engines.lora import (
     MEGATRON_TARGETS,
@@ -57,9 +59,9 @@ _CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout
 EXPERT_LORA_WRONG_UP_TO = "0.3.1"
 
 
-def adapter_refusal(model: ModelSpec, layout: Layout, backend: str) -> str | None:
+def adapter_refusal(model: ModelSpec, layout: Layout, backend: Backend) -> str | None:
     """Why this bridge's expert adapters cannot be exported or loaded right at the layout; None where they can."""
-    if not model.moe or (layout.ep == 1 and layout.expert_tp == 1) or grouped_experts(on_cpu=backend == "gloo"):
+    if not model.moe or (layout.ep == 1 and layout.expert_tp == 1) or grouped_experts(on_cpu=backend == Backend.GLOO):
         return None
     from importlib.metadata import PackageNotFoundError, version
 
@@ -106,7 +108,7 @@ class MegatronBridgeEngine(McoreEngine):
             qk_layernorm=m.qk_layernorm, tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp,
             virtual_pipeline_model_parallel_size=lay.vpp if lay.vpp > 1 else None,
             context_parallel_size=lay.cp, sequence_parallel=sequence_parallel(self.case),
-            params_dtype=dtype, pipeline_dtype=dtype, bf16=o.dtype == "bf16", fp16=o.dtype == "fp16",
+            params_dtype=dtype, pipeline_dtype=dtype, bf16=o.dtype == DType.bf16, fp16=o.dtype == DType.fp16,
             hidden_dropout=0.0, attention_dropout=0.0,
             # megatron-core's defaults, which the mcore engine keeps (the provider flips both)
             cross_entropy_loss_fusion=False, attention_softmax_in_fp32=True,

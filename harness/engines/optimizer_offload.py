@@ -3,6 +3,9 @@ where it cannot run or resume (probed on megatron-core's OptimizerConfig and ver
 
 from __future__ import annotations
 
+from harness.backends import Backend
+from harness.dtypes import DType
+
 # CaseOptions.optimizer_cpu_offload: the whole optimizer state on the host (HybridDeviceOptimizer; megatron asserts
 # AdamW mode, OptimizerConfig's default), with the precision-aware optimizer where Transformer Engine is installed:
 # megatron-core 0.16.1's OptimizerConfig asks TE's version for it (is_te_min_version: a TypeError without TE), though
@@ -30,9 +33,9 @@ def offload_config() -> dict:
 OFFLOAD_FP32_LOAD_BROKEN_UP_TO = "0.16.1"
 
 
-def offload_unsupported(backend: str, dtype: str) -> str:
+def offload_unsupported(backend: Backend, dtype: str) -> str:
     """'' where CaseOptions.optimizer_cpu_offload can run and resume; otherwise why not, naming what it needs."""
-    if backend != "nccl":
+    if backend != Backend.NCCL:
         return ("megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the state between CUDA streams: it "
                 "runs on NCCL ranks only")
     import dataclasses
@@ -46,7 +49,7 @@ def offload_unsupported(backend: str, dtype: str) -> str:
                 f"CPU offload needs a megatron-core that offers them")
     from packaging.version import Version
 
-    if dtype == "fp32" and Version(version("megatron-core")) <= Version(OFFLOAD_FP32_LOAD_BROKEN_UP_TO):
+    if dtype == DType.fp32 and Version(version("megatron-core")) <= Version(OFFLOAD_FP32_LOAD_BROKEN_UP_TO):
         return (f"megatron-core {version('megatron-core')}'s HybridDeviceOptimizer cannot load the optimizer state of "
                 f"fp32 parameters (KeyError in _update_fp32_params_by_new_state: its fp32 master copies are made only "
                 f"of low-precision parameters); a resume with the offload needs a later megatron-core or bf16")

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from harness.backends import Backend
 from harness.engines.base import partition_dim, tp_unshard
 from harness.engines.experts import EXPERT_RE
 from harness.engines.hf_weights import hf_state_dict
@@ -64,12 +65,12 @@ class _Entry:
     expert: int | None  # the local expert index of a routed expert's weight
 
 
-def export_refusal(model: ModelSpec, backend: str) -> str | None:
+def export_refusal(model: ModelSpec, backend: Backend) -> str | None:
     """The harness's exporter knows megatron's SequentialMLP experts (`local_experts.N.`); GPU ranks with
     Transformer Engine build grouped-GEMM experts (`experts.linear_fc1.weightN`), which it does not gather."""
     from harness.engines.model_config import grouped_experts
 
-    if model.moe and grouped_experts(on_cpu=backend != "nccl"):
+    if model.moe and grouped_experts(on_cpu=backend != Backend.NCCL):
         return ("the harness's own exporter gathers megatron's SequentialMLP experts only, and ranks with "
                 "Transformer Engine build grouped-GEMM experts: run the MoE model with --engine megatron-bridge, "
                 "or your engine's exporter")

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.backends import Backend
 from harness.launch.results import RankResult
 
 
@@ -17,7 +18,7 @@ class RankContext:
     rank: int
     world_size: int
     local_rank: int
-    backend: str  # gloo | nccl
+    backend: Backend  # gloo | nccl
     workdir: Path  # per-case scratch directory shared by the ranks of a case on one node
     result: RankResult = field(default=None)  # type: ignore[assignment]
 
@@ -27,7 +28,7 @@ class RankContext:
 
     @property
     def on_cpu(self) -> bool:
-        return self.backend == "gloo"
+        return self.backend == Backend.GLOO
 
     @property
     def device(self):

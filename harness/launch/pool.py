@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.backends import Backend
 from harness.launch import runner
 from harness.launch.results import CaseResult, write_atomic
 from harness.launch.runner import GRACE_S, collect, supervise
@@ -25,7 +26,7 @@ from harness.spec import Case
 
 
 class RankPool:
-    def __init__(self, world_size: int, backend: str):
+    def __init__(self, world_size: int, backend: Backend):
         self.world_size, self.backend = world_size, backend
         self.procs: list[subprocess.Popen | ForkedRank] = []
         self.dir: Path | None = None
@@ -112,7 +113,7 @@ class RankPool:
 _POOLS: dict[tuple[int, str], RankPool] = {}
 
 
-def pool_for(world_size: int, backend: str) -> RankPool:
+def pool_for(world_size: int, backend: Backend) -> RankPool:
     """The process-wide pool for a world size and backend (closed at exit)."""
     key = (world_size, backend)
     if key not in _POOLS:

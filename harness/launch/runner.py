@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from harness.backends import Backend
 from harness.launch import zygote
 from harness.launch.children import die_with_parent, import_path
 from harness.launch.results import CaseResult, RankResult, read, write_atomic
@@ -45,7 +46,7 @@ def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
     )
     env.pop("MASTER_ADDR", None)
     env.pop("MASTER_PORT", None)
-    if case.backend == "gloo":
+    if case.backend == Backend.GLOO:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.update(CPU_RANK_ENV)
     else:
@@ -94,7 +95,7 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def spawn_rank(argv: list[str], env: dict[str, str], log: Path, backend: str,
+def spawn_rank(argv: list[str], env: dict[str, str], log: Path, backend: Backend,
                stdin=subprocess.DEVNULL) -> subprocess.Popen | zygote.ForkedRank:
     """Start one rank (`python -m harness.launch.worker ARGV`) in its own session, dying with us, logging to log:
     forked from the zygote (gloo), else exec'd.

@@ -14,6 +14,7 @@ import traceback  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from harness.backends import Backend  # noqa: E402
 from harness.launch.context import RankContext  # noqa: E402
 from harness.launch.results import RankMemory, RankResult, read, write_atomic  # noqa: E402
 from harness.probes import proc  # noqa: E402
@@ -25,7 +26,7 @@ def init_distributed(ctx: RankContext, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
 
-    if ctx.backend == "nccl":
+    if ctx.backend == Backend.NCCL:
         from harness.platform.without_te import define_router_gemm
 
         torch.cuda.set_device(ctx.local_rank)
@@ -47,7 +48,7 @@ def init_distributed(ctx: RankContext, timeout_s: float) -> None:
     all_connected(ctx.backend)
 
 
-def all_connected(backend: str) -> None:
+def all_connected(backend: Backend) -> None:
     """Return only once every rank's gloo connections are up: gloo's connecting side of a pair is done when it
     has written its handshake, its accepting side only when it has read it, and torch adds no barrier to
     init_process_group or new_group (TORCH_DIST_INIT_BARRIER=0). Without this a rank whose case issues no
@@ -56,7 +57,7 @@ def all_connected(backend: str) -> None:
     NCCL connects at the first collective, inside the case."""
     import torch.distributed as dist
 
-    if backend == "gloo":
+    if backend == Backend.GLOO:
         dist.barrier()
 
 
@@ -97,7 +98,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
             from harness.suite_registry import load_suite
 
             suite = load_suite(case.suite_ref or case.suite)
-            import_modules(suite.imports, on_cpu=case.backend != "nccl")
+            import_modules(suite.imports, on_cpu=case.backend != Backend.NCCL)
         if own_process_group:
             with ctx.phase("init"):
                 init_distributed(ctx, case.timeout_s)
@@ -157,12 +158,12 @@ def pool_main(pool_dir: Path) -> None:
     from harness.platform.parallel import release_memory
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = os.environ["HARNESS_BACKEND"]
+    backend = Backend(os.environ["HARNESS_BACKEND"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     startup = RankContext(rank, world, local_rank, backend, pool_dir)
     startup.result.timings["rank_start"] = max(0.0, _T0 - float(os.environ.get("HARNESS_SPAWN_T", _T0)))
     with startup.phase("imports"):
-        import_modules(MEGATRON, on_cpu=backend != "nccl", optional=True)
+        import_modules(MEGATRON, on_cpu=backend != Backend.NCCL, optional=True)
     with startup.phase("init"):
         init_distributed(startup, float(os.environ.get("HARNESS_PG_TIMEOUT", "1800")))
     isolation.start_lazy_threads()
@@ -188,7 +189,7 @@ def pool_main(pool_dir: Path) -> None:
         # gloo groups (48 threads) outlived the teardown's collection and ran through the whole next case.
         release_memory()
         after = isolation.snapshot()
-        if first_case and backend == "nccl":
+        if first_case and backend == Backend.NCCL:
             # CUDA and NCCL start threads of their own at first use, for the process's life (not verified on a
             # GPU): a GPU rank's thread count is held to what it had after its first case
             baseline["threads"] = after["threads"]

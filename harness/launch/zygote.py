@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.backends import Backend
 from harness.platform.backend import CPU_RANK_ENV
 
 # Imported by the server before any fork, required; then megatron-core's modules, where installed.
@@ -37,9 +38,9 @@ PRELOAD = ("torch", "torch.distributed", "harness.launch.worker")
 READY_TIMEOUT_S = 600.0  # imports on a loaded 2-core machine; a zygote that dies before is noticed at once
 
 
-def enabled(backend: str) -> bool:
+def enabled(backend: Backend) -> bool:
     """Whether ranks of this backend are forked from the zygote."""
-    return backend == "gloo" and os.environ.get("HARNESS_FORK_RANKS", "1") != "0"
+    return backend == Backend.GLOO and os.environ.get("HARNESS_FORK_RANKS", "1") != "0"
 
 
 class ForkedRank:
@@ -136,11 +137,9 @@ _ZYGOTE: Zygote | None = None
 _FAILED = False  # one that did not start is not tried again by this process
 
 
-def prestart(backend: str) -> None:
-    """Start the zygote's imports now, beside the harness's own planning ("auto": where no NVIDIA device is)."""
+def prestart(backend: Backend) -> None:
+    """Start the zygote's imports now, beside what the run does before its first case (a resolved backend)."""
     global _ZYGOTE
-    if backend == "auto" and not os.path.exists("/dev/nvidiactl"):
-        backend = "gloo"
     if enabled(backend) and _ZYGOTE is None:
         _ZYGOTE = Zygote()
 

@@ -6,9 +6,9 @@ import os
 import re
 from dataclasses import dataclass
 
+from harness.backends import BACKENDS, Backend
 from harness.errors import BadInput
 
-BACKENDS = ("auto", "gloo", "nccl")
 # The environment of every gloo (CPU-tier) rank process: it sees no GPU, so on a GPU node (e.g. world size
 # 4 on a one-GPU node, where `auto` picks gloo) the CPU layer runs as on a CPU box instead of refusing a
 # process where CUDA is available, and no rank holds a CUDA context it does not use.
@@ -31,14 +31,14 @@ def cpu_share(local_world_size: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Platform:
-    backend: str  # gloo | nccl
+    backend: Backend  # gloo | nccl
     device: str  # cpu | cuda
     device_name: str  # e.g. "cpu", "NVIDIA H100 80GB HBM3"
 
     @property
     def key(self) -> str:
         """Baseline platform key: cpu-gloo, nccl-h100-80gb, ..."""
-        if self.backend == "gloo":
+        if self.backend == Backend.GLOO:
             return "cpu-gloo"
         name = self.device_name.lower().replace("nvidia", "")
         m = re.search(r"([a-z]\d{2,4})\D*?(\d+)\s*gb", name)
@@ -46,7 +46,7 @@ class Platform:
         return f"nccl-{slug}"
 
 
-def machine_fingerprint(backend: str) -> str:
+def machine_fingerprint(backend: Backend) -> str:
     """What a step time depends on besides the code: on NCCL ranks the GPU model and count; on gloo ranks the CPU
     model, the core count and the boot of this machine (Linux's boot_id). Time baselines judge only the machine
     they were recorded on.
@@ -56,8 +56,8 @@ def machine_fingerprint(backend: str) -> str:
     that recorded the baseline, while within one boot unplanted runs read x0.92-1.17 of their baseline: model
     and core count cannot tell such machines apart (docs/step-perf.md). A reboot of a workstation is a new
     machine for time baselines (re-record)."""
-    if backend == "nccl":
-        return f"{detect_platform('nccl').device_name} x{cuda_device_count()}"
+    if backend == Backend.NCCL:
+        return f"{detect_platform(Backend.NCCL).device_name} x{cuda_device_count()}"
     import platform
 
     model = platform.processor() or platform.machine()
@@ -88,25 +88,38 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_backend(requested: str, world_size: int | None = None) -> str:
-    """auto -> nccl when there are GPUs enough for one rank each, else gloo."""
+def gpus_from_device_files() -> int:
+    """This node's GPUs as its device files (and CUDA_VISIBLE_DEVICES) count them, without torch: where the
+    backend decides whether ranks may see a GPU at all, once torch has asked CUDA hiding them comes too late."""
+    import glob
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip()])
+    return len([d for d in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", d)])
+
+
+def resolve_backend(requested: str, world_size: int | None = None, gpus: int | None = None) -> Backend:
+    """The one resolver of a requested backend: auto -> nccl when there are GPUs enough for one rank each (of
+    world_size: the ranks on this node), else gloo; nccl without them is BadInput. gpus: this node's count where
+    the caller has it (None: cuda_device_count)."""
     if requested not in BACKENDS:
         raise BadInput(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
-    gpus = cuda_device_count()
-    if requested == "auto":
-        return "nccl" if gpus and (world_size is None or world_size <= gpus) else "gloo"
-    if requested == "nccl" and world_size is not None and world_size > gpus:
+    gpus = cuda_device_count() if gpus is None else gpus
+    if requested == Backend.AUTO:
+        return Backend.NCCL if gpus and (world_size is None or world_size <= gpus) else Backend.GLOO
+    if requested == Backend.NCCL and world_size is not None and world_size > gpus:
         raise BadInput(
             f"backend nccl needs one GPU per rank: world size {world_size} but {gpus} GPU(s) visible; "
             "use --backend gloo or a smaller --world-size"
         )
-    return requested
+    return Backend(requested)
 
 
-def memory_per_rank(backend: str, local_world_size: int) -> int:
+def memory_per_rank(backend: Backend, local_world_size: int) -> int:
     """Bytes one rank may use: its GPU's memory (one rank per GPU), or on gloo ranks the host's available
     memory divided among the ranks on this host."""
-    if backend == "nccl":
+    if backend == Backend.NCCL:
         import torch
 
         return torch.cuda.get_device_properties(0).total_memory
@@ -115,9 +128,9 @@ def memory_per_rank(backend: str, local_world_size: int) -> int:
     return psutil.virtual_memory().available // max(1, local_world_size)
 
 
-def detect_platform(backend: str) -> Platform:
-    if backend == "nccl":
+def detect_platform(backend: Backend) -> Platform:
+    if backend == Backend.NCCL:
         import torch
 
-        return Platform("nccl", "cuda", torch.cuda.get_device_name(0))
-    return Platform("gloo", "cpu", "cpu")
+        return Platform(Backend.NCCL, "cuda", torch.cuda.get_device_name(0))
+    return Platform(Backend.GLOO, "cpu", "cpu")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from harness.backends import Backend
+from harness.dtypes import DType
 from harness.suite_registry import load_suite
 
 if TYPE_CHECKING:
@@ -69,17 +71,17 @@ GPU_DEFAULT_MODELS = {"step-perf": "1b-2k"}
 # The dtype a suite's cases train in on GPU ranks when none is given: step-perf times steps as Megatron users
 # train them, in bf16 mixed precision (docs/step-perf.md has the fp32 and bf16 figures of one H100); fp32 stays
 # the CPU tier's and where numerics are compared at fp32 tolerances.
-GPU_DEFAULT_DTYPES = {"step-perf": "bf16"}
+GPU_DEFAULT_DTYPES = {"step-perf": DType.bf16}
 
 
-def default_dtype(suite_name: str, backend: str) -> str:
+def default_dtype(suite_name: str, backend: Backend) -> DType:
     """The dtype a suite's cases train in when none is given: fp32, or on NCCL ranks the suite's GPU one."""
-    return GPU_DEFAULT_DTYPES.get(suite_name, "fp32") if backend == "nccl" else "fp32"
+    return GPU_DEFAULT_DTYPES.get(suite_name, DType.fp32) if backend == Backend.NCCL else DType.fp32
 
 
-def default_model(suite: Suite, backend: str) -> str:
+def default_model(suite: Suite, backend: Backend) -> str:
     """The model a suite runs when none is given: its own (sized for CPU ranks), or on NCCL ranks its GPU one."""
-    return GPU_DEFAULT_MODELS.get(suite.name, suite.default_model) if backend == "nccl" else suite.default_model
+    return GPU_DEFAULT_MODELS.get(suite.name, suite.default_model) if backend == Backend.NCCL else suite.default_model
 
 
 class Suite(Protocol):
@@ -88,7 +90,7 @@ class Suite(Protocol):
     imports: tuple[str, ...]  # modules a rank imports in its timed "imports" phase
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str, backend: str, options: CaseOptions, params: Any = None) -> list[Case]: ...
+              engine: str, backend: Backend, options: CaseOptions, params: Any = None) -> list[Case]: ...
 
     def rank_work(self, case: Case, ctx: RankContext) -> Any:
         """What this rank measured, picklable: a dict, or the suite's own frozen dataclass (step-perf's
@@ -149,7 +151,7 @@ class SizesRecording(Protocol):
     """A baselined suite that reads from a new recording's own samples whether its cases time enough (step-perf:
     what its timed steps detect, the fewest that detect the minimum effect); lines `baselines record` prints."""
 
-    def recording_notes(self, entries: dict[str, dict], params: Any, backend: str) -> list[str]: ...
+    def recording_notes(self, entries: dict[str, dict], params: Any, backend: Backend) -> list[str]: ...
 
 
 @runtime_checkable

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, severity, within
 from harness.checks.step_outputs import (
@@ -55,7 +56,7 @@ class EquivalenceSuite:
         return {"losses": step_losses(result)} if result.ok else {}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
         """The pure-DP reference first, then every other layout (default: every valid layout, CP included; for an
         MoE model with the expert layouts of layouts.expert_matrix)."""

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, severity
 from harness.checks.sync_plan import compare, compare_dispatch, dispatch_plan, dispatch_records, dp_records, plan
@@ -52,7 +53,7 @@ class GradSyncSuite:
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
         from harness.engines import is_fsdp2
 

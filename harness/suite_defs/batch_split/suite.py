@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import is_fsdp2, make_engine, resolve_factory
 from harness.engines.base import StepOutput, TrainsRLBatches
@@ -44,7 +45,7 @@ class BatchSplitSuite:
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: BatchSplitParams | None = None) -> list[Case]:
         p = params or BatchSplitParams()
         factory = resolve_factory(engine)

@@ -19,6 +19,7 @@ import shutil
 import traceback
 from pathlib import Path
 
+from harness.backends import Backend
 from harness.engines import make_engine
 from harness.engines.base import checkpointing
 from harness.launch.context import RankContext
@@ -62,7 +63,7 @@ def dp_only_target(world_size: int, model: ModelSpec | None = None) -> Layout | 
     return half if model is None or not violations(half, model, world_size // 2) else None
 
 
-def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, backend: str,
+def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, backend: Backend,
                    options: CaseOptions, formats: tuple[str, ...] = CONTRACT_FORMATS) -> list[Case]:
     """One reshard case per format at the world size, and one DP-only load case at half of it (skipped,
     saying so, where the world size is odd: 1 on a one-GPU node)."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from harness.backends import Backend
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, within
 from harness.checks.tensors import assemble, rel_error
-from harness.dtypes import dtype
+from harness.dtypes import DType, dtype
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.spec import Layout
@@ -76,9 +77,9 @@ def judge_load_peak(res: CaseResult, fmt: str, per_rank: list[LoadTarget]) -> Ch
     cid = res.case.id
     head = f"{fmt} loaded at {target.id}"
     rows, outside, blind = [], [], []
-    device = res.case.backend == "nccl"
+    device = res.case.backend == Backend.NCCL
     what = "device peak above its start" if device else "host peak"
-    if device and res.case.options.dtype != "fp32":
+    if device and res.case.options.dtype != DType.fp32:
         peaks = [f"  rank {r.rank}: load device peak above its start {d.load.device_peak / MIB:.1f} MiB (host peak "
                  f"{d.load.host_peak / MIB:.1f} MiB)" for r, d in zip(res.ranks, per_rank) if d.load is not None]
         return cannot_tell("ckpt-memory.load", cid, f"{head}: the device load model is of fp32 state, this case "

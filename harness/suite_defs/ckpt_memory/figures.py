@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.backends import Backend
 from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
@@ -62,7 +63,7 @@ def samples(result: CaseResult) -> dict[str, float]:
         out[f"rank{r.rank}.save_writer_peak_mib"] = save_data(r).save.children_heap_peak / MIB
         if (kept := save_data(r).retention) is not None:
             out[f"rank{r.rank}.retained_per_save_mib"] = kept.per_save / MIB
-        if result.case.backend == "nccl":
+        if result.case.backend == Backend.NCCL:
             out[f"rank{r.rank}.save_pinned_peak_mib"] = save_data(r).save.pinned_peak / MIB
             out[f"rank{r.rank}.save_device_peak_mib"] = save_data(r).save.device_peak / MIB
     return out
@@ -81,6 +82,6 @@ def load_samples(result: CaseResult) -> dict[str, float]:
             assert d.load is not None
             head = f"load-{d.layout}.rank{r.rank}"
             out[f"{head}.host_peak_mib"] = d.load.host_peak / MIB
-            if result.case.backend == "nccl":
+            if result.case.backend == Backend.NCCL:
                 out[f"{head}.device_peak_mib"] = d.load.device_peak / MIB
     return out

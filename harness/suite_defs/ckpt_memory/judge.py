@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harness.backends import Backend
 from harness.checks import Captures, CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import LOAD_FIXED_COST, discrimination, gathers, rival, save_band
 from harness.launch.results import CaseResult
@@ -120,7 +121,7 @@ def _check_model(res: CaseResult) -> CheckResult:
     that format from its rival (12N too small against the fixed cost, or no DP to gather over)."""
     case = res.case
     fmt = EXPECTED_DEFAULTS.get(case.params.ckpt_format, case.params.ckpt_format)
-    fp, device = case.params.fully_parallel_save, case.backend == "nccl"
+    fp, device = case.params.fully_parallel_save, case.backend == Backend.NCCL
     rows, bad, blind = [], [], []
     judged = [r.rank for r in res.ranks if rival(fmt, case.layout, r.rank, case.model)]  # ranks where a rival exists
     for r in res.ranks:
@@ -280,7 +281,7 @@ def _gathered_off_dp_rank0(res: CaseResult) -> tuple[bool | None, str]:
         return None, "cannot tell: every rank is a DP rank 0 (D = 1)"
     if not off:
         return None, "cannot tell: every rank is rank 0 of its DP or its expert-DP group, so every rank gathers"
-    device = case.backend == "nccl"
+    device = case.backend == Backend.NCCL
     told = [r for r in off if not discrimination(mem_eff, case.model, case.layout, r.rank, fp, device)]
     if not told:
         return None, "cannot tell: " + discrimination(mem_eff, case.model, case.layout, off[0].rank, fp, device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import LabelsCheckpoints
@@ -49,7 +50,7 @@ class CkptMemorySuite:
                "memray")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: CkptMemoryParams | None = None) -> list[Case]:
         p = params or CkptMemoryParams()
         # the contract cases come with the default matrix (not with hand-picked layouts or formats)

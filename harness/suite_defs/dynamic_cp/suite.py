@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import resolve_factory
 from harness.engines.cp_modes import CPCaseParams, CPEngine, TokenOutputs
@@ -93,7 +94,7 @@ class DynamicCPSuite:
         return {"cp_mode": result.case.params.cp_mode, "loss": round(loss, 8) if loss is not None else None}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: DynamicCPParams | None = None) -> list[Case]:
         """Per mix: no CP (reference), static CP at every CP size of the layouts, dynamic CP."""
         p = params or DynamicCPParams()

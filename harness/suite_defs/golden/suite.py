@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult, case_failed
 from harness.engines.base import HasOptimizerState, checkpointing
 from harness.launch.context import RankContext
@@ -56,7 +57,7 @@ class GoldenSuite:
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: GoldenParams | None = None) -> list[Case]:
         """Every valid layout of the world size (default; for an MoE model with layouts.expert_matrix's expert
         layouts), STEPS steps each, zero gradients counted."""
@@ -81,7 +82,7 @@ class GoldenSuite:
         out = [Case(self.name, model, lay, engine, opts, backend, params=p) for lay in chosen]
         return out + self.resume_cases(model, world_size, chosen[0], engine, backend, opts, p)
 
-    def resume_cases(self, model: ModelSpec, world_size: int, layout: Layout, engine: str, backend: str,
+    def resume_cases(self, model: ModelSpec, world_size: int, layout: Layout, engine: str, backend: Backend,
                      options: CaseOptions, params: GoldenParams) -> list[Case]:
         """Per format: the first half of the steps and a save at `layout` with the distributed optimizer, then
         a resume there; for a fully reshardable format also a resume at another layout of the world size.
@@ -115,7 +116,7 @@ class GoldenSuite:
                          params=dataclasses.replace(params, role="resume", ckpt_format=fmt)) for x in loads]
         return out + self.offload_cases(model, layout, engine, backend, options, params)
 
-    def offload_cases(self, model: ModelSpec, layout: Layout, engine: str, backend: str, options: CaseOptions,
+    def offload_cases(self, model: ModelSpec, layout: Layout, engine: str, backend: Backend, options: CaseOptions,
                       params: GoldenParams) -> list[Case]:
         """The first half and the resume at `layout` of the first distributed-optimizer format again with the
         optimizer's CPU offload and the precision-aware optimizer (Megatron-LM #1842: the loss jumped from 0.31 to

@@ -8,7 +8,7 @@ from typing import Any
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.checks.step_outputs import TrainedRankData
-from harness.dtypes import dtype
+from harness.dtypes import DType, dtype
 from harness.engines.base import ParamShard, StepOutput
 from harness.engines.lora import CONFIG_FILE, hf_target_modules
 from harness.launch.results import CaseResult, RankResult
@@ -260,7 +260,7 @@ def _beyond_fp32(name: str, cid: str, head: str, worst: float, dtype_name: str, 
     wrong adapter: what the adapter itself moves (~1e-3 after two steps) hides in it, so the comparison cannot tell
     (None: fp32, or beyond the dtype's tolerance: the caller judges)."""
     rtol = dtype(dtype_name).rtol
-    if dtype_name == "fp32" or beyond(worst, rtol):
+    if dtype_name == DType.fp32 or beyond(worst, rtol):
         return None
     moved = f", and the adapter moves them by {effect:.2e}" if effect is not None else ""
     rounding = f"{dtype_name}'s rounding ({rtol:.0e})"

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines.base import PeftExporting, RefusesAdapterLayouts, peft_exporting
 from harness.engines.lora import read_adapter_dir
@@ -132,7 +133,7 @@ class PeftCkptSuite:
         return {"export_host_peak_mib": [round(p, 3) for p in peaks]}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
         """Pure DP first (the export the others are compared with), then the layouts with TP and PP."""
         if engine == "mcore":  # megatron-core alone has no LoRA / PEFT export: the bridge's path is the default
@@ -233,7 +234,7 @@ def default_layouts(model: ModelSpec, world_size: int, refused: Callable[[Layout
     return [pp]
 
 
-def adapter_refusal(factory: Any, model: ModelSpec, backend: str) -> Callable[[Layout], str | None]:
+def adapter_refusal(factory: Any, model: ModelSpec, backend: Backend) -> Callable[[Layout], str | None]:
     """Why the engine factory's adapters cannot be judged at a layout (RefusesAdapterLayouts); None where they can."""
     if isinstance(factory, RefusesAdapterLayouts):
         return lambda lay: factory.adapter_refusal(model, lay, backend)

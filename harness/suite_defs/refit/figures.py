@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.backends import Backend
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.spec import Case
@@ -42,6 +43,6 @@ def samples(result: CaseResult) -> dict[str, float]:
     out = {}
     for r in result.ranks:
         for e in r.payload_as(RefitRankData).exports:
-            peak = e.peak.device_peak if result.case.backend == "nccl" else e.peak.host_peak
+            peak = e.peak.device_peak if result.case.backend == Backend.NCCL else e.peak.host_peak
             out[f"rank{r.rank}.export_mib@{size_text(e.bucket_bytes).replace(' ', '')}"] = peak / MIB
     return out

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import fmt_err
-from harness.dtypes import dtype
+from harness.dtypes import DType, dtype
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.suite_defs.refit.params import RefitParams, size_text
@@ -285,7 +285,7 @@ def check_policy(res: CaseResult, ranks: list[RefitRankData]) -> CheckResult:
     problem = coverage_problem(counts)
     if problem:
         return CheckResult(name, cid, False, f"{at}: held-out log-probs: {problem}")
-    rtol = LOGPROB_RTOL if res.case.options.dtype == "fp32" else dtype(res.case.options.dtype).rtol
+    rtol = LOGPROB_RTOL if res.case.options.dtype == DType.fp32 else dtype(res.case.options.dtype).rtol
     diff = LogprobDiff.of(hf.logprobs, megatron, rtol)
     if diff.bad.any():
         s = diff.first_sample

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines.base import ExportsWeights, ParamShard, RefusesCases, RefusesExports
 from harness.engines.weight_export import PerTensorExport
@@ -59,7 +60,7 @@ class RefitSuite:
     fresh_ranks_per_case = True
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RefitParams | None = None) -> list[Case]:
         from harness.engines import resolve_factory
         from harness.layouts import validate

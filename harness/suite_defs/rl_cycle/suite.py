@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
@@ -80,7 +81,7 @@ class RLCycleSuite:
     fresh_ranks_per_case = True
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RLCycleParams | None = None) -> list[Case]:
         from harness.engines import resolve_factory
         from harness.engines.base import RunsRLCycles

@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 
 from harness.checks.timing import TIMED_METRICS
+from harness.dtypes import DType
 from harness.launch.results import CaseResult, RankResult
 from harness.probes import cpu_share
 from harness.probes.cpu_share import ForeignLoad
@@ -121,7 +122,7 @@ def key(case: Case) -> str:
 
     o = case.options
     return (f"{case.model.name}/{case.layout.id}/distopt={int(o.use_distributed_optimizer)}"
-            f",overlap={int(o.overlap_grad_reduce)}" + (f"/{o.dtype}" if o.dtype != "fp32" else "")
+            f",overlap={int(o.overlap_grad_reduce)}" + (f"/{o.dtype}" if o.dtype != DType.fp32 else "")
             + baseline_suffix(case.engine))
 
 

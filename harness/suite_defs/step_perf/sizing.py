@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.backends import Backend
 from harness.checks.timing import MIN_EFFECT, fewest_steps_detecting, minimum_detectable_effect, tier
 
 UP_TO = 200  # timed steps searched for the fewest that detect the minimum effect
@@ -45,7 +46,7 @@ def sizing(key: str, entry: dict, timed_steps: int, min_effect: float) -> Sizing
 
 
 def recording_notes(entries: dict[str, dict], timed_steps: int, min_effect: float | None,
-                    backend: str) -> list[str]:
+                    backend: Backend) -> list[str]:
     """A line per recorded entry: its Sizing at the run's timed steps and the tier's minimum effect (or the
     one given)."""
     effect = min_effect if min_effect is not None else MIN_EFFECT[tier(backend)]

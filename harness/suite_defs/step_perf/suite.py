@@ -6,6 +6,7 @@ import statistics
 from dataclasses import asdict
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.checks.timing import MIN_EFFECT, Comparison
 from harness.engines import is_fsdp2
@@ -34,7 +35,7 @@ class StepPerfSuite:
     fresh_pool = True
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: str = "gloo", options: CaseOptions = CaseOptions(),
+              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: StepPerfParams | None = None) -> list[Case]:
         import dataclasses
 
@@ -63,7 +64,7 @@ class StepPerfSuite:
             for distopt, overlap in option_sets or OPTION_SETS:
                 if not explicit and option_sets is None and not pure_dp and not (distopt and overlap):
                     continue
-                bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == "gloo" and not fsdp2 else None)
+                bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == Backend.GLOO and not fsdp2 else None)
                 opts = dataclasses.replace(options, steps=p.timed_steps, warmup_steps=p.warmup_steps,
                                            use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                                            bucket_size=bucket)
@@ -123,7 +124,7 @@ class StepPerfSuite:
                 "calibration_ms": figures.calibration_ms(result),
                 **({figures.FOREIGN: round(load.share, 3)} if load else {})}
 
-    def recording_notes(self, entries: dict[str, dict], params: StepPerfParams | None, backend: str) -> list[str]:
+    def recording_notes(self, entries: dict[str, dict], params: StepPerfParams | None, backend: Backend) -> list[str]:
         p = params or StepPerfParams()
         return sizing.recording_notes(entries, p.timed_steps, p.min_effect, backend)
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from harness.backends import Backend
 from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
 from harness.suite_defs.train_memory.payload import TrainMemoryRankData
 
 
-def phase_figures(rank: RankResult, backend: str) -> dict[str, int]:
+def phase_figures(rank: RankResult, backend: Backend) -> dict[str, int]:
     """The measured bytes of each phase of one rank: heap (CPU) or device allocated (GPU) above its start."""
     data = rank.payload_as(TrainMemoryRankData)
-    pick = (lambda p: p.device_peak) if backend == "nccl" else (lambda p: p.heap_peak)
+    pick = (lambda p: p.device_peak) if backend == Backend.NCCL else (lambda p: p.heap_peak)
     return {"build": pick(data.build), **{f"step{i}": pick(p) for i, p in enumerate(data.steps)}}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from harness.backends import Backend
 from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.training_memory import MIB, predict, training_of
 from harness.launch.results import CaseResult
@@ -24,7 +25,7 @@ ABS_SLACK = 1.5 * MIB
 
 def expected_phases(case, rank: int) -> dict[str, int]:
     """Bytes the model says each measured phase adds on this rank (TrainingMemory.phases)."""
-    m = predict(case.model, case.layout, training_of(case), rank, "gpu" if case.backend == "nccl" else "cpu")
+    m = predict(case.model, case.layout, training_of(case), rank, "gpu" if case.backend == Backend.NCCL else "cpu")
     return m.phases(case.options.steps)
 
 
