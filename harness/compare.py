@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.errors import BadInput
+from harness.outcomes import CaseStatus
 
 if TYPE_CHECKING:
     from harness.selection import CaseSelection
@@ -94,7 +95,7 @@ def _subprocess_round(side: Side, sel: CaseSelection, args, workdir: Path, n: in
     data = json.loads(results.read_text())
     out = {}
     for c in data["cases"]:
-        if c["status"] != "ok":
+        if c["status"] != CaseStatus.OK:
             raise RuntimeError(f"{side.label}: case {c['id']} failed: {c['reason']}")
         d, samples = c["data"], c.get("samples", {})
         counters = {k: v for k, v in samples.items() if k not in NOT_COUNTERS}

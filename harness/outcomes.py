@@ -38,6 +38,9 @@ class RunVerdict(StrEnum):
     INTERRUPTED = "interrupted"
 
 
+# bisect's --metric / --max that takes a case's verdict as the metric (a failed check is bad), no threshold
+PASS_FAIL = "fail"
+
 # the outcomes a summary counts, in its order
 OUTCOMES = tuple(o.value for o in Outcome if o is not Outcome.PENDING)
 # Exit codes of `harness run` / `baselines check` / `nightly`. 3 = could not measure: cases errored (a

@@ -75,7 +75,7 @@ class SuiteRun:
     def passed(self) -> bool:
         """Something was judged, every case ran (or was skipped for a missing dependency), every case
         that ran was judged by at least one check, and every check passed."""
-        return self.verdict == "pass"
+        return self.verdict == RunVerdict.PASS
 
     @property
     def verdict(self) -> RunVerdict:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.errors import BadInput
+from harness.outcomes import PASS_FAIL
 
 GOOD, BAD, SKIP = 0, 1, 125  # git bisect run's exit codes
 VERDICTS = {GOOD: "good", BAD: "BAD", SKIP: "skip"}
@@ -18,12 +19,12 @@ _THRESHOLD_RE = re.compile(r"^baseline\s*\+\s*([0-9.]+)\s*(%?)$")
 @dataclass
 class Threshold:
     """`--max`: an absolute value, or `baseline+P%` / `baseline+X` from the stored baseline of each case
-    ('fail': the metric is pass / fail, no threshold)."""
+    (PASS_FAIL: the metric is pass / fail, no threshold)."""
 
     text: str
 
     def __post_init__(self) -> None:
-        if self.text != "fail" and not _THRESHOLD_RE.match(self.text.replace(" ", "")):
+        if self.text != PASS_FAIL and not _THRESHOLD_RE.match(self.text.replace(" ", "")):
             try:
                 float(self.text)
             except ValueError:
@@ -159,7 +160,7 @@ def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: 
     not report it), else megatron-core's."""
     from harness.tables import table
 
-    numeric = metric != "fail"
+    numeric = metric != PASS_FAIL
     rows = []
     for t in sorted(tried, key=lambda t: t.index):
         r = t.result

@@ -13,9 +13,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.bisect.search import BAD, GOOD, SKIP, StepResult, Threshold
+from harness.bisect.search import BAD, GOOD, PASS_FAIL, SKIP, StepResult, Threshold
 from harness.errors import BadInput
 from harness.files import atomic_write
+from harness.outcomes import Outcome
 
 
 @dataclass
@@ -24,7 +25,7 @@ class StepSpec:
 
     case_argv: list[str]
     metric: str
-    max: str = "fail"
+    max: str = PASS_FAIL
     error_is_bad: bool = False
     baselines_dir: str | None = None  # absolute: steps run in other directories
     fresh_ranks: bool = False
@@ -56,13 +57,13 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
     outcomes = run.outcomes()
-    broken = [o for o in outcomes if o.outcome in ("error", "skipped", "inconclusive")]
+    broken = [o for o in outcomes if o.outcome in (Outcome.ERROR, Outcome.SKIPPED, Outcome.INCONCLUSIVE)]
     if broken:
         o = broken[0]
-        verdict = BAD if (error_is_bad and o.outcome == "error") else SKIP
+        verdict = BAD if (error_is_bad and o.outcome == Outcome.ERROR) else SKIP
         return StepResult(verdict, case=o.result.case.id, why=f"{o.outcome}: {o.reason}", versions=vers)
-    if metric == "fail":
-        failed = [o for o in outcomes if o.outcome != "pass"]
+    if metric == PASS_FAIL:
+        failed = [o for o in outcomes if o.outcome != Outcome.PASS]
         o = (failed or outcomes)[0]
         return StepResult(BAD if failed else GOOD, case=o.result.case.id, why=o.reason or "every check passed",
                           versions=vers)
@@ -103,7 +104,7 @@ def refuse_unknown_metric(planned, metric: str) -> None:
     from harness.suite_defs import Baselined, baselines_dir_of
 
     suite = planned.suite
-    if metric == "fail":
+    if metric == PASS_FAIL:
         return
     if not isinstance(suite, Baselined):
         raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from typing import TYPE_CHECKING
 
-from harness.outcomes import check_failed
+from harness.outcomes import Outcome, check_failed
 
 if TYPE_CHECKING:
     from harness.report.runs import RunFile
@@ -36,23 +36,23 @@ def render(runs: list[RunFile]) -> str:
         for c in d["cases"]:
             tc = ET.SubElement(suite, "testcase", classname=f"{d['suite']}.{d['engine']}.{d['model']}",
                                name=c["id"].split("/", 3)[-1], time=f"{c.get('wall_s', 0):.1f}")
-            outcome, reason = c.get("outcome", "pass"), c.get("reason", "")
-            if outcome == "unjudged":
+            outcome, reason = c.get("outcome", Outcome.PASS), c.get("reason", "")
+            if outcome == Outcome.UNJUDGED:
                 ET.SubElement(tc, "failure", message=reason, type="unjudged")
-            elif outcome in ("regression", "improvement"):
+            elif outcome in (Outcome.REGRESSION, Outcome.IMPROVEMENT):
                 failed = [x for x in checks.get(c["id"], []) if check_failed(x)]
                 text = "\n\n".join("\n".join([f"{x['check']} {x['case_id']}: {x['message']}", *x.get("details", [])])
                                    for x in failed)
                 ET.SubElement(tc, "failure", message=reason, type=outcome).text = text
-            elif outcome == "error":
+            elif outcome == Outcome.ERROR:
                 ET.SubElement(tc, "error", message=reason, type="error").text = c.get("error", "")
-            elif outcome == "skipped":
+            elif outcome == Outcome.SKIPPED:
                 ET.SubElement(tc, "skipped", message=reason)
-            elif outcome == "inconclusive":  # JUnit has no such outcome: a skip of its own type, with every check
+            elif outcome == Outcome.INCONCLUSIVE:  # JUnit has no such outcome: a skip of its own type, with every check
                 blind = [x for x in checks.get(c["id"], []) if x.get("inconclusive")]
                 ET.SubElement(tc, "skipped", message=reason, type="inconclusive").text = "\n".join(
                     f"{x['check']} {x['case_id']}: {x['message']}" for x in blind)
-            if outcome != "inconclusive" and any(x.get("inconclusive") for x in checks.get(c["id"], [])):
+            if outcome != Outcome.INCONCLUSIVE and any(x.get("inconclusive") for x in checks.get(c["id"], [])):
                 props = ET.SubElement(tc, "properties")  # a judged case that some checks could not judge
                 for x in checks[c["id"]]:
                     if x.get("inconclusive"):

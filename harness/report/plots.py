@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.baselines import BaselineStatus
 from harness.errors import MissingDependency
 
 if TYPE_CHECKING:
@@ -93,8 +94,9 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
                 ax.add_patch(plt.Rectangle((x - width / 2, low), width, base + tol - low, facecolor="grey", alpha=0.25,
                                            edgecolor="black", linestyle="--", linewidth=0.7, zorder=3))
                 ax.plot([x - width / 2, x + width / 2], [base, base], color="black", linewidth=1.2, zorder=4)
-                if any(m["status"] != "pass" for m in parts):
-                    ax.annotate(" / ".join(m["status"] for m in parts if m["status"] != "pass"), (x, heap + kids),
+                off = [m["status"] for m in parts if m["status"] != BaselineStatus.PASS]
+                if off:
+                    ax.annotate(" / ".join(off), (x, heap + kids),
                                 rotation=90, fontsize=7, color="red", ha="center", va="bottom")
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
     _mark_failed(ax, cases, _failed_cases(run))

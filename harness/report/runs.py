@@ -11,6 +11,7 @@ from typing import Any
 
 from harness import schema
 from harness.errors import BadInput
+from harness.outcomes import CaseStatus, Outcome
 
 
 @dataclass
@@ -57,7 +58,8 @@ class RunFile:
         return ""
 
     def counts(self) -> Counter:
-        return Counter(c.get("outcome", "pass" if c["status"] == "ok" else "error") for c in self.data["cases"])
+        ran = {True: Outcome.PASS, False: Outcome.ERROR}
+        return Counter(c.get("outcome", ran[c["status"] == CaseStatus.OK]) for c in self.data["cases"])
 
 
 def load_runs(directory: Path) -> list[RunFile]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from harness.outcomes import check_failed
+from harness.outcomes import Outcome, check_failed
 from harness.report.results_file import to_json
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def format_results(data: dict[str, Any]) -> str:
         row += [f"{values[k]:.2e}" if k in values else "-" for k in check_cols]
         outcome = case.get("outcome", "")
         failing = [c["check"].split(".")[-1] for c in own if check_failed(c)]
-        row += [outcome if outcome == "pass" else outcome.upper(), ",".join(failing) or "-"]
+        row += [outcome if outcome == Outcome.PASS else outcome.upper(), ",".join(failing) or "-"]
         rows.append(row)
     out.append(table([*(["engine"] if mixed else []), "layout", "options", *metric_keys, *check_cols, "verdict",
                       "failed checks"], rows))
