@@ -5,7 +5,7 @@ shard no weight.
 
 python -m tests.fake_world MODEL [MODEL ...] prints, as JSON, per model the layouts and builds it judged and
 every (layout, rank) whose built chunks hold other parameter sizes than the model spec's arithmetic
-(chunk_params), or whose gradient-sync plan from them differs from the arithmetic's (checks/sync_plan.py).
+(chunk_params), or whose gradient-sync plan from them differs from the arithmetic's (checks/expected_collectives.py).
 Run it as a subprocess: it activates the CPU layer and megatron's globals."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def fake_process_group_missing() -> str:
 def arithmetic_sizes(case, rank: int) -> list[list[int]]:
     """Per model chunk of the rank, the sorted sizes of its trained parameters by the spec's arithmetic: the dense
     buffer's and the experts' (chunk_params)."""
-    from harness.checks.sync_plan import chunk_params
+    from harness.checks.expected_collectives import chunk_params
     from harness.layouts import coords_of
 
     m, lay, pp = case.model, case.layout, coords_of(case.layout, rank).pp
@@ -44,7 +44,7 @@ def judge(model_name: str) -> dict:
     from megatron.core.tensor_parallel import layers
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from harness.checks.sync_plan import plan
+    from harness.checks.expected_collectives import expected_collectives
     from harness.engines.mcore import McoreEngine
     from harness.launch.context import RankContext
     from harness.layouts import coords_of, default_matrix
@@ -79,7 +79,7 @@ def judge(model_name: str) -> dict:
                 if [sorted(n for _, n in chunk) for chunk in built[key]] != arithmetic:
                     differ.append(f"{lay.id} rank {rank}: built {[sum(n for _, n in ch) for ch in built[key]]} "
                                   f"elements per chunk, the arithmetic {[sum(ch) for ch in arithmetic]}")
-                got, want = plan(case, rank, built[key]), plan(case, rank)
+                got, want = expected_collectives(case, rank, built[key]), expected_collectives(case, rank)
                 if got != want:
                     differ.append(f"{lay.id} rank {rank}: built {sum(p.numel for p in got)} elements in "
                                   f"{len(got)} reductions, the arithmetic {sum(p.numel for p in want)} in {len(want)}")

@@ -104,7 +104,7 @@ def test_bad_mixes_and_layouts_are_refused_before_anything_runs():
 def test_missing_dynamic_cp_api_names_what_is_missing(monkeypatch):
     from megatron.core import utils
 
-    from harness.engines.hybrid_cp_api import dynamic_cp_api
+    from harness.engines.dynamic_cp_api import dynamic_cp_api
     from harness.errors import MissingDependency
 
     assert dynamic_cp_api().flag == "hybrid_context_parallel"  # megatron-core 0.16 here

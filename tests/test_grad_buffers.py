@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from harness.checks.sync_plan import chunk_params, plan
+from harness.checks.expected_collectives import chunk_params, expected_collectives
 from harness.launch.pool import pool_for
 from harness.layouts import default_matrix
 from harness.models import known_models, load_model
@@ -55,7 +55,7 @@ def test_the_spec_arithmetic_counts_what_megatron_builds(model, world):
                                   f"{sum(map(len, got))} parameters, the arithmetic {sum(map(sum, want))}"
                                   f" in {sum(map(len, want))} ({names[:6]} ...)")
             # and the plans from either agree
-            assert plan(case, r.rank, built) == plan(case, r.rank), f"{lay} rank {r.rank}"
+            assert expected_collectives(case, r.rank, built) == expected_collectives(case, r.rank), f"{lay} rank {r.rank}"
     assert not mismatches, "\n".join(mismatches)
 
 
@@ -65,9 +65,9 @@ def test_a_plan_from_the_built_model_counts_a_weight_the_arithmetic_lacks():
     case = Case("grad-sync", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions(steps=1), "gloo")
     chunk = [(name, n) for name, n, _ in chunk_params(case.model, case.layout, 0, 0)]
     extra = [*chunk, ("decoder.layers.0.self_attention.q_layernorm.weight", 16)]
-    assert plan(case, 0, [chunk]) == plan(case, 0)
-    [reduction] = plan(case, 0, [extra])
-    assert reduction.numel == plan(case, 0)[0].numel + 16
+    assert expected_collectives(case, 0, [chunk]) == expected_collectives(case, 0)
+    [reduction] = expected_collectives(case, 0, [extra])
+    assert reduction.numel == expected_collectives(case, 0)[0].numel + 16
 
 
 @pytest.mark.skipif(bool(fake_process_group_missing()), reason=fake_process_group_missing())
@@ -86,7 +86,7 @@ def test_the_plan_counts_what_megatron_builds_for_every_shipped_model_up_to_worl
 
 _PLANT = """
 import json, sys
-import harness.checks.sync_plan as sp
+import harness.checks.expected_collectives as sp
 import tests.fake_world as fw
 from harness.platform import cpu_layer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.checks.sync_plan import chunk_buckets, chunk_params, plan
+from harness.checks.expected_collectives import chunk_buckets, chunk_params, expected_collectives
 from harness.layouts import coords_of, dp_cp_ranks
 from harness.driver import run_suite
 from harness.models import load_model
@@ -40,8 +40,8 @@ def test_padding_follows_megatron_rules():
 
 def test_plan_follows_configuration_not_engine():
     tiny = load_model("tiny")
-    off = plan(Case("grad-sync", tiny, Layout(dp=2), options=CaseOptions(steps=3)), 0)
-    on = plan(Case("grad-sync", tiny, Layout(dp=2), options=CaseOptions(steps=3, use_distributed_optimizer=True)), 0)
+    off = expected_collectives(Case("grad-sync", tiny, Layout(dp=2), options=CaseOptions(steps=3)), 0)
+    on = expected_collectives(Case("grad-sync", tiny, Layout(dp=2), options=CaseOptions(steps=3, use_distributed_optimizer=True)), 0)
     assert [(p.kind, p.calls) for p in off] == [("all_reduce", 3)]
     assert [(p.kind, p.calls) for p in on] == [("reduce_scatter", 3), ("all_gather", 3)]
 

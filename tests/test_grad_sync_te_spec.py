@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.checks.sync_plan import chunk_buckets, chunk_params
+from harness.checks.expected_collectives import chunk_buckets, chunk_params
 from harness.models import load_model
 from harness.spec import Layout
 
@@ -189,7 +189,7 @@ def test_plan_uses_te_order_where_the_case_builds_te(monkeypatch):
     """A case on NCCL ranks with transformer_engine installed plans with TE's parameters; gloo ranks never."""
     import importlib.util
 
-    from harness.checks.sync_plan import plan
+    from harness.checks.expected_collectives import expected_collectives
     from harness.spec import Case, CaseOptions
 
     real = importlib.util.find_spec
@@ -201,7 +201,7 @@ def test_plan_uses_te_order_where_the_case_builds_te(monkeypatch):
     gloo = Case("grad-sync", tiny, Layout(), options=opts, backend="gloo")
     assert nccl.te_spec and not gloo.te_spec
     # the plan counts calls per bucket size: one step, one call per bucket
-    sizes = {c.backend: {p.numel: p.calls for p in plan(c, 0) if p.kind == "reduce_scatter"} for c in (nccl, gloo)}
+    sizes = {c.backend: {p.numel: p.calls for p in expected_collectives(c, 0) if p.kind == "reduce_scatter"} for c in (nccl, gloo)}
     te_buckets = chunk_buckets(chunk_params(tiny, Layout(), 0, 0, te=True), distopt=True, dp_cp=1, bucket_size=10_000)
     assert sizes["nccl"] == Counter(te_buckets)
     assert sizes["nccl"] != sizes["gloo"]

@@ -22,7 +22,7 @@ THIRD_PARTY_PROBES = {
     ("harness/platform/without_te.py", "te_general_gemm"): "megatron-core moe_utils: defined where TE imports",
     ("harness/engines/cp_attention.py", "cp_group"): "megatron's PackedSeqParams",
     ("harness/engines/cp_attention.py", "qkv_format"): "megatron's PackedSeqParams",
-    ("harness/engines/hybrid_cp_api.py", "BalancedCPScheduler"): "megatron-core version probe (hybrid CP)",
+    ("harness/engines/dynamic_cp_api.py", "BalancedCPScheduler"): "megatron-core version probe (hybrid CP)",
     ("harness/engines/mcore.py", "decoder"): "megatron's model chunk (pipeline stages without one)",
     ("harness/engines/mcore.py", "share_embeddings_and_output_weights"): "megatron's model chunk",
     ("harness/engines/mcore_ckpt.py", "chained_optimizers"): "megatron's ChainedOptimizer",

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from harness.errors import BadInput
-from harness.checks.sync_plan import chunk_buckets, chunk_params, dispatch_plan, plan
+from harness.checks.expected_collectives import chunk_buckets, chunk_params, expected_dispatch, expected_collectives
 from harness.driver import run_suite
 from harness.layouts import default_matrix, enumerate_layouts, expert_dp_ranks, expert_matrix, violations
 from harness.models import load_model
@@ -241,11 +241,11 @@ def test_experts_have_their_own_buffer_at_ep_above_1_only():
 def test_the_plan_reduces_experts_over_the_expert_data_parallel_group():
     m = load_model("tiny-moe")
     case = Case("grad-sync", m, Layout(dp=4, ep=2), options=CaseOptions(steps=3, use_distributed_optimizer=True))
-    assert [(p.kind, p.role, p.ranks, p.numel, p.calls) for p in plan(case, 0)] == [
+    assert [(p.kind, p.role, p.ranks, p.numel, p.calls) for p in expected_collectives(case, 0)] == [
         ("reduce_scatter", "dp-cp", (0, 1, 2, 3), 33664, 3), ("all_gather", "dp-cp", (0, 1, 2, 3), 33664, 6),
         ("reduce_scatter", "edp", (0, 2), 49152, 3), ("all_gather", "edp", (0, 2), 49152, 6)]
     ep1 = Case("grad-sync", m, Layout(dp=4), options=CaseOptions(steps=3, use_distributed_optimizer=True))
-    assert [(p.role, p.calls) for p in plan(ep1, 0)] == [("dp-cp", 3), ("dp-cp", 3)]  # one optimizer, one buffer
+    assert [(p.role, p.calls) for p in expected_collectives(ep1, 0)] == [("dp-cp", 3), ("dp-cp", 3)]  # one optimizer, one buffer
 
 
 def test_a_stage_without_experts_has_one_buffer_and_one_optimizer():
@@ -253,8 +253,8 @@ def test_a_stage_without_experts_has_one_buffer_and_one_optimizer():
     optimizer there, and its parameters are gathered once per step."""
     m, lay = load_model("small-moe"), Layout(pp=4, dp=2, ep=2)
     opts = CaseOptions(steps=3, use_distributed_optimizer=True)
-    assert [(p.role, p.calls) for p in plan(Case("grad-sync", m, lay, options=opts), 0)] == [("dp-cp", 3)] * 2
-    assert [(p.role, p.calls) for p in plan(Case("grad-sync", m, lay, options=opts), 2)] == [
+    assert [(p.role, p.calls) for p in expected_collectives(Case("grad-sync", m, lay, options=opts), 0)] == [("dp-cp", 3)] * 2
+    assert [(p.role, p.calls) for p in expected_collectives(Case("grad-sync", m, lay, options=opts), 2)] == [
         ("dp-cp", 3), ("dp-cp", 6), ("edp", 3), ("edp", 6)]
 
 
@@ -262,7 +262,7 @@ def test_the_dispatcher_plan_counts_calls_per_moe_layer_and_micro_batch():
     m = load_model("tiny-moe")
 
     def calls(layout: str, **opts):
-        planned = dispatch_plan(Case("grad-sync", m, Layout.parse(layout), options=CaseOptions(steps=3, **opts)), 0)
+        planned = expected_dispatch(Case("grad-sync", m, Layout.parse(layout), options=CaseOptions(steps=3, **opts)), 0)
         return None if planned is None else {(p.kind, p.role, next(iter(p.phases))): p.calls for p in planned}
 
     # 2 MoE layers x 2 micro-batches x 3 steps = 12 per rank at DP 4

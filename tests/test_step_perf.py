@@ -178,13 +178,13 @@ def test_recorded_baseline_holds_counters_exactly_and_raw_samples(recorded):
 
 def _planned_buckets() -> int:
     """Gradient buckets of one step by the grad-sync plan's own arithmetic (megatron's padding rules)."""
-    from harness.checks.sync_plan import plan
+    from harness.checks.expected_collectives import expected_collectives
     from harness.suite_defs.step_perf import StepPerfParams, StepPerfSuite
 
     case = StepPerfSuite().cases(load_model("tiny"), 2, [Layout(dp=2)], options=OPTIONS,
                                  params=StepPerfParams(**_params()))[0]
     one_step = dataclasses.replace(case, options=dataclasses.replace(case.options, steps=1))
-    return sum(p.calls for p in plan(one_step, 0) if p.kind == "reduce_scatter")
+    return sum(p.calls for p in expected_collectives(one_step, 0) if p.kind == "reduce_scatter")
 
 
 def _own_baseline(res) -> dict:

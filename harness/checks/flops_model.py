@@ -53,7 +53,7 @@ def layer_forward_flops_per_token(model: ModelSpec, layout: Layout, seq_length: 
 def step_flops(model: ModelSpec, layout: Layout, rank: int, *, global_batch_size: int, micro_batch_size: int,
                recompute: str = "") -> int:
     """Matmul FLOPs one rank executes in one training step (forward, backward, recompute)."""
-    from harness.checks.sync_plan import stage_moe_layers
+    from harness.checks.expected_collectives import stage_moe_layers
     from harness.layouts import coords_of
 
     c = coords_of(layout, rank)

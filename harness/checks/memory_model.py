@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.checks.sync_plan import chunk_params
+from harness.checks.expected_collectives import chunk_params
 from harness.layouts import coords_of, expert_coords
 from harness.spec import Layout, ModelSpec
 

@@ -258,7 +258,7 @@ def moe_layer_activation_bytes(model: ModelSpec, layout: Layout, training: Train
 
 def stage_layers(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
     """(dense layers, MoE layers) the rank's pipeline stage holds (every virtual chunk)."""
-    from harness.checks.sync_plan import stage_moe_layers
+    from harness.checks.expected_collectives import stage_moe_layers
 
     layers = model.num_layers // (layout.pp * layout.vpp) * layout.vpp
     moe = stage_moe_layers(model, layout, _stage(layout, rank))
@@ -321,7 +321,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
 def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) -> tuple[int, int]:
     """(elements of the rank's largest parameter shard, elements of its largest gradient bucket), by the
     grad-sync plan's own arithmetic of megatron's buffers."""
-    from harness.checks.sync_plan import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params
+    from harness.checks.expected_collectives import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params
     from harness.layouts import coords_of
 
     c = coords_of(layout, rank)

@@ -10,8 +10,15 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks.expected_collectives import (
+    dispatch_records,
+    dp_records,
+    expected_collectives,
+    expected_dispatch,
+    match_collectives,
+    match_dispatch,
+)
 from harness.checks.numeric import beyond, severity
-from harness.checks.sync_plan import compare, compare_dispatch, dispatch_plan, dispatch_records, dp_records, plan
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
 from harness.engines.base import HasGradBuffers, ParamShard
@@ -138,7 +145,7 @@ class GradSyncSuite:
         case = res.case
         problems, rows = [], []
         for r in res.ranks:
-            planned = dispatch_plan(case, r.rank)
+            planned = expected_dispatch(case, r.rank)
             records = dispatch_records([x for x in _data(r).collectives if x.source == "dispatch"])
             calls: Counter[tuple] = Counter((x.kind, x.role, x.ranks) for x in records)
             moved: Counter[tuple] = Counter()
@@ -147,10 +154,10 @@ class GradSyncSuite:
             rows += [[r.rank, f"{kind} on {role} {ranks}", calls[kind, role, ranks], f"{b / 2**10:.1f} KiB"]
                      for (kind, role, ranks), b in sorted(moved.items(), key=str)]
             if planned is not None:
-                problems += [f"rank {r.rank}: {d}" for d in compare_dispatch(planned, records)]
+                problems += [f"rank {r.rank}: {d}" for d in match_dispatch(planned, records)]
         table = text_table(["rank", "dispatcher collective", "calls", "moved"], rows, align=">><>").split("\n")
         what = f"{case.options.moe_dispatcher} dispatcher"
-        rank0 = dispatch_plan(case, 0)
+        rank0 = expected_dispatch(case, 0)
         if rank0 is None:
             return cannot_tell("grad-sync.dispatch", case.id,
                                f"no plan for the {what}'s collectives (the all-to-all dispatcher's is known): "
@@ -174,8 +181,8 @@ class GradSyncSuite:
         rows: list[list] = []  # rank, expected, observed (dispatcher), ok
         for r in res.ranks:
             records = dp_records([x for x in _data(r).collectives if x.source == "dispatch"])
-            planned = plan(case, r.rank, _data(r).buffer_params)
-            cmp = compare(planned, records)
+            planned = expected_collectives(case, r.rank, _data(r).buffer_params)
+            cmp = match_collectives(planned, records)
             by_key: dict[tuple, Counter] = {}
             ops: dict[tuple, str] = {}
             for x in records:

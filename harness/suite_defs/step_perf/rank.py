@@ -13,7 +13,7 @@ from harness.suite_defs.step_perf.payload import Counters, StepPerfRankData
 
 def count_work(engine, step: int) -> Counters:
     """One untimed step with the counters installed: FLOPs, collectives by role/kind, overlap."""
-    from harness.checks.sync_plan import dp_records
+    from harness.checks.expected_collectives import dp_records
     from harness.probes.collectives import CollectiveRecorder, GroupRoles, instrument
     from harness.probes.flops import FlopCounter
 

@@ -1,6 +1,7 @@
-"""The grad-sync plan a case's configuration implies, and the comparison with what a rank issued.
+"""The collectives a case's configuration implies (its expected gradient syncs and dispatcher calls), and the match
+with what a rank issued.
 
-The plan is derived from the model spec, the layout and the options the user configured - never
+What is expected is derived from the model spec, the layout and the options the user configured - never
 from the DDP config the engine built, which is exactly what regression R2 gets wrong. Buffer sizes
 follow megatron-core's padding rules (param_and_grad_buffer.py): with the distributed optimizer,
 each parameter starts on a 64-element boundary and each bucket ends on a multiple of
@@ -137,7 +138,7 @@ def chunk_buckets(params: list[tuple[str, int, bool]], *, distopt: bool, dp_cp: 
 
 
 @dataclass(frozen=True)
-class Planned:
+class ExpectedCollective:
     """One expected collective of a rank over a run: kind, group, size and count."""
 
     what: str  # e.g. "DP gradient reduction"
@@ -160,7 +161,8 @@ ChunkParam = tuple[str, int]
 ROUTED_EXPERT = re.compile(r"(^|\.)mlp\.experts\.")
 
 
-def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) -> list[Planned]:
+def expected_collectives(case: Case, rank: int,
+                         chunks: list[list[ChunkParam]] | None = None) -> list[ExpectedCollective]:
     """Expected gradient-sync collectives of this rank over case.options.steps steps: the dense parameters' buffer
     over the DP x CP group and, for an MoE model at EP > 1, the experts' buffer over the expert-data-parallel
     group (megatron's DDP keeps them apart).
@@ -196,7 +198,7 @@ def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) ->
     # DistributedOptimizer, and each all-gathers every bucket of the model chunk (step_with_ready_grads without
     # overlap_param_gather): the parameters are gathered twice per step (megatron-core 0.16.1 and main of 2026-08)
     gathers = 2 if len(buffers) > 1 else 1
-    out: list[Planned] = []
+    out: list[ExpectedCollective] = []
     for label, role, group, experts in buffers:
         sizes: Counter[int] = Counter()
         for vp in range(lay.vpp):
@@ -207,10 +209,10 @@ def plan(case: Case, rank: int, chunks: list[list[ChunkParam]] | None = None) ->
                                        bucket_size=bucket_size):
                 sizes[numel] += o.steps
         for numel, calls in sorted(sizes.items(), reverse=True):
-            out.append(Planned(f"{label} gradient reduction", reduce_kind, group, numel, grad_dtype, calls,
+            out.append(ExpectedCollective(f"{label} gradient reduction", reduce_kind, group, numel, grad_dtype, calls,
                                reduce_phases, role))
             if o.use_distributed_optimizer:
-                out.append(Planned(f"{label} parameter all-gather", "all_gather", group, numel, param_dtype,
+                out.append(ExpectedCollective(f"{label} parameter all-gather", "all_gather", group, numel, param_dtype,
                                    calls * gathers, frozenset({"param-gather"}), role))
     return out
 
@@ -220,7 +222,7 @@ def stage_moe_layers(model: ModelSpec, layout: Layout, pp_rank: int) -> int:
     return sum(sum(moe_layer_flags(model, layout, pp_rank, vp)) for vp in range(layout.vpp))
 
 
-def dispatch_plan(case: Case, rank: int) -> list[Planned] | None:
+def expected_dispatch(case: Case, rank: int) -> list[ExpectedCollective] | None:
     """The token dispatcher's collectives of this rank over the run, per group and phase (their sizes follow the
     routing, so only the calls are planned); None where the harness has no plan for the dispatcher (allgather).
 
@@ -234,11 +236,11 @@ def dispatch_plan(case: Case, rank: int) -> list[Planned] | None:
     n = stage_moe_layers(m, lay, coords_of(lay, rank).pp) * case.num_microbatches * case.options.steps
     if not n:
         return []
-    out: list[Planned] = []
+    out: list[ExpectedCollective] = []
 
     def add(what: str, kind: str, role: str, per: int, phase: str) -> None:
         group = expert_group(lay, rank, tuple(role.split("-")))  # the role names its expert-grid axes
-        out.append(Planned(what, kind, group, 0, "any", per * n, frozenset({phase}), role))
+        out.append(ExpectedCollective(what, kind, group, 0, "any", per * n, frozenset({phase}), role))
 
     if lay.ep > 1:
         add("token all-to-all (tokens, probabilities, combine)", "all_to_all", "ep", 3, "forward")
@@ -263,7 +265,7 @@ def dispatch_records(records: list[Collective]) -> list[Collective]:
             or (r.role in DISPATCH_ROLES and r.phase in ("forward", "backward"))]
 
 
-def compare_dispatch(planned: list[Planned], records: list[Collective]) -> list[str]:
+def match_dispatch(planned: list[ExpectedCollective], records: list[Collective]) -> list[str]:
     """What differs between the dispatcher's planned and observed calls, per (kind, group, phase)."""
     seen = Counter((r.kind, r.ranks, r.phase) for r in records)
     want: Counter = Counter()
@@ -282,11 +284,11 @@ def compare_dispatch(planned: list[Planned], records: list[Collective]) -> list[
 
 
 @dataclass
-class Comparison:
-    missing: list[Planned]  # planned, not observed (or observed a different number of times)
+class CollectiveMatch:
+    missing: list[ExpectedCollective]  # planned, not observed (or observed a different number of times)
     unexpected: list[tuple[Collective, int]]  # observed on the DP group, not planned: (record, count)
-    wrong_phase: list[tuple[Planned, Counter]]
-    matched: list[tuple[Planned, int]]
+    wrong_phase: list[tuple[ExpectedCollective, Counter]]
+    matched: list[tuple[ExpectedCollective, int]]
 
 
 # Groups whose collectives are not data-parallel gradient sync even when their ranks coincide with
@@ -301,13 +303,13 @@ def dp_records(records: list[Collective]) -> list[Collective]:
     return [r for r in records if r.kind in GRAD_OPS and r.role not in NOT_DP_ROLES]
 
 
-def compare(planned: list[Planned], records: list[Collective]) -> Comparison:
+def match_collectives(planned: list[ExpectedCollective], records: list[Collective]) -> CollectiveMatch:
     """Match planned collectives with observed ones by (kind, ranks, numel, dtype)."""
     pool = Counter((r.kind, r.ranks, r.numel, r.dtype) for r in records)
     phases: dict[tuple, Counter] = {}
     for r in records:
         phases.setdefault((r.kind, r.ranks, r.numel, r.dtype), Counter())[r.phase] += 1
-    cmp = Comparison([], [], [], [])
+    cmp = CollectiveMatch([], [], [], [])
     for p in planned:
         key = (p.kind, p.ranks, p.numel, p.dtype)
         seen = pool.get(key, 0)
