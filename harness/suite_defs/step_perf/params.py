@@ -39,7 +39,7 @@ class StepPerfParams:
     option_sets: tuple[tuple[bool, bool], ...] | None = field(default=None, metadata=_RUN_LEVEL)
     # None: MIN_EFFECT of the tier
     min_effect: float | None = field(default=None, metadata=flag(
-        "--min-effect", "step-perf: smallest slowdown that fails, as a fraction (default against baselines 0.15 "
+        "--min-effect", "step-perf: smallest slowdown that fails, as a fraction (default against baselines 0.5 "
                         "on CPU, 0.05 on GPU; compare, interleaved: 0.05 / 0.03)", in_id=False))
     # judge times scaled by the calibration workload's (baseline / now)
     normalise: bool = field(default=NORMALISE, metadata=_RUN_LEVEL)
