@@ -25,8 +25,7 @@ for name in sys.argv[1:]:
 
 
 USER_ENGINE = """
-from harness.engines.fsdp2 import FSDP2Engine
-from harness.engines.mcore import McoreEngine
+from harness.engine_api import FSDP2Engine, McoreEngine
 
 
 class Engine(McoreEngine):
