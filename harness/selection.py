@@ -8,18 +8,32 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from harness.backends import Backend
+from harness.backends import BACKENDS, Backend
 from harness.errors import BadInput
+from harness.option_flags import ParamFlag, flags_of
 from harness.spec import Case, CaseOptions, id_fragment
 from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
 
-OPTION_FLAGS = (("--steps", "steps", "steps"), ("--seed", "seed", "seed"), ("--dtype", "dtype", "dtype"),
-                ("--distributed-optimizer", "use_distributed_optimizer", "distributed_optimizer"),
-                ("--overlap-grad-reduce", "overlap_grad_reduce", "overlap_grad_reduce"),
-                ("--recompute", "recompute", "recompute"),
-                ("--micro-batch-size", "micro_batch_size", "micro_batch_size"))
+
+def option_flags() -> list[ParamFlag]:
+    """The core training options' flags, as CaseOptions' fields declare them."""
+    return flags_of([CaseOptions])
+
+
+# (flag, field, argparse destination) of each
+OPTION_FLAGS = tuple((pf.flag, pf.field, pf.dest) for pf in option_flags())
 OPTION_DEFAULTS = CaseOptions()
 DEFAULT_WORLD_SIZE = 4
+# The selection's flags that the CLI and the pytest options of suites/ (suites/conftest.py) share, declared here
+# once: flag -> argparse / pytest keywords.
+SHARED_FLAGS: dict[str, dict] = {
+    "--model": dict(default=None, help="model spec (default: the suite's CPU model, tiny or small)"),
+    "--world-size": dict(type=int, default=DEFAULT_WORLD_SIZE,
+                         help=f"ranks per case (default {DEFAULT_WORLD_SIZE})"),
+    "--engine": dict(default="mcore", help="mcore, or a user engine package.module:factory"),
+    "--backend": dict(default=Backend.AUTO, choices=BACKENDS,
+                      help="auto: nccl where every rank has a GPU of its own, else gloo (ranks on CPU)"),
+}
 
 
 def variant_argv(variant: str) -> list[str]:
@@ -55,9 +69,9 @@ class CaseSelection:
     def from_args(cls, args: argparse.Namespace) -> CaseSelection:
         """From parsed `add_case_args` flags; BadInput for a value out of range (before anything runs).
         compare's --engine (a list, A then B) selects its first engine here."""
-        if args.steps < 1:
+        if args.steps is not None and args.steps < 1:
             raise BadInput(f"--steps must be >= 1, got {args.steps}")
-        if args.seed < 0:
+        if args.seed is not None and args.seed < 0:
             raise BadInput(f"--seed must be >= 0, got {args.seed}")
         if args.micro_batch_size is not None and args.micro_batch_size < 1:
             raise BadInput(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
@@ -73,7 +87,8 @@ class CaseSelection:
         if isinstance(engine, list):  # compare: A then B
             engine = engine[0]
         given = {name: getattr(args, dest) for _, name, dest in OPTION_FLAGS}
-        if given["dtype"] is None:  # the suite's for the backend (GPU ranks: step-perf in bf16)
+        given = {name: v for name, v in given.items() if v is not None}  # not given: the field's default
+        if "dtype" not in given:  # the suite's for the backend (GPU ranks: step-perf in bf16)
             from harness.platform import resolve_backend
             from harness.suite_defs import default_dtype
 
@@ -108,10 +123,10 @@ class CaseSelection:
 
         add("suite", "--suite", self.suite)
         add("model", "--model", self.model)
-        add("world_size", "--world-size", self.world_size, DEFAULT_WORLD_SIZE)
+        add("world_size", "--world-size", self.world_size, SHARED_FLAGS["--world-size"]["default"])
         add("layout", "--layout", self.layouts, ())
-        add("engine", "--engine", self.engine, "mcore")
-        add("backend", "--backend", self.backend, "auto")
+        add("engine", "--engine", self.engine, SHARED_FLAGS["--engine"]["default"])
+        add("backend", "--backend", self.backend, SHARED_FLAGS["--backend"]["default"])
         from harness.platform import resolve_backend
         from harness.suite_defs import default_dtype
 

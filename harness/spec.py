@@ -11,6 +11,7 @@ from harness.backends import Backend
 from harness.dtypes import DType
 from harness.dtypes import dtype as dtype_of
 from harness.errors import BadInput
+from harness.option_flags import flag
 
 
 @dataclass(frozen=True)
@@ -164,12 +165,18 @@ class CaseOptions:
     single suite needs lives in its own parameter type (`Case.params`). Expected plans are derived
     from these, never from engine objects."""
 
-    steps: int = 2
+    steps: int = field(default=2, metadata=flag("--steps", "training steps per case (default 2)"))
     warmup_steps: int = 0  # untimed steps before the `steps` a suite measures (step-perf)
-    seed: int = 1234
-    dtype: DType = DType.fp32  # a name given ("bf16") becomes its DType; an unknown one is BadInput
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
+    seed: int = field(default=1234, metadata=flag("--seed", "the seed of weights and data (default 1234)"))
+    # a name given ("bf16") becomes its DType; an unknown one is BadInput. Not given on the command line: the
+    # suite's for the backend (suite_defs.default_dtype)
+    dtype: DType = field(default=DType.fp32, metadata=flag(
+        "--dtype", "default fp32; step-perf on NCCL ranks bf16 (mixed precision, as Megatron users train)",
+        choices=("fp32", "bf16")))
+    use_distributed_optimizer: bool = field(default=False, metadata=flag("--distributed-optimizer",
+                                                                         "use_distributed_optimizer=True"))
+    overlap_grad_reduce: bool = field(default=False, metadata=flag("--overlap-grad-reduce",
+                                                                   "overlap_grad_reduce=True"))
     grad_reduce_in_fp32: bool = False
     lr: float = 1e-3
     # megatron's OptimizerParamScheduler (lr_decay_steps 0: none, the constant `lr`): from lr_warmup_init a linear
@@ -184,10 +191,13 @@ class CaseOptions:
     adam_eps: float = 1e-8  # megatron's default
     clip_grad: float = 1.0  # megatron's default: clip the global gradient norm at 1.0 (0: off)
     # activation recompute: "" off, "full" (every layer, megatron's uniform method) or "selective" (core attention)
-    recompute: str = ""
+    recompute: str = field(default="", metadata=flag(
+        "--recompute", "activation recompute: full (every layer) or selective (core attention); default off",
+        choices=("", "full", "selective")))
     bucket_size: int | None = None  # DDP gradient bucket size in elements (None: megatron's default)
     global_batch_size: int | None = None  # None: the model spec's
-    micro_batch_size: int | None = None
+    micro_batch_size: int | None = field(default=None, metadata=flag(
+        "--micro-batch-size", "samples per micro-batch (default: the model's)"))
     # LoRA fine-tuning (megatron-bridge's LoRA on every linear, rank `lora_dim`, scaling alpha / dim;
     # 0 = full training): what trains is a training option, whichever suite runs it (peft-ckpt does)
     lora_dim: int = 0

@@ -21,8 +21,10 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.launch.worker import freeze_long_lived, init_distributed, run_rank, shutdown_distributed
 from harness.outcomes import EXIT_BAD_INPUT
-from harness.platform.backend import BACKENDS, CPU_RANK_ENV, GPU_RANK_ENV, gpus_from_device_files, resolve_backend
+from harness.platform.backend import CPU_RANK_ENV, GPU_RANK_ENV, gpus_from_device_files, resolve_backend
+from harness.selection import SHARED_FLAGS, option_flags
 from harness.spec import CaseOptions
+from harness.suite_defs.flags import param_flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,14 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--layout", action="append")
-    p.add_argument("--engine", default="mcore")
-    p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="auto: nccl when every local rank has a GPU of its own, else gloo (ranks on CPU)")
+    p.add_argument("--engine", **SHARED_FLAGS["--engine"])
+    p.add_argument("--backend", **SHARED_FLAGS["--backend"])
     p.add_argument("--out")
     p.add_argument("--baselines-dir", default=None,
                    help="baseline files (<platform>/<suite>.json; default: baselines/)")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--timed-steps", type=int, default=None, help="step-perf: timed steps per case (default 20)")
+    declared = {pf.field: pf for pf in [*option_flags(), *param_flags()]}  # as CaseOptions and StepPerfParams say
+    declared["steps"].add_to(p)
+    declared["timed_steps"].add_to(p)
     p.add_argument("--timeout", type=float, default=None, help="process-group timeout per case (s)")
     p.add_argument("--verbose", action="store_true", help="log every rank's phases to stderr")
     args = p.parse_args(argv)
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         suite_params = {"timed_steps": args.timed_steps} if args.timed_steps is not None else None
         planned = plan(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
-                       options=CaseOptions(steps=args.steps, dtype=default_dtype(args.suite, backend)),
+                       options=CaseOptions(**({"steps": args.steps} if args.steps is not None else {}),
+                                           dtype=default_dtype(args.suite, backend)),
                        timeout_s=args.timeout, suite_params=suite_params, baselines_dir=args.baselines_dir,
                        local_world_size=local_world)
         suite, params, cases = planned.suite, planned.params, planned.cases

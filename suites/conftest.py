@@ -6,22 +6,20 @@ from pathlib import Path
 
 import pytest
 
-from harness.platform.backend import BACKENDS
+from harness.selection import SHARED_FLAGS
 from harness.suite_defs.flags import param_flags
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("harness")
-    g.addoption("--world-size", type=int, default=4, help="ranks per case (default 4)")
-    g.addoption("--backend", default="auto", choices=BACKENDS)
-    g.addoption("--model", default=None, help="model spec (default: each suite's CPU model)")
-    g.addoption("--engine", default="mcore", help="mcore or package.module:factory")
+    for name, keywords in SHARED_FLAGS.items():  # declared once, for the CLI and here
+        g.addoption(name, **keywords)
     g.addoption("--results-dir", default=None, help="write <suite>/results.json per suite here")
     g.addoption("--baselines-dir", default="baselines", help="baseline files (<platform>/<suite>.json)")
     g.addoption("--update-baselines", action="store_true", help="record baselines instead of comparing")
     g.addoption("--fresh-ranks", action="store_true", help="new rank processes per case (no warm pool)")
     [min_effect] = [pf for pf in param_flags() if pf.field == "min_effect"]  # declared once, on StepPerfParams
-    g.addoption(min_effect.flag, type=float, default=None, help=min_effect.help.replace("%", "%%"))
+    min_effect.add_to(g)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -30,7 +30,7 @@ def test_a_recording_reads_its_sizing_at_the_tiers_minimum_effect():
     assert gpu.startswith("1b-2k/tp1-pp1-cp1-dp1/distopt=1,overlap=1/bf16: 20 timed steps detect >= ")
     assert "(minimum effect 5%); the fewest that detect 5%: " in gpu and "differ by 0.0%" in gpu
     (cpu,) = recording_notes(entries, 20, None, "gloo")
-    assert "(minimum effect 15%); the fewest that detect 15%: 3;" in cpu
+    assert "(minimum effect 50%); the fewest that detect 50%: 3;" in cpu
     (given,) = recording_notes(entries, 20, 0.02, "gloo")
     assert "(minimum effect 2%)" in given
     assert recording_notes({"k": {"step_time_ms": {"value": 1.0}}}, 20, None, "gloo") == []  # no samples: nothing

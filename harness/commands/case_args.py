@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.platform.backend import BACKENDS
-from harness.selection import DEFAULT_WORLD_SIZE, OPTION_DEFAULTS
+from harness.selection import SHARED_FLAGS, option_flags
 from harness.suite_defs.flags import param_flags
 from harness.suite_registry import SUITES
 
@@ -19,26 +18,14 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
         p.add_argument("--engine", action="append", help="A then B (twice), or the engine of both sides (once)")
     else:
         p.add_argument("--suite", required=suite_required, help=f"{', '.join(SUITES)}, or package.module:Suite")
-    p.add_argument("--model", default=None, help="model spec (default: the suite's CPU model, tiny or small)")
-    p.add_argument("--world-size", type=int, default=DEFAULT_WORLD_SIZE, help="ranks per case (default 4)")
+    for name in ("--model", "--world-size"):
+        p.add_argument(name, **SHARED_FLAGS[name])
     p.add_argument("--layout", action="append", help="layout id (repeatable); default: the suite's matrix")
     if not compare:
-        p.add_argument("--engine", default="mcore", help="mcore, or a user engine package.module:factory")
-    p.add_argument("--backend", default="auto", choices=BACKENDS)
-    p.add_argument("--steps", type=int, default=OPTION_DEFAULTS.steps)
-    p.add_argument("--seed", type=int, default=OPTION_DEFAULTS.seed)
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
-                   help="default fp32; step-perf on NCCL ranks bf16 (mixed precision, as Megatron users train)")
-    p.add_argument("--distributed-optimizer", action="store_true", help="use_distributed_optimizer=True")
-    p.add_argument("--overlap-grad-reduce", action="store_true")
-    p.add_argument("--recompute", default=OPTION_DEFAULTS.recompute, choices=["", "full", "selective"],
-                   help="activation recompute: full (every layer) or selective (core attention); default off")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default: the model's)")
+        p.add_argument("--engine", **SHARED_FLAGS["--engine"])
+    p.add_argument("--backend", **SHARED_FLAGS["--backend"])
+    for pf in option_flags():  # the core training options, as CaseOptions' fields declare them
+        pf.add_to(p)
     p.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
     for pf in param_flags():  # the suites' own parameters, as their types declare them
-        if pf.kind == "bool":
-            p.add_argument(pf.flag, action="store_true", help=pf.help)
-        elif pf.kind == "list":
-            p.add_argument(pf.flag, action="append", help=pf.help)
-        else:
-            p.add_argument(pf.flag, type={"int": int, "float": float}.get(pf.kind, str), default=None, help=pf.help)
+        pf.add_to(p)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from harness.commands.common import say
 from harness.errors import BadInput
-from harness.platform.backend import BACKENDS
+from harness.selection import SHARED_FLAGS
 
 
 def add_parser(sub) -> None:
@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                    help="models (repeatable; 'default' is each suite's own; default: every CPU reference model "
                         "on gloo, default + small + 1b-2k on GPUs)")
     p.add_argument("--world-size", type=int, default=None, help="default: the node's GPUs, or 4 CPU ranks")
-    p.add_argument("--backend", default="auto", choices=BACKENDS)
+    p.add_argument("--backend", **SHARED_FLAGS["--backend"])
     p.add_argument("--engine", default=None, help="only this construction path (default: every one; "
                                                   "peft-ckpt: megatron-bridge)")
     p.add_argument("--label", default=None, help="names every run of this nightly in the report and the history")

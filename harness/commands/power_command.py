@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from harness.backends import Backend
 from harness.commands.common import say
 from harness.errors import BadInput
-from harness.platform.backend import BACKENDS
+from harness.selection import SHARED_FLAGS
 
 
 def add_parser(sub) -> None:
@@ -18,9 +19,9 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved: rounds per side per comparison (default 3)")
     p.add_argument("--timed-steps", type=int, default=12, help="timed steps per run / round (default 12)")
     p.add_argument("--mode", action="append", choices=["baseline", "compare"], help="default: both")
-    p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="the node's ranks (auto: one GPU per rank where there are GPUs enough, else gloo); on GPU "
-                        "ranks the planted wait runs on the device")
+    p.add_argument("--backend", **{**SHARED_FLAGS["--backend"], "help": (
+        "the node's ranks (auto: one GPU per rank where there are GPUs enough, else gloo); on GPU ranks the planted "
+        "wait runs on the device")})
     p.set_defaults(func=main)
 
 
@@ -39,7 +40,7 @@ def main(args) -> int:
     from harness.power import run_power
 
     backend = resolve_backend(args.backend, args.world_size)
-    say(f"planting on {backend} ranks ({'device-side waits' if backend == 'nccl' else 'busy waits on the host'})")
+    say(f"planting on {backend} ranks ({'device-side waits' if backend == Backend.NCCL else 'busy waits on the host'})")
     tallies = run_power(args.model, args.world_size, layout.id, args.trials, args.rounds, args.timed_steps,
                         tuple(args.mode or ("baseline", "compare")), say, backend)
     print(table(["judged", "planted in", "slowdown", "hits", "rate [95% Wilson]", "cannot tell"],
