@@ -26,8 +26,6 @@ from harness.outcomes import CaseStatus
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs import (
-    MOE_MISSING,
-    MOE_SUITES,
     Baselined,
     FreshRanks,
     FreshRanksPerCase,
@@ -37,8 +35,10 @@ from harness.suite_defs import (
     default_dtype,
     default_model,
     get_suite,
+    moe_suites,
 )
 from harness.suite_defs.flags import flag_of
+from harness.suite_registry import spec_of
 from harness.suite_run import SuiteRun
 
 
@@ -89,10 +89,10 @@ def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layou
     if options is None:
         options = CaseOptions(dtype=default_dtype(suite.name, backend))
     model = load_model(model_name or default_model(suite, backend))
-    if model.moe and suite.name not in MOE_SUITES:
-        why = MOE_MISSING.get(suite.name, "its plans know dense models only")
+    why = spec_of(suite.name).dense_only
+    if model.moe and why:
         raise DoesNotApply(f"the {suite.name} suite does not judge mixture-of-experts models yet (model "
-                           f"{model.name}): {why}; run {model.name} with --suite {' or --suite '.join(MOE_SUITES)}, "
+                           f"{model.name}): {why}; run {model.name} with --suite {' or --suite '.join(moe_suites())}, "
                            "or a dense model here")
     factory = None
     if engine != "mcore":

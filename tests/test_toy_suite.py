@@ -20,7 +20,8 @@ from harness.errors import BadInput
 
 @pytest.fixture
 def toy_registered(monkeypatch):
-    monkeypatch.setitem(suite_registry.SUITES, "toy", "tests.toy_suite:ToySuite")
+    monkeypatch.setitem(suite_registry.SUITES, "toy", suite_registry.SuiteSpec(
+        "tests.toy_suite:ToySuite", params=("tests.toy_suite:ToyParams", "tests.toy_suite:ToyCaseParams")))
 
 
 @pytest.mark.slow
@@ -51,8 +52,9 @@ def test_a_parameter_the_suite_does_not_have_is_refused(toy_registered):
 
 # A process where torch, megatron and every suite module fail to import: what `harness report` needs
 # of a run is in its results.json. The suites' parameter types stay importable (plain dataclasses, the CLI's
-# flags): their modules, the packages' __init__ that import them (from suite_defs.PARAM_TYPES), and the registry.
-PARAM_MODULES = tuple(name for module, _, _ in (t.partition(":") for t in suite_defs.PARAM_TYPES)
+# flags): their modules, the packages' __init__ that import them (each suite's SuiteSpec.params), and the registry.
+PARAM_MODULES = tuple(name for module, _, _ in (t.partition(":") for spec in suite_registry.SUITES.values()
+                                                for t in spec.params)
                       for name in (module.rpartition(".")[0], module))
 _NO_TORCH = textwrap.dedent("""
     import sys
@@ -106,15 +108,13 @@ def test_report_renders_from_results_json_without_torch_or_suites(toy_registered
 
 
 def test_a_suite_parameter_is_declared_once_on_its_type(toy_registered, monkeypatch):
-    """ToyParams.offset declares its flag in its field's metadata; with the type listed among the suites' parameter
-    types, the CLI has the option, the selection carries the value, to_argv and a case's variant give the flag
+    """ToyParams.offset declares its flag in its field's metadata; with the type listed on the toy suite's registry
+    line, the CLI has the option, the selection carries the value, to_argv and a case's variant give the flag
     again, and another suite refuses it naming the flag."""
     from harness import cli
     from harness.selection import CaseSelection, variant_argv
     from harness.driver import plan
 
-    monkeypatch.setattr(suite_defs, "PARAM_TYPES",
-                        (*suite_defs.PARAM_TYPES, "tests.toy_suite:ToyParams", "tests.toy_suite:ToyCaseParams"))
     argv = ["run", "--suite", "toy", "--world-size", "2", "--toy-offset", "0.5"]
     sel = CaseSelection.from_args(cli.build_parser().parse_args(argv))
     assert sel.suite_params == {"offset": 0.5}
@@ -135,4 +135,4 @@ def test_every_suite_parameter_type_with_flags_is_listed():
     for name in suite_registry.SUITES:
         params = getattr(suite_defs.get_suite(name), "Params", None)
         if params is not None and any("flag" in f.metadata for f in dataclasses.fields(params)):
-            assert params in listed, f"{name}: {params.__qualname__} declares flags: list it in PARAM_TYPES"
+            assert params in listed, f"{name}: {params.__qualname__} declares flags: list it in its SuiteSpec.params"

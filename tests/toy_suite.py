@@ -1,4 +1,4 @@
-"""A toy suite: everything a new suite needs is this module and one line in harness/suite_registry.py (SUITES)
+"""A toy suite: everything a new suite needs is this module and one line in harness/suite_registry.py (SUITES: its SuiteSpec)
 (tests/test_toy_suite.py registers it and runs it through the CLI, the driver and the report).
 
 Each rank all-reduces its rank number; the check compares the sum with the arithmetic series. Its

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harness.backends import Backend
 from harness.dtypes import DType
-from harness.suite_registry import load_suite
+from harness.suite_registry import SUITES, load_suite, spec_of
 
 if TYPE_CHECKING:
     from harness.checks import CheckResult
@@ -15,29 +15,6 @@ if TYPE_CHECKING:
     from harness.launch.context import RankContext
     from harness.launch.results import CaseResult
     from harness.spec import Case, CaseOptions, Layout, ModelSpec
-
-# The parameter types of the suites (and of their cases) whose fields declare a command-line flag
-# (harness/suite_defs/flags.py); modules that import no torch. tests/test_toy_suite.py holds it to the registry
-# (harness/suite_registry.py).
-PARAM_TYPES = (
-    "harness.suite_defs.ckpt_memory.params:CkptMemoryParams",
-    "harness.suite_defs.ckpt_memory.params:CkptCaseParams",
-    "harness.suite_defs.step_perf.params:StepPerfParams",
-    "harness.suite_defs.golden.params:GoldenParams",
-    "harness.suite_defs.train_memory.params:TrainMemoryParams",
-    "harness.suite_defs.batch_split.params:BatchSplitParams",
-    "harness.suite_defs.refit.params:RefitParams",
-    "harness.suite_defs.rl_cycle.params:RLCycleParams",
-)
-# The suites that judge a mixture-of-experts model (its experts by global index, its EP / ETP layouts, its
-# auxiliary loss); the others' plans and models know dense models only and refuse an MoE one (docs/moe.md).
-MOE_SUITES = ("equivalence", "golden", "grad-sync", "ckpt-memory", "train-memory", "step-perf", "peft-ckpt",
-              "batch-split", "refit", "rl-cycle")
-# What a suite that refuses an MoE model lacks for one.
-MOE_MISSING = {
-    "dynamic-cp": "its packed-sequence engine builds dense layers only",
-}
-
 
 @dataclass(frozen=True)
 class RegressionRun:
@@ -49,39 +26,26 @@ class RegressionRun:
     cpu_only: bool = False
 
 
-# Every run of the regression suites, beside each suite's own model the MoE ones (tests/test_house.py holds
-# suites/ to this list): what `harness baselines record --missing` records where a platform lacks it.
-REGRESSION_RUNS = (
-    RegressionRun("equivalence"), RegressionRun("equivalence", "tiny-moe"),
-    RegressionRun("grad-sync"), RegressionRun("grad-sync", "tiny-moe"),
-    RegressionRun("ckpt-memory"), RegressionRun("ckpt-memory", "tiny-moe"),
-    RegressionRun("dynamic-cp"), RegressionRun("peft-ckpt"), RegressionRun("peft-ckpt", "tiny-qwen3-moe"),
-    RegressionRun("step-perf"), RegressionRun("step-perf", "tiny-moe", cpu_only=True),
-    RegressionRun("train-memory"), RegressionRun("train-memory", "small-moe", cpu_only=True),
-    RegressionRun("golden"), RegressionRun("golden", "tiny-moe", cpu_only=True),
-    RegressionRun("batch-split"), RegressionRun("batch-split", "tiny-moe"),
-    RegressionRun("refit"), RegressionRun("refit", "tiny-moe"),
-    RegressionRun("rl-cycle"), RegressionRun("rl-cycle", "tiny-moe"),
-)
-# The model a suite runs on GPU ranks when none is given, where its CPU model says nothing there: `small` is
-# launch-bound on an H100 (0.2 TFLOP/s, MFU 0.0%), so step-perf times the 1B shape that fits one GPU.
-GPU_DEFAULT_MODELS = {"step-perf": "1b-2k"}
+# Every run of the regression suites, as each suite's spec lists them (SuiteSpec.runs)
+REGRESSION_RUNS = tuple(RegressionRun(name, run.model, run.cpu_only) for name, spec in SUITES.items()
+                        for run in spec.runs)
 
 
-# The dtype a suite's cases train in on GPU ranks when none is given: step-perf times steps as Megatron users
-# train them, in bf16 mixed precision (docs/step-perf.md has the fp32 and bf16 figures of one H100); fp32 stays
-# the CPU tier's and where numerics are compared at fp32 tolerances.
-GPU_DEFAULT_DTYPES = {"step-perf": DType.bf16}
+def moe_suites() -> list[str]:
+    """The registered suites that judge a mixture-of-experts model (SuiteSpec.dense_only empty)."""
+    return [name for name, spec in SUITES.items() if not spec.dense_only]
 
 
 def default_dtype(suite_name: str, backend: Backend) -> DType:
     """The dtype a suite's cases train in when none is given: fp32, or on NCCL ranks the suite's GPU one."""
-    return GPU_DEFAULT_DTYPES.get(suite_name, DType.fp32) if backend == Backend.NCCL else DType.fp32
+    gpu = spec_of(suite_name).gpu_dtype
+    return DType(gpu) if gpu and backend == Backend.NCCL else DType.fp32
 
 
 def default_model(suite: Suite, backend: Backend) -> str:
     """The model a suite runs when none is given: its own (sized for CPU ranks), or on NCCL ranks its GPU one."""
-    return GPU_DEFAULT_MODELS.get(suite.name, suite.default_model) if backend == Backend.NCCL else suite.default_model
+    gpu = spec_of(suite.name).gpu_model
+    return gpu if gpu and backend == Backend.NCCL else suite.default_model
 
 
 class Suite(Protocol):

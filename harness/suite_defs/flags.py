@@ -1,8 +1,8 @@
 """The suites' parameters' command-line flags, declared once on the fields of their parameter types
 (`harness/option_flags.py`): `timed_steps: int = field(default=20, metadata=flag("--timed-steps", "..."))`.
 Its value is checked by the type (`__post_init__`: BadInput) as the flags are read, and again where the suite's
-parameters are built for the run. The types are listed in `harness.suite_defs.PARAM_TYPES` (modules that import
-no torch: the CLI reads them on every call).
+parameters are built for the run. Each suite's spec lists its types (`SuiteSpec.params` in
+harness/suite_registry.py: modules that import no torch, which the CLI reads on every call).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ __all__ = ["ParamFlag", "check_param_values", "flag", "flag_of", "param_flags", 
 
 
 def param_types() -> list[type]:
-    """Every parameter type of the built-in suites (harness.suite_defs.PARAM_TYPES), imported."""
-    from harness.suite_defs import PARAM_TYPES
+    """Every parameter type the registered suites' specs list (SuiteSpec.params), imported."""
+    from harness.suite_registry import SUITES
 
     out = []
-    for ref in PARAM_TYPES:
+    for ref in dict.fromkeys(ref for spec in SUITES.values() for ref in spec.params):
         module, _, name = ref.partition(":")
         out.append(getattr(importlib.import_module(module), name))
     return out
