@@ -10,7 +10,9 @@ exit 5 when some case cannot tell (the interval still reaches beyond the minimum
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from harness.errors import BadInput
 from harness.outcomes import CaseStatus
 
 if TYPE_CHECKING:
+    from harness.driver import Plan
     from harness.selection import CaseSelection
 
 
@@ -55,17 +58,26 @@ class CaseSamples:
     rounds_foreign_share: list[float] = field(default_factory=list)  # of the rounds where it was measured
 
 
-def _in_process_round(side: Side, sel: CaseSelection, args, say, plans: dict) -> dict[str, CaseSamples]:
-    """One round of a side in this process: its plan (made at its first round, kept in plans) executed again."""
-    from harness.driver import execute, plan
+def side_selection(sel: CaseSelection, engine: str, steps_per_round: int) -> CaseSelection:
+    """What a side in this process runs: step-perf's selected cases on its engine, steps_per_round timed steps."""
+    return dataclasses.replace(sel, suite="step-perf", engine=engine, suite_params={"timed_steps": steps_per_round})
+
+
+def plan_sides(sel: CaseSelection, engines: list[str], steps_per_round: int) -> dict[str, Plan]:
+    """Each engine's plan, made once, before anything runs (bad input refused here): judged against no baseline
+    (a directory that does not exist), as the sides are judged against each other."""
+    from harness.driver import plan
+
+    none = str(Path(tempfile.gettempdir()) / f"harness-compare-no-baselines-{os.getpid()}")
+    return {e: plan(side_selection(sel, e, steps_per_round), baselines_dir=none) for e in dict.fromkeys(engines)}
+
+
+def _in_process_round(side: Side, plans: dict[str, Plan], say) -> dict[str, CaseSamples]:
+    """One round of a side in this process: its engine's plan, executed again."""
+    from harness.driver import execute
     from harness.suite_defs.step_perf import figures
 
-    if side.label not in plans:
-        plans[side.label] = plan("step-perf", sel.model, sel.world_size, sel.layout_ids, engine=side.engine,
-                                 backend=sel.backend, options=sel.options, timeout_s=sel.timeout,
-                                 suite_params={"timed_steps": args.steps_per_round},
-                                 baselines_dir=tempfile.mkdtemp(prefix="harness-compare-nb-"))
-    run = execute(plans[side.label], progress=say).stop_if_interrupted()
+    run = execute(plans[side.engine], progress=say).stop_if_interrupted()
     out = {}
     for r in run.results:
         if not r.ok:
@@ -104,21 +116,22 @@ def _subprocess_round(side: Side, sel: CaseSelection, args, workdir: Path, n: in
     return out
 
 
-def run_rounds(a: Side, b: Side, sel: CaseSelection, args, say: Callable[[str], None]) -> tuple[dict, dict, list[str]]:
+def run_rounds(a: Side, b: Side, sel: CaseSelection, args, say: Callable[[str], None],
+               plans: dict[str, Plan]) -> tuple[dict, dict, list[str]]:
     """Both sides, args.rounds times, in a random order per round; ({key: CaseSamples} for A and B, order).
-    sel: the cases (the flags of `harness compare`); args: rounds, steps_per_round, order_seed."""
+    sel: the cases (the flags of `harness compare`); args: rounds, steps_per_round, order_seed; plans: an
+    in-process side's plan by engine (plan_sides)."""
     rng = random.Random(args.order_seed)
     pooled: dict[str, dict[str, CaseSamples]] = {a.label: {}, b.label: {}}
     order: list[str] = []
     workdir = Path(tempfile.mkdtemp(prefix="harness-compare-"))
-    plans: dict = {}  # an in-process side's plan, made once
     for n in range(args.rounds):
         sides = [a, b]
         rng.shuffle(sides)
         for side in sides:
             say(f"round {n + 1}/{args.rounds}: {side.label}")
             order.append(side.label)
-            got = (_in_process_round(side, sel, args, say, plans) if side.in_process
+            got = (_in_process_round(side, plans, say) if side.in_process
                    else _subprocess_round(side, sel, args, workdir, n))
             for key, s in got.items():
                 acc = pooled[side.label].setdefault(key, CaseSamples(counters=s.counters))
@@ -211,8 +224,9 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
                    "or --repo PATH --rev REV")
 
 
-def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
-    """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds."""
+def compare_main(args, sel: CaseSelection, say: Callable[[str], None], plans: dict[str, Plan]) -> int:
+    """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds, plans holds
+    the in-process sides' plans (plan_sides)."""
     from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, tier
     from harness.outcomes import EXIT_NOTHING_JUDGED
     from harness.platform import resolve_backend
@@ -230,7 +244,7 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None]) -> int:
             b.pythonpath = [str(worktree.checkout(args.rev) / args.path_in_repo)]
         backend = resolve_backend(sel.backend, sel.world_size)  # auto: nccl where there are GPUs enough
         effect = sel.suite_params.get("min_effect", MIN_EFFECT_INTERLEAVED[tier(backend)])
-        samples_a, samples_b, order = run_rounds(a, b, sel, args, say)
+        samples_a, samples_b, order = run_rounds(a, b, sel, args, say, plans)
     finally:
         if worktree:
             worktree.close()

@@ -24,6 +24,7 @@ from harness.layouts import validate
 from harness.models import load_model
 from harness.outcomes import CaseStatus
 from harness.platform import resolve_backend
+from harness.selection import DEFAULT_WORLD_SIZE, CaseSelection
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs import (
     Baselined,
@@ -71,17 +72,24 @@ class Plan:
     engine: str
 
 
-def plan(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None,
-         *, engine: str = "mcore", backend: str = Backend.AUTO, options: CaseOptions | None = None,
-         timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None,
-         local_world_size: int | None = None) -> Plan:
-    """The run's Plan, or BadInput, before anything runs or is written; it starts nothing. model_name None: the
+def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, world_size: int = DEFAULT_WORLD_SIZE,
+         layout_ids: list[str] | None = None, *, engine: str = "mcore", backend: str = Backend.AUTO,
+         options: CaseOptions | None = None, timeout_s: float | None = None, suite_params: dict | None = None,
+         baselines_dir: str | None = None, local_world_size: int | None = None) -> Plan:
+    """The run's Plan, or BadInput, before anything runs or is written; it starts no process and writes nothing.
+    selection: what a command read from its flags (CaseSelection: the other selecting arguments are its), or a
+    suite by name or object with the model, world size, layouts and options given one by one. model_name None: the
     suite's default; options None: the defaults, in the suite's dtype for the backend (default_dtype).
     suite_params: values of the suite's parameters (`suite.Params` fields, e.g. step-perf's timed_steps). A suite
     with baselines has its baseline file parsed here (a corrupt one is refused before any rank).
     local_world_size: the ranks on this node where they span several (torchrun's LOCAL_WORLD_SIZE): NCCL needs a
     GPU for each of those, not for the whole world."""
-    suite = get_suite(suite_name)
+    if isinstance(selection, CaseSelection):
+        sel = selection
+        selection, model_name, world_size, layout_ids = sel.suite, sel.model, sel.world_size, sel.layout_ids
+        engine, backend, options, timeout_s = sel.engine, sel.backend, sel.options, sel.timeout
+        suite_params = dict(sel.suite_params)
+    suite = get_suite(selection)
     params = suite_parameters(suite, suite_params, baselines_dir)
     if world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {world_size}")

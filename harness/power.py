@@ -169,7 +169,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     import argparse
 
     from harness.checks.timing import MIN_EFFECT_INTERLEAVED, tier
-    from harness.compare import Side, judge, run_rounds
+    from harness.compare import Side, judge, plan_sides, run_rounds
     from harness.driver import execute, plan
     from harness.recording import record_suite
     from harness.selection import CaseSelection
@@ -208,6 +208,8 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                 say(f"trial {trial + 1}/{trials} vs baseline {where} +{size:.0%}: {verdict} ({time_check.message})")
     if "compare" in modes:
         sel = CaseSelection("step-perf", model, world_size, (layout,), backend=backend, options=options)
+        engines = ["mcore", *(f"harness.power:{engine_name('step', size)}" for size in SIZES)]
+        side_plans = plan_sides(sel, engines, timed_steps)  # each side's plan, made once
         sizes = list(SIZES)
         for trial in range(trials):
             rng.shuffle(sizes)
@@ -215,7 +217,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                 args = argparse.Namespace(rounds=rounds, steps_per_round=timed_steps, order_seed=trial)
                 a = Side("A=mcore", "mcore")
                 b = Side(f"B=+{size:.0%}", f"harness.power:{engine_name('step', size)}")
-                samples_a, samples_b, _ = run_rounds(a, b, sel, args, lambda msg: None)
+                samples_a, samples_b, _ = run_rounds(a, b, sel, args, lambda msg: None, side_plans)
                 step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED[tier(backend)]).values()))
                 t = tallies.setdefault(("interleaved", "step", size), Tally("interleaved", "step", size))
                 t.trials += 1

@@ -37,7 +37,7 @@ def _compare(monkeypatch, capsys, b_mean: float, b_counters: dict[str, float], r
     args = argparse.Namespace(engine=["mcore", "tests.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
                               repo=None,
                               cache=None, rounds=rounds, steps_per_round=6, out=None)
-    code = compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None)
+    code = compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None, {})
     return code, capsys.readouterr().out
 
 
@@ -194,7 +194,7 @@ def test_compare_says_what_other_processes_used_of_the_machine(monkeypatch, caps
     monkeypatch.setattr(compare, "run_rounds", lambda *args, **kw: (a, b, ["A", "B"]))
     args = argparse.Namespace(engine=["mcore", "tests.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
                               repo=None, cache=None, rounds=5, steps_per_round=6, out=None)
-    compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None)
+    compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None, {})
     out = capsys.readouterr().out
     assert f"other processes used up to 3% of the CPUs while A's steps were timed, {b_load:.0%} while B's" in out
     assert ("stop them or compare on a quiet machine" in out) is advice, out

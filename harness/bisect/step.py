@@ -12,11 +12,15 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.bisect.search import BAD, GOOD, PASS_FAIL, SKIP, StepResult, Threshold
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import Outcome
+
+if TYPE_CHECKING:
+    from harness.selection import CaseSelection
 
 
 @dataclass
@@ -158,13 +162,13 @@ def _platform(result) -> str:
     return detect_platform(result.case.backend).key
 
 
-def run_step(plan_args: tuple, plan_kwargs: dict, spec: StepSpec) -> StepResult:
+def run_step(selection: CaseSelection, spec: StepSpec) -> StepResult:
     """Run the selected cases in this environment and judge them (the body of `harness bisect-step`).
-    plan_args / plan_kwargs: the selection as harness.driver.plan's arguments."""
+    selection: the cases, as the step's flags select them."""
     from harness.driver import execute, plan
 
     threshold = Threshold(spec.max)
-    planned = plan(*plan_args, baselines_dir=spec.baselines_dir, **plan_kwargs)
+    planned = plan(selection, baselines_dir=spec.baselines_dir)
     refuse_unknown_metric(planned, spec.metric)
     run = execute(planned, fresh_ranks=spec.fresh_ranks).stop_if_interrupted()
     return judge_run(run, spec.metric, threshold, spec.error_is_bad)

@@ -3,6 +3,7 @@ bisect-step` (one candidate: this environment or checkout, for `git bisect run`)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -94,7 +95,7 @@ def main(args) -> int:
     sel = CaseSelection.from_args(args)
     # the selection is planned here too, so bad input is refused before any environment is built; the
     # engine is imported in each candidate's environment (a --repo engine lives in the checkout), not here
-    planned = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **{**sel.plan_kwargs(), "engine": "mcore"})
+    planned = plan(dataclasses.replace(sel, engine="mcore"), baselines_dir=args.baselines_dir)
     from harness.bisect.step import refuse_unknown_metric
 
     refuse_unknown_metric(planned, args.metric)
@@ -231,7 +232,7 @@ def step(args) -> int:
     try:
         Threshold(args.max)
         sel = CaseSelection.from_args(args)
-        r = run_step(sel.plan_args(), sel.plan_kwargs(), _spec(args, sel))
+        r = run_step(sel, _spec(args, sel))
     except BadInput as exc:
         if args.json_dir:  # under git bisect run, where exit 2 would mean "bad": say why, and abort it
             atomic_write(Path(args.json_dir, "refused.txt"), str(exc))

@@ -28,8 +28,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.compare import compare_main
-    from harness.driver import plan
+    from harness.compare import compare_main, plan_sides
 
     if args.suite != "step-perf":
         raise BadInput(f"compare judges step times: --suite step-perf (got {args.suite!r})")
@@ -41,7 +40,6 @@ def main(args) -> int:
         raise BadInput(f"--steps-per-round must be >= 3, got {args.steps_per_round}")
     if args.rounds < 2:
         raise BadInput(f"--rounds must be >= 2 (interleaving needs several rounds per side), got {args.rounds}")
-    for engine in args.engine or ["mcore"]:  # every bad input before any rank starts
-        plan(*sel.plan_args(), **{**sel.plan_kwargs(), "engine": engine})
+    plans = plan_sides(sel, args.engine or ["mcore"], args.steps_per_round)  # every bad input before any rank
     out_dir(args.out)
-    return compare_main(args, sel, say)
+    return compare_main(args, sel, say, plans)

@@ -32,7 +32,7 @@ def main(args) -> int:
     sel = CaseSelection.from_args(args)
     if args.shuffle is not None and args.shuffle < 0:
         raise BadInput(f"--shuffle takes a seed >= 0, got {args.shuffle}")
-    planned = plan(*sel.plan_args(), baselines_dir=args.baselines_dir, **sel.plan_kwargs())  # bad input: exit 2
+    planned = plan(sel, baselines_dir=args.baselines_dir)  # bad input: exit 2
     if isinstance(planned.suite, Baselined):
         existing_baselines_dir(args.baselines_dir, planned.suite.name)
     out = out_dir(args.out)
