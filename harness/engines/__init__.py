@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from harness.errors import BadInput, MissingDependency
+from harness.errors import BadInput, DoesNotApply, MissingDependency
 
 if TYPE_CHECKING:
     from harness.engines.base import Engine
@@ -53,6 +53,15 @@ def resolve_factory(name: str) -> Callable[[Case, RankContext], Engine]:
         if isinstance(owner, ChecksAvailability):
             owner.check_available()
             break
+    return factory
+
+
+def engine_class_with(engine: str, capability: type, lacks: str) -> type:
+    """The engine's factory where it is a class with the capability a suite needs (a Protocol); else DoesNotApply,
+    "engine '<name>' <lacks>" (a factory function cannot be looked into before a rank builds the engine)."""
+    factory = resolve_factory(engine)
+    if not (isinstance(factory, type) and issubclass(factory, capability)):
+        raise DoesNotApply(f"engine {engine!r} {lacks}")
     return factory
 
 

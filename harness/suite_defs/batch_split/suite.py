@@ -7,7 +7,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
-from harness.engines import is_fsdp2, make_engine, resolve_factory
+from harness.engines import engine_class_with, is_fsdp2, make_engine
 from harness.engines.base import StepOutput, TrainsRLBatches
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.errors import BadInput, DoesNotApply
@@ -48,11 +48,9 @@ class BatchSplitSuite:
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: BatchSplitParams | None = None) -> list[Case]:
         p = params or BatchSplitParams()
-        factory = resolve_factory(engine)
-        if not (isinstance(factory, type) and issubclass(factory, TrainsRLBatches)):
-            raise DoesNotApply(f"engine {engine!r} is not a class with train_rl_batch / rl_logprobs (harness.engines."
-                               "base.TrainsRLBatches): batch-split cannot cut its batches; give a subclass of "
-                               "McoreEngine, whose RL steps run your aggregate_loss (docs/engines.md)")
+        engine_class_with(engine, TrainsRLBatches, "is not a class with train_rl_batch / rl_logprobs (harness."
+                          "engines.base.TrainsRLBatches): batch-split cannot cut its batches; give a subclass of "
+                          "McoreEngine, whose RL steps run your aggregate_loss (docs/engines.md)")
         gbs = options.global_batch_size or GLOBAL_BATCH
         steps = options.steps if options.steps != CaseOptions.steps else STEPS
         opts = dataclasses.replace(with_equivalence_eps(options), steps=steps, global_batch_size=gbs,

@@ -15,10 +15,10 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
-from harness.engines import resolve_factory
+from harness.engines import engine_class_with
 from harness.engines.cp_modes import CPCaseParams, CPEngine, TokenOutputs
 from harness.engines.dynamic_cp_api import check_dynamic_cp_available
-from harness.errors import BadInput, DoesNotApply
+from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
@@ -145,12 +145,11 @@ class DynamicCPSuite:
 def cp_engine(engine: str) -> type[CPEngine]:
     """The suite's engine class for --engine (mcore: CPEngine); DoesNotApply for one that is no CPEngine (the
     bridges, fsdp2: they build no packed-sequence model with static or dynamic CP)."""
-    factory = CPEngine if engine == "mcore" else resolve_factory(engine)
-    if not (isinstance(factory, type) and issubclass(factory, CPEngine)):
-        raise DoesNotApply(f"engine {engine!r} cannot run the dynamic-cp suite: it compares megatron's no, static "
-                           "and dynamic CP on packed sequences through harness.engines.cp_modes:CPEngine or a "
-                           "subclass; run it with --engine mcore")
-    return factory
+    if engine == "mcore":
+        return CPEngine
+    return engine_class_with(engine, CPEngine, "cannot run the dynamic-cp suite: it compares megatron's no, static and "
+                             "dynamic CP on packed sequences through harness.engines.cp_modes:CPEngine or a subclass; "
+                             "run it with --engine mcore")
 
 
 def make_cp_engine(case: Case, ctx: RankContext) -> CPEngine:

@@ -138,12 +138,11 @@ class PeftCkptSuite:
         """Pure DP first (the export the others are compared with), then the layouts with TP and PP."""
         if engine == "mcore":  # megatron-core alone has no LoRA / PEFT export: the bridge's path is the default
             engine = "megatron-bridge"
-        from harness.engines import resolve_factory
+        from harness.engines import engine_class_with
 
-        factory = resolve_factory(engine)
-        if not (isinstance(factory, type) and issubclass(factory, PeftExporting)):
-            raise DoesNotApply(f"engine {engine!r} has no export_peft_adapter(path): the peft-ckpt suite needs an "
-                               "engine that trains LoRA adapters and exports them (built-in: megatron-bridge)")
+        factory = engine_class_with(engine, PeftExporting, "has no export_peft_adapter(path): the peft-ckpt suite "
+                                    "needs an engine that trains LoRA adapters and exports them (built-in: "
+                                    "megatron-bridge)")
         _require_peft()  # in the parent: a missing peft is named before any rank starts
         try:
             hf_architecture(model)  # a model the HF side cannot hold is refused before any rank starts

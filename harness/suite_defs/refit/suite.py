@@ -62,15 +62,14 @@ class RefitSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RefitParams | None = None) -> list[Case]:
-        from harness.engines import resolve_factory
+        from harness.engines import engine_class_with
         from harness.layouts import validate
 
         params = params or RefitParams()
-        factory = resolve_factory(engine)
-        if not (isinstance(factory, type) and issubclass(factory, ExportsWeights)):
-            raise DoesNotApply(f"engine {engine!r} has no export_buckets(bucket_bytes) (harness.engines.base."
-                               "ExportsWeights): refit needs the export your framework streams to its rollout engine; "
-                               "give a subclass of McoreEngine whose hf_weight_stream is yours (docs/engines.md)")
+        factory = engine_class_with(
+            engine, ExportsWeights, "has no export_buckets(bucket_bytes) (harness.engines.base.ExportsWeights): refit "
+            "needs the export your framework streams to its rollout engine; give a subclass of McoreEngine whose "
+            "hf_weight_stream is yours (docs/engines.md)")
         if isinstance(factory, RefusesExports) and (why := factory.export_refusal(model, backend)):
             raise DoesNotApply(f"engine {engine!r}: {why}")
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps)

@@ -83,15 +83,13 @@ class RLCycleSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RLCycleParams | None = None) -> list[Case]:
-        from harness.engines import resolve_factory
+        from harness.engines import engine_class_with
         from harness.engines.base import RunsRLCycles
 
         p = params or RLCycleParams()
-        factory = resolve_factory(engine)
-        if not (isinstance(factory, type) and issubclass(factory, RunsRLCycles)):
-            raise DoesNotApply(f"engine {engine!r} has no record_routing / replay_routing / offload / reload "
-                               "(harness.engines.base.RunsRLCycles): rl-cycle needs an RL framework's iteration; give "
-                               "a subclass of McoreEngine whose framework parts are yours (docs/engines.md)")
+        engine_class_with(engine, RunsRLCycles, "has no record_routing / replay_routing / offload / reload (harness."
+                          "engines.base.RunsRLCycles): rl-cycle needs an RL framework's iteration; give a subclass of "
+                          "McoreEngine whose framework parts are yours (docs/engines.md)")
         base = dataclasses.replace(options, global_batch_size=options.global_batch_size or GLOBAL_BATCH,
                                    lr=LR if options.lr == CaseOptions.lr else options.lr)
         if options.recompute:
