@@ -23,7 +23,7 @@ from harness.launch.worker import freeze_long_lived, init_distributed, run_rank,
 from harness.outcomes import EXIT_BAD_INPUT
 from harness.platform.backend import CPU_RANK_ENV, GPU_RANK_ENV, gpus_from_device_files, resolve_backend
 from harness.selection import SHARED_FLAGS, option_flags
-from harness.spec import CaseOptions
+from harness.spec import Case, CaseOptions
 from harness.suite_defs.flags import param_flags
 
 
@@ -61,16 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from harness.broken_env import broken_environment
-    from harness.driver import new_run_dir, plan, with_outputs
-    from harness.outcomes import CaseStatus
-    from harness.platform.parallel import release_memory
-    from harness.probes.memory import run_captures
-    from harness.report import artifacts
-    from harness.report.results_file import write_results
+    from harness.driver import execute, plan
     from harness.report.terminal import format_run
     from harness.suite_defs import default_dtype
-    from harness.suite_run import SuiteRun
 
     world = int(os.environ["WORLD_SIZE"])
     try:
@@ -80,73 +73,88 @@ def main(argv: list[str] | None = None) -> int:
                                            dtype=default_dtype(args.suite, backend)),
                        timeout_s=args.timeout, suite_params=suite_params, baselines_dir=args.baselines_dir,
                        local_world_size=local_world)
-        suite, params, cases = planned.suite, planned.params, planned.cases
     except BadInput as exc:
         if rank == 0:
             print(f"harness: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     base = RankContext(rank, world, local_rank, backend, Path(os.environ.get("TMPDIR", "/tmp")))
-    init_distributed(base, max(c.timeout_s for c in cases))
+    init_distributed(base, max(c.timeout_s for c in planned.cases))
     freeze_long_lived()  # one process runs every case, as a warm pool rank does
-    results_group = dist.new_group(backend="gloo")  # results travel as objects, on the CPU
-    run = SuiteRun(suite, planned.model_name, world, backend, planned.engine, planned=len(cases), params=params)
-    # one directory for this run, as the driver's (new_run_dir: $HARNESS_ARTIFACTS, which several nodes must
-    # share, since a case's checkpoint is written by the ranks of every node), named by rank 0
-    shared = [str(new_run_dir()) if rank == 0 else ""]
-    dist.broadcast_object_list(shared, src=0, group=results_group)
-    run_dir = Path(shared[0])
-    try:  # the run's directory goes, also when a case or the judging raises
-        cases = with_outputs(cases, run_dir, suite)
-        t_run = time.monotonic()
-        for case in cases:
-            t_case = time.monotonic()
-            if case.skip:  # e.g. needs more ranks than this world: every rank skips it alike
-                if rank == 0:
-                    run.results.append(CaseResult(case, [], CaseStatus.SKIPPED, case.skip, fresh_ranks=False))
-                    print(f"[{len(run.results)}/{len(cases)}] {case.id} skipped: {case.skip}", file=sys.stderr,
-                          flush=True)
-                continue
-            workdir = run_dir / "work" / Path(case.out_dir).name  # the case's own scratch, as a pool rank's
-            workdir.mkdir(parents=True, exist_ok=True)  # on every node
-            ctx = RankContext(rank, world, local_rank, backend, workdir)
-            rank_result = run_rank(case, ctx, own_process_group=False)
-            release_memory()
-            gathered: list[Any] | None = [None] * world if rank == 0 else None
-            dist.gather_object(rank_result, gathered, dst=0, group=results_group)
-            if gathered is not None:  # rank 0
-                failed = [r for r in gathered if not r.ok]
-                error = (f"case {case.id}: rank {failed[0].rank} failed in phase '{failed[0].phase}'\n"
-                         f"{failed[0].error}") if failed else ""
-                run.results.append(CaseResult(case, gathered, CaseStatus.ERROR if failed else CaseStatus.OK, error,
-                                              time.monotonic() - t_case))
-                print(f"[{len(run.results)}/{len(cases)}] {case.id} {run.results[-1].status}", file=sys.stderr,
-                      flush=True)
-            # every rank stops alike when rank 0 finds the first cases all errored alike (harness/broken_env.py)
-            stop = [broken_environment(run.results) if rank == 0 and case is not cases[-1] else ""]
-            dist.broadcast_object_list(stop, src=0, group=results_group)
-            if stop[0]:
-                run.stopped = stop[0]
-                if rank == 0:
-                    print(f"stopping after {len(run.results)} of {len(cases)} cases: {run.stopped}", file=sys.stderr,
-                          flush=True)
-                break
-        code = 0
-        if rank == 0:
-            run.judge()
-            for note in artifacts.finish(run.checks, str(run_captures(run_dir))):  # a failed check's flamegraph stays
-                print(note, file=sys.stderr)
-            run.wall_s = time.monotonic() - t_run
-            print(format_run(run))
-            if args.out:
-                print(f"results: {write_results(run, Path(args.out))}")
-            code = run.exit_code
-        dist.barrier(group=results_group)
-    finally:
-        if local_rank == 0:
-            shutil.rmtree(run_dir, ignore_errors=True)
+    runner = TorchrunRanks(base, dist.new_group(backend="gloo"))  # results travel as objects, on the CPU
+    out = Path(args.out) if args.out and rank == 0 else None
+    run = execute(planned, runner=runner, out_dir=out)
+    code = 0
+    if rank == 0:
+        print(format_run(run))
+        if out is not None:
+            print(f"results: {out / 'results.json'}")
+        code = run.exit_code
     shutdown_distributed(base)
     return code
+
+
+class TorchrunRanks:
+    """The executor's cases under torchrun (harness.driver.CaseRunner): every process runs each case in-process
+    on the world's process group; rank 0 gathers the ranks' results over a gloo group and judges."""
+
+    def __init__(self, base: RankContext, group: Any):
+        self.base, self.group = base, group
+        self.judges = base.rank == 0
+        self.run_dir = Path()
+
+    def start(self) -> Path:
+        """One directory for the run (the driver's new_run_dir: $HARNESS_ARTIFACTS, which several nodes must
+        share, since a case's checkpoint is written by the ranks of every node), named by rank 0."""
+        import torch.distributed as dist
+
+        from harness.driver import new_run_dir
+
+        shared = [str(new_run_dir()) if self.judges else ""]
+        dist.broadcast_object_list(shared, src=0, group=self.group)
+        self.run_dir = Path(shared[0])
+        return self.run_dir
+
+    def run(self, case: Case) -> CaseResult | None:
+        import torch.distributed as dist
+
+        from harness.outcomes import CaseStatus
+        from harness.platform.parallel import release_memory
+
+        t_case = time.monotonic()
+        b = self.base
+        workdir = self.run_dir / "work" / Path(case.out_dir).name  # the case's own scratch, as a pool rank's
+        workdir.mkdir(parents=True, exist_ok=True)  # on every node
+        rank_result = run_rank(case, RankContext(b.rank, b.world_size, b.local_rank, b.backend, workdir),
+                               own_process_group=False)
+        release_memory()
+        gathered: list[Any] | None = [None] * b.world_size if self.judges else None
+        dist.gather_object(rank_result, gathered, dst=0, group=self.group)
+        if gathered is None:
+            return None
+        failed = [r for r in gathered if not r.ok]
+        error = (f"case {case.id}: rank {failed[0].rank} failed in phase '{failed[0].phase}'\n"
+                 f"{failed[0].error}") if failed else ""
+        return CaseResult(case, gathered, CaseStatus.ERROR if failed else CaseStatus.OK, error,
+                          time.monotonic() - t_case)
+
+    def agree(self, stop: str) -> str:
+        """Every rank stops alike when rank 0 finds the first cases all errored alike (harness/broken_env.py)."""
+        import torch.distributed as dist
+
+        box = [stop]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def abort(self) -> None:
+        """Nothing to kill: the ranks are torchrun's processes, which it ends."""
+
+    def finish(self, run_dir: Path) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+        if self.base.local_rank == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -128,11 +128,11 @@ def test_a_run_without_options_trains_in_the_suites_dtype_for_the_backend(monkey
     ranks in bf16, their baseline key and record command naming it only where it is not the default."""
     import dataclasses
 
-    from harness import driver
+    from harness import driver, planning
     from harness.suite_defs.step_perf import figures
 
-    monkeypatch.setattr(driver, "resolve_backend", lambda backend, world_size: backend)
-    monkeypatch.setattr(driver, "refuse_what_does_not_fit", lambda cases, backend, world_size: None)
+    monkeypatch.setattr(planning, "resolve_backend", lambda backend, world_size: backend)
+    monkeypatch.setattr(planning, "refuse_what_does_not_fit", lambda cases, backend, world_size: None)
     monkeypatch.setattr("harness.platform.detect_platform",
                         lambda backend: type("P", (), {"key": "nccl-test" if backend == "nccl" else "cpu-gloo"}))
     cases = driver.plan("step-perf", "tiny", 1, backend="nccl").cases
@@ -178,10 +178,10 @@ def test_plan_starts_nothing_and_run_plans_once(monkeypatch):
 
 def test_nccl_over_several_nodes_needs_a_gpu_per_rank_of_the_node_not_of_the_world(monkeypatch):
     """torchrun --nnodes 2 --nproc-per-node 4: 8 ranks, 4 GPUs on each node; plan checks the node's ranks."""
-    from harness import driver
+    from harness import driver, planning
 
     monkeypatch.setattr("harness.platform.backend.cuda_device_count", lambda: 4)
-    monkeypatch.setattr(driver, "refuse_what_does_not_fit", lambda cases, backend, world_size: None)
+    monkeypatch.setattr(planning, "refuse_what_does_not_fit", lambda cases, backend, world_size: None)
     cases = driver.plan("equivalence", "tiny", 8, backend="nccl", local_world_size=4).cases
     assert cases and {c.backend for c in cases} == {"nccl"}
     with pytest.raises(BadInput, match="world size 8 but 4 GPU"):  # the whole world on one node's GPUs
