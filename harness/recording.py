@@ -5,22 +5,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.backends import Backend
 from harness.baselines import ABS_FLOOR, REL_TOLERANCE, baseline_path, build_entries, noisy_metrics, write
 from harness.errors import BadInput
+from harness.selection import DEFAULT_WORLD_SIZE
+
+if TYPE_CHECKING:
+    from harness.driver import Plan
+    from harness.selection import CaseSelection
 
 
-def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[str] | None = None, *,
-                 repeats: int = 3, baselines_dir: str | None = None, **kwargs) -> tuple[Path, str]:
-    """Run the suite `repeats` times, store median / spread / tolerance per metric; (path, diff)."""
+def record_suite(selection: Plan | CaseSelection | str, model: str | None = None, world_size: int = DEFAULT_WORLD_SIZE,
+                 layout_ids: list[str] | None = None, *, repeats: int = 3, baselines_dir: str | None = None,
+                 fresh_ranks: bool = False, **plan_kwargs) -> tuple[Path, str]:
+    """Run the suite `repeats` times, store median / spread / tolerance per metric; (path, diff). selection: a Plan
+    made by the command (its baselines_dir is the plan's), else what plan() takes, planned here once."""
     import sys
 
-    from harness.driver import run_suite  # looked up per call: tests plant a fake driver
+    from harness import driver  # looked up per call: tests plant a fake executor
     from harness.platform import detect_platform
     from harness.platform.backend import machine_fingerprint
     from harness.report.provenance import now, versions
-    from harness.suite_defs import Baselined, RawSamples, RecordingPolicy, SizesRecording
+    from harness.suite_defs import Baselined, RawSamples, RecordingPolicy, SizesRecording, baselines_dir_of
 
     if repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {repeats}")
@@ -29,10 +37,14 @@ def record_suite(suite_name: str, model: str, world_size: int, layout_ids: list[
     suite: Baselined | None = None
     backend: Backend = Backend.GLOO
     params = None
+    if isinstance(selection, driver.Plan):
+        planned = selection
+        baselines_dir = baselines_dir_of(planned.params)
+    else:
+        planned = driver.plan(selection, model, world_size, layout_ids, baselines_dir=baselines_dir, **plan_kwargs)
     for i in range(repeats):
         print(f"repeat {i + 1}/{repeats}", file=sys.stderr, flush=True)
-        run = run_suite(suite_name, model, world_size, layout_ids, baselines_dir=baselines_dir,
-                        **kwargs).stop_if_interrupted()
+        run = driver.execute(planned, fresh_ranks=fresh_ranks).stop_if_interrupted()
         if not isinstance(run.suite, Baselined):
             raise BadInput(f"suite {run.suite.name!r} has no baselines")
         suite, backend, params = run.suite, run.backend, run.params

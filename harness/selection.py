@@ -154,15 +154,6 @@ class CaseSelection:
     def layout_ids(self) -> list[str] | None:
         return list(self.layouts) or None
 
-    def plan_args(self) -> tuple:
-        """The positional arguments of harness.driver.plan / run_suite: suite, model, world size, layouts."""
-        return self.suite, self.model, self.world_size, self.layout_ids
-
-    def plan_kwargs(self) -> dict:
-        """The keyword arguments of harness.driver.plan / run_suite this selection sets."""
-        return dict(engine=self.engine, backend=self.backend, options=self.options, timeout_s=self.timeout,
-                    suite_params=dict(self.suite_params))
-
 
 def record_command(case: Case, *, layout: bool = True, world_size: int | None = None, params: bool = True,
                    skip: tuple[str, ...] = ()) -> str:

@@ -35,13 +35,13 @@ class FakeSuite:
 def _fake_runs(monkeypatch, values):
     suite = FakeSuite(values)
 
-    def run_suite(*args, **kwargs):
+    def execute(planned, **kwargs):
         suite.calls.append(1)
         run = SimpleNamespace(suite=suite, backend="gloo", params=None,
                               results=[SimpleNamespace(ok=True, skipped=False, case=None)])
         run.stop_if_interrupted = lambda: run  # a run that was not interrupted
         return run
-    monkeypatch.setattr(driver, "run_suite", run_suite)
+    monkeypatch.setattr(driver, "execute", execute)
 
 
 def test_noisy_metric_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
@@ -246,14 +246,14 @@ def test_a_suite_that_sizes_its_recording_says_so_after_the_changes(tmp_path, mo
 
     suite = Sizing([10.0, 10.5, 11.0])
 
-    def run_suite(*args, **kwargs):
+    def execute(planned, **kwargs):
         suite.calls.append(1)
         run = SimpleNamespace(suite=suite, backend="gloo", params="the run's params",
                               results=[SimpleNamespace(ok=True, skipped=False, case=None)])
         run.stop_if_interrupted = lambda: run
         return run
 
-    monkeypatch.setattr(driver, "run_suite", run_suite)
+    monkeypatch.setattr(driver, "execute", execute)
     _, text = recording.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
     assert text.splitlines() == ["+ small/tp1-pp1-cp1-dp4/default rank0.save_heap_peak_mib: 10.5 (tolerance 4.0, "
                                  "spread 1.0)", "small/tp1-pp1-cp1-dp4/default: 20 timed steps detect >= 4.0% slower"]

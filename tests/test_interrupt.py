@@ -122,11 +122,11 @@ def test_loops_over_runs_stop_when_a_run_was_interrupted(monkeypatch, tmp_path):
 
     calls = []
 
-    def interrupted_run(*args, **kwargs):
+    def interrupted_run(planned, **kwargs):
         calls.append(1)
         return SuiteRun(EquivalenceSuite(), "tiny", 2, "gloo", "mcore", interrupted=Interrupted(sig.SIGTERM))
 
-    monkeypatch.setattr("harness.driver.run_suite", interrupted_run)
+    monkeypatch.setattr("harness.driver.execute", interrupted_run)
     with pytest.raises(Interrupted):
         recording.record_suite("ckpt-memory", "small", 4, baselines_dir=str(tmp_path))
     assert calls == [1] and not list(tmp_path.rglob("*"))  # no second repeat, nothing recorded

@@ -35,7 +35,7 @@ SELECTIONS = [
 def _planned(argv: list[str]):
     args = build_parser().parse_args(argv)
     sel = CaseSelection.from_args(args)
-    return plan(*sel.plan_args(), **sel.plan_kwargs())
+    return plan(sel)
 
 
 @pytest.mark.parametrize("suite,model,world,extra", SELECTIONS, ids=[" ".join(map(str, s[:3] + (s[3],)))

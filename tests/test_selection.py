@@ -20,9 +20,9 @@ def test_defaults():
     sel = _parse("--suite", "equivalence")
     assert sel == CaseSelection("equivalence")
     assert sel.to_argv() == ["--suite", "equivalence"]
-    assert sel.plan_args() == ("equivalence", None, 4, None)
-    assert sel.plan_kwargs() == dict(engine="mcore", backend="auto", options=CaseOptions(), timeout_s=None,
-                                     suite_params={})
+    assert (sel.suite, sel.model, sel.world_size, sel.layout_ids) == ("equivalence", None, 4, None)
+    assert (sel.engine, sel.backend, sel.options, sel.timeout, sel.suite_params) == ("mcore", "auto", CaseOptions(),
+                                                                                     None, {})
 
 
 # every flag, one at a time: (argv after --suite ..., the field it sets)
@@ -62,15 +62,13 @@ def test_every_flag_at_once_round_trips_and_plans():
     sel = _parse("--suite", "ckpt-memory", *argv)
     assert set(sel.to_argv()) == {"--suite", "ckpt-memory", *argv}
     assert _parse(*sel.to_argv()) == sel
-    kwargs = sel.plan_kwargs()
-    assert kwargs == dict(engine="pkg.mod:make", backend="gloo", timeout_s=12.5, options=CaseOptions(
-        steps=5, seed=7, dtype="bf16", use_distributed_optimizer=True, overlap_grad_reduce=True), suite_params={
-        "formats": ("dp_reshardable", "fully_reshardable"), "fully_parallel_save": True, "async_save": True,
-        "timed_steps": 6, "min_effect": 0.1})
-    assert "ckpt_formats" not in kwargs
-    assert sel.plan_args() == ("ckpt-memory", "small", 2, ["tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1"])
-    kwargs["suite_params"]["formats"] = ()
-    assert sel.suite_params["formats"]  # plan_kwargs hands out a copy
+    assert (sel.engine, sel.backend, sel.timeout) == ("pkg.mod:make", "gloo", 12.5)
+    assert sel.options == CaseOptions(steps=5, seed=7, dtype="bf16", use_distributed_optimizer=True,
+                                      overlap_grad_reduce=True)
+    assert sel.suite_params == {"formats": ("dp_reshardable", "fully_reshardable"), "fully_parallel_save": True,
+                                "async_save": True, "timed_steps": 6, "min_effect": 0.1}
+    assert (sel.suite, sel.model, sel.world_size) == ("ckpt-memory", "small", 2)
+    assert sel.layout_ids == ["tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1"]
 
 
 def test_skip_leaves_flags_out():

@@ -111,6 +111,8 @@ def test_a_suite_parameter_is_declared_once_on_its_type(toy_registered, monkeypa
     """ToyParams.offset declares its flag in its field's metadata; with the type listed on the toy suite's registry
     line, the CLI has the option, the selection carries the value, to_argv and a case's variant give the flag
     again, and another suite refuses it naming the flag."""
+    import dataclasses
+
     from harness import cli
     from harness.selection import CaseSelection, variant_argv
     from harness.driver import plan
@@ -119,7 +121,7 @@ def test_a_suite_parameter_is_declared_once_on_its_type(toy_registered, monkeypa
     sel = CaseSelection.from_args(cli.build_parser().parse_args(argv))
     assert sel.suite_params == {"offset": 0.5}
     assert sel.to_argv() == argv[1:]
-    planned = plan(*sel.plan_args(), backend="gloo", suite_params=sel.suite_params)
+    planned = plan(dataclasses.replace(sel, backend="gloo"))
     assert [c.params.offset for c in planned.cases] == [0.5, 0.5]
     assert variant_argv(planned.cases[1].variant) == ["--toy-offset", "0.5"]
     with pytest.raises(BadInput, match="^--toy-offset does not apply to the equivalence suite$"):

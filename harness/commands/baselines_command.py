@@ -54,8 +54,7 @@ def main(args) -> int:
         print(format_run(run))
         return run.exit_code
     try:
-        path, changes = record_suite(*sel.plan_args(), repeats=args.repeats, baselines_dir=args.baselines_dir,
-                                     **sel.plan_kwargs())
+        path, changes = record_suite(planned, repeats=args.repeats)  # the plan made above, run `repeats` times
     except RuntimeError as exc:
         print(f"harness: error: {exc}", file=sys.stderr)
         return 1
