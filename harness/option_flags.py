@@ -9,8 +9,8 @@ names all come from these declarations, so an option is added, renamed or docume
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,10 +47,10 @@ class ParamFlag:
         """argparse's destination of the flag."""
         return self.flag.lstrip("-").replace("-", "_")
 
-    def add_to(self, parser: Any) -> None:
-        """The option on an argparse parser or a pytest option group (their add_argument / addoption take the
-        same keywords); its default is None (False for a switch): not given, so the field's default holds."""
-        add = parser.add_argument if isinstance(parser, argparse._ActionsContainer) else parser.addoption
+    def add_to(self, add: Callable[..., Any]) -> None:
+        """The option through `add`: an argparse parser's add_argument or a pytest option group's addoption (they
+        take the same keywords); its default is None (False for a switch): not given, so the field's default
+        holds."""
         keywords: dict[str, Any] = {"help": self.help.replace("%", "%%")}
         if self.kind == "bool":
             keywords["action"] = "store_true"

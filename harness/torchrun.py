@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baselines-dir", default=None,
                    help="baseline files (<platform>/<suite>.json; default: baselines/)")
     declared = {pf.field: pf for pf in [*option_flags(), *param_flags()]}  # as CaseOptions and StepPerfParams say
-    declared["steps"].add_to(p)
-    declared["timed_steps"].add_to(p)
+    declared["steps"].add_to(p.add_argument)
+    declared["timed_steps"].add_to(p.add_argument)
     p.add_argument("--timeout", type=float, default=None, help="process-group timeout per case (s)")
     p.add_argument("--verbose", action="store_true", help="log every rank's phases to stderr")
     args = p.parse_args(argv)

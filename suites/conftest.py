@@ -19,7 +19,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--update-baselines", action="store_true", help="record baselines instead of comparing")
     g.addoption("--fresh-ranks", action="store_true", help="new rank processes per case (no warm pool)")
     [min_effect] = [pf for pf in param_flags() if pf.field == "min_effect"]  # declared once, on StepPerfParams
-    min_effect.add_to(g)
+    min_effect.add_to(g.addoption)
 
 
 def pytest_configure(config: pytest.Config) -> None:

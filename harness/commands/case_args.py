@@ -25,7 +25,7 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
         p.add_argument("--engine", **SHARED_FLAGS["--engine"])
     p.add_argument("--backend", **SHARED_FLAGS["--backend"])
     for pf in option_flags():  # the core training options, as CaseOptions' fields declare them
-        pf.add_to(p)
+        pf.add_to(p.add_argument)
     p.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
     for pf in param_flags():  # the suites' own parameters, as their types declare them
-        pf.add_to(p)
+        pf.add_to(p.add_argument)
