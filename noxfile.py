@@ -1,4 +1,10 @@
-"""Sessions: tests, lint, cpu-suite (CPU ranks, gloo), gpu-suite (NCCL, one rank per GPU), nightly, baselines, bisect."""
+"""Sessions: tests, unit, lint, cpu-suite (CPU ranks, gloo), gpu-suite (NCCL, one rank per GPU), nightly, baselines,
+bisect, flakes.
+
+Two tested stacks (harness/stack.py): the current one (Python 3.12, megatron-core 0.19.2, megatron-bridge 0.6.2) runs
+by default; every CPU session has a twin on the previous stack (Python 3.11, megatron-core 0.16.1, megatron-bridge
+0.3.1) named `<session>-previous`. Each stack has one virtualenv (.nox/stack-<name>) that its sessions share, set
+up again only when what it installs changes."""
 
 from __future__ import annotations
 
@@ -10,14 +16,19 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import nox
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness.stack import CURRENT, PREVIOUS, TestedStack  # noqa: E402 - the tested pairs, declared once
+
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True  # a stack without its Python fails, never skips green
 
-CPU_CONSTRAINTS = "constraints-cpu.txt"  # the CPU build of torch; an unpinned torch pulls GBs of CUDA wheels
-HERE = os.path.dirname(os.path.abspath(__file__))
+CPU_CONSTRAINTS = "constraints-cpu.txt"  # torch==2.13.0: on Python 3.11 the CPU build on this disk
 
 
 def _node_python() -> str:
@@ -44,53 +55,120 @@ def _gpus() -> int:
     return len([d for d in glob.glob("/dev/nvidia*") if re.fullmatch(r"/dev/nvidia\d+", d)])
 
 
-def _install_cpu(session: nox.Session, extras: str = "test,mbridge,bridge") -> None:
-    session.install("-c", CPU_CONSTRAINTS, "torch==2.13.0")
-    session.install("-c", CPU_CONSTRAINTS, "-e", f".[{extras}]")
-    # megatron-bridge's wheel pins CUDA-only packages; the harness imports it behind a scoped stub.
-    session.install("--no-deps", "megatron-bridge==0.3.1")
+# -- the stacks' virtualenvs ---------------------------------------------------------------------------------
+def _python_version(python: str) -> str | None:
+    """'3.12' for an interpreter that runs; None for one that does not (pyenv's shim of a version not selected)."""
+    try:
+        proc = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def find_python(version: str) -> str | None:
+    """A runnable interpreter of `version` (major.minor): $HARNESS_PYTHON_<3_12>, python<3.12> on PATH, pyenv's
+    installed versions (its shim on PATH refuses a version not selected), the system's."""
+    named = os.environ.get(f"HARNESS_PYTHON_{version.replace('.', '_')}")
+    if named:
+        return named if _python_version(named) == version else None
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    candidates = [shutil.which(f"python{version}"),
+                  *sorted(glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", f"python{version}")),
+                          reverse=True),
+                  f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
+    return next((c for c in candidates if c and os.path.exists(c) and _python_version(c) == version), None)
+
+
+def _no_python(stack: TestedStack) -> str:
+    var = f"HARNESS_PYTHON_{stack.python.replace('.', '_')}"
+    return (f"no runnable Python {stack.python} here, which the {stack.name} stack (megatron-core "
+            f"{stack.megatron_core}) needs: install one (pyenv: `pyenv install {stack.python}`; where pyenv has it, "
+            f"its python{stack.python} shim runs once selected, e.g. `pyenv global 3.11.7 3.12.1`), or name it with "
+            f"{var}=/path/to/python{stack.python}")
+
+
+def _requirements(*extras: str) -> list[str]:
+    """The harness's dependencies and those of the given extras, from pyproject.toml."""
+    with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    return [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
+
+
+def _pins(stack: TestedStack) -> list[str]:
+    return [f"torch=={stack.torch}", f"megatron-core=={stack.megatron_core}", f"mbridge=={stack.mbridge}"]
+
+
+def stack_env(session: nox.Session, stack: TestedStack, linters: bool = False) -> str:
+    """The bin directory of the stack's shared virtualenv (.nox/stack-<name>), made or brought up to date: torch,
+    the harness (editable) with its test and bridge extras at the stack's releases, megatron-bridge --no-deps (its
+    wheel pins CUDA-only packages; the harness imports it behind a scoped stub: harness/engines/megatron_bridge.py)."""
+    python = find_python(stack.python)
+    if python is None:
+        session.error(_no_python(stack))
+    venv = Path(HERE, ".nox", f"stack-{stack.name}")
+    want = {"python": _python_version(python), "pins": _pins(stack), "bridge": stack.megatron_bridge,
+            "requirements": _requirements("test", "mbridge", "bridge"),
+            "constraints": Path(HERE, CPU_CONSTRAINTS).read_text(), "linters": list(LINTERS) if linters else []}
+    stamp = venv / ".harness-stack.json"
+    have = json.loads(stamp.read_text()) if stamp.exists() else {}
+    if all(have.get(k) == v for k, v in want.items() if v):  # linters installed once stay installed
+        return str(venv / "bin")
+    if have.get("python") != want["python"] or not (venv / "bin" / "python").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run_install(python, "-m", "venv", str(venv), external=True, silent=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    session.run_install(*pip, "-c", CPU_CONSTRAINTS, f"torch=={stack.torch}", external=True)
+    session.run_install(*pip, "-c", CPU_CONSTRAINTS, "-e", ".[test,mbridge,bridge]", *_pins(stack)[1:], external=True)
+    session.run_install(*pip, "--no-deps", f"megatron-bridge=={stack.megatron_bridge}", external=True)
+    if linters:
+        session.run_install(*pip, *LINTERS, external=True)
+    have_linters = have.get("linters") or []
+    stamp.write_text(json.dumps({**want, "linters": want["linters"] or have_linters}, indent=1))
+    return str(venv / "bin")
+
+
+def run_in(session: nox.Session, bindir: str, *args: str, **kwargs) -> None:
+    """A command of the stack's virtualenv (its bin first on PATH, as an activated environment)."""
+    env = {"PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "VIRTUAL_ENV": os.path.dirname(bindir),
+           **kwargs.pop("env", {})}
+    session.run(os.path.join(bindir, args[0]), *args[1:], external=True, env=env, **kwargs)
 
 
 LINTERS = ("ruff==0.17.6", "mypy==2.4.1", "types-tabulate", "types-psutil")
-
-
-@nox.session
-def lint(session: nox.Session) -> None:
-    """ruff and mypy on harness/ (configured in pyproject.toml), against the packages the tests run with."""
-    _install_cpu(session)
-    session.install(*LINTERS)
-    session.run("ruff", "check", "harness")
-    session.run("mypy")
-
-
 TEST_WORKERS = "2"  # pytest-xdist workers: the ranks of one test leave a 2-core machine idle ~40% of the time
+STACKS = {"": CURRENT, "-previous": PREVIOUS}
 
 
-@nox.session
-def tests(session: nox.Session) -> None:
-    """The harness's own tests on CPU (unit tests + fault injection on real gloo ranks), on two pytest-xdist
-    workers (a module stays on one); `-- -n 0` runs them in one process."""
-    _install_cpu(session)
-    session.run("pytest", "tests", "-n", TEST_WORKERS, "--dist", "loadscope", *session.posargs)
+@nox.session(venv_backend="none")
+def lint(session: nox.Session) -> None:
+    """ruff and mypy on harness/ (configured in pyproject.toml), against the current stack's packages."""
+    bindir = stack_env(session, CURRENT, linters=True)
+    run_in(session, bindir, "ruff", "check", "harness")
+    run_in(session, bindir, "mypy")
 
 
-@nox.session
-def unit(session: nox.Session) -> None:
-    """The unit tier of the harness's own tests: no rank process (pytest -m "not slow"); under a minute of pytest
-    on 2 cores. `nox -s tests` runs it with the rank tests."""
-    _install_cpu(session)
-    session.run("pytest", "tests", "-m", "not slow", "-n", TEST_WORKERS, *session.posargs)
+def _tests(session: nox.Session, stack: TestedStack) -> None:
+    bindir = stack_env(session, stack)
+    run_in(session, bindir, "pytest", "tests", "-n", TEST_WORKERS, "--dist", "loadscope", *session.posargs)
+
+
+def _unit(session: nox.Session, stack: TestedStack) -> None:
+    bindir = stack_env(session, stack)
+    run_in(session, bindir, "pytest", "tests", "-m", "not slow", "-n", TEST_WORKERS, *session.posargs)
+
+
+def _cpu_suite(session: nox.Session, stack: TestedStack) -> None:
+    bindir = stack_env(session, stack)
+    run_in(session, bindir, "pytest", "suites", "-m", "cpu and not nightly", "--backend", "gloo",
+           "--world-size", os.environ.get("HARNESS_WORLD_SIZE", "4"), *session.posargs)
 
 
 FLAKE_TESTS = ("tests/test_rendezvous.py", "tests/test_zygote.py", "tests/test_pool.py", "tests/test_runner.py")
 
 
-@nox.session
-def flakes(session: nox.Session) -> None:
-    """Hunt a flaky test: pytest ROUNDS times in a row beside a CPU-bound process on one core (as a shared CI
-    runner is), counting the rounds that failed; each round's log is in .flakes/. `-- ROUNDS [pytest args]`
-    (default: 5 rounds of the rank-start tests: rendezvous, fork server, pool, runner, on two workers)."""
-    _install_cpu(session)
+def _flakes(session: nox.Session, stack: TestedStack) -> None:
+    bindir = stack_env(session, stack)
     rounds = int(session.posargs[0]) if session.posargs and session.posargs[0].isdigit() else 5
     args = session.posargs[1:] if session.posargs and session.posargs[0].isdigit() else session.posargs
     args = args or [*FLAKE_TESTS, "-n", TEST_WORKERS, "--dist", "loadscope"]
@@ -101,7 +179,7 @@ def flakes(session: nox.Session) -> None:
         for r in range(1, rounds + 1):
             log = os.path.join(".flakes", f"round{r}.log")
             with open(log, "w") as f:
-                code = subprocess.run([os.path.join(session.bin, "pytest"), "-q", *args], stdout=f,
+                code = subprocess.run([os.path.join(bindir, "pytest"), "-q", *args], stdout=f,
                                       stderr=subprocess.STDOUT).returncode
             session.log(f"round {r}/{rounds}: {'pass' if code == 0 else f'FAILED (exit {code}, {log})'}")
             if code != 0:
@@ -113,13 +191,48 @@ def flakes(session: nox.Session) -> None:
     session.log(f"{rounds} of {rounds} rounds passed beside a one-core load")
 
 
-@nox.session(name="cpu-suite")
-def cpu_suite(session: nox.Session) -> None:
-    """The regression suites on CPU ranks (gloo), world size 4 by default."""
-    _install_cpu(session)
-    session.run("pytest", "suites", "-m", "cpu and not nightly", "--backend", "gloo",
-                "--world-size", os.environ.get("HARNESS_WORLD_SIZE", "4"), *session.posargs)
+def _baselines(session: nox.Session, stack: TestedStack) -> None:
+    bindir = stack_env(session, stack)
+    args = session.posargs or ["--suite", "ckpt-memory", "--model", "small", "--world-size", "4"]
+    run_in(session, bindir, "harness", "baselines", "record", *args)
 
+
+def _bisect(session: nox.Session, stack: TestedStack) -> None:
+    if not session.posargs:
+        session.error("give the bisect after --, e.g. nox -s bisect -- --megatron-core 0.16.1..0.19.2 "
+                      "--suite rl-cycle --layout tp1-pp1-cp1-dp4-ep2 --metric fail")
+    bindir = stack_env(session, stack)
+    run_in(session, bindir, "harness", "bisect", *session.posargs)
+
+
+# Each session once per stack: `tests` on the current stack, `tests-previous` on the previous one.
+SESSIONS = {
+    "tests": (_tests, "The harness's own tests on CPU (unit tests + fault injection on real gloo ranks), on two "
+                      "pytest-xdist workers (a module stays on one); `-- -n 0` runs them in one process."),
+    "unit": (_unit, "The unit tier of the harness's own tests: no rank process (pytest -m \"not slow\")."),
+    "cpu-suite": (_cpu_suite, "The regression suites on CPU ranks (gloo), world size 4 by default."),
+    "flakes": (_flakes, "Hunt a flaky test: pytest ROUNDS times in a row beside a CPU-bound process on one core, "
+                        "counting the rounds that failed; each round's log is in .flakes/. `-- ROUNDS [pytest args]` "
+                        "(default: 5 rounds of the rank-start tests: rendezvous, fork server, pool, runner)."),
+    "baselines": (_baselines, "Record baselines (3 repeats; atomic write; prints the diff; refuses noisy metrics). "
+                              "Arguments after -- replace the default (-- --suite ckpt-memory --model small)."),
+    "bisect": (_bisect, "`harness bisect` with the arguments after -- (megatron-core releases layered over the "
+                        "stack's environment, or commits of a checkout)."),
+}
+
+
+def _register(name: str, body, doc: str, suffix: str, stack: TestedStack) -> None:
+    def session_fn(session: nox.Session) -> None:
+        body(session, stack)
+
+    session_fn.__doc__ = (f"{doc} [{stack.name} stack: Python {stack.python}, megatron-core {stack.megatron_core}, "
+                          f"megatron-bridge {stack.megatron_bridge}]")
+    nox.session(session_fn, name=name + suffix, venv_backend="none", default=name == "tests" and not suffix)
+
+
+for _name, (_body, _doc) in SESSIONS.items():
+    for _suffix, _stack in STACKS.items():
+        _register(_name, _body, _doc, _suffix, _stack)
 
 
 @nox.session(name="gpu-suite", python=NODE_PYTHON)
@@ -133,17 +246,20 @@ def gpu_suite(session: nox.Session) -> None:
                 "--world-size", world or str(max(1, _gpus())), *extra, env={"PYTHONPATH": HERE})
 
 
-@nox.session(python=NODE_PYTHON if _gpus() else None)
+@nox.session(python=NODE_PYTHON if _gpus() else None, venv_backend=None if _gpus() else "none")
 def nightly(session: nox.Session) -> None:
-    """Every suite x models x construction paths on this node (GPUs if any, on the environment nox runs from;
-    else 4 CPU ranks), then the report (Markdown, JUnit, PNGs) in nightly-out/. Arguments after -- go to
-    `harness nightly`."""
+    """Every suite x models x construction paths on this node, then the report (Markdown, JUnit, PNGs) in
+    nightly-out/: on GPUs on the environment nox runs from; else on 4 CPU ranks on both tested stacks, each into
+    nightly-out/<stack>/. Arguments after -- go to `harness nightly`."""
+    given = any(a.startswith("--out") for a in session.posargs)
+    args = session.posargs if given else ["--out", "nightly-out", *session.posargs]
     if _gpus():
         _use_node_environment(session)
-    else:
-        _install_cpu(session)
-    args = session.posargs if any(a.startswith("--out") for a in session.posargs) else ["--out", "nightly-out", *session.posargs]
-    session.run("python", "-m", "harness.cli", "nightly", *args, env={"PYTHONPATH": HERE})
+        session.run("python", "-m", "harness.cli", "nightly", *args, env={"PYTHONPATH": HERE})
+        return
+    previous = stack_env(session, PREVIOUS)
+    run_in(session, stack_env(session, CURRENT), "harness", "nightly", *args, "--other-stack",
+           os.path.join(previous, "python"))
 
 
 # What the node environment's python puts on sys.path beyond the standard library: its site-packages,
@@ -195,29 +311,3 @@ def _use_node_environment(session: nox.Session) -> None:
         session.install("--no-index", "--find-links", wheels, *requirements)
     else:
         session.install(*requirements)
-
-
-def _requirements(*extras: str) -> list[str]:
-    """The harness's dependencies and those of the given extras, from pyproject.toml."""
-    with open(os.path.join(HERE, "pyproject.toml"), "rb") as f:
-        project = tomllib.load(f)["project"]
-    return [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
-
-
-@nox.session
-def baselines(session: nox.Session) -> None:
-    """Record baselines (3 repeats; atomic write; prints the diff; refuses noisy metrics).
-    Arguments after -- replace the default (e.g. -- --suite ckpt-memory --layout tp1-pp1-cp1-dp4)."""
-    _install_cpu(session)
-    args = session.posargs or ["--suite", "ckpt-memory", "--model", "small", "--world-size", "4"]
-    session.run("harness", "baselines", "record", *args)
-
-
-@nox.session
-def bisect(session: nox.Session) -> None:
-    """`harness bisect` with the arguments after -- (versions in cached virtualenvs, or commits of a checkout)."""
-    if not session.posargs:
-        session.error("give the bisect after --, e.g. nox -s bisect -- --megatron-core 0.15.0..0.16.1 --find-fix "
-                      "--suite ckpt-memory --layout tp1-pp1-cp1-dp4 --ckpt-format dp_reshardable --metric fail --error-is-bad")
-    _install_cpu(session)
-    session.run("harness", "bisect", *session.posargs)

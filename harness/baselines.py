@@ -1,4 +1,7 @@
-"""Stored baselines: baselines/<platform>/<suite>.json, compared with a per-metric tolerance.
+"""Stored baselines: baselines/<platform>/<stack>/<suite>.json for figures recorded per stack (memory peaks, step
+times: harness.stack.key names the stack), baselines/<platform>/<suite>.json for figures that must hold across
+stacks (numerics: SuiteSpec.stack_bound), compared with a per-metric tolerance. A case whose entry the running
+stack's file lacks is judged against another stack's entry, naming what differs between the stacks.
 
 File layout: {"schema" (harness/schema.py), "suite", "platform", "entries": {case_key: {metric: {"value",
 "tolerance", "spread", "repeats", "values"}}, "provenance": {case_key: {...versions, date, commit}}}}. Recording writes
@@ -22,8 +25,95 @@ from harness.files import atomic_write, locked_dir
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "baselines"
 
 
-def baseline_path(baselines_dir: Path | str | None, platform: str, suite: str) -> Path:
-    return Path(baselines_dir or DEFAULT_DIR) / platform / f"{suite}.json"
+def baseline_path(baselines_dir: Path | str | None, platform: str, suite: str, stack_key: str | None = None) -> Path:
+    """The file a suite records into on a platform: under the stack's directory where its figures are recorded per
+    stack (stack_key, harness.stack.key()), else the platform's."""
+    base = Path(baselines_dir or DEFAULT_DIR) / platform
+    return (base / stack_key if stack_key else base) / f"{suite}.json"
+
+
+def suite_path(baselines_dir: Path | str | None, platform: str, suite: str) -> Path:
+    """The file this stack records the suite's figures into (its stack's for a stack-bound suite)."""
+    from harness import stack
+    from harness.suite_registry import spec_of
+
+    return baseline_path(baselines_dir, platform, suite, stack.key() if spec_of(suite).stack_bound else None)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a case's baseline entry is read from: a file and its data; `across` lists what differs between the
+    stack that recorded the entry and this one (empty: recorded here, or a figure that holds across stacks)."""
+
+    path: Path
+    data: dict[str, Any]
+    across: tuple[str, ...] = ()
+
+
+class Book:
+    """A suite's baseline files on a platform, each read once: this stack's (or the one shared across stacks) and,
+    for a stack-bound suite, the other stacks' - a case this stack has not recorded is judged against the newest
+    other recording of it. Corrupt files are refused when the book is opened (before any rank starts)."""
+
+    def __init__(self, baselines_dir: Path | str | None, platform: str, suite: str):
+        from harness.suite_registry import spec_of
+
+        self.suite, self.path = suite, suite_path(baselines_dir, platform, suite)
+        self.data = load(self.path)
+        self.others: list[tuple[Path, dict[str, Any]]] = []
+        self.stack_bound = spec_of(suite).stack_bound
+        if self.stack_bound:
+            base = Path(baselines_dir or DEFAULT_DIR) / platform
+            found = [p for p in base.glob(f"*/{suite}.json") if p != self.path]
+            self.others = sorted(((p, load(p)) for p in found), key=lambda pd: _newest(pd[1]), reverse=True)
+
+    def source(self, key: str) -> Source:
+        from harness import stack
+
+        if key in self.data.get("entries", {}):
+            if self.stack_bound:  # this stack's own recording
+                return Source(self.path, self.data)
+            # a file shared across stacks: what differs between the stack that recorded the entry and this one
+            return Source(self.path, self.data, tuple(stack.differences(self.data.get("provenance", {}).get(key, {}))))
+        for path, data in self.others:
+            if key in data.get("entries", {}):
+                return Source(path, data, tuple(stack.differences(data.get("provenance", {}).get(key, {}))))
+        return Source(self.path, self.data)
+
+
+def _newest(data: dict[str, Any]) -> str:
+    return max((p.get("date", "") for p in data.get("provenance", {}).values()), default="")
+
+
+def across_note(src: Source, case: Any, moved: bool) -> str:
+    """What a verdict against an entry recorded on another stack adds to its message: the components that differ;
+    where a figure moved, the bisect over the megatron-core (or bridge) releases between and, for a stack-bound suite,
+    the command that records this stack's own entry."""
+    if not src.across:
+        return ""
+    from harness.selection import bisect_command, record_command
+    from harness.suite_registry import spec_of
+
+    if not moved:
+        return f"; against the baseline of another stack ({', '.join(src.across)})"
+    said = f"; judged against another stack's baseline ({src.path.parent.name}): moved with {', '.join(src.across)}"
+    bisect = [bisect_command(case, dist, a, b) for dist, a, b in _bisectable(src.across)]
+    if bisect:
+        said += f"; find the release with `{bisect[0]}`"
+    if spec_of(case.suite).stack_bound:
+        said += f"; record this stack's with `{record_command(case)}`"
+    return said
+
+
+def _bisectable(across: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(distribution, before, after) of the differences a bisect can walk (releases of a package, not Python)."""
+    out = []
+    for item in across:
+        name, _, change = item.partition(" ")
+        before, _, after = change.partition(" -> ")
+        if name in ("megatron-core", "megatron-bridge", "mbridge") and before != "none" and after != "none":
+            out.append((name, before, after))
+    return out
 
 
 def load(path: Path) -> dict[str, Any]:

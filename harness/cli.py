@@ -46,6 +46,11 @@ def _raise_interrupted(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from harness.stack import untested_warning
+
+    warning = untested_warning()  # a megatron-core outside the tested range runs, saying so once
+    if warning:
+        print(f"harness: {warning}", file=sys.stderr)
     # `--engine package.module:factory` resolves against the working directory, as `python -m` would.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

@@ -15,6 +15,12 @@ class DoesNotApply(BadInput):
     applicable, not as a failure."""
 
 
+class NotOnThisStack(DoesNotApply):
+    """A construction path the installed releases cannot run together (an upstream defect: mbridge 0.15.1 on
+    megatron-core >= 0.18). Named explicitly it is refused before any rank starts (exit 2); in a default matrix or
+    a nightly its runs are skipped with the reason, naming the regression that goes unjudged on that path."""
+
+
 class DoesNotFit(BadInput):
     """The training-memory model predicts a case will not fit the memory it would run in; the message names the
     predicted and available GiB and the nearest setting that fits. Refused before any rank starts."""

@@ -11,7 +11,7 @@ from pathlib import Path
 from harness import schema
 from harness.backends import Backend
 from harness.errors import BadInput, DoesNotApply
-from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_PASS
+from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
 from harness.suite_registry import SUITES as REGISTERED
 
 SUITES = tuple(REGISTERED)  # every registered suite, in the registry's order
@@ -146,3 +146,40 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
         return EXIT_PASS
     # every run that did not pass only errored: the environment could not measure, no code regressed
     return EXIT_ERRORED if failing and all(v == "errored" for v in failing) else EXIT_FAIL
+
+
+def other_stacks(pythons: list[str]) -> dict[str, str]:
+    """python -> its stack's key (harness.stack.key), for each environment `--other-stack` names; BadInput for one
+    that does not run the harness or is this very stack, before anything runs."""
+    import json
+    import subprocess
+
+    from harness import stack
+
+    out: dict[str, str] = {}
+    for python in pythons:
+        try:
+            proc = subprocess.run([python, "-c", "import json; from harness import stack; "
+                                                 "print(json.dumps(stack.components()))"],
+                                  capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise BadInput(f"--other-stack {python}: cannot run it ({exc}); give the python of an environment that "
+                           "has the harness installed (nox -s nightly makes .nox/stack-previous)") from None
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            raise BadInput(f"--other-stack {python}: the harness does not import there ({last}); install it "
+                           "(pip install -e .) or give another environment's python")
+        key = stack.key(json.loads(proc.stdout))
+        if key == stack.key() or key in out.values():
+            raise BadInput(f"--other-stack {python}: its stack ({key}) is one the nightly already runs")
+        out[python] = key
+    return out
+
+
+def worst_exit(codes: list[int]) -> int:
+    """One exit code for nightlies run on several stacks: an interruption, else a failure, else errors only, else
+    nothing judged, else a pass."""
+    for code in (143, 130, EXIT_FAIL, EXIT_ERRORED, EXIT_NOTHING_JUDGED):
+        if code in codes:
+            return code
+    return max(codes) if any(codes) else EXIT_PASS

@@ -110,8 +110,7 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
         from harness import baselines
         from harness.platform import detect_platform
 
-        baselines.load(baselines.baseline_path(baselines_dir_of(params),
-                                               detect_platform(backend).key, suite.name))
+        baselines.Book(baselines_dir_of(params), detect_platform(backend).key, suite.name)  # every stack's file
     return Plan(suite, params, cases, model.name, world_size, backend, cases[0].engine if cases else engine)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.backends import Backend
-from harness.baselines import ABS_FLOOR, REL_TOLERANCE, baseline_path, build_entries, noisy_metrics, write
+from harness.baselines import ABS_FLOOR, REL_TOLERANCE, build_entries, noisy_metrics, suite_path, write
 from harness.errors import BadInput
 from harness.selection import DEFAULT_WORLD_SIZE
 
@@ -68,7 +68,7 @@ def record_suite(selection: Plan | CaseSelection | str, model: str | None = None
                            f"the median, {ABS_FLOOR} MiB); step-perf: a counter that varies); find the source of "
                            f"the variance or record on a quieter machine:\n  " + "\n  ".join(noisy))
     platform = detect_platform(backend).key
-    path = baseline_path(baselines_dir, platform, suite.name)
+    path = suite_path(baselines_dir, platform, suite.name)
     provenance = {**versions(), "date": now(), "repeats": repeats,
                   "machine": machine_fingerprint(backend)}
     policy = suite if isinstance(suite, RecordingPolicy) else None
@@ -114,7 +114,7 @@ def missing_baselines(world_size: int, backend: Backend, baselines_dir: str | No
         except (DoesNotFit, MissingDependency):
             continue
         assert isinstance(found, Baselined)
-        path = baselines.baseline_path(baselines_dir, platform, found.name)
+        path = baselines.suite_path(baselines_dir, platform, found.name)
         entries = baselines.load(path).get("entries", {})
         # a case planned as skipped (e.g. the DP-only reshard load at DP 1) is not recorded either (record_suite)
         keys = list(dict.fromkeys(found.key(c) for c in cases if not c.skip))

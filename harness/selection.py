@@ -155,6 +155,25 @@ class CaseSelection:
         return list(self.layouts) or None
 
 
+def bisect_command(case: Case, package: str, before: str, after: str) -> str:
+    """`harness bisect` over a package's releases from `before` to `after` (oldest first either way round), judging
+    this case: bad where it does not pass (--metric fail); --find-fix where the later release is the earlier one's
+    fix, i.e. where the releases go backwards (a baseline recorded on a newer release)."""
+    import shlex
+
+    from packaging.version import Version
+
+    options = CaseOptions(**{name: getattr(case.options, name) for _, name, _ in OPTION_FLAGS})
+    sel = CaseSelection(case.suite, case.model.name, case.layout.world_size, (case.layout.id,), case.engine,
+                        case.backend, options)
+    lo, hi = sorted((before, after), key=Version)
+    argv = ["harness", "bisect", *(["--megatron-core"] if package == "megatron-core" else ["--package", package]),
+            f"{lo}..{hi}", *sel.to_argv(), *variant_argv(id_fragment(case.params)), "--metric", "fail"]
+    if Version(after) < Version(before):
+        argv.append("--find-fix")
+    return shlex.join(argv)
+
+
 def record_command(case: Case, *, layout: bool = True, world_size: int | None = None, params: bool = True,
                    skip: tuple[str, ...] = ()) -> str:
     """The command that records this case's baseline entry, from the case itself: its model, world size, layout,

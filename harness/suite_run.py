@@ -8,7 +8,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.broken_env import exception_line
-from harness.checks import CheckResult
+from harness.checks import CheckResult, skipped_steps
 from harness.errors import Interrupted
 from harness.launch.results import CaseResult
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS, Outcome, RunVerdict
@@ -106,7 +106,8 @@ class SuiteRun:
         failures, captures of passes deleted) happens in the report stage (harness/report/artifacts.py)."""
         for r in self.results:
             self.describe(r)
-        self.checks = self.suite.check([r for r in self.results if not r.skipped], self.params)
+        ran = [r for r in self.results if not r.skipped]
+        self.checks = self.suite.check(ran, self.params) + skipped_steps.check(self.suite.name, ran)
         self.judged = True
         return self
 
@@ -147,7 +148,7 @@ class SuiteRun:
 def case_figures(suite: Suite, result: CaseResult) -> dict[str, Any]:
     """What a report shows of a case beyond the harness's own fields: the suite's metrics, its report data
     (plots) and, for a baselined suite, the baseline key and samples."""
-    out: dict[str, Any] = {"metrics": suite.metrics(result) or {}}
+    out: dict[str, Any] = {"metrics": {**(suite.metrics(result) or {}), **skipped_steps.figures(result)}}
     if result.ok and isinstance(suite, ReportsData):
         out["data"] = suite.report_data(result)
     if result.ok and isinstance(suite, Baselined):

@@ -22,6 +22,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     min_effect.add_to(g.addoption)
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The stack the suites judge (and a megatron-core outside the tested range, in one line)."""
+    from harness import stack
+
+    warning = stack.untested_warning()
+    return [f"harness stack: {stack.describe()} ({stack.key()})", *([warning] if warning else [])]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for marker in ("cpu: runs on CPU ranks (gloo)", "gpu: needs GPUs (NCCL)",
                    "slow: starts ranks", "nightly: full matrix, nightly only"):
@@ -58,7 +66,7 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
     from harness.report.results_file import write_results
     from harness.report.terminal import format_run
     from harness.driver import run_suite
-    from harness.errors import DoesNotFit, MissingDependency
+    from harness.errors import DoesNotFit, MissingDependency, NotOnThisStack
     from harness.suite_defs import get_suite
 
     c = request.config
@@ -83,7 +91,8 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
                 publish(f"recorded {path}:\n{diff}")
             result = run_suite(name, model or harness_opts["model"], harness_opts["world_size"], layouts,
                                fresh_ranks=harness_opts["fresh_ranks"], **common)
-        except (MissingDependency, DoesNotFit) as exc:  # not installed here / predicted not to fit this device
+        # not installed here / a path the installed releases cannot run together / predicted not to fit this device
+        except (MissingDependency, NotOnThisStack, DoesNotFit) as exc:
             pytest.skip(str(exc))
         if result.interrupted is not None:
             raise KeyboardInterrupt(str(result.interrupted))  # pytest stops the session

@@ -608,3 +608,33 @@ class SerialisedReduction(PlantedSlowdown):
             self._beyond = beyond_the_baseline_s(self.case)
         return self._beyond
 
+
+
+class StepsOverSkipThreshold(McoreEngine):
+    """megatron-core 0.19's OptimizerConfig.grad_norm_skip_threshold set below every step's gradient norm: megatron
+    skips each update and training goes on as if it had trained."""
+
+    def optimizer_config(self, use_distributed_optimizer: bool):
+        from harness.upstream import skip_threshold_field
+
+        config = super().optimizer_config(use_distributed_optimizer)
+        name = skip_threshold_field()
+        if name is None:
+            raise RuntimeError("this megatron-core has no grad_norm_skip_threshold (0.19 and later)")
+        setattr(config, name, 1e-12)
+        return config
+
+
+class NonFiniteGradientAtStep1(McoreEngine):
+    """A NaN in one parameter's gradient at step 1 (an overflow, a bad sample): megatron's optimizer finds the
+    non-finite norm and skips the update, on every release."""
+
+    def train_step(self, step: int):
+        if step != 1:
+            return super().train_step(step)
+        param = next(p for m in self.models for p in m.module.parameters() if p.requires_grad)
+        handle = param.register_hook(lambda grad: grad * float("nan"))
+        try:
+            return super().train_step(step)
+        finally:
+            handle.remove()

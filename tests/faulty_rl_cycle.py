@@ -33,6 +33,47 @@ class ExpertBiasUpdatedWhenFrozen(McoreEngine):
         yield
 
 
+class FrozenRouterUnmarked(McoreEngine):
+    """A framework that freezes the router's weight but never sets megatron's frozen_expert_bias (what megatron's
+    own training loop sets with the router frozen): where megatron-core has the mark, its update moves the bias."""
+
+    def after_build(self, chunks: list) -> None:
+        from harness.engines.rl_cycle import routers
+
+        if self.case.options.freeze_router:
+            for router in routers(chunks):
+                router.weight.requires_grad_(False)
+
+
+class MarkIgnoredByMegatron(McoreEngine):
+    """megatron-core's expert-bias update ignoring a router's frozen_expert_bias mark (the mechanism of
+    Megatron-LM#4785 broken again): the mark is set, and the update runs as if it were not."""
+
+    def train_rl_batch(self, *args, **kwargs):
+        from megatron.core.distributed import finalize_model_grads as fmg
+
+        from harness.engines.rl_cycle import routers
+
+        original = fmg._update_router_expert_bias
+        live = routers([m.module for m in self.models])
+
+        def ignoring(*a, **k):
+            marks = [vars(r).get("frozen_expert_bias") for r in live]
+            for r in live:
+                r.frozen_expert_bias = False
+            try:
+                return original(*a, **k)
+            finally:
+                for r, mark in zip(live, marks):
+                    r.frozen_expert_bias = mark
+
+        fmg._update_router_expert_bias = ignoring
+        try:
+            return super().train_rl_batch(*args, **kwargs)
+        finally:
+            fmg._update_router_expert_bias = original
+
+
 class DispatcherKeepsRouting(McoreEngine):
     """NeMo-RL #2319: the all-to-all dispatcher keeps each step's routing tensors alive across the offload."""
 

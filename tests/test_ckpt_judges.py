@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 from harness import baselines
+from harness.baselines import Source
 from harness.checks.memory_model import FIXED_COST, MIB, save_band, shard_params
 from harness.engines.base import ParamShard
 from harness.launch.results import CaseResult, RankResult
@@ -135,7 +137,7 @@ def test_baseline_check_names_a_nan_figure():
     case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
     res = CaseResult(case, [RankResult(0, data=SaveRankData(MemoryPeak("save")))], "ok")
     data = {"entries": {key(case): {"rank0.save_heap_peak_mib": {"value": 29.0, "tolerance": 5.8}}}}
-    check = _check_baseline(res, {"rank0.save_heap_peak_mib": NAN}, data, "baselines.json")
+    check = _check_baseline(res, {"rank0.save_heap_peak_mib": NAN}, Source(Path("baselines.json"), data))
     assert not check.passed
     assert check.message.startswith("rank0.save_heap_peak_mib measured nan MiB (not a finite number) against "
                                     "baseline 29.00 +- 5.80 MiB")
@@ -147,42 +149,66 @@ def test_baseline_rows_state_the_smallest_detectable_regression():
     entries = baselines.build_entries({key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0],
                                                          "rank0.save_writer_peak_mib": [0.16, 0.15, 0.16]}})
     check = _check_baseline(res, {"rank0.save_heap_peak_mib": 29.1, "rank0.save_writer_peak_mib": 0.15},
-                            {"entries": entries}, "baselines.json")
+                            Source(Path("baselines.json"), {"entries": entries}))
     assert check.passed
     assert "rank0.save_heap_peak_mib: 29.10 MiB, baseline 29.00 +- 5.80, delta +0.10 MiB: pass; detects > +5.80 MiB " \
            "(+20%)" in check.details
     assert check.message.endswith("coarsest: rank0.save_writer_peak_mib detects > +0.25 MiB (+156%)")
 
 
+def test_a_figure_judged_against_another_stacks_baseline_says_what_moved_and_how_to_bisect_it():
+    """A stack whose own file lacks the case (e.g. the first run after an upgrade) is judged against the entry another
+    stack recorded: the verdict stands, and its message names the components that differ, the bisect over the
+    megatron-core releases between and the command that records this stack's own entry."""
+    case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
+    res = CaseResult(case, [RankResult(0, data=SaveRankData(MemoryPeak("save")))], "ok")
+    peak, writer = "rank0.save_heap_peak_mib", "rank0.save_writer_peak_mib"
+    data = {"entries": baselines.build_entries({key(case): {peak: [29.0, 29.0, 29.0], writer: [0.5, 0.5, 0.5]}})}
+    across = ("Python 3.11.7 -> 3.12.1", "megatron-core 0.16.1 -> 0.19.2")
+    path = Path("/b/cpu-gloo/py3.11-torch2.13.0-cpu-mcore0.16.1/ckpt-memory.json")
+    moved = _check_baseline(res, {peak: 29.0, writer: 0.0}, Source(path, data, across))
+    assert moved.failed and moved.improvement
+    assert moved.message.startswith(f"{writer} 0.00 MiB is -0.50 MiB below (improvement: see below) baseline 0.50")
+    assert ("; judged against another stack's baseline (py3.11-torch2.13.0-cpu-mcore0.16.1): moved with Python 3.11.7 "
+            "-> 3.12.1, megatron-core 0.16.1 -> 0.19.2; find the release with `harness bisect --megatron-core "
+            "0.16.1..0.19.2 --suite ckpt-memory --model small") in moved.message
+    assert "--layout tp1-pp1-cp1-dp4" in moved.message and "--metric fail`" in moved.message
+    assert moved.message.endswith(f"; record this stack's with `{record_command(case)}`")
+    held = _check_baseline(res, {peak: 29.0, writer: 0.5}, Source(path, data, across))
+    assert held.passed and held.message.endswith("; against the baseline of another stack (Python 3.11.7 -> 3.12.1, "
+                                                 "megatron-core 0.16.1 -> 0.19.2)")
+    downgrade = _check_baseline(res, {peak: 29.0, writer: 0.0},
+                                Source(path, data, ("megatron-core 0.19.2 -> 0.16.1",)))
+    assert "--megatron-core 0.16.1..0.19.2" in downgrade.message and "--find-fix" in downgrade.message
+
+
 def test_a_baseline_entry_or_metric_that_was_never_recorded_is_named():
     """An absent entry fails a save's baseline (record it) and cannot tell for a load's (the committed GPU files
     predate them); a metric an entry lacks (recorded before it was measured) is named, not judged."""
-    from pathlib import Path
-
     from harness.suite_defs.ckpt_memory.judge import check_baseline
 
     case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
     res = CaseResult(case, [RankResult(0, data=SaveRankData(MemoryPeak("save")))], "ok")
     path = Path("/b/cpu-gloo/ckpt-memory.json")
     peak, kept = "rank0.save_heap_peak_mib", "rank0.retained_per_save_mib"
-    absent = check_baseline("x", res, {peak: 29.0}, {"entries": {}}, path)
+    absent = check_baseline("x", res, {peak: 29.0}, Source(path, {"entries": {}}))
     assert absent.failed and absent.message.startswith(f"no baseline for {key(case)} {peak} on platform cpu-gloo")
-    absent = check_baseline("x", res, {peak: 29.0}, {"entries": {}}, path, missing_fails=False)
+    absent = check_baseline("x", res, {peak: 29.0}, Source(path, {"entries": {}}), missing_fails=False)
     assert absent.inconclusive and "record it with: harness baselines record --suite ckpt-memory" in absent.message
     data = {"entries": baselines.build_entries({key(case): {peak: [29.0, 29.0, 29.0]}})}
-    older = check_baseline("x", res, {peak: 29.0, kept: 0.1}, data, path)
+    older = check_baseline("x", res, {peak: 29.0, kept: 0.1}, Source(path, data))
     assert older.passed and older.message.endswith(f"not judged, recorded before they were measured: {kept} (re-record "
                                                    f"with `{record_command(case)}`)"), older.message
-    only_new = check_baseline("x", res, {kept: 0.1}, data, path)
+    only_new = check_baseline("x", res, {kept: 0.1}, Source(path, data))
     assert only_new.inconclusive and f"has none of {kept} (recorded before they were measured)" in only_new.message
-    worse = check_baseline("x", res, {peak: 40.0, kept: 0.1}, data, path)
+    worse = check_baseline("x", res, {peak: 40.0, kept: 0.1}, Source(path, data))
     assert worse.failed and worse.message == f"{peak} 40.00 MiB is +11.00 MiB above baseline 29.00 +- 5.80 MiB"
     # a floor (a load's fixed cost, 3 MiB) widens a tolerance recorded narrower, never narrows one
     small = {"entries": baselines.build_entries({key(case): {peak: [2.2, 2.2, 2.2]}})}  # tolerance 0.44
-    assert check_baseline("x", res, {peak: 1.6}, small, path).failed
-    assert check_baseline("x", res, {peak: 1.6}, small, path, floor=3.0).passed
-    assert check_baseline("x", res, {peak: 34.0}, data, path, floor=3.0).passed  # 5.80 recorded
-    assert check_baseline("x", res, {peak: 35.0}, data, path, floor=3.0).failed
+    assert check_baseline("x", res, {peak: 1.6}, Source(path, small)).failed
+    assert check_baseline("x", res, {peak: 1.6}, Source(path, small), floor=3.0).passed
+    assert check_baseline("x", res, {peak: 34.0}, Source(path, data), floor=3.0).passed  # 5.80 recorded
+    assert check_baseline("x", res, {peak: 35.0}, Source(path, data), floor=3.0).failed
     assert record_command(dataclasses.replace(case, layout=Layout(dp=2), params=CkptCaseParams(
         ckpt_role="reshard-load"))).startswith("harness baselines record --suite ckpt-memory --model small "
                                                "--world-size 4 ")
@@ -565,7 +591,7 @@ def test_a_baseline_checks_figures_reach_results_json_as_the_report_reads_them(t
     case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())
     res = CaseResult(case, [RankResult(0, data=SaveRankData(MemoryPeak("save")))], "ok")
     entries = baselines.build_entries({key(case): {"rank0.save_heap_peak_mib": [29.0, 29.05, 29.0]}})
-    check = _check_baseline(res, {"rank0.save_heap_peak_mib": 40.0}, {"entries": entries}, "baselines.json")
+    check = _check_baseline(res, {"rank0.save_heap_peak_mib": 40.0}, Source(Path("baselines.json"), {"entries": entries}))
     assert isinstance(check.data, BaselineFigures) and check.data.metrics["rank0.save_heap_peak_mib"].status == \
         "regression"
     run = SuiteRun(CkptMemorySuite(), "small", 4, "gloo", "mcore", results=[res])

@@ -245,9 +245,12 @@ def _write_results_server(fsa, sent) -> tuple[bytes, object]:
     """A fresh megatron write-results queue: (its server's command line, the queue); `sent` goes through it."""
     from pathlib import Path
 
+    from harness.upstream import write_results_queue_name
+
+    start = getattr(fsa, write_results_queue_name(fsa))
     fsa._results_queue = None
-    queue = fsa._get_write_results_queue()
-    assert fsa._get_write_results_queue() is queue  # one per process
+    queue = start()
+    assert start() is queue  # one per process
     queue.put(sent)
     assert queue.get() == sent
     return Path(f"/proc/{queue._manager._process.pid}/cmdline").read_bytes(), queue
@@ -260,6 +263,8 @@ def test_the_write_results_server_is_forked_not_spawned():
     from pathlib import Path
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+
+    from harness.upstream import write_results_queue_name
 
     own, saved = Path("/proc/self/cmdline").read_bytes(), fsa._results_queue
     servers = []
@@ -274,7 +279,7 @@ def test_the_write_results_server_is_forked_not_spawned():
         finally:
             cpu_layer.deactivate()
         assert forked == own
-        assert fsa._get_write_results_queue.__module__ == fsa.__name__  # megatron's own again
+        assert getattr(fsa, write_results_queue_name(fsa)).__module__ == fsa.__name__  # megatron's own again
         spawned, queue = _write_results_server(fsa, {0: [4]})  # the check tells the two apart (no torch to import)
         servers.append(queue._manager)
         assert spawned != own and b"multiprocessing" in spawned, spawned
@@ -287,11 +292,15 @@ def test_the_write_results_server_is_forked_not_spawned():
 def test_a_megatron_without_the_write_results_queue_keeps_its_writer(monkeypatch):
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
 
-    monkeypatch.delattr(fsa, "_get_write_results_queue")
+    from harness.upstream import WRITE_RESULTS_QUEUE, write_results_queue_name
+
+    name = write_results_queue_name(fsa)
+    assert name is not None, f"megatron-core's filesystem_async has none of {WRITE_RESULTS_QUEUE}"
+    monkeypatch.delattr(fsa, name)
     cpu_layer.activate()
     try:
         assert cpu_layer.WRITER_POINT not in cpu_layer.patched_points()
-        assert not hasattr(fsa, "_get_write_results_queue")
+        assert not hasattr(fsa, name)
     finally:
         cpu_layer.deactivate()
     assert cpu_layer.patched_points() == ()

@@ -382,17 +382,14 @@ def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skip
     precision-aware optimizer): golden's first distributed-optimizer format is saved and resumed again with them,
     judged against the same trajectory. HybridDeviceOptimizer needs CUDA streams: on gloo ranks the pair is
     skipped naming that, and on a megatron-core without the fields naming them."""
-    from importlib.metadata import version
-
-    from packaging.version import Version
-
-    from harness.engines import mcore, optimizer_offload
+    from harness.engines import mcore
     from harness.errors import BadInput
     from harness.models import load_model
     from harness.suite_defs.golden import GoldenSuite
+    from harness.upstream import OFFLOAD_FP32_LOAD
 
     suite, tiny = GoldenSuite(), load_model("tiny")
-    broken = Version(version("megatron-core")) <= Version(optimizer_offload.OFFLOAD_FP32_LOAD_BROKEN_UP_TO)
+    broken = OFFLOAD_FP32_LOAD.present()
     for backend in ("gloo", "nccl"):
         cases = suite.cases(tiny, 2, None, backend=backend)
         assert len({c.id for c in cases}) == len(cases)
@@ -403,7 +400,7 @@ def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skip
         if backend == "gloo":
             assert first.skip == resume.skip == ("megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the "
                                                  "state between CUDA streams: it runs on NCCL ranks only")
-        elif broken:  # megatron-core 0.16.1 offers them, and cannot resume them in fp32 (golden's dtype)
+        elif broken:  # megatron-core 0.16.1 - 0.19.2 offer them, and cannot resume them in fp32 (golden's dtype)
             assert first.skip == resume.skip and "cannot load the optimizer state of fp32 parameters" in first.skip
         else:
             assert not first.skip and not resume.skip

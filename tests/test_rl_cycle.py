@@ -87,13 +87,46 @@ def test_an_offload_moves_storages_and_a_reload_brings_their_bytes_back():
 
 
 @pytest.mark.slow
-def test_a_frozen_replayed_router_holds_its_bias_and_megatrons_own_update_is_reported():
+def test_a_frozen_replayed_router_holds_its_bias_and_megatrons_own_update_is_judged_by_the_release():
+    """Where megatron-core honours frozen_expert_bias (0.17 and later) the engine marks the frozen router as
+    megatron's training loop does and megatron holds the bias: a pass. Where it has no such mark (0.16.1) the move
+    is the known upstream defect: inconclusive, naming the issue and the release that fixes it."""
+    from harness.upstream import FROZEN_EXPERT_BIAS
+
     run = run_suite("rl-cycle", "tiny-moe", 4, [EP2], backend="gloo",
                     suite_params={**QUICK, "rl_variant": "frozen-router"})
     assert not _failed(run)
     upstream = [c for c in run.checks if c.check == "rl-cycle.upstream-bias"]
-    assert upstream and all(c.inconclusive and "NVIDIA/Megatron-LM#4785" in c.message for c in upstream)
+    assert upstream
+    if FROZEN_EXPERT_BIAS.present():
+        assert all(c.inconclusive and "known upstream defect (NVIDIA/Megatron-LM#4785)" in c.message
+                   and f"fixed in megatron-core {FROZEN_EXPERT_BIAS.fixed_in}" in c.message for c in upstream)
+    else:
+        assert all(c.passed and "frozen_expert_bias set" in c.message for c in upstream), upstream
     assert sum(c.check == "rl-cycle.replay" and c.passed for c in run.checks) == 1
+
+
+@pytest.mark.slow
+def test_a_frozen_router_left_unmarked_fails_where_megatron_has_the_mark():
+    from harness.upstream import FROZEN_EXPERT_BIAS
+
+    run = _faulty("FrozenRouterUnmarked", "tiny-moe", EP2, "frozen-router")
+    (check,) = [c for c in run.checks if c.check == "rl-cycle.upstream-bias"]
+    if FROZEN_EXPERT_BIAS.present():  # the release has no mark: the move is megatron's known defect
+        assert check.inconclusive and "NVIDIA/Megatron-LM#4785" in check.message
+    else:
+        assert check.failed and "the routers were not marked when frozen" in check.message, check.message
+
+
+@pytest.mark.slow
+def test_megatron_ignoring_the_frozen_mark_fails_where_it_has_the_mark():
+    from harness.upstream import FROZEN_EXPERT_BIAS
+
+    if FROZEN_EXPERT_BIAS.present():
+        pytest.skip(f"megatron-core here has no frozen_expert_bias mark to ignore ({FROZEN_EXPERT_BIAS.said()})")
+    run = _faulty("MarkIgnoredByMegatron", "tiny-moe", EP2, "frozen-router")
+    (check,) = [c for c in run.checks if c.check == "rl-cycle.upstream-bias"]
+    assert check.failed and "although its frozen_expert_bias was set" in check.message, check.message
 
 
 @pytest.mark.slow

@@ -74,16 +74,17 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
     suite = run.suite
     if not isinstance(suite, Baselined):
         raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")
-    data: dict[str, dict] = {}
+    books: dict[str, baselines.Book] = {}
     worst: StepResult | None = None
     for o in outcomes:
         samples = suite.samples(o.result)
         if metric not in samples:
             continue
-        path = baselines.baseline_path(baselines_dir_of(run.params), _platform(o.result), suite.name)
-        if str(path) not in data:
-            data[str(path)] = baselines.load(path)
-        case_entry = data[str(path)].get("entries", {}).get(suite.key(o.result.case), {})
+        platform = _platform(o.result)
+        if platform not in books:
+            books[platform] = baselines.Book(baselines_dir_of(run.params), platform, suite.name)
+        key = suite.key(o.result.case)
+        case_entry = books[platform].source(key).data.get("entries", {}).get(key, {})
         entry = case_entry.get(metric)
         if entry and "samples" in entry and isinstance(suite, TimedBaselines):
             step = _judge_timed(run, o.result, metric, case_entry, threshold, vers)
@@ -112,9 +113,9 @@ def refuse_unknown_metric(planned, metric: str) -> None:
         return
     if not isinstance(suite, Baselined):
         raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")
-    path = baselines.baseline_path(baselines_dir_of(planned.params), detect_platform(planned.backend).key, suite.name)
-    known = sorted({_any_rank(m) for entry in baselines.load(path).get("entries", {}).values() for m in entry},
-                   key=lambda m: (len(m), m))
+    book = baselines.Book(baselines_dir_of(planned.params), detect_platform(planned.backend).key, suite.name)
+    known = sorted({_any_rank(m) for data in (book.data, *(d for _, d in book.others))
+                    for entry in data.get("entries", {}).values() for m in entry}, key=lambda m: (len(m), m))
     if known and _any_rank(metric) not in known:
         raise BadInput(f"--metric {metric!r}: the {suite.name} suite has no such metric; its baselined metrics "
                        f"(N: a rank): {', '.join(known[:6])}{' ...' if len(known) > 6 else ''}, or --metric fail")

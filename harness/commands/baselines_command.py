@@ -70,7 +70,7 @@ def diff(args) -> int:
 
     suite = get_suite(args.suite)
     platform = args.platform or detect_platform(resolve_backend(args.backend, args.world_size)).key
-    path = baselines.baseline_path(args.baselines_dir, platform, suite.name)
+    path = baselines.suite_path(args.baselines_dir, platform, suite.name)
     if not path.exists():
         raise BadInput(f"no baseline file {path}; record one with `harness baselines record --suite {suite.name}`")
     new = baselines.load(path)

@@ -23,14 +23,45 @@ def add_parser(sub) -> None:
     p.add_argument("--label", default=None, help="names every run of this nightly in the report and the history")
     p.add_argument("--history-db", default=None, help="the history database every run is ingested into at the end "
                                                       "(default: OUT/history.sqlite)")
+    p.add_argument("--other-stack", action="append", metavar="PYTHON", default=[],
+                   help="also run the nightly on another stack: the python of its environment, which has the harness "
+                        "installed (e.g. .nox/stack-previous/bin/python; repeatable); each stack then writes into "
+                        "OUT/<stack>/, the history database is shared")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
-    from harness.nightly import SUITES, run_nightly
+    from harness.nightly import SUITES, other_stacks, run_nightly, worst_exit
 
     if args.world_size is not None and args.world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {args.world_size}")
-    return run_nightly(Path(args.out), args.suite or list(SUITES), args.model, args.world_size, args.backend,
-                       args.engine, say, label=args.label,
-                       history_db=Path(args.history_db) if args.history_db else None)
+    out = Path(args.out)
+    history_db = Path(args.history_db) if args.history_db else None
+    if not args.other_stack:
+        return run_nightly(out, args.suite or list(SUITES), args.model, args.world_size, args.backend, args.engine,
+                           say, label=args.label, history_db=history_db)
+    from harness import stack
+
+    others = other_stacks(args.other_stack)  # BadInput before anything runs
+    history_db = history_db or out / "history.sqlite"
+    codes = [run_nightly(out / stack.key(), args.suite or list(SUITES), args.model, args.world_size, args.backend,
+                         args.engine, say, label=args.label, history_db=history_db)]
+    for python, key in others.items():
+        say(f"nightly: the stack of {python} ({key}) into {out / key}")
+        codes.append(_run_other(python, out / key, history_db, args))
+    return worst_exit(codes)
+
+
+def _run_other(python: str, out: Path, history_db: Path, args) -> int:
+    """`harness nightly` in another environment with this one's selection; its exit code."""
+    import subprocess
+
+    argv = [python, "-m", "harness.cli", "nightly", "--out", str(out), "--history-db", str(history_db),
+            "--backend", str(args.backend)]
+    for flag, values in (("--suite", args.suite), ("--model", args.model)):
+        for v in values or []:
+            argv += [flag, v]
+    for flag, value in (("--world-size", args.world_size), ("--engine", args.engine), ("--label", args.label)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return subprocess.run(argv).returncode

@@ -73,6 +73,9 @@ class StepOutput:
     # an MoE model's load-balancing auxiliary loss (before its coefficient), this rank's share: summed over its
     # micro-batches and MoE layers, its part of the sequence (TP under sequence parallelism, CP); None: dense
     aux_loss: float | None = None
+    # megatron's optimizer applied no update (update_successful False: a non-finite gradient norm, or one beyond
+    # grad_norm_skip_threshold): the step trained nothing (harness/checks/skipped_steps.py)
+    skipped: bool = False
 
 
 class Engine(Protocol):

@@ -6,11 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import MissingDependency
+from harness.upstream import hybrid_cp_split
 
 
 @dataclass(frozen=True)
 class DynamicCPApi:
-    """megatron-core's names for dynamic CP: `hybrid_*` in releases 0.16-0.19, `dynamic_*` on the dev branch."""
+    """megatron-core's names for dynamic CP: `hybrid_*` in releases 0.16-0.19, `dynamic_*` on the dev branch. The
+    split of a sample over its local CP group is megatron's own where the release has it (0.16), else made of the
+    parts that stayed (harness.upstream.hybrid_cp_split)."""
 
     flag: str  # initialize_model_parallel keyword and TransformerConfig field
     schedule_module: str  # has BalancedCPScheduler
@@ -38,12 +41,11 @@ def dynamic_cp_api() -> DynamicCPApi:
         except ImportError:
             missing.append(f"{module}")
             continue
-        parts = [flag in init_args, hasattr(schedule, "BalancedCPScheduler"), hasattr(utils, split)]
+        parts = [flag in init_args, hasattr(schedule, "BalancedCPScheduler")]
         if all(parts):
-            return DynamicCPApi(flag, module, getattr(utils, split))
+            return DynamicCPApi(flag, module, hybrid_cp_split(getattr(utils, split, None)))
         missing.append(", ".join(name for name, ok in zip(
-            (f"initialize_model_parallel({flag}=)", f"{module}.BalancedCPScheduler", f"megatron.core.utils.{split}"),
-            parts) if not ok))
+            (f"initialize_model_parallel({flag}=)", f"{module}.BalancedCPScheduler"), parts) if not ok))
     raise MissingDependency("dynamic CP needs megatron-core's hybrid_context_parallel API (releases 0.16-0.19) or "
                             "the dev branch's dynamic_context_parallel; the installed one lacks: " + "; ".join(missing))
 

@@ -32,7 +32,7 @@ from harness.dtypes import DType, dtype
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, sequence_parallel, training_fields
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
-from harness.errors import BadInput, MissingDependency
+from harness.errors import BadInput, MissingDependency, NotOnThisStack
 
 if TYPE_CHECKING:
     from harness.spec import Layout, ModelSpec
@@ -45,10 +45,17 @@ _CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout
 
 
 def check_available() -> None:
-    """MissingDependency naming the install command; cheap enough for the parent (imports nothing heavy)."""
+    """MissingDependency naming the install command, NotOnThisStack where the installed mbridge cannot build on the
+    installed megatron-core; cheap enough for the parent (imports nothing heavy)."""
+    from harness.upstream import mbridge_build_refusal
+
     for module, dist in _REQUIRED.items():
         if importlib.util.find_spec(module) is None:
             raise MissingDependency(f"engine 'mbridge' needs {dist} (no module {module!r}): {INSTALL}")
+    why = mbridge_build_refusal()
+    if why:
+        raise NotOnThisStack(f"engine 'mbridge': {why}; R2 (a bridge's own DDP defaults winning over the user's "
+                             "config) goes unjudged on the mbridge path, the megatron-bridge path still judges it")
 
 
 def hf_architecture(m: ModelSpec) -> str:

@@ -23,6 +23,7 @@ from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.launch.context import RankContext
 from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
+from harness.upstream import split_on_cp_rank
 
 if TYPE_CHECKING:
     import torch
@@ -269,9 +270,7 @@ class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
         dp_rank = ps.get_data_parallel_rank()
         mbs = data.microbatches(self.case, step, dp_rank)
         if self.case.layout.cp > 1:
-            from megatron.core.utils import get_batch_on_this_cp_rank
-
-            mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
+            mbs = [split_on_cp_rank(dict(mb)) for mb in mbs]
         firsts = [data.first_sample(self.case, dp_rank, i) for i in range(len(mbs))]
         return self.run_microbatches(mbs, [torch.arange(f, f + mb["tokens"].shape[0]) for f, mb in zip(firsts, mbs)],
                                      forward_only, capture)
@@ -292,7 +291,7 @@ class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
         if self._captured is not None:
             # Where each local token sits in the global batch, by the harness's own arithmetic (DP slice,
             # zigzag CP chunks) - not read back from megatron's split, which is under test. Added after
-            # the split: get_batch_on_this_cp_rank slices every key it is given.
+            # the split: megatron's CP split slices every key it is given.
             seq = self.case.model.seq_length
             positions = zigzag_positions(seq, cp, ps.get_context_parallel_rank()) if cp > 1 else torch.arange(seq)
             for mb, ids in zip(mbs, samples):
@@ -319,7 +318,8 @@ class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
             if updated and self.scheduler is not None:  # megatron's train_step: by the global batch's samples
                 self.scheduler.step(increment=self.case.global_batch_size)
             reported.update(grad_norm=None if grad_norm is None else float(grad_norm),
-                            num_zeros=None if num_zeros is None else int(num_zeros), lr=float(lr))
+                            num_zeros=None if num_zeros is None else int(num_zeros), lr=float(lr),
+                            skipped=not updated)
         captured, self._captured = self._captured, None
         if not losses:
             return StepOutput(None, None, captured, **reported)

@@ -131,9 +131,9 @@ class McoreCheckpoints:
             dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy,
                                     content_metadata=self.checkpoint_metadata(fmt))
             return
-        import inspect
+        from harness.upstream import async_save_kwargs, can_save_async
 
-        if "async_sharded_save" not in inspect.signature(dist_checkpointing.save).parameters:
+        if not can_save_async():
             from harness.errors import MissingDependency
 
             raise MissingDependency("async save needs megatron-core with "
@@ -142,7 +142,7 @@ class McoreCheckpoints:
 
         queue = AsyncCallsQueue()
         request = dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy,
-                                          content_metadata=self.checkpoint_metadata(fmt), async_sharded_save=True)
+                                          content_metadata=self.checkpoint_metadata(fmt), **async_save_kwargs())
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()

@@ -27,12 +27,6 @@ def offload_config() -> dict:
     return dict(OFFLOAD)
 
 
-# The last megatron-core whose HybridDeviceOptimizer cannot load the state of fp32 parameters: it makes fp32 master
-# copies only of low-precision ones (param_to_fp32_param) and looks every parameter up there after a load
-# (_update_fp32_params_by_new_state: KeyError).
-OFFLOAD_FP32_LOAD_BROKEN_UP_TO = "0.16.1"
-
-
 def offload_unsupported(backend: Backend, dtype: str) -> str:
     """'' where CaseOptions.optimizer_cpu_offload can run and resume; otherwise why not, naming what it needs."""
     if backend != Backend.NCCL:
@@ -47,10 +41,9 @@ def offload_unsupported(backend: Backend, dtype: str) -> str:
     if missing:
         return (f"megatron-core {version('megatron-core')}'s OptimizerConfig has no {', '.join(missing)}: optimizer "
                 f"CPU offload needs a megatron-core that offers them")
-    from packaging.version import Version
+    from harness.upstream import OFFLOAD_FP32_LOAD
 
-    if dtype == DType.fp32 and Version(version("megatron-core")) <= Version(OFFLOAD_FP32_LOAD_BROKEN_UP_TO):
-        return (f"megatron-core {version('megatron-core')}'s HybridDeviceOptimizer cannot load the optimizer state of "
-                f"fp32 parameters (KeyError in _update_fp32_params_by_new_state: its fp32 master copies are made only "
-                f"of low-precision parameters); a resume with the offload needs a later megatron-core or bf16")
+    if dtype == DType.fp32 and OFFLOAD_FP32_LOAD.present():
+        return (f"{OFFLOAD_FP32_LOAD.said()} (megatron-core {version('megatron-core')}'s HybridDeviceOptimizer makes "
+                f"fp32 master copies only of low-precision parameters); a resume with the offload needs bf16")
     return ""

@@ -6,7 +6,9 @@ The framework's part, each a method a user engine overrides to have its own code
 - `record_routing` / `replay_routing`: the log-prob pass records each MoE layer's top-k experts per micro-batch
   (RouterReplayAction.RECORD), the training step replays them (REPLAY_FORWARD, the target set per micro-batch);
 - `hold_expert_bias`: aux-loss-free balancing's expert bias kept where the router is frozen or routing is replayed
-  (megatron-core 0.16.1 updates it regardless: `_update_router_expert_bias` checks neither);
+  (megatron-core 0.16.1 updates it regardless: `_update_router_expert_bias` checks neither; later releases skip a
+  router whose `frozen_expert_bias` is set, which `after_build` sets with the router frozen, as megatron's own
+  training loop does);
 - `offload` / `reload` (harness/engines/offload.py): parameters, gradients and optimizer state off the device and
   back;
 - `load_weights`: weights only, no optimizer state, then the optimizer's master copies refreshed from them
@@ -61,10 +63,21 @@ class RLCycle:
         RouterReplay.clear_global_router_replay_instances()
 
     def after_build(self, chunks: list) -> None:
-        """The built chunks, before DDP wraps them: the routers frozen where the case says so."""
+        """The built chunks, before DDP wraps them: the routers frozen where the case says so, their expert bias
+        marked frozen where megatron-core honours the mark (as megatron's training loop marks a frozen router)."""
         if self.case.options.freeze_router:
+            from harness.upstream import frozen_expert_bias_honoured
+
+            mark = frozen_expert_bias_honoured()
             for router in routers(chunks):
                 router.weight.requires_grad_(False)
+                if mark:
+                    router.frozen_expert_bias = True
+
+    def bias_marked_frozen(self) -> bool:
+        """Whether this rank's routers carry megatron's frozen_expert_bias mark (all of them; False without routers)."""
+        live = routers([m.module for m in self.models])
+        return bool(live) and all(vars(r).get("frozen_expert_bias") is True for r in live)
 
     # -- routing replay ---------------------------------------------------------------------------
     def record_routing(self, batch: RLBatch, microbatches: list[list[int]]) -> tuple[list[TokenLogprobs], Routing]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from harness.engines.base import StepOutput, TokenLogprobs
 from harness.engines.loss_agg import BatchTotals, MicroBatchLoss, aggregate
 from harness.engines.rl_batch import RLBatch, microbatch_tensors
+from harness.upstream import split_on_cp_rank
 
 if TYPE_CHECKING:
     import torch
@@ -92,9 +93,7 @@ class RLSteps:
             self.config.variable_seq_lengths = True  # micro-batches of different sizes pass between stages
         mbs = [microbatch_tensors(batch, group, seq) for group in microbatches]
         if cp > 1:
-            from megatron.core.utils import get_batch_on_this_cp_rank
-
-            mbs = [get_batch_on_this_cp_rank(dict(mb)) for mb in mbs]
+            mbs = [split_on_cp_rank(dict(mb)) for mb in mbs]
         counts = [self.sample_token_counts(mb["loss_mask"]) for mb in mbs]
         totals = self.batch_totals([mb["loss_mask"] for mb in mbs], counts)
         n = len(mbs)

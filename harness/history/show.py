@@ -11,7 +11,16 @@ from harness.history.changes import Change, detect
 from harness.history.store import Point
 
 # what a bisect can walk over: distributions in results.json "versions" (the harness's own are not)
-NOT_BISECTABLE = ("harness", "harness_commit")
+NOT_BISECTABLE = ("harness", "harness_commit", "python")
+
+
+def stack_changed(a: Point, b: Point) -> bool:
+    """Whether a component of the stack (harness.stack.COMPONENTS: Python, torch, megatron-core, the bridges) changed
+    between two nights of one series (its key holds Python's minor, the torch build and megatron-core: a bridge
+    upgrade or a Python patch release stays in it, marked)."""
+    from harness.stack import COMPONENTS
+
+    return any(a.versions.get(c) != b.versions.get(c) for c in COMPONENTS)
 
 
 def changed_between(a: Point, b: Point) -> dict[str, tuple[str | None, str | None]]:
@@ -41,7 +50,8 @@ def bisect_commands(case_id: str, metric: str, world_size: int | None, change: C
     from harness.checks.timing import TIMED_METRICS
     from harness.selection import variant_argv
 
-    packages = sorted(((k, ab) for k, ab in diff.items() if k not in NOT_BISECTABLE and all(ab)),
+    packages = sorted(((k, ab) for k, ab in diff.items()
+                       if k not in NOT_BISECTABLE and all(ab) and not any(" " in v for v in ab if v)),
                       key=lambda p: (LIKELY_FIRST.index(p[0]) if p[0] in LIKELY_FIRST else len(LIKELY_FIRST), p[0]))
     sel = case_selection(case_id)
     middle = (change.before + change.after) / 2
@@ -123,22 +133,23 @@ def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | 
                        f"{f' since {since}' if since else ''}{hint}")
     world = dict(con.execute("SELECT id, world_size FROM runs"))
     rows, notes, pngs = [], [], []
-    for (platform, label, case_id), points in sorted(data.items()):
+    for (platform, label, stack_key, case_id), points in sorted(data.items()):
         changes = detect([p.value for p in points])
-        vers = sorted({p.versions.get("megatron-core", "?") for p in points})
+        restacked = [b.date[:10] for a, b in zip(points, points[1:]) if stack_changed(a, b)]
         when = (lambda p: p.date[:16].replace("T", " ")) if points[0].date[:10] == points[-1].date[:10] \
             else (lambda p: p.date[:10])  # nights of one day (reruns) by the minute
-        rows.append([platform, label or "-", case_id, str(len(points)), when(points[0]), when(points[-1]),
-                     f"{points[-1].value:.4g}", ", ".join(vers),
+        rows.append([platform, label or "-", stack_key, case_id, str(len(points)), when(points[0]), when(points[-1]),
+                     f"{points[-1].value:.4g}", ", ".join(restacked) or "-",
                      "; ".join(f"{c.kind} {(c.ratio - 1) * 100:+.1f}%" + (f" at {points[c.index].date[:10]}"
                                                                             if c.kind == "step" else "")
                                for c in changes) or "-"])
         if changes:
-            notes.append(f"{case_id} ({platform}{f', label {label}' if label else ''}):")
+            notes.append(f"{case_id} ({platform}, {stack_key}{f', label {label}' if label else ''}):")
             notes += describe(case_id, metric, points, changes, world.get(points[-1].run_id))
         if plots_dir is not None:
-            slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{platform}-{label + '-' if label else ''}{case_id}-{metric}")
+            slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_",
+                          f"{platform}-{stack_key}-{label + '-' if label else ''}{case_id}-{metric}")
             pngs.append(plot(Path(plots_dir) / f"{slug}.png", case_id, metric, points, changes))
-    table = text_table(["platform", "label", "case", "nights", "first", "last", "latest", "megatron-core", "changes"],
-                       rows)
+    table = text_table(["platform", "label", "stack", "case", "nights", "first", "last", "latest", "stack changed",
+                        "changes"], rows)
     return "\n".join([f"{metric}:", table, *([""] + notes if notes else [])]), pngs

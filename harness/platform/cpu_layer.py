@@ -93,9 +93,8 @@ _MEGATRON_RNG_MODULE = "megatron.core.tensor_parallel.random"
 _MEGATRON_RNG_ATTRS = ("_get_cuda_rng_state", "_set_cuda_rng_state")
 
 # megatron-core module whose per-process write-results queue the writer patch creates (looked up as a module
-# global by FileSystemWriterAsync.prepare_write_data).
+# global by FileSystemWriterAsync.prepare_write_data; its name per release: harness.upstream.WRITE_RESULTS_QUEUE).
 _MEGATRON_WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-_MEGATRON_WRITER_ATTR = "_get_write_results_queue"
 
 _CPU = torch.device("cpu")
 
@@ -194,21 +193,26 @@ def _megatron_rng_module():
     return module
 
 
-def _megatron_writer_module():
-    """megatron-core's filesystem_async where it has the per-process queue the writer patch replaces, else None
-    (its write-results server is then spawned, as megatron does)."""
+def _megatron_writer_module() -> tuple[Any, str] | None:
+    """megatron-core's filesystem_async and the name of the per-process queue's starter the writer patch replaces,
+    else None (its write-results server is then spawned, as megatron does)."""
     import importlib
+
+    from harness.upstream import write_results_queue_name
 
     try:
         module = importlib.import_module(_MEGATRON_WRITER_MODULE)
     except ImportError:
         return None
-    has = callable(getattr(module, _MEGATRON_WRITER_ATTR, None)) and hasattr(module, "_results_queue")
-    return module if has else None
+    name = write_results_queue_name(module)
+    if name is None or not callable(getattr(module, name)) or not hasattr(module, "_results_queue"):
+        return None
+    return module, name
 
 
-def _write_results_queue_by_fork() -> Any:
-    """megatron's _get_write_results_queue on CPU ranks: the same per-process Manager queue, its server forked."""
+def _write_results_queue_by_fork(*_: Any, **__: Any) -> Any:
+    """megatron's write-results queue on CPU ranks: the same per-process Manager queue, its server forked (0.19's
+    starter takes the start method, mp_mode, which is then fork's)."""
     import importlib
     import multiprocessing
 
@@ -290,9 +294,9 @@ class CpuLayer:
             self._replace(torch.cuda, name, value)
         for name, value in zip(_MEGATRON_RNG_ATTRS, (_get_rng_state_on_cpu, _set_rng_state_on_cpu)):
             self._replace(rng_module, name, value)
-        writer_module = _megatron_writer_module()
-        if writer_module is not None:
-            self._replace(writer_module, _MEGATRON_WRITER_ATTR, _write_results_queue_by_fork)
+        writer = _megatron_writer_module()
+        if writer is not None:
+            self._replace(writer[0], writer[1], _write_results_queue_by_fork)
         moe = _moe_modules()
         if moe is not None:
             moe_utils, dispatcher = moe
@@ -329,10 +333,12 @@ class CpuLayer:
     def points(self) -> tuple[str, ...]:
         """The points patched while active: PATCHED_POINTS, less those megatron-core has no need or place for (the
         writer's queue, the MoE router's and dispatcher's)."""
+        from harness.upstream import WRITE_RESULTS_QUEUE
+
         names = {name for _, name, _ in self._replaced}
-        optional = {WRITER_POINT: _MEGATRON_WRITER_ATTR, ROUTER_POINT: "te_general_gemm",
-                    DISPATCHER_POINT: "maybe_move_tensor_to_cpu"}
-        return tuple(p for p in PATCHED_POINTS if p not in optional or optional[p] in names)
+        optional = {WRITER_POINT: WRITE_RESULTS_QUEUE, ROUTER_POINT: ("te_general_gemm",),
+                    DISPATCHER_POINT: ("maybe_move_tensor_to_cpu",)}
+        return tuple(p for p in PATCHED_POINTS if p not in optional or set(optional[p]) & names)
 
 
 _LAYER = CpuLayer()

@@ -94,13 +94,11 @@ def teardown_parallel_state() -> None:
 
 
 def clear_moe_tracker() -> None:
-    """Empty megatron's MoE auxiliary-loss tracker (a module-level dict): its entries keep the process groups of
-    the case that logged them (the router's TP x CP group), 48 gloo threads in a warm rank at world size 4."""
-    import sys
+    """Empty megatron's MoE auxiliary-loss tracker: its entries keep the process groups of the case that logged them
+    (the router's TP x CP group), 48 gloo threads in a warm rank at world size 4."""
+    from harness.upstream import clear_moe_metrics
 
-    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
-    if moe_utils is not None:
-        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    clear_moe_metrics()
 
 
 def clear_megatron_caches() -> int:

@@ -1,5 +1,5 @@
-"""Where a run's figures came from: the versions of the packages and the harness's commit, the engine's
-distribution, the time."""
+"""Where a run's figures came from: the stack (harness.stack: Python, the torch build, megatron-core, the bridges),
+the other packages' versions and the harness's commit, the engine's distribution, the time."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ def versions() -> dict[str, str]:
 
 @functools.cache  # read once per process: results.json is written after every case (22 ms a call here, with
 def _versions() -> dict[str, str]:  # `git status`); what a run records is the code it started with anyway
-    out = {}
-    for dist in ("torch", "megatron-core", "transformer-engine", "megatron-bridge", "mbridge", "transformers", "peft"):
+    from harness.stack import components
+
+    out = dict(components())  # the stack: Python, the torch build, megatron-core, the bridges, Transformer Engine
+    for dist in ("transformers", "peft"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -86,6 +86,11 @@ def format_results(data: dict[str, Any]) -> str:
     out.append("")
     out.append("summary:")
     out.append(summary_table(cases))
+    from harness.stack import describe
+
+    versions = data.get("versions", {})
+    if versions.get("megatron-core") or versions.get("torch"):
+        out.append(f"stack: {describe(versions)}")
     n_pass = sum(c["passed"] for c in checks)
     n_blind = len(blind)
     out.append("")

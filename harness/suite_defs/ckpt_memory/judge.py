@@ -18,9 +18,7 @@ from harness.suite_defs.ckpt_memory.figures import record_command, save_data
 from harness.suite_defs.ckpt_memory.params import SUITE, CkptMemoryParams
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
-    from harness.baselines import Verdict
+    from harness.baselines import Source, Verdict
 
 
 @dataclass
@@ -42,7 +40,7 @@ def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResu
     from harness.platform import detect_platform
 
     out: list[CheckResult] = []
-    data_by_platform: dict[str, dict] = {}
+    books: dict[str, baselines.Book] = {}
     for res in results:
         case = res.case
         if case.params.ckpt_role and not res.ok:
@@ -51,21 +49,21 @@ def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResu
             out.append(case_failed("ckpt-memory.run", res))
             continue
         platform = detect_platform(case.backend).key
-        path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
-        if platform not in data_by_platform:
-            data_by_platform[platform] = baselines.load(path)
+        if platform not in books:
+            books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
+        source = books[platform].source(key_of(case))
         if case.params.ckpt_role:
             if loads := figures.load_samples(res):
                 # the committed GPU files predate the loads' entries: an absent one cannot tell, it does not fail
                 # at least a load's fixed cost beside the state: the small loads of tiny models (1.6-2.3 MiB) moved
                 # by 0.6 MiB with what ran before them
-                out.append(check_baseline("ckpt-memory.load-baseline", res, loads, data_by_platform[platform], path,
+                out.append(check_baseline("ckpt-memory.load-baseline", res, loads, source,
                                           missing_fails=False, floor=LOAD_FIXED_COST / MIB))
             continue
         out.append(_check_contract(res))
         out.append(_check_model(res))
         out.append(check_retained(res))
-        out.append(_check_baseline(res, figures.samples(res), data_by_platform[platform], path))
+        out.append(_check_baseline(res, figures.samples(res), source))
     return out
 
 
@@ -191,23 +189,24 @@ def check_retained(res: CaseResult) -> CheckResult:
                        captures=Captures(files, kept.capture, leaks=True))
 
 
-def _check_baseline(res: CaseResult, samples: dict[str, float], data: dict, path: Path) -> CheckResult:
+def _check_baseline(res: CaseResult, samples: dict[str, float], source: Source) -> CheckResult:
     """A save case's samples (figures.samples) against its entry (figures.key) in the baseline file's data;
     the flamegraph of the rank whose figure moved."""
     files = [save_data(r).save.capture for r in res.ranks if save_data(r).save.capture]
-    return check_baseline("ckpt-memory.baseline", res, samples, data, path, files,
+    return check_baseline("ckpt-memory.baseline", res, samples, source, files,
                           lambda metric: save_data(res.ranks[int(metric.split(".")[0][4:])]).save.capture)
 
 
-def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: dict, path: Path,
+def check_baseline(name: str, res: CaseResult, samples: dict[str, float], source: Source,
                    files: list[str] | None = None, capture_of=None, missing_fails: bool = True,
                    floor: float = 0.0) -> CheckResult:
     """A case's figures against its entry in a baseline file's data. A metric the entry lacks (the file
     was recorded before it was measured) cannot be judged and is named; an absent entry fails with the record
     command (missing_fails) or cannot tell (a check newer than the committed files). floor: the least tolerance,
-    MiB, whatever the recorded one."""
+    MiB, whatever the recorded one. An entry recorded on another stack says what differs (baselines.across_note)."""
     from harness import baselines
 
+    data, path = source.data, source.path
     key = key_of(res.case)
     recorded = key in data.get("entries", {})
     rows: list[str] = []
@@ -222,7 +221,9 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: 
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
     captures = Captures(files or [])
     record = record_command(res.case)
-    if by_status[baselines.BaselineStatus.REGRESSION] or by_status[baselines.BaselineStatus.IMPROVEMENT]:
+    moved_any = bool(by_status[baselines.BaselineStatus.REGRESSION] or by_status[baselines.BaselineStatus.IMPROVEMENT])
+    across = baselines.across_note(source, res.case, moved_any)
+    if moved_any:
         # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
         metric = max(by_status[baselines.BaselineStatus.REGRESSION] or by_status[baselines.BaselineStatus.IMPROVEMENT],
                      key=lambda m: (not math.isfinite(verdicts[m].measured), abs(verdicts[m].delta)))
@@ -233,13 +234,16 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: 
         if not math.isfinite(v.measured):
             return CheckResult(name, res.case.id, False,
                                f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
-                               f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{flame}", rows, data=shown,
+                               f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{flame}{across}", rows, data=shown,
                                captures=failed)
         verb = ("above" if v.status is baselines.BaselineStatus.REGRESSION
-                else f"below (improvement: refresh the baseline with `{record}`)")
+                else "below (improvement: " + ("see below)" if across else f"refresh the baseline with `{record}`)"))
+        moved = sum(1 for m in verdicts.values() if m.status in (baselines.BaselineStatus.REGRESSION,
+                                                                   baselines.BaselineStatus.IMPROVEMENT))
+        also = f" ({moved} figures moved)" if across and moved > 1 else ""
         return CheckResult(name, res.case.id, False,
                            f"{metric} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline "
-                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{flame}", rows,
+                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{also}{flame}{across}", rows,
                            improvement=not by_status[baselines.BaselineStatus.REGRESSION], data=shown, captures=failed)
     unrecorded = by_status[baselines.BaselineStatus.MISSING]
     if unrecorded and not recorded:
@@ -257,7 +261,7 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], data: 
     sees = f"; coarsest: {coarsest} detects {_detects(verdicts[coarsest])}" if coarsest else ""
     later = (f"; not judged, recorded before they were measured: {', '.join(unrecorded)} (re-record with `{record}`)"
              if unrecorded else "")
-    return CheckResult(name, res.case.id, True, f"within baseline ({key}){sees}{later}", rows, show=True,
+    return CheckResult(name, res.case.id, True, f"within baseline ({key}){sees}{later}{across}", rows, show=True,
                        data=shown, captures=captures)
 
 

@@ -8,6 +8,7 @@ their value is refused: a trajectory that does not repeat cannot judge anything.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from typing import TYPE_CHECKING
@@ -72,15 +73,15 @@ def check(results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
     from harness.platform import detect_platform
 
     out: list[CheckResult] = []
-    files: dict[str, dict] = {}
+    books: dict[str, baselines.Book] = {}
     by_id = {r.case.id: r for r in results}
     for res in results:
         platform = detect_platform(res.case.backend).key
-        path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
-        if str(path) not in files:
-            files[str(path)] = baselines.load(path)
+        if platform not in books:
+            books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
         key = key_of(res.case)
-        entry = files[str(path)].get("entries", {}).get(key)
+        source = books[platform].source(key)
+        path, entry = source.path, source.data.get("entries", {}).get(key)
         if entry is None:
             msg = (f"no golden trajectory for {key} on platform {platform} ({path}); record it with: "
                    f"{record_command(res.case)}")
@@ -89,14 +90,19 @@ def check(results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
             continue
         role = res.case.params.role
         if role == "":
-            out += judge(res.case.id, key, res.case.options.dtype, trajectory(res), entry,
-                         moments=hands_out_moments(res))
+            judged = judge(res.case.id, key, res.case.options.dtype, trajectory(res), entry,
+                           moments=hands_out_moments(res))
         elif role == "first-half":  # its steps here; the rest with the resume after it
             last = res.case.options.steps // 2
             half = {m: e for m, e in entry.items() if m.startswith("step") and int(m[4:6]) <= last}
-            out.append(judge(res.case.id, key, res.case.options.dtype, trajectory(res), half)[0])
+            judged = judge(res.case.id, key, res.case.options.dtype, trajectory(res), half)[:1]
         elif role == "resume":
-            out.append(_check_resume(res, by_id.get(res.case.after[0]), key, entry))
+            judged = [_check_resume(res, by_id.get(res.case.after[0]), key, entry)]
+        else:
+            judged = []
+        # one trajectory for every stack: a move names what differs from the stack that recorded it
+        out += [dataclasses.replace(c, message=c.message + baselines.across_note(source, res.case, c.failed))
+                for c in judged]
     return out
 
 

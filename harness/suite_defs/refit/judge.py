@@ -60,7 +60,7 @@ def must_build(full: dict[str, torch.Tensor], res: CaseResult) -> int:
 
 def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
     out: list[CheckResult] = []
-    files: dict[str, dict] = {}
+    books: dict[str, Any] = {}
     for res in results:
         if not res.ok:
             out.append(case_failed("refit.run", res))
@@ -80,21 +80,23 @@ def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
             out.append(check_memory(res, at, per_rank, biggest))
             out.append(check_repeats(res, at, per_rank))
         out.append(check_policy(res, ranks))
-        out.append(check_baseline(res, params, files))
+        out.append(check_baseline(res, params, books))
     return out
 
 
-def check_baseline(res: CaseResult, params: RefitParams, files: dict[str, dict]) -> CheckResult:
+def check_baseline(res: CaseResult, params: RefitParams, books: dict[str, Any]) -> CheckResult:
     """Each rank's export peak per bucket size against its baseline entry (figures.key)."""
     from harness import baselines
     from harness.platform import detect_platform
     from harness.suite_defs.refit import figures
 
-    path = baselines.baseline_path(params.baselines_dir, detect_platform(res.case.backend).key, "refit")
-    if str(path) not in files:
-        files[str(path)] = baselines.load(path)
+    platform = detect_platform(res.case.backend).key
+    if platform not in books:
+        books[platform] = baselines.Book(params.baselines_dir, platform, "refit")
     key, cid = figures.key(res.case), res.case.id
-    verdicts = {m: baselines.compare(files[str(path)], key, m, v) for m, v in figures.samples(res).items()}
+    source = books[platform].source(key)
+    path = source.path
+    verdicts = {m: baselines.compare(source.data, key, m, v) for m, v in figures.samples(res).items()}
     rows = [f"  {m}: {v.measured * 1024:.0f} KiB, baseline " + ("-" if v.baseline is None else
             f"{v.baseline * 1024:.0f} +- {(v.tolerance or 0) * 1024:.0f}") + f": {v.status}"
             for m, v in verdicts.items()]
@@ -105,17 +107,19 @@ def check_baseline(res: CaseResult, params: RefitParams, files: dict[str, dict])
                                                          f"{figures.record_command(res.case)}", rows)
     off = (baselines.BaselineStatus.REGRESSION, baselines.BaselineStatus.IMPROVEMENT)
     moved = [m for m, v in verdicts.items() if v.status in off]
+    across = baselines.across_note(source, res.case, bool(moved))
     if not moved:
         return CheckResult("refit.baseline", cid, True, f"{where(res)}: every rank's export peak within its baseline "
-                                                        f"({key})", rows)
+                                                        f"({key}){across}", rows)
     m = max(moved, key=lambda x: abs(verdicts[x].delta))
     v = verdicts[m]
     worse = v.status is baselines.BaselineStatus.REGRESSION
-    verb = "above" if worse else f"below (improvement: refresh the baseline with `{figures.record_command(res.case)}`)"
+    verb = "above" if worse else "below (improvement: " + (
+        "see below)" if across else f"refresh the baseline with `{figures.record_command(res.case)}`)")
     base, tol = (v.baseline or 0) * 1024, (v.tolerance or 0) * 1024
     return CheckResult("refit.baseline", cid, False, f"{where(res)}: {m} {v.measured * 1024:.0f} KiB is "
                                                      f"{v.delta * 1024:+.0f} KiB {verb} baseline {base:.0f} +- "
-                                                     f"{tol:.0f} KiB", rows, improvement=not worse)
+                                                     f"{tol:.0f} KiB{across}", rows, improvement=not worse)
 
 
 @dataclass(frozen=True)

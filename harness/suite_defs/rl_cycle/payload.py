@@ -47,3 +47,4 @@ class RLCycleRankData(TrainedRankData):
     instances: list[tuple[int, int, int]] = field(default_factory=list)  # (listed, live, live listed)
     residue_bound: int = 0
     probe: list[dict[str, Any]] = field(default_factory=list)
+    bias_marked_frozen: bool = False  # the routers carry megatron's frozen_expert_bias mark

@@ -143,7 +143,8 @@ class RLCycleSuite:
         with ctx.phase("collect"):
             shards = engine.param_shards()
         return RLCycleRankData(layout_coords(), steps, shards, iterations=iterations, instances=instances,
-                               residue_bound=residue_bound(engine, case), probe=probe)
+                               residue_bound=residue_bound(engine, case), probe=probe,
+                               bias_marked_frozen=engine.bias_marked_frozen())  # type: ignore[attr-defined]
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         from harness.suite_defs.rl_cycle.judge import table_figures

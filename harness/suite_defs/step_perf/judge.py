@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio, tier
@@ -46,7 +47,7 @@ def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult
     from harness.platform.backend import machine_fingerprint
 
     out: list[CheckResult] = []
-    files: dict[str, dict] = {}
+    books: dict[str, baselines.Book] = {}
     machines: dict[str, str] = {}  # backend -> fingerprint, read once per run (/proc/cpuinfo, or torch on GPUs)
     for res in results:
         if not res.ok:
@@ -55,21 +56,22 @@ def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult
         if params.overhead:
             out.append(check_overhead(res))
         platform = detect_platform(res.case.backend).key
-        path = baselines.baseline_path(params.baselines_dir, platform, SUITE)
-        if str(path) not in files:
-            files[str(path)] = baselines.load(path)
-        entry = files[str(path)].get("entries", {}).get(key(res.case))
+        if platform not in books:
+            books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
+        source = books[platform].source(key(res.case))
+        path = source.path
+        entry = source.data.get("entries", {}).get(key(res.case))
         if entry is None:
             for name in ("counters", "time"):
                 out.append(CheckResult(f"step-perf.{name}", res.case.id, False,
                                        f"no baseline for {key(res.case)} on platform {platform} ({path}); "
                                        f"record it with: {record_command(res.case)}"))
             continue
-        out.append(_check_counters(res, entry))
+        out.append(_check_counters(res, entry, source))
         if res.case.backend not in machines:
             machines[res.case.backend] = machine_fingerprint(res.case.backend)
         machine = machines[res.case.backend]
-        recorded_on = files[str(path)].get("provenance", {}).get(key(res.case), {}).get("machine")
+        recorded_on = source.data.get("provenance", {}).get(key(res.case), {}).get("machine")
         if recorded_on != machine:
             out.append(cannot_tell(
                 "step-perf.time", res.case.id,
@@ -112,7 +114,7 @@ def check_overhead(res: CaseResult) -> CheckResult:
                                   f"goal at this noise: more pairs (--timed-steps) narrow it ({said})")
 
 
-def _check_counters(res: CaseResult, entry: dict) -> CheckResult:
+def _check_counters(res: CaseResult, entry: dict, source: Any = None) -> CheckResult:
     measured = figures.counters(res)
     wanted = {m: e["value"] for m, e in entry.items() if m not in NOT_COUNTERS}
     rows, problems = [], []
@@ -129,6 +131,9 @@ def _check_counters(res: CaseResult, entry: dict) -> CheckResult:
             rel = f" ({(got - want) / want:+.1%})" if want else ""
             problems.append(f"{metric} {got:g} vs baseline {want:g}{rel}")
     rows = [f"  {p}" for p in problems]
+    from harness import baselines
+
+    across = baselines.across_note(source, res.case, bool(problems)) if source is not None else ""
     o = res.case.options
     overlap = [p for p in problems if "dp_reductions_in_backward" in p]
     first = min(measured) if measured else ""
@@ -143,10 +148,10 @@ def _check_counters(res: CaseResult, entry: dict) -> CheckResult:
         who = re.sub(r"^(ranks?)", r"\1 ", owner)  # "rank 0", or "ranks 0+1"
         return CheckResult("step-perf.counters", res.case.id, True,
                            f"{len(measured)} counters equal the baseline (FLOPs {measured[owner + '.flops']:.3g} "
-                           f"on {who})", value=0.0)
+                           f"on {who}){across}", value=0.0)
     head = rows[0].strip() if overlap and o.overlap_grad_reduce else problems[0]
     return CheckResult("step-perf.counters", res.case.id, False,
-                       f"{res.case.layout.id}: {len(problems)} counters differ from the baseline; {head}", rows,
+                       f"{res.case.layout.id}: {len(problems)} counters differ from the baseline; {head}{across}", rows,
                        value=float(len(problems)))
 
 

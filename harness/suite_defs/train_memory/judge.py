@@ -35,13 +35,13 @@ def band(expected: int) -> tuple[float, float]:
 
 def check(results: list[CaseResult], params: TrainMemoryParams) -> list[CheckResult]:
     out: list[CheckResult] = []
-    files: dict[str, dict] = {}
+    books: dict[str, Any] = {}
     for res in results:
         if not res.ok:
             out.append(case_failed("train-memory.run", res))
             continue
         out.append(_check_model(res))
-        out.append(_check_baseline(res, *_baselines(params, res, files)))
+        out.append(_check_baseline(res, _source(params, res, books)))
     return out
 
 
@@ -79,22 +79,22 @@ def _check_model(res: CaseResult) -> CheckResult:
                        f"{ABS_SLACK / MIB:.1f} MiB)", rows, show=True)
 
 
-def _baselines(params: TrainMemoryParams, res: CaseResult, files: dict[str, dict]) -> tuple[dict, Any]:
-    """The baselines file the case is judged against (each file read once), and its path."""
+def _source(params: TrainMemoryParams, res: CaseResult, books: dict[str, Any]) -> Any:
+    """Where the case's baseline entry is read from (each platform's files read once)."""
     from harness import baselines
     from harness.platform import detect_platform
 
-    path = baselines.baseline_path(params.baselines_dir, detect_platform(res.case.backend).key, SUITE)
-    if str(path) not in files:
-        files[str(path)] = baselines.load(path)
-    return files[str(path)], path
+    platform = detect_platform(res.case.backend).key
+    if platform not in books:
+        books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
+    return books[platform].source(key_of(res.case))
 
 
-def _check_baseline(res: CaseResult, data: dict, path: Any) -> CheckResult:
+def _check_baseline(res: CaseResult, source: Any) -> CheckResult:
     from harness import baselines
 
-    key = key_of(res.case)
-    verdicts = {m: baselines.compare(data, key, m, v) for m, v in samples(res).items()}
+    key, path = key_of(res.case), source.path
+    verdicts = {m: baselines.compare(source.data, key, m, v) for m, v in samples(res).items()}
     rows = [f"{m}: {v.measured:.2f} MiB, baseline " + ("-" if v.baseline is None else f"{v.baseline:.2f} +- "
                                                         f"{v.tolerance:.2f}") + f": {v.status}"
             for m, v in verdicts.items()]
@@ -105,17 +105,18 @@ def _check_baseline(res: CaseResult, data: dict, path: Any) -> CheckResult:
                            f"with: {record_command(res.case)}", rows)
     worse = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.REGRESSION]
     better = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.IMPROVEMENT]
+    across = baselines.across_note(source, res.case, bool(worse or better))
     if worse or better:
         m = max(worse or better, key=lambda x: abs(verdicts[x].delta))
         v = verdicts[m]
-        verb = "above" if worse else "below (improvement: refresh the baseline with " \
-            f"`{record_command(res.case)}`)"
+        verb = "above" if worse else "below (improvement: " + (
+            "see below)" if across else f"refresh the baseline with `{record_command(res.case)}`)")
         rank, _, phase = m.partition(".")  # rank0.step1_mib
         return CheckResult("train-memory.baseline", res.case.id, False,
                            f"{m} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline {v.baseline:.2f} +- "
-                           f"{v.tolerance:.2f} MiB", rows, improvement=not worse,
+                           f"{v.tolerance:.2f} MiB{across}", rows, improvement=not worse,
                            captures=captures_of(res, int(rank.removeprefix("rank")), phase.removesuffix("_mib")))
-    return CheckResult("train-memory.baseline", res.case.id, True, f"within baseline ({key})", rows)
+    return CheckResult("train-memory.baseline", res.case.id, True, f"within baseline ({key}){across}", rows)
 
 
 def captures_of(res: CaseResult, rank: int, phase: str) -> Captures:

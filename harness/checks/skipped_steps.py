@@ -1,0 +1,61 @@
+"""Steps megatron skipped: its optimizer reported no update (`update_successful` False) - a non-finite gradient norm
+on every release, a norm beyond OptimizerConfig.grad_norm_skip_threshold on megatron-core 0.19 and later. Reported
+in every suite whose ranks train (a figure, `skipped_steps`, and a failed check naming the steps), never counted as
+a trained step: a trajectory that held because nothing trained is no pass."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol, runtime_checkable
+
+from harness.checks import CheckResult
+from harness.engines.base import StepOutput
+from harness.launch.results import CaseResult
+
+
+@runtime_checkable
+class ReportsSteps(Protocol):
+    """A rank payload with its training steps' outputs (TrainedRankData and the suites' that extend it)."""
+
+    steps: list[StepOutput]
+
+
+def skipped(result: CaseResult) -> dict[int, StepOutput]:
+    """Step index -> the output of a step megatron skipped on some rank (every rank agrees: the decision is made
+    on the global norm), for a case whose ranks report steps; {} otherwise."""
+    out: dict[int, StepOutput] = {}
+    for rank in result.ranks:
+        payload = rank.data
+        if not isinstance(payload, ReportsSteps) or not isinstance(payload.steps, list):
+            continue
+        for i, step in enumerate(payload.steps):
+            if isinstance(step, StepOutput) and step.skipped:
+                out.setdefault(i, step)
+    return out
+
+
+def figures(result: CaseResult) -> dict[str, Any]:
+    """The figure every report shows of a case where steps were skipped: their indices."""
+    steps = skipped(result) if result.ok else {}
+    return {"skipped_steps": sorted(steps)} if steps else {}
+
+
+def check(suite: str, results: list[CaseResult]) -> list[CheckResult]:
+    """A failed `<suite>.trained-steps` for every case in which megatron skipped a step, naming the steps and why."""
+    out = []
+    for res in results:
+        steps = skipped(res) if res.ok else {}
+        if not steps:
+            continue
+        trained = max((len(r.data.steps) for r in res.ranks if isinstance(r.data, ReportsSteps)), default=0)
+        first, step = min(steps.items())
+        norm = step.grad_norm
+        why = ("a non-finite gradient norm" if norm is None or not math.isfinite(norm) else
+               f"gradient norm {norm:.4g}, beyond the optimizer's grad_norm_skip_threshold")
+        which = ", ".join(map(str, steps))
+        out.append(CheckResult(f"{suite}.trained-steps", res.case.id, False,
+                               f"megatron skipped {len(steps)} of {trained} steps (steps {which}): "
+                               f"its optimizer applied no update ({why} at step {first}), so "
+                               f"{trained - len(steps)} steps trained and the figures of the skipped ones judge "
+                               "nothing"))
+    return out
