@@ -96,7 +96,7 @@ def _requirements(*extras: str) -> list[str]:
 
 
 def _pins(stack: TestedStack) -> list[str]:
-    return [f"torch=={stack.torch}", f"megatron-core=={stack.megatron_core}", f"mbridge=={stack.mbridge}"]
+    return [f"torch=={stack.torch}", f"megatron-core=={stack.megatron_core}", f"mbridge=={stack.mbridge}", *stack.pins]
 
 
 def stack_env(session: nox.Session, stack: TestedStack, linters: bool = False) -> str:
@@ -259,7 +259,7 @@ def nightly(session: nox.Session) -> None:
         return
     previous = stack_env(session, PREVIOUS)
     run_in(session, stack_env(session, CURRENT), "harness", "nightly", *args, "--other-stack",
-           os.path.join(previous, "python"))
+           f"previous={os.path.join(previous, 'python')}")
 
 
 # What the node environment's python puts on sys.path beyond the standard library: its site-packages,

@@ -64,7 +64,8 @@ class Book:
         self.stack_bound = spec_of(suite).stack_bound
         if self.stack_bound:
             base = Path(baselines_dir or DEFAULT_DIR) / platform
-            found = [p for p in base.glob(f"*/{suite}.json") if p != self.path]
+            # every stack's directory, and a file from before stacks had one (its provenance names its stack)
+            found = [p for p in (base / f"{suite}.json", *base.glob(f"*/{suite}.json")) if p.exists() and p != self.path]
             self.others = sorted(((p, load(p)) for p in found), key=lambda pd: _newest(pd[1]), reverse=True)
 
     def source(self, key: str) -> Source:
@@ -74,7 +75,8 @@ class Book:
             if self.stack_bound:  # this stack's own recording
                 return Source(self.path, self.data)
             # a file shared across stacks: what differs between the stack that recorded the entry and this one
-            return Source(self.path, self.data, tuple(stack.differences(self.data.get("provenance", {}).get(key, {}))))
+            recorded = self.data.get("provenance", {}).get(key)
+            return Source(self.path, self.data, tuple(stack.differences(recorded)) if recorded else ())
         for path, data in self.others:
             if key in data.get("entries", {}):
                 return Source(path, data, tuple(stack.differences(data.get("provenance", {}).get(key, {}))))
@@ -85,10 +87,10 @@ def _newest(data: dict[str, Any]) -> str:
     return max((p.get("date", "") for p in data.get("provenance", {}).values()), default="")
 
 
-def across_note(src: Source, case: Any, moved: bool) -> str:
+def across_note(src: Source, case: Any, moved: bool, record: str = "") -> str:
     """What a verdict against an entry recorded on another stack adds to its message: the components that differ;
     where a figure moved, the bisect over the megatron-core (or bridge) releases between and, for a stack-bound suite,
-    the command that records this stack's own entry."""
+    the command that records this stack's own entry (`record`: the suite's own, else the case's selection's)."""
     if not src.across:
         return ""
     from harness.selection import bisect_command, record_command
@@ -101,7 +103,7 @@ def across_note(src: Source, case: Any, moved: bool) -> str:
     if bisect:
         said += f"; find the release with `{bisect[0]}`"
     if spec_of(case.suite).stack_bound:
-        said += f"; record this stack's with `{record_command(case)}`"
+        said += f"; record this stack's with `{record or record_command(case)}`"
     return said
 
 
@@ -191,8 +193,9 @@ def compare(data: dict[str, Any], key: str, metric: str, measured: float, floor:
 
 # The tolerance scales with the metric (REL_TOLERANCE of its median): a writer peak of 0.3 MiB and a
 # gathered 160 MiB are judged at the same relative resolution. ABS_FLOOR is measurement resolution only:
-# in baselines/cpu-gloo/ckpt-memory.json (3 repeats, memray tracing Python allocators) writer peaks spread
-# <= 0.045 MiB and heap peaks <= 0.07 MiB on warm ranks; the first measured save of a process adds
+# in baselines/cpu-gloo/py3.11-torch2.13.0-cpu-mcore0.16.1/ckpt-memory.json (3 repeats, memray tracing Python
+# allocators) writer peaks spread <= 0.045 MiB and heap peaks <= 0.07 MiB on warm ranks; the first measured save of
+# a process adds
 # 0.13-0.39 MiB (inside 20% of its 1.4-86 MiB peak). Hence 0.25 MiB: a floor much above that would let a
 # writer peak of 0.1-0.3 MiB grow several times over before a regression showed.
 REL_TOLERANCE = 0.20

@@ -148,16 +148,20 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     return EXIT_ERRORED if failing and all(v == "errored" for v in failing) else EXIT_FAIL
 
 
-def other_stacks(pythons: list[str]) -> dict[str, str]:
-    """python -> its stack's key (harness.stack.key), for each environment `--other-stack` names; BadInput for one
-    that does not run the harness or is this very stack, before anything runs."""
+def other_stacks(given: list[str]) -> dict[tuple[str, str], str]:
+    """(name, python) -> its stack's key (harness.stack.key), for each NAME=PYTHON `--other-stack` gives; BadInput
+    for a malformed one, one that does not run the harness or is this very stack, before anything runs."""
     import json
+    import re
     import subprocess
 
     from harness import stack
 
-    out: dict[str, str] = {}
-    for python in pythons:
+    out: dict[tuple[str, str], str] = {}
+    for item in given:
+        name, sep, python = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name) or not python:
+            raise BadInput(f"--other-stack {item!r}: give NAME=PYTHON, e.g. previous=.nox/stack-previous/bin/python")
         try:
             proc = subprocess.run([python, "-c", "import json; from harness import stack; "
                                                  "print(json.dumps(stack.components()))"],
@@ -172,7 +176,7 @@ def other_stacks(pythons: list[str]) -> dict[str, str]:
         key = stack.key(json.loads(proc.stdout))
         if key == stack.key() or key in out.values():
             raise BadInput(f"--other-stack {python}: its stack ({key}) is one the nightly already runs")
-        out[python] = key
+        out[(name, python)] = key
     return out
 
 

@@ -27,11 +27,14 @@ class TestedStack:
     megatron_core: str
     megatron_bridge: str
     mbridge: str
+    pins: tuple[str, ...] = ()  # what the bridges need beside them (megatron-bridge's transformers range)
 
 
-# current: what users run now (megatron-core 0.17 and later need Python >= 3.12); previous: what they upgrade from
-CURRENT = TestedStack("current", "3.12", "2.13.0", "0.19.2", "0.6.2", "0.15.1")
-PREVIOUS = TestedStack("previous", "3.11", "2.13.0", "0.16.1", "0.3.1", "0.15.1")
+# current: what users run now (megatron-core 0.17 and later need Python >= 3.12; megatron-bridge 0.6.2 imports
+# transformers 5 names); previous: what they upgrade from (megatron-bridge 0.3.1 and mbridge on transformers 4)
+CURRENT = TestedStack("current", "3.12", "2.13.0", "0.19.2", "0.6.2", "0.15.1",
+                      ("transformers>=5.8,<=5.12.1", "huggingface-hub>=1.5,<2"))
+PREVIOUS = TestedStack("previous", "3.11", "2.13.0", "0.16.1", "0.3.1", "0.15.1", ("transformers<5",))
 TESTED = (CURRENT, PREVIOUS)
 
 

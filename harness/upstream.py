@@ -73,6 +73,54 @@ def _hybrid_cp_split_from_parts(sample: dict, local_cp_size: int) -> tuple[dict,
     return batch, params
 
 
+# -- megatron-core: dynamic (hybrid) context parallel ---------------------------------------------------------------
+@dataclass(frozen=True)
+class DynamicCPApi:
+    """megatron-core's names for dynamic CP: `hybrid_*` in releases 0.16-0.19, `dynamic_*` on the dev branch. The
+    split of a sample over its local CP group is megatron's own where the release has it (0.16), else made of the
+    parts that stayed (hybrid_cp_split)."""
+
+    flag: str  # initialize_model_parallel keyword and TransformerConfig field
+    schedule_module: str  # has BalancedCPScheduler
+    split: Any  # (batch of one sample, local_cp_size) -> (this rank's part, PackedSeqParams)
+
+
+_DYNAMIC_CP_APIS = (("hybrid_context_parallel", "megatron.core.pipeline_parallel.hybrid_cp_schedule",
+                     "get_batch_on_this_hybrid_cp_rank"),
+                    ("dynamic_context_parallel", "megatron.core.pipeline_parallel.dynamic_cp_schedule",
+                     "get_batch_on_this_dynamic_cp_rank"))
+
+
+def dynamic_cp_api() -> DynamicCPApi:
+    """The installed megatron-core's dynamic-CP API (feature-probed), or MissingDependency naming what is missing."""
+    import importlib
+
+    from megatron.core import parallel_state, utils
+
+    from harness.errors import MissingDependency
+
+    init_args = inspect.signature(parallel_state.initialize_model_parallel).parameters
+    missing = []
+    for flag, module, split in _DYNAMIC_CP_APIS:
+        try:
+            schedule = importlib.import_module(module)
+        except ImportError:
+            missing.append(f"{module}")
+            continue
+        parts = [flag in init_args, hasattr(schedule, "BalancedCPScheduler")]
+        if all(parts):
+            return DynamicCPApi(flag, module, hybrid_cp_split(getattr(utils, split, None)))
+        missing.append(", ".join(name for name, ok in zip(
+            (f"initialize_model_parallel({flag}=)", f"{module}.BalancedCPScheduler"), parts) if not ok))
+    raise MissingDependency("dynamic CP needs megatron-core's hybrid_context_parallel API (releases 0.16-0.19) or "
+                            "the dev branch's dynamic_context_parallel; the installed one lacks: " + "; ".join(missing))
+
+
+def check_dynamic_cp_available() -> None:
+    """MissingDependency naming the megatron-core versions that have dynamic CP."""
+    dynamic_cp_api()
+
+
 def clear_moe_metrics() -> None:
     """Empty megatron's MoE auxiliary-loss tracker where it is loaded. 0.16 keeps it as a module dict that the getter
     returns; 0.19 keeps it in a MoEMetricsTracker (the getter returns a copy) and has destroy_moe_metrics_tracker."""
@@ -108,9 +156,17 @@ WRITE_RESULTS_QUEUE = ("get_write_results_queue", "_get_write_results_queue")  #
 
 
 def write_results_queue_name(module: Any) -> str | None:
-    """The name of the async writer's results-queue starter in megatron's filesystem_async module, None where the
-    release has none."""
-    return next((n for n in WRITE_RESULTS_QUEUE if hasattr(module, n)), None)
+    """The name of the async writer's results-queue starter in megatron's filesystem_async module (which keeps the
+    queue in its `_results_queue`), None where the release has none."""
+    if not hasattr(module, "_results_queue"):
+        return None
+    return next((n for n in WRITE_RESULTS_QUEUE if callable(getattr(module, n, None))), None)
+
+
+def dispatcher_moves_to_cpu(dispatcher: Any) -> bool:
+    """Whether megatron's MoE token dispatcher module moves its split sizes to the host through
+    maybe_move_tensor_to_cpu (0.16 - 0.19), the function the CPU layer replaces."""
+    return callable(getattr(dispatcher, "maybe_move_tensor_to_cpu", None))
 
 
 def skip_threshold_field() -> str | None:
@@ -146,10 +202,34 @@ def mbridge_build_refusal() -> str | None:
             "that fixes it, or use --engine megatron-bridge (verl's recommended path)")
 
 
+def bridge_transformers_mismatch() -> str | None:
+    """Why the installed transformers cannot carry the installed megatron-bridge (0.6 imports transformers 5 names,
+    0.3 needs transformers 4), from megatron-bridge's own metadata; None where it can (or either is not installed)."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    from packaging.requirements import Requirement
+
+    try:
+        wanted = [Requirement(r) for r in requires("megatron-bridge") or []]
+        have = version("transformers")
+    except PackageNotFoundError:
+        return None
+    spec = next((r.specifier for r in wanted if r.name == "transformers" and not r.marker), None)
+    if spec is None or spec.contains(have, prereleases=True):
+        return None
+    return (f"megatron-bridge {version('megatron-bridge')} needs transformers {spec}, this environment has {have}: "
+            f"pip install 'transformers{spec}'")
+
+
 def bridge_saves_hf_adapter(bridge: Any) -> Callable | None:
-    """megatron-bridge's own HF PEFT adapter save (AutoBridge.save_hf_adapter, releases after 0.3.1), None where
-    the release has none."""
-    return getattr(bridge, "save_hf_adapter", None)
+    """megatron-bridge's own HF PEFT adapter save (AutoBridge.save_hf_adapter, releases after 0.3.1), quiet (0.6
+    draws a progress bar unless told not to); None where the release has none."""
+    save = getattr(bridge, "save_hf_adapter", None)
+    if save is None:
+        return None
+    if "show_progress" in inspect.signature(save).parameters:
+        return functools.partial(save, show_progress=False)
+    return save
 
 
 def _version(dist: str) -> str:
@@ -182,29 +262,18 @@ class KnownDefect:
         return not self.fixed()
 
 
-def _version_at_least(dist: str, first: str) -> Callable[[], bool]:
-    """A probe for a defect no feature shows: the installed release is `first` or later (an expectation range)."""
-    def probe() -> bool:
-        from importlib.metadata import PackageNotFoundError, version
-
-        from packaging.version import Version
-
-        try:
-            return Version(version(dist)) >= Version(first)
-        except PackageNotFoundError:
-            return False
-    return probe
-
-
 FROZEN_EXPERT_BIAS = KnownDefect(
     "NVIDIA/Megatron-LM#4785", "megatron-core updates a frozen router's expert bias (aux-loss-free balancing)",
     "megatron-core", "0.17.0", frozen_expert_bias_honoured)
 # HybridDeviceOptimizer makes fp32 master copies only of low-precision parameters and looks every parameter up there
 # after a load (_update_fp32_params_by_new_state: KeyError); the file is unchanged through 0.19.2.
 OFFLOAD_FP32_LOAD = KnownDefect(
-    "NVIDIA/Megatron-LM (HybridDeviceOptimizer)", "the optimizer CPU offload cannot load the state of fp32 parameters "
-    "(KeyError in _update_fp32_params_by_new_state)", "megatron-core", None, lambda: False)
-# Megatron-Bridge#5634 / PR #5635: expert LoRA exported wrong at ETP > 1
+    "megatron-core's HybridDeviceOptimizer, no upstream issue known", "the optimizer CPU offload cannot load the "
+    "optimizer state of fp32 parameters (KeyError in _update_fp32_params_by_new_state)", "megatron-core", None,
+    lambda: False)
+# Megatron-Bridge#5634 (PR #5635 open): LoRA on SequentialMLP experts computes a wrong expert fc2 delta at ETP > 1,
+# and its export gathers expert adapters over TP and PP but not EP; read unchanged in 0.6.2's source
+# (peft/utils.py ParallelLinearAdapter, models/conversion/param_mapping.py), no release fixes it yet
 BRIDGE_EXPERT_LORA = KnownDefect(
-    "NVIDIA-NeMo/Megatron-Bridge#5634", "megatron-bridge exports expert LoRA adapters wrong at ETP > 1",
-    "megatron-bridge", "0.4.0", _version_at_least("megatron-bridge", "0.4.0"))
+    "NVIDIA-NeMo/Megatron-Bridge#5634", "LoRA on SequentialMLP experts is exported for EP rank 0 only and computes a "
+    "wrong fc2 delta at ETP > 1", "megatron-bridge", None, lambda: False)

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import baselines, cli, driver, recording
+from harness import baselines, cli, driver, recording, stack
+from harness.suite_registry import spec_of
 
 
 @dataclass
@@ -68,7 +69,7 @@ def _git(repo, *args):
 
 
 def test_diff_against_git_and_against_a_file(tmp_path, capsys):
-    path = tmp_path / "cpu-gloo" / "ckpt-memory.json"
+    path = baselines.suite_path(tmp_path, "cpu-gloo", "ckpt-memory")  # this stack's file
     old = baselines.build_entries({"k/a": {"m": [10.0, 10.0, 10.0]}, "k/b": {"m": [5.0, 5.0, 5.0]}})
     baselines.write(path, "ckpt-memory", "cpu-gloo", old, {})
     _git(tmp_path, "init", "-q")
@@ -87,7 +88,7 @@ def test_diff_against_git_and_against_a_file(tmp_path, capsys):
         assert "- k/b m: 5.0" in out
     assert cli.main(["baselines", "diff", "--suite", "ckpt-memory", "--baselines-dir", str(tmp_path),
                      "--against", "no-such-rev"]) == 2
-    assert "cannot read cpu-gloo/ckpt-memory.json at revision 'no-such-rev'" in capsys.readouterr().err
+    assert f"cannot read cpu-gloo/{stack.key()}/ckpt-memory.json at revision 'no-such-rev'" in capsys.readouterr().err
 
 
 # -- record --missing: what the regression suites look for and a platform lacks ------------------------------
@@ -104,7 +105,9 @@ def test_an_empty_platform_lacks_every_baselined_run_of_the_regression_suites(tm
     assert {(m.suite, m.model) for m in todo} == {
         (r.suite, r.model or get_suite(r.suite).default_model) for r in REGRESSION_RUNS
         if isinstance(get_suite(r.suite), Baselined)}
-    assert all(len(m.missing) == m.planned and m.path.parent == tmp_path / "cpu-gloo" for m in todo)
+    # a stack-bound suite records under this stack's directory, golden (one trajectory for every stack) beside them
+    assert all(len(m.missing) == m.planned and m.path.parent == tmp_path / "cpu-gloo" / (
+        stack.key() if spec_of(m.suite).stack_bound else "") for m in todo)
     saves = next(m for m in todo if (m.suite, m.model) == ("ckpt-memory", "small"))
     # 19 saves and the contract's 4 cases, whose loads' peaks are baselined (the DP-only load at half the DP)
     contract = [k for k in saves.missing if k.endswith(("/reshard", "/reshard-load"))]
@@ -125,7 +128,7 @@ def _fake_recorder(monkeypatch, refuse: str = ""):
             raise RuntimeError("not recording: 1 metric(s) too noisy to baseline")
         planned = plan(suite, model, world_size, backend=backend, baselines_dir=baselines_dir)
         found, cases = planned.suite, planned.cases
-        path = baselines.baseline_path(baselines_dir, "cpu-gloo", found.name)
+        path = baselines.suite_path(baselines_dir, "cpu-gloo", found.name)
         keys = {found.key(c) for c in cases if not c.skip}  # as record_suite: a skipped case records nothing
         data = baselines.load(path)
         entries = {**data.get("entries", {}), **baselines.build_entries({k: {"m": [1.0] * 3} for k in keys})}

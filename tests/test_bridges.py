@@ -12,23 +12,21 @@ import textwrap
 import pytest
 
 from harness.driver import run_suite
-from harness.engines import resolve_factory
+from harness.engines import mbridge, megatron_bridge_import, resolve_factory
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
-from harness.errors import MissingDependency
+from harness.errors import MissingDependency, NotOnThisStack
 from harness.spec import CaseOptions
 
 BRIDGES = ("mbridge", "megatron-bridge")
-INSTALL = {
-    "mbridge": "pip install -c constraints-cpu.txt -e .[mbridge]",
-    "megatron-bridge": "pip install --no-deps megatron-bridge==0.3.1 && pip install -c constraints-cpu.txt -e .[bridge]",
-}
+INSTALL = {"mbridge": mbridge.INSTALL, "megatron-bridge": megatron_bridge_import.INSTALL}
 
 
 def _missing(engine: str) -> str | None:
-    """The engine's own MissingDependency line (names the install command), or None when installed."""
+    """The engine's own MissingDependency line (names the install command) or its NotOnThisStack line (a path the
+    installed releases cannot run together: mbridge 0.15.1 on megatron-core >= 0.18), or None where it runs."""
     try:
         resolve_factory(engine)
-    except MissingDependency as exc:
+    except (MissingDependency, NotOnThisStack) as exc:
         return str(exc)
     return None
 

@@ -104,7 +104,7 @@ def test_bad_mixes_and_layouts_are_refused_before_anything_runs():
 def test_missing_dynamic_cp_api_names_what_is_missing(monkeypatch):
     from megatron.core.pipeline_parallel import hybrid_cp_schedule
 
-    from harness.engines.dynamic_cp_api import dynamic_cp_api
+    from harness.upstream import dynamic_cp_api
     from harness.errors import MissingDependency
 
     assert dynamic_cp_api().flag == "hybrid_context_parallel"  # megatron-core 0.16 - 0.19 here
@@ -119,7 +119,7 @@ def test_the_dynamic_cp_split_is_megatrons_where_the_release_has_it(monkeypatch)
     """0.16 has get_batch_on_this_hybrid_cp_rank; 0.19 removed it and the split is made from the parts that stayed."""
     from megatron.core import utils
 
-    from harness.engines.dynamic_cp_api import dynamic_cp_api
+    from harness.upstream import dynamic_cp_api
     from harness.upstream import _hybrid_cp_split_from_parts
 
     own = getattr(utils, "get_batch_on_this_hybrid_cp_rank", None)

@@ -382,7 +382,7 @@ def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skip
     precision-aware optimizer): golden's first distributed-optimizer format is saved and resumed again with them,
     judged against the same trajectory. HybridDeviceOptimizer needs CUDA streams: on gloo ranks the pair is
     skipped naming that, and on a megatron-core without the fields naming them."""
-    from harness.engines import mcore
+    from harness.engines import mcore, optimizer_offload
     from harness.errors import BadInput
     from harness.models import load_model
     from harness.suite_defs.golden import GoldenSuite

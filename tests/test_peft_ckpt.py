@@ -232,15 +232,18 @@ def _moe_megatron_names(m) -> dict[str, tuple[int, ...]]:
 def test_moe_base_weights_map_onto_every_hf_qwen3_moe_weight():
     from transformers import AutoModelForCausalLM
 
-    from harness.engines.hf_weights import hf_state_dict
+    from harness.engines.hf_weights import checkpoint_shapes, hf_state_dict, to_module_format
     from harness.engines.mbridge import hf_config
 
     m = load_model("tiny-qwen3-moe")
     full = {n: torch.randn(shape) for n, shape in _moe_megatron_names(m).items()}
     got = hf_state_dict(full, m)
-    want = AutoModelForCausalLM.from_config(hf_config(m)).state_dict()
+    hf = AutoModelForCausalLM.from_config(hf_config(m))
+    want = checkpoint_shapes(hf.state_dict())  # experts one by one, as a checkpoint holds them
     assert set(got) == set(want) - {"lm_head.weight"}  # tied: the embedding is the output layer
-    assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(want[k].shape) for k in got}
+    assert {k: tuple(v.shape) for k, v in got.items()} == {k: want[k][0] for k in got}
+    loaded = hf.load_state_dict(to_module_format(got, set(hf.state_dict())), strict=False)  # fused in transformers 5
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}
     fc1 = full["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.to_wrap.weight"]
     assert torch.equal(got["model.layers.1.mlp.experts.3.up_proj.weight"], fc1[m.expert_ffn:])
     with pytest.raises(KeyError, match="no Hugging Face name for decoder.layers.0.mlp.shared_experts"):

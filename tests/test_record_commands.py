@@ -27,7 +27,7 @@ SELECTIONS = [
     ("step-perf", "small", 4, ["--engine", "fsdp2"]),
     ("train-memory", "small", 4, ["--engine", "fsdp2"]),
     ("ckpt-memory", "small", 4, []),
-    ("ckpt-memory", "small", 2, ["--engine", "mbridge"]),
+    ("ckpt-memory", "small", 2, ["--engine", "megatron-bridge"]),
     ("ckpt-memory", "tiny-moe", 4, []),
 ]
 
@@ -74,9 +74,9 @@ def test_the_fsdp2_path_has_its_own_entries_and_the_bridges_share_mcores(suite):
     on fsdp2 at tp1-pp1-cp1-dp4 once failed `36 counters differ from the baseline` on correct code. The bridges build
     megatron's DDP and keep mcore's entries (a bridge that builds otherwise fails against them)."""
     keys = {}
-    for engine in ("mcore", "mbridge", "fsdp2"):
+    for engine in ("mcore", "megatron-bridge", "fsdp2"):
         planned = _planned(["run", "--suite", suite, "--model", "small", "--world-size", "4", "--backend", "gloo",
                             "--engine", engine])
         keys[engine] = {planned.suite.key(c) for c in planned.cases if c.engine == engine}
-    assert keys["mbridge"] <= keys["mcore"], keys
+    assert keys["megatron-bridge"] <= keys["mcore"], keys
     assert keys["fsdp2"] and all(k.endswith("/fsdp2") for k in keys["fsdp2"]) and not keys["fsdp2"] & keys["mcore"]

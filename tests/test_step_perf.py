@@ -438,15 +438,16 @@ def test_a_baseline_timed_beside_other_processes_is_refused():
 # -- analytic FLOPs and MFU -------------------------------------------------------------------------------
 
 def test_analytic_flops_equal_the_counted_ones_of_the_committed_baselines():
-    """Every flops counter recorded in baselines/cpu-gloo/step-perf.json equals the analytic count of the config:
+    """Every flops counter recorded in a stack's baselines/cpu-gloo/<stack>/step-perf.json equals the analytic count of the config:
     small's per rank (dp1, dp4, tp2, pp2 - both stages - and cp2), tiny-moe's summed over each group of ranks a
     token's routed copies stay within (pure DP, EP 2 and 4, with TP 2 at ETP 2 and 1, with CP 2 and PP 2)."""
     from harness import baselines
     from harness.checks.flops_model import exact_groups, step_flops
 
-    data = baselines.load(baselines.baseline_path(None, "cpu-gloo", "step-perf"))
+    files = sorted((baselines.DEFAULT_DIR / "cpu-gloo").glob("*/step-perf.json"))  # every stack's
+    assert files
     seen = set()
-    for key, metrics in data["entries"].items():
+    for key, metrics in [kv for f in files for kv in baselines.load(f)["entries"].items()]:
         model, layout, _ = key.split("/")
         m, lay = load_model(model), Layout.parse(layout)
         for name, entry in metrics.items():
@@ -670,7 +671,8 @@ def test_a_cpu_machine_is_its_boot():
     got = machine_fingerprint("gloo")
     assert got.endswith(f" x{os.cpu_count()}, boot {boot}"), got
     root = Path(__file__).resolve().parents[1]
-    committed = json.loads((root / "baselines/cpu-gloo/step-perf.json").read_text())["provenance"]
+    committed = {k: p for f in (root / "baselines" / "cpu-gloo").glob("*/step-perf.json")
+                 for k, p in json.loads(f.read_text())["provenance"].items()}
     # a committed time is judged here only where it was recorded in this boot (on CI: never)
     assert all((p.get("machine") == got) == p.get("machine", "").endswith(f", boot {boot}")
                for p in committed.values())

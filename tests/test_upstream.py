@@ -36,7 +36,7 @@ def _imports(package: str) -> dict[tuple[str, str], str]:
 
 def test_every_megatron_core_name_the_harness_imports_is_on_the_installed_stack():
     names = {k: v for k, v in _imports("megatron").items() if not k[0].startswith("megatron.bridge")}
-    assert len(names) > 40  # the harness's reach into megatron-core, as parsed
+    assert len(names) > 30  # the harness's reach into megatron-core, as parsed
     missing = []
     for (module, name), where in names.items():
         try:

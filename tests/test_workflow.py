@@ -89,7 +89,7 @@ def test_nightly_counts_a_run_that_judged_nothing_as_a_failure(tmp_path, capsys,
     from harness.errors import BadInput
 
     def refuse(*args, **kwargs):
-        raise BadInput("baseline file baselines/cpu-gloo/ckpt-memory.json is corrupt")
+        raise BadInput("baseline file baselines/cpu-gloo/golden.json is corrupt")
 
     monkeypatch.setattr("harness.driver.execute", refuse)
     code = nightly.run_nightly(tmp_path, ["ckpt-memory"], ["small"], 2, "gloo", None, lambda msg: None)
@@ -294,6 +294,6 @@ def test_an_engine_the_suite_plans_no_case_for_is_refused_not_run_as_another():
         def cases(self, *args, engine="mcore", **kwargs):
             return self._suite.cases(*args, engine="mcore", **kwargs)
 
-    with pytest.raises(DoesNotApply, match=r"--engine mbridge runs no case of this selection \(its cases are mcore's "
-                                           r"alone\): run it with --engine mcore"):
-        plan(OnlyMcore(get_suite("equivalence")), "tiny", 2, None, engine="mbridge", backend="gloo")
+    with pytest.raises(DoesNotApply, match=r"--engine megatron-bridge runs no case of this selection \(its cases are "
+                                           r"mcore's alone\): run it with --engine mcore"):
+        plan(OnlyMcore(get_suite("equivalence")), "tiny", 2, None, engine="megatron-bridge", backend="gloo")

@@ -23,10 +23,11 @@ def add_parser(sub) -> None:
     p.add_argument("--label", default=None, help="names every run of this nightly in the report and the history")
     p.add_argument("--history-db", default=None, help="the history database every run is ingested into at the end "
                                                       "(default: OUT/history.sqlite)")
-    p.add_argument("--other-stack", action="append", metavar="PYTHON", default=[],
-                   help="also run the nightly on another stack: the python of its environment, which has the harness "
-                        "installed (e.g. .nox/stack-previous/bin/python; repeatable); each stack then writes into "
-                        "OUT/<stack>/, the history database is shared")
+    p.add_argument("--other-stack", action="append", metavar="NAME=PYTHON", default=[],
+                   help="also run the nightly on another stack: a name and the python of its environment, which has "
+                        "the harness installed (e.g. previous=.nox/stack-previous/bin/python; repeatable); each stack "
+                        "then writes into OUT/<stack>/, the history database is shared and the other stack's runs are "
+                        "labelled NAME (their own series)")
     p.set_defaults(func=main)
 
 
@@ -46,22 +47,23 @@ def main(args) -> int:
     history_db = history_db or out / "history.sqlite"
     codes = [run_nightly(out / stack.key(), args.suite or list(SUITES), args.model, args.world_size, args.backend,
                          args.engine, say, label=args.label, history_db=history_db)]
-    for python, key in others.items():
-        say(f"nightly: the stack of {python} ({key}) into {out / key}")
-        codes.append(_run_other(python, out / key, history_db, args))
+    for (name, python), key in others.items():
+        say(f"nightly: the {name} stack ({key}, {python}) into {out / key}")
+        label = f"{args.label}-{name}" if args.label else name
+        codes.append(_run_other(python, out / key, history_db, label, args))
     return worst_exit(codes)
 
 
-def _run_other(python: str, out: Path, history_db: Path, args) -> int:
-    """`harness nightly` in another environment with this one's selection; its exit code."""
+def _run_other(python: str, out: Path, history_db: Path, label: str, args) -> int:
+    """`harness nightly` in another environment with this one's selection, its runs labelled; its exit code."""
     import subprocess
 
     argv = [python, "-m", "harness.cli", "nightly", "--out", str(out), "--history-db", str(history_db),
-            "--backend", str(args.backend)]
+            "--backend", str(args.backend), "--label", label]
     for flag, values in (("--suite", args.suite), ("--model", args.model)):
         for v in values or []:
             argv += [flag, v]
-    for flag, value in (("--world-size", args.world_size), ("--engine", args.engine), ("--label", args.label)):
+    for flag, value in (("--world-size", args.world_size), ("--engine", args.engine)):
         if value is not None:
             argv += [flag, str(value)]
     return subprocess.run(argv).returncode

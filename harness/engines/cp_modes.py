@@ -6,7 +6,7 @@ Modes (CPCaseParams.cp_mode):
 - "static": each DP rank packs its samples into one THD micro-batch (per sequence padded to a
   multiple of 2*CP), split over the layout's CP group by the pure-torch THD split.
 - "dynamic": megatron-core's released hybrid CP (0.16-0.19; the dev branch's `dynamic_context_parallel`
-  names are probed too, see `dynamic_cp_api`): `hybrid_context_parallel` groups,
+  names are probed too, see `harness.upstream.dynamic_cp_api`): `hybrid_context_parallel` groups,
   `BalancedCPScheduler` groups the samples and picks each one's local CP size from
   `max_seqlen_per_dp_cp_rank`, megatron's `hybrid_context_parallel_forward_backward` runs them,
   `get_batch_on_this_hybrid_cp_rank` splits each over its local CP group. Every rank generates
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from harness.engines.cp_data import pack_thd, thd_batch_on_this_cp_rank
-from harness.engines.dynamic_cp_api import DynamicCPApi, dynamic_cp_api
+from harness.upstream import DynamicCPApi, dynamic_cp_api
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, transformer_config
 from harness.errors import BadInput

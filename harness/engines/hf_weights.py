@@ -83,3 +83,59 @@ def hf_state_dict(full: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, 
             else:
                 raise KeyError(f"no Hugging Face name for {name}")
     return out
+
+
+# -- checkpoint format and module format ----------------------------------------------------------------------------
+# What a rollout engine loads, and what megatron-bridge and this mapping send, is the Hugging Face checkpoint format:
+# one tensor per expert (model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight). transformers 5's Qwen3-MoE module
+# holds each layer's experts fused (mlp.experts.gate_up_proj [E, 2F, H], gate first; mlp.experts.down_proj
+# [E, H, F]); transformers 4's holds them per expert, as the checkpoint does.
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def checkpoint_shapes(module_state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of an HF model's state in the checkpoint format: fused expert tensors listed per expert."""
+    out = {}
+    for name, t in module_state.items():
+        fused = _FUSED.match(name)
+        if fused is None:
+            out[name] = (tuple(t.shape), t.dtype)
+            continue
+        experts, kind = fused.groups()
+        for e in range(t.shape[0]):
+            if kind == "down_proj":
+                out[f"{experts}.{e}.down_proj.weight"] = (tuple(t.shape[1:]), t.dtype)
+            else:
+                half = (t.shape[1] // 2, t.shape[2])
+                out[f"{experts}.{e}.gate_proj.weight"] = (half, t.dtype)
+                out[f"{experts}.{e}.up_proj.weight"] = (half, t.dtype)
+    return out
+
+
+def to_module_format(state: dict[str, torch.Tensor], module_keys: set[str]) -> dict[str, torch.Tensor]:
+    """A checkpoint-format state for a module whose experts are fused (module_keys: its state_dict's keys): each
+    layer's per-expert tensors stacked into its fused ones where every expert of the layer is there; the rest as
+    given (a missing expert leaves the fused tensor missing, as a missing key would)."""
+    import torch
+
+    fused = {m.group(1) for k in module_keys if (m := _FUSED.match(k))}
+    if not fused:
+        return dict(state)
+    out = dict(state)
+    per = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    found: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in state.items():
+        m = per.match(name)
+        if m is not None and m.group(1) in fused:
+            found.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            del out[name]
+    for experts, by_index in found.items():
+        indices = sorted(by_index)
+        if indices != list(range(len(indices))):
+            continue  # experts missing: the fused tensors stay missing
+        if all({"gate_proj", "up_proj"} <= set(by_index[e]) for e in indices):
+            out[f"{experts}.gate_up_proj"] = torch.stack([torch.cat([by_index[e]["gate_proj"], by_index[e]["up_proj"]])
+                                                           for e in indices])
+        if all("down_proj" in by_index[e] for e in indices):
+            out[f"{experts}.down_proj"] = torch.stack([by_index[e]["down_proj"] for e in indices])
+    return out

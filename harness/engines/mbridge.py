@@ -86,7 +86,8 @@ def hf_config(m: ModelSpec):
     try:
         from transformers import LlamaConfig, Qwen3MoeConfig
     except ImportError as exc:
-        raise MissingDependency(f"bridge engines need transformers<5 (import failed: {exc})") from None
+        raise MissingDependency(f"bridge engines need transformers (import failed: {exc}); the stacks' releases: "
+                                "docs/stacks.md") from None
 
     arch = hf_architecture(m)
     common = dict(

@@ -44,6 +44,7 @@ from harness.engines.megatron_bridge_import import check_available, import_bridg
 from harness.engines.model_config import grouped_experts, layer_spec, moe_config, sequence_parallel, training_fields
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.spec import Layout, ModelSpec
+from harness.upstream import bridge_saves_hf_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -52,32 +53,24 @@ _CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout
                 "persist_layer_norm", "gradient_accumulation_fusion")
 
 
-# The last megatron-bridge whose LoRA on megatron's SequentialMLP experts (what every rank without Transformer
-# Engine's grouped GEMM builds) is known wrong beyond pure DP and PP (docs/moe.md): its adapter export gathers
-# expert adapters over TP and PP, not EP, and at ETP 2 its expert fc2 adapters compute a wrong delta
-# (Megatron-Bridge #5634). A newer bridge is judged at every layout.
-EXPERT_LORA_WRONG_UP_TO = "0.3.1"
-
-
 def adapter_refusal(model: ModelSpec, layout: Layout, backend: Backend) -> str | None:
     """Why this bridge's expert adapters cannot be exported or loaded right at the layout; None where they can."""
     if not model.moe or (layout.ep == 1 and layout.expert_tp == 1) or grouped_experts(on_cpu=backend == Backend.GLOO):
         return None
     from importlib.metadata import PackageNotFoundError, version
 
-    from packaging.version import Version
+    from harness.upstream import BRIDGE_EXPERT_LORA
 
     try:
         found = version("megatron-bridge")
     except PackageNotFoundError:
         return None
-    if Version(found) > Version(EXPERT_LORA_WRONG_UP_TO):
+    if not BRIDGE_EXPERT_LORA.present():
         return None
     return (f"layout {layout.id}: megatron-bridge {found}'s LoRA on SequentialMLP experts (built here: grouped GEMM "
             "needs Transformer Engine on NCCL ranks) exports EP rank 0's expert adapters only, and computes a wrong "
-            "expert fc2 delta at ETP 2 (Megatron-Bridge #5634); run the adapters at EP 1 and ETP 1 (pure DP or PP), "
-            f"on GPU ranks with Transformer Engine, or with a megatron-bridge newer than {EXPERT_LORA_WRONG_UP_TO} "
-            "(docs/moe.md)")
+            f"expert fc2 delta at ETP 2 ({BRIDGE_EXPERT_LORA.said()}); run the adapters at EP 1 and ETP 1 (pure DP "
+            "or PP), or on GPU ranks with Transformer Engine (docs/moe.md)")
 
 
 class MegatronBridgeEngine(McoreEngine):
@@ -187,7 +180,7 @@ class MegatronBridgeEngine(McoreEngine):
         wrote adapter_config.json: "engine", or "harness" (its fields are then the harness's, not judged)."""
         import torch.distributed as dist
 
-        save = getattr(self.bridge, "save_hf_adapter", None)  # megatron-bridge > 0.3.1 (version probe)
+        save = bridge_saves_hf_adapter(self.bridge)
         if save is not None:
             save(self.models, path, self.peft)
             return "engine"

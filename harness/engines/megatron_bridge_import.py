@@ -10,7 +10,8 @@ import types
 
 from harness.errors import MissingDependency
 
-INSTALL = "pip install --no-deps megatron-bridge==0.3.1 && pip install -c constraints-cpu.txt -e .[bridge]"
+INSTALL = ("pip install --no-deps megatron-bridge==RELEASE && pip install -c constraints-cpu.txt -e .[bridge] (each "
+           "stack's RELEASE and transformers: docs/stacks.md)")
 # import name -> distribution: what this engine imports (megatron-bridge's metadata pins CUDA-only
 # packages, so it is installed with --no-deps and its CPU-importable dependencies come from the extra)
 _REQUIRED = {"megatron.bridge": "megatron-bridge", "transformers": "transformers", "omegaconf": "omegaconf",
@@ -25,9 +26,14 @@ stubbed_imports: list[tuple[str, str]] = []
 
 def check_available() -> None:
     """MissingDependency naming the install command; cheap enough for the parent (imports nothing heavy)."""
+    from harness.upstream import bridge_transformers_mismatch
+
     for module, dist in _REQUIRED.items():
         if importlib.util.find_spec(module) is None:
             raise MissingDependency(f"engine 'megatron-bridge' needs {dist} (no module {module!r}): {INSTALL}")
+    why = bridge_transformers_mismatch()
+    if why:
+        raise MissingDependency(f"engine 'megatron-bridge': {why}")
 
 
 class _Stub(types.ModuleType):

@@ -133,12 +133,15 @@ def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | 
                        f"{f' since {since}' if since else ''}{hint}")
     world = dict(con.execute("SELECT id, world_size FROM runs"))
     rows, notes, pngs = [], [], []
-    for (platform, label, stack_key, case_id), points in sorted(data.items()):
+    from harness.stack import key as stack_key_of
+
+    for (platform, label, case_id), points in sorted(data.items()):
+        stack_key = stack_key_of(points[-1].versions)
         changes = detect([p.value for p in points])
         restacked = [b.date[:10] for a, b in zip(points, points[1:]) if stack_changed(a, b)]
         when = (lambda p: p.date[:16].replace("T", " ")) if points[0].date[:10] == points[-1].date[:10] \
             else (lambda p: p.date[:10])  # nights of one day (reruns) by the minute
-        rows.append([platform, label or "-", stack_key, case_id, str(len(points)), when(points[0]), when(points[-1]),
+        rows.append([platform, label or "-", case_id, stack_key, str(len(points)), when(points[0]), when(points[-1]),
                      f"{points[-1].value:.4g}", ", ".join(restacked) or "-",
                      "; ".join(f"{c.kind} {(c.ratio - 1) * 100:+.1f}%" + (f" at {points[c.index].date[:10]}"
                                                                             if c.kind == "step" else "")
@@ -150,6 +153,6 @@ def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | 
             slug = re.sub(r"[^A-Za-z0-9_.=-]+", "_",
                           f"{platform}-{stack_key}-{label + '-' if label else ''}{case_id}-{metric}")
             pngs.append(plot(Path(plots_dir) / f"{slug}.png", case_id, metric, points, changes))
-    table = text_table(["platform", "label", "stack", "case", "nights", "first", "last", "latest", "stack changed",
-                        "changes"], rows)
+    table = text_table(["platform", "label", "case", "stack (latest)", "nights", "first", "last", "latest",
+                        "stack changed", "changes"], rows)
     return "\n".join([f"{metric}:", table, *([""] + notes if notes else [])]), pngs

@@ -168,22 +168,20 @@ def ingest(con: sqlite3.Connection, root: Path) -> tuple[int, int]:
 
 
 def series(con: sqlite3.Connection, metric: str, case_glob: str = "*", since: str | None = None
-           ) -> dict[tuple[str, str, str, str], list[Point]]:
-    """(platform, run label, stack, case id) -> the metric's points, oldest first. Runs of different labels (another
-    configuration of the same cases, e.g. a `--label bf16` night) are separate series ("" unlabelled), and so are
-    runs on different stacks (harness.stack.key: Python, the torch build, megatron-core), so two stacks run every
-    night make no change point of their own."""
-    from harness import stack
-
+           ) -> dict[tuple[str, str, str], list[Point]]:
+    """(platform, run label, case id) -> the metric's points, oldest first. Runs of different labels (another
+    configuration of the same cases, e.g. a `--label bf16` night, or another stack run beside it each night:
+    `harness nightly --other-stack NAME=PYTHON` labels its runs NAME) are separate series ("" unlabelled): two
+    stacks run every night make no change point of their own, and a stack upgraded in place stays one series, its
+    night marked (show.stack_changed)."""
     rows = con.execute(
         "SELECT r.platform, f.case_id, r.date, f.value, r.id, r.versions, r.label FROM figures f "
         "JOIN runs r ON r.id = f.run_id WHERE f.metric = ? AND f.case_id GLOB ? AND r.date >= ? "
         "ORDER BY r.date, r.id", (metric, case_glob, since or "")).fetchall()
-    out: dict[tuple[str, str, str, str], list[Point]] = {}
+    out: dict[tuple[str, str, str], list[Point]] = {}
     for platform, case_id, date, value, run_id, versions, label in rows:
-        vers = json.loads(versions)
-        out.setdefault((platform, label or "", stack.key(vers), case_id), []).append(
-            Point(date, value, run_id, vers, label))
+        out.setdefault((platform, label or "", case_id), []).append(Point(date, value, run_id, json.loads(versions),
+                                                                          label))
     return out
 
 

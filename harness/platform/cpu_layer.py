@@ -31,7 +31,8 @@ Patched points (see docs/architecture.md, "megatron-core on CPU ranks"):
   initialisation is unsafe). A spawned server is a fresh interpreter that imports torch to unpickle the first
   write results: 3.5 s of CPU in every rank process's first save (`nox -s tests`: 64 rank processes, 223 s
   of its 1387 s of CPU; the save waited on it). A CPU rank has no CUDA: the server is forked from the rank.
-  Patched only where megatron-core has `_get_write_results_queue` (0.16 does); elsewhere it is spawned.
+  Patched where megatron-core has its starter (`_get_write_results_queue` in 0.16, `get_write_results_queue` in
+  0.19: harness.upstream.WRITE_RESULTS_QUEUE); elsewhere it is spawned.
 - Backward of autograd Functions: torch runs a custom Function's backward with no TorchFunctionMode active, so
   a megatron backward that places a tensor on `torch.cuda.current_device()` (the MoE all-to-all's reverse, the
   sequence-parallel gathers) asked the CPU build for device 0. Every Function's backward runs under the mode.
@@ -55,6 +56,7 @@ from torch.overrides import TorchFunctionMode
 from harness.platform import cpu_collectives
 from harness.platform.cpu_collectives import ONE_WORKER_POINT, RELEASE_POINT, UNEVEN_POINT
 from harness.platform.without_te import MOE_UTILS
+from harness.upstream import WRITE_RESULTS_QUEUE, dispatcher_moves_to_cpu, write_results_queue_name
 
 WRITER_POINT = "megatron checkpoint write-results queue (filesystem_async: its Manager forked, not spawned)"
 ROUTER_POINT = "megatron MoE router's te_general_gemm (undefined without Transformer Engine -> None: torch's matmul)"
@@ -198,16 +200,12 @@ def _megatron_writer_module() -> tuple[Any, str] | None:
     else None (its write-results server is then spawned, as megatron does)."""
     import importlib
 
-    from harness.upstream import write_results_queue_name
-
     try:
         module = importlib.import_module(_MEGATRON_WRITER_MODULE)
     except ImportError:
         return None
     name = write_results_queue_name(module)
-    if name is None or not callable(getattr(module, name)) or not hasattr(module, "_results_queue"):
-        return None
-    return module, name
+    return None if name is None else (module, name)
 
 
 def _write_results_queue_by_fork(*_: Any, **__: Any) -> Any:
@@ -302,7 +300,7 @@ class CpuLayer:
             moe_utils, dispatcher = moe
             if not hasattr(moe_utils, "te_general_gemm"):  # only where Transformer Engine did not import
                 self._replace(moe_utils, "te_general_gemm", None)
-            if callable(getattr(dispatcher, "maybe_move_tensor_to_cpu", None)):
+            if dispatcher_moves_to_cpu(dispatcher):
                 self._replace(dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_to_numpy)
         mode = self._mode = CpuDeviceMode()
         backward = torch.autograd.function.BackwardCFunction.apply
@@ -333,8 +331,6 @@ class CpuLayer:
     def points(self) -> tuple[str, ...]:
         """The points patched while active: PATCHED_POINTS, less those megatron-core has no need or place for (the
         writer's queue, the MoE router's and dispatcher's)."""
-        from harness.upstream import WRITE_RESULTS_QUEUE
-
         names = {name for _, name, _ in self._replaced}
         optional = {WRITER_POINT: WRITE_RESULTS_QUEUE, ROUTER_POINT: ("te_general_gemm",),
                     DISPATCHER_POINT: ("maybe_move_tensor_to_cpu",)}

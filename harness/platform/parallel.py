@@ -14,7 +14,7 @@ def init_parallel_state(layout: Layout, *, on_cpu: bool, seed: int,
     """Model-parallel groups for the layout, RNG tracker, microbatch calculator cleared.
 
     dynamic_cp_flag: also the dynamic-CP groups (every power of two up to DP x CP), through megatron's
-    keyword for them ("hybrid_context_parallel" in 0.16-0.19; see harness.engines.dynamic_cp_api.dynamic_cp_api).
+    keyword for them ("hybrid_context_parallel" in 0.16-0.19; see harness.upstream.dynamic_cp_api).
     """
     from megatron.core import parallel_state
 

@@ -222,7 +222,7 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], source
     captures = Captures(files or [])
     record = record_command(res.case)
     moved_any = bool(by_status[baselines.BaselineStatus.REGRESSION] or by_status[baselines.BaselineStatus.IMPROVEMENT])
-    across = baselines.across_note(source, res.case, moved_any)
+    across = baselines.across_note(source, res.case, moved_any, record)
     if moved_any:
         # a regression anywhere outranks improvements elsewhere; a non-finite figure, then the largest delta
         metric = max(by_status[baselines.BaselineStatus.REGRESSION] or by_status[baselines.BaselineStatus.IMPROVEMENT],

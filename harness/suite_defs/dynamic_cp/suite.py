@@ -17,7 +17,7 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with
 from harness.engines.cp_modes import CPCaseParams, CPEngine, TokenOutputs
-from harness.engines.dynamic_cp_api import check_dynamic_cp_available
+from harness.upstream import check_dynamic_cp_available
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult

@@ -76,13 +76,14 @@ def hf_side(case: Case, path: Path, base: dict) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from harness.engines import data
+    from harness.engines.hf_weights import to_module_format
     from harness.engines.mbridge import hf_config
 
     config, tensors = read_adapter_dir(path)
     out: dict[str, Any] = {"config": config, "tensors": {k: v.float().clone() for k, v in tensors.items()},
                            "peft_version": peft.__version__}
     model = AutoModelForCausalLM.from_config(hf_config(case.model)).float().eval()
-    res = model.load_state_dict(base, strict=False)
+    res = model.load_state_dict(to_module_format(base, set(model.state_dict())), strict=False)
     out["base_missing"] = [k for k in res.missing_keys if k != "lm_head.weight" or not case.model.tie_embeddings]
     out["base_unexpected"] = list(res.unexpected_keys)
     try:

@@ -107,7 +107,7 @@ def check_baseline(res: CaseResult, params: RefitParams, books: dict[str, Any]) 
                                                          f"{figures.record_command(res.case)}", rows)
     off = (baselines.BaselineStatus.REGRESSION, baselines.BaselineStatus.IMPROVEMENT)
     moved = [m for m, v in verdicts.items() if v.status in off]
-    across = baselines.across_note(source, res.case, bool(moved))
+    across = baselines.across_note(source, res.case, bool(moved), figures.record_command(res.case))
     if not moved:
         return CheckResult("refit.baseline", cid, True, f"{where(res)}: every rank's export peak within its baseline "
                                                         f"({key}){across}", rows)

@@ -209,6 +209,7 @@ def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:
 
     from harness.dtypes import dtype
     from harness.engines import data
+    from harness.engines.hf_weights import checkpoint_shapes, to_module_format
     from harness.engines.mbridge import hf_architecture, hf_config
     from harness.errors import BadInput
     from harness.suite_defs.peft_ckpt.suite import label_logprobs
@@ -222,11 +223,12 @@ def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype)
     tied = ["lm_head.weight"] if config.tie_word_embeddings else []
-    expected = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in meta.state_dict().items()
-                if k not in tied}
+    # the checkpoint format a rollout engine loads (experts one by one, however the module holds them)
+    expected = {k: (shape, str(dt).removeprefix("torch.")) for k, (shape, dt) in
+                checkpoint_shapes(meta.state_dict()).items() if k not in tied}
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch_dtype).eval()
     try:
-        res = model.load_state_dict(stream, strict=False)
+        res = model.load_state_dict(to_module_format(stream, set(model.state_dict())), strict=False)
     except RuntimeError as exc:  # shapes HF refuses
         return HFSide(expected, tied, load_error=str(exc).splitlines()[0][:300]), ""
     missing = [k for k in res.missing_keys if k not in tied]

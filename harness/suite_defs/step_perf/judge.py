@@ -133,7 +133,7 @@ def _check_counters(res: CaseResult, entry: dict, source: Any = None) -> CheckRe
     rows = [f"  {p}" for p in problems]
     from harness import baselines
 
-    across = baselines.across_note(source, res.case, bool(problems)) if source is not None else ""
+    across = baselines.across_note(source, res.case, bool(problems), record_command(res.case)) if source else ""
     o = res.case.options
     overlap = [p for p in problems if "dp_reductions_in_backward" in p]
     first = min(measured) if measured else ""

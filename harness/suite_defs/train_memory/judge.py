@@ -105,7 +105,7 @@ def _check_baseline(res: CaseResult, source: Any) -> CheckResult:
                            f"with: {record_command(res.case)}", rows)
     worse = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.REGRESSION]
     better = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.IMPROVEMENT]
-    across = baselines.across_note(source, res.case, bool(worse or better))
+    across = baselines.across_note(source, res.case, bool(worse or better), record_command(res.case))
     if worse or better:
         m = max(worse or better, key=lambda x: abs(verdicts[x].delta))
         v = verdicts[m]
