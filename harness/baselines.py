@@ -65,7 +65,8 @@ class Book:
         if self.stack_bound:
             base = Path(baselines_dir or DEFAULT_DIR) / platform
             # every stack's directory, and a file from before stacks had one (its provenance names its stack)
-            found = [p for p in (base / f"{suite}.json", *base.glob(f"*/{suite}.json")) if p.exists() and p != self.path]
+            found = [p for p in (base / f"{suite}.json", *base.glob(f"*/{suite}.json"))
+                     if p.exists() and p != self.path]
             self.others = sorted(((p, load(p)) for p in found), key=lambda pd: _newest(pd[1]), reverse=True)
 
     def source(self, key: str) -> Source:

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from harness.engines.cp_data import pack_thd, thd_batch_on_this_cp_rank
-from harness.upstream import DynamicCPApi, dynamic_cp_api
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, transformer_config
 from harness.errors import BadInput
 from harness.spec import Case
+from harness.upstream import DynamicCPApi, dynamic_cp_api
 
 MODES = ("none", "static", "dynamic")
 

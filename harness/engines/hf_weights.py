@@ -94,7 +94,7 @@ _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_pr
 
 
 def checkpoint_shapes(module_state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of an HF model's state in the checkpoint format: fused expert tensors listed per expert."""
+    """name -> (shape, dtype) of an HF model's state in the checkpoint format: fused experts listed one by one."""
     out = {}
     for name, t in module_state.items():
         fused = _FUSED.match(name)

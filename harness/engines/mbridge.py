@@ -90,7 +90,7 @@ def hf_config(m: ModelSpec):
                                 "docs/stacks.md") from None
 
     arch = hf_architecture(m)
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_query_groups, head_dim=m.kv_channels, max_position_embeddings=m.seq_length,

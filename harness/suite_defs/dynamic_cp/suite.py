@@ -17,13 +17,13 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with
 from harness.engines.cp_modes import CPCaseParams, CPEngine, TokenOutputs
-from harness.upstream import check_dynamic_cp_available
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.dynamic_cp.judge import DynamicCPRankData, judge, loss_per_token
+from harness.upstream import check_dynamic_cp_available
 
 # Samples are at most 120 tokens (128 after padding); megatron's max_seqlen_per_dp_cp_rank is
 # 128 / world size, so at world size 4 samples up to 32 tokens run without CP, up to 64 at local

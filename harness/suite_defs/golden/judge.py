@@ -101,7 +101,8 @@ def check(results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
         else:
             judged = []
         # one trajectory for every stack: a move names what differs from the stack that recorded it
-        out += [dataclasses.replace(c, message=c.message + baselines.across_note(source, res.case, c.failed, record_command(res.case)))
+        record = record_command(res.case)
+        out += [dataclasses.replace(c, message=c.message + baselines.across_note(source, res.case, c.failed, record))
                 for c in judged]
     return out
 
