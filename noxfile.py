@@ -106,7 +106,7 @@ def stack_env(session: nox.Session, stack: TestedStack, linters: bool = False) -
     python = find_python(stack.python)
     if python is None:
         session.error(_no_python(stack))
-    venv = Path(HERE, ".nox", f"stack-{stack.name}")
+    venv = Path(os.fspath(session._runner.global_config.envdir), f"stack-{stack.name}").resolve()  # nox's --envdir
     want = {"python": _python_version(python), "pins": _pins(stack), "bridge": stack.megatron_bridge,
             "requirements": _requirements("test", "mbridge", "bridge"),
             "constraints": Path(HERE, CPU_CONSTRAINTS).read_text(), "linters": list(LINTERS) if linters else []}

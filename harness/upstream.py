@@ -264,7 +264,7 @@ class KnownDefect:
 
 FROZEN_EXPERT_BIAS = KnownDefect(
     "NVIDIA/Megatron-LM#4785", "megatron-core updates a frozen router's expert bias (aux-loss-free balancing)",
-    "megatron-core", "0.17.0", frozen_expert_bias_honoured)
+    "megatron-core", "0.19.0", frozen_expert_bias_honoured)
 # HybridDeviceOptimizer makes fp32 master copies only of low-precision parameters and looks every parameter up there
 # after a load (_update_fp32_params_by_new_state: KeyError); the file is unchanged through 0.19.2.
 OFFLOAD_FP32_LOAD = KnownDefect(

@@ -18,6 +18,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--baselines-dir", default="baselines", help="baseline files (<platform>/<suite>.json)")
     g.addoption("--update-baselines", action="store_true", help="record baselines instead of comparing")
     g.addoption("--fresh-ranks", action="store_true", help="new rank processes per case (no warm pool)")
+    g.addoption("--default-models-only", action="store_true",
+                help="each suite on its default model only: the runs on a second model (the MoE models beside a "
+                     "dense suite's own) are skipped (the previous stack's subset in CI)")
     [min_effect] = [pf for pf in param_flags() if pf.field == "min_effect"]  # declared once, on StepPerfParams
     min_effect.add_to(g.addoption)
 
@@ -43,6 +46,7 @@ def harness_opts(request: pytest.FixtureRequest) -> dict:
         "world_size": c.getoption("--world-size"), "backend": c.getoption("--backend"),
         "model": c.getoption("--model"), "engine": c.getoption("--engine"),
         "results_dir": c.getoption("--results-dir"), "fresh_ranks": c.getoption("--fresh-ranks"),
+        "default_models_only": c.getoption("--default-models-only"),
     }
 
 
@@ -74,6 +78,8 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
 
     def run(name, engine: str | None = None, label: str | None = None, suite_params: dict | None = None,
             model: str | None = None, layouts: list[str] | None = None):
+        if model is not None and harness_opts["default_models_only"]:
+            pytest.skip(f"{name} on {model}: --default-models-only runs each suite on its default model")
         engine = engine or harness_opts["engine"]
         suite_params = dict(suite_params or {})
         params_type = getattr(get_suite(name), "Params", None)

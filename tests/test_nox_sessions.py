@@ -61,3 +61,20 @@ def test_gpu_suite_refuses_an_environment_without_torch(tmp_path):
     assert f"runs on the torch of the environment nox is run from ({bare / 'bin' / 'python'}), which has none" in out, \
         out[-3000:]
     assert not [line for line in out.splitlines() if "pip install" in line]
+
+
+def test_a_stack_without_its_python_fails_saying_how_to_get_one(tmp_path):
+    """pyenv's python3.12 shim refuses to run until 3.12 is selected; with no installed 3.12 for the session to find,
+    the current stack's session fails (never skips green) and names the ways to get one."""
+    env = {**os.environ, "PYENV_ROOT": str(tmp_path / "no-pyenv"), "PYENV_VERSION": "3.11.7",
+           "HARNESS_PYTHON_3_12": ""}
+    env.pop("HARNESS_PYTHON_3_12")
+    if any(os.path.exists(p) for p in ("/usr/bin/python3.12", "/usr/local/bin/python3.12")):
+        pytest.skip("this machine has a system python3.12, which the session finds")
+    proc = subprocess.run([sys.executable, "-m", "nox", "-f", str(ROOT / "noxfile.py"), "-s", "unit", "--install-only",
+                           "--envdir", str(tmp_path / "nox")], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "no runnable Python 3.12 here, which the current stack (megatron-core 0.19.2) needs" in out, out[-3000:]
+    assert "HARNESS_PYTHON_3_12=/path/to/python3.12" in out and "pyenv install 3.12" in out

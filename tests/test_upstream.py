@@ -140,3 +140,35 @@ def test_a_megatron_core_outside_the_tested_range_warns_in_one_line():
     said = stack.untested_warning({"megatron-core": "0.20.0"})
     assert said is not None and "\n" not in said
     assert "megatron-core 0.20.0 is outside the range the harness is tested on (0.16.1 - 0.19.2)" in said
+
+
+def test_the_nightly_runs_another_stack_by_its_python_and_refuses_its_own(tmp_path):
+    import json
+    import sys
+
+    from harness.errors import BadInput
+    from harness.nightly import other_stacks, worst_exit
+
+    other = {**stack.components(), "python": "3.11.7", "megatron-core": "0.16.1"}
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho '{json.dumps(other)}'\n")
+    fake.chmod(0o755)
+    assert other_stacks([f"previous={fake}"]) == {("previous", str(fake)): stack.key(other)}
+    with pytest.raises(BadInput, match="is one the nightly already runs"):
+        other_stacks([f"same={sys.executable}"])
+    assert worst_exit([0, 1, 3]) == 1 and worst_exit([0, 3]) == 3 and worst_exit([0, 0]) == 0
+    assert worst_exit([1, 143]) == 143
+
+
+def test_a_transformers_outside_megatron_bridges_range_is_named(monkeypatch):
+    import importlib.metadata as md
+
+    reqs = {"megatron-bridge": ["transformers<=5.12.1,>=5.8", "torch>=2.6.0", 'mamba-ssm; extra == "ssm"']}
+    versions = {"megatron-bridge": "0.6.2", "transformers": "4.57.6"}
+    monkeypatch.setattr(md, "requires", lambda dist: reqs[dist])
+    monkeypatch.setattr(md, "version", lambda dist: versions[dist])
+    said = upstream.bridge_transformers_mismatch()
+    assert said == ("megatron-bridge 0.6.2 needs transformers <=5.12.1,>=5.8, this environment has 4.57.6: "
+                    "pip install 'transformers<=5.12.1,>=5.8'")
+    versions["transformers"] = "5.12.1"
+    assert upstream.bridge_transformers_mismatch() is None
