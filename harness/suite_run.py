@@ -70,6 +70,7 @@ class SuiteRun:
     label: str | None = None  # the user's name for this run (reports, history)
     stopped: str = ""  # why the run stopped before its last case: its first cases all errored alike (broken_env.py)
     params: Any = None  # the suite's parameters (suite.Params) the cases were planned and are judged with
+    judge_s: float = 0.0  # the parent's time judging the results (the suite's checks)
 
     @property
     def passed(self) -> bool:
@@ -104,11 +105,15 @@ class SuiteRun:
         """Run the suite's checks over the cases that ran (a skipped case has nothing to judge). Checks are
         pure functions of the results and the parameters: what a report does with files (flamegraphs of
         failures, captures of passes deleted) happens in the report stage (harness/report/artifacts.py)."""
+        import time
+
+        start = time.perf_counter()
         for r in self.results:
             self.describe(r)
         ran = [r for r in self.results if not r.skipped]
         self.checks = self.suite.check(ran, self.params) + skipped_steps.check(self.suite.name, ran)
         self.judged = True
+        self.judge_s = time.perf_counter() - start
         return self
 
     def describe(self, result: CaseResult) -> CaseResult:

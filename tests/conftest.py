@@ -21,6 +21,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["tests.phase_table"]  # --phase-table FILE: where the time goes, per module
+
 # Rank processes started by the tests inherit this; keep the machine responsive on 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -14,6 +14,7 @@ from typing import Any
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import OUTCOMES, check_failed
+from harness.report import time_spent
 from harness.report.plots import PLOTTED
 from harness.report.runs import RunFile, load_runs
 from harness.tables import markdown_table, md_escape
@@ -87,6 +88,8 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
     lines.append(markdown_table(["run", "date", "wall", *OUTCOMES],
                                 [[r.title, r.data.get("date", ""), f"{r.data.get('wall_s', 0):.0f}s",
                                   *(n[k] for k in OUTCOMES)] for r in runs for n in [r.counts()]]))
+    lines += ["", "Where the time went (the phase timers: each case's slowest rank; rest: the parent between cases):",
+              "", markdown_table(time_spent.HEADERS, time_spent.rows([(r.title, [r.data]) for r in runs]))]
     for r in runs:
         lines += ["", f"## {r.title}", "", f"results: `{r.path}`", ""]
         if r.partial:

@@ -25,6 +25,7 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
         "schema": schema.RESULTS, "suite": run.suite.name, "model": run.model, "world_size": run.world_size,
         "engine": run.engine, "backend": run.backend, "platform": detect_platform(run.backend).key,
         "versions": versions(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": run.wall_s,
+        "judge_s": run.judge_s,
         "passed": run.passed, "verdict": run.verdict, "exit_code": run.exit_code, "adjustments": run_adjustments(run),
         "judged": run.judged, "interrupted": str(run.interrupted) if run.interrupted else None,
         "stopped": run.stopped or None,
