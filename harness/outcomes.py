@@ -40,6 +40,9 @@ class RunVerdict(StrEnum):
 
 # bisect's --metric / --max that takes a case's verdict as the metric (a failed check is bad), no threshold
 PASS_FAIL = "fail"
+# bisect's metric `check:<suite>.<check>`: bad where that check does not pass (fails, or cannot tell: a known upstream
+# defect reported as inconclusive turns good in the release that fixes it)
+CHECK_METRIC = "check:"
 
 # the outcomes a summary counts, in its order
 OUTCOMES = tuple(o.value for o in Outcome if o is not Outcome.PENDING)

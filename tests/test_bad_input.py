@@ -159,6 +159,8 @@ CASES = [
     (["run", "--suite", "dynamic-cp", "--engine", "megatron-bridge"],
      "engine 'megatron-bridge' cannot run the dynamic-cp suite: it compares megatron's no, static and dynamic CP"),
     (["history", "ingest", "{tmp}/nowhere"], "{tmp}/nowhere: not a directory"),
+    (["bisect", "--megatron-core", "0.16.1", "0.19.2", "--suite", "rl-cycle", "--metric", "check:golden.trajectory"],
+     "--metric 'check:golden.trajectory': name a check of the rl-cycle suite"),
     (["nightly", "--out", "{tmp}/n", "--other-stack", "{tmp}/python"], "--other-stack '{tmp}/python': give NAME=PYTHON"),
     (["nightly", "--out", "{tmp}/n", "--other-stack", "old={tmp}/python"], "--other-stack {tmp}/python: cannot run it"),
     (["history", "ingest", "{tmp}", "--db", "/proc/forbidden/h.sqlite"], "--db /proc/forbidden/h.sqlite: cannot"),

@@ -262,3 +262,25 @@ def test_bisect_over_a_package_names_the_release(engine_wheels, tmp_path, capsys
     assert "first bad: 1.2.0 (rank0.save_heap_peak_mib " in out, out
     assert "last good: 1.1.0" in out
     assert re.split(r"\s{2,}", out.splitlines()[0])[2] == "regress-engine"  # the version column is the package's
+
+
+def test_a_check_metric_is_bad_where_the_check_does_not_pass():
+    """`--metric check:<suite>.<check>`: a known upstream defect reported as inconclusive is bad, the release whose
+    fix makes the check pass is good (`--find-fix` finds it), a run where the check did not run cannot tell."""
+    from types import SimpleNamespace
+
+    from harness.bisect.search import BAD, GOOD, SKIP
+    from harness.bisect.step import _judge_check
+    from harness.checks import CheckResult, cannot_tell
+
+    name = "rl-cycle.upstream-bias"
+    run = SimpleNamespace(checks=[cannot_tell(name, "c1", "known upstream defect (NVIDIA/Megatron-LM#4785)")],
+                          outcomes=lambda: [])
+    step = _judge_check(run, name, False, {})
+    assert step.verdict == BAD and step.why.startswith(f"{name} inconclusive: cannot tell: known upstream defect")
+    run.checks = [CheckResult(name, "c1", True, "held"), CheckResult("rl-cycle.replay", "c1", False, "wrong")]
+    assert _judge_check(run, name, False, {}).verdict == GOOD
+    run.checks = [CheckResult(name, "c1", False, "moved")]
+    assert _judge_check(run, name, False, {}).verdict == BAD
+    run.checks = []
+    assert _judge_check(run, name, False, {}).verdict == SKIP

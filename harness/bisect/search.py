@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harness.errors import BadInput
-from harness.outcomes import PASS_FAIL
+from harness.outcomes import CHECK_METRIC, PASS_FAIL
 
 GOOD, BAD, SKIP = 0, 1, 125  # git bisect run's exit codes
 VERDICTS = {GOOD: "good", BAD: "BAD", SKIP: "skip"}
@@ -160,7 +160,7 @@ def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: 
     not report it), else megatron-core's."""
     from harness.tables import table
 
-    numeric = metric != PASS_FAIL
+    numeric = metric != PASS_FAIL and not metric.startswith(CHECK_METRIC)
     rows = []
     for t in sorted(tried, key=lambda t: t.index):
         r = t.result

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from harness.bisect.search import BAD, GOOD, PASS_FAIL, SKIP, StepResult, Threshold
 from harness.errors import BadInput
 from harness.files import atomic_write
-from harness.outcomes import Outcome
+from harness.outcomes import CHECK_METRIC, Outcome
 
 if TYPE_CHECKING:
     from harness.selection import CaseSelection
@@ -61,6 +61,8 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
     outcomes = run.outcomes()
+    if metric.startswith(CHECK_METRIC):
+        return _judge_check(run, metric.removeprefix(CHECK_METRIC), error_is_bad, vers)
     broken = [o for o in outcomes if o.outcome in (Outcome.ERROR, Outcome.SKIPPED, Outcome.INCONCLUSIVE)]
     if broken:
         o = broken[0]
@@ -101,6 +103,22 @@ def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) 
     return worst
 
 
+def _judge_check(run, name: str, error_is_bad: bool, vers: dict) -> StepResult:
+    """Bad where a result of the check `name` does not pass (failed, or inconclusive); cannot tell where it did not
+    run (a case that errored: bad with --error-is-bad)."""
+    judged = [c for c in run.checks if c.check == name]
+    errored = [o for o in run.outcomes() if o.outcome == Outcome.ERROR]
+    if not judged:
+        o = errored[0] if errored else None
+        why = f"{o.outcome}: {o.reason}" if o else f"no {name} ran"
+        return StepResult(BAD if (error_is_bad and errored) else SKIP, case=o.result.case.id if o else "", why=why,
+                          versions=vers)
+    bad = [c for c in judged if not c.passed]
+    c = (bad or judged)[0]
+    verdict = "inconclusive" if c.inconclusive else "fail" if c.failed else "pass"
+    return StepResult(BAD if bad else GOOD, case=c.case_id, why=f"{name} {verdict}: {c.message}", versions=vers)
+
+
 def refuse_unknown_metric(planned, metric: str) -> None:
     """BadInput before anything runs for a metric the suite's baseline file names for none of its cases (as
     rankN.name, any rank): else the whole suite would run before the metric was refused."""
@@ -110,6 +128,12 @@ def refuse_unknown_metric(planned, metric: str) -> None:
 
     suite = planned.suite
     if metric == PASS_FAIL:
+        return
+    if metric.startswith(CHECK_METRIC):
+        name = metric.removeprefix(CHECK_METRIC)
+        if not name.startswith(f"{suite.name}."):
+            raise BadInput(f"--metric {metric!r}: name a check of the {suite.name} suite, e.g. "
+                           f"check:{suite.name}.<check> (its checks are named in docs/suites.md)")
         return
     if not isinstance(suite, Baselined):
         raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")

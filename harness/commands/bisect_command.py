@@ -12,7 +12,7 @@ from pathlib import Path
 from harness.commands.case_args import add_case_args
 from harness.commands.common import say
 from harness.errors import BadInput
-from harness.outcomes import PASS_FAIL
+from harness.outcomes import CHECK_METRIC, PASS_FAIL
 from harness.selection import CaseSelection
 
 
@@ -24,7 +24,8 @@ def add_parser(sub) -> None:
         p = sub.add_parser(name, help=helptext)
         add_case_args(p)
         p.add_argument("--metric", required=True,
-                       help="a baselined metric of the suite (e.g. rank0.save_heap_peak_mib; the worst case of the "
+                       help="check:<suite>.<check> (bad where that check does not pass: fails or cannot tell), "
+                            "a baselined metric of the suite (e.g. rank0.save_heap_peak_mib; the worst case of the "
                             "selection counts), or 'fail': bad when any case does not pass")
         p.add_argument("--max", default=PASS_FAIL, help="bad above this: a number, baseline+P%% or baseline+X")
         p.add_argument("--error-is-bad", action="store_true", help="a case that errors is bad (default: cannot tell)")
@@ -146,7 +147,10 @@ def bisect(args, spec, package: str | None, versions: list[str] | None) -> int:
         judged: Callable[[int], StepResult] = judge
         if args.find_fix:  # search for the first good one: swap the states (a skip stays a skip)
             judged = flipped(judge)
-        what = "bad" if args.metric == PASS_FAIL else f"{args.metric} > {args.max} is bad"
+        if args.metric.startswith(CHECK_METRIC):
+            what = f"bad where {args.metric.removeprefix(CHECK_METRIC)} does not pass"
+        else:
+            what = "bad" if args.metric == PASS_FAIL else f"{args.metric} > {args.max} is bad"
         say(f"bisect over {len(labels)} candidates ({what}), for the first {terms.new}: {labels[0]} .. {labels[-1]}")
         try:
             if args.git_bisect_run:
