@@ -49,6 +49,11 @@ class Source:
     data: dict[str, Any]
     across: tuple[str, ...] = ()
 
+    @property
+    def platform(self) -> str:
+        """The platform directory the file lies under (its stack's directory, where it has one, in between)."""
+        return self.path.parent.parent.name if _is_stack_dir(self.path.parent.name) else self.path.parent.name
+
 
 class Book:
     """A suite's baseline files on a platform, each read once: this stack's (or the one shared across stacks) and,
@@ -80,8 +85,14 @@ class Book:
             return Source(self.path, self.data, tuple(stack.differences(recorded)) if recorded else ())
         for path, data in self.others:
             if key in data.get("entries", {}):
-                return Source(path, data, tuple(stack.differences(data.get("provenance", {}).get(key, {}))))
+                recorded = data.get("provenance", {}).get(key)
+                return Source(path, data, tuple(stack.differences(recorded)) if recorded else
+                              ("a stack its file does not name",))
         return Source(self.path, self.data)
+
+
+def _is_stack_dir(name: str) -> bool:
+    return name.startswith("py") and "-mcore" in name
 
 
 def _newest(data: dict[str, Any]) -> str:

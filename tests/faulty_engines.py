@@ -256,7 +256,7 @@ def beyond_the_baseline_s(case) -> float:
     from harness.platform import detect_platform
     from harness.suite_defs.step_perf.figures import key
 
-    path = baselines.baseline_path(case.params.baselines_dir, detect_platform(case.backend).key, "step-perf")
+    path = baselines.suite_path(case.params.baselines_dir, detect_platform(case.backend).key, "step-perf")
     entry = json.loads(path.read_text())["entries"].get(key(case)) if path.exists() else None
     if not entry:
         return 0.0

@@ -156,9 +156,10 @@ def test_format_that_does_not_reshard_is_caught():
     (optimizer.state.*) the checkpoint does not have - at every target, the saving layout included."""
     failed = _failed(_run("tests.faulty_ckpt:SavesDpReshardableAlways"))
     assert set(failed) == {"tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp1-dp1"}
-    assert failed["tp2-pp1-cp1-dp1"].startswith(
-        "fully_reshardable saved at tp1-pp1-cp1-dp2, loaded at tp2-pp1-cp1-dp1 (promised): load failed on rank 0 in "
-        "the load: CheckpointException on 2 rank(s), first: KeyError: optimizer.state.param.")
+    # (megatron-core 0.16.1 validates the load on every rank, 0.19.2 on rank 0: 2 or 1 ranks report it)
+    assert re.match(r"fully_reshardable saved at tp1-pp1-cp1-dp2, loaded at tp2-pp1-cp1-dp1 \(promised\): load failed on "
+                    r"rank 0 in the load: CheckpointException on [12] rank\(s\), first: KeyError: optimizer\.state\.param\.",
+                    failed["tp2-pp1-cp1-dp1"]), failed["tp2-pp1-cp1-dp1"]
     assert all(m.endswith("from model not in state dict") for m in failed.values()), failed
 
 
@@ -229,7 +230,7 @@ def _against_baseline_of(reference, *runs, tmp_path):
     (ref,) = [r for r in reference.results if r.case.params.ckpt_role == "reshard"]
     key = figures.key(ref.case)
     entries = baselines.build_entries({key: {m: [v] * 3 for m, v in figures.load_samples(ref).items()}})
-    path = baselines.baseline_path(tmp_path, "cpu-gloo", "ckpt-memory")
+    path = baselines.suite_path(tmp_path, "cpu-gloo", "ckpt-memory")
     path.parent.mkdir(parents=True, exist_ok=True)
     baselines.write(path, "ckpt-memory", "cpu-gloo", entries, {})
     out = []

@@ -11,6 +11,8 @@ import statistics
 
 import pytest
 
+from harness import stack
+
 from harness.checks.timing import compare_samples, minimum_detectable_effect
 from harness.models import load_model
 from harness.spec import CaseOptions, Layout
@@ -271,7 +273,8 @@ def test_a_missing_baseline_fails_with_the_record_command(tmp_path):
     _, checks = _run("mcore", tmp_path)
     assert checks["step-perf.counters"].message == (
         f"no baseline for tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1 on platform cpu-gloo "
-        f"({tmp_path}/cpu-gloo/step-perf.json); record it with: harness baselines record --suite step-perf --model tiny "
+        f"({tmp_path}/cpu-gloo/{stack.key()}/step-perf.json); record it with: harness baselines record --suite step-perf "
+        f"--model tiny "
         f"--world-size 2 --layout tp1-pp1-cp1-dp2 --backend gloo --distributed-optimizer --overlap-grad-reduce")
 
 

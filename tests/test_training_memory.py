@@ -281,7 +281,7 @@ def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
     # the same measurement against baselines of it (the default tolerance: 20% of the baseline): equal passes; the
     # plant, a step that now takes half as much again on rank 1 as its baseline, fails naming the rank, the phase
     # and the excess; half as much reads as an improvement
-    from harness.baselines import build_entries
+    from harness.baselines import Source, build_entries
     from harness.suite_defs.train_memory.figures import key, samples
     from harness.suite_defs.train_memory.judge import _check_baseline
 
@@ -291,7 +291,7 @@ def test_a_missing_baseline_names_the_platform_and_the_record_command(tmp_path):
 
     def against(factor: float):
         base = {m: [v * (factor if m == "rank1.step1_mib" else 1.0)] * 3 for m, v in measured.items()}
-        return _check_baseline(res, {"entries": build_entries({key(res.case): base}, digits=None)}, tmp_path / "x")
+        return _check_baseline(res, Source(tmp_path / "x", {"entries": build_entries({key(res.case): base}, digits=None)}))
 
     assert against(1.0).passed
     worse = against(1 / 1.5)

@@ -294,7 +294,7 @@ class CollectiveMatch:
 # Groups whose collectives are not data-parallel gradient sync even when their ranks coincide with
 # the DP x CP ranks (e.g. at TP=PP=1): TP cross-entropy, embedding grads, the grad-norm reduction.
 NOT_DP_ROLES = {"tp", "pp", "cp", "embedding", "position-embedding", "tp-cp", "mp", "tp-dp-cp", "tp-dp",
-                "distopt-instance", "ep", "etp", "etp-ep", "etp-ep-pp"}
+                "distopt-instance", "ep", "etp", "etp-ep", "etp-ep-pp", "grad-stats"}
 
 
 def dp_records(records: list[Collective]) -> list[Collective]:

@@ -128,8 +128,24 @@ class GroupRoles:
         world = dist.group.WORLD if dist.is_initialized() else None
         self.by_name.setdefault(world.group_name if world is not None else "", "world")
 
+    def add(self, groups: list[dist.ProcessGroup], role: str) -> GroupRoles:
+        """Name more groups by a role, where parallel_state names them nothing else (e.g. the groups an optimizer
+        reduces its gradient norm over: megatron-core 0.19 builds the expert optimizer's from its own collection)."""
+        for g in groups:
+            if g is not None and g.group_name not in self.by_name:
+                self.by_name[g.group_name] = role
+        return self
+
     def role(self, group: dist.ProcessGroup) -> str:
         return self.by_name.get(group.group_name, "world" if group is dist.group.WORLD else "other")
+
+
+def grad_stats_groups(optimizer: Any) -> list[dist.ProcessGroup]:
+    """The groups a megatron optimizer (each of a chained one's) reduces its gradient norm and zero count over."""
+    from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
+
+    parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return [o.get_grad_stats_parallel_group() for o in parts if isinstance(o, MegatronOptimizer)]
 
 
 @dataclass

@@ -22,11 +22,12 @@ from harness.checks.numeric import beyond, severity
 from harness.checks.tensors import assemble
 from harness.engines import make_engine
 from harness.engines.base import HasGradBuffers, ParamShard
+from harness.engines.mcore import McoreEngine
 from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult, RankResult
 from harness.layouts import default_matrix, validate
-from harness.probes.collectives import Collective, CollectiveRecorder, GroupRoles, instrument
+from harness.probes.collectives import Collective, CollectiveRecorder, GroupRoles, grad_stats_groups, instrument
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.tables import table as text_table
 
@@ -89,7 +90,10 @@ class GradSyncSuite:
         engine = make_engine(case, ctx)
         with ctx.phase("build"):
             engine.build()
-        recorder = CollectiveRecorder(GroupRoles())
+        roles = GroupRoles()
+        if isinstance(engine, McoreEngine) and engine.optimizer is not None:  # the norm's groups, as megatron built
+            roles.add(grad_stats_groups(engine.optimizer), "grad-stats")
+        recorder = CollectiveRecorder(roles)
         step_times = []
         with instrument(engine, recorder), recorder:
             for step in range(case.options.steps):

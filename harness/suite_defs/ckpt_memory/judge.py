@@ -234,7 +234,7 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], source
         if not math.isfinite(v.measured):
             return CheckResult(name, res.case.id, False,
                                f"{metric} measured {v.measured} MiB (not a finite number) against baseline "
-                               f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{flame}{across}", rows, data=shown,
+                               f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{across}{flame}", rows, data=shown,
                                captures=failed)
         verb = ("above" if v.status is baselines.BaselineStatus.REGRESSION
                 else "below (improvement: " + ("see below)" if across else f"refresh the baseline with `{record}`)"))
@@ -243,11 +243,11 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], source
         also = f" ({moved} figures moved)" if across and moved > 1 else ""
         return CheckResult(name, res.case.id, False,
                            f"{metric} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline "
-                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{also}{flame}{across}", rows,
+                           f"{v.baseline:.2f} +- {v.tolerance:.2f} MiB{also}{across}{flame}", rows,
                            improvement=not by_status[baselines.BaselineStatus.REGRESSION], data=shown, captures=failed)
     unrecorded = by_status[baselines.BaselineStatus.MISSING]
     if unrecorded and not recorded:
-        message = (f"no baseline for {key} {unrecorded[0]} on platform {path.parent.name} ({path}); record it "
+        message = (f"no baseline for {key} {unrecorded[0]} on platform {source.platform} ({path}); record it "
                    f"with: {record}")
         if missing_fails:
             return CheckResult(name, res.case.id, False, message, rows, data=shown, captures=captures)

@@ -103,7 +103,7 @@ def check_baseline(res: CaseResult, params: RefitParams, books: dict[str, Any]) 
     missing = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.MISSING]
     if missing:
         return CheckResult("refit.baseline", cid, False, f"{where(res)}: no baseline for {key} {missing[0]} on "
-                                                         f"platform {path.parent.name} ({path}); record it with: "
+                                                         f"platform {source.platform} ({path}); record it with: "
                                                          f"{figures.record_command(res.case)}", rows)
     off = (baselines.BaselineStatus.REGRESSION, baselines.BaselineStatus.IMPROVEMENT)
     moved = [m for m, v in verdicts.items() if v.status in off]

@@ -101,7 +101,7 @@ def _check_baseline(res: CaseResult, source: Any) -> CheckResult:
     missing = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.MISSING]
     if missing:
         return CheckResult("train-memory.baseline", res.case.id, False,
-                           f"no baseline for {key} {missing[0]} on platform {path.parent.name} ({path}); record it "
+                           f"no baseline for {key} {missing[0]} on platform {source.platform} ({path}); record it "
                            f"with: {record_command(res.case)}", rows)
     worse = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.REGRESSION]
     better = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.IMPROVEMENT]
