@@ -262,9 +262,30 @@ class KnownDefect:
         return not self.fixed()
 
 
+def _release_at_least(dist: str, first: str) -> Callable[[], bool]:
+    """A probe for a fix no feature shows (a changed scaling): the installed release is `first` or later (an
+    expectation range, read from the releases' source: harness/upstream.py's KnownDefect entries say where)."""
+    def probe() -> bool:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from packaging.version import Version
+
+        try:
+            return Version(version(dist)) >= Version(first)
+        except PackageNotFoundError:
+            return False
+    return probe
+
+
 FROZEN_EXPERT_BIAS = KnownDefect(
     "NVIDIA/Megatron-LM#4785", "megatron-core updates a frozen router's expert bias (aux-loss-free balancing)",
     "megatron-core", "0.19.0", frozen_expert_bias_honoured)
+# Under the per-token loss megatron scaled the auxiliary loss's gradient by each TP x CP rank's own token count, so an
+# MoE router trains differently at TP or CP > 1 than at pure DP (PR #5047); the router's rescaling was rewritten in
+# 0.19.0 (transformer/moe/router.py, read in the 0.17.0 - 0.19.0 wheels). golden's MoE matrix leaves TP and CP out.
+MOE_AUX_LOSS_SCALING = KnownDefect(
+    "NVIDIA/Megatron-LM#5047", "the auxiliary loss's gradient under the per-token loss is scaled by each TP x CP "
+    "rank's own token count", "megatron-core", "0.19.0", _release_at_least("megatron-core", "0.19.0"))
 # HybridDeviceOptimizer makes fp32 master copies only of low-precision parameters and looks every parameter up there
 # after a load (_update_fp32_params_by_new_state: KeyError); the file is unchanged through 0.19.2.
 OFFLOAD_FP32_LOAD = KnownDefect(

@@ -378,12 +378,16 @@ class GradNormMissesOtherEPExperts(McoreEngine):
     is too weak and the reported norm depends on the layout."""
 
     def make_optimizer(self, models: list, use_distributed_optimizer: bool):
+        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         optimizer = super().make_optimizer(models, use_distributed_optimizer)
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # the expert optimizer's group: the expert TP x EP x PP ranks (megatron-core 0.19 builds its own group object
+        # of them, so it is told by its ranks; the dense optimizer's spans TP x PP)
+        expert = dist.get_process_group_ranks(ps.get_expert_tensor_model_pipeline_parallel_group())
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer])[1:]:
             group = getattr(inner, "grad_stats_parallel_group", None)
-            if group is not None and group is ps.get_expert_tensor_model_pipeline_parallel_group():
+            if group is not None and dist.get_process_group_ranks(group) == expert:
                 inner.grad_stats_parallel_group = ps.get_expert_tensor_parallel_group()
         return optimizer
 

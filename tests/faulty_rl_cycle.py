@@ -50,9 +50,11 @@ class MarkIgnoredByMegatron(McoreEngine):
     Megatron-LM#4785 broken again): the mark is set, and the update runs as if it were not."""
 
     def train_rl_batch(self, *args, **kwargs):
-        from megatron.core.distributed import finalize_model_grads as fmg
+        import importlib
 
         from harness.engines.rl_cycle import routers
+
+        fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
 
         original = fmg._update_router_expert_bias
         live = routers([m.module for m in self.models])

@@ -73,7 +73,7 @@ def snapshot() -> dict[str, Any]:
     snap["torch function modes"] = torch._C._len_torch_function_stack()
     snap["torch dispatch modes"] = torch._C._len_torch_dispatch_stack()
     snap["process groups"] = len(c10d._world.pg_map)
-    snap["threads"] = proc.thread_names()
+    snap["threads"] = proc.thread_names(lifetime=False)
     snap["intra-op threads"] = torch.get_num_threads()
     snap["default dtype"] = str(torch.get_default_dtype())
     snap["grad enabled"] = torch.is_grad_enabled()

@@ -177,7 +177,13 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
                                  trace_python_allocators=TRACE_PYTHON_ALLOCATORS)
     try:
         with tracker:
-            yield peak
+            try:
+                yield peak
+            finally:
+                # the sampler stops before memray restores the interpreter's allocators: on Python 3.12.1 a thread
+                # allocating across that switch crashed the rank (a segfault in libpython, warm ranks of refit)
+                sampler.stop_event.set()
+                sampler.join()
     finally:
         sampler.stop_event.set()
         sampler.join()
@@ -280,8 +286,11 @@ def largest_allocation(capture: str) -> tuple[int, str]:
     outside torch.distributed's collectives (in_c10d): the largest buffer the phase itself built at once."""
     import memray
 
+    # a release of memory (munmap carries the size it unmapped) has no stack of its own
+    releases = {memray.AllocatorType.FREE, memray.AllocatorType.MUNMAP, memray.AllocatorType.PYMALLOC_FREE}
     try:
-        records = [r for r in memray.FileReader(capture).get_allocation_records() if r.size and not in_c10d(r)]
+        records = [r for r in memray.FileReader(capture).get_allocation_records()
+                   if r.size and r.allocator not in releases and not in_c10d(r)]
     except (OSError, RuntimeError, ValueError) as exc:
         raise MeasurementError(f"memray capture {capture} is unreadable ({type(exc).__name__}: {exc})") from exc
     best = max(records, key=lambda r: r.size, default=None)

@@ -39,9 +39,14 @@ def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def thread_names() -> list[str]:
+# threads torch starts once and keeps for the process's life: the autograd engine's device threads, which a CUDA
+# build of torch starts at the first backward that runs device hooks (FSDP2's), on a machine without a GPU too
+PROCESS_LIFETIME_THREADS = ("pt_autograd_",)
+
+
+def thread_names(lifetime: bool = True) -> list[str]:
     """The names of this process's threads (each task's comm: e.g. pt_gloo_runloop, a gloo group's), sorted; a
-    thread that ended while being read is left out."""
+    thread that ended while being read is left out, and so are the process-lifetime ones unless `lifetime`."""
     names = []
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -49,7 +54,7 @@ def thread_names() -> list[str]:
                 names.append(f.read().strip())
         except OSError:
             continue
-    return sorted(names)
+    return sorted(n for n in names if lifetime or not n.startswith(PROCESS_LIFETIME_THREADS))
 
 
 # A kernel property (CONFIG_PROC_CHILDREN): read once, not in every sample.
