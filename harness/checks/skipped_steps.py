@@ -1,5 +1,7 @@
-"""Steps megatron skipped: its optimizer reported no update (`update_successful` False) - a non-finite gradient norm
-on every release, a norm beyond OptimizerConfig.grad_norm_skip_threshold on megatron-core 0.19 and later. Reported
+"""Steps megatron skipped: its optimizer reported no update (`update_successful` False) - non-finite gradients under
+fp16's loss scaler on every release, a norm beyond OptimizerConfig.grad_norm_skip_threshold on megatron-core 0.19
+and later (in fp32 and bf16 megatron checks for no inf / NaN and applies it: equivalence.finite and golden name
+that). Reported
 in every suite whose ranks train (a figure, `skipped_steps`, and a failed check naming the steps), never counted as
 a trained step: a trajectory that held because nothing trained is no pass."""
 
