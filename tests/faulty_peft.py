@@ -54,18 +54,43 @@ class Fc1NoDeinterleave(MegatronBridgeEngine):
             super().export_peft_adapter(path)
 
 
+@contextlib.contextmanager
+def _bridge_config_patched(edit):
+    """megatron-bridge's own adapter_config.json (build_adapter_config_dict, which save_hf_adapter imports when it
+    writes: releases after 0.3.1) edited for one export."""
+    import importlib
+
+    module = importlib.import_module("megatron.bridge.models.conversion.peft_bridge")
+    original = getattr(module, "build_adapter_config_dict", None)
+    if original is None:  # a bridge that writes no adapter_config.json: the harness writes it (adapter_config)
+        yield
+        return
+    module.build_adapter_config_dict = lambda *a, **k: edit(original(*a, **k))
+    try:
+        yield
+    finally:
+        module.build_adapter_config_dict = original
+
+
 class AlphaWrittenAsRank(MegatronBridgeEngine):
-    """adapter_config.json says lora_alpha = r: PEFT scales the adapter by 1 instead of alpha / r."""
+    """adapter_config.json says lora_alpha = r: PEFT scales the adapter by 1 instead of alpha / r - in the bridge's
+    own config where it writes one, else in the one the harness writes for it."""
+
+    def _edit(self, cfg: dict) -> dict:
+        return {**cfg, "lora_alpha": cfg["r"]}
 
     def adapter_config(self, tensors):
-        return {**super().adapter_config(tensors), "lora_alpha": self.peft.dim}
+        return self._edit(super().adapter_config(tensors))
+
+    def export_peft_adapter(self, path: str):
+        with _bridge_config_patched(self._edit):
+            return super().export_peft_adapter(path)
 
 
-class TargetModuleDropped(MegatronBridgeEngine):
+class TargetModuleDropped(AlphaWrittenAsRank):
     """v_proj is left out of target_modules while its tensors are written."""
 
-    def adapter_config(self, tensors):
-        cfg = super().adapter_config(tensors)
+    def _edit(self, cfg: dict) -> dict:
         return {**cfg, "target_modules": [m for m in cfg["target_modules"] if m != "v_proj"]}
 
 
@@ -143,16 +168,26 @@ class ExpertAdaptersSwapped(MegatronBridgeEngine):
     """The export writes expert 0's adapters under expert 1's HF names and the other way round (an exporter that
     numbers experts by another order than the router's)."""
 
-    def adapter_tensors(self):
+    def export_peft_adapter(self, path: str):
+        """The bridge's adapter export renamed on its way out, whoever writes the directory (the bridge's
+        save_hf_adapter and the harness both read it)."""
+        export = self.bridge.export_adapter_weights
         swap = {".experts.0.": ".experts.1.", ".experts.1.": ".experts.0."}
-        out = {}
-        for key, t in super().adapter_tensors().items():
-            for old, new in swap.items():
-                if old in key:
-                    key = key.replace(old, new)
-                    break
-            out[key] = t
-        return out
+
+        def swapped(*args, **kwargs):
+            for weight in export(*args, **kwargs):  # the bridge's HFWeightTuple (param_name, weight)
+                name = weight[0]
+                for old, new in swap.items():
+                    if old in name:
+                        name = name.replace(old, new)
+                        break
+                yield weight._replace(param_name=name) if hasattr(weight, "_replace") else (name, weight[1])
+
+        self.bridge.export_adapter_weights = swapped
+        try:
+            return super().export_peft_adapter(path)
+        finally:
+            del self.bridge.export_adapter_weights
 
 
 class AdapterNeverTrained(MegatronBridgeEngine):

@@ -102,15 +102,24 @@ def test_fc1_without_tp_deinterleave_fails_at_tp2_only():
 
 @pytest.mark.slow
 def test_alpha_written_as_rank_and_dropped_target_module_are_named():
-    """megatron-bridge 0.3.1 exports adapter tensors only; adapter_config.json is the harness's. Its fields are
-    not judged as the engine's (a check of what the harness wrote would be circular): a wrong alpha there shows
-    in the log-probs PEFT computes with it, a dropped target module in the keys PEFT does not expect."""
+    """megatron-bridge 0.3.1 exports adapter tensors only and adapter_config.json is the harness's: its fields are
+    not judged as the engine's (a check of what the harness wrote would be circular), a wrong alpha shows in the
+    log-probs PEFT computes with it. A bridge that writes the directory itself (save_hf_adapter, 0.6.2) has its
+    config judged too. A dropped target module shows in the keys PEFT does not expect."""
+    from harness.engines.megatron_bridge_import import import_bridge
+
+    import_bridge()
+    from megatron.bridge import AutoBridge
+
     run = _run("tests.faulty_peft:AlphaWrittenAsRank", layouts=["tp1-pp1-cp1-dp1"])
     failed = _failed(run)
-    assert ("peft-ckpt.valid", "tp1-pp1-cp1-dp1") not in failed
-    valid = next(c for c in run.checks if c.check == "peft-ckpt.valid")
-    assert "adapter_config.json was written by the harness (the engine exports tensors only)" in valid.message
     assert ("peft-ckpt.logprobs", "tp1-pp1-cp1-dp1") in failed
+    valid = next(c for c in run.checks if c.check == "peft-ckpt.valid")
+    if hasattr(AutoBridge, "save_hf_adapter"):
+        assert valid.failed and "lora_alpha" in valid.message, valid.message
+    else:
+        assert valid.passed and "adapter_config.json was written by the harness (the engine exports tensors only)" \
+            in valid.message
     failed = _failed(_run("tests.faulty_peft:TargetModuleDropped", layouts=["tp1-pp1-cp1-dp1"]))
     msg = failed[("peft-ckpt.valid", "tp1-pp1-cp1-dp1")]
     assert "v_proj" in msg and "PEFT does not expect" in msg
