@@ -150,12 +150,14 @@ def lint(session: nox.Session) -> None:
 
 def _tests(session: nox.Session, stack: TestedStack) -> None:
     bindir = stack_env(session, stack)
-    run_in(session, bindir, "pytest", "tests", "-n", TEST_WORKERS, "--dist", "loadscope", *session.posargs)
+    run_in(session, bindir, "pytest", "tests", "-m", "not nightly", "-n", TEST_WORKERS, "--dist", "loadscope",
+           *session.posargs)
 
 
 def _unit(session: nox.Session, stack: TestedStack) -> None:
     bindir = stack_env(session, stack)
-    run_in(session, bindir, "pytest", "tests", "-m", "not slow", "-n", TEST_WORKERS, *session.posargs)
+    run_in(session, bindir, "pytest", "tests", "-m", "not slow and not nightly", "-n", TEST_WORKERS,
+           *session.posargs)
 
 
 def _cpu_suite(session: nox.Session, stack: TestedStack) -> None:
@@ -208,8 +210,10 @@ def _bisect(session: nox.Session, stack: TestedStack) -> None:
 # Each session once per stack: `tests` on the current stack, `tests-previous` on the previous one.
 SESSIONS = {
     "tests": (_tests, "The harness's own tests on CPU (unit tests + fault injection on real gloo ranks), on two "
-                      "pytest-xdist workers (a module stays on one); `-- -n 0` runs them in one process."),
-    "unit": (_unit, "The unit tier of the harness's own tests: no rank process (pytest -m \"not slow\")."),
+                      "pytest-xdist workers (a module stays on one), the nightly tier left out; `-- -n 0` runs them "
+                      "in one process."),
+    "unit": (_unit, "The unit tier of the harness's own tests: no rank process (pytest -m \"not slow and not "
+                    "nightly\")."),
     "cpu-suite": (_cpu_suite, "The regression suites on CPU ranks (gloo), world size 4 by default."),
     "flakes": (_flakes, "Hunt a flaky test: pytest ROUNDS times in a row beside a CPU-bound process on one core, "
                         "counting the rounds that failed; each round's log is in .flakes/. `-- ROUNDS [pytest args]` "
@@ -257,8 +261,10 @@ def nightly(session: nox.Session) -> None:
         _use_node_environment(session)
         session.run("python", "-m", "harness.cli", "nightly", *args, env={"PYTHONPATH": HERE})
         return
-    previous = stack_env(session, PREVIOUS)
-    run_in(session, stack_env(session, CURRENT), "harness", "nightly", *args, "--other-stack",
+    previous, current = stack_env(session, PREVIOUS), stack_env(session, CURRENT)
+    # the tests' nightly tier (sweeps over every shipped model and world size), then every suite on both stacks
+    run_in(session, current, "pytest", "tests", "-m", "nightly", "-n", TEST_WORKERS, "--dist", "loadscope")
+    run_in(session, current, "harness", "nightly", *args, "--other-stack",
            f"previous={os.path.join(previous, 'python')}")
 
 

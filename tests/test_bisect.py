@@ -143,6 +143,7 @@ def test_bisect_refuses_a_pair_that_does_not_reproduce(engine_repo, tmp_path, ca
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_git_bisect_run_names_the_same_commit(engine_repo, tmp_path, capsys, no_leftover_ranks):
     repo, shas = engine_repo
     code = cli.main(["bisect", "--repo", str(repo), "--good", shas[0], "--bad", shas[-1], "--cache", str(tmp_path),

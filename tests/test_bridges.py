@@ -144,7 +144,8 @@ def test_r2_override_only_ddp_config_is_caught():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["mcore", *(_installed(e) for e in BRIDGES)])
+@pytest.mark.parametrize("engine", [pytest.param("mcore", marks=pytest.mark.nightly),  # the bridges are the point
+                                    *(_installed(e) for e in BRIDGES)])
 def test_every_path_builds_the_qwen3_moe_it_was_asked_for(engine):
     """tiny-qwen3-moe at EP 2 with TP 2: its q/k layernorms in the gradient buffer, MoE layers (mbridge's CPU spec
     built dense MLPs, and its dispatcher issued no token all-to-all), sequence parallelism with TP; the grad-sync

@@ -55,6 +55,7 @@ def _moe_run(engine="mcore", formats=("dp_reshardable", "fully_reshardable")):
     return run_suite(ContractOnly(formats), "tiny-moe", 4, engine=engine, backend="gloo")
 
 
+@pytest.mark.nightly
 def test_an_moe_checkpoint_reshards_over_the_expert_grid():
     run = _moe_run()
     assert run.passed, [c.message for c in run.checks if c.failed]

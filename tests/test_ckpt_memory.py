@@ -281,6 +281,7 @@ def test_fully_parallel_band_spreads_the_weights():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_a_one_time_cost_of_the_first_save_lands_in_no_case(tmp_path, monkeypatch, no_leftover_ranks):
     """A first save that keeps 48 MiB for the process (tests/faulty_ckpt.py; a GPU save's pinned blocks are
     such a cost) is paid in the case's priming save: no measured peak holds it, whichever case runs first

@@ -270,6 +270,7 @@ def golden_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_the_unchanged_engine_passes_on_another_layout(golden_dir):
     from harness.driver import run_suite
 
@@ -322,6 +323,7 @@ def test_a_resume_that_loses_optimizer_state_fails_at_the_first_step_after_the_l
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_resume_passes_for_every_format_and_at_another_layout(golden_dir):
     from harness.driver import run_suite
 

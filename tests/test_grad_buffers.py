@@ -35,9 +35,13 @@ class BuildOnly:
         return {"chunks": engine.grad_buffer_params()}
 
 
+# one dense and one MoE model in the fast tier; every CPU model at both world sizes nightly
+SPEC_CASES = [pytest.param(m, w, marks=[] if (m, w) in (("tiny", 2), ("tiny-moe", 4)) else [pytest.mark.nightly])
+              for m in CPU_MODELS for w in (2, 4)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("model", CPU_MODELS)
+@pytest.mark.parametrize("model, world", SPEC_CASES)
 def test_the_spec_arithmetic_counts_what_megatron_builds(model, world):
     spec = load_model(model)
     mismatches = []
@@ -70,18 +74,31 @@ def test_a_plan_from_the_built_model_counts_a_weight_the_arithmetic_lacks():
     assert reduction.numel == expected_collectives(case, 0)[0].numel + 16
 
 
+def _fake_world(names: list[str]) -> dict:
+    done = subprocess.run([sys.executable, "-m", "tests.fake_world", *names], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.nightly
 @pytest.mark.skipif(bool(fake_process_group_missing()), reason=fake_process_group_missing())
 @pytest.mark.parametrize("tier", ["cpu", "gpu"])
 def test_the_plan_counts_what_megatron_builds_for_every_shipped_model_up_to_world_size_8(tier):
     names = [n for n in known_models() if load_model(n).tier == tier]
-    done = subprocess.run([sys.executable, "-m", "tests.fake_world", *names], capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    judged = json.loads(done.stdout.splitlines()[-1])
+    judged = _fake_world(names)
     assert set(judged) == set(names) and MAX_WORLD == 8
     for name, got in judged.items():
         assert got["layouts"] >= 20 and got["builds"] >= 5, (name, got)  # every world size's matrix was built
         assert not got["differ"], f"{name}: " + "\n".join(got["differ"][:10])
+
+
+@pytest.mark.skipif(bool(fake_process_group_missing()), reason=fake_process_group_missing())
+def test_the_plan_counts_what_megatron_builds_for_tiny_up_to_world_size_8():
+    """The fast tier's representative of the sweep above (every shipped model: nightly)."""
+    got = _fake_world(["tiny"])["tiny"]
+    assert got["layouts"] >= 20 and got["builds"] >= 5, got
+    assert not got["differ"], "\n".join(got["differ"][:10])
 
 
 _PLANT = """

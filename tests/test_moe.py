@@ -90,6 +90,7 @@ def test_the_layouts_command_shows_the_expert_grid(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_expert_layouts_train_like_pure_dp():
     """EP 2 and EP 4 at pure DP and EP 2 with TP 2 (sequence parallel; the dispatcher's uneven gathers over TP)
     train like pure DP: losses, log-probs, every parameter by global expert index, replicas bit-identical."""
@@ -178,6 +179,7 @@ def _golden(baselines, layout: str, engine: str = "mcore"):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_the_moe_trajectory_holds_at_ep_2_and_records_the_load_balancing_loss(moe_golden):
     import json
 

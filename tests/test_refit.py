@@ -57,6 +57,7 @@ def test_bad_parameters_are_refused_before_any_rank(given, said):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_megatrons_export_passes_at_tp2_and_pp2_untied():
     run = run_suite("refit", "tiny", 4, [TP2, PP2], backend="gloo", suite_params={**QUICK, "variant": "untied"})
     assert not _failed(run)

@@ -121,6 +121,7 @@ def test_torchrun_entry_runs_a_suite_in_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_torchrun_entry_at_world_size_1_judges_step_perf(tmp_path):
     """One rank under torchrun (a one-GPU node's shape, here on gloo): step-perf runs and is judged - against
     an empty baselines directory, so the verdict is the missing baseline with the command that records it."""
@@ -176,6 +177,7 @@ def test_gloo_ranks_see_no_gpu_on_a_gpu_node(monkeypatch, fork):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_torchrun_entry_gives_each_case_its_own_scratch_and_leaves_none(tmp_path):
     """Each case gets a directory of its own (a checkpoint saved by one case is not in the next case's, nor in the
     next run's, as it was in a fixed $TMPDIR), and the run's directory is gone after it."""

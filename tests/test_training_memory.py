@@ -153,6 +153,7 @@ def _errors(run) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_the_model_holds_against_measured_peaks_of_small():
     """Every default case of `small` at world size 2 (pure DP, TP 2, PP 2, with and without the distributed
     optimizer, full and selective recompute): each rank's build and steps within the model's band."""
@@ -169,6 +170,7 @@ def test_the_model_holds_against_measured_peaks_of_small():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly
 def test_the_model_holds_in_bf16_with_the_optimizers_fp32_gradient_copies():
     """bf16 parameters with a bf16 gradient buffer: megatron's optimizer steps fp32 copies of the gradients
     (`main_grad.float()`, 4 bytes per parameter it steps) made at every step. Every default case of `small` at
