@@ -182,8 +182,9 @@ def other_stacks(given: list[str]) -> dict[tuple[str, str], str]:
 
 def worst_exit(codes: list[int]) -> int:
     """One exit code for nightlies run on several stacks: an interruption, else a failure, else errors only, else
-    nothing judged, else a pass."""
+    nothing judged, else a pass; a stack's process killed by a signal (a negative code) as 128 + the signal."""
+    codes = [128 - c if c < 0 else c for c in codes]
     for code in (143, 130, EXIT_FAIL, EXIT_ERRORED, EXIT_NOTHING_JUDGED):
         if code in codes:
             return code
-    return max(codes) if any(codes) else EXIT_PASS
+    return next((c for c in codes if c), EXIT_PASS)

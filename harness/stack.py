@@ -100,6 +100,8 @@ def differences(old: dict[str, str], new: dict[str, str] | None = None) -> list[
     out = []
     for c in COMPONENTS:
         a, b = old.get(c), new.get(c)
+        if c == "python" and a and b and a.split(".")[:2] == b.split(".")[:2]:
+            continue  # a patch release of the interpreter (or a record of its minor only) is the same stack
         if a != b and (a or b):
             out.append(f"{LABELS[c]} {a or 'none'} -> {b or 'none'}")
     return out

@@ -18,17 +18,25 @@ from typing import Any
 
 
 def _source(module: str) -> str:
-    """A module's source text, read without importing it ('' where it is not installed)."""
+    """A module's source text, read from its file without importing it or its parent packages (find_spec on a
+    dotted name imports the parents: mbridge's __init__ imports megatron-core and torch); '' where it is not
+    installed."""
+    top, *rest = module.split(".")
     try:
-        spec = importlib.util.find_spec(module)
+        spec = importlib.util.find_spec(top)  # a top-level name: nothing is imported
     except (ImportError, ValueError):
         return ""
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    if spec is None:
         return ""
-    try:
-        return Path(spec.origin).read_text()
-    except OSError:
-        return ""
+    roots = [Path(p) for p in spec.submodule_search_locations or []]  # a namespace package (megatron) has several
+    candidates = [r.joinpath(*rest[:-1], f"{rest[-1]}.py") for r in roots] if rest else \
+        [Path(spec.origin)] if spec.origin else []
+    for path in candidates:
+        try:
+            return path.read_text()
+        except OSError:
+            continue
+    return ""
 
 
 # -- megatron-core: signatures ------------------------------------------------------------------------------

@@ -33,6 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("--phase-table"):
         return
     _CONFIG.append(config)
+    if not hasattr(config, "workerinput") and _parts(config).exists():  # an aborted run's parts: not this run's
+        for part in _parts(config).glob("*.jsonl"):
+            part.unlink()
     _parts(config).mkdir(parents=True, exist_ok=True)
     from harness import driver
 

@@ -30,6 +30,10 @@ def test_a_skipped_step_fails_the_case_naming_the_step_and_why():
                              "1.5, beyond the optimizer's grad_norm_skip_threshold at step 1), so 2 steps trained and "
                              "the figures of the skipped ones judge nothing")
     assert skipped_steps.figures(_result(False, True, True)) == {"skipped_steps": [1, 2]}
+    noted = _result(False, False, False)  # a suite whose payload keeps no steps: the rank's note of it
+    noted.ranks[0].skipped_steps.append((2, 7.5))
+    (check,) = skipped_steps.check("train-memory", [noted])
+    assert "steps 2)" in check.message and "gradient norm 7.5" in check.message
     (nan,) = skipped_steps.check("golden", [_result(True, norm=None)])
     assert "(a non-finite gradient norm at step 0)" in nan.message
 

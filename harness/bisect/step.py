@@ -107,12 +107,13 @@ def _judge_check(run, name: str, error_is_bad: bool, vers: dict) -> StepResult:
     """Bad where a result of the check `name` does not pass (failed, or inconclusive); cannot tell where it did not
     run (a case that errored: bad with --error-is-bad)."""
     judged = [c for c in run.checks if c.check == name]
-    errored = [o for o in run.outcomes() if o.outcome == Outcome.ERROR]
+    broken = [o for o in run.outcomes() if o.outcome in (Outcome.ERROR, Outcome.SKIPPED)]
+    if broken:  # a case that did not run cannot vouch for the check, as with the other metrics
+        o = broken[0]
+        return StepResult(BAD if (error_is_bad and o.outcome == Outcome.ERROR) else SKIP, case=o.result.case.id,
+                          why=f"{o.outcome}: {o.reason}", versions=vers)
     if not judged:
-        o = errored[0] if errored else None
-        why = f"{o.outcome}: {o.reason}" if o else f"no {name} ran"
-        return StepResult(BAD if (error_is_bad and errored) else SKIP, case=o.result.case.id if o else "", why=why,
-                          versions=vers)
+        return StepResult(SKIP, why=f"no {name} ran", versions=vers)
     bad = [c for c in judged if not c.passed]
     c = (bad or judged)[0]
     verdict = "inconclusive" if c.inconclusive else "fail" if c.failed else "pass"

@@ -22,18 +22,21 @@ class ReportsSteps(Protocol):
     steps: list[StepOutput]
 
 
-def skipped(result: CaseResult) -> dict[int, StepOutput]:
-    """Step index -> the output of a step megatron skipped on some rank (every rank agrees: the decision is made
-    on the global norm), for a case whose ranks report steps; {} otherwise."""
-    out: dict[int, StepOutput] = {}
+def skipped(result: CaseResult) -> dict[int, float | None]:
+    """Step index -> the gradient norm of a step megatron skipped on some rank (every rank agrees: the decision is
+    made on the global norm): from the steps the ranks' payloads report, and from what McoreEngine.train_step noted on
+    each rank (the suites whose payloads keep no steps: train-memory, ckpt-memory, grad-sync, step-perf)."""
+    out: dict[int, float | None] = {}
     for rank in result.ranks:
+        for i, norm in rank.skipped_steps:
+            out.setdefault(i, norm)
         payload = rank.data
         if not isinstance(payload, ReportsSteps) or not isinstance(payload.steps, list):
             continue
         for i, step in enumerate(payload.steps):
             if isinstance(step, StepOutput) and step.skipped:
-                out.setdefault(i, step)
-    return out
+                out.setdefault(i, step.grad_norm)
+    return dict(sorted(out.items()))
 
 
 def figures(result: CaseResult) -> dict[str, Any]:
@@ -49,9 +52,9 @@ def check(suite: str, results: list[CaseResult]) -> list[CheckResult]:
         steps = skipped(res) if res.ok else {}
         if not steps:
             continue
-        trained = max((len(r.data.steps) for r in res.ranks if isinstance(r.data, ReportsSteps)), default=0)
-        first, step = min(steps.items())
-        norm = step.grad_norm
+        trained = max((len(r.data.steps) for r in res.ranks if isinstance(r.data, ReportsSteps)),
+                      default=res.case.options.steps)
+        first, norm = min(steps.items())
         why = ("a non-finite gradient norm" if norm is None or not math.isfinite(norm) else
                f"gradient norm {norm:.4g}, beyond the optimizer's grad_norm_skip_threshold")
         which = ", ".join(map(str, steps))

@@ -48,10 +48,15 @@ def main(args) -> int:
     codes = [run_nightly(out / stack.key(), args.suite or list(SUITES), args.model, args.world_size, args.backend,
                          args.engine, say, label=args.label, history_db=history_db)]
     for (name, python), key in others.items():
+        if codes[-1] in INTERRUPTED:  # a stop asked for (CI's timeout, Ctrl-C) stops the other stacks too
+            break
         say(f"nightly: the {name} stack ({key}, {python}) into {out / key}")
         label = f"{args.label}-{name}" if args.label else name
         codes.append(_run_other(python, out / key, history_db, label, args))
     return worst_exit(codes)
+
+
+INTERRUPTED = (130, 143, -2, -15)  # exit codes of a run stopped by SIGINT / SIGTERM (its own, or as a signal)
 
 
 def _run_other(python: str, out: Path, history_db: Path, label: str, args) -> int:

@@ -257,7 +257,10 @@ class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
         return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
 
     def train_step(self, step: int) -> StepOutput:
-        return self._run_batch(step, forward_only=False, capture=step in self.logprob_steps)
+        out = self._run_batch(step, forward_only=False, capture=step in self.logprob_steps)
+        if out.skipped and self.ctx is not None:  # every suite's figures say so, whatever its payload keeps
+            self.ctx.result.skipped_steps.append((step, out.grad_norm))
+        return out
 
     def eval_step(self, step: int) -> StepOutput:
         """Forward only on the batch of `step` (no update), capturing every token's log-prob."""

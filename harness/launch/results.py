@@ -36,6 +36,8 @@ class RankResult:
     adjustments: list[str] = field(default_factory=list)  # what it changed in the engine (harness/adjustments.py)
     memory: RankMemory | None = None
     leaks: list[str] = field(default_factory=list)  # what the case left in a warm rank (launch/isolation.py)
+    # (step, its gradient norm) of every training step megatron skipped on this rank (harness/checks/skipped_steps.py)
+    skipped_steps: list[tuple[int, float | None]] = field(default_factory=list)
 
     def payload_as(self, kind: type[T]) -> T:
         """`data` as the suite's payload dataclass; TypeError naming the rank and what it returned otherwise."""
