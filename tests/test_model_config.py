@@ -69,4 +69,7 @@ def test_every_fusion_is_off_on_cpu_ranks_and_said_so():
     with _Notes() as notes:
         flags = model_config.fusions(on_cpu=True)
     assert not any(flags.values()) and set(flags) == set(model_config.FUSIONS)
-    assert notes == ["fusions off on CPU ranks (CUDA kernels): " + ", ".join(model_config.FUSIONS)]
+    from harness.platform.backend import COMPILE_OFF, CPU_RANK_ENV
+
+    assert notes == ["fusions off on CPU ranks (CUDA kernels): " + ", ".join(model_config.FUSIONS), COMPILE_OFF]
+    assert CPU_RANK_ENV["TORCHDYNAMO_DISABLE"] == "1"  # what the note says: the ranks' environment has it

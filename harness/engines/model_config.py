@@ -138,7 +138,10 @@ def fusions(on_cpu: bool) -> dict[str, bool]:
     from harness.adjustments import note
 
     if on_cpu:
+        from harness.platform.backend import COMPILE_OFF
+
         note("fusions off on CPU ranks (CUDA kernels): " + ", ".join(FUSIONS))
+        note(COMPILE_OFF)
         return dict.fromkeys(FUSIONS, False)
     te = _importable("transformer_engine")
     rope = False

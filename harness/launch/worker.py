@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-dir", type=Path, help="run as a warm pool rank (cases from stdin)")
     args = parser.parse_args(argv)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the runner asks hung ranks for stacks
+    faulthandler.enable(all_threads=True)  # a rank that crashes (a segfault) leaves every thread's stack in its log
     if args.pool_dir:
         pool_main(args.pool_dir)
     if not (args.case_file and args.result_dir):

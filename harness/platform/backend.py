@@ -16,7 +16,12 @@ from harness.errors import BadInput
 # pool of its own, and once a process's OpenMP threads outnumber the cores libgomp makes every small parallel
 # op wait for a wake-up, for the rest of the rank's life (docs/internals.md, "One thread per CPU rank").
 CPU_RANK_THREADS = 1
-CPU_RANK_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(CPU_RANK_THREADS)}
+# TORCHDYNAMO_DISABLE: megatron's torch.compile'd functions (jit_fuser) run eagerly on CPU ranks. megatron-core 0.19
+# calls some on the MoE path there, and inductor then compiled and loaded a C++ kernel inside a measured phase,
+# which crashed memray 1.20's tracker when it stopped (a bus error or segfault in the rank: train-memory's small-moe
+# with the distributed optimizer, refit); they are fused kernels for GPUs (adjustments: COMPILE_OFF).
+CPU_RANK_ENV = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(CPU_RANK_THREADS), "TORCHDYNAMO_DISABLE": "1"}
+COMPILE_OFF = "torch.compile off on CPU ranks (megatron's jit_fuser functions run eagerly: TORCHDYNAMO_DISABLE=1)"
 # A GPU rank compiles megatron's fused functions (jit_fuser is torch.compile there) in its own process: inductor's
 # default compile pool is a worker process with threads, started at the first compile - whichever case that is
 # in a warm rank, which then reads as that case's leak (measured on an H100: 2 threads and a child process).

@@ -180,8 +180,7 @@ def measure(phase: str, capture_dir: Path, rank: int, use_memray: bool = True, d
             try:
                 yield peak
             finally:
-                # the sampler stops before memray restores the interpreter's allocators: on Python 3.12.1 a thread
-                # allocating across that switch crashed the rank (a segfault in libpython, warm ranks of refit)
+                # the sampler stops inside the tracked block: no thread of ours runs while memray stops
                 sampler.stop_event.set()
                 sampler.join()
     finally:
