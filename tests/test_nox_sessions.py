@@ -66,8 +66,10 @@ def test_gpu_suite_refuses_an_environment_without_torch(tmp_path):
 def test_a_stack_without_its_python_fails_saying_how_to_get_one(tmp_path):
     """pyenv's python3.12 shim refuses to run until 3.12 is selected; with no installed 3.12 for the session to find,
     the current stack's session fails (never skips green) and names the ways to get one."""
+    # a virtualenv's bin on PATH (the one the tests run from, under nox) holds a python3.12 the session would use
+    path = [d for d in os.environ.get("PATH", "").split(os.pathsep) if not (Path(d).parent / "pyvenv.cfg").exists()]
     env = {**os.environ, "PYENV_ROOT": str(tmp_path / "no-pyenv"), "PYENV_VERSION": "3.11.7",
-           "HARNESS_PYTHON_3_12": ""}
+           "HARNESS_PYTHON_3_12": "", "PATH": os.pathsep.join(path)}
     env.pop("HARNESS_PYTHON_3_12")
     if any(os.path.exists(p) for p in ("/usr/bin/python3.12", "/usr/local/bin/python3.12")):
         pytest.skip("this machine has a system python3.12, which the session finds")
