@@ -20,6 +20,7 @@ from harness.broken_env import broken_environment
 from harness.errors import Interrupted
 from harness.launch import CaseResult, run_case, zygote
 from harness.launch.pool import pool_for
+from harness.launch.profiler_crash import profiler_crash
 from harness.outcomes import CaseStatus
 from harness.planning import Plan, plan
 from harness.spec import Case, CaseOptions
@@ -91,6 +92,14 @@ class LocalRanks:
         return new_run_dir()
 
     def run(self, case: Case) -> CaseResult:
+        result = self._once(case)
+        crash = profiler_crash(result)
+        if crash:  # the profiler's defect, not the code's: once more (the failed case retired its warm ranks)
+            result = self._once(case)
+            result.notes.append(f"ran twice: the first time {crash}, a memray defect, not a verdict on the code")
+        return result
+
+    def _once(self, case: Case) -> CaseResult:
         return run_case(case) if self.per_case else pool_for(case.layout.world_size, case.backend).run(case)
 
     def agree(self, stop: str) -> str:
