@@ -281,7 +281,6 @@ def _grad_sync_at_ep2(engine: str = "mcore"):
 
 
 @pytest.mark.slow
-@pytest.mark.nightly  # the cpu-suite's grad-sync-moe runs these four cases; the two plants below stay in CI
 def test_grad_sync_judges_an_moe_model_and_its_dispatcher():
     run = _grad_sync_at_ep2()
     assert run.passed, [c.message for c in run.checks if c.failed]
