@@ -30,7 +30,7 @@ def profiler_crash(result: CaseResult) -> str:
 def _crash_site(error: str) -> str:
     """The innermost frame of the crashing thread when it is a memray tracker's exit in the harness's probes."""
     lines = error.splitlines()
-    fatal = next((i for i, line in enumerate(lines) if _FATAL.search(line)), None)
+    fatal, kind = next(((i, m[1]) for i, line in enumerate(lines) for m in [_FATAL.search(line)] if m), (None, ""))
     if fatal is None:
         return ""
     current = next((i for i in range(fatal, len(lines)) if _CURRENT.match(lines[i].strip())), None)
@@ -42,5 +42,4 @@ def _crash_site(error: str) -> str:
     source = linecache.getline(frame["file"], int(frame["line"]))
     if "tracker" not in source.lower():  # the with-statement of a memray.Tracker, not the phase it measured
         return ""
-    return f"{_FATAL.search(lines[fatal])[1].lower()} in {frame['func']}, {frame['file'].rsplit('/', 1)[-1]}:" \
-           f"{frame['line']}"
+    return f"{kind.lower()} in {frame['func']}, {frame['file'].rsplit('/', 1)[-1]}:{frame['line']}"
