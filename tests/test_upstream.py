@@ -149,7 +149,9 @@ def test_the_nightly_runs_another_stack_by_its_python_and_refuses_its_own(tmp_pa
     from harness.errors import BadInput
     from harness.nightly import other_stacks, worst_exit
 
-    other = {**stack.components(), "python": "3.11.7", "megatron-core": "0.16.1"}
+    here = stack.components()
+    other = {**here, "python": "3.11.7", "megatron-core": "0.16.1"} if here["megatron-core"] != "0.16.1" else \
+        {**here, "python": "3.12.1", "megatron-core": "0.19.2"}  # the stack this one is not
     fake = tmp_path / "python"
     fake.write_text(f"#!/bin/sh\necho '{json.dumps(other)}'\n")
     fake.chmod(0o755)
