@@ -53,6 +53,19 @@ def start_lazy_threads() -> None:
     torch.ones(1 << 20).sum()  # above ATen's grain size (32768 elements): runs on every intra-op thread
 
 
+def no_progress_bar_monitor() -> None:
+    """No tqdm monitor thread in a warm rank: transformers 5 draws progress bars as it saves and loads Hugging Face
+    weights (peft-ckpt's export and log-prob checks, on the current stack), and tqdm's first bar starts a monitor
+    thread that outlived the case, so every such case read as a leak and retired the warm ranks (each of
+    peft-ckpt's cases then started fresh ranks and imported transformers and peft again). The monitor only tunes
+    how often a bar redraws; a rank's bars go to its log."""
+    try:
+        from tqdm import std
+    except ImportError:
+        return
+    std.tqdm.monitor_interval = 0
+
+
 def snapshot() -> dict[str, Any]:
     """Identities of watched functions plus process-global state a case must restore."""
     import torch

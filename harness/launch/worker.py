@@ -167,6 +167,7 @@ def pool_main(pool_dir: Path) -> None:
     with startup.phase("init"):
         init_distributed(startup, float(os.environ.get("HARNESS_PG_TIMEOUT", "1800")))
     isolation.start_lazy_threads()
+    isolation.no_progress_bar_monitor()
     freeze_long_lived()
     baseline = isolation.snapshot()
     first = True
