@@ -46,6 +46,9 @@ def _build(rank: int, world_size: int, model: str, layout: str, drawn: bool,
                 for name, p in engine.global_names(chunk).items()}
     finally:
         mcore.transformer_config = saved
+        # every rank done connecting the build's groups (no collective used them) before any closes one: a peer
+        # descheduled by load could still be in gloo's connect ("Connection closed by peer")
+        torch.distributed.barrier()
         teardown_parallel_state()
 
 
