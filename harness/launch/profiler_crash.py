@@ -1,6 +1,6 @@
 """A rank killed by the memory profiler itself: memray's tracker crashing as it stops (a segfault or bus error in
-`Tracker.__exit__`, seen about once in a few hundred measured phases on CPU ranks with megatron-core 0.19's ~50
-native threads per rank). That is no verdict on the code under test: the case runs once more, and says so."""
+`Tracker.__exit__`: once in a cpu-suite run on megatron-core 0.19.2's CPU ranks, in refit's export, a case that
+passed when run again). That is no verdict on the code under test: the case runs once more, and says so."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ _TRACKER_SITES = ("harness/probes/memory.py", "harness/probes/retention.py")
 
 
 def profiler_crash(result: CaseResult) -> str:
-    """Why a failed case's first rank to die was killed by memray's tracker stopping, or "" when it was not."""
+    """How a rank of a failed case was killed by memray's tracker stopping, or "" when none was."""
     if result.ok:
         return ""
     for rank in result.ranks:
