@@ -174,8 +174,10 @@ def _unit(session: nox.Session, stack: TestedStack) -> None:
 
 def _cpu_suite(session: nox.Session, stack: TestedStack) -> None:
     bindir = stack_env(session, stack)
+    # two suites at a time, as the tests run: step-perf's runs hold the machine alone (harness/launch/machine_lock.py)
     run_in(session, bindir, "pytest", "suites", "-m", "cpu and not nightly", "--backend", "gloo",
-           "--world-size", os.environ.get("HARNESS_WORLD_SIZE", "4"), *session.posargs)
+           "--world-size", os.environ.get("HARNESS_WORLD_SIZE", "4"), "-n", TEST_WORKERS, "--dist", "loadscope",
+           *session.posargs)
 
 
 FLAKE_TESTS = ("tests/test_rendezvous.py", "tests/test_zygote.py", "tests/test_pool.py", "tests/test_runner.py")

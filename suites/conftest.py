@@ -67,11 +67,12 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
     instead of the suite's matrix), its table
     published and its results written. With --update-baselines a suite that has baselines is recorded
     first (3 repeats), then run again against the new file. A missing dependency skips the test."""
-    from harness.report.results_file import write_results
-    from harness.report.terminal import format_run
     from harness.driver import run_suite
     from harness.errors import DoesNotFit, MissingDependency, NotOnThisStack
-    from harness.suite_defs import get_suite
+    from harness.launch.machine_lock import share_machine
+    from harness.report.results_file import write_results
+    from harness.report.terminal import format_run
+    from harness.suite_defs import get_suite, runs_alone
 
     c = request.config
     baselines_dir = c.getoption("--baselines-dir")
@@ -88,15 +89,20 @@ def suite_runner(request: pytest.FixtureRequest, harness_opts: dict, publish):
             suite_params["min_effect"] = min_effect
         common = dict(engine=engine, backend=harness_opts["backend"], baselines_dir=baselines_dir,
                       suite_params=suite_params)
-        try:
+
+        def run_or_record():
             if c.getoption("--update-baselines") and hasattr(get_suite(name), "samples"):
                 from harness.recording import record_suite
 
                 path, diff = record_suite(name, model or harness_opts["model"], harness_opts["world_size"],
                                           **common)
                 publish(f"recorded {path}:\n{diff}")
-            result = run_suite(name, model or harness_opts["model"], harness_opts["world_size"], layouts,
-                               fresh_ranks=harness_opts["fresh_ranks"], **common)
+            return run_suite(name, model or harness_opts["model"], harness_opts["world_size"], layouts,
+                             fresh_ranks=harness_opts["fresh_ranks"], **common)
+
+        try:
+            with share_machine(runs_alone(get_suite(name))):  # beside another xdist worker's runs, or alone
+                result = run_or_record()
         # not installed here / a path the installed releases cannot run together / predicted not to fit this device
         except (MissingDependency, NotOnThisStack, DoesNotFit) as exc:
             pytest.skip(str(exc))
@@ -178,9 +184,23 @@ def judge(request: pytest.FixtureRequest):
     return judge_and_count
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: a worker's suite reports and judged runs (sent at its sessionfinish) join its own."""
+    out = getattr(node, "workeroutput", {})
+    node.config.stash.setdefault(_REPORTS, []).extend(out.get("harness_reports", []))
+    node.config.stash.setdefault(_JUDGED, []).extend(out.get("harness_judged", []))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A session of the suites in which nothing at all was judged (every suite skipped or inconclusive,
-    e.g. world size 1 for suites that compare layouts) is not a pass: exit 5, as pytest's "no tests"."""
+    e.g. world size 1 for suites that compare layouts) is not a pass: exit 5, as pytest's "no tests".
+    A pytest-xdist worker hands its reports and judged runs to the controller, which decides."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["harness_reports"] = list(session.config.stash.get(_REPORTS, []))
+        workeroutput["harness_judged"] = list(session.config.stash.get(_JUDGED, []))
+        return
     ran_suites = session.config.stash.get(_REPORTS, [])
     if exitstatus == 0 and ran_suites and not session.config.stash.get(_JUDGED, []):
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED

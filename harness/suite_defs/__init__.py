@@ -144,6 +144,18 @@ class FreshRanks(Protocol):
 
 
 @runtime_checkable
+class RunsAlone(Protocol):
+    """A timed suite whose figures other processes on the machine move (step-perf): where the suites share a machine
+    (pytest-xdist workers), its run waits for the others' and none starts beside it (harness.launch.machine_lock)."""
+
+    runs_alone: bool
+
+
+def runs_alone(suite: object) -> bool:
+    return isinstance(suite, RunsAlone) and suite.runs_alone
+
+
+@runtime_checkable
 class FreshRanksPerCase(Protocol):
     """A suite whose figures a rank's own earlier cases move (ckpt-memory): each case runs on ranks forked for it
     from the fork server, as with --fresh-ranks, so a figure does not depend on what ran before it."""

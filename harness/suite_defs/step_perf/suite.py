@@ -33,6 +33,8 @@ class StepPerfSuite:
     # bridge, transformers and peft imported) stepped 1.10-1.25x slower locally and 1.2-1.6x in CI
     # (cpu-suite) than ranks that had not; on fresh ranks the same run measured 0.99-1.02x its baseline.
     fresh_pool = True
+    # ... and timed with no other suite's ranks beside it (a suite next to it in another pytest-xdist worker)
+    runs_alone = True
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
