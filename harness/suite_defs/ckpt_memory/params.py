@@ -22,8 +22,10 @@ ASYNC_FORMATS = FULLY_PARALLEL_FORMATS = ("dp_reshardable", "fully_reshardable")
 DEFAULT_LAYOUTS = ("tp1-pp1-cp1-dp4", "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2")
 CONTRACT_FORMATS = ("dp_reshardable", "fully_reshardable")  # the reshard contract's (contract.py)
 # Saves of the same state after the measured one, under one memray tracker: what they leave behind (judge.py's
-# retained check); 3, so a rank that keeps memory save after save shows it thrice over the one-time costs.
-RESAVES = 3
+# retained check), per save. 2: a rank that keeps memory save after save shows it twice over what a first save
+# leaves once (a cache filled once per process: at most 1.1 MiB, 0.55 per save against the 1 MiB bound). A third
+# save cost 1.5-2 s a case (a third of the suite's repeated saves) and moved no verdict.
+RESAVES = 2
 
 
 @dataclass(frozen=True)
