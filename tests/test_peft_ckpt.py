@@ -258,8 +258,24 @@ def test_moe_base_weights_map_onto_every_hf_qwen3_moe_weight():
     assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}
     fc1 = full["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.to_wrap.weight"]
     assert torch.equal(got["model.layers.1.mlp.experts.3.up_proj.weight"], fc1[m.expert_ffn:])
-    with pytest.raises(KeyError, match="no Hugging Face name for decoder.layers.0.mlp.shared_experts"):
-        hf_state_dict({"decoder.layers.0.mlp.shared_experts.linear_fc1.weight": fc1}, m)
+    with pytest.raises(KeyError, match="no Hugging Face name for decoder.layers.0.mlp.shared_experts.gate_weight"):
+        hf_state_dict({"decoder.layers.0.mlp.shared_experts.gate_weight": fc1}, m)  # Qwen2-MoE's gate: not mapped
+
+
+def test_a_shared_expert_maps_onto_deepseek_v3_names():
+    """small-moe's shared expert (DeepSeek-style) under the names DeepSeek-V3's module gives it: gate and up
+    split from linear_fc1 as a routed expert's are."""
+    from harness.engines.hf_weights import hf_state_dict
+
+    m = load_model("small-moe")
+    fs, h = m.moe_shared_expert_ffn, m.hidden_size
+    fc1, fc2 = torch.randn(2 * fs, h), torch.randn(h, fs)
+    got = hf_state_dict({"decoder.layers.1.mlp.shared_experts.linear_fc1.weight": fc1,
+                         "decoder.layers.1.mlp.shared_experts.linear_fc2.weight": fc2}, m)
+    pre = "model.layers.1.mlp.shared_experts."
+    assert set(got) == {pre + "gate_proj.weight", pre + "up_proj.weight", pre + "down_proj.weight"}
+    assert torch.equal(got[pre + "gate_proj.weight"], fc1[:fs]) and torch.equal(got[pre + "up_proj.weight"], fc1[fs:])
+    assert torch.equal(got[pre + "down_proj.weight"], fc2)
 
 
 def test_expert_adapters_map_per_global_expert_and_back():

@@ -69,6 +69,15 @@ def test_bad_parameters_are_refused_before_any_rank(given, said):
         plan("rl-cycle", model, 4, layouts, backend="gloo", suite_params=given, options=options)
 
 
+def test_fsdp2_is_refused_before_any_rank():
+    """fsdp2 builds torch's fully_shard, not the megatron chunks and DDP buffers rl-cycle builds and offloads: refused
+    at the plan (it stopped in the log-prob phase with "'FSDP2Engine' object has no attribute 'model'")."""
+    from harness.errors import DoesNotApply
+
+    with pytest.raises(DoesNotApply, match="--engine fsdp2 has no RL cycle here: .* run rl-cycle with --engine mcore"):
+        plan("rl-cycle", "tiny", 4, backend="gloo", engine="fsdp2")
+
+
 def test_an_offload_moves_storages_and_a_reload_brings_their_bytes_back():
     import torch
 

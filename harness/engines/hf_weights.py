@@ -1,4 +1,5 @@
-"""A Megatron GPT model's full parameters under Hugging Face names (Llama, Qwen3-MoE), by the harness's own arithmetic.
+"""A Megatron GPT model's full parameters under Hugging Face names (Llama, Qwen3-MoE; a shared expert as DeepSeek
+names it), by the harness's own arithmetic.
 
 Megatron's fused linears hold several HF modules: linear_qkv's rows are per query group [the group's q heads; k;
 v], SwiGLU linear_fc1's rows are [gate; up]. The names are megatron's local spec's (input_layernorm,
@@ -75,6 +76,10 @@ def hf_state_dict(full: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, 
                 out.update({f"{pre}self_attn.{m}.weight": v for m, v in split_qkv(t, model).items()})
             elif rest == "mlp.linear_fc1.weight":
                 out.update({f"{pre}mlp.{m}.weight": v for m, v in split_fc1(t, model).items()})
+            elif rest == "mlp.shared_experts.linear_fc1.weight":  # DeepSeek's names for the shared expert
+                out.update({f"{pre}mlp.shared_experts.{m}.weight": v for m, v in split_fc1(t, model).items()})
+            elif rest == "mlp.shared_experts.linear_fc2.weight":
+                out[f"{pre}mlp.shared_experts.down_proj.weight"] = t
             elif expert is not None:
                 index, linear = (expert.group(1), expert.group(2)) if expert.group(1) else expert.group(4, 3)
                 at = f"{pre}mlp.experts.{index}."

@@ -83,13 +83,18 @@ class RLCycleSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RLCycleParams | None = None) -> list[Case]:
-        from harness.engines import engine_class_with
+        from harness.engines import engine_class_with, is_fsdp2
         from harness.engines.base import RunsRLCycles
 
         p = params or RLCycleParams()
         engine_class_with(engine, RunsRLCycles, "has no record_routing / replay_routing / offload / reload (harness."
                           "engines.base.RunsRLCycles): rl-cycle needs an RL framework's iteration; give a subclass of "
                           "McoreEngine whose framework parts are yours (docs/engines.md)")
+        if is_fsdp2(engine):
+            raise DoesNotApply(f"--engine {engine} has no RL cycle here: rl-cycle builds megatron's model chunks "
+                               "(setup_parallel, build_model) and offloads megatron DDP's parameter and gradient "
+                               "buffers, while fsdp2 builds torch's fully_shard over DP; run rl-cycle with --engine "
+                               "mcore (batch-split and refit take fsdp2)")
         base = dataclasses.replace(options, global_batch_size=options.global_batch_size or GLOBAL_BATCH,
                                    lr=LR if options.lr == CaseOptions.lr else options.lr)
         if options.recompute:
