@@ -79,9 +79,11 @@ class LocalRanks:
         self.per_case = fresh_ranks or (isinstance(planned.suite, FreshRanksPerCase)
                                         and planned.suite.fresh_ranks_per_case)
         self.fresh_ranks = fresh_ranks
+        # ranks forked per case start with the suite's own imports done, in a fork server of their own
+        self.preload = fork_preload(planned.suite) if self.per_case else ()
 
     def start(self) -> Path:
-        zygote.prestart(self.planned.backend)  # only for a valid plan: bad input starts no process
+        zygote.prestart(self.planned.backend, self.preload)  # only for a valid plan: bad input starts no process
         suite = self.planned.suite
         if isinstance(suite, FreshRanks) and suite.fresh_pool and not self.fresh_ranks:
             from harness.launch.pool import retire_pools_used_by_others
@@ -100,7 +102,9 @@ class LocalRanks:
         return result
 
     def _once(self, case: Case) -> CaseResult:
-        return run_case(case) if self.per_case else pool_for(case.layout.world_size, case.backend).run(case)
+        if self.per_case:
+            return run_case(case, preload=self.preload)
+        return pool_for(case.layout.world_size, case.backend).run(case)
 
     def agree(self, stop: str) -> str:
         return stop
@@ -112,6 +116,13 @@ class LocalRanks:
 
     def finish(self, run_dir: Path) -> None:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def fork_preload(suite: Suite) -> tuple[str, ...]:
+    """What a suite's ranks import beyond the modules every fork server has (torch's, megatron-core's)."""
+    from harness.launch.rank_imports import MEGATRON
+
+    return tuple(m for m in suite.imports if m not in MEGATRON)
 
 
 def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fresh_ranks: bool = False,

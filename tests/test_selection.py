@@ -152,13 +152,13 @@ def test_plan_starts_nothing_and_run_plans_once(monkeypatch):
     from harness import driver
     from harness.launch import zygote
 
-    def no_start(backend):
+    def no_start(backend, preload=()):
         raise AssertionError("plan() started the fork server")
 
     monkeypatch.setattr(zygote, "prestart", no_start)
     planned = driver.plan("equivalence", "tiny", 2, backend="gloo")
     assert planned.model_name == "tiny" and planned.backend == "gloo" and len(planned.cases) >= 2
-    monkeypatch.setattr(zygote, "prestart", lambda backend: None)
+    monkeypatch.setattr(zygote, "prestart", lambda backend, preload=(): None)
     calls, executed = [], []
     real = driver.plan
     monkeypatch.setattr(driver, "plan", lambda *a, **k: calls.append(a) or real(*a, **k))

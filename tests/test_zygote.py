@@ -72,3 +72,26 @@ def test_a_fork_server_that_died_is_replaced():
     first.proc.wait()
     ranks = _where()
     assert {r["ppid"] for r in ranks} == {zygote.pid()} and zygote.pid() != first.proc.pid
+
+
+class Preloaded:
+    """Reports whether a module its suite would import is there before the rank imports anything."""
+
+    name = "preloaded"
+    imports: tuple[str, ...] = ()
+
+    def rank_work(self, case, ctx):
+        return {"has": "tabnanny" in sys.modules, "ppid": os.getppid()}
+
+
+@pytest.mark.slow
+def test_a_suites_own_imports_come_from_a_fork_server_of_their_own():
+    """Ranks forked per case of a suite that imports more (refit: transformers) start with it imported, from a fork
+    server of that preload; the ranks of the others (pools, other suites) do not carry it."""
+    case = Case("tests.test_zygote:Preloaded", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions(), "gloo",
+                fs.CASE_TIMEOUT_S)
+    plain, preloaded = run_case(case), run_case(case, preload=("tabnanny",))
+    assert plain.status == preloaded.status == "ok", plain.error + preloaded.error
+    assert not any(r.data["has"] for r in plain.ranks) and all(r.data["has"] for r in preloaded.ranks)
+    assert {r.data["ppid"] for r in preloaded.ranks} == {zygote.pid(("tabnanny",))}
+    assert {r.data["ppid"] for r in plain.ranks} == {zygote.pid()} != {zygote.pid(("tabnanny",))}

@@ -96,18 +96,18 @@ def _exit_reason(code: int | None) -> str:
 
 
 def spawn_rank(argv: list[str], env: dict[str, str], log: Path, backend: Backend,
-               stdin=subprocess.DEVNULL) -> subprocess.Popen | zygote.ForkedRank:
+               stdin=subprocess.DEVNULL, preload: tuple[str, ...] = ()) -> subprocess.Popen | zygote.ForkedRank:
     """Start one rank (`python -m harness.launch.worker ARGV`) in its own session, dying with us, logging to log:
-    forked from the zygote (gloo), else exec'd.
+    forked from the zygote that imported `preload` (gloo), else exec'd.
 
     Every rank the harness starts - fresh (run_case) or pooled (RankPool) - starts here.
     """
-    server = zygote.get() if zygote.enabled(backend) else None
+    server = zygote.get(preload) if zygote.enabled(backend) else None
     if server is not None:
         try:
             return server.fork(argv, env, log, stdin)
         except (OSError, ValueError):  # it died under us: this rank is exec'd, the next start gets a new one
-            zygote.close()
+            zygote.close(preload)
     with open(log, "ab") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "harness.launch.worker", *argv], stdin=stdin, stdout=f,
@@ -168,8 +168,10 @@ def collect(case: Case, result_dir: Path, logs: list[Path], codes: list[int | No
     return CaseResult(case, ranks, status, error, wall)
 
 
-def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S) -> CaseResult:
-    """Run the case on layout.world_size fresh local ranks; never raises for rank failures."""
+def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S,
+             preload: tuple[str, ...] = ()) -> CaseResult:
+    """Run the case on layout.world_size fresh local ranks (forked from the fork server that imported `preload`,
+    where they are forked); never raises for rank failures."""
     world = case.layout.world_size
     workdir = Path(tempfile.mkdtemp(prefix="harness-case-"))
     write_atomic(workdir / "case.pkl", case)
@@ -179,7 +181,7 @@ def run_case(case: Case, *, keep_workdir: bool = False, grace_s: float = GRACE_S
     try:
         for r in range(world):
             procs.append(spawn_rank(["--case-file", str(workdir / "case.pkl"), "--result-dir", str(workdir)],
-                                    rank_env(case, r, workdir), logs[r], case.backend))
+                                    rank_env(case, r, workdir), logs[r], case.backend, preload=preload))
         codes, timed_out = supervise(procs, workdir, case.timeout_s, grace_s, t0)
         # A rank that wrote its result exits right after (os._exit); give those a moment.
         deadline = time.monotonic() + 2.0

@@ -80,9 +80,10 @@ def _exists(pid: int) -> bool:
 
 
 class Zygote:
-    """The harness's end: starts the server process and asks it for ranks."""
+    """The harness's end: starts the server process and asks it for ranks. preload: modules it imports besides
+    PRELOAD and megatron-core's (a suite's whose cases each run on ranks of their own)."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = ()):
         from harness.launch.children import die_with_parent, import_path
 
         self.dir = Path(tempfile.mkdtemp(prefix="harness-zygote-"))
@@ -90,7 +91,8 @@ class Zygote:
         env = {**os.environ, "PYTHONPATH": import_path(), "PYTHONUNBUFFERED": "1", **CPU_RANK_ENV}  # serves gloo ranks
         with open(self.dir / "zygote.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "harness.launch.zygote", str(theirs.fileno()), str(self.dir)],
+                [sys.executable, "-m", "harness.launch.zygote", str(theirs.fileno()), str(self.dir),
+                 ",".join(preload)],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
         theirs.close()
@@ -133,57 +135,64 @@ class Zygote:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_ZYGOTE: Zygote | None = None
+# One fork server per preload: the one every pool's ranks and most cases fork from (no extra modules), and one per
+# suite whose cases each fork ranks of their own and import more (refit: transformers, 2.5 s a rank). Ranks of other
+# suites do not carry those modules, so no figure depends on which suite ran before it in this process.
+_ZYGOTES: dict[tuple[str, ...], Zygote] = {}
 _FAILED = False  # one that did not start is not tried again by this process
 
 
-def prestart(backend: Backend) -> None:
+def prestart(backend: Backend, preload: tuple[str, ...] = ()) -> None:
     """Start the zygote's imports now, beside what the run does before its first case (a resolved backend)."""
-    global _ZYGOTE
-    if enabled(backend) and _ZYGOTE is None:
-        _ZYGOTE = Zygote()
+    if enabled(backend) and preload not in _ZYGOTES:
+        _ZYGOTES[preload] = Zygote(preload)
 
 
-def get() -> Zygote | None:
-    """The process-wide zygote, started on first use (again if it died); None when it cannot start."""
-    global _ZYGOTE, _FAILED
+def get(preload: tuple[str, ...] = ()) -> Zygote | None:
+    """The process's zygote of this preload, started on first use (again if it died); None when it cannot start."""
+    global _FAILED
     if _FAILED:
         return None
-    if _ZYGOTE is not None and not _ZYGOTE.alive and _ZYGOTE.ready:
-        close()
-    if _ZYGOTE is None:
-        _ZYGOTE = Zygote()
-    if not _ZYGOTE.wait_ready():
-        log = (_ZYGOTE.dir / "zygote.log").read_text(errors="replace").strip().splitlines()[-1:]
+    server = _ZYGOTES.get(preload)
+    if server is not None and not server.alive and server.ready:
+        close(preload)
+        server = None
+    if server is None:
+        server = _ZYGOTES[preload] = Zygote(preload)
+    if not server.wait_ready():
+        log = (server.dir / "zygote.log").read_text(errors="replace").strip().splitlines()[-1:]
         print(f"harness: the rank fork server did not start ({' '.join(log) or 'no output'}); "
               "starting ranks with exec", file=sys.stderr)
         close()
         _FAILED = True
         return None
-    return _ZYGOTE
+    return server
 
 
-def close() -> None:
-    global _ZYGOTE
-    if _ZYGOTE is not None:
-        _ZYGOTE.close()
-        _ZYGOTE = None
+def close(preload: tuple[str, ...] | None = None) -> None:
+    """Close the zygote of this preload, or every one (None)."""
+    for key in list(_ZYGOTES) if preload is None else [preload]:
+        server = _ZYGOTES.pop(key, None)
+        if server is not None:
+            server.close()
 
 
-def pid() -> int | None:
+def pid(preload: tuple[str, ...] = ()) -> int | None:
     """The zygote's process id while it runs (it is no rank)."""
-    return _ZYGOTE.proc.pid if _ZYGOTE is not None and _ZYGOTE.alive else None
+    server = _ZYGOTES.get(preload)
+    return server.proc.pid if server is not None and server.alive else None
 
 
 atexit.register(close)
 
 
 # -- the server ---------------------------------------------------------------------------------------
-def serve(sock: socket.socket, status_dir: Path) -> None:
+def serve(sock: socket.socket, status_dir: Path, preload: tuple[str, ...] = ()) -> None:
     from harness.launch.rank_imports import MEGATRON, import_modules
 
     import_modules(PRELOAD, on_cpu=True)
     import_modules(MEGATRON, on_cpu=True, optional=True)
+    import_modules(preload, on_cpu=True, optional=True)
     import gc
 
     # What the imports made is never garbage: out of every later collection (each rank's, case after case) and
@@ -274,5 +283,6 @@ def _become_rank(request: dict, fds: list[int], sock: socket.socket, started: in
 
 
 if __name__ == "__main__":
-    serve(socket.socket(fileno=int(sys.argv[1])), Path(sys.argv[2]))
+    serve(socket.socket(fileno=int(sys.argv[1])), Path(sys.argv[2]),
+          tuple(m for m in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if m))
     os._exit(0)  # tearing down torch and megatron-core would cost the harness's exit a second
