@@ -16,7 +16,7 @@ def bridge_layouts(model: str, world_size: int) -> list[str] | None:
     """A bridge path's layouts here: those of the default matrix with data parallelism and no CP (pure DP, TP and
     PP beside DP). A bridge builds megatron's DDP from its own config; what it can get wrong is the options' translation
     (R2: its defaults winning over the user's), which every option set shows where gradients are reduced over DP.
-    Megatron's DDP at every layout is the mcore path's; `harness nightly` runs each bridge over the whole matrix.
+    Megatron's DDP at every layout is the mcore path's; the nightly runs each bridge over the whole matrix.
     None (the whole matrix) where no layout qualifies."""
     from harness.layouts import default_matrix
     from harness.models import load_model
@@ -27,10 +27,10 @@ def bridge_layouts(model: str, world_size: int) -> list[str] | None:
 
 @pytest.fixture(scope="module", params=PATHS)
 def grad_sync_run(request, harness_opts, suite_runner):
-    bridge = harness_opts["engine"] == "mcore" and request.param != "mcore"  # not a user's engine given by --engine
-    engine = request.param if harness_opts["engine"] == "mcore" else harness_opts["engine"]
+    users = harness_opts["engine"] != "mcore"  # a user's engine given by --engine: the whole matrix, on every param
+    engine = harness_opts["engine"] if users else request.param
     model = harness_opts["model"] or get_suite("grad-sync").default_model
-    layouts = bridge_layouts(model, harness_opts["world_size"]) if bridge else None
+    layouts = None if users or engine == "mcore" else bridge_layouts(model, harness_opts["world_size"])
     return suite_runner("grad-sync", engine=engine, label=f"grad-sync-{engine.replace(':', '-')}", layouts=layouts)
 
 

@@ -182,14 +182,13 @@ def test_one_more_zero_gradient_element_is_caught_exactly():
     assert msg.endswith(", exactly")
 
 
-
 def test_zero_counts_apart_by_the_summation_order_pass_and_beyond_it_fail():
     """small-moe's zero gradient elements differ by 1-2 of 9.0M between a cut and its reference on correct code
     (an element that cancels to 0.0 in one order and not in another): within the tolerance; 9 apart is not; the
     tiny models' counts stay exact."""
     from types import SimpleNamespace
 
-    from harness.suite_defs.batch_split.judge import _steps, zero_count_tolerance
+    from harness.suite_defs.batch_split.judge import _zero_counts, zero_count_tolerance
 
     assert zero_count_tolerance(load_model("tiny").num_params()) == 0
     assert zero_count_tolerance(load_model("tiny-moe").num_params()) == 0
@@ -198,8 +197,7 @@ def test_zero_counts_apart_by_the_summation_order_pass_and_beyond_it_fail():
     res = SimpleNamespace(case=SimpleNamespace(id="c", model=load_model("small-moe"), params=SimpleNamespace(like="")))
 
     def check(got):
-        return _steps(res, res, "token-mean, cut mbs1 at tp1-pp1-cp2-dp2", "zero grads", "num_zeros", got,
-                      [633856.0, 633856.0], count_apart=slack)
+        return _zero_counts(res, res, "token-mean, cut mbs1 at tp1-pp1-cp2-dp2", got, [633856.0, 633856.0])
 
     assert check([633856.0, 633857.0]).passed
     beyond = check([633856.0, 633865.0])
