@@ -11,12 +11,14 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
 from harness.backends import Backend
 from harness.broken_env import broken_environment
+from harness.engines import resolve_factory
+from harness.engines.base import ImportsInRanks
 from harness.errors import Interrupted
 from harness.launch import CaseResult, run_case, zygote
 from harness.launch.pool import pool_for
@@ -79,8 +81,10 @@ class LocalRanks:
         self.per_case = fresh_ranks or (isinstance(planned.suite, FreshRanksPerCase)
                                         and planned.suite.fresh_ranks_per_case)
         self.fresh_ranks = fresh_ranks
-        # ranks forked per case start with the suite's own imports done, in a fork server of their own
-        self.preload = fork_preload(planned.suite) if self.per_case else ()
+        # ranks forked per case start with the suite's own imports done, in a fork server of their own; pool ranks
+        # with their engines' (the same for every suite: what a pool's ranks ran earlier does not change them)
+        engines = engine_imports(case.engine for case in planned.cases)
+        self.preload = fork_preload(planned.suite) + engines if self.per_case else engines
 
     def start(self) -> Path:
         zygote.prestart(self.planned.backend, self.preload)  # only for a valid plan: bad input starts no process
@@ -104,7 +108,7 @@ class LocalRanks:
     def _once(self, case: Case) -> CaseResult:
         if self.per_case:
             return run_case(case, preload=self.preload)
-        return pool_for(case.layout.world_size, case.backend).run(case)
+        return pool_for(case.layout.world_size, case.backend, self.preload).run(case)
 
     def agree(self, stop: str) -> str:
         return stop
@@ -123,6 +127,16 @@ def fork_preload(suite: Suite) -> tuple[str, ...]:
     from harness.launch.rank_imports import MEGATRON
 
     return tuple(m for m in suite.imports if m not in MEGATRON)
+
+
+def engine_imports(engines: Iterable[str]) -> tuple[str, ...]:
+    """What these engines' ranks import of their own (ImportsInRanks), in order, once each."""
+    out: dict[str, None] = {}
+    for engine in dict.fromkeys(engines):
+        factory = resolve_factory(engine)
+        if isinstance(factory, ImportsInRanks):
+            out.update(dict.fromkeys(factory.rank_imports))
+    return tuple(out)
 
 
 def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fresh_ranks: bool = False,

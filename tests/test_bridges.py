@@ -4,6 +4,7 @@ package is reported with its install command."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import textwrap
 
 import pytest
 
-from harness.driver import run_suite
+from harness.driver import execute, plan, run_suite
 from harness.engines import mbridge, megatron_bridge_import, resolve_factory
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import MissingDependency, NotOnThisStack
@@ -34,6 +35,12 @@ def _missing(engine: str) -> str | None:
 def _installed(engine: str):
     reason = _missing(engine)
     return pytest.param(engine, id=engine, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
+
+
+def _run_some(suite: str, model: str, layouts: list[str], engine: str, keep, options: CaseOptions | None = None):
+    """The suite's cases at world size 2 whose options `keep` accepts, run and judged."""
+    planned = plan(suite, model, 2, layouts, backend="gloo", engine=engine, options=options)
+    return execute(dataclasses.replace(planned, cases=[c for c in planned.cases if keep(c.options)]))
 
 
 def _failures(run) -> list[str]:
@@ -149,9 +156,11 @@ def test_r2_override_only_ddp_config_is_caught():
 def test_every_path_builds_the_qwen3_moe_it_was_asked_for(engine):
     """tiny-qwen3-moe at EP 2 with TP 2: its q/k layernorms in the gradient buffer, MoE layers (mbridge's CPU spec
     built dense MLPs, and its dispatcher issued no token all-to-all), sequence parallelism with TP; the grad-sync
-    plan and the dispatcher's collectives as planned."""
-    run = run_suite("grad-sync", "tiny-qwen3-moe", 2, ["tp2-pp1-cp1-dp1-ep2-etp1"], backend="gloo", engine=engine,
-                    suite_params=None)
+    plan and the dispatcher's collectives as planned. One option set (the distributed optimizer, overlapped): what is
+    built does not depend on it, and every option set's translation is test_bridge_grad_sync_is_what_the_user_configured's."""
+    run = _run_some("grad-sync", "tiny-qwen3-moe", ["tp2-pp1-cp1-dp1-ep2-etp1"], engine,
+                    lambda o: o.use_distributed_optimizer and o.overlap_grad_reduce)
+    assert len(run.results) == 1
     assert run.passed, _failures(run)
     assert {c.check for c in run.checks if c.passed} >= {"grad-sync.plan", "grad-sync.dispatch"}
 
@@ -161,8 +170,22 @@ def test_every_path_builds_the_qwen3_moe_it_was_asked_for(engine):
 def test_the_bridges_train_with_the_cases_training_options(engine):
     """golden's trajectory from a loss mask (per-token normalisation) and a warmup-cosine learning-rate schedule,
     recorded on the mcore path: each bridge reproduces it. They once built without the one and stepped without the
-    other (step 1's grad norm 3% off, its learning rate 1e-3 where the warmup starts at 0)."""
+    other (step 1's grad norm 3% off, its learning rate 1e-3 where the warmup starts at 0). The trajectory alone: the
+    resumes through each bridge, and fsdp2's beside them, are the nightly's (below)."""
+    run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine=engine,
+                    suite_params={"formats": ()})
+    assert [(r.case.engine, r.case.params.role) for r in run.results] == [(engine, "")]
+    assert run.passed, _failures(run)
+
+
+@pytest.mark.slow
+@pytest.mark.nightly
+@pytest.mark.parametrize("engine", [_installed(e) for e in BRIDGES])
+def test_the_bridges_resume_golden_from_each_format(engine):
+    """golden's whole plan through each bridge: its resumes of every format (at another layout where the format
+    reshards) on the trajectory recorded on the mcore path, and fsdp2's run beside them."""
     run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine=engine)
+    assert any(r.case.params.role == "resume" and r.case.engine == engine for r in run.results)
     assert run.passed, _failures(run)
 
 
@@ -171,9 +194,10 @@ def test_the_bridges_train_with_the_cases_training_options(engine):
 def test_the_bridges_reduce_gradients_in_the_cases_buckets(engine):
     """A case's DDP bucket size reaches each bridge's DDP config: grad-sync plans 1M-element buckets (step-perf's
     overlap cases set them). The bridges once built with megatron's 40M default, one bucket where mcore had five."""
-    run = run_suite("grad-sync", "small", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", engine=engine,
-                    options=CaseOptions(steps=1, overlap_grad_reduce=True, bucket_size=1_000_000))
+    run = _run_some("grad-sync", "small", ["tp1-pp1-cp1-dp2"], engine, lambda o: o.overlap_grad_reduce,
+                    CaseOptions(steps=1, bucket_size=1_000_000))  # the two overlapped cases: buckets are theirs
     planned = [c for c in run.checks if c.check == "grad-sync.plan"]
+    assert len(planned) == 2
     assert planned and all(c.passed for c in planned), _failures(run)
 
 

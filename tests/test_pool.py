@@ -194,3 +194,32 @@ def test_a_suite_whose_figures_a_ranks_history_moves_gets_fresh_ranks_for_every_
     assert per_case.passed and warm.passed
     assert [r.fresh_ranks for r in per_case.results] == [True, True]
     assert [r.fresh_ranks for r in warm.results][1:] == [False]
+
+
+class ImportsTabnanny:
+    """Reports how many objects the collector has frozen in the rank, then imports a module the ranks do not have."""
+
+    name = "imports-tabnanny"
+    imports: tuple[str, ...] = ()
+
+    def rank_work(self, case, ctx):
+        import gc
+        import tabnanny  # noqa: F401
+
+        return {"frozen": gc.get_freeze_count()}
+
+
+@pytest.mark.slow
+def test_what_a_case_imported_is_out_of_the_collectors_sight_in_the_next():
+    """A warm rank freezes what it holds for its life after a case that imported modules (a full collection per case
+    then scans the case's objects only); after a case that imported nothing it freezes nothing more."""
+    pool = RankPool(1, "gloo")
+    try:
+        case = Case("tests.test_pool:ImportsTabnanny", load_model("tiny"), Layout(), "mcore", CaseOptions(), "gloo",
+                    fs.CASE_TIMEOUT_S)
+        runs = [pool.run(case) for _ in range(3)]
+        assert all(r.ok for r in runs) and not any(r.fresh_ranks for r in runs[1:]), [r.error for r in runs]
+        first, second, third = (r.ranks[0].data["frozen"] for r in runs)
+        assert first < second >= third, (first, second, third)  # (frozen objects are still freed when unreferenced)
+    finally:
+        pool.close()

@@ -4,6 +4,7 @@ its environment, directory and temporary directory of the moment, its own sessio
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -74,6 +75,20 @@ def test_a_fork_server_that_died_is_replaced():
     assert {r["ppid"] for r in ranks} == {zygote.pid()} and zygote.pid() != first.proc.pid
 
 
+CALLED = False  # set by mark_called in the process that imported this module
+
+
+def mark_called() -> None:
+    global CALLED
+    CALLED = True
+
+
+class ImportsInRanksEngine:
+    """An engine factory whose ranks import tabnanny and this module, calling mark_called (ImportsInRanks)."""
+
+    rank_imports = ("tabnanny", "tests.test_zygote:mark_called")
+
+
 class Preloaded:
     """Reports whether a module its suite would import is there before the rank imports anything."""
 
@@ -81,7 +96,7 @@ class Preloaded:
     imports: tuple[str, ...] = ()
 
     def rank_work(self, case, ctx):
-        return {"has": "tabnanny" in sys.modules, "ppid": os.getppid()}
+        return {"has": "tabnanny" in sys.modules, "called": CALLED, "ppid": os.getppid()}
 
 
 @pytest.mark.slow
@@ -95,3 +110,26 @@ def test_a_suites_own_imports_come_from_a_fork_server_of_their_own():
     assert not any(r.data["has"] for r in plain.ranks) and all(r.data["has"] for r in preloaded.ranks)
     assert {r.data["ppid"] for r in preloaded.ranks} == {zygote.pid(("tabnanny",))}
     assert {r.data["ppid"] for r in plain.ranks} == {zygote.pid()} != {zygote.pid(("tabnanny",))}
+
+
+@pytest.mark.slow
+def test_an_engines_own_imports_come_from_the_fork_server_of_its_pool():
+    """A pooled run of an engine whose ranks import packages of their own (megatron-bridge) forks its pool's ranks
+    from a server that imported them, and called the `module:function` entries; a pool of other engines does not."""
+    from harness.backends import Backend
+    from harness.driver import LocalRanks
+    from harness.planning import Plan
+
+    case = Case("tests.test_zygote:Preloaded", load_model("tiny"), Layout(dp=2), "tests.test_zygote:ImportsInRanksEngine",
+                CaseOptions(), "gloo", fs.CASE_TIMEOUT_S)
+    ranks = LocalRanks(Plan(Preloaded(), None, [case], "tiny", 2, Backend.GLOO, case.engine))
+    assert ranks.preload == ImportsInRanksEngine.rank_imports
+    own = ranks.run(case)
+    assert own.status == "ok", own.error
+    assert all(r.data["has"] and r.data["called"] for r in own.ranks)
+    assert {r.data["ppid"] for r in own.ranks} == {zygote.pid(ranks.preload)}
+    mcore = dataclasses.replace(case, engine="mcore")
+    plain = LocalRanks(Plan(Preloaded(), None, [mcore], "tiny", 2, Backend.GLOO, "mcore"))
+    assert plain.preload == ()
+    other = plain.run(mcore)
+    assert other.status == "ok" and not any(r.data["has"] or r.data["called"] for r in other.ranks), other.error

@@ -204,6 +204,15 @@ class RefusesAdapterLayouts(Protocol):
 
 
 @runtime_checkable
+class ImportsInRanks(Protocol):
+    """An engine factory whose ranks import packages of their own (megatron-bridge's): the fork server its ranks start
+    from imports them first (rank_imports.import_modules entries: `module`, or `module:function` to call), so that
+    each rank of a case does not import them again."""
+
+    rank_imports: tuple[str, ...]
+
+
+@runtime_checkable
 class ChecksAvailability(Protocol):
     """An engine factory, or its module, whose packages may be missing (the bridges): check_available() raises
     MissingDependency with the install command, in the parent before any rank starts."""

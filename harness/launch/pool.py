@@ -26,8 +26,9 @@ from harness.spec import Case
 
 
 class RankPool:
-    def __init__(self, world_size: int, backend: Backend):
+    def __init__(self, world_size: int, backend: Backend, preload: tuple[str, ...] = ()):
         self.world_size, self.backend = world_size, backend
+        self.preload = preload  # what the fork server of its ranks imported besides megatron-core (their engines')
         self.procs: list[subprocess.Popen | ForkedRank] = []
         self.dir: Path | None = None
         self.cases_run = 0
@@ -47,7 +48,7 @@ class RankPool:
             env["HARNESS_BACKEND"] = self.backend
             # runner.spawn_rank looked up per call: the one place every rank start goes through
             self.procs.append(runner.spawn_rank(["--pool-dir", str(self.dir)], env, self.dir / f"rank{r}.log",
-                                                self.backend, stdin=subprocess.PIPE))
+                                                self.backend, stdin=subprocess.PIPE, preload=self.preload))
         self.starts += 1
 
     def run(self, case: Case, grace_s: float = GRACE_S) -> CaseResult:
@@ -110,14 +111,14 @@ class RankPool:
         self.dir = None
 
 
-_POOLS: dict[tuple[int, str], RankPool] = {}
+_POOLS: dict[tuple[int, str, tuple[str, ...]], RankPool] = {}
 
 
-def pool_for(world_size: int, backend: Backend) -> RankPool:
-    """The process-wide pool for a world size and backend (closed at exit)."""
-    key = (world_size, backend)
+def pool_for(world_size: int, backend: Backend, preload: tuple[str, ...] = ()) -> RankPool:
+    """The process-wide pool for a world size, backend and preload (closed at exit)."""
+    key = (world_size, backend, preload)
     if key not in _POOLS:
-        _POOLS[key] = RankPool(world_size, backend)
+        _POOLS[key] = RankPool(world_size, backend, preload)
     return _POOLS[key]
 
 

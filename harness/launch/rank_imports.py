@@ -10,6 +10,8 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from harness.errors import MissingDependency
+
 # megatron-core's modules the suites' rank work uses, and torch's that a rank's first optimizer imports (torch.optim's
 # constructors import torch._dynamo through torch._compile: 1.2 s of CPU in every fresh rank, 60% of `small`'s build
 # at world size 2): a warm rank and the fork server import them up front
@@ -19,12 +21,16 @@ MEGATRON = ("torch._dynamo", "megatron.core", "megatron.core.distributed", "mega
 
 def import_modules(modules: Iterable[str], *, on_cpu: bool, optional: bool = False) -> None:
     """Import `modules` in order (where `optional`, one that is not installed is passed over); on a CPU rank
-    with torch.compile's decorations deferred (`deferred_compile`)."""
+    with torch.compile's decorations deferred (`deferred_compile`). An entry `module:function` imports the module and
+    calls the function, for a package that is imported through one (megatron-bridge: import_bridge)."""
     with deferred_compile() if on_cpu else contextlib.nullcontext():
-        for module in modules:
+        for entry in modules:
+            module, _, function = entry.partition(":")
             try:
-                importlib.import_module(module)
-            except ImportError:
+                imported = importlib.import_module(module)
+                if function:
+                    getattr(imported, function)()
+            except (ImportError, MissingDependency):
                 if not optional:
                     raise
 

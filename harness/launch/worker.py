@@ -181,6 +181,7 @@ def pool_main(pool_dir: Path) -> None:
         if first:  # the pool's start-up is paid by its first case
             ctx.result.timings.update(startup.result.timings)
             first = False
+        modules = len(sys.modules)
         result = run_rank(case, ctx, own_process_group=False, exits_on_failure=True)
         if not result.ok:  # reported before anything that could wait on the device (empty_cache) or on peers
             write_result(case_dir, result)
@@ -199,6 +200,11 @@ def pool_main(pool_dir: Path) -> None:
         write_result(case_dir, result)
         if leaked:
             break
+        if len(sys.modules) > modules:
+            # The modules the case imported (a suite's, an engine's, a test's plant) live as long as the rank: out of
+            # the collector's sight from now on, as the start-up's are. What else is alive after a collection is
+            # what every case leaves (the freeze stops no object from being freed when its last reference goes).
+            freeze_long_lived()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
