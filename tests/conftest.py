@@ -31,16 +31,16 @@ def live_worker_pids() -> list[int]:
     """Rank processes started by this test process (directly or below) that are still alive."""
     import psutil
 
-    def zygote(p) -> bool:
-        return "harness.launch.zygote" in " ".join(p.cmdline())
+    from harness.launch.zygote import _ZYGOTES
 
+    # this process's fork servers (a server of more modules is forked from the first one and keeps its command line)
+    servers = {server.proc.pid for server in _ZYGOTES.values()}
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            # exec'd: harness.launch.worker; forked: a child of the fork server, whose command line it keeps (as
-            # do the processes a rank forks itself, e.g. megatron's checkpoint writer and its results server)
-            parent = p.parent()
-            forked = zygote(p) and zygote(parent) and not zygote(parent.parent())
+            # exec'd: harness.launch.worker; forked: a child of a fork server that is not one itself (a rank's own
+            # children, e.g. megatron's checkpoint writer and its results server, keep its command line too)
+            forked = p.ppid() in servers and p.pid not in servers
             if ("harness.launch.worker" in " ".join(p.cmdline()) or forked) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):

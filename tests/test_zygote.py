@@ -73,6 +73,18 @@ def test_a_fork_server_that_died_is_replaced():
     first.proc.wait()
     ranks = _where()
     assert {r["ppid"] for r in ranks} == {zygote.pid()} and zygote.pid() != first.proc.pid
+    # a server of more modules, forked from the first one, dies with it and is replaced, forked from the new one
+    more = zygote.get(("tabnanny",))
+    base = zygote.get()
+    os.kill(base.proc.pid, signal.SIGKILL)
+    base.proc.wait()
+    more.proc.wait(timeout=10)
+    case = Case("tests.test_zygote:Preloaded", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions(), "gloo",
+                fs.CASE_TIMEOUT_S)
+    again = run_case(case, preload=("tabnanny",))
+    assert again.status == "ok" and all(r.data["has"] for r in again.ranks), again.error
+    assert {r.data["ppid"] for r in again.ranks} == {zygote.pid(("tabnanny",))} != {more.proc.pid}
+    assert _parent_of(zygote.pid(("tabnanny",))) == zygote.pid() != base.proc.pid
 
 
 CALLED = False  # set by mark_called in the process that imported this module
@@ -110,6 +122,13 @@ def test_a_suites_own_imports_come_from_a_fork_server_of_their_own():
     assert not any(r.data["has"] for r in plain.ranks) and all(r.data["has"] for r in preloaded.ranks)
     assert {r.data["ppid"] for r in preloaded.ranks} == {zygote.pid(("tabnanny",))}
     assert {r.data["ppid"] for r in plain.ranks} == {zygote.pid()} != {zygote.pid(("tabnanny",))}
+    # forked from the first server, which had imported torch and megatron-core: it imported tabnanny alone
+    assert _parent_of(zygote.pid(("tabnanny",))) == zygote.pid()
+
+
+def _parent_of(pid: int | None) -> int:
+    assert pid is not None
+    return int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1])
 
 
 @pytest.mark.slow

@@ -60,6 +60,12 @@ class ForkedRank:
                     self.returncode = -signal.SIGKILL
         return self.returncode
 
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
@@ -70,32 +76,48 @@ class ForkedRank:
 
 
 def _exists(pid: int) -> bool:
+    """Whether the process runs: a zombie does not (one orphaned by its server's death waits for init to reap it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class Zygote:
     """The harness's end: starts the server process and asks it for ranks. preload: modules it imports besides
-    PRELOAD and megatron-core's (a suite's whose cases each run on ranks of their own)."""
+    PRELOAD and megatron-core's (a suite's whose cases each run on ranks of their own, an engine's). from_server: a
+    running server this one is forked from, having imported what that one has (else it is started afresh)."""
 
-    def __init__(self, preload: tuple[str, ...] = ()):
+    def __init__(self, preload: tuple[str, ...] = (), from_server: Zygote | None = None):
         from harness.launch.children import die_with_parent, import_path
 
         self.dir = Path(tempfile.mkdtemp(prefix="harness-zygote-"))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, "PYTHONPATH": import_path(), "PYTHONUNBUFFERED": "1", **CPU_RANK_ENV}  # serves gloo ranks
-        with open(self.dir / "zygote.log", "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "harness.launch.zygote", str(theirs.fileno()), str(self.dir),
-                 ",".join(preload)],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        theirs.close()
+        self.proc: subprocess.Popen | ForkedRank
+        try:
+            if from_server is not None:
+                self.proc = from_server.fork_server(preload, theirs.fileno(), self.dir)
+            else:
+                env = {**os.environ, "PYTHONPATH": import_path(), "PYTHONUNBUFFERED": "1", **CPU_RANK_ENV}  # gloo's
+                with open(self.dir / "zygote.log", "ab") as log:
+                    self.proc = subprocess.Popen(
+                        [sys.executable, "-m", "harness.launch.zygote", str(theirs.fileno()), str(self.dir),
+                         ",".join(preload)],
+                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                        env=env, start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        except BaseException:
+            ours.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+        finally:
+            theirs.close()
         self.sock = ours
         self.ready: bool | None = None  # None: not heard from yet
 
@@ -125,6 +147,14 @@ class Zygote:
                 os.close(theirs)
         return ForkedRank(pid, self.dir / str(pid), os.fdopen(ours, "wb") if ours is not None else None, self)
 
+    def fork_server(self, preload: tuple[str, ...], fd: int, directory: Path) -> ForkedRank:
+        """A fork server forked from this one that imports `preload` too, serving on the socket `fd`."""
+        request = json.dumps({"serve": list(preload), "dir": str(directory),
+                              "log": str(directory / "zygote.log")}).encode()
+        socket.send_fds(self.sock, [request], [fd])
+        pid = json.loads(self.sock.recv(4096))["pid"]
+        return ForkedRank(pid, self.dir / str(pid), None, self)
+
     def close(self) -> None:
         self.sock.close()  # the server exits on EOF (its ranks die with it); still importing, it is killed
         try:
@@ -136,8 +166,10 @@ class Zygote:
 
 
 # One fork server per preload: the one every pool's ranks and most cases fork from (no extra modules), and one per
-# suite whose cases each fork ranks of their own and import more (refit: transformers, 2.5 s a rank). Ranks of other
-# suites do not carry those modules, so no figure depends on which suite ran before it in this process.
+# suite whose cases each fork ranks of their own and import more (refit: transformers, 2.5 s a rank), or engine whose
+# ranks do (megatron-bridge). Ranks of other suites do not carry those modules, so no figure depends on which suite ran
+# before it in this process. A server of more modules is forked from the first one, which has imported torch and
+# megatron-core (4-5 s of CPU a server on a quiet 2-core x86 VM): it imports only its own.
 _ZYGOTES: dict[tuple[str, ...], Zygote] = {}
 _FAILED = False  # one that did not start is not tried again by this process
 
@@ -145,7 +177,7 @@ _FAILED = False  # one that did not start is not tried again by this process
 def prestart(backend: Backend, preload: tuple[str, ...] = ()) -> None:
     """Start the zygote's imports now, beside what the run does before its first case (a resolved backend)."""
     if enabled(backend) and preload not in _ZYGOTES:
-        _ZYGOTES[preload] = Zygote(preload)
+        _ZYGOTES[preload] = _start(preload)
 
 
 def get(preload: tuple[str, ...] = ()) -> Zygote | None:
@@ -158,7 +190,7 @@ def get(preload: tuple[str, ...] = ()) -> Zygote | None:
         close(preload)
         server = None
     if server is None:
-        server = _ZYGOTES[preload] = Zygote(preload)
+        server = _ZYGOTES[preload] = _start(preload)
     if not server.wait_ready():
         log = (server.dir / "zygote.log").read_text(errors="replace").strip().splitlines()[-1:]
         print(f"harness: the rank fork server did not start ({' '.join(log) or 'no output'}); "
@@ -167,6 +199,17 @@ def get(preload: tuple[str, ...] = ()) -> Zygote | None:
         _FAILED = True
         return None
     return server
+
+
+def _start(preload: tuple[str, ...]) -> Zygote:
+    """A server of this preload: forked from the first server where that one runs (or can start), else afresh."""
+    base = get() if preload else None
+    if base is not None:
+        try:
+            return Zygote(preload, from_server=base)
+        except (OSError, ValueError):  # the first server died under us: this one starts afresh
+            close(())
+    return Zygote(preload)
 
 
 def close(preload: tuple[str, ...] | None = None) -> None:
@@ -213,6 +256,15 @@ def serve(sock: socket.socket, status_dir: Path, preload: tuple[str, ...] = ()) 
         if not msg:
             return  # the harness closed its end (or died)
         request = json.loads(msg)
+        if "serve" in request:  # a server of more modules, forked from this one (Zygote.fork_server)
+            child = os.fork()
+            if child == 0:
+                _become_server(request, fds, sock, parent=zygote_pid)
+            for fd in fds:
+                os.close(fd)
+            (status_dir / str(child)).unlink(missing_ok=True)
+            sock.send(json.dumps({"pid": child}).encode())
+            continue
         started_r, started_w = os.pipe()
         child = os.fork()
         if child == 0:
@@ -244,6 +296,29 @@ def _reap(status_dir: Path) -> None:
             atomic_write(status_dir / str(child), str(os.waitstatus_to_exitcode(status)))
         except OSError:
             pass  # the harness is gone and took the directory with it
+
+
+def _become_server(request: dict, fds: list[int], sock: socket.socket, parent: int) -> None:
+    """In the forked child: become a fork server that imports request["serve"] too; never returns."""
+    code = 1
+    try:
+        from harness.launch.children import die_with_parent
+
+        sock.close()
+        die_with_parent(parent)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        serve(socket.socket(fileno=fds[0]), Path(request["dir"]), tuple(request["serve"]))
+        code = 0
+    except BaseException:  # noqa: BLE001 - the child must never return into the server loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _become_rank(request: dict, fds: list[int], sock: socket.socket, started: int, parent: int) -> None:
