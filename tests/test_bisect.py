@@ -115,7 +115,8 @@ CASE = ["--suite", "ckpt-memory", "--model", "tiny", "--world-size", "2", "--lay
 @pytest.mark.slow
 def test_bisect_names_the_commit_that_planted_the_regression(engine_repo, tmp_path, capsys, no_leftover_ranks):
     repo, shas = engine_repo
-    code = cli.main(["bisect", "--repo", str(repo), "--good", shas[0], "--bad", shas[-1], "--cache", str(tmp_path), *CASE])
+    # commits 1..3: the two gates and one step (the search's own steps are test_search_finds_the_first_bad_after_the_gate's)
+    code = cli.main(["bisect", "--repo", str(repo), "--good", shas[1], "--bad", shas[3], "--cache", str(tmp_path), *CASE])
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"first bad: {shas[2][:10]} engine: stage the save in a scratch buffer (rank0.save_heap_peak_mib " in out
@@ -126,9 +127,9 @@ def test_bisect_names_the_commit_that_planted_the_regression(engine_repo, tmp_pa
         cols = re.split(r"\s{2,}", line.strip())
         if cols and cols[0][:10] in {sha[:10] for sha in shas}:
             rows[cols[0][:10]] = (cols[1], cols[5])
-    # gates at both ends, then the binary search: commit 2 (bad), commit 1 (good); commit 3 never tried
-    assert rows == {shas[0][:10]: ("gate: good", "good"), shas[4][:10]: ("gate: bad", "BAD"),
-                    shas[2][:10]: ("step 1", "BAD <- first bad"), shas[1][:10]: ("step 2", "good")}, table
+    # gates at both ends, then the commit between them; commits 0 and 4 are outside the range
+    assert rows == {shas[1][:10]: ("gate: good", "good"), shas[3][:10]: ("gate: bad", "BAD"),
+                    shas[2][:10]: ("step 1", "BAD <- first bad")}, table
     assert _git(repo, "worktree", "list").count("\n") == 0  # the bisect worktree is gone
 
 
