@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from harness.backends import Backend
@@ -300,31 +301,23 @@ def _reap(status_dir: Path) -> None:
 
 def _become_server(request: dict, fds: list[int], sock: socket.socket, parent: int) -> None:
     """In the forked child: become a fork server that imports request["serve"] too; never returns."""
-    code = 1
-    try:
+
+    def body() -> int:
         from harness.launch.children import die_with_parent
 
         sock.close()
         die_with_parent(parent)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+        _log_to(request["log"])
         serve(socket.socket(fileno=fds[0]), Path(request["dir"]), tuple(request["serve"]))
-        code = 0
-    except BaseException:  # noqa: BLE001 - the child must never return into the server loop
-        import traceback
+        return 0
 
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    _run_child(body)
 
 
 def _become_rank(request: dict, fds: list[int], sock: socket.socket, started: int, parent: int) -> None:
     """In the forked child: become the rank the harness asked for; never returns."""
-    code = 1
-    try:
+
+    def body() -> int:
         from harness.launch import worker
         from harness.launch.children import die_with_parent
 
@@ -333,9 +326,7 @@ def _become_rank(request: dict, fds: list[int], sock: socket.socket, started: in
         die_with_parent(parent)
         os.close(started)
         os.dup2(fds[0] if fds else os.open(os.devnull, os.O_RDONLY), 0)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+        _log_to(request["log"])
         os.environ.clear()
         os.environ.update(request["env"])
         # As an exec'd `python -m` would see it: the harness's directory first, then its PYTHONPATH.
@@ -344,7 +335,24 @@ def _become_rank(request: dict, fds: list[int], sock: socket.socket, started: in
         sys.path[:1] = [request["cwd"], *extra]
         tempfile.tempdir = None  # TMPDIR of the rank, not of the zygote
         worker._T0 = time.time()
-        code = worker.main(request["argv"]) or 0
+        return worker.main(request["argv"]) or 0
+
+    _run_child(body)
+
+
+def _log_to(path: str) -> None:
+    """stdout and stderr appended to `path`."""
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+
+
+def _run_child(body: Callable[[], int]) -> None:
+    """In a forked child: run body and exit with its code (1 where it raised, the traceback printed); never returns
+    into the server loop."""
+    code = 1
+    try:
+        code = body()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except BaseException:  # noqa: BLE001 - the child must never return into the server loop
