@@ -225,6 +225,30 @@ def straggler(recorded):
 
 
 @pytest.mark.slow
+def test_a_cpu_time_baseline_hours_old_is_not_judged(straggler, monkeypatch):
+    """The planted straggler fails on time against a baseline of this machine recorded minutes before; judged 3 h
+    after that baseline was recorded, the same results cannot be told on time (a CPU VM's speed drifts beyond the
+    minimum effect within hours, and a VM restored from a snapshot keeps its boot id), and the counters still
+    judge."""
+    from datetime import timedelta
+
+    from harness.suite_defs.step_perf import judge
+
+    run, checks = straggler
+    assert checks["step-perf.time"].failed, checks["step-perf.time"].message
+    later = judge._now() + timedelta(hours=3)
+    monkeypatch.setattr(judge, "_now", lambda: later)
+    judged = {c.check: c for c in judge.check(run.results, run.params)}
+    time = judged["step-perf.time"]
+    assert time.inconclusive, time.message
+    assert re.match(r"cannot tell: not judged: the baseline of tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1 was recorded 3\.0 h ago "
+                    r"\(\S+\); a CPU machine's speed drifts beyond the minimum effect within hours, so on CPU ranks "
+                    r"time is judged only against a baseline of the last 2 h\. Record one right before the run: "
+                    r"harness baselines record --suite step-perf ", time.message), time.message
+    assert judged["step-perf.counters"].passed, judged["step-perf.counters"].message
+
+
+@pytest.mark.slow
 def test_straggler_fails_on_step_time_naming_the_rank(straggler):
     _, checks = straggler
     time_check = checks["step-perf.time"]

@@ -60,7 +60,8 @@ def machine_fingerprint(backend: Backend) -> str:
     /etc/machine-id), ran the same step-perf cases (`small` at world size 4) x1.34-1.73 slower than the VM
     that recorded the baseline, while within one boot unplanted runs read x0.92-1.17 of their baseline: model
     and core count cannot tell such machines apart (docs/step-perf.md). A reboot of a workstation is a new
-    machine for time baselines (re-record)."""
+    machine for time baselines (re-record). A VM restored from a snapshot of another keeps its boot id, so
+    step-perf also bounds a CPU time baseline's age (`CPU_TIME_BASELINE_HOURS`)."""
     if backend == Backend.NCCL:
         return f"{detect_platform(Backend.NCCL).device_name} x{cuda_device_count()}"
     import platform

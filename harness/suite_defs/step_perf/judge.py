@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
@@ -13,7 +14,7 @@ from harness.launch.results import CaseResult
 from harness.probes.cpu_share import FOREIGN_LIMIT, ForeignLoad
 from harness.suite_defs.step_perf import figures
 from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, key, record_command
-from harness.suite_defs.step_perf.params import SUITE, StepPerfParams
+from harness.suite_defs.step_perf.params import CPU_TIME_BASELINE_HOURS, SUITE, StepPerfParams
 
 
 @dataclass
@@ -71,7 +72,8 @@ def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult
         if res.case.backend not in machines:
             machines[res.case.backend] = machine_fingerprint(res.case.backend)
         machine = machines[res.case.backend]
-        recorded_on = source.data.get("provenance", {}).get(key(res.case), {}).get("machine")
+        provenance = source.data.get("provenance", {}).get(key(res.case), {})
+        recorded_on = provenance.get("machine")
         if recorded_on != machine:
             out.append(cannot_tell(
                 "step-perf.time", res.case.id,
@@ -80,8 +82,36 @@ def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult
                 f"code across machines. Judge time here with `harness compare` (A and B interleaved in one run), "
                 f"or record this machine's baseline: {record_command(res.case)}"))
             continue
+        if stale := stale_for_time(res, provenance, _now()):
+            out.append(cannot_tell("step-perf.time", res.case.id, stale))
+            continue
         out.append(_check_time(res, entry, params))
     return out
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def stale_for_time(res: CaseResult, provenance: dict, now: datetime) -> str:
+    """Why a CPU time baseline of this machine is too old to judge by, '' where it is not: a VM's speed drifts
+    beyond the minimum effect within hours, and a VM restored from a snapshot keeps the boot id of the one
+    that recorded (`CPU_TIME_BASELINE_HOURS`)."""
+    if tier(res.case.backend) != "cpu":
+        return ""
+    try:
+        recorded = datetime.fromisoformat(provenance["date"])
+    except (KeyError, TypeError, ValueError):
+        return (f"not judged: the baseline of {key(res.case)} does not say when it was recorded; on CPU ranks "
+                f"time is judged only against a baseline of the last {CPU_TIME_BASELINE_HOURS:g} h: "
+                f"{record_command(res.case)}")
+    hours = (now - (recorded if recorded.tzinfo else recorded.replace(tzinfo=UTC))).total_seconds() / 3600
+    if hours <= CPU_TIME_BASELINE_HOURS:
+        return ""
+    return (f"not judged: the baseline of {key(res.case)} was recorded {hours:.1f} h ago ({provenance['date']}); "
+            f"a CPU machine's speed drifts beyond the minimum effect within hours, so on CPU ranks time is judged "
+            f"only against a baseline of the last {CPU_TIME_BASELINE_HOURS:g} h. Record one right before the run: "
+            f"{record_command(res.case)}, or compare A/B interleaved (harness compare)")
 
 
 # The harness's own cost of a step (its seams wrapped, barrier-aligned boundaries) against the same engine's
