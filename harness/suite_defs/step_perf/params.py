@@ -24,7 +24,7 @@ OPTION_SETS = ((False, False), (False, True), (True, False), (True, True))  # (d
 # megatron's default.
 CPU_BUCKET_ELEMS = 1_000_000
 NORMALISE = False
-# On CPU ranks a time baseline judges only for this long after it was recorded: a 2-core VM read x0.60-0.77 of
+# On CPU ranks a time baseline judges only for this long after it was recorded: a 2-core VM read x0.65-0.93 of
 # its own 11-hour-old baseline (same boot, same code), and a snapshot of that VM, restored elsewhere as a CI
 # machine (same boot id, so the same machine by its fingerprint), x0.64-0.66; reruns minutes apart read
 # x0.92-1.17. GPU baselines stay valid: a GPU model's speed does not drift so.
