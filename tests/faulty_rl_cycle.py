@@ -110,3 +110,14 @@ class LoadLeavesMastersStale(McoreEngine):
 
         for model in self.models:
             self.set_full(model.module, lambda name, shape: None if len(shape) < 2 else _full_init(name, shape, seed))
+
+
+class ResendsFirstStream(McoreEngine):
+    """A refit that packs its buckets once and sends the same packed buffers at every later refit without refilling
+    them: each rollout after the first samples with the first iteration's policy."""
+
+    def export_buckets(self, bucket_bytes: int):
+        if not hasattr(self, "_packed"):
+            self._packed = [[(name, t.detach().clone()) for name, t in bucket]
+                            for bucket in super().export_buckets(bucket_bytes)]
+        yield from self._packed

@@ -3,6 +3,8 @@ naming the iteration, the layer or tensor, the rank and the figure."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.driver import plan, run_suite
@@ -95,6 +97,22 @@ def test_an_offload_moves_storages_and_a_reload_brings_their_bytes_back():
     assert torch.equal(view, torch.arange(10, 20, dtype=torch.float32))
 
 
+def test_hashing_an_exported_parameter_leaves_its_storage_resizable():
+    """The rollout side hashes what it receives; on CPU ranks an export may hand over the parameter itself, and
+    `Tensor.numpy()` would mark its storage not resizable for good - the next offload, which frees a storage by
+    resizing it to 0, would then stop the cycle."""
+    import hashlib
+
+    import torch
+
+    from harness.probes.weight_stream import digest
+
+    weight = torch.nn.Parameter(torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    expected = hashlib.blake2b(weight.detach().clone().reshape(-1).view(torch.uint8).numpy().data, digest_size=16)
+    assert digest(weight) == expected.hexdigest() and digest(weight.t()) != digest(weight)
+    weight.untyped_storage().resize_(0)  # raises "Trying to resize storage that is not resizable" after a numpy()
+
+
 @pytest.mark.slow
 def test_a_frozen_replayed_router_holds_its_bias_and_megatrons_own_update_is_judged_by_the_release():
     """Where megatron-core honours frozen_expert_bias (0.17 and later) the engine marks the frozen router as
@@ -178,3 +196,19 @@ def test_a_weights_only_load_that_leaves_the_master_copies_stale_is_caught():
     msg = _failed(_faulty("LoadLeavesMastersStale", "tiny", DP4, "weights-only-load"))["rl-cycle.load"]
     assert "iteration 1, mini-batch 2, rank 0: loss sum" in msg
     assert "the optimizer's master copies did not follow the loaded weights" in msg
+
+
+@pytest.mark.slow
+def test_an_export_that_resends_its_first_stream_fails_rl_cycle_and_passes_refit():
+    """Every iteration's export must equal the parameters that iteration trained: a refit that re-sends the first
+    iteration's packed buffers fails at iteration 2, naming the tensor and where its bytes come from. `refit` alone,
+    which exports twice with no training between, passes it on every check but its baseline (none is recorded for a user engine)."""
+    msg = _failed(_faulty("ResendsFirstStream", "tiny", DP4))["rl-cycle.refit"]
+    assert re.fullmatch(r"iteration 2 of 4: tiny at tp1-pp1-cp1-dp4: rank 0, bucket \d+: \S+ unlike the trained "
+                        r"parameter \(largest difference [\d.e-]+\): the rollout gets other weights; its stream is "
+                        r"iteration 1's, byte for byte: an export cached and sent again", msg), msg
+    run = run_suite("refit", "tiny", 4, [DP4], engine="tests.faulty_rl_cycle:ResendsFirstStream", backend="gloo")
+    failed = {c.check: c.message for c in run.checks if c.failed}
+    assert set(failed) == {"refit.baseline"} and "no baseline for" in failed["refit.baseline"], failed  # a user engine's
+    assert {c.check for c in run.checks if c.passed} == {"refit.complete", "refit.values", "refit.memory",
+                                                         "refit.repeat", "refit.policy"}

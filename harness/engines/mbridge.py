@@ -165,14 +165,15 @@ class MbridgeEngine(McoreEngine):
     def _reinit_new_chunk(self, model, **_: Any) -> None:
         self.reinit(model)
 
-    def build(self) -> None:
+    def build_model(self) -> None:
+        """The bridge's model (DDP-wrapped) and the optimizer, on the parallel state already set up (the bridge reads
+        the parallel sizes from it)."""
         check_available()
         try:
             from mbridge import AutoBridge
         except ImportError as exc:
             raise MissingDependency(f"engine 'mbridge': cannot import {exc.name!r}: {INSTALL}") from exc
 
-        self.setup_parallel()  # the bridge reads the parallel sizes from megatron's parallel state
         bridge = AutoBridge.from_config(hf_config(self.case.model), dtype=dtype(self.case.options.dtype).torch)
         bridge.set_extra_args(**self.config_overrides())
         if self.ctx.on_cpu:

@@ -142,15 +142,18 @@ class MegatronBridgeEngine(McoreEngine):
             chunks = self.peft(chunks, training=True)
         for chunk in chunks:
             self.reinit(chunk)
+        self.after_build(chunks)  # the RL iteration's marks (a frozen router), as McoreEngine.build_chunks makes them
         return chunks
 
-    def build(self) -> None:
+    def build_model(self) -> None:
+        """The bridge's model (its provider's distributed model, DDP-wrapped) and the optimizer, on the parallel
+        state already set up."""
         check_available()
         AutoBridge = import_bridge()
         from megatron.core.distributed import DistributedDataParallelConfig
 
-        self.setup_parallel()
         self.peft = self.lora()
+        self.before_build()  # RouterReplay's list emptied: an earlier build's routers are not this policy's
         self.bridge = AutoBridge.from_hf_config(hf_config(self.case.model))
         provider = self.bridge.to_megatron_provider(load_weights=False)
         self.configure_provider(provider)

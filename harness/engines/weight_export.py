@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from harness.backends import Backend
-from harness.engines.base import partition_dim, tp_unshard
+from harness.engines.base import ParamShard, partition_dim, tp_unshard
 from harness.engines.experts import EXPERT_RE
 from harness.engines.hf_weights import hf_state_dict
 
@@ -179,6 +179,13 @@ def expert_biases(chunk) -> dict[str, torch.Tensor]:
         if m and name.endswith(".mlp.router.expert_bias") and b is not None:
             out[f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}." + name[m.end():]] = b
     return out
+
+
+def expert_bias_shards(engine: PerTensorExport) -> list[ParamShard]:
+    """The routers' expert biases of the engine's chunks as replicated shards (the export's reference holds them
+    too)."""
+    return [ParamShard(name, b.detach().float().cpu().clone(), None, 0, 1)
+            for chunk in engine.export_chunks() for name, b in expert_biases(chunk).items()]
 
 
 def _with_expert(name: str, index: int) -> str:

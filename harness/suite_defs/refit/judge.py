@@ -3,11 +3,11 @@ case, the policy a Hugging Face model loaded from the stream computes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import fmt_err
+from harness.checks.weight_stream import Expected, check_complete, check_values, first, reference
 from harness.dtypes import DType, dtype
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
@@ -45,13 +45,6 @@ def trained(res: CaseResult) -> dict[str, torch.Tensor]:
     return assemble([d.params for d in data(res)]).tensors
 
 
-def reference(full: dict[str, torch.Tensor], res: CaseResult) -> dict[str, torch.Tensor]:
-    """The trained parameters under HF names by the harness's own arithmetic: what the export must send."""
-    from harness.engines.hf_weights import hf_state_dict
-
-    return hf_state_dict(full, res.case.model)
-
-
 def must_build(full: dict[str, torch.Tensor], res: CaseResult) -> int:
     """The largest tensor an export must build at once, in the case's dtype: the largest parameter gathered whole (a
     fused QKV or gate/up weight; one expert's)."""
@@ -67,7 +60,7 @@ def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
             continue
         ranks = data(res)
         full = trained(res)
-        ref = reference(full, res)
+        ref = reference(full, res.case.model)
         hf = ranks[0].hf
         expected = Expected({k: shape for k, (shape, _) in hf.expected.items()}, set(hf.tied), "HF") if hf else \
             Expected({k: tuple(t.shape) for k, t in ref.items()}, set(), "the harness's mapping")
@@ -75,8 +68,9 @@ def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
         for i, export in enumerate(ranks[0].exports):
             per_rank = [(r.rank, d.exports[i]) for r, d in zip(res.ranks, ranks)]
             at = where(res, export.bucket_bytes)
-            out.append(check_complete(res, at, per_rank, expected))
-            out.append(check_values(res, at, per_rank, expected, ref, ranks[0].stream or {}))
+            sent = [(r, e.sent) for r, e in per_rank]
+            out.append(check_complete("refit.complete", res.case.id, at, sent, expected))
+            out.append(check_values("refit.values", res.case.id, at, sent, expected, ref, ranks[0].stream or {}))
             out.append(check_memory(res, at, per_rank, biggest))
             out.append(check_repeats(res, at, per_rank))
         out.append(check_policy(res, ranks))
@@ -120,90 +114,6 @@ def check_baseline(res: CaseResult, params: RefitParams, books: dict[str, Any]) 
     return CheckResult("refit.baseline", cid, False, f"{where(res)}: {m} {v.measured * 1024:.0f} KiB is "
                                                      f"{v.delta * 1024:+.0f} KiB {verb} baseline {base:.0f} +- "
                                                      f"{tol:.0f} KiB{across}", rows, improvement=not worse)
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What an export must send: the keys and their shapes, the keys HF ties to another (may be sent, equal to it)
-    and whose keys they are (HF's own model, or the harness's mapping where no HF model holds the model)."""
-
-    shapes: dict[str, tuple]
-    tied: set[str]
-    source: str
-
-
-TIED_TO = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-def _first(names: list[str], n: int = 3) -> str:
-    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
-
-
-def check_complete(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], want: Expected) -> CheckResult:
-    """Every rank that sends sends each of the HF model's keys exactly once, over all its buckets, and nothing else
-    (a tied key may be sent)."""
-    cid, name, expected = res.case.id, "refit.complete", set(want.shapes)
-    senders = [(r, e) for r, e in per_rank if e.sent]
-    if not senders:
-        return CheckResult(name, cid, False, f"{at}: no rank sent anything")
-    for r, e in senders:
-        seen: dict[str, list[int]] = {}
-        for s in e.sent:
-            seen.setdefault(s.name, []).append(s.bucket)
-        missing = sorted(expected - set(seen))
-        extra = sorted(set(seen) - expected - want.tied)
-        twice = sorted(k for k, b in seen.items() if len(b) > 1)
-        if missing or extra or twice:
-            buckets = max(s.bucket for s in e.sent) + 1
-            parts = ([f"never sent {_first(missing)}"] if missing else []) + \
-                ([f"sent twice {_first([f'{k} (buckets {seen[k]})' for k in twice])}"] if twice else []) + \
-                ([f"sent what {want.source} has no key for: {_first([f'{k} (bucket {seen[k][0]})' for k in extra])}"]
-                 if extra else [])
-            return CheckResult(name, cid, False, f"{at}: rank {r} sent {len(seen)} of the {len(expected)} keys "
-                                                 f"({want.source}) in {buckets} buckets: " + "; ".join(parts),
-                               [f"  never sent: {k}" for k in missing])
-    buckets = max(s.bucket for s in senders[0][1].sent) + 1
-    return CheckResult(name, cid, True, f"{at}: {len(senders)} ranks each sent the {len(expected)} {want.source} keys "
-                                        f"once, in {buckets} buckets")
-
-
-def check_values(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], want: Expected,
-                 ref: dict[str, torch.Tensor], stream: dict[str, torch.Tensor]) -> CheckResult:
-    """Shapes as expected; rank 0's stream (every key) equal to the trained parameters bit for bit; every rank's
-    tensor the same as rank 0's."""
-    import torch
-
-    from harness.suite_defs.refit.payload import digest
-
-    cid, name = res.case.id, "refit.values"
-    for r, e in per_rank:
-        for s in e.sent:
-            shape = want.shapes.get(s.name) or want.shapes.get(TIED_TO.get(s.name, ""))
-            if shape is not None and tuple(s.shape) != tuple(shape):
-                return CheckResult(name, cid, False, f"{at}: rank {r}, bucket {s.bucket}: {s.name} of shape "
-                                                     f"{list(s.shape)}, {want.source} expects {list(shape)}")
-    unkept = sorted(set(want.shapes) - set(stream))
-    if unkept:
-        return CheckResult(name, cid, False, f"{at}: rank 0's stream holds {len(stream)} of {len(want.shapes)} keys, "
-                                             f"not {_first(unkept)}: their values were not compared with the trained "
-                                             "parameters")
-    bucket = {s.name: s.bucket for r, e in per_rank if r == 0 for s in e.sent}
-    for key, t in stream.items():
-        wanted = ref.get(key, ref.get(TIED_TO.get(key, "")))
-        if wanted is not None and (t.shape != wanted.shape or not torch.equal(t.float(), wanted)):
-            diff = float((t.float() - wanted).abs().max()) if t.shape == wanted.shape else float("nan")
-            return CheckResult(name, cid, False, f"{at}: rank 0, bucket {bucket.get(key, '?')}: {key} unlike the "
-                                                 f"trained parameter (largest difference {diff:.3g}): the rollout "
-                                                 "gets other weights")
-    digests = {k: digest(t) for k, t in stream.items()}
-    for r, e in per_rank:
-        for s in e.sent:
-            if s.name in digests and s.digest != digests[s.name]:
-                return CheckResult(name, cid, False, f"{at}: rank {r}, bucket {s.bucket}: {s.name} differs from "
-                                                     "rank 0's copy of the trained parameter")
-    n = sum(len(e.sent) for _, e in per_rank)
-    return CheckResult(name, cid, True, f"{at}: {n} tensors sent by {len(per_rank)} ranks have {want.source}'s shapes "
-                                        f"and equal the trained parameters bit for bit")
 
 
 def check_memory(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], biggest: int) -> CheckResult:
@@ -279,8 +189,8 @@ def check_policy(res: CaseResult, ranks: list[RefitRankData]) -> CheckResult:
     if hf is None:
         return cannot_tell(name, cid, f"{at}: no Hugging Face model holds it ({ranks[0].hf_none})")
     if hf.load_error or hf.missing or hf.unexpected:
-        why = hf.load_error or "; ".join(x for x in (hf.missing and f"missing {_first(hf.missing)}",
-                                                     hf.unexpected and f"unexpected {_first(hf.unexpected)}") if x)
+        why = hf.load_error or "; ".join(x for x in (hf.missing and f"missing {first(hf.missing)}",
+                                                     hf.unexpected and f"unexpected {first(hf.unexpected)}") if x)
         return CheckResult(name, cid, False, f"{at}: the HF model does not load from the stream strictly: {why}")
     got = first_step_logprobs(res, lambda d: d.held_out if isinstance(d, RefitRankData) else [])
     if got is None or hf.logprobs is None:

@@ -9,20 +9,10 @@ from harness.checks.step_outputs import TrainedRankData
 from harness.engines.base import StepOutput
 from harness.probes.memory import MemoryPeak
 from harness.probes.retention import Retention
+from harness.probes.weight_stream import Sent
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass(frozen=True)
-class Sent:
-    """One tensor a rank handed to the rollout engine."""
-
-    name: str
-    bucket: int  # the bucket's index in the export
-    shape: tuple[int, ...]
-    dtype: str
-    digest: str  # blake2b of its bytes
 
 
 @dataclass(frozen=True)
@@ -61,22 +51,3 @@ class RefitRankData(TrainedRankData):
     stream: dict[str, Any] | None = None
     hf: HFSide | None = None
     hf_none: str = ""  # why there is no Hugging Face side
-
-
-def digest(t: torch.Tensor) -> str:
-    """A tensor's bytes hashed in place (no copy of a contiguous tensor)."""
-    import hashlib
-
-    import torch
-
-    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.blake2b(flat.numpy().data, digest_size=16).hexdigest()
-
-
-def receive(buckets: Any) -> list[Sent]:
-    """The rollout side of one export: each bucket read (named, shaped, hashed) and let go of before the next."""
-    sent: list[Sent] = []
-    for i, bucket in enumerate(buckets):
-        sent += [Sent(name, i, tuple(t.shape), str(t.dtype).removeprefix("torch."), digest(t)) for name, t in bucket]
-        del bucket
-    return sent

@@ -7,16 +7,17 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
-from harness.engines.base import ExportsWeights, ParamShard, RefusesCases, RefusesExports
-from harness.engines.weight_export import PerTensorExport
+from harness.engines.base import ExportsWeights, RefusesCases, RefusesExports
+from harness.engines.weight_export import PerTensorExport, expert_bias_shards
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import violations
+from harness.probes.weight_stream import receive
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.refit import figures
 from harness.suite_defs.refit.params import STEPS, SUITE, RefitParams, bucket_bytes
-from harness.suite_defs.refit.payload import Export, HFSide, RefitRankData, receive
+from harness.suite_defs.refit.payload import Export, HFSide, RefitRankData
 
 EVAL_STEP = 1_000_003  # the held-out batch: a step index no training step uses
 
@@ -115,7 +116,7 @@ class RefitSuite:
         with ctx.phase("eval"):
             held_out = engine.eval_step(EVAL_STEP)
         with ctx.phase("collect"):
-            params = engine.param_shards() + (_expert_biases(engine) if isinstance(engine, PerTensorExport) else [])
+            params = engine.param_shards() + (expert_bias_shards(engine) if isinstance(engine, PerTensorExport) else [])
         p = case.params if isinstance(case.params, RefitParams) else RefitParams()
         with ctx.phase("refit"):
             # the first export, unmeasured, kept whole on rank 0: its values are judged, and it plans what a
@@ -170,7 +171,7 @@ def _exports(engine: ExportsWeights, size: int, refits: int, case: Case, ctx: Ra
 
     from harness.probes.memory import captures_dir, largest_allocation, measure
     from harness.probes.retention import measure_retention
-    from harness.suite_defs.refit.payload import digest
+    from harness.probes.weight_stream import digest
 
     dist.barrier()
     with measure(f"refit-{size}", captures_dir(case), ctx.rank, device=not ctx.on_cpu) as peak:
@@ -191,14 +192,6 @@ def _exports(engine: ExportsWeights, size: int, refits: int, case: Case, ctx: Ra
     kept = measure_retention(refit, refits, captures_dir(case) / f"memray-refits-{size}-rank{ctx.rank}.bin",
                              c10d_apart=True)
     return Export(size, sent, peak, largest, at, kept, differ)
-
-
-def _expert_biases(engine: PerTensorExport) -> list[ParamShard]:
-    """The routers' expert biases of the engine's chunks as replicated shards (the reference holds them too)."""
-    from harness.engines.weight_export import expert_biases
-
-    return [ParamShard(name, b.detach().float().cpu().clone(), None, 0, 1)
-            for chunk in engine.export_chunks() for name, b in expert_biases(chunk).items()]
 
 
 def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:

@@ -1,14 +1,15 @@
-"""A rank's RL iterations: the log-prob pass, two training steps with its routing replayed, offload and reload."""
+"""A rank's RL iterations: the log-prob pass, two training steps with its routing replayed, the export to the rollout
+engine, offload and reload."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from harness.engines.base import StepOutput
+from harness.engines.base import ExportsWeights, StepOutput
 from harness.launch.context import RankContext
 from harness.spec import Case
-from harness.suite_defs.rl_cycle.params import MINI_BATCHES, MODE, RLCycleCaseParams
-from harness.suite_defs.rl_cycle.payload import Iteration, Offloaded
+from harness.suite_defs.rl_cycle.params import MINI_BATCHES, MODE, REFIT_BUCKET, RLCycleCaseParams
+from harness.suite_defs.rl_cycle.payload import Iteration, Offloaded, Refit
 
 # What an offload may leave on the device besides the model's registered buffers (rotary frequencies, an expert
 # bias and its token counts) and what the MoE dispatchers keep of the last micro-batch: megatron's own small
@@ -65,17 +66,21 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
                 train_logprobs = out.token_logprobs or []
                 out.token_logprobs = None
         kept = [t for t in logprobs if _first_minibatch(t, mbs[:cut])]
+        refit = None
+        if isinstance(engine, ExportsWeights):
+            with ctx.phase("refit"):
+                refit = export(engine, ctx.rank)
         offloaded = None
         if p.offload:
             with ctx.phase("offload"):
                 engine.offload(store)
                 left = engine.offloaded()
-                ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps]
+                ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps, refit]
                 now, previous = census(store, exempt=ours, previous=previous, owners=owners)
                 engine.reload(store)
                 offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident(), now.new,
                                       now.allocated)
-        iterations.append(Iteration(kept, train_logprobs, recorded, used, seen, offloaded))
+        iterations.append(Iteration(kept, train_logprobs, recorded, used, seen, offloaded, refit))
         if offloaded is not None and offloaded.not_back:
             break  # a step on what did not come back reads freed storage: the cycle ends here, judged as it is
     probe: list[dict[str, Any]] = []
@@ -88,6 +93,18 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
             steps.append(engine.train_rl_batch(batch, mbs, MODE))
         probe.append(biases())
     return steps, iterations, probe
+
+
+def export(engine: Any, rank: int) -> Refit:
+    """The iteration's export as the rollout engine receives it, and the parameters (the routers' expert biases among
+    them) it must equal; rank 0 keeps the stream whole."""
+    from harness.engines.weight_export import PerTensorExport, expert_bias_shards
+    from harness.probes.weight_stream import receive
+
+    params = engine.param_shards() + (expert_bias_shards(engine) if isinstance(engine, PerTensorExport) else [])
+    keep: dict[str, Any] | None = {} if rank == 0 else None
+    sent = receive(engine.export_buckets(REFIT_BUCKET), keep)
+    return Refit(sent, params, keep)
 
 
 def _first_minibatch(part: Any, first: list[list[int]]) -> bool:

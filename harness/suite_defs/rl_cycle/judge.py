@@ -37,6 +37,7 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
         if res.case.model.moe:
             out.append(replay(res))
         out.append(logprobs(res))
+        out.append(refit(res))
         if res.case.model.moe_expert_bias:
             out += expert_bias(res)
         if p.offload:
@@ -48,6 +49,47 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
 
 def _it(i: int, k: int | None = None) -> str:
     return f"iteration {i + 1}" + (f", mini-batch {k + 1}" if k is not None else "")
+
+
+# -- refit ------------------------------------------------------------------------------------------------------------
+def refit(res: CaseResult) -> CheckResult:
+    """Each iteration's export, after its training and before its offload: every key once, and equal bit for bit to
+    the parameters that iteration trained (mapped to Hugging Face names by the harness's own arithmetic); every rank's
+    copy rank 0's. A stream that repeats an earlier iteration's bytes is named as such."""
+    from harness.checks.tensors import assemble
+    from harness.checks.weight_stream import Expected, check_complete, check_values, reference
+
+    name, cid, c = f"{SUITE}.refit", res.case.id, res.case
+    where = f"{c.model.name} at {c.layout.id}"
+    ranks = data(res)
+    exports = [[it.refit for it in d.iterations] for d in ranks]
+    if any(e is None for per_rank in exports for e in per_rank):
+        return cannot_tell(name, cid, f"{where}: engine {c.engine} exports nothing (no export_buckets: harness.engines."
+                                      "base.ExportsWeights), so no iteration's refit is judged")
+    seen: list[tuple[tuple[str, str], ...]] = []  # rank 0's stream per iteration: (name, digest) in order
+    n, tensors = len(exports[0]), 0
+    for i in range(n):
+        its = [per_rank[i] for per_rank in exports]
+        assert all(e is not None for e in its)  # for the type checker: refused above
+        ref = reference(assemble([e.params for e in its if e]).tensors, c.model)
+        tied = {"lm_head.weight"} - set(ref) if c.model.tie_embeddings else set()
+        want = Expected({k: tuple(t.shape) for k, t in ref.items()}, tied, "the harness's mapping")
+        at = f"{_it(i)} of {n}: {where}"
+        per_rank = [(r.rank, e.sent) for r, e in zip(res.ranks, its) if e]
+        stream = tuple((s.name, s.digest) for s in per_rank[0][1])
+        for verdict in (check_complete(name, cid, at, per_rank, want),
+                        check_values(name, cid, at, per_rank, want, ref, (its[0].stream if its[0] else None) or {})):
+            if verdict.failed:
+                if stream in seen:
+                    return dataclasses.replace(verdict, message=f"{verdict.message}; its stream is "
+                                               f"{_it(seen.index(stream))}'s, byte for byte: an export cached and "
+                                               "sent again")
+                return verdict
+        seen.append(stream)
+        tensors += sum(len(sent) for _, sent in per_rank)
+    return CheckResult(name, cid, True, f"{where}: each of {n} iterations' exports ({tensors} tensors sent by "
+                                        f"{len(ranks)} ranks) holds every key once and equals the parameters that "
+                                        "iteration trained, bit for bit")
 
 
 # -- replay ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ GLOBAL_BATCH = 16
 MINI_BATCHES = 2
 LR = 1e-2
 MODE = "token-mean"
+# Each iteration's export to the rollout engine, in buckets of this many bytes: tiny's tensors over many buckets,
+# as refit's smallest size sends them.
+REFIT_BUCKET = 8 << 10
 VARIANTS = ("4-layers", "expert-bias", "replayed-bias", "frozen-router")
 WEIGHTS = ("", "loaded", "as-loaded")
 # --rl-variant: a case of the default matrix's kinds at the layouts given

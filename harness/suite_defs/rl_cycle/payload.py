@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.checks.step_outputs import TrainedRankData
-from harness.engines.base import TokenLogprobs
+from harness.engines.base import ParamShard, TokenLogprobs
+from harness.probes.weight_stream import Sent
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,16 @@ class Offloaded:
 
 
 @dataclass(frozen=True)
+class Refit:
+    """One iteration's export on a rank, after its training and before its offload: what the rank sent, its
+    parameters as the iteration trained them (what the export must equal), and on rank 0 the stream kept whole."""
+
+    sent: list[Sent]
+    params: list[ParamShard]
+    stream: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
 class Iteration:
     """One RL iteration of a rank: the log-prob pass (the first mini-batch's micro-batches' log-probs, the routing
     recorded), the two steps (the first one's forward log-probs, the routing each used), the expert biases before and
@@ -35,6 +46,7 @@ class Iteration:
     used: list[Any]  # per mini-batch
     biases: list[dict[str, Any]]  # name -> expert bias tensor: before the first step, after each step
     offload: Offloaded | None = None
+    refit: Refit | None = None  # None: the engine exports nothing (not ExportsWeights)
 
 
 @dataclass(frozen=True)
