@@ -259,13 +259,15 @@ def _golden_options() -> CaseOptions:
 @pytest.fixture(scope="module")
 def golden_dir(tmp_path_factory):
     from harness.recording import record_suite
+    from tests.replayed_repeats import repeats_replayed
 
     directory = tmp_path_factory.mktemp("golden-baselines")
-    record_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1"], baselines_dir=str(directory),
-                 backend="gloo", suite_params={"formats": ()})  # the unbroken trajectory is what is recorded
-    # and the fsdp2 engine's own (torch Adam, no loss mask), which its resumes are judged against
-    record_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], engine="fsdp2", baselines_dir=str(directory),
-                 backend="gloo", suite_params={"formats": ()})
+    with repeats_replayed():
+        record_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1"], baselines_dir=str(directory),
+                     backend="gloo", suite_params={"formats": ()})  # the unbroken trajectory is what is recorded
+        # and the fsdp2 engine's own (torch Adam, no loss mask), which its resumes are judged against
+        record_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], engine="fsdp2", baselines_dir=str(directory),
+                     backend="gloo", suite_params={"formats": ()})
     return directory
 
 

@@ -163,10 +163,12 @@ def test_planted_moe_faults_fail_equivalence_naming_the_layout(engine, failing, 
 def moe_golden(tmp_path_factory):
     """tiny-moe's golden trajectory recorded at world size 2 over pure DP and PP 2 (the unbroken run only)."""
     from harness.recording import record_suite
+    from tests.replayed_repeats import repeats_replayed
 
     directory = tmp_path_factory.mktemp("moe-golden")
-    record_suite("golden", "tiny-moe", 2, ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1"], baselines_dir=str(directory),
-                 backend="gloo", suite_params={"formats": ()})
+    with repeats_replayed():
+        record_suite("golden", "tiny-moe", 2, ["tp1-pp1-cp1-dp2", "tp1-pp2-cp1-dp1"], baselines_dir=str(directory),
+                     backend="gloo", suite_params={"formats": ()})
     return directory
 
 
