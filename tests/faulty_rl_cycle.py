@@ -121,3 +121,35 @@ class ResendsFirstStream(McoreEngine):
             self._packed = [[(name, t.detach().clone()) for name, t in bucket]
                             for bucket in super().export_buckets(bucket_bytes)]
         yield from self._packed
+
+
+class ReloadsThroughBf16(McoreEngine):
+    """An offload that keeps the host copies of fp32 parameters in bf16 (half the host memory): the reload brings
+    back every storage, resident and shaped, without the low bits of every weight."""
+
+    def reload(self, store) -> None:
+        import torch
+
+        super().reload(store)
+        with torch.no_grad():
+            for model in self.models:
+                for param in model.parameters():
+                    param.copy_(param.to(torch.bfloat16).float())
+
+
+class ExportsBeforeTheStep(McoreEngine):
+    """A refit that takes its weights at the start of the iteration's training (before its optimizer steps), e.g.
+    a stream prepared while the trainer still works: the rollout samples with the previous iteration's policy."""
+
+    def replay_routing(self, batch, microbatches, recorded, mode, capture=False):
+        if capture:  # the iteration's first mini-batch, before its step
+            self._early = [[(n, t.detach().clone()) for n, t in bucket] for bucket in super().export_buckets(8 << 10)]
+        return super().replay_routing(batch, microbatches, recorded, mode, capture)
+
+    def export_buckets(self, bucket_bytes: int):
+        early = getattr(self, "_early", None)
+        if early is None:
+            yield from super().export_buckets(bucket_bytes)
+            return
+        self._early = None
+        yield from early

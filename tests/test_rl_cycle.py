@@ -212,3 +212,21 @@ def test_an_export_that_resends_its_first_stream_fails_rl_cycle_and_passes_refit
     assert set(failed) == {"refit.baseline"} and "no baseline for" in failed["refit.baseline"], failed  # a user engine's
     assert {c.check for c in run.checks if c.passed} == {"refit.complete", "refit.values", "refit.memory",
                                                          "refit.repeat", "refit.policy"}
+
+
+@pytest.mark.slow
+def test_an_export_before_the_iterations_optimizer_step_fails():
+    msg = _failed(_faulty("ExportsBeforeTheStep", "tiny", DP4))["rl-cycle.refit"]
+    assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank 0, bucket \d+: \S+ unlike the trained "
+                        r"parameter \(largest difference [\d.e-]+\): the rollout gets other weights", msg), msg
+
+
+@pytest.mark.slow
+def test_a_reload_that_loses_the_low_bits_of_the_weights_fails_the_export_after_it():
+    """Every storage comes back, resident and shaped (`reload` passes); the weights do not: the export after the
+    reload differs from the one before the offload."""
+    failed = _failed(_faulty("ReloadsThroughBf16", "tiny", DP4))
+    assert "rl-cycle.reload" not in failed, failed
+    assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank \d: the export after the reload differs from "
+                        r"the one before the offload at \S+ \(bucket \d+\): the reload did not bring back the weights "
+                        r"that were offloaded", failed["rl-cycle.refit"]), failed["rl-cycle.refit"]

@@ -3,10 +3,12 @@ engine, offload and reload."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from harness.engines.base import ExportsWeights, StepOutput
 from harness.launch.context import RankContext
+from harness.probes.weight_stream import receive
 from harness.spec import Case
 from harness.suite_defs.rl_cycle.params import MINI_BATCHES, MODE, REFIT_BUCKET, RLCycleCaseParams
 from harness.suite_defs.rl_cycle.payload import Iteration, Offloaded, Refit
@@ -80,6 +82,9 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
                 engine.reload(store)
                 offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident(), now.new,
                                       now.allocated)
+            if refit is not None and not offloaded.not_back:
+                with ctx.phase("refit"):  # what the next iteration's rollout would get, were it exported now
+                    refit = dataclasses.replace(refit, after_reload=receive(engine.export_buckets(REFIT_BUCKET)))
         iterations.append(Iteration(kept, train_logprobs, recorded, used, seen, offloaded, refit))
         if offloaded is not None and offloaded.not_back:
             break  # a step on what did not come back reads freed storage: the cycle ends here, judged as it is
@@ -99,7 +104,6 @@ def export(engine: Any, rank: int) -> Refit:
     """The iteration's export as the rollout engine receives it, and the parameters (the routers' expert biases among
     them) it must equal; rank 0 keeps the stream whole."""
     from harness.engines.weight_export import PerTensorExport, expert_bias_shards
-    from harness.probes.weight_stream import receive
 
     params = engine.param_shards() + (expert_bias_shards(engine) if isinstance(engine, PerTensorExport) else [])
     keep: dict[str, Any] | None = {} if rank == 0 else None

@@ -85,11 +85,24 @@ def refit(res: CaseResult) -> CheckResult:
                                                f"{_it(seen.index(stream))}'s, byte for byte: an export cached and "
                                                "sent again")
                 return verdict
+        for r, e in zip(res.ranks, its):
+            if e is None or e.after_reload is None:
+                continue
+            before = [(s.name, s.digest) for s in e.sent]
+            after = [(s.name, s.digest) for s in e.after_reload]
+            if after != before:
+                at_key = next((f"{b[0]} (bucket {s.bucket})" for a, b, s in zip(after, before, e.sent) if a != b),
+                              f"{len(after)} tensors, not {len(before)}")
+                return CheckResult(name, cid, False, f"{at}: rank {r.rank}: the export after the reload differs from "
+                                                     f"the one before the offload at {at_key}: the reload did not "
+                                                     "bring back the weights that were offloaded")
         seen.append(stream)
         tensors += sum(len(sent) for _, sent in per_rank)
+    again = " and the same after the reload" if any(e and e.after_reload is not None for x in exports for e in x) \
+        else ""
     return CheckResult(name, cid, True, f"{where}: each of {n} iterations' exports ({tensors} tensors sent by "
                                         f"{len(ranks)} ranks) holds every key once and equals the parameters that "
-                                        "iteration trained, bit for bit")
+                                        f"iteration trained, bit for bit{again}")
 
 
 # -- replay ---------------------------------------------------------------------------------------------------

@@ -27,11 +27,13 @@ class Offloaded:
 @dataclass(frozen=True)
 class Refit:
     """One iteration's export on a rank, after its training and before its offload: what the rank sent, its
-    parameters as the iteration trained them (what the export must equal), and on rank 0 the stream kept whole."""
+    parameters as the iteration trained them (what the export must equal), on rank 0 the stream kept whole, and what
+    the rank sent when exporting again after the offload and reload."""
 
     sent: list[Sent]
     params: list[ParamShard]
     stream: dict[str, Any] | None = None
+    after_reload: list[Sent] | None = None  # the export again after the offload and reload (None: no offload)
 
 
 @dataclass(frozen=True)
