@@ -1,6 +1,8 @@
-"""RL cycle: log-probs with the routing recorded, training with it replayed, offload and reload, again and again -
-the replayed routing is the recorded one, the trajectory is the one without offload, an offload leaves the device
-no more than a stated residue and nothing grows, and a weights-only load is what the first step starts from."""
+"""RL cycle: log-probs with the routing recorded, training with it replayed, the export to the rollout, offload and
+reload, again and again - the replayed routing is the recorded one, every export is what the iteration trained and
+the rollout's policy the one the trainer scores, the trajectory is the one without offload, an offload leaves the
+device no more than a stated residue and nothing grows, and a weights-only load is what the first step starts
+from."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ def test_every_check_passes(cycle_run, judge):
     judge(cycle_run)
 
 
-@pytest.mark.parametrize("check", ["logprobs", "trajectory", "offload", "reload", "load"])
+@pytest.mark.parametrize("check", ["logprobs", "refit", "policy", "trajectory", "offload", "reload", "load"])
 def test_every_layout_cycles_as_it_trains(cycle_run, judge, check):
     judge(cycle_run, f"rl-cycle.{check}")
 
@@ -33,6 +35,7 @@ def test_every_moe_check_passes(moe_run, judge):
     judge(moe_run)
 
 
-@pytest.mark.parametrize("check", ["replay", "logprobs", "expert-bias", "upstream-bias", "trajectory", "offload", "reload"])
+@pytest.mark.parametrize("check", ["replay", "logprobs", "refit", "expert-bias", "upstream-bias", "trajectory", "offload",
+                                   "reload"])
 def test_every_expert_layout_replays_its_routing(moe_run, judge, check):
     judge(moe_run, f"rl-cycle.{check}")

@@ -216,9 +216,17 @@ def test_an_export_that_resends_its_first_stream_fails_rl_cycle_and_passes_refit
 
 @pytest.mark.slow
 def test_an_export_before_the_iterations_optimizer_step_fails():
-    msg = _failed(_faulty("ExportsBeforeTheStep", "tiny", DP4))["rl-cycle.refit"]
+    """The stream is the previous policy's: unlike the trained parameters (`refit`), and the Hugging Face model
+    loaded from it, the rollout's stand-in, scores the next batch otherwise than the trainer's log-prob pass
+    (`policy`)."""
+    failed = _failed(_faulty("ExportsBeforeTheStep", "tiny", DP4))
+    msg = failed["rl-cycle.refit"]
     assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank 0, bucket \d+: \S+ unlike the trained "
                         r"parameter \(largest difference [\d.e-]+\): the rollout gets other weights", msg), msg
+    msg = failed["rl-cycle.policy"]
+    assert re.fullmatch(r"iteration 2 of 4: tiny at tp1-pp1-cp1-dp4: the Hugging Face model loaded from iteration 1's "
+                        r"export differs from the log-prob pass at \d+/512 tokens \(worst rel \S+ > 1e-05\): the "
+                        r"rollout samples with another policy than the trainer scores; first: sample \d+", msg), msg
 
 
 @pytest.mark.slow

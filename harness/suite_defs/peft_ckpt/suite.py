@@ -29,6 +29,7 @@ from typing import Any
 from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines.base import PeftExporting, RefusesAdapterLayouts, peft_exporting
+from harness.engines.hf_policy import label_logprobs
 from harness.engines.lora import read_adapter_dir
 from harness.engines.mbridge import hf_architecture
 from harness.errors import BadInput, DoesNotApply, MissingDependency
@@ -58,14 +59,6 @@ def _require_peft() -> None:
 
     if importlib.util.find_spec("peft") is None:
         raise MissingDependency(f"the peft-ckpt suite needs peft: {INSTALL}")
-
-
-def label_logprobs(logits, tokens):
-    """[batch, seq] log-prob of each next token, in float64."""
-    import torch
-
-    lp = torch.log_softmax(logits.double(), dim=-1)
-    return lp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def hf_side(case: Case, path: Path, base: dict) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any
 from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines.base import ExportsWeights, RefusesCases, RefusesExports
+from harness.engines.hf_policy import HF_MODEL_MODULES
 from harness.engines.weight_export import PerTensorExport, expert_bias_shards
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
@@ -55,7 +56,7 @@ class RefitSuite:
     name = SUITE
     default_model = "tiny"
     Params = RefitParams
-    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "transformers", "memray")
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", *HF_MODEL_MODULES, "memray")
     # An export's heap peak moves with what the rank ran before it (tiny-moe's at pure DP, 8 KiB buckets: 225 KiB
     # as the first case of its run, 135 KiB after tiny's cases): every case on ranks forked for it.
     fresh_ranks_per_case = True
@@ -202,10 +203,10 @@ def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:
 
     from harness.dtypes import dtype
     from harness.engines import data
+    from harness.engines.hf_policy import label_logprobs
     from harness.engines.hf_weights import checkpoint_shapes, to_module_format
     from harness.engines.mbridge import hf_architecture, hf_config
     from harness.errors import BadInput
-    from harness.suite_defs.peft_ckpt.suite import label_logprobs
 
     try:
         hf_architecture(case.model)

@@ -47,6 +47,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
     store = HostStore(ctx.on_cpu)
     owners = holders(engine)
     previous: set[int] | None = None
+    rollout: dict[str, Any] = {}  # rank 0: the rollout's stand-in, built once
     for i in range(p.iterations):
         batch, mbs = batch_of(i)
         cut = len(mbs) // MINI_BATCHES
@@ -72,12 +73,17 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
         if isinstance(engine, ExportsWeights):
             with ctx.phase("refit"):
                 refit = export(engine, ctx.rank)
+            if refit.stream is not None:
+                with ctx.phase("hf"):  # the rollout's stand-in samples the next iteration's batch with this policy
+                    refit = dataclasses.replace(refit, **rollout_policy(case, refit.stream, batch_of(i + 1)[0],
+                                                                        rollout))
         offloaded = None
         if p.offload:
             with ctx.phase("offload"):
                 engine.offload(store)
                 left = engine.offloaded()
-                ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps, refit]
+                ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps, refit,
+                        [p for m in rollout.values() for p in m.state_dict().values()]]
                 now, previous = census(store, exempt=ours, previous=previous, owners=owners)
                 engine.reload(store)
                 offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident(), now.new,
@@ -109,6 +115,15 @@ def export(engine: Any, rank: int) -> Refit:
     keep: dict[str, Any] | None = {} if rank == 0 else None
     sent = receive(engine.export_buckets(REFIT_BUCKET), keep)
     return Refit(sent, params, keep)
+
+
+def rollout_policy(case: Case, stream: dict[str, Any], batch: Any, built: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: the next iteration's batch through the Hugging Face model loaded from the iteration's export (built
+    once per case, in `built`)."""
+    from harness.engines.hf_policy import policy_logprobs
+
+    logprobs, why = policy_logprobs(case.model, case.options.dtype, stream, batch.tokens, built)
+    return {"policy": logprobs, "policy_none": why}
 
 
 def _first_minibatch(part: Any, first: list[list[int]]) -> bool:

@@ -38,6 +38,7 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
             out.append(replay(res))
         out.append(logprobs(res))
         out.append(refit(res))
+        out.append(policy(res))
         if res.case.model.moe_expert_bias:
             out += expert_bias(res)
         if p.offload:
@@ -103,6 +104,57 @@ def refit(res: CaseResult) -> CheckResult:
     return CheckResult(name, cid, True, f"{where}: each of {n} iterations' exports ({tensors} tensors sent by "
                                         f"{len(ranks)} ranks) holds every key once and equals the parameters that "
                                         f"iteration trained, bit for bit{again}")
+
+
+# fp32 on CPU: HF and Megatron differ by reduction order (~1e-7); a stale or wrong tensor moves tokens by >= 1e-3
+LOGPROB_RTOL = 1e-5
+
+
+def policy(res: CaseResult) -> CheckResult:
+    """The rollout's policy is the one the trainer scores: at every iteration but the last, the Hugging Face model
+    loaded from the iteration's export computes the next iteration's log-prob pass (Megatron's, every token of the
+    first mini-batch's samples)."""
+    import torch
+
+    from harness.checks.numeric import fmt_err
+    from harness.checks.step_outputs import LogprobDiff
+    from harness.dtypes import DType, dtype
+
+    name, cid, c = f"{SUITE}.policy", res.case.id, res.case
+    where = f"{c.model.name} at {c.layout.id}"
+    ranks = data(res)
+    first = [it.refit for it in ranks[0].iterations]
+    if not first or any(e is None for e in first):
+        return cannot_tell(name, cid, f"{where}: engine {c.engine} exports nothing, so no rollout policy is judged")
+    if any(e and e.policy is None for e in first):
+        return cannot_tell(name, cid, f"{where}: no Hugging Face policy from the export: "
+                                      f"{next(e.policy_none for e in first if e is not None and e.policy is None)}")
+    rtol = LOGPROB_RTOL if c.options.dtype == DType.fp32 else dtype(c.options.dtype).rtol
+    n, tokens, worst = len(first), 0, 0.0
+    for i in range(n - 1):
+        e = first[i]
+        hf = e.policy if e is not None else None
+        parts = [part for d in ranks if d.coords.get("last_stage") and d.coords.get("tp") == 0
+                 for part in d.iterations[i + 1].logprobs]
+        if hf is None or not parts:
+            return CheckResult(name, cid, False, f"{_it(i + 1)} of {n}: {where}: no log-prob pass log-probs captured")
+        ref = torch.cat([part.logprobs.double() for part in parts])
+        got = torch.cat([hf[part.samples.view(-1, 1), part.positions.view(1, -1)] for part in parts])
+        diff = LogprobDiff.of(got, ref, rtol)
+        if diff.bad.any():
+            row = diff.first_sample
+            sample = int(torch.cat([part.samples for part in parts])[row])
+            return CheckResult(name, cid, False, f"{_it(i + 1)} of {n}: {where}: the Hugging Face model loaded from "
+                                                 f"{_it(i)}'s export differs from the log-prob pass at "
+                                                 f"{int(diff.bad.sum())}/{ref.numel()} tokens (worst rel "
+                                                 f"{fmt_err(diff.worst)} > {rtol:.0e}): the rollout samples with "
+                                                 f"another policy than the trainer scores; first: sample {sample}",
+                               value=diff.worst)
+        tokens += ref.numel()
+        worst = max(worst, diff.worst)
+    return CheckResult(name, cid, True, f"{where}: at each of {n - 1} iterations the Hugging Face model loaded from "
+                                        f"the export computes the next log-prob pass ({tokens} tokens), worst rel "
+                                        f"{fmt_err(worst)} <= {rtol:.0e}", value=worst)
 
 
 # -- replay ---------------------------------------------------------------------------------------------------

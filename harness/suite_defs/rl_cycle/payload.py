@@ -34,6 +34,10 @@ class Refit:
     params: list[ParamShard]
     stream: dict[str, Any] | None = None
     after_reload: list[Sent] | None = None  # the export again after the offload and reload (None: no offload)
+    # rank 0: the next iteration's batch through the Hugging Face model loaded from the stream ([G, seq], float64),
+    # the rollout's policy; None, saying why, where no Hugging Face class holds the model
+    policy: Any = None
+    policy_none: str = ""
 
 
 @dataclass(frozen=True)

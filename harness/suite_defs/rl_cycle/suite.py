@@ -7,6 +7,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
+from harness.engines.hf_policy import HF_MODEL_MODULES
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -76,7 +77,7 @@ class RLCycleSuite:
     default_model = "tiny"
     Params = RLCycleParams
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
-               "megatron.core.pipeline_parallel")
+               "megatron.core.pipeline_parallel", *HF_MODEL_MODULES)  # rank 0's rollout policy
     # the census after an offload counts the rank's live tensors: nothing of an earlier case's may be among them
     fresh_ranks_per_case = True
 
