@@ -232,9 +232,12 @@ def test_an_export_before_the_iterations_optimizer_step_fails():
 @pytest.mark.slow
 def test_a_reload_that_loses_the_low_bits_of_the_weights_fails_the_export_after_it():
     """Every storage comes back, resident and shaped (`reload` passes); the weights do not: the export after the
-    reload differs from the one before the offload."""
+    reload differs from the one before the offload, the trainer scores the next batch with other weights than the
+    rollout got (`policy`), and the trajectory leaves the one without offload."""
     failed = _failed(_faulty("ReloadsThroughBf16", "tiny", DP4))
-    assert "rl-cycle.reload" not in failed, failed
+    assert "rl-cycle.reload" not in failed and {"rl-cycle.policy", "rl-cycle.trajectory"} <= set(failed), failed
+    assert failed["rl-cycle.policy"].startswith("iteration 2 of 4: tiny at tp1-pp1-cp1-dp4: the Hugging Face model "
+                                                "loaded from iteration 1's export differs from the log-prob pass at ")
     assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank \d: the export after the reload differs from "
                         r"the one before the offload at \S+ \(bucket \d+\): the reload did not bring back the weights "
                         r"that were offloaded", failed["rl-cycle.refit"]), failed["rl-cycle.refit"]
