@@ -153,3 +153,19 @@ class ExportsBeforeTheStep(McoreEngine):
             return
         self._early = None
         yield from early
+
+
+class ExportsAnExtraKey(McoreEngine):
+    """A refit that sends one tensor the rollout's model has no key for (a renamed or leftover weight)."""
+
+    def export_buckets(self, bucket_bytes: int):
+        import torch
+
+        yield from super().export_buckets(bucket_bytes)
+        yield [("model.layers.0.mlp.leftover.weight", torch.zeros(4))]
+
+
+class RefusesItsExport(McoreEngine):
+    """An engine whose export says it cannot run for the case (as mbridge's on megatron's local layer spec)."""
+
+    export_refusal = staticmethod(lambda model, backend: "planted: this export names Transformer Engine's layers only")

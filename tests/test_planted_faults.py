@@ -16,7 +16,6 @@ UNNAMED = {
     # every suite's `<suite>.run` (a case that did not run) is one function, planted for each suite at once
     **{f"{s}.run": "case_failed: tests/test_failed_cases.py plants an erroring case in every suite"
        for s in SUITES.split("|")},
-    "rl-cycle.trajectory": "no planted fault of its own yet (the offload and reload plants fail their own checks)",
     "rl-cycle.logprobs": "no planted fault of its own yet (replay's plants fail rl-cycle.replay first)",
 }
 

@@ -241,3 +241,46 @@ def test_a_reload_that_loses_the_low_bits_of_the_weights_fails_the_export_after_
     assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank \d: the export after the reload differs from "
                         r"the one before the offload at \S+ \(bucket \d+\): the reload did not bring back the weights "
                         r"that were offloaded", failed["rl-cycle.refit"]), failed["rl-cycle.refit"]
+
+
+@pytest.mark.slow
+def test_an_export_the_rollout_cannot_load_fails_refit_and_policy():
+    failed = _failed(_faulty("ExportsAnExtraKey", "tiny", DP4))
+    assert "sent what the harness's mapping has no key for: model.layers.0.mlp.leftover.weight" in \
+        failed["rl-cycle.refit"], failed
+    assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: the stream does not load into the Hugging Face "
+                        r"model strictly: missing \[\], unexpected \['model.layers.0.mlp.leftover.weight'\]: the rollout "
+                        r"could not load the export", failed["rl-cycle.policy"]), failed["rl-cycle.policy"]
+
+
+@pytest.mark.slow
+def test_an_engine_whose_export_cannot_run_is_not_judged_on_it():
+    """The engine says its export cannot run for the case (RefusesExports, as refit asks): nothing is exported and
+    neither export check passes or fails for it; the rest of the cycle is judged."""
+    run = _faulty("RefusesItsExport", "tiny", DP4)
+    checks = {c.check: c for c in run.checks}
+    for name in ("rl-cycle.refit", "rl-cycle.policy"):
+        assert checks[name].inconclusive and checks[name].message.endswith(
+            "planted: this export names Transformer Engine's layers only"), checks[name].message
+    assert run.verdict == "pass" and checks["rl-cycle.trajectory"].passed
+
+
+@pytest.mark.parametrize("release,modules", [
+    (None, ()), ("4.46.3", ("transformers", "transformers.models.llama.modeling_llama")),
+    ("5.12.1", ("transformers", "transformers.models.llama.modeling_llama",
+                "transformers.models.qwen3_moe.modeling_qwen3_moe")),
+])
+def test_the_hugging_face_modules_a_fork_server_imports_are_the_installed_ones(monkeypatch, release, modules):
+    """Without transformers a suite's fork server imports none (its Hugging Face side says it cannot tell); Qwen3-MoE's
+    modeling module exists from transformers 4.51."""
+    from importlib.metadata import PackageNotFoundError
+
+    from harness.engines.hf_policy import hf_model_modules
+
+    def version(name):
+        if release is None:
+            raise PackageNotFoundError(name)
+        return release
+
+    monkeypatch.setattr("importlib.metadata.version", version)
+    assert hf_model_modules() == modules

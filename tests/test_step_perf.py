@@ -225,18 +225,19 @@ def straggler(recorded):
 
 
 @pytest.mark.slow
-def test_a_cpu_time_baseline_hours_old_is_not_judged(straggler, monkeypatch):
+def test_a_cpu_time_baseline_hours_old_is_not_judged(recorded, straggler, monkeypatch):
     """The planted straggler fails on time against a baseline of this machine recorded minutes before; judged 3 h
     after that baseline was recorded, the same results cannot be told on time (a CPU VM's speed drifts beyond the
     minimum effect within hours, and a VM restored from a snapshot keeps its boot id), and the counters still
     judge."""
-    from datetime import timedelta
+    from datetime import datetime, timedelta
 
     from harness.suite_defs.step_perf import judge
 
     run, checks = straggler
     assert checks["step-perf.time"].failed, checks["step-perf.time"].message
-    later = judge._now() + timedelta(hours=3)
+    recorded_at = datetime.fromisoformat(recorded[1]["provenance"]["tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1"]["date"])
+    later = recorded_at + timedelta(hours=3)
     monkeypatch.setattr(judge, "_now", lambda: later)
     judged = {c.check: c for c in judge.check(run.results, run.params)}
     time = judged["step-perf.time"]

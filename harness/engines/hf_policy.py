@@ -6,9 +6,26 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 # What building the Hugging Face models of the shipped models imports (about 2 s on a 2-core VM): a suite that builds
-# one in a rank lists them among its imports, so its fork server imports them once, not each rank.
+# one in a rank lists them among its imports (hf_model_modules), so its fork server imports them once, not each rank.
 HF_MODEL_MODULES = ("transformers", "transformers.models.llama.modeling_llama",
                     "transformers.models.qwen3_moe.modeling_qwen3_moe")
+
+
+def hf_model_modules() -> tuple[str, ...]:
+    """HF_MODEL_MODULES as the installed transformers has them: none without transformers (the suite's Hugging Face
+    side then says it cannot tell), Qwen3-MoE's from transformers 4.51. Read from the package's metadata: nothing is
+    imported."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("transformers")
+    except PackageNotFoundError:
+        return ()
+    try:
+        major, minor = (int(x) for x in release.split(".")[:2])
+    except ValueError:
+        return HF_MODEL_MODULES[:1]
+    return HF_MODEL_MODULES if (major, minor) >= (4, 51) else HF_MODEL_MODULES[:2]
 
 if TYPE_CHECKING:
     import torch
@@ -24,20 +41,27 @@ def label_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return lp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
+class StreamDoesNotLoad(Exception):
+    """The exported stream does not load into the Hugging Face model strictly: the rollout could not use it."""
+
+
 def policy_logprobs(model: ModelSpec, dtype_name: str, stream: dict[str, Any], tokens: torch.Tensor,
                     built: dict[str, Any] | None = None) -> tuple[torch.Tensor | None, str]:
     """The tokens' ([batch, seq + 1]) next-token log-probs through the Hugging Face model loaded from `stream`
-    (HF names; a tied key may be absent); (None, why) where no Hugging Face class holds the model here or the stream
-    does not load strictly. built: where the model built on a first call is kept for the next ones (each loads every
-    key again, strictly)."""
+    (HF names; a tied key may be absent); (None, why) where no Hugging Face class holds the model here or transformers
+    is not installed. Raises StreamDoesNotLoad where the stream does not load strictly. built: where the model built
+    on a first call is kept for the next ones (each loads every key again, strictly)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from harness.dtypes import dtype
     from harness.engines.hf_weights import to_module_format
     from harness.engines.mbridge import hf_architecture, hf_config
     from harness.errors import BadInput
 
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:
+        return None, f"transformers is not installed here ({exc}): pip install -e .[bridge]"
     try:
         hf_architecture(model)
     except BadInput as exc:
@@ -50,11 +74,10 @@ def policy_logprobs(model: ModelSpec, dtype_name: str, stream: dict[str, Any], t
     try:
         res = hf.load_state_dict(to_module_format(stream, set(hf.state_dict())), strict=False)
     except RuntimeError as exc:  # shapes HF refuses
-        return None, f"the stream does not load into the Hugging Face model: {str(exc).splitlines()[0][:200]}"
+        raise StreamDoesNotLoad(str(exc).splitlines()[0][:200]) from None
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = [k for k in res.missing_keys if k not in tied]
     if missing or res.unexpected_keys:
-        return None, (f"the stream does not load into the Hugging Face model strictly: missing {missing[:3]}, "
-                      f"unexpected {list(res.unexpected_keys)[:3]}")
+        raise StreamDoesNotLoad(f"missing {missing[:3]}, unexpected {list(res.unexpected_keys)[:3]}")
     with torch.no_grad():
         return label_logprobs(hf(input_ids=tokens[:, :-1]).logits, tokens), ""

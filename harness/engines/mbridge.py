@@ -164,6 +164,7 @@ class MbridgeEngine(McoreEngine):
 
     def _reinit_new_chunk(self, model, **_: Any) -> None:
         self.reinit(model)
+        self.after_build([model])  # the RL iteration's marks (a frozen router), as McoreEngine.build_chunks makes them
 
     def build_model(self) -> None:
         """The bridge's model (DDP-wrapped) and the optimizer, on the parallel state already set up (the bridge reads
@@ -187,6 +188,7 @@ class MbridgeEngine(McoreEngine):
                                   vp_stage, qk_layernorm=m.qk_layernorm)
 
             bridge._get_transformer_layer_spec = local_spec
+        self.before_build()  # RouterReplay's list emptied: an earlier build's routers are not this policy's
         self.models = bridge.get_model(
             wrap_with_ddp=True, ddp_config=self.bridge_ddp_config(), fp16=False, bf16=False,
             use_cpu_initialization=self.ctx.on_cpu, post_model_creation_callbacks=[self._reinit_new_chunk],

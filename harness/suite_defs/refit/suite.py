@@ -8,7 +8,7 @@ from typing import Any
 from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines.base import ExportsWeights, RefusesCases, RefusesExports
-from harness.engines.hf_policy import HF_MODEL_MODULES
+from harness.engines.hf_policy import hf_model_modules
 from harness.engines.weight_export import PerTensorExport, expert_bias_shards
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
@@ -56,7 +56,8 @@ class RefitSuite:
     name = SUITE
     default_model = "tiny"
     Params = RefitParams
-    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", *HF_MODEL_MODULES, "memray")
+    imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed",
+               *(hf_model_modules() or ("transformers",)), "memray")
     # An export's heap peak moves with what the rank ran before it (tiny-moe's at pure DP, 8 KiB buckets: 225 KiB
     # as the first case of its run, 135 KiB after tiny's cases): every case on ranks forked for it.
     fresh_ranks_per_case = True

@@ -48,6 +48,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
     owners = holders(engine)
     previous: set[int] | None = None
     rollout: dict[str, Any] = {}  # rank 0: the rollout's stand-in, built once
+    refused = export_refusal(engine, case)
     for i in range(p.iterations):
         batch, mbs = batch_of(i)
         cut = len(mbs) // MINI_BATCHES
@@ -70,10 +71,10 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
                 out.token_logprobs = None
         kept = [t for t in logprobs if _first_minibatch(t, mbs[:cut])]
         refit = None
-        if isinstance(engine, ExportsWeights):
+        if isinstance(engine, ExportsWeights) and not refused:
             with ctx.phase("refit"):
                 refit = export(engine, ctx.rank)
-            if refit.stream is not None:
+            if refit.stream is not None and i + 1 < p.iterations:  # the last iteration has no next batch scored
                 with ctx.phase("hf"):  # the rollout's stand-in samples the next iteration's batch with this policy
                     refit = dataclasses.replace(refit, **rollout_policy(case, refit.stream, batch_of(i + 1)[0],
                                                                         rollout))
@@ -117,12 +118,23 @@ def export(engine: Any, rank: int) -> Refit:
     return Refit(sent, params, keep)
 
 
+def export_refusal(engine: Any, case: Case) -> str:
+    """Why the engine's export cannot run for this case ('' where it can): what it says of itself
+    (RefusesExports), as the refit suite asks before planning."""
+    from harness.engines.base import RefusesExports
+
+    return (engine.export_refusal(case.model, case.backend) or "") if isinstance(engine, RefusesExports) else ""
+
+
 def rollout_policy(case: Case, stream: dict[str, Any], batch: Any, built: dict[str, Any]) -> dict[str, Any]:
     """Rank 0: the next iteration's batch through the Hugging Face model loaded from the iteration's export (built
     once per case, in `built`)."""
-    from harness.engines.hf_policy import policy_logprobs
+    from harness.engines.hf_policy import StreamDoesNotLoad, policy_logprobs
 
-    logprobs, why = policy_logprobs(case.model, case.options.dtype, stream, batch.tokens, built)
+    try:
+        logprobs, why = policy_logprobs(case.model, case.options.dtype, stream, batch.tokens, built)
+    except StreamDoesNotLoad as exc:
+        return {"policy_error": f"the stream does not load into the Hugging Face model strictly: {exc}"}
     return {"policy": logprobs, "policy_none": why}
 
 

@@ -64,6 +64,9 @@ def refit(res: CaseResult) -> CheckResult:
     where = f"{c.model.name} at {c.layout.id}"
     ranks = data(res)
     exports = [[it.refit for it in d.iterations] for d in ranks]
+    if ranks[0].export_refused:
+        return cannot_tell(name, cid, f"{where}: engine {c.engine}'s export cannot run here, so no iteration's "
+                                      f"refit is judged: {ranks[0].export_refused}")
     if any(e is None for per_rank in exports for e in per_rank):
         return cannot_tell(name, cid, f"{where}: engine {c.engine} exports nothing (no export_buckets: harness.engines."
                                       "base.ExportsWeights), so no iteration's refit is judged")
@@ -124,9 +127,18 @@ def policy(res: CaseResult) -> CheckResult:
     where = f"{c.model.name} at {c.layout.id}"
     ranks = data(res)
     first = [it.refit for it in ranks[0].iterations]
+    if ranks[0].export_refused:
+        return cannot_tell(name, cid, f"{where}: engine {c.engine}'s export cannot run here: {ranks[0].export_refused}")
     if not first or any(e is None for e in first):
         return cannot_tell(name, cid, f"{where}: engine {c.engine} exports nothing, so no rollout policy is judged")
-    if any(e and e.policy is None for e in first):
+    if len(first) < 2:
+        return cannot_tell(name, cid, f"{where}: the cycle stopped after {_it(0)}: no next log-prob pass to compare "
+                                      "the rollout's policy with")
+    broken = next(((i, e.policy_error) for i, e in enumerate(first) if e is not None and e.policy_error), None)
+    if broken:
+        return CheckResult(name, cid, False, f"{_it(broken[0])} of {len(first)}: {where}: {broken[1]}: the rollout "
+                                             "could not load the export")
+    if any(e and e.policy is None for e in first[:-1]):
         return cannot_tell(name, cid, f"{where}: no Hugging Face policy from the export: "
                                       f"{next(e.policy_none for e in first if e is not None and e.policy is None)}")
     rtol = LOGPROB_RTOL if c.options.dtype == DType.fp32 else dtype(c.options.dtype).rtol

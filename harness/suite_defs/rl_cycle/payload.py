@@ -38,6 +38,7 @@ class Refit:
     # the rollout's policy; None, saying why, where no Hugging Face class holds the model
     policy: Any = None
     policy_none: str = ""
+    policy_error: str = ""  # the stream did not load into the Hugging Face model
 
 
 @dataclass(frozen=True)
@@ -66,3 +67,4 @@ class RLCycleRankData(TrainedRankData):
     residue_bound: int = 0
     probe: list[dict[str, Any]] = field(default_factory=list)
     bias_marked_frozen: bool = False  # the routers carry megatron's frozen_expert_bias mark
+    export_refused: str = ""  # why the engine's export cannot run for the case (RefusesExports): nothing exported

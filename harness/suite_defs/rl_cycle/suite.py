@@ -7,7 +7,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
-from harness.engines.hf_policy import HF_MODEL_MODULES
+from harness.engines.hf_policy import hf_model_modules
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -77,7 +77,7 @@ class RLCycleSuite:
     default_model = "tiny"
     Params = RLCycleParams
     imports = ("megatron.core", "megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
-               "megatron.core.pipeline_parallel", *HF_MODEL_MODULES)  # rank 0's rollout policy
+               "megatron.core.pipeline_parallel", *hf_model_modules())  # rank 0's rollout policy
     # the census after an offload counts the rank's live tensors: nothing of an earlier case's may be among them
     fresh_ranks_per_case = True
 
@@ -127,7 +127,7 @@ class RLCycleSuite:
         from harness.engines import make_engine
         from harness.engines.base import RunsRLCycles
         from harness.platform.parallel import layout_coords
-        from harness.suite_defs.rl_cycle.cycle import residue_bound, run_cycle
+        from harness.suite_defs.rl_cycle.cycle import export_refusal, residue_bound, run_cycle
 
         engine = make_engine(case, ctx)
         if not isinstance(engine, RunsRLCycles):  # the plan refuses such a factory; here for the type checker
@@ -150,7 +150,8 @@ class RLCycleSuite:
             shards = engine.param_shards()
         return RLCycleRankData(layout_coords(), steps, shards, iterations=iterations, instances=instances,
                                residue_bound=residue_bound(engine, case), probe=probe,
-                               bias_marked_frozen=engine.bias_marked_frozen())  # type: ignore[attr-defined]
+                               bias_marked_frozen=engine.bias_marked_frozen(),  # type: ignore[attr-defined]
+                               export_refused=export_refusal(engine, case))
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         from harness.suite_defs.rl_cycle.judge import table_figures
