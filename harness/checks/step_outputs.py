@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.dtypes import DType, dtype
 from harness.engines.base import ParamShard, StepOutput
 from harness.launch.results import CaseResult, RankResult
 from harness.spec import Case
@@ -64,6 +65,17 @@ def coverage_problem(counts: torch.Tensor) -> str:
     s, p = (counts != 1).nonzero()[0].tolist()
     return (f"{never} tokens computed by no rank, {dup} by more than one "
             f"(first: sample {s} position {p}, {int(counts[s, p])} times)")
+
+
+# fp32 on CPU: a Hugging Face model and Megatron differ by reduction order (~1e-7); one wrong or stale tensor, or a
+# wrong slice, moves tokens by >= 1e-3
+HF_LOGPROB_RTOL = 1e-5
+
+
+def hf_logprob_rtol(dt: DType) -> float:
+    """How far a Hugging Face model's log-probs may lie from Megatron's, relative to the largest: HF_LOGPROB_RTOL in
+    fp32, the dtype's own tolerance otherwise."""
+    return HF_LOGPROB_RTOL if dt == DType.fp32 else dtype(dt).rtol
 
 
 @dataclass

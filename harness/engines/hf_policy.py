@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    import torch
+
+    from harness.spec import ModelSpec
+
+
 # What building the Hugging Face models of the shipped models imports (about 2 s on a 2-core VM): a suite that builds
 # one in a rank lists them among its imports (hf_model_modules), so its fork server imports them once, not each rank.
 HF_MODEL_MODULES = ("transformers", "transformers.models.llama.modeling_llama",
@@ -26,11 +32,6 @@ def hf_model_modules() -> tuple[str, ...]:
     except ValueError:
         return HF_MODEL_MODULES[:1]
     return HF_MODEL_MODULES if (major, minor) >= (4, 51) else HF_MODEL_MODULES[:2]
-
-if TYPE_CHECKING:
-    import torch
-
-    from harness.spec import ModelSpec
 
 
 def label_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -181,11 +181,13 @@ def expert_biases(chunk) -> dict[str, torch.Tensor]:
     return out
 
 
-def expert_bias_shards(engine: PerTensorExport) -> list[ParamShard]:
-    """The routers' expert biases of the engine's chunks as replicated shards (the export's reference holds them
-    too)."""
-    return [ParamShard(name, b.detach().float().cpu().clone(), None, 0, 1)
-            for chunk in engine.export_chunks() for name, b in expert_biases(chunk).items()]
+def export_reference(engine: Any) -> list[ParamShard]:
+    """What an export must equal: the engine's parameter shards and, for the harness's exporter, the routers' expert
+    biases of its chunks as replicated shards."""
+    biases = [ParamShard(name, b.detach().float().cpu().clone(), None, 0, 1)
+              for chunk in engine.export_chunks() for name, b in expert_biases(chunk).items()] \
+        if isinstance(engine, PerTensorExport) else []
+    return engine.param_shards() + biases
 
 
 def _with_expert(name: str, index: int) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
+from harness.checks.step_outputs import HF_LOGPROB_RTOL as LOGPROB_RTOL
 from harness.checks.step_outputs import TrainedRankData
 from harness.dtypes import DType, dtype
 from harness.engines.base import ParamShard, StepOutput
@@ -51,8 +52,6 @@ def peft_data(rank: RankResult) -> PeftRankData:
 def _held_out(data: TrainedRankData) -> list[StepOutput]:
     return data.eval if isinstance(data, PeftRankData) else []
 
-# fp32 on CPU: HF and Megatron differ by reduction order (~1e-7); a wrong slice moves tokens by >= 1e-3
-LOGPROB_RTOL = 1e-5
 # B starts at zero, so after two steps it is all update: on `small` the row-parallel o_proj's B at TP2
 # (its adapter input summed over TP in another order) differed from pure DP by 1.4e-5 (measured); a
 # wrong split or de-interleave moves whole rows, rel ~1

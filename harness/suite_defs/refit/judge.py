@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import fmt_err
 from harness.checks.weight_stream import Expected, check_complete, check_values, first, reference
-from harness.dtypes import DType, dtype
+from harness.dtypes import dtype
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.suite_defs.refit.params import RefitParams, size_text
@@ -17,8 +17,6 @@ from harness.suite_defs.refit.payload import Export, RefitRankData
 if TYPE_CHECKING:
     import torch
 
-# fp32 on CPU: HF and Megatron differ by reduction order (~1e-7); one wrong or stale tensor moves tokens by >= 1e-3
-LOGPROB_RTOL = 1e-5
 # What an export may hold beyond its bucket and the tensors it must build: the collectives' and Python's objects
 # (names, shapes, a bridge's conversion plan walked per tensor). Measured on gloo ranks: see docs/suites.md#refit.
 OVERHEAD = 1 * MIB
@@ -182,7 +180,7 @@ def check_repeats(res: CaseResult, at: str, per_rank: list[tuple[int, Export]]) 
 def check_policy(res: CaseResult, ranks: list[RefitRankData]) -> CheckResult:
     """The HF model loaded from the stream (no key missing, none unexpected) computes the Megatron model's
     log-probs of a held-out batch."""
-    from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs
+    from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs, hf_logprob_rtol
 
     cid, name, at = res.case.id, "refit.policy", where(res)
     hf = ranks[0].hf
@@ -199,7 +197,7 @@ def check_policy(res: CaseResult, ranks: list[RefitRankData]) -> CheckResult:
     problem = coverage_problem(counts)
     if problem:
         return CheckResult(name, cid, False, f"{at}: held-out log-probs: {problem}")
-    rtol = LOGPROB_RTOL if res.case.options.dtype == DType.fp32 else dtype(res.case.options.dtype).rtol
+    rtol = hf_logprob_rtol(res.case.options.dtype)
     diff = LogprobDiff.of(hf.logprobs, megatron, rtol)
     if diff.bad.any():
         s = diff.first_sample

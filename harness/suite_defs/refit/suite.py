@@ -9,7 +9,7 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines.base import ExportsWeights, RefusesCases, RefusesExports
 from harness.engines.hf_policy import hf_model_modules
-from harness.engines.weight_export import PerTensorExport, expert_bias_shards
+from harness.engines.weight_export import export_reference
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -118,7 +118,7 @@ class RefitSuite:
         with ctx.phase("eval"):
             held_out = engine.eval_step(EVAL_STEP)
         with ctx.phase("collect"):
-            params = engine.param_shards() + (expert_bias_shards(engine) if isinstance(engine, PerTensorExport) else [])
+            params = export_reference(engine)
         p = case.params if isinstance(case.params, RefitParams) else RefitParams()
         with ctx.phase("refit"):
             # the first export, unmeasured, kept whole on rank 0: its values are judged, and it plans what a

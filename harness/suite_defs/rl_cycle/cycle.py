@@ -24,8 +24,9 @@ FIXED_RESIDUE = 64 << 10
 ACTIVATIONS = 4
 
 
-def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
+def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, refused: str = ""
               ) -> tuple[list[StepOutput], list[Iteration], list[dict[str, Any]]]:
+    """The case's iterations; refused: why the engine's export cannot run for the case ('' where it can)."""
     from megatron.core import parallel_state as ps
 
     from harness.engines.offload import HostStore, census
@@ -48,7 +49,6 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
     owners = holders(engine)
     previous: set[int] | None = None
     rollout: dict[str, Any] = {}  # rank 0: the rollout's stand-in, built once
-    refused = export_refusal(engine, case)
     for i in range(p.iterations):
         batch, mbs = batch_of(i)
         cut = len(mbs) // MINI_BATCHES
@@ -84,7 +84,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
                 engine.offload(store)
                 left = engine.offloaded()
                 ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps, refit,
-                        [p for m in rollout.values() for p in m.state_dict().values()]]
+                        [t for m in rollout.values() for t in m.state_dict().values()]]
                 now, previous = census(store, exempt=ours, previous=previous, owners=owners)
                 engine.reload(store)
                 offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident(), now.new,
@@ -110,9 +110,9 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext
 def export(engine: Any, rank: int) -> Refit:
     """The iteration's export as the rollout engine receives it, and the parameters (the routers' expert biases among
     them) it must equal; rank 0 keeps the stream whole."""
-    from harness.engines.weight_export import PerTensorExport, expert_bias_shards
+    from harness.engines.weight_export import export_reference
 
-    params = engine.param_shards() + (expert_bias_shards(engine) if isinstance(engine, PerTensorExport) else [])
+    params = export_reference(engine)
     keep: dict[str, Any] | None = {} if rank == 0 else None
     sent = receive(engine.export_buckets(REFIT_BUCKET), keep)
     return Refit(sent, params, keep)

@@ -109,10 +109,6 @@ def refit(res: CaseResult) -> CheckResult:
                                         f"iteration trained, bit for bit{again}")
 
 
-# fp32 on CPU: HF and Megatron differ by reduction order (~1e-7); a stale or wrong tensor moves tokens by >= 1e-3
-LOGPROB_RTOL = 1e-5
-
-
 def policy(res: CaseResult) -> CheckResult:
     """The rollout's policy is the one the trainer scores: at every iteration but the last, the Hugging Face model
     loaded from the iteration's export computes the next iteration's log-prob pass (Megatron's, every token of the
@@ -120,8 +116,7 @@ def policy(res: CaseResult) -> CheckResult:
     import torch
 
     from harness.checks.numeric import fmt_err
-    from harness.checks.step_outputs import LogprobDiff
-    from harness.dtypes import DType, dtype
+    from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol
 
     name, cid, c = f"{SUITE}.policy", res.case.id, res.case
     where = f"{c.model.name} at {c.layout.id}"
@@ -141,7 +136,7 @@ def policy(res: CaseResult) -> CheckResult:
     if any(e and e.policy is None for e in first[:-1]):
         return cannot_tell(name, cid, f"{where}: no Hugging Face policy from the export: "
                                       f"{next(e.policy_none for e in first if e is not None and e.policy is None)}")
-    rtol = LOGPROB_RTOL if c.options.dtype == DType.fp32 else dtype(c.options.dtype).rtol
+    rtol = hf_logprob_rtol(c.options.dtype)
     n, tokens, worst = len(first), 0, 0.0
     for i in range(n - 1):
         e = first[i]

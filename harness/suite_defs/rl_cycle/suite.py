@@ -144,14 +144,15 @@ class RLCycleSuite:
             instances = [engine.replay_instances()]  # type: ignore[attr-defined]
             if p.weights == "loaded":
                 engine.load_weights(seed + 1)
-        steps, iterations, probe = run_cycle(engine, case, p, ctx)
+        refused = export_refusal(engine, case)
+        steps, iterations, probe = run_cycle(engine, case, p, ctx, refused)
         instances.append(engine.replay_instances())  # type: ignore[attr-defined]
         with ctx.phase("collect"):
             shards = engine.param_shards()
         return RLCycleRankData(layout_coords(), steps, shards, iterations=iterations, instances=instances,
                                residue_bound=residue_bound(engine, case), probe=probe,
                                bias_marked_frozen=engine.bias_marked_frozen(),  # type: ignore[attr-defined]
-                               export_refused=export_refusal(engine, case))
+                               export_refused=refused)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         from harness.suite_defs.rl_cycle.judge import table_figures
