@@ -169,3 +169,14 @@ class RefusesItsExport(McoreEngine):
     """An engine whose export says it cannot run for the case (as mbridge's on megatron's local layer spec)."""
 
     export_refusal = staticmethod(lambda model, backend: "planted: this export names Transformer Engine's layers only")
+
+
+class OptimizerOffloadTakesTheParams(McoreEngine):
+    """An optimizer offload that moves every tensor of the optimizer's parameter groups, as megatron's own
+    `offload_to_cpu` walks them: in fp32 without the distributed optimizer those are the model's own parameters, so a
+    colocated export after it reads freed storage."""
+
+    def offload_optimizer(self, store) -> None:
+        from harness.engines.offload import optimizer_tensors
+
+        store.move(optimizer_tensors(self.optimizer))

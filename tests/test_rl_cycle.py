@@ -230,6 +230,20 @@ def test_an_export_before_the_iterations_optimizer_step_fails():
 
 
 @pytest.mark.slow
+def test_an_export_that_reads_parameters_the_optimizer_offload_took_fails():
+    """Colocated order: the optimizer's state leaves before the export. An optimizer offload that takes the model's
+    own parameters with it (fp32 without master copies) leaves the export nothing but freed storage; exported before
+    any offload (`--rl-variant export-first`), the same engine's refits are right."""
+    failed = _failed(_faulty("OptimizerOffloadTakesTheParams", "tiny", DP4))
+    assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank 0: \S+ \(\d+(, \d+)*\) and \d+ more had left "
+                        r"the device when the export was due \(after the optimizer's offload\): the export would read "
+                        r"freed storage, so none ran; offload_optimizer must leave the model's own parameters for the "
+                        r"export", failed["rl-cycle.refit"]), failed["rl-cycle.refit"]
+    first = _faulty("OptimizerOffloadTakesTheParams", "tiny", DP4, "export-first")
+    assert {c.check for c in first.checks if c.passed} >= {"rl-cycle.refit", "rl-cycle.policy"}, _failed(first)
+
+
+@pytest.mark.slow
 def test_a_reload_that_loses_the_low_bits_of_the_weights_fails_the_export_after_it():
     """Every storage comes back, resident and shaped (`reload` passes); the weights do not: the export after the
     reload differs from the one before the offload, the trainer scores the next batch with other weights than the

@@ -150,6 +150,36 @@ def optimizer_tensors(optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
                     yield f"optimizer {i} {key} {tuple(value.shape)}", value
 
 
+def model_storages(models: list) -> set[int]:
+    """The data pointers of the model's own storages: its parameters' and its DDP buffers' (parameters and
+    gradients: each parameter's main_grad is a view of the gradient buffer). An optimizer's parameter group may hold the parameters themselves (fp32 without the distributed
+    optimizer) or views of the parameter buffer (fp32 with it): those are the model's, not the optimizer's."""
+    out = set()
+    for model in models:
+        out |= {p.untyped_storage().data_ptr() for p in model.module.parameters()}
+        for buf in buffers([model]):
+            out.add(buf.grad_data.untyped_storage().data_ptr())
+            if buf.param_data is not None:
+                out.add(buf.param_data.untyped_storage().data_ptr())
+    out.discard(0)
+    return out
+
+
+def optimizer_state(optimizer: Any, models: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """The optimizer's tensors that are its own (Adam's moments, fp32 master copies and their gradients), not the
+    model's: what a colocated framework offloads before the export, while the parameters stay for it."""
+    mine = model_storages(models)
+    for what, t in optimizer_tensors(optimizer):
+        if t.untyped_storage().data_ptr() not in mine:
+            yield what, t
+
+
+def not_resident_params(models: list) -> list[str]:
+    """The model's parameters whose storage holds no bytes (offloaded): what an export must not read."""
+    return [f"{name} {tuple(p.shape)}" for model in models for name, p in model.module.named_parameters()
+            if p.numel() and not p.untyped_storage().nbytes()]
+
+
 def census(store: HostStore | None, exempt: Iterable[Any] = (), previous: set[int] | None = None,
            owners: dict[int, str] | None = None) -> tuple[Census, set[int]]:
     """The device's live tensors now (garbage collected first): every live tensor's distinct storage on the device

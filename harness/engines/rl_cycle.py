@@ -9,8 +9,8 @@ The framework's part, each a method a user engine overrides to have its own code
   (megatron-core 0.16.1 updates it regardless: `_update_router_expert_bias` checks neither; later releases skip a
   router whose `frozen_expert_bias` is set, which `after_build` sets with the router frozen, as megatron's own
   training loop does);
-- `offload` / `reload` (harness/engines/offload.py): parameters, gradients and optimizer state off the device and
-  back;
+- `offload_optimizer` / `offload_params` / `reload` (harness/engines/offload.py): the optimizer's state off the device
+  (before the export, as colocated frameworks order it), then the parameters and gradients (after it), and back;
 - `load_weights`: weights only, no optimizer state, then the optimizer's master copies refreshed from them
   (`reload_model_params`).
 """
@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import StepOutput, TokenLogprobs
-from harness.engines.offload import HostStore, loose_params, offload_buffers, optimizer_tensors, reload_buffers
+from harness.engines.offload import (
+    HostStore,
+    loose_params,
+    offload_buffers,
+    optimizer_state,
+    optimizer_tensors,
+    reload_buffers,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -160,11 +167,16 @@ class RLCycle:
         return len(listed), len(live), sum(1 for r in live if any(r is x for x in listed))
 
     # -- offload --------------------------------------------------------------------------------
-    def offload(self, store: HostStore) -> None:
-        """Parameters, gradients and optimizer state off the device (harness/engines/offload.py)."""
+    def offload_optimizer(self, store: HostStore) -> None:
+        """The optimizer's own state off the device (Adam's moments, master copies), the parameters left for the
+        export: what a colocated framework offloads first."""
+        store.move(optimizer_state(self.optimizer, self.models))
+
+    def offload_params(self, store: HostStore) -> None:
+        """Parameters and gradients off the device, after the export (harness/engines/offload.py)."""
         offload_buffers(self.models, store)
         store.move(loose_params(self.models))
-        store.move(optimizer_tensors(self.optimizer))
+        store.move(optimizer_tensors(self.optimizer))  # what is left of it: views of the model's own storages
 
     def reload(self, store: HostStore) -> None:
         store.restore()

@@ -1,5 +1,6 @@
 """A rank's RL iterations: the log-prob pass, two training steps with its routing replayed, the export to the rollout
-engine, offload and reload."""
+engine, offload and reload. The order is a colocated framework's: the optimizer's state offloaded, the export, the
+parameters offloaded (`export_first`: the export before any offload)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
 
     from harness.engines.offload import HostStore, census
     from harness.engines.rl_batch import Cut, microbatch_samples, rl_batch
-    from harness.engines.weight_export import expert_biases
+    from harness.engines.weight_export import expert_biases, export_reference
 
     def biases() -> dict[str, Any]:
         return {k: v.detach().cpu().clone() for m in engine.models for k, v in expert_biases(m.module).items()}
@@ -70,10 +71,16 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
                 train_logprobs = out.token_logprobs or []
                 out.token_logprobs = None
         kept = [t for t in logprobs if _first_minibatch(t, mbs[:cut])]
+        exports = isinstance(engine, ExportsWeights) and not refused
+        trained = export_reference(engine) if exports else []  # what the export must equal, before any offload
+        colocated = p.offload and not p.export_first
+        if colocated:  # the optimizer's state leaves first; the parameters stay for the export
+            with ctx.phase("offload"):
+                engine.offload_optimizer(store)
         refit = None
-        if isinstance(engine, ExportsWeights) and not refused:
+        if exports:
             with ctx.phase("refit"):
-                refit = export(engine, ctx.rank)
+                refit = export(engine, ctx.rank, trained)
             if refit.stream is not None and i + 1 < p.iterations:  # the last iteration has no next batch scored
                 with ctx.phase("hf"):  # the rollout's stand-in samples the next iteration's batch with this policy
                     refit = dataclasses.replace(refit, **rollout_policy(case, refit.stream, batch_of(i + 1)[0],
@@ -81,9 +88,11 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
         offloaded = None
         if p.offload:
             with ctx.phase("offload"):
-                engine.offload(store)
+                if not colocated:
+                    engine.offload_optimizer(store)
+                engine.offload_params(store)
                 left = engine.offloaded()
-                ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps, refit,
+                ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps, refit, trained,
                         [t for m in rollout.values() for t in m.state_dict().values()]]
                 now, previous = census(store, exempt=ours, previous=previous, owners=owners)
                 engine.reload(store)
@@ -107,15 +116,22 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
     return steps, iterations, probe
 
 
-def export(engine: Any, rank: int) -> Refit:
-    """The iteration's export as the rollout engine receives it, and the parameters (the routers' expert biases among
-    them) it must equal; rank 0 keeps the stream whole."""
-    from harness.engines.weight_export import export_reference
+def export(engine: Any, rank: int, trained: list[Any]) -> Refit:
+    """The iteration's export as the rollout engine receives it, with the parameters it must equal (`trained`, taken
+    before any offload); rank 0 keeps the stream whole. Where a parameter has left the device on any rank, nothing is
+    exported (it would read freed storage): the names go to the judge."""
+    import torch.distributed as dist
 
-    params = export_reference(engine)
+    from harness.engines.offload import not_resident_params
+
+    gone = not_resident_params(engine.models)
+    every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, gone)
+    if any(every):  # every rank skips it together (it is collective); the ranks that lost parameters name them
+        return Refit([], trained, read_offloaded=gone)
     keep: dict[str, Any] | None = {} if rank == 0 else None
     sent = receive(engine.export_buckets(REFIT_BUCKET), keep)
-    return Refit(sent, params, keep)
+    return Refit(sent, trained, keep)
 
 
 def export_refusal(engine: Any, case: Case) -> str:

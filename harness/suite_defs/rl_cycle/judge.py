@@ -54,7 +54,7 @@ def _it(i: int, k: int | None = None) -> str:
 
 # -- refit ------------------------------------------------------------------------------------------------------------
 def refit(res: CaseResult) -> CheckResult:
-    """Each iteration's export, after its training and before its offload: every key once, and equal bit for bit to
+    """Each iteration's export, after its training and the optimizer's offload: every key once, and equal bit for bit to
     the parameters that iteration trained (mapped to Hugging Face names by the harness's own arithmetic); every rank's
     copy rank 0's. A stream that repeats an earlier iteration's bytes is named as such."""
     from harness.checks.tensors import assemble
@@ -79,6 +79,13 @@ def refit(res: CaseResult) -> CheckResult:
         tied = {"lm_head.weight"} - set(ref) if c.model.tie_embeddings else set()
         want = Expected({k: tuple(t.shape) for k, t in ref.items()}, tied, "the harness's mapping")
         at = f"{_it(i)} of {n}: {where}"
+        gone = next(((r.rank, e.read_offloaded) for r, e in zip(res.ranks, its) if e and e.read_offloaded), None)
+        if gone is not None:
+            more = f" and {len(gone[1]) - 1} more" if len(gone[1]) > 1 else ""
+            return CheckResult(name, cid, False, f"{at}: rank {gone[0]}: {gone[1][0]}{more} had left the device when "
+                                                 "the export was due (after the optimizer's offload): the export would "
+                                                 "read freed storage, so none ran; offload_optimizer must leave the "
+                                                 "model's own parameters for the export")
         per_rank = [(r.rank, e.sent) for r, e in zip(res.ranks, its) if e]
         stream = tuple((s.name, s.digest) for s in per_rank[0][1])
         for verdict in (check_complete(name, cid, at, per_rank, want),
@@ -133,6 +140,10 @@ def policy(res: CaseResult) -> CheckResult:
     if broken:
         return CheckResult(name, cid, False, f"{_it(broken[0])} of {len(first)}: {where}: {broken[1]}: the rollout "
                                              "could not load the export")
+    skipped = next((i for i, e in enumerate(first[:-1]) if e is not None and not e.sent), None)
+    if skipped is not None:
+        return cannot_tell(name, cid, f"{where}: {_it(skipped)}'s export did not run (parameters off the device: "
+                                      "`refit` names them), so the rollout had no policy to judge")
     if any(e and e.policy is None for e in first[:-1]):
         return cannot_tell(name, cid, f"{where}: no Hugging Face policy from the export: "
                                       f"{next(e.policy_none for e in first if e is not None and e.policy is None)}")

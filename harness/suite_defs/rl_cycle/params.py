@@ -24,7 +24,8 @@ REFIT_BUCKET = 8 << 10
 VARIANTS = ("4-layers", "expert-bias", "replayed-bias", "frozen-router")
 WEIGHTS = ("", "loaded", "as-loaded")
 # --rl-variant: a case of the default matrix's kinds at the layouts given
-RL_VARIANTS = ("built-twice", "4-layers", "expert-bias", "replayed-bias", "frozen-router", "weights-only-load")
+RL_VARIANTS = ("built-twice", "4-layers", "expert-bias", "replayed-bias", "frozen-router", "weights-only-load",
+               "export-first")
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class RLCycleParams:
         "--rl-variant", "rl-cycle: run this kind of case at every layout given: built-twice (the model built twice "
                         "in the process), 4-layers (for virtual stages), expert-bias (the router training, not "
                         "replayed), replayed-bias (training, replayed), frozen-router (frozen and replayed), "
-                        "weights-only-load (default: "
+                        "weights-only-load, export-first (the export before any offload; default: "
                         "the matrix's, the model as it is with --layout)"))
 
     def __post_init__(self) -> None:
@@ -57,13 +58,16 @@ class RLCycleCaseParams:
     ("frozen-router", routing replayed). offload: parameters, gradients and optimizer state offloaded and reloaded
     after each iteration (False: the twin the trajectory is compared with). builds: the model built this many times
     in the process, the policy last. weights: "loaded" - built, then the weights of the next seed loaded alone (no
-    optimizer state); "as-loaded" - built with those weights (the loaded case's twin)."""
+    optimizer state); "as-loaded" - built with those weights (the loaded case's twin). export_first: the export
+    before any offload (default: a colocated framework's order, the optimizer's state offloaded before the export and
+    the parameters after it)."""
 
     iterations: int = ITERATIONS
     variant: str = ""
     offload: bool = True
     builds: int = 1
     weights: str = ""
+    export_first: bool = False
 
     def __post_init__(self) -> None:
         if self.variant and self.variant not in VARIANTS:

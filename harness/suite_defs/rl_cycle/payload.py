@@ -26,7 +26,7 @@ class Offloaded:
 
 @dataclass(frozen=True)
 class Refit:
-    """One iteration's export on a rank, after its training and before its offload: what the rank sent, its
+    """One iteration's export on a rank, after its training and before its parameters' offload: what the rank sent, its
     parameters as the iteration trained them (what the export must equal), on rank 0 the stream kept whole, and what
     the rank sent when exporting again after the offload and reload."""
 
@@ -39,6 +39,8 @@ class Refit:
     policy: Any = None
     policy_none: str = ""
     policy_error: str = ""  # the stream did not load into the Hugging Face model
+    # this rank's parameters off the device when the export was due (on any rank: no rank exported)
+    read_offloaded: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ def kind(model: ModelSpec, what: str) -> tuple[RLCycleCaseParams, dict[str, Any]
         return p(variant="replayed-bias", offload=False), dict(routing_replay=True)
     if what == "frozen-router":
         return p(variant="frozen-router", offload=False), dict(routing_replay=True, freeze_router=True)
+    if what == "export-first":
+        return p(export_first=True), replay
     if what == "weights-only-load":
         return p(weights="loaded"), dict(replay, use_distributed_optimizer=True, dtype="bf16")
     return p(), replay
