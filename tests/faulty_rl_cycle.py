@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from harness.engines.mcore import McoreEngine
+from harness.engines.megatron_bridge import MegatronBridgeEngine
 
 
 class SecondBuildStaysInReplay(McoreEngine):
@@ -180,3 +181,76 @@ class OptimizerOffloadTakesTheParams(McoreEngine):
         from harness.engines.offload import optimizer_tensors
 
         store.move(optimizer_tensors(self.optimizer))
+
+
+def _merge_owner():
+    """The megatron-bridge class that merges one LoRA adapter into its base weight at export."""
+    from megatron.bridge.models.conversion import peft_bridge
+
+    return next(c for c in vars(peft_bridge).values()
+                if isinstance(c, type) and "_merge_single_adapter_weight" in vars(c))
+
+
+class MergesInBf16TermByTerm(MegatronBridgeEngine):
+    """NeMo-RL #3696's shape: the merged refit computes W + (alpha / r) * B @ A in bf16 term by term (the product
+    and the sum each rounded to bf16), not in fp32 cast once: the rollout loses part of the LoRA update."""
+
+    def hf_weight_stream(self):
+        import torch
+
+        owner = _merge_owner()
+        original = owner._merge_single_adapter_weight
+
+        def in_bf16(_self, base_weight, alpha, dim, linear_in_weight, linear_out_weight):
+            bf16 = torch.bfloat16
+            lora = (alpha / dim) * (linear_out_weight.to(bf16) @ linear_in_weight.to(bf16))
+            return (base_weight.to(bf16) + lora).to(base_weight.dtype)
+
+        owner._merge_single_adapter_weight = in_bf16
+        try:
+            yield from super().hf_weight_stream()
+        finally:
+            owner._merge_single_adapter_weight = original
+
+
+class MergesIntoTheBaseAtEveryRefit(MegatronBridgeEngine):
+    """miles #1087's shape: each refit merges the adapters into the base weights in place and sends the base weights;
+    the first refit after training is right, every later one adds the adapters again (pure DP: whole tensors)."""
+
+    def hf_weight_stream(self):
+        import torch
+
+        scale = self.peft.alpha / self.peft.dim
+        with torch.no_grad():
+            for model in self.models:
+                for module in model.module.modules():
+                    wrapped, adapter = getattr(module, "to_wrap", None), getattr(module, "adapter", None)
+                    if wrapped is not None and adapter is not None:
+                        w = wrapped.weight
+                        lora = adapter.linear_out.weight.float() @ adapter.linear_in.weight.float()
+                        w.copy_((w.float() + scale * lora).to(w.dtype))
+        if self._export_tasks is None:
+            self._export_tasks = self.hf_conversion_tasks(self.ctx.workdir)
+        for name, t in self.bridge.export_hf_weights(self.models, cpu=True, show_progress=False,
+                                                     conversion_tasks=self._export_tasks, merge_adapter_weights=False):
+            yield name.replace(".base_layer.", "."), t
+
+
+class FoldsTheScalingIntoB(MegatronBridgeEngine):
+    """SkyRL #2250's review: the adapter-only refit sends B with alpha / r folded in while adapter_config.json keeps
+    lora_alpha, so the rollout's peft scales the update again."""
+
+    def export_peft_adapter(self, path: str) -> str:
+        from pathlib import Path
+
+        import torch.distributed as dist
+        from safetensors.torch import load_file, save_file
+
+        who = super().export_peft_adapter(path)
+        if dist.get_rank() == 0:
+            f = Path(path) / "adapter_model.safetensors"
+            scale = self.peft.alpha / self.peft.dim
+            tensors = {k: (v * scale if "lora_B" in k else v).contiguous() for k, v in load_file(str(f)).items()}
+            save_file(tensors, str(f))
+        dist.barrier()
+        return who

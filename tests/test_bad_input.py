@@ -41,6 +41,10 @@ CASES = [
     (["run", "--suite", "rl-cycle", "--rl-variant", "frozen"], "--rl-variant 'frozen': expected one of built-twice"),
     (["run", "--suite", "rl-cycle", "--rl-variant", "expert-bias", "--layout", "tp1-pp1-cp1-dp4"],
      "--rl-variant expert-bias needs an MoE model"),
+    (["run", "--suite", "rl-cycle", "--rl-variant", "lora", "--layout", "tp1-pp1-cp1-dp4"],
+     "--rl-variant lora trains LoRA adapters and refits them: --engine mcore has none"),
+    (["run", "--suite", "rl-cycle", "--rl-variant", "lora", "--layout", "tp1-pp1-cp1-dp4-ep2", "--model",
+      "tiny-qwen3-moe", "--engine", "megatron-bridge"], "--rl-variant lora is judged on a dense model here"),
     (["run", "--suite", "rl-cycle", "--engine", "tests.faulty_engines:_DoneHandle"],
      "engine 'tests.faulty_engines:_DoneHandle' has no record_routing / replay_routing / offload / reload"),
     (["run", "--suite", "equivalence", "--world-size", "0"], "--world-size must be >= 1, got 0"),
@@ -173,7 +177,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 100  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 102  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

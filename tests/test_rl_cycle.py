@@ -243,6 +243,55 @@ def test_an_export_that_reads_parameters_the_optimizer_offload_took_fails():
     assert {c.check for c in first.checks if c.passed} >= {"rl-cycle.refit", "rl-cycle.policy"}, _failed(first)
 
 
+def _lora(plant: str = ""):
+    """LoRA in the loop (megatron-bridge's LoRA on every linear, bf16) at pure DP: the case and its twin."""
+    if plant:
+        return _faulty(plant, "tiny", DP4, "lora")
+    return run_suite("rl-cycle", "tiny", 4, [DP4], engine="megatron-bridge", backend="gloo",
+                     suite_params={**QUICK, "rl_variant": "lora"})
+
+
+@pytest.mark.slow
+def test_lora_refits_merged_and_adapter_only_at_every_iteration():
+    """The merged refit equals W + (alpha / r) B A computed in fp32 and cast once to bf16, bit for bit, ten refits in a
+    row alike; the Hugging Face model loaded from it and peft serving the adapter-only refit over the base weights
+    both compute the next log-prob pass within bf16's tolerance, at every iteration."""
+    run = _lora()
+    assert not _failed(run), _failed(run)
+    for check in ("refit", "policy", "adapter"):
+        assert sum(c.check == f"rl-cycle.{check}" and c.passed for c in run.checks) == 2, check
+    adapter = next(c.message for c in run.checks if c.check == "rl-cycle.adapter")
+    assert re.fullmatch(r"tiny at tp1-pp1-cp1-dp4: at each of 3 iterations peft serving the iteration's adapter over "
+                        r"the base weights computes the next log-prob pass \(1536 tokens\), worst rel per iteration "
+                        r"\S+, \S+, \S+ <= 2e-02; each adapter sent equals the one trained, bit for bit", adapter), adapter
+
+
+@pytest.mark.slow
+def test_a_lora_merge_computed_in_bf16_term_by_term_fails_refit():
+    msg = _failed(_lora("MergesInBf16TermByTerm"))["rl-cycle.refit"]
+    assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank 0, bucket \d+: model\.layers\.0\.\S+ unlike "
+                        r"the trained parameter \(largest difference [\d.e-]+\): the rollout gets other weights", msg), msg
+
+
+@pytest.mark.slow
+def test_a_lora_merge_applied_again_at_every_refit_fails_refit():
+    msg = _failed(_lora("MergesIntoTheBaseAtEveryRefit"))["rl-cycle.refit"]
+    assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank \d: refit 2 of 10 in a row, with no training "
+                        r"between, differs from the first at model\.layers\.0\.\S+ \(bucket \d+\): the merge is applied "
+                        r"again at every refit \(the adapters merged into the base weights in place\?\)", msg), msg
+
+
+@pytest.mark.slow
+def test_a_lora_scaling_folded_into_b_fails_the_adapter_only_refit():
+    """B sent with alpha / r folded in, the config keeping lora_alpha: unlike the trained adapter, tensor by tensor
+    (peft's log-probs move by 4e-2 at 8 of 512 tokens in bf16, near its tolerance: the tensors are what show it)."""
+    failed = _failed(_lora("FoldsTheScalingIntoB"))
+    assert set(failed) == {"rl-cycle.adapter"}, failed  # rl-cycle.refit, the merged form, passes
+    assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: the adapter-only refit sends base_model\.model\."
+                        r"model\.layers\.0\.\S+\.lora_B\.weight unlike the trained adapter \(largest difference "
+                        r"[\d.e-]+\): the rollout's peft serves other adapters", failed["rl-cycle.adapter"]), failed
+
+
 @pytest.mark.slow
 def test_a_reload_that_loses_the_low_bits_of_the_weights_fails_the_export_after_it():
     """Every storage comes back, resident and shaped (`reload` passes); the weights do not: the export after the

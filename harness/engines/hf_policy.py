@@ -82,3 +82,33 @@ def policy_logprobs(model: ModelSpec, dtype_name: str, stream: dict[str, Any], t
         raise StreamDoesNotLoad(f"missing {missing[:3]}, unexpected {list(res.unexpected_keys)[:3]}")
     with torch.no_grad():
         return label_logprobs(hf(input_ids=tokens[:, :-1]).logits, tokens), ""
+
+
+def adapter_policy_logprobs(model: ModelSpec, dtype_name: str, base: dict[str, Any], adapter_dir: str,
+                            tokens: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+    """The tokens' next-token log-probs through a Hugging Face model holding the base weights (HF names) with the
+    HF PEFT adapter directory loaded by peft, as a rollout engine serves an adapter-only refit; (None, why) where
+    peft is not installed or no Hugging Face class holds the model. Raises StreamDoesNotLoad where the base or the
+    adapter does not load."""
+    import warnings
+
+    try:
+        import peft
+    except ImportError as exc:
+        return None, f"peft is not installed here ({exc}): pip install peft"
+    built: dict[str, Any] = {}  # a fresh model: peft wraps the one it is given
+    _, why = policy_logprobs(model, dtype_name, base, tokens[:, :2], built)
+    if why:
+        return None, why
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            served = peft.PeftModel.from_pretrained(built["model"], adapter_dir).eval()
+    except Exception as exc:  # an adapter peft refuses is the finding
+        raise StreamDoesNotLoad(f"peft: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                                ) from None
+    import torch
+
+    with torch.no_grad():
+        return label_logprobs(served(input_ids=tokens[:, :-1]).logits, tokens), ""
+

@@ -169,3 +169,22 @@ def megatron_adapter_from_hf(tensors: dict[str, torch.Tensor], model) -> dict[st
         else:
             mlp(f"decoder.layers.{layer}.mlp.", _hf_block(layer, "mlp"))
     return out
+
+
+def merged_weights(full: dict[str, torch.Tensor], alpha: int, dim: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What a merged LoRA refit must send: each wrapped linear's weight `W + (alpha / dim) * (B @ A)` computed in fp32
+    from the trained tensors (megatron's global names, assembled) and cast to the model's dtype once, under the base
+    weight's name; the adapters left out, every other tensor as it is."""
+    scale = alpha / dim
+    out = {}
+    for name, t in full.items():
+        if ".adapter." in name:
+            continue
+        if ".to_wrap." in name:
+            linear = name[:name.index(".to_wrap.")]
+            a, b = full[f"{linear}.adapter.linear_in.weight"], full[f"{linear}.adapter.linear_out.weight"]
+            t = (t.float() + scale * (b.float() @ a.float())).to(dtype).float()
+            name = name.replace(".to_wrap.", ".")
+        out[name] = t
+    return out
+

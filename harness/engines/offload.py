@@ -152,8 +152,9 @@ def optimizer_tensors(optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 def model_storages(models: list) -> set[int]:
     """The data pointers of the model's own storages: its parameters' and its DDP buffers' (parameters and
-    gradients: each parameter's main_grad is a view of the gradient buffer). An optimizer's parameter group may hold the parameters themselves (fp32 without the distributed
-    optimizer) or views of the parameter buffer (fp32 with it): those are the model's, not the optimizer's."""
+    gradients: each parameter's main_grad is a view of the gradient buffer). An optimizer's parameter group may hold
+    the parameters themselves (fp32 without the distributed optimizer) or views of the parameter buffer (fp32 with
+    it): those are the model's, not the optimizer's."""
     out = set()
     for model in models:
         out |= {p.untyped_storage().data_ptr() for p in model.module.parameters()}

@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from harness.engines.base import ExportsWeights, StepOutput
+from harness.engines.base import ExportsWeights, PeftExporting, StepOutput
 from harness.launch.context import RankContext
 from harness.probes.weight_stream import receive
 from harness.spec import Case
-from harness.suite_defs.rl_cycle.params import MINI_BATCHES, MODE, REFIT_BUCKET, RLCycleCaseParams
+from harness.suite_defs.rl_cycle.params import LORA_REFITS, MINI_BATCHES, MODE, REFIT_BUCKET, RLCycleCaseParams
 from harness.suite_defs.rl_cycle.payload import Iteration, Offloaded, Refit
 
 # What an offload may leave on the device besides the model's registered buffers (rotary frequencies, an expert
@@ -72,6 +72,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
                 out.token_logprobs = None
         kept = [t for t in logprobs if _first_minibatch(t, mbs[:cut])]
         exports = isinstance(engine, ExportsWeights) and not refused
+        lora = exports and bool(case.options.lora_dim) and isinstance(engine, PeftExporting)
         trained = export_reference(engine) if exports else []  # what the export must equal, before any offload
         colocated = p.offload and not p.export_first
         if colocated:  # the optimizer's state leaves first; the parameters stay for the export
@@ -81,10 +82,17 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
         if exports:
             with ctx.phase("refit"):
                 refit = export(engine, ctx.rank, trained)
+                if lora and refit.sent and i == 0:  # no training between: the merged weights must not move
+                    refit = dataclasses.replace(refit, repeats=[receive(engine.export_buckets(REFIT_BUCKET))
+                                                                for _ in range(LORA_REFITS - 1)])
             if refit.stream is not None and i + 1 < p.iterations:  # the last iteration has no next batch scored
                 with ctx.phase("hf"):  # the rollout's stand-in samples the next iteration's batch with this policy
                     refit = dataclasses.replace(refit, **rollout_policy(case, refit.stream, batch_of(i + 1)[0],
                                                                         rollout))
+            if lora and refit.sent and i + 1 < p.iterations:
+                with ctx.phase("hf"):  # the adapter-only form, served by peft over the base weights
+                    refit = dataclasses.replace(refit, **adapter_refit(engine, case, ctx, i, batch_of(i + 1)[0],
+                                                                       rollout))
         offloaded = None
         if p.offload:
             with ctx.phase("offload"):
@@ -93,7 +101,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
                 engine.offload_params(store)
                 left = engine.offloaded()
                 ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps, refit, trained,
-                        [t for m in rollout.values() for t in m.state_dict().values()]]
+                        [t for v in rollout.values() for t in (v if isinstance(v, dict) else v.state_dict()).values()]]
                 now, previous = census(store, exempt=ours, previous=previous, owners=owners)
                 engine.reload(store)
                 offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident(), now.new,
@@ -132,6 +140,34 @@ def export(engine: Any, rank: int, trained: list[Any]) -> Refit:
     keep: dict[str, Any] | None = {} if rank == 0 else None
     sent = receive(engine.export_buckets(REFIT_BUCKET), keep)
     return Refit(sent, trained, keep)
+
+
+def adapter_refit(engine: Any, case: Case, ctx: RankContext, i: int, batch: Any, built: dict[str, Any]
+                  ) -> dict[str, Any]:
+    """The adapter-only refit (collective): the engine's HF PEFT export of iteration i's adapter; on rank 0 the next
+    iteration's batch through the Hugging Face model holding the base weights (the engine's export of them without
+    the adapters, taken once: they are frozen) with the adapter loaded by peft."""
+    import torch.distributed as dist
+
+    from harness.engines.hf_policy import StreamDoesNotLoad, adapter_policy_logprobs
+    from harness.engines.lora import read_adapter_dir
+
+    path = ctx.workdir / f"adapter-{i}"
+    engine.export_peft_adapter(str(path))
+    if "base" not in built:
+        base = engine.hf_base_state_dict(ctx.workdir)
+        built["base"] = base if ctx.rank == 0 else {}
+    dist.barrier()
+    if ctx.rank != 0:
+        return {}
+    config, tensors = read_adapter_dir(path)
+    sent = {"adapter_tensors": {k: v.clone() for k, v in tensors.items()}, "adapter_config": config}
+    try:
+        logprobs, why = adapter_policy_logprobs(case.model, case.options.dtype, built["base"], str(path),
+                                                batch.tokens)
+    except StreamDoesNotLoad as exc:
+        return {**sent, "adapter_error": f"the adapter-only refit does not load: {exc}"}
+    return {**sent, "adapter_policy": logprobs, "adapter_none": why}
 
 
 def export_refusal(engine: Any, case: Case) -> str:

@@ -39,6 +39,8 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
         out.append(logprobs(res))
         out.append(refit(res))
         out.append(policy(res))
+        if res.case.options.lora_dim:
+            out.append(adapter(res))
         if res.case.model.moe_expert_bias:
             out += expert_bias(res)
         if p.offload:
@@ -59,6 +61,8 @@ def refit(res: CaseResult) -> CheckResult:
     copy rank 0's. A stream that repeats an earlier iteration's bytes is named as such."""
     from harness.checks.tensors import assemble
     from harness.checks.weight_stream import Expected, check_complete, check_values, reference
+    from harness.dtypes import dtype
+    from harness.engines.lora import merged_weights
 
     name, cid, c = f"{SUITE}.refit", res.case.id, res.case
     where = f"{c.model.name} at {c.layout.id}"
@@ -75,7 +79,10 @@ def refit(res: CaseResult) -> CheckResult:
     for i in range(n):
         its = [per_rank[i] for per_rank in exports]
         assert all(e is not None for e in its)  # for the type checker: refused above
-        ref = reference(assemble([e.params for e in its if e]).tensors, c.model)
+        full = assemble([e.params for e in its if e]).tensors
+        if c.options.lora_dim:  # the merged form: what the rollout's model must hold is W + (alpha / r) B A
+            full = merged_weights(full, c.options.lora_alpha, c.options.lora_dim, dtype(c.options.dtype).torch)
+        ref = reference(full, c.model)
         tied = {"lm_head.weight"} - set(ref) if c.model.tie_embeddings else set()
         want = Expected({k: tuple(t.shape) for k, t in ref.items()}, tied, "the harness's mapping")
         at = f"{_it(i)} of {n}: {where}"
@@ -97,34 +104,42 @@ def refit(res: CaseResult) -> CheckResult:
                                                "sent again")
                 return verdict
         for r, e in zip(res.ranks, its):
+            repeats = e.repeats if e else []
+            for k, again in enumerate(repeats):
+                moved = _first_difference(e.sent, again) if e else ""
+                if moved:
+                    return CheckResult(name, cid, False, f"{at}: rank {r.rank}: refit {k + 2} of {len(repeats) + 1} "
+                                                         f"in a row, with no training between, differs from the first "
+                                                         f"at {moved}: the merge is applied again at every refit (the "
+                                                         "adapters merged into the base weights in place?)")
+        for r, e in zip(res.ranks, its):
             if e is None or e.after_reload is None:
                 continue
-            before = [(s.name, s.digest) for s in e.sent]
-            after = [(s.name, s.digest) for s in e.after_reload]
-            if after != before:
-                at_key = next((f"{b[0]} (bucket {s.bucket})" for a, b, s in zip(after, before, e.sent) if a != b),
-                              f"{len(after)} tensors, not {len(before)}")
+            at_key = _first_difference(e.sent, e.after_reload)
+            if at_key:
                 return CheckResult(name, cid, False, f"{at}: rank {r.rank}: the export after the reload differs from "
                                                      f"the one before the offload at {at_key}: the reload did not "
                                                      "bring back the weights that were offloaded")
         seen.append(stream)
         tensors += sum(len(sent) for _, sent in per_rank)
-    again = " and the same after the reload" if any(e and e.after_reload is not None for x in exports for e in x) \
+    reloaded = " and the same after the reload" if any(e and e.after_reload is not None for x in exports for e in x) \
         else ""
     return CheckResult(name, cid, True, f"{where}: each of {n} iterations' exports ({tensors} tensors sent by "
                                         f"{len(ranks)} ranks) holds every key once and equals the parameters that "
-                                        f"iteration trained, bit for bit{again}")
+                                        f"iteration trained, bit for bit{reloaded}")
+
+
+def _first_difference(before: list[Any], after: list[Any]) -> str:
+    """Where two exports (lists of Sent) first differ: 'name (bucket b)', or the count of tensors; '' where equal."""
+    pairs = list(zip(before, after))
+    moved = next((f"{b.name} (bucket {b.bucket})" for b, a in pairs if (b.name, b.digest) != (a.name, a.digest)), "")
+    return moved or ("" if len(before) == len(after) else f"{len(after)} tensors, not {len(before)}")
 
 
 def policy(res: CaseResult) -> CheckResult:
     """The rollout's policy is the one the trainer scores: at every iteration but the last, the Hugging Face model
     loaded from the iteration's export computes the next iteration's log-prob pass (Megatron's, every token of the
     first mini-batch's samples)."""
-    import torch
-
-    from harness.checks.numeric import fmt_err
-    from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol
-
     name, cid, c = f"{SUITE}.policy", res.case.id, res.case
     where = f"{c.model.name} at {c.layout.id}"
     ranks = data(res)
@@ -147,11 +162,82 @@ def policy(res: CaseResult) -> CheckResult:
     if any(e and e.policy is None for e in first[:-1]):
         return cannot_tell(name, cid, f"{where}: no Hugging Face policy from the export: "
                                       f"{next(e.policy_none for e in first if e is not None and e.policy is None)}")
-    rtol = hf_logprob_rtol(c.options.dtype)
-    n, tokens, worst = len(first), 0, 0.0
+    return _against_next_passes(name, cid, where, ranks, [e.policy if e else None for e in first], c.options.dtype,
+                                "the Hugging Face model loaded from {it}'s export")
+
+
+def adapter(res: CaseResult) -> CheckResult:
+    """(LoRA) The adapter-only refit serves the policy the trainer scores: at every iteration but the last, its
+    tensors equal the adapters that iteration trained bit for bit (and its config their r and alpha), and peft serving
+    it over the base weights computes the next iteration's log-prob pass."""
+    name, cid, c = f"{SUITE}.adapter", res.case.id, res.case
+    where = f"{c.model.name} at {c.layout.id}"
+    ranks = data(res)
+    first = [it.refit for it in ranks[0].iterations]
+    if len(first) < 2 or any(e is None or not e.sent for e in first[:-1]):
+        return cannot_tell(name, cid, f"{where}: no adapter-only refit ran at every iteration (the export did not run: "
+                                      "`refit` says why)")
+    for i, e in enumerate(first[:-1]):
+        wrong = _adapter_unlike_trained(res, i, e.adapter_tensors if e else None, e.adapter_config if e else None)
+        if wrong:
+            return CheckResult(name, cid, False, f"{_it(i)} of {len(first)}: {where}: the adapter-only refit {wrong}")
+    broken = next(((i, e.adapter_error) for i, e in enumerate(first) if e is not None and e.adapter_error), None)
+    if broken:
+        return CheckResult(name, cid, False, f"{_it(broken[0])} of {len(first)}: {where}: {broken[1]}: the rollout "
+                                             "could not load the adapter")
+    why = next((e.adapter_none for e in first[:-1] if e is not None and e.adapter_policy is None), None)
+    if why is not None:
+        return cannot_tell(name, cid, f"{where}: no adapter-only policy: {why}")
+    verdict = _against_next_passes(name, cid, where, ranks, [e.adapter_policy if e else None for e in first],
+                                   c.options.dtype, "peft serving {it}'s adapter over the base weights")
+    if not verdict.passed:
+        return verdict
+    return dataclasses.replace(verdict, message=f"{verdict.message}; each adapter sent equals the one trained, bit "
+                                                "for bit")
+
+
+def _adapter_unlike_trained(res: CaseResult, i: int, sent: dict[str, Any] | None, config: dict[str, Any] | None
+                            ) -> str:
+    """How iteration i's adapter-only refit (PEFT-named tensors, adapter_config.json) differs from the adapters that
+    iteration trained, by the harness's own mapping, bit for bit; '' where it does not."""
+    import torch
+
+    from harness.checks.tensors import assemble
+    from harness.engines.lora import expected_hf_adapter
+
+    c = res.case
+    if sent is None or config is None:
+        return "was not read back on rank 0"
+    if (config.get("r"), config.get("lora_alpha")) != (c.options.lora_dim, c.options.lora_alpha):
+        return (f"says r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; trained with "
+                f"r={c.options.lora_dim}, alpha={c.options.lora_alpha}")
+    params = [it.refit.params for d in data(res) for it in d.iterations[i:i + 1] if it.refit is not None]
+    want = expected_hf_adapter(assemble(params).tensors, c.model)
+    if set(sent) != set(want):
+        missing, extra = sorted(set(want) - set(sent)), sorted(set(sent) - set(want))
+        return f"holds other keys than the trained adapters: missing {missing[:2]}, unexpected {extra[:2]}"
+    for key, t in sent.items():
+        if t.shape != want[key].shape or not torch.equal(t.float(), want[key]):
+            diff = float((t.float() - want[key]).abs().max()) if t.shape == want[key].shape else float("nan")
+            return (f"sends {key} unlike the trained adapter (largest difference {diff:.3g}): the rollout's peft "
+                    "serves other adapters")
+    return ""
+
+
+def _against_next_passes(name: str, cid: str, where: str, ranks: list[RLCycleRankData], served: list[Any],
+                         dtype_name: Any, what: str) -> CheckResult:
+    """Each iteration's served log-probs (rank 0's [G, seq] of the next iteration's batch) against the next
+    iteration's log-prob pass (every token of its first mini-batch's samples), within the dtype's tolerance for a
+    Hugging Face model; `what` names the server, {it} the iteration."""
+    import torch
+
+    from harness.checks.numeric import fmt_err
+    from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol
+
+    rtol = hf_logprob_rtol(dtype_name)
+    n, tokens, worst = len(served), 0, []
     for i in range(n - 1):
-        e = first[i]
-        hf = e.policy if e is not None else None
+        hf = served[i]
         parts = [part for d in ranks if d.coords.get("last_stage") and d.coords.get("tp") == 0
                  for part in d.iterations[i + 1].logprobs]
         if hf is None or not parts:
@@ -162,17 +248,17 @@ def policy(res: CaseResult) -> CheckResult:
         if diff.bad.any():
             row = diff.first_sample
             sample = int(torch.cat([part.samples for part in parts])[row])
-            return CheckResult(name, cid, False, f"{_it(i + 1)} of {n}: {where}: the Hugging Face model loaded from "
-                                                 f"{_it(i)}'s export differs from the log-prob pass at "
-                                                 f"{int(diff.bad.sum())}/{ref.numel()} tokens (worst rel "
-                                                 f"{fmt_err(diff.worst)} > {rtol:.0e}): the rollout samples with "
-                                                 f"another policy than the trainer scores; first: sample {sample}",
-                               value=diff.worst)
+            return CheckResult(name, cid, False, f"{_it(i + 1)} of {n}: {where}: {what.format(it=_it(i))} differs "
+                                                 f"from the log-prob pass at {int(diff.bad.sum())}/{ref.numel()} "
+                                                 f"tokens (worst rel {fmt_err(diff.worst)} > {rtol:.0e}): the rollout "
+                                                 "samples with another policy than the trainer scores; first: sample "
+                                                 f"{sample}", value=diff.worst)
         tokens += ref.numel()
-        worst = max(worst, diff.worst)
-    return CheckResult(name, cid, True, f"{where}: at each of {n - 1} iterations the Hugging Face model loaded from "
-                                        f"the export computes the next log-prob pass ({tokens} tokens), worst rel "
-                                        f"{fmt_err(worst)} <= {rtol:.0e}", value=worst)
+        worst.append(diff.worst)
+    per = ", ".join(fmt_err(w) for w in worst)
+    return CheckResult(name, cid, True, f"{where}: at each of {n - 1} iterations {what.format(it='the iteration')} "
+                                        f"computes the next log-prob pass ({tokens} tokens), worst rel per iteration "
+                                        f"{per} <= {rtol:.0e}", value=max(worst))
 
 
 # -- replay ---------------------------------------------------------------------------------------------------

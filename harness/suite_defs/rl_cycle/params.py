@@ -25,7 +25,12 @@ VARIANTS = ("4-layers", "expert-bias", "replayed-bias", "frozen-router")
 WEIGHTS = ("", "loaded", "as-loaded")
 # --rl-variant: a case of the default matrix's kinds at the layouts given
 RL_VARIANTS = ("built-twice", "4-layers", "expert-bias", "replayed-bias", "frozen-router", "weights-only-load",
-               "export-first")
+               "export-first", "lora")
+# LoRA in the loop (megatron-bridge's LoRA on every linear): rank and alpha as peft-ckpt's, scaling alpha / r = 2
+LORA_DIM, LORA_ALPHA = 8, 16
+# the merged refit exported this many times in a row with no training between: a merge applied again at every refit
+# (into the base weights in place) moves the weights the rollout gets
+LORA_REFITS = 10
 
 
 @dataclass(frozen=True)

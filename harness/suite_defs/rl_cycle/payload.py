@@ -41,6 +41,15 @@ class Refit:
     policy_error: str = ""  # the stream did not load into the Hugging Face model
     # this rank's parameters off the device when the export was due (on any rank: no rank exported)
     read_offloaded: list[str] = field(default_factory=list)
+    # LoRA: the merged export again, LORA_REFITS - 1 times in a row with no training between (the first iteration)
+    repeats: list[list[Sent]] = field(default_factory=list)
+    # LoRA, rank 0: the next iteration's batch through the Hugging Face model with the adapter-only refit loaded by
+    # peft over the base weights; None saying why, or the error where peft could not load it
+    adapter_policy: Any = None
+    adapter_none: str = ""
+    adapter_error: str = ""
+    adapter_tensors: dict[str, Any] | None = None  # rank 0: the adapter-only refit's tensors as peft reads them
+    adapter_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,15 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate, violations
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
-from harness.suite_defs.rl_cycle.params import GLOBAL_BATCH, LR, SUITE, RLCycleCaseParams, RLCycleParams
+from harness.suite_defs.rl_cycle.params import (
+    GLOBAL_BATCH,
+    LORA_ALPHA,
+    LORA_DIM,
+    LR,
+    SUITE,
+    RLCycleCaseParams,
+    RLCycleParams,
+)
 from harness.suite_defs.rl_cycle.payload import RLCycleRankData
 
 VARIANTS: dict[str, dict[str, Any]] = {"4-layers": dict(num_layers=4), "expert-bias": dict(moe_expert_bias=True),
@@ -42,6 +50,8 @@ def kind(model: ModelSpec, what: str) -> tuple[RLCycleCaseParams, dict[str, Any]
         return p(variant="replayed-bias", offload=False), dict(routing_replay=True)
     if what == "frozen-router":
         return p(variant="frozen-router", offload=False), dict(routing_replay=True, freeze_router=True)
+    if what == "lora":  # in bf16, as frameworks refit: the merge cast once to the base weights' grid
+        return p(), dict(replay, lora_dim=LORA_DIM, lora_alpha=LORA_ALPHA, dtype="bf16")
     if what == "export-first":
         return p(export_first=True), replay
     if what == "weights-only-load":
@@ -49,10 +59,11 @@ def kind(model: ModelSpec, what: str) -> tuple[RLCycleCaseParams, dict[str, Any]
     return p(), replay
 
 
-def matrix(model: ModelSpec, world_size: int) -> list[tuple[Layout, str]]:
+def matrix(model: ModelSpec, world_size: int, lora: bool = False) -> list[tuple[Layout, str]]:
     """The default cases before their twins: (layout, kind). A dense model at pure DP with and without the
     distributed optimizer, TP 2, PP 2, PP 2 with two virtual stages each, and a weights-only load (bf16 with the
-    distributed optimizer: master copies to refresh); an MoE model with routing replayed at EP 2 (also built twice,
+    distributed optimizer: master copies to refresh), and with an engine that has LoRA adapters LoRA in the loop at
+    pure DP and TP 2 (bf16); an MoE model with routing replayed at EP 2 (also built twice,
     with the distributed optimizer), at EP 2 with PP 2, and with aux-loss-free balancing - its router training
     unreplayed, and frozen and replayed. What the world size or the model cannot lay out is left out."""
     w, half = world_size, world_size // 2
@@ -62,6 +73,8 @@ def matrix(model: ModelSpec, world_size: int) -> list[tuple[Layout, str]]:
             out += [(Layout(tp=2, dp=half), ""), (Layout(pp=2, dp=half), ""),
                     (Layout(pp=2, dp=half, vpp=2), "4-layers")]
         out.append((Layout(dp=w), "weights-only-load"))
+        if lora:  # an engine with LoRA adapters (megatron-bridge): LoRA in the loop at pure DP and TP 2
+            out += [(Layout(dp=w), "lora")] + ([(Layout(tp=2, dp=half), "lora")] if w % 2 == 0 else [])
     else:
         ep = 2 if w % 2 == 0 and model.num_experts % 2 == 0 else 1
         out = [(Layout(dp=w, ep=ep), ""), (Layout(dp=w, ep=ep), "built-twice")]
@@ -86,8 +99,8 @@ class RLCycleSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RLCycleParams | None = None) -> list[Case]:
-        from harness.engines import engine_class_with, is_fsdp2
-        from harness.engines.base import RunsRLCycles
+        from harness.engines import engine_class_with, is_fsdp2, resolve_factory
+        from harness.engines.base import PeftExporting, RunsRLCycles
 
         p = params or RLCycleParams()
         engine_class_with(engine, RunsRLCycles, "has no record_routing / replay_routing / offload / reload (harness."
@@ -103,6 +116,14 @@ class RLCycleSuite:
         if options.recompute:
             raise BadInput(f"rl-cycle replays each router's recorded routing once per micro-batch forward: "
                            f"--recompute {options.recompute} runs the routers again in backward; drop it")
+        factory = resolve_factory(engine)
+        adapters = isinstance(factory, type) and issubclass(factory, PeftExporting)
+        if p.rl_variant == "lora" and not adapters:
+            raise BadInput(f"--rl-variant lora trains LoRA adapters and refits them: --engine {engine} has none "
+                           "(harness.engines.base.PeftExporting); give --engine megatron-bridge")
+        if p.rl_variant == "lora" and model.moe:
+            raise BadInput(f"--rl-variant lora is judged on a dense model here: the merged refit of LoRA on experts "
+                           f"is not mapped yet; give --model tiny, not {model.name}")
         if p.rl_variant in ("expert-bias", "replayed-bias", "frozen-router") and not model.moe:
             raise BadInput(f"--rl-variant {p.rl_variant} needs an MoE model (its routers' expert bias): give --model "
                            "tiny-moe")
@@ -113,7 +134,7 @@ class RLCycleSuite:
             raise BadInput(f"--rl-variant {p.rl_variant} runs that kind of case at the layouts given: add --layout "
                            "(e.g. tp1-pp1-cp1-dp4), or drop it for the matrix's")
         else:
-            todo = matrix(model, world_size)
+            todo = matrix(model, world_size, lora=adapters)
         out = []
         for lay, what in todo:
             cp, extra = kind(model, "" if what == "distopt" else what)
