@@ -39,3 +39,20 @@ def test_every_moe_check_passes(moe_run, judge):
                                    "reload"])
 def test_every_expert_layout_replays_its_routing(moe_run, judge, check):
     judge(moe_run, f"rl-cycle.{check}")
+
+
+@pytest.fixture(scope="module")
+def lora_run(suite_runner, harness_opts):
+    """LoRA in the loop on megatron-bridge (tiny, bf16) at pure DP and TP 2: the merged and adapter-only refits of
+    every iteration."""
+    if harness_opts["default_models_only"]:
+        pytest.skip("LoRA in the loop is an extra path (megatron-bridge): --default-models-only runs each suite's own")
+    w = harness_opts["world_size"]
+    layouts = [f"tp1-pp1-cp1-dp{w}"] + ([f"tp2-pp1-cp1-dp{w // 2}"] if w % 2 == 0 else [])
+    return suite_runner("rl-cycle", engine="megatron-bridge", label="rl-cycle-lora", suite_params={"rl_variant": "lora"},
+                        layouts=layouts)
+
+
+@pytest.mark.parametrize("check", ["refit", "policy", "adapter", "trajectory", "offload", "reload"])
+def test_lora_refits_what_each_iteration_trained(lora_run, judge, check):
+    judge(lora_run, f"rl-cycle.{check}")

@@ -252,6 +252,7 @@ def _lora(plant: str = ""):
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the cpu-suite runs it (suites/test_rl_cycle.py, lora_run)
 def test_lora_refits_merged_and_adapter_only_at_every_iteration():
     """The merged refit equals W + (alpha / r) B A computed in fp32 and cast once to bf16, bit for bit, ten refits in a
     row alike; the Hugging Face model loaded from it and peft serving the adapter-only refit over the base weights
