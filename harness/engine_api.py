@@ -31,6 +31,7 @@ from harness.engines.loss_agg import BatchTotals, MicroBatchLoss
 from harness.engines.mbridge import hf_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, transformer_config
+from harness.engines.offloading import Offloading
 from harness.engines.weight_export import buckets
 from harness.errors import BadInput, MissingDependency
 from harness.launch.context import RankContext
@@ -43,8 +44,8 @@ __all__ = [
     # the engine protocol and the optional capabilities a suite checks for
     "Engine", "StepOutput", "ParamShard", "TokenLogprobs", "HasGradBuffers", "HasOptimizerState", "Checkpointing",
     "PeftExporting", "RefusesCases", "TrainsRLBatches", "RunsRLCycles", "ExportsWeights",
-    # the harness's engines, to subclass
-    "McoreEngine", "FSDP2Engine", "CPEngine",
+    # the harness's engines, to subclass, and their parts
+    "McoreEngine", "FSDP2Engine", "CPEngine", "Offloading",
     # what a factory is called with
     "Case", "CaseOptions", "ModelSpec", "Layout", "RankContext",
     # the model's configuration as the harness builds it

@@ -6,6 +6,7 @@ import contextlib
 
 from harness.engines.mcore import McoreEngine
 from harness.engines.megatron_bridge import MegatronBridgeEngine
+from harness.engines.offloading import Offloading
 
 
 class SecondBuildStaysInReplay(McoreEngine):
@@ -92,14 +93,18 @@ class DispatcherKeepsRouting(McoreEngine):
         return out
 
 
-class ReloadSkipsMasterCopies(McoreEngine):
-    """NeMo-RL #2371: the reload brings back the model and Adam's moments but not the optimizer's fp32 master
-    copies."""
-
+class SkipsMasterCopies(Offloading):
     def reload(self, store) -> None:
         masters = [m for m in store.moved if " parameter " in m.what]
         store.moved = [m for m in store.moved if m not in masters]
         super().reload(store)
+
+
+class ReloadSkipsMasterCopies(McoreEngine):
+    """NeMo-RL #2371: the reload brings back the model and Adam's moments but not the optimizer's fp32 master
+    copies."""
+
+    offload_part = SkipsMasterCopies
 
 
 class LoadLeavesMastersStale(McoreEngine):
@@ -124,18 +129,22 @@ class ResendsFirstStream(McoreEngine):
         yield from self._packed
 
 
-class ReloadsThroughBf16(McoreEngine):
-    """An offload that keeps the host copies of fp32 parameters in bf16 (half the host memory): the reload brings
-    back every storage, resident and shaped, without the low bits of every weight."""
-
+class HostCopiesInBf16(Offloading):
     def reload(self, store) -> None:
         import torch
 
         super().reload(store)
         with torch.no_grad():
-            for model in self.models:
+            for model in self.engine.models:
                 for param in model.parameters():
                     param.copy_(param.to(torch.bfloat16).float())
+
+
+class ReloadsThroughBf16(McoreEngine):
+    """An offload that keeps the host copies of fp32 parameters in bf16 (half the host memory): the reload brings
+    back every storage, resident and shaped, without the low bits of every weight."""
+
+    offload_part = HostCopiesInBf16
 
 
 class ExportsBeforeTheStep(McoreEngine):
@@ -172,15 +181,19 @@ class RefusesItsExport(McoreEngine):
     export_refusal = staticmethod(lambda model, backend: "planted: this export names Transformer Engine's layers only")
 
 
+class TakesTheParamsWithTheOptimizer(Offloading):
+    def optimizer(self, store) -> None:
+        from harness.engines.offload import optimizer_tensors
+
+        store.move(optimizer_tensors(self.engine.optimizer))
+
+
 class OptimizerOffloadTakesTheParams(McoreEngine):
     """An optimizer offload that moves every tensor of the optimizer's parameter groups, as megatron's own
     `offload_to_cpu` walks them: in fp32 without the distributed optimizer those are the model's own parameters, so a
     colocated export after it reads freed storage."""
 
-    def offload_optimizer(self, store) -> None:
-        from harness.engines.offload import optimizer_tensors
-
-        store.move(optimizer_tensors(self.optimizer))
+    offload_part = TakesTheParamsWithTheOptimizer
 
 
 def _merge_owner():

@@ -237,8 +237,8 @@ def test_an_export_that_reads_parameters_the_optimizer_offload_took_fails():
     failed = _failed(_faulty("OptimizerOffloadTakesTheParams", "tiny", DP4))
     assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp4: rank 0: \S+ \(\d+(, \d+)*\) and \d+ more had left "
                         r"the device when the export was due \(after the optimizer's offload\): the export would read "
-                        r"freed storage, so none ran; offload_optimizer must leave the model's own parameters for the "
-                        r"export", failed["rl-cycle.refit"]), failed["rl-cycle.refit"]
+                        r"freed storage, so none ran; the optimizer's offload must leave the model's own parameters "
+                        r"for the export", failed["rl-cycle.refit"]), failed["rl-cycle.refit"]
     first = _faulty("OptimizerOffloadTakesTheParams", "tiny", DP4, "export-first")
     assert {c.check for c in first.checks if c.passed} >= {"rl-cycle.refit", "rl-cycle.policy"}, _failed(first)
 

@@ -15,6 +15,7 @@ from harness.engines.experts import EXPERT_RE, drop_routing_graphs, tp_coords
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
+from harness.engines.offloading import Offloading
 from harness.engines.optimizer_offload import offload_config
 from harness.engines.rl_cycle import RLCycle
 from harness.engines.rl_steps import RLSteps
@@ -34,7 +35,10 @@ _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1
 
 
 class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
-    """megatron-core directly: the reference construction path."""
+    """megatron-core directly: the reference construction path. Its parts: `offload_part` (rl-cycle's offload and
+    reload, harness/engines/offloading.py), which a framework's engine replaces with its own subclass."""
+
+    offload_part: type[Offloading] = Offloading
 
     def __init__(self, case: Case, ctx: RankContext):
         self.case, self.ctx = case, ctx
@@ -44,6 +48,13 @@ class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
         self.config: Any = None  # megatron's TransformerConfig, once built
         self._captured: list[TokenLogprobs] | None = None  # the current step's log-probs, when captured
         self.init_seed: int | None = None  # the weights' initial values drawn from this seed (None: the case's)
+        self._offloading: Offloading | None = None
+
+    def offloading(self) -> Offloading:
+        """The engine's offload part, made once."""
+        if self._offloading is None:
+            self._offloading = self.offload_part(self)
+        return self._offloading
 
     # -- build --------------------------------------------------------------------------------
     def setup_parallel(self) -> None:

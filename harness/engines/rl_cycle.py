@@ -9,8 +9,7 @@ The framework's part, each a method a user engine overrides to have its own code
   (megatron-core 0.16.1 updates it regardless: `_update_router_expert_bias` checks neither; later releases skip a
   router whose `frozen_expert_bias` is set, which `after_build` sets with the router frozen, as megatron's own
   training loop does);
-- `offload_optimizer` / `offload_params` / `reload` (harness/engines/offload.py): the optimizer's state off the device
-  (before the export, as colocated frameworks order it), then the parameters and gradients (after it), and back;
+- the offload and reload are a part of their own the engine holds (harness/engines/offloading.py);
 - `load_weights`: weights only, no optimizer state, then the optimizer's master copies refreshed from them
   (`reload_model_params`).
 """
@@ -23,14 +22,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import StepOutput, TokenLogprobs
-from harness.engines.offload import (
-    HostStore,
-    loose_params,
-    offload_buffers,
-    optimizer_state,
-    optimizer_tensors,
-    reload_buffers,
-)
 
 if TYPE_CHECKING:
     import torch
@@ -165,42 +156,6 @@ class RLCycle:
         listed = RouterReplay.global_router_replay_instances
         live = [r.router_replay for r in routers([m.module for m in self.models]) if r.router_replay is not None]
         return len(listed), len(live), sum(1 for r in live if any(r is x for x in listed))
-
-    # -- offload --------------------------------------------------------------------------------
-    def offload_optimizer(self, store: HostStore) -> None:
-        """The optimizer's own state off the device (Adam's moments, master copies), the parameters left for the
-        export: what a colocated framework offloads first."""
-        store.move(optimizer_state(self.optimizer, self.models))
-
-    def offload_params(self, store: HostStore) -> None:
-        """Parameters and gradients off the device, after the export (harness/engines/offload.py)."""
-        offload_buffers(self.models, store)
-        store.move(loose_params(self.models))
-        store.move(optimizer_tensors(self.optimizer))  # what is left of it: views of the model's own storages
-
-    def reload(self, store: HostStore) -> None:
-        store.restore()
-        reload_buffers(self.models)
-
-    def offloaded(self) -> list[str]:
-        """What should be off the device and is not: each tensor still holding bytes, named."""
-        return [name for name, t in self._moved_tensors() if t.untyped_storage().nbytes()]
-
-    def not_resident(self) -> list[str]:
-        """What should be back on the device after a reload and is not: each tensor without its bytes, named."""
-        return [name for name, t in self._moved_tensors() if not t.untyped_storage().nbytes()]
-
-    def _moved_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every non-empty tensor an offload moves and a reload brings back, named."""
-        from harness.engines.offload import buffers
-
-        for b in buffers(self.models):
-            yield f"gradient buffer of {len(b.params)} parameters", b.grad_data
-            if b.param_data is not None:
-                yield f"parameter buffer of {len(b.params)} parameters", b.param_data
-        for name, t in [*loose_params(self.models), *optimizer_tensors(self.optimizer)]:
-            if t.numel():
-                yield name, t
 
     # -- weights-only load -------------------------------------------------------------------------
     def load_weights(self, seed: int) -> None:

@@ -47,6 +47,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
     steps: list[StepOutput] = []
     iterations: list[Iteration] = []
     store = HostStore(ctx.on_cpu)
+    offloading = engine.offloading()
     owners = holders(engine)
     previous: set[int] | None = None
     rollout: dict[str, Any] = {}  # rank 0: the rollout's stand-in, built once
@@ -77,7 +78,7 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
         colocated = p.offload and not p.export_first
         if colocated:  # the optimizer's state leaves first; the parameters stay for the export
             with ctx.phase("offload"):
-                engine.offload_optimizer(store)
+                offloading.optimizer(store)
         refit = None
         if exports:
             with ctx.phase("refit"):
@@ -97,14 +98,14 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
         if p.offload:
             with ctx.phase("offload"):
                 if not colocated:
-                    engine.offload_optimizer(store)
-                engine.offload_params(store)
-                left = engine.offloaded()
+                    offloading.optimizer(store)
+                offloading.params(store)
+                left = offloading.offloaded()
                 ours = [batch, iterations, logprobs, kept, train_logprobs, recorded, used, seen, steps, refit, trained,
                         [t for v in rollout.values() for t in (v if isinstance(v, dict) else v.state_dict()).values()]]
                 now, previous = census(store, exempt=ours, previous=previous, owners=owners)
-                engine.reload(store)
-                offloaded = Offloaded(left, now.bytes, now.storages, now.largest, engine.not_resident(), now.new,
+                offloading.reload(store)
+                offloaded = Offloaded(left, now.bytes, now.storages, now.largest, offloading.not_resident(), now.new,
                                       now.allocated)
             if refit is not None and not offloaded.not_back:
                 with ctx.phase("refit"):  # what the next iteration's rollout would get, were it exported now

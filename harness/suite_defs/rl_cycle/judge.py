@@ -91,8 +91,8 @@ def refit(res: CaseResult) -> CheckResult:
             more = f" and {len(gone[1]) - 1} more" if len(gone[1]) > 1 else ""
             return CheckResult(name, cid, False, f"{at}: rank {gone[0]}: {gone[1][0]}{more} had left the device when "
                                                  "the export was due (after the optimizer's offload): the export would "
-                                                 "read freed storage, so none ran; offload_optimizer must leave the "
-                                                 "model's own parameters for the export")
+                                                 "read freed storage, so none ran; the optimizer's offload must leave "
+                                                 "the model's own parameters for the export")
         per_rank = [(r.rank, e.sent) for r, e in zip(res.ranks, its) if e]
         stream = tuple((s.name, s.digest) for s in per_rank[0][1])
         for verdict in (check_complete(name, cid, at, per_rank, want),
