@@ -75,3 +75,25 @@ def test_a_second_crash_or_another_error_stays_the_cases_error(monkeypatch):
     other = _result(_crash("/site-packages/megatron/core/foo.py", 10, "bar"))
     runs = iter([other])
     assert driver.LocalRanks(planned).run(planned.cases[0]) is other
+
+
+def test_a_crashed_ranks_error_keeps_the_fatal_report_whatever_its_threads(tmp_path):
+    """The runner's error for a rank that died keeps faulthandler's report from its first line: a rank with many
+    threads (gloo's, OpenMP's; 7 here, as in a refit case that crashed so on fsdp2) pushed the report's head and the
+    crashing thread's frames out of the log's last 30 lines, so the crash was not recognised as the profiler's."""
+    from harness.launch.runner import collect
+
+    line = _line(retention.__file__, "with memray.Tracker(")
+    others = "".join(f"Thread 0x00007f9d457fa6{k}c0 (most recent call first):\n  <no Python frame>\n\n"
+                     for k in range(7))
+    frames = "".join(f'  File "/work/harness/launch/zygote.py", line {300 + k} in body\n' for k in range(14))
+    log = tmp_path / "rank0.log"
+    log.write_text(f"[harness] rank 0 phase refit\nFatal Python error: Segmentation fault\n\n{others}"
+                   f"Current thread 0x00007f9e67b83b80 (most recent call first):\n"
+                   f'  File "{retention.__file__}", line {line} in measure_retention\n{frames}\n'
+                   f"Extension modules: {', '.join(f'mod{k}' for k in range(84))} (total: 84)\n")
+    case = plan("refit", "tiny", 1).cases[0]
+    result = collect(case, tmp_path, [log], [-11], False, 1.0)
+    assert "Thread 0x00007f9d457fa6" not in result.ranks[0].error
+    assert profiler_crash(result) == (f"rank 0 was killed by memray's tracker as it stopped (segmentation fault in "
+                                      f"measure_retention, retention.py:{line})")

@@ -1,6 +1,6 @@
 """A rank killed by the memory profiler itself: memray's tracker crashing as it stops (a segfault or bus error in
-`Tracker.__exit__`: once in a cpu-suite run on megatron-core 0.19.2's CPU ranks, in refit's export, a case that
-passed when run again). That is no verdict on the code under test: the case runs once more, and says so."""
+`Tracker.__exit__`: on megatron-core 0.19.2's CPU ranks in refit's export, on mcore and on fsdp2, cases that passed
+when run again). That is no verdict on the code under test: the case runs once more, and says so."""
 
 from __future__ import annotations
 

@@ -55,11 +55,25 @@ def rank_env(case: Case, rank: int, workdir: Path) -> dict[str, str]:
 
 
 def _tail(path: Path, lines: int = 30) -> str:
+    """The log's last lines; where the rank died with Python's fatal-error report (faulthandler), the whole report
+    from its first line, the threads without a Python frame left out: a rank of many threads (gloo's, OpenMP's)
+    otherwise pushes the report's head and the crashing thread's frames out of the last lines."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.rstrip().splitlines()[-lines:])
+    kept = text.rstrip().splitlines()
+    fatal = max((i for i, line in enumerate(kept) if line.startswith("Fatal Python error: ")), default=None)
+    if fatal is None:
+        return "\n".join(kept[-lines:])
+    report = kept[fatal:]
+    out: list[str] = []
+    for i, line in enumerate(report):
+        frameless = line.startswith("Thread 0x") and "<no Python frame>" in "".join(report[i + 1:i + 2])
+        if frameless or "<no Python frame>" in line or (not line.strip() and out and not out[-1].strip()):
+            continue
+        out.append(line)
+    return "\n".join(kept[max(0, fatal - 3):fatal] + out)
 
 
 def _last_phase(log: Path) -> str:
