@@ -1,4 +1,5 @@
-"""rl-cycle's checks: replay, log-probs, the expert bias, the trajectory against the twin, offload and reload."""
+"""rl-cycle's checks: replay, log-probs, the expert bias, the trajectory against the twin, offload and reload; what
+the rollout gets (refit, policy, adapter) is rollout_judge.py's."""
 
 from __future__ import annotations
 
@@ -8,17 +9,15 @@ from typing import Any
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.launch.results import CaseResult
 from harness.suite_defs.rl_cycle.params import MINI_BATCHES, SUITE, RLCycleCaseParams
-from harness.suite_defs.rl_cycle.payload import RLCycleRankData
+from harness.suite_defs.rl_cycle.payload import at_iteration as _it
+from harness.suite_defs.rl_cycle.payload import data
+from harness.suite_defs.rl_cycle.rollout_judge import adapter, policy, refit
 
 KIB = 1024
 # What an offload leaves may move by this much from one iteration to the next without growing: the allgather
 # dispatcher keeps the last micro-batch's permutation of the tokens routed to its experts (at most tokens x top-k x 8
 # bytes per MoE layer: tiny-moe's 2 KiB), whose size follows the routing.
 GROWTH_SLACK = 4 * KIB
-
-
-def data(result: CaseResult) -> list[RLCycleRankData]:
-    return [r.payload_as(RLCycleRankData) for r in result.ranks]
 
 
 def params(result: CaseResult) -> RLCycleCaseParams:
@@ -48,217 +47,6 @@ def judge(results: list[CaseResult]) -> list[CheckResult]:
             twin_id = dataclasses.replace(res.case, params=p.twin()).id
             out.append(trajectory(res, by_id.get(twin_id)))
     return out
-
-
-def _it(i: int, k: int | None = None) -> str:
-    return f"iteration {i + 1}" + (f", mini-batch {k + 1}" if k is not None else "")
-
-
-# -- refit ------------------------------------------------------------------------------------------------------------
-def refit(res: CaseResult) -> CheckResult:
-    """Each iteration's export, after its training and the optimizer's offload: every key once, and equal bit for bit to
-    the parameters that iteration trained (mapped to Hugging Face names by the harness's own arithmetic); every rank's
-    copy rank 0's. A stream that repeats an earlier iteration's bytes is named as such."""
-    from harness.checks.tensors import assemble
-    from harness.checks.weight_stream import Expected, check_complete, check_values, reference
-    from harness.dtypes import dtype
-    from harness.engines.lora import merged_weights
-
-    name, cid, c = f"{SUITE}.refit", res.case.id, res.case
-    where = f"{c.model.name} at {c.layout.id}"
-    ranks = data(res)
-    exports = [[it.refit for it in d.iterations] for d in ranks]
-    if ranks[0].export_refused:
-        return cannot_tell(name, cid, f"{where}: engine {c.engine}'s export cannot run here, so no iteration's "
-                                      f"refit is judged: {ranks[0].export_refused}")
-    if any(e is None for per_rank in exports for e in per_rank):
-        return cannot_tell(name, cid, f"{where}: engine {c.engine} exports nothing (no export_buckets: harness.engines."
-                                      "base.ExportsWeights), so no iteration's refit is judged")
-    seen: list[tuple[tuple[str, str], ...]] = []  # rank 0's stream per iteration: (name, digest) in order
-    n, tensors = len(exports[0]), 0
-    for i in range(n):
-        its = [per_rank[i] for per_rank in exports]
-        assert all(e is not None for e in its)  # for the type checker: refused above
-        full = assemble([e.params for e in its if e]).tensors
-        if c.options.lora_dim:  # the merged form: what the rollout's model must hold is W + (alpha / r) B A
-            full = merged_weights(full, c.options.lora_alpha, c.options.lora_dim, dtype(c.options.dtype).torch)
-        ref = reference(full, c.model)
-        tied = {"lm_head.weight"} - set(ref) if c.model.tie_embeddings else set()
-        want = Expected({k: tuple(t.shape) for k, t in ref.items()}, tied, "the harness's mapping")
-        at = f"{_it(i)} of {n}: {where}"
-        gone = next(((r.rank, e.read_offloaded) for r, e in zip(res.ranks, its) if e and e.read_offloaded), None)
-        if gone is not None:
-            more = f" and {len(gone[1]) - 1} more" if len(gone[1]) > 1 else ""
-            return CheckResult(name, cid, False, f"{at}: rank {gone[0]}: {gone[1][0]}{more} had left the device when "
-                                                 "the export was due (after the optimizer's offload): the export would "
-                                                 "read freed storage, so none ran; the optimizer's offload must leave "
-                                                 "the model's own parameters for the export")
-        per_rank = [(r.rank, e.sent) for r, e in zip(res.ranks, its) if e]
-        stream = tuple((s.name, s.digest) for s in per_rank[0][1])
-        for verdict in (check_complete(name, cid, at, per_rank, want),
-                        check_values(name, cid, at, per_rank, want, ref, (its[0].stream if its[0] else None) or {})):
-            if verdict.failed:
-                if stream in seen:
-                    return dataclasses.replace(verdict, message=f"{verdict.message}; its stream is "
-                                               f"{_it(seen.index(stream))}'s, byte for byte: an export cached and "
-                                               "sent again")
-                return verdict
-        for r, e in zip(res.ranks, its):
-            repeats = e.repeats if e else []
-            for k, again in enumerate(repeats):
-                moved = _first_difference(e.sent, again) if e else ""
-                if moved:
-                    return CheckResult(name, cid, False, f"{at}: rank {r.rank}: refit {k + 2} of {len(repeats) + 1} "
-                                                         f"in a row, with no training between, differs from the first "
-                                                         f"at {moved}: the merge is applied again at every refit (the "
-                                                         "adapters merged into the base weights in place?)")
-        for r, e in zip(res.ranks, its):
-            if e is None or e.after_reload is None:
-                continue
-            at_key = _first_difference(e.sent, e.after_reload)
-            if at_key:
-                return CheckResult(name, cid, False, f"{at}: rank {r.rank}: the export after the reload differs from "
-                                                     f"the one before the offload at {at_key}: the reload did not "
-                                                     "bring back the weights that were offloaded")
-        seen.append(stream)
-        tensors += sum(len(sent) for _, sent in per_rank)
-    reloaded = " and the same after the reload" if any(e and e.after_reload is not None for x in exports for e in x) \
-        else ""
-    return CheckResult(name, cid, True, f"{where}: each of {n} iterations' exports ({tensors} tensors sent by "
-                                        f"{len(ranks)} ranks) holds every key once and equals the parameters that "
-                                        f"iteration trained, bit for bit{reloaded}")
-
-
-def _first_difference(before: list[Any], after: list[Any]) -> str:
-    """Where two exports (lists of Sent) first differ: 'name (bucket b)', or the count of tensors; '' where equal."""
-    pairs = list(zip(before, after))
-    moved = next((f"{b.name} (bucket {b.bucket})" for b, a in pairs if (b.name, b.digest) != (a.name, a.digest)), "")
-    return moved or ("" if len(before) == len(after) else f"{len(after)} tensors, not {len(before)}")
-
-
-def policy(res: CaseResult) -> CheckResult:
-    """The rollout's policy is the one the trainer scores: at every iteration but the last, the Hugging Face model
-    loaded from the iteration's export computes the next iteration's log-prob pass (Megatron's, every token of the
-    first mini-batch's samples)."""
-    name, cid, c = f"{SUITE}.policy", res.case.id, res.case
-    where = f"{c.model.name} at {c.layout.id}"
-    ranks = data(res)
-    first = [it.refit for it in ranks[0].iterations]
-    if ranks[0].export_refused:
-        return cannot_tell(name, cid, f"{where}: engine {c.engine}'s export cannot run here: {ranks[0].export_refused}")
-    if not first or any(e is None for e in first):
-        return cannot_tell(name, cid, f"{where}: engine {c.engine} exports nothing, so no rollout policy is judged")
-    if len(first) < 2:
-        return cannot_tell(name, cid, f"{where}: the cycle stopped after {_it(0)}: no next log-prob pass to compare "
-                                      "the rollout's policy with")
-    broken = next(((i, e.policy_error) for i, e in enumerate(first) if e is not None and e.policy_error), None)
-    if broken:
-        return CheckResult(name, cid, False, f"{_it(broken[0])} of {len(first)}: {where}: {broken[1]}: the rollout "
-                                             "could not load the export")
-    skipped = next((i for i, e in enumerate(first[:-1]) if e is not None and not e.sent), None)
-    if skipped is not None:
-        return cannot_tell(name, cid, f"{where}: {_it(skipped)}'s export did not run (parameters off the device: "
-                                      "`refit` names them), so the rollout had no policy to judge")
-    if any(e and e.policy is None for e in first[:-1]):
-        return cannot_tell(name, cid, f"{where}: no Hugging Face policy from the export: "
-                                      f"{next(e.policy_none for e in first if e is not None and e.policy is None)}")
-    return _against_next_passes(name, cid, where, ranks, [e.policy if e else None for e in first], c.options.dtype,
-                                "the Hugging Face model loaded from {it}'s export")
-
-
-def adapter(res: CaseResult) -> CheckResult:
-    """(LoRA) The adapter-only refit serves the policy the trainer scores: at every iteration but the last, its
-    tensors equal the adapters that iteration trained bit for bit (and its config their r and alpha), and peft serving
-    it over the base weights computes the next iteration's log-prob pass."""
-    name, cid, c = f"{SUITE}.adapter", res.case.id, res.case
-    where = f"{c.model.name} at {c.layout.id}"
-    ranks = data(res)
-    first = [it.refit for it in ranks[0].iterations]
-    if len(first) < 2 or any(e is None or not e.sent for e in first[:-1]):
-        return cannot_tell(name, cid, f"{where}: no adapter-only refit ran at every iteration (the export did not run: "
-                                      "`refit` says why)")
-    for i, e in enumerate(first[:-1]):
-        wrong = _adapter_unlike_trained(res, i, e.adapter_tensors if e else None, e.adapter_config if e else None)
-        if wrong:
-            return CheckResult(name, cid, False, f"{_it(i)} of {len(first)}: {where}: the adapter-only refit {wrong}")
-    broken = next(((i, e.adapter_error) for i, e in enumerate(first) if e is not None and e.adapter_error), None)
-    if broken:
-        return CheckResult(name, cid, False, f"{_it(broken[0])} of {len(first)}: {where}: {broken[1]}: the rollout "
-                                             "could not load the adapter")
-    why = next((e.adapter_none for e in first[:-1] if e is not None and e.adapter_policy is None), None)
-    if why is not None:
-        return cannot_tell(name, cid, f"{where}: no adapter-only policy: {why}")
-    verdict = _against_next_passes(name, cid, where, ranks, [e.adapter_policy if e else None for e in first],
-                                   c.options.dtype, "peft serving {it}'s adapter over the base weights")
-    if not verdict.passed:
-        return verdict
-    return dataclasses.replace(verdict, message=f"{verdict.message}; each adapter sent equals the one trained, bit "
-                                                "for bit")
-
-
-def _adapter_unlike_trained(res: CaseResult, i: int, sent: dict[str, Any] | None, config: dict[str, Any] | None
-                            ) -> str:
-    """How iteration i's adapter-only refit (PEFT-named tensors, adapter_config.json) differs from the adapters that
-    iteration trained, by the harness's own mapping, bit for bit; '' where it does not."""
-    import torch
-
-    from harness.checks.tensors import assemble
-    from harness.engines.lora import expected_hf_adapter
-
-    c = res.case
-    if sent is None or config is None:
-        return "was not read back on rank 0"
-    if (config.get("r"), config.get("lora_alpha")) != (c.options.lora_dim, c.options.lora_alpha):
-        return (f"says r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; trained with "
-                f"r={c.options.lora_dim}, alpha={c.options.lora_alpha}")
-    params = [it.refit.params for d in data(res) for it in d.iterations[i:i + 1] if it.refit is not None]
-    want = expected_hf_adapter(assemble(params).tensors, c.model)
-    if set(sent) != set(want):
-        missing, extra = sorted(set(want) - set(sent)), sorted(set(sent) - set(want))
-        return f"holds other keys than the trained adapters: missing {missing[:2]}, unexpected {extra[:2]}"
-    for key, t in sent.items():
-        if t.shape != want[key].shape or not torch.equal(t.float(), want[key]):
-            diff = float((t.float() - want[key]).abs().max()) if t.shape == want[key].shape else float("nan")
-            return (f"sends {key} unlike the trained adapter (largest difference {diff:.3g}): the rollout's peft "
-                    "serves other adapters")
-    return ""
-
-
-def _against_next_passes(name: str, cid: str, where: str, ranks: list[RLCycleRankData], served: list[Any],
-                         dtype_name: Any, what: str) -> CheckResult:
-    """Each iteration's served log-probs (rank 0's [G, seq] of the next iteration's batch) against the next
-    iteration's log-prob pass (every token of its first mini-batch's samples), within the dtype's tolerance for a
-    Hugging Face model; `what` names the server, {it} the iteration."""
-    import torch
-
-    from harness.checks.numeric import fmt_err
-    from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol
-
-    rtol = hf_logprob_rtol(dtype_name)
-    n, tokens, worst = len(served), 0, []
-    for i in range(n - 1):
-        hf = served[i]
-        parts = [part for d in ranks if d.coords.get("last_stage") and d.coords.get("tp") == 0
-                 for part in d.iterations[i + 1].logprobs]
-        if hf is None or not parts:
-            return CheckResult(name, cid, False, f"{_it(i + 1)} of {n}: {where}: no log-prob pass log-probs captured")
-        ref = torch.cat([part.logprobs.double() for part in parts])
-        got = torch.cat([hf[part.samples.view(-1, 1), part.positions.view(1, -1)] for part in parts])
-        diff = LogprobDiff.of(got, ref, rtol)
-        if diff.bad.any():
-            row = diff.first_sample
-            sample = int(torch.cat([part.samples for part in parts])[row])
-            return CheckResult(name, cid, False, f"{_it(i + 1)} of {n}: {where}: {what.format(it=_it(i))} differs "
-                                                 f"from the log-prob pass at {int(diff.bad.sum())}/{ref.numel()} "
-                                                 f"tokens (worst rel {fmt_err(diff.worst)} > {rtol:.0e}): the rollout "
-                                                 "samples with another policy than the trainer scores; first: sample "
-                                                 f"{sample}", value=diff.worst)
-        tokens += ref.numel()
-        worst.append(diff.worst)
-    per = ", ".join(fmt_err(w) for w in worst)
-    return CheckResult(name, cid, True, f"{where}: at each of {n - 1} iterations {what.format(it='the iteration')} "
-                                        f"computes the next log-prob pass ({tokens} tokens), worst rel per iteration "
-                                        f"{per} <= {rtol:.0e}", value=max(worst))
 
 
 # -- replay ---------------------------------------------------------------------------------------------------

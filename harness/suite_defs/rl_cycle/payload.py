@@ -7,6 +7,7 @@ from typing import Any
 
 from harness.checks.step_outputs import TrainedRankData
 from harness.engines.base import ParamShard, TokenLogprobs
+from harness.launch.results import CaseResult
 from harness.probes.weight_stream import Sent
 
 
@@ -79,3 +80,13 @@ class RLCycleRankData(TrainedRankData):
     probe: list[dict[str, Any]] = field(default_factory=list)
     bias_marked_frozen: bool = False  # the routers carry megatron's frozen_expert_bias mark
     export_refused: str = ""  # why the engine's export cannot run for the case (RefusesExports): nothing exported
+
+
+def data(result: CaseResult) -> list[RLCycleRankData]:
+    """The case's ranks' payloads."""
+    return [r.payload_as(RLCycleRankData) for r in result.ranks]
+
+
+def at_iteration(i: int, k: int | None = None) -> str:
+    """How a message names iteration i (and mini-batch k), counted from 1."""
+    return f"iteration {i + 1}" + (f", mini-batch {k + 1}" if k is not None else "")
