@@ -46,14 +46,12 @@ class StreamDoesNotLoad(Exception):
     """The exported stream does not load into the Hugging Face model strictly: the rollout could not use it."""
 
 
-def policy_logprobs(model: ModelSpec, dtype_name: str, stream: dict[str, Any], tokens: torch.Tensor,
-                    built: dict[str, Any] | None = None) -> tuple[torch.Tensor | None, str]:
-    """The tokens' ([batch, seq + 1]) next-token log-probs through the Hugging Face model loaded from `stream`
-    (HF names; a tied key may be absent); (None, why) where no Hugging Face class holds the model here or transformers
-    is not installed. Raises StreamDoesNotLoad where the stream does not load strictly. built: where the model built
-    on a first call is kept for the next ones (each loads every key again, strictly)."""
-    import torch
-
+def loaded_model(model: ModelSpec, dtype_name: str, stream: dict[str, Any], built: dict[str, Any] | None = None
+                 ) -> tuple[Any, str]:
+    """The Hugging Face model of `model` with `stream` (HF names; a tied key may be absent) loaded strictly, in eval
+    mode; (None, why) where no Hugging Face class holds the model here or transformers is not installed. Raises
+    StreamDoesNotLoad where the stream does not load strictly. built: where the model built on a first call is kept
+    for the next ones (each loads every key again, strictly)."""
     from harness.dtypes import dtype
     from harness.engines.hf_weights import to_module_format
     from harness.engines.mbridge import hf_architecture, hf_config
@@ -80,6 +78,18 @@ def policy_logprobs(model: ModelSpec, dtype_name: str, stream: dict[str, Any], t
     missing = [k for k in res.missing_keys if k not in tied]
     if missing or res.unexpected_keys:
         raise StreamDoesNotLoad(f"missing {missing[:3]}, unexpected {list(res.unexpected_keys)[:3]}")
+    return hf, ""
+
+
+def policy_logprobs(model: ModelSpec, dtype_name: str, stream: dict[str, Any], tokens: torch.Tensor,
+                    built: dict[str, Any] | None = None) -> tuple[torch.Tensor | None, str]:
+    """The tokens' ([batch, seq + 1]) next-token log-probs through the Hugging Face model loaded from `stream`
+    (`loaded_model`, which says when there is none and raises where the stream does not load)."""
+    import torch
+
+    hf, why = loaded_model(model, dtype_name, stream, built)
+    if hf is None:
+        return None, why
     with torch.no_grad():
         return label_logprobs(hf(input_ids=tokens[:, :-1]).logits, tokens), ""
 
@@ -96,14 +106,13 @@ def adapter_policy_logprobs(model: ModelSpec, dtype_name: str, base: dict[str, A
         import peft
     except ImportError as exc:
         return None, f"peft is not installed here ({exc}): pip install peft"
-    built: dict[str, Any] = {}  # a fresh model: peft wraps the one it is given
-    _, why = policy_logprobs(model, dtype_name, base, tokens[:, :2], built)
-    if why:
+    hf, why = loaded_model(model, dtype_name, base)  # a fresh model: peft wraps the one it is given
+    if hf is None:
         return None, why
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            served = peft.PeftModel.from_pretrained(built["model"], adapter_dir).eval()
+            served = peft.PeftModel.from_pretrained(hf, adapter_dir).eval()
     except Exception as exc:  # an adapter peft refuses is the finding
         raise StreamDoesNotLoad(f"peft: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                                 ) from None

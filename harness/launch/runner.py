@@ -68,10 +68,11 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(kept[-lines:])
     report = kept[fatal:]
     out: list[str] = []
-    for i, line in enumerate(report):
-        frameless = line.startswith("Thread 0x") and "<no Python frame>" in "".join(report[i + 1:i + 2])
-        if frameless or "<no Python frame>" in line or (not line.strip() and out and not out[-1].strip()):
-            continue
+    for line, after in zip(report, [*report[1:], ""]):
+        if "<no Python frame>" in line or (line.startswith("Thread 0x") and "<no Python frame>" in after):
+            continue  # another thread, with no Python frame to show
+        if not line.strip() and out and not out[-1].strip():
+            continue  # the blank lines around the threads left out, one kept
         out.append(line)
     return "\n".join(kept[max(0, fatal - 3):fatal] + out)
 
