@@ -129,6 +129,23 @@ class ResendsFirstStream(McoreEngine):
         yield from self._packed
 
 
+class KeepsWhatItSent(McoreEngine):
+    """A sender that serializes each bucket for the rollout's socket and keeps the bytes it sent (a send queue or
+    IPC handles never released): host memory grows by the stream at every refit, held in no tensor."""
+
+    def export_buckets(self, bucket_bytes: int):
+        import ctypes
+
+        import torch
+
+        sent = self.__dict__.setdefault("_sent", [])
+        for bucket in super().export_buckets(bucket_bytes):
+            for _, t in bucket:
+                flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                sent.append(ctypes.string_at(flat.data_ptr(), flat.numel()))
+            yield bucket
+
+
 class HostCopiesInBf16(Offloading):
     def reload(self, store) -> None:
         import torch

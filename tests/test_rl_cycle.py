@@ -113,6 +113,20 @@ def test_hashing_an_exported_parameter_leaves_its_storage_resizable():
     weight.untyped_storage().resize_(0)  # raises "Trying to resize storage that is not resizable" after a numpy()
 
 
+def test_the_live_heap_counts_what_is_kept_whatever_holds_it_and_not_what_was_freed():
+    """What an export kept is read from the live heap: bytes and tensors alike, not what was freed and cached."""
+    import torch
+
+    from harness.probes.heap import live_heap
+
+    start = live_heap()
+    assert start is not None  # glibc >= 2.33 here
+    kept = [bytes(1 << 20), torch.ones(1 << 18)]  # 1 MiB each
+    held = live_heap() - start
+    del kept
+    assert 2 << 20 <= held < (2 << 20) + (256 << 10) and live_heap() - start < 256 << 10, held
+
+
 @pytest.mark.slow
 def test_a_frozen_replayed_router_holds_its_bias_and_megatrons_own_update_is_judged_by_the_release():
     """Where megatron-core honours frozen_expert_bias (0.17 and later) the engine marks the frozen router as
@@ -212,6 +226,20 @@ def test_an_export_that_resends_its_first_stream_fails_rl_cycle_and_passes_refit
     assert set(failed) == {"refit.baseline"} and "no baseline for" in failed["refit.baseline"], failed  # a user engine's
     assert {c.check for c in run.checks if c.passed} == {"refit.complete", "refit.values", "refit.memory",
                                                          "refit.repeat", "refit.policy"}
+
+
+@pytest.mark.slow
+def test_an_export_that_keeps_what_it_sent_fails_naming_what_it_kept_per_iteration():
+    """A sender that keeps every refit's serialized buckets (bytes, no tensor: the offload's census cannot see them)
+    keeps the stream's 321 KiB at every export: `refit` names the rank and what each iteration's export kept."""
+    failed = _failed(_faulty("KeepsWhatItSent", "tiny", DP4))
+    msg = failed.pop("rl-cycle.refit")
+    assert re.fullmatch(r"iterations 2-4 of 4: tiny at tp1-pp1-cp1-dp4: rank \d: every export from the second on kept "
+                        r"memory once it ended \((\d{3}, ){2}\d{3} KiB, above 256 KiB each\): what the export holds "
+                        r"grows with every refit \(buffers kept past the send: serialized buckets, IPC handles, host "
+                        r"copies\)", msg), msg
+    assert all(321 <= int(k) < 512 for k in re.findall(r"\d{3}(?=[,)]| KiB, above)", msg.split("(")[1])), msg
+    assert not failed, failed  # the census counts tensors: the offload sees nothing left
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from typing import Any
 
 from harness.engines.base import ExportsWeights, PeftExporting, StepOutput
 from harness.launch.context import RankContext
+from harness.probes.heap import live_heap
 from harness.probes.weight_stream import receive
 from harness.spec import Case
 from harness.suite_defs.rl_cycle.params import LORA_REFITS, MINI_BATCHES, MODE, REFIT_BUCKET, RLCycleCaseParams
@@ -139,8 +140,20 @@ def export(engine: Any, rank: int, trained: list[Any]) -> Refit:
     if any(every):  # every rank skips it together (it is collective); the ranks that lost parameters name them
         return Refit([], trained, read_offloaded=gone)
     keep: dict[str, Any] | None = {} if rank == 0 else None
+    held = _holding()
+    before = held()
     sent = receive(engine.export_buckets(REFIT_BUCKET), keep)
-    return Refit(sent, trained, keep)
+    after = held()
+    ours = 0 if held is not live_heap else sum(t.untyped_storage().nbytes() for t in (keep or {}).values())
+    return Refit(sent, trained, keep, kept=None if before is None or after is None else after - before - ours)
+
+
+def _holding() -> Any:
+    """What tells how much a rank holds: torch's allocated device memory on GPU ranks, the process's live heap on CPU
+    ranks (None where libc cannot say). Read around an export, it is what the export kept once it ended."""
+    import torch
+
+    return torch.cuda.memory_allocated if torch.cuda.is_available() and torch.cuda.is_initialized() else live_heap
 
 
 def adapter_refit(engine: Any, case: Case, ctx: RankContext, i: int, batch: Any, built: dict[str, Any]

@@ -42,6 +42,9 @@ class Refit:
     policy_error: str = ""  # the stream did not load into the Hugging Face model
     # this rank's parameters off the device when the export was due (on any rank: no rank exported)
     read_offloaded: list[str] = field(default_factory=list)
+    # bytes the export left allocated once it ended, beyond rank 0's copy of the stream: torch's allocated device
+    # memory (GPU ranks) or the process's live heap (CPU ranks: tensors, numpy arrays, bytes); None: not measurable
+    kept: int | None = None
     # LoRA: the merged export again, LORA_REFITS - 1 times in a row with no training between (the first iteration)
     repeats: list[list[Sent]] = field(default_factory=list)
     # LoRA, rank 0: the next iteration's batch through the Hugging Face model with the adapter-only refit loaded by

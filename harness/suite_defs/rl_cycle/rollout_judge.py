@@ -8,7 +8,7 @@ from typing import Any
 
 from harness.checks import CheckResult, cannot_tell
 from harness.launch.results import CaseResult
-from harness.suite_defs.rl_cycle.params import SUITE
+from harness.suite_defs.rl_cycle.params import EXPORT_KEPT, SUITE
 from harness.suite_defs.rl_cycle.payload import RLCycleRankData, data
 from harness.suite_defs.rl_cycle.payload import at_iteration as _it
 
@@ -83,9 +83,33 @@ def refit(res: CaseResult) -> CheckResult:
         tensors += sum(len(sent) for _, sent in per_rank)
     reloaded = " and the same after the reload" if any(e and e.after_reload is not None for x in exports for e in x) \
         else ""
+    leak, kept = _kept(name, cid, where, res, exports)
+    if leak is not None:
+        return leak
     return CheckResult(name, cid, True, f"{where}: each of {n} iterations' exports ({tensors} tensors sent by "
                                         f"{len(ranks)} ranks) holds every key once and equals the parameters that "
-                                        f"iteration trained, bit for bit{reloaded}")
+                                        f"iteration trained, bit for bit{reloaded}; {kept}")
+
+
+def _kept(name: str, cid: str, where: str, res: CaseResult, exports: list[list[Any]]) -> tuple[CheckResult | None, str]:
+    """What the exports kept once they ended, from the second iteration on: a failure where a rank's export kept more
+    than EXPORT_KEPT at every one of them (memory that grows with every refit), else what the pass says of it."""
+    measured = [(r.rank, [e.kept if e else None for e in x[1:]]) for r, x in zip(res.ranks, exports)]
+    if any(k is None for _, ks in measured for k in ks):
+        return None, "what an export keeps is not judged (the rank cannot read its live heap: glibc >= 2.33 can)"
+    per_rank = [(rank, [int(k or 0) for k in ks]) for rank, ks in measured]
+    if not per_rank or len(per_rank[0][1]) < 3:
+        return None, "what an export keeps is not judged (fewer than 3 iterations after the first ran)"
+    rank, ks = max(per_rank, key=lambda rk: min(rk[1]))
+    if min(ks) > EXPORT_KEPT:
+        each = ", ".join(f"{k / 1024:.0f}" for k in ks)
+        return CheckResult(name, cid, False, f"iterations 2-{len(ks) + 1} of {len(ks) + 1}: {where}: rank {rank}: "
+                                             f"every export from the second on kept memory once it ended ({each} KiB, "
+                                             f"above {EXPORT_KEPT >> 10} KiB each): what the export holds grows with "
+                                             "every refit (buffers kept past the send: serialized buckets, IPC "
+                                             "handles, host copies)"), ""
+    return None, (f"from the second iteration on, the least a rank's export kept at every iteration was "
+                  f"{min(ks) / 1024:.0f} KiB (rank {rank}; a leak keeps above {EXPORT_KEPT >> 10} KiB at each)")
 
 
 def _first_difference(before: list[Any], after: list[Any]) -> str:
