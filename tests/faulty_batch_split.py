@@ -72,3 +72,9 @@ class ForwardPassMixesSamples(McoreEngine):
     def rl_logprobs(self, batch, microbatches):
         return [TokenLogprobs(p.samples.flip(0), p.positions, p.logprobs) for p in super().rl_logprobs(batch,
                                                                                                     microbatches)]
+
+
+class UnknownLossForm(McoreEngine):
+    """A loss form the harness does not know: refused before any rank."""
+
+    loss_form = "gathered"

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.driver import plan, run_suite
@@ -57,12 +59,56 @@ def test_the_default_matrix_judges_every_mode_through_a_dynamic_and_a_static_cut
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the cpu-suite runs every mode at CP 2 and PP 2 on tiny, each with the dynamic cut at one
 def test_unmodified_megatron_passes_every_mode_at_cp2_and_pp2_dynamically():
     run = run_suite("batch-split", "tiny", 4, [CP2, PP2], backend="gloo", suite_params={"cuts": ("tokens96",)})
     assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
     assert len(run.results) == len(MODES) * 3
     for check in ("loss", "grad_norm", "num_zeros", "params", "logprobs", "aggregation"):
         assert any(c.check == f"batch-split.{check}" and c.passed for c in run.checks), check
+
+
+@pytest.mark.slow
+def test_a_frameworks_own_function_over_whole_sequences_passes_at_cp2_in_the_sequence_form():
+    """A framework's function (tests/framework_losses.py: the loss matrix, mask, mode and global normalisers; it
+    refuses modes it does not know, as releases refused "token-sum") plugged in through a thin adapter that declares
+    the sequence form: whole sequences gathered over CP, the same losses, gradients and parameters as one micro-batch
+    on one rank; the forward-only pass never calls it (it has no loss)."""
+    run = run_suite("batch-split", "tiny", 4, [CP2], engine="tests.framework_losses:WholeSequenceLoss",
+                    backend="gloo", suite_params={"modes": ("token-mean", "seq-mean-token-mean"), "cuts": ("mbs2",)})
+    assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
+    assert {c.check for c in run.checks} >= {f"batch-split.{k}" for k in ("loss", "grad_norm", "params", "aggregation")}
+
+
+@pytest.mark.slow
+def test_whole_sequence_function_handed_cp_chunks_fails_naming_the_definition_it_computed():
+    """The same function declared in the chunk form: at CP 2 each sample's token mean is taken over each CP rank's
+    part (verl 0.9.1's CP 2 failure), and `aggregation` says so."""
+    run = run_suite("batch-split", "tiny", 4, [CP2], engine="tests.framework_losses:WholeSequenceLossOnChunks",
+                    backend="gloo", suite_params={"modes": ("seq-mean-token-mean",), "cuts": ("mbs2",)})
+    msg = _failed(run)[(CP2, "batch-split.aggregation")]
+    assert re.fullmatch(r"seq-mean-token-mean, cut mbs2 at tp1-pp1-cp2-dp2 \(micro-batches of 2 samples\): step-0 "
+                        r"loss \S+ is not the seq-mean-token-mean of its forward-only log-probs over the response "
+                        r"masks, \S+ \(rel \S+ > 1e-05\): it is the seq-mean-token-mean with each CP rank's part of "
+                        r"a sample taken for the sample \(CP 2\) \(\S+\)", msg), msg
+
+
+@pytest.mark.slow
+def test_seq_mean_over_every_sample_fails_naming_that_definition():
+    """verl >= 0.7's seq-mean-token-mean divides by the global batch size, fully masked samples counted; the
+    harness's (and verl 0.6.1's) by the samples with a valid token: `aggregation` names which one the loss is."""
+    run = run_suite("batch-split", "tiny", 4, [DP4], engine="tests.framework_losses:LossOverEverySample",
+                    backend="gloo", suite_params={"modes": ("seq-mean-token-mean",), "cuts": ("mbs2",)})
+    msg = _failed(run)[(DP4, "batch-split.aggregation")]
+    assert msg.endswith("): it is the seq-mean-token-mean over every sample, fully masked ones counted ("
+                        + msg.rsplit("(", 1)[1]), msg
+    assert "is not the seq-mean-token-mean of its forward-only log-probs" in msg, msg
+
+
+def test_a_loss_form_other_than_chunk_or_sequence_is_refused_before_any_rank():
+    with pytest.raises(BadInput, match=r"engine tests\.faulty_batch_split:UnknownLossForm: loss_form 'gathered': give "
+                                       r"'chunk' .* or 'sequence'"):
+        plan("batch-split", "tiny", 4, engine="tests.faulty_batch_split:UnknownLossForm", backend="gloo")
 
 
 @pytest.mark.slow
@@ -74,6 +120,8 @@ def test_per_micro_batch_token_mean_is_caught():
         f"token-mean, cut tokens96 at {DP4} (micro-batches of 1-3 samples): loss of step ")
     assert "(one micro-batch on one rank)" in failed[(DP4, "batch-split.loss")]
     assert (DP4, "batch-split.aggregation") in failed and (DP4, "batch-split.params") in failed
+    assert ": it is the token-mean per micro-batch (each micro-batch's own tokens' mean, summed over the " \
+           "micro-batches) (" in failed[(DP4, "batch-split.aggregation")], failed[(DP4, "batch-split.aggregation")]
     assert ("tp1-pp1-cp1-dp1", "batch-split.aggregation") not in failed  # one micro-batch: its mean is the batch's
 
 
@@ -139,7 +187,7 @@ def test_an_fsdp2_path_normalising_by_its_local_token_count_is_caught():
     assert any(m.startswith(f"token-mean, cut mbs2 at {DP4} "
                             "(micro-batches of 2 samples): loss of step ") and "rel diff 3.00e+00" in m for m in losses)
     failed = _failed(run)
-    assert not [k for k in failed if "token-sum" in failed[k]]  # token-sum needs no count
+    assert not [k for k in failed if failed[k].startswith("token-sum")]  # token-sum needs no count
 
 
 def test_the_default_matrix_runs_the_second_backend_against_megatrons_reference():

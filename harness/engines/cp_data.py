@@ -8,6 +8,7 @@ so `thd_batch_on_this_cp_rank` replaces megatron's `get_thd_batch_on_this_cp_ran
 
 from __future__ import annotations
 
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -100,3 +101,38 @@ def thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: torch.Tensor, c
         batch = {k: (v.index_select(1, index) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v)
                  for k, v in batch.items()}
     return batch, params
+
+
+def whole_sequences(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """[n, seq] whole sequences from every CP rank's zigzag part ([n, seq / cp] each), gathered over the CP group.
+    Every rank computes from the same whole sequences, so a rank's gradient is its own part's slice of theirs (no
+    sum over the ranks: each already holds the whole)."""
+    import torch
+    import torch.distributed as dist
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = _gather_parts().apply(local, group, rank, cp)
+    seq = local.shape[1] * cp
+    order = torch.cat([zigzag_positions(seq, cp, r, device=local.device) for r in range(cp)]).argsort()
+    return torch.cat(list(parts.unbind(0)), dim=1)[:, order]
+
+
+@cache
+def _gather_parts() -> Any:
+    """The autograd function of `whole_sequences` (made at first use: this module does not import torch)."""
+    import torch
+    import torch.distributed as dist
+
+    class GatherParts(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, local: torch.Tensor, group: Any, rank: int, cp: int) -> torch.Tensor:
+            ctx.rank = rank
+            parts = [torch.empty_like(local) for _ in range(cp)]
+            dist.all_gather(parts, local.contiguous(), group=group)
+            return torch.stack(parts)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+            return grad[ctx.rank], None, None, None
+
+    return GatherParts

@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     import torch
 
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum")
+# How an engine's loss takes the sequence at CP > 1 (its `loss_form`):
+# - "chunk": this CP rank's part of each sequence, with each sample's valid tokens over the whole sequence
+#   (`MicroBatchLoss.sample_tokens`); the shares of the CP ranks add up to the micro-batch's (megatron's own loss_func);
+# - "sequence": whole sequences gathered over CP before the loss (verl's): every CP rank computes the same share.
+CHUNK, SEQUENCE = "chunk", "sequence"
+LOSS_FORMS = (CHUNK, SEQUENCE)
 
 
 def check_mode(mode: str) -> None:
@@ -42,8 +48,9 @@ class MicroBatchLoss:
     """What a micro-batch's share of the global loss is computed from, on this rank."""
 
     mode: str
-    token_loss: torch.Tensor  # [n, s_local] per-token loss (-log-prob of the label), this rank's part of the sequence
-    mask: torch.Tensor  # [n, s_local] 1.0 at valid response tokens
+    token_loss: torch.Tensor  # [n, s] per-token loss (-log-prob of the label): this CP rank's part of the sequence
+    # (the "chunk" loss form) or the whole sequence ("sequence")
+    mask: torch.Tensor  # [n, s] 1.0 at valid response tokens
     sample_tokens: torch.Tensor  # [n] each sample's valid tokens over the whole sequence (every CP rank's part)
     totals: BatchTotals
 
@@ -75,3 +82,32 @@ def reference_loss(mode: str, token_loss: torch.Tensor, mask: torch.Tensor) -> f
     counts = mask.sum(dim=1)
     totals = BatchTotals(int(counts.sum()), int(mask.shape[0]), int((counts > 0).sum()))
     return float(aggregate(MicroBatchLoss(mode, token_loss, mask, counts.to(torch.int64), totals)))
+
+
+def readings(token_loss: torch.Tensor, mask: torch.Tensor, microbatches: list[list[int]], cp: int
+             ) -> dict[str, float]:
+    """What the loss of a global batch ([G, seq] each) comes to under each definition frameworks give the modes: a
+    loss that is not its mode's is named by the one it matches. microbatches: every DP rank's, as sample indices;
+    cp: the CP size the loss was cut over."""
+    import torch
+
+    from harness.engines.cp_data import zigzag_positions
+
+    counts = mask.sum(dim=1)
+    out = {mode: reference_loss(mode, token_loss, mask) for mode in MODES}
+    means = torch.where(counts > 0, (token_loss * mask).sum(dim=1) / counts.clamp(min=1), torch.zeros_like(counts))
+    out["seq-mean-token-mean over every sample, fully masked ones counted"] = float(means.sum() / max(len(counts), 1))
+    if len(microbatches) > 1:
+        out["token-mean per micro-batch (each micro-batch's own tokens' mean, summed over the micro-batches)"] = sum(
+            float((token_loss[mb] * mask[mb]).sum() / mask[mb].sum().clamp(min=1)) for mb in microbatches)
+    if cp > 1 and token_loss.shape[1] % (2 * cp) == 0:
+        nonempty = max(int((counts > 0).sum()), 1)
+        parts = 0.0
+        for r in range(cp):
+            at = zigzag_positions(token_loss.shape[1], cp, r)
+            n = mask[:, at].sum(dim=1)
+            parts += float(torch.where(n > 0, (token_loss[:, at] * mask[:, at]).sum(dim=1) / n.clamp(min=1),
+                                       torch.zeros_like(n)).sum())
+        out[f"seq-mean-token-mean with each CP rank's part of a sample taken for the sample (CP {cp})"] = \
+            parts / nonempty
+    return out

@@ -7,6 +7,9 @@ The framework's part, each a method a user engine overrides to have its own code
 - `aggregate_loss`: a micro-batch's share of the global loss in the case's mode (`harness/engines/loss_agg.py`);
 - `to_schedule`: that share as handed to megatron's schedule, which divides a loss by the number of micro-batches
   (the 2-tuple return) and whose DDP averages gradients over DP x CP after multiplying by CP: x micro-batches x DP.
+`loss_form` says how the loss takes the sequence at CP > 1 ("chunk", the default, or "sequence": whole sequences
+gathered over CP before `aggregate_loss`; `harness/engines/loss_agg.py`). The forward-only log-prob pass calls no
+aggregation: it has no loss.
 The step reports the shares' sum as its loss (`StepOutput.loss_sum`: summed over the last-stage ranks of TP rank 0,
 the global batch's loss) and the valid tokens as `num_tokens`.
 """
@@ -17,12 +20,22 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import StepOutput, TokenLogprobs
-from harness.engines.loss_agg import BatchTotals, MicroBatchLoss, aggregate
+from harness.engines.cp_data import whole_sequences
+from harness.engines.loss_agg import CHUNK, LOSS_FORMS, SEQUENCE, BatchTotals, MicroBatchLoss, aggregate
 from harness.engines.rl_batch import RLBatch, microbatch_tensors
+from harness.errors import BadInput
 from harness.upstream import split_on_cp_rank
 
 if TYPE_CHECKING:
     import torch
+
+
+def check_loss_form(engine: str, factory: type) -> None:
+    """An RLSteps engine's `loss_form` is chunk or sequence (BadInput, before any rank, otherwise)."""
+    form = factory.loss_form if issubclass(factory, RLSteps) else CHUNK
+    if form not in LOSS_FORMS:
+        raise BadInput(f"engine {engine}: loss_form {form!r}: give {CHUNK!r} (this CP rank's part of each sequence) "
+                       f"or {SEQUENCE!r} (whole sequences gathered over CP), as its loss takes them (docs/engines.md)")
 
 
 class RLSteps:
@@ -30,6 +43,7 @@ class RLSteps:
 
     case: Any
     config: Any
+    loss_form: str = CHUNK  # at CP > 1, what aggregate_loss gets: this rank's part of the sequences, or SEQUENCE
 
     def run_microbatches(self, mbs: list[dict], samples: list, forward_only: bool, capture: bool,
                          loss_fns: list | None = None) -> StepOutput:
@@ -81,10 +95,11 @@ class RLSteps:
 
     def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]:
         """Forward only, no gradient (as a framework's compute_log_prob): every token's log-prob."""
-        mbs, samples, fns = self._rl_inputs(batch, microbatches, "token-sum")
+        mbs, samples, fns = self._rl_inputs(batch, microbatches, None)
         return self.run_microbatches(mbs, samples, forward_only=True, capture=True, loss_fns=fns).token_logprobs or []
 
-    def _rl_inputs(self, batch: RLBatch, microbatches: list[list[int]], mode: str):
+    def _rl_inputs(self, batch: RLBatch, microbatches: list[list[int]], mode: str | None):
+        """The micro-batches, their samples and their loss functions (mode None: forward only, no loss)."""
         import torch
         from megatron.core import parallel_state as ps
 
@@ -100,11 +115,19 @@ class RLSteps:
         fns = [functools.partial(self._rl_loss, mode, mb["loss_mask"], c, totals, n) for mb, c in zip(mbs, counts)]
         return mbs, [torch.tensor(group) for group in microbatches], fns
 
-    def _rl_loss(self, mode: str, mask, counts, totals: BatchTotals, num_microbatches: int, output_tensor):
+    def _rl_loss(self, mode: str | None, mask, counts, totals: BatchTotals, num_microbatches: int, output_tensor):
         import torch
+        from megatron.core import parallel_state as ps
 
         dev = output_tensor.device
-        token_loss = output_tensor.float().reshape(mask.shape)
-        share = self.aggregate_loss(MicroBatchLoss(mode, token_loss, mask.to(dev).float(), counts.to(dev), totals))
-        reported = torch.stack([share.detach().float(), mask.sum().float().to(dev)])
+        tokens = mask.sum().float().to(dev)
+        if mode is None:  # the forward-only pass: log-probs, no loss
+            return torch.zeros((), device=dev), {"lm loss": torch.stack([torch.zeros((), device=dev), tokens])}
+        token_loss, mask, cp = output_tensor.float().reshape(mask.shape), mask.to(dev).float(), 1
+        if self.loss_form == SEQUENCE and ps.get_context_parallel_world_size() > 1:
+            group, cp = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
+            token_loss, mask = whole_sequences(token_loss, group), whole_sequences(mask, group)
+        share = self.aggregate_loss(MicroBatchLoss(mode, token_loss, mask, counts.to(dev), totals))
+        # every CP rank of the sequence form holds the whole share: each reports its 1/cp, so the sum is the share
+        reported = torch.stack([share.detach().float() / cp, tokens])
         return self.to_schedule(share, num_microbatches), {"lm loss": reported}

@@ -184,7 +184,7 @@ def _aggregation(res: CaseResult, at: str, got: tuple[torch.Tensor, torch.Tensor
     """The first step's loss against the mode's formula (harness/engines/loss_agg.py) over the forward-only pass's
     log-probs of the same batch on the same weights, with the response masks of the harness's own batch: an engine
     whose aggregation is wrong alike at every cut (the reference's too) passes the comparisons and fails here."""
-    from harness.engines.loss_agg import reference_loss
+    from harness.engines.loss_agg import readings, reference_loss
     from harness.engines.rl_batch import rl_batch
 
     cid, case = res.case.id, res.case
@@ -199,13 +199,24 @@ def _aggregation(res: CaseResult, at: str, got: tuple[torch.Tensor, torch.Tensor
     batch = rl_batch(case.model, case.global_batch_size, case.options.seed, 0)
     mask = batch.response_masks(list(range(batch.size)), case.model.seq_length).double()
     want = reference_loss(case.params.mode, -values.double(), mask)
-    err = abs(losses[0] - want) / abs(want) if want else abs(losses[0])
+    err = _rel(losses[0], want)
     rtol = dtype(case.options.dtype).rtol
     ok = within(err, rtol)
-    return CheckResult("batch-split.aggregation", cid, ok,
-                       f"{at}: step-0 loss {losses[0]:.8g} {'equals' if ok else 'is not'} the "
-                       f"{case.params.mode} of its forward-only log-probs over the response masks, {want:.8g} "
-                       f"(rel {fmt_err(err)} {'<=' if ok else '>'} {rtol:.0e})", value=err)
+    said = (f"{at}: step-0 loss {losses[0]:.8g} {'equals' if ok else 'is not'} the {case.params.mode} of its "
+            f"forward-only log-probs over the response masks, {want:.8g} (rel {fmt_err(err)} {'<=' if ok else '>'} "
+            f"{rtol:.0e})")
+    if not ok:
+        parts = {tuple(mb) for d in data(res) for mb in d.microbatches}
+        known = readings(-values.double(), mask, [list(mb) for mb in sorted(parts)], case.layout.cp)
+        match = [(name, v) for name, v in known.items()
+                 if name != case.params.mode and within(_rel(losses[0], v), rtol)]
+        said += (f": it is the {match[0][0]} ({match[0][1]:.8g})" if match else
+                 f": it is none of the {len(known)} definitions known here ({', '.join(known)})")
+    return CheckResult("batch-split.aggregation", cid, ok, said, value=err)
+
+
+def _rel(got: float, want: float) -> float:
+    return abs(got - want) / abs(want) if want else abs(got)
 
 
 def _params(res: CaseResult, ref: CaseResult, at: str, rtol: float) -> CheckResult:

@@ -10,6 +10,7 @@ from harness.checks import CheckResult
 from harness.engines import engine_class_with, is_fsdp2, make_engine
 from harness.engines.base import StepOutput, TrainsRLBatches
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
+from harness.engines.rl_steps import check_loss_form
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -48,9 +49,10 @@ class BatchSplitSuite:
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: BatchSplitParams | None = None) -> list[Case]:
         p = params or BatchSplitParams()
-        engine_class_with(engine, TrainsRLBatches, "is not a class with train_rl_batch / rl_logprobs (harness."
-                          "engines.base.TrainsRLBatches): batch-split cannot cut its batches; give a subclass of "
-                          "McoreEngine, whose RL steps run your aggregate_loss (docs/engines.md)")
+        check_loss_form(engine, engine_class_with(
+            engine, TrainsRLBatches, "is not a class with train_rl_batch / rl_logprobs (harness.engines.base."
+            "TrainsRLBatches): batch-split cannot cut its batches; give a subclass of McoreEngine, whose RL steps run "
+            "your aggregate_loss (docs/engines.md)"))
         gbs = options.global_batch_size or GLOBAL_BATCH
         steps = options.steps if options.steps != CaseOptions.steps else STEPS
         opts = dataclasses.replace(with_equivalence_eps(options), steps=steps, global_batch_size=gbs,
