@@ -17,6 +17,7 @@ from harness.engines.base import (
     Engine,
     ExportsWeights,
     HasGradBuffers,
+    HasLogprobHead,
     HasOptimizerState,
     ParamShard,
     PeftExporting,
@@ -27,6 +28,7 @@ from harness.engines.base import (
     TrainsRLBatches,
 )
 from harness.engines.fsdp2 import FSDP2Engine
+from harness.engines.logprob_head import LogprobHead
 from harness.engines.loss_agg import BatchTotals, MicroBatchLoss
 from harness.engines.mbridge import hf_config
 from harness.engines.mcore import McoreEngine
@@ -43,9 +45,9 @@ if TYPE_CHECKING:
 __all__ = [
     # the engine protocol and the optional capabilities a suite checks for
     "Engine", "StepOutput", "ParamShard", "TokenLogprobs", "HasGradBuffers", "HasOptimizerState", "Checkpointing",
-    "PeftExporting", "RefusesCases", "TrainsRLBatches", "RunsRLCycles", "ExportsWeights",
+    "PeftExporting", "RefusesCases", "TrainsRLBatches", "RunsRLCycles", "ExportsWeights", "HasLogprobHead",
     # the harness's engines, to subclass, and their parts
-    "McoreEngine", "FSDP2Engine", "CPEngine", "Offloading",
+    "McoreEngine", "FSDP2Engine", "CPEngine", "Offloading", "LogprobHead",
     # what a factory is called with
     "Case", "CaseOptions", "ModelSpec", "Layout", "RankContext",
     # the model's configuration as the harness builds it

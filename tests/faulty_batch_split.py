@@ -78,3 +78,16 @@ class UnknownLossForm(McoreEngine):
     """A loss form the harness does not know: refused before any rank."""
 
     loss_form = "gathered"
+
+
+class RLStepsWithoutAHead:
+    """A framework's RL-steps engine of its own (no McoreEngine): no log-prob head to take a temperature."""
+
+    def __init__(self, case, ctx):
+        self.case, self.ctx = case, ctx
+
+    def train_rl_batch(self, batch, microbatches, mode, capture=False):
+        raise NotImplementedError
+
+    def rl_logprobs(self, batch, microbatches):
+        raise NotImplementedError

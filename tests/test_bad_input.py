@@ -29,6 +29,12 @@ CASES = [
      "engine 'tests.faulty_engines:_DoneHandle' is not a class with train_rl_batch / rl_logprobs"),
     (["run", "--suite", "batch-split", "--world-size", "3"],
      "layout tp1-pp1-cp1-dp3 is invalid for model tiny: global_batch_size=16 not divisible"),
+    (["run", "--suite", "batch-split", "--engine", "tests.faulty_batch_split:UnknownLossForm"],
+     "engine tests.faulty_batch_split:UnknownLossForm: loss_form 'gathered': give 'chunk'"),
+    (["run", "--suite", "batch-split", "--temperature", "0"], "--temperature 0: give a positive temperature"),
+    (["run", "--suite", "rl-cycle", "--temperature", "-1"], "--temperature -1: give a positive temperature"),
+    (["run", "--suite", "batch-split", "--temperature", "0.7", "--engine", "tests.faulty_batch_split:RLStepsWithoutAHead"],
+     "--temperature 0.7: engine tests.faulty_batch_split:RLStepsWithoutAHead has no log-prob head"),
     (["run", "--suite", "refit", "--bucket-size", "8kb"], "--bucket-size '8kb': expected a positive size with a unit"),
     (["run", "--suite", "refit", "--refits", "1"], "--refits 1: at least 2"),
     (["run", "--suite", "refit", "--engine", "tests.faulty_engines:_DoneHandle"],
@@ -177,7 +183,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 102  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 106  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -105,10 +105,25 @@ def test_seq_mean_over_every_sample_fails_naming_that_definition():
     assert "is not the seq-mean-token-mean of its forward-only log-probs" in msg, msg
 
 
-def test_a_loss_form_other_than_chunk_or_sequence_is_refused_before_any_rank():
-    with pytest.raises(BadInput, match=r"engine tests\.faulty_batch_split:UnknownLossForm: loss_form 'gathered': give "
-                                       r"'chunk' .* or 'sequence'"):
-        plan("batch-split", "tiny", 4, engine="tests.faulty_batch_split:UnknownLossForm", backend="gloo")
+@pytest.mark.slow
+def test_at_a_temperature_tp2_trains_as_one_rank_and_a_normaliser_reduced_outside_autograd_does_not():
+    """The engine's log-prob head at temperature 0.7: at TP 2 (vocabulary shards) the losses, gradients and
+    parameters equal one micro-batch on one rank's. A head whose softmax normaliser is all-reduced outside autograd
+    (ms-swift #9947's shape) gives the same values but a gradient only at the label: TP 2 fails, DP 4 (its plain
+    path at TP 1) passes."""
+    tp2 = "tp2-pp1-cp1-dp2"
+    run = run_suite("batch-split", "tiny", 4, [tp2], backend="gloo",
+                    suite_params={"temperature": 0.7, "modes": ("token-mean",), "cuts": ("mbs2",)})
+    assert run.passed, [c.message for c in run.checks if c.failed]
+    planted = run_suite("batch-split", "tiny", 4, [tp2, DP4], engine="tests.faulty_logprobs:VocabReduceOutsideAutograd",
+                        backend="gloo", suite_params={"temperature": 0.7, "modes": ("token-mean",), "cuts": ("mbs2",)})
+    failed = _failed(planted)
+    assert not [k for k in failed if k[0] == DP4], failed
+    msg = failed[(tp2, "batch-split.grad_norm")]
+    assert re.fullmatch(r"token-mean, cut mbs2 at tp2-pp1-cp1-dp2, temperature 0\.7 \(micro-batches of 2 samples\): "
+                        r"grad norm of step \d \S+ vs \S+ \(one micro-batch on one rank\), rel diff \S+, rel > 1e-05",
+                        msg), msg
+    assert (tp2, "batch-split.params") in failed and (tp2, "batch-split.logprobs") not in failed  # values right
 
 
 @pytest.mark.slow

@@ -242,6 +242,51 @@ def test_an_export_that_keeps_what_it_sent_fails_naming_what_it_kept_per_iterati
     assert not failed, failed  # the census counts tensors: the offload sees nothing left
 
 
+TP2 = "tp2-pp1-cp1-dp2"
+
+
+def _head(name: str, temperature: float):
+    return run_suite("rl-cycle", "tiny", 4, [TP2], engine=f"tests.faulty_logprobs:{name}", backend="gloo",
+                     suite_params={**QUICK, "temperature": temperature})
+
+
+def _policy_failure(what: str, temperature: str, figure: str) -> str:
+    return (rf"iteration 2 of 4: tiny at tp2-pp1-cp1-dp2{temperature}: {what} from iteration 1's export differs from the "
+            rf"log-prob pass(?:'s)? at \d+/512 (?:tokens|positions) \(worst rel {figure} > 1e-05\): the ")
+
+
+@pytest.mark.slow
+def test_log_probs_and_entropy_at_a_temperature_are_the_rollouts_at_tp2():
+    """The engine's log-prob head at temperature 0.7 over TP 2's vocabulary shards: the Hugging Face model loaded from
+    each export, at the same temperature, gives the trainer's log-probs and entropies."""
+    run = run_suite("rl-cycle", "tiny", 4, [TP2], backend="gloo", suite_params={**QUICK, "temperature": 0.7})
+    assert run.passed, _failed(run)
+    msg = next(c.message for c in run.checks if c.check == "rl-cycle.policy")
+    assert re.fullmatch(r"tiny at tp2-pp1-cp1-dp2, temperature 0\.7: at each of 3 iterations the Hugging Face model "
+                        r"loaded from the iteration's export computes the next log-prob pass \(1536 tokens\), worst rel "
+                        r"per iteration \S+, \S+, \S+ <= 1e-05; its entropy too, worst rel \S+", msg), msg
+
+
+@pytest.mark.slow
+def test_a_temperature_applied_twice_fails_the_policy():
+    msg = _failed(_head("TemperatureTwice", 0.7))["rl-cycle.policy"]
+    assert re.match(_policy_failure("the Hugging Face model loaded", ", temperature 0.7", r"[1-9]\.\d+e-02"), msg), msg
+
+
+@pytest.mark.slow
+def test_entropy_on_unscaled_logits_fails_the_policy_on_entropy():
+    msg = _failed(_head("EntropyOnUnscaledLogits", 0.7))["rl-cycle.policy"]
+    assert re.match(_policy_failure("the entropy of the Hugging Face model loaded", ", temperature 0.7",
+                                    r"[1-9]\.\d+e-03"), msg), msg
+    assert "the trainer's entropy is not the rollout policy's" in msg
+
+
+@pytest.mark.slow
+def test_labels_shifted_once_more_fail_the_policy():
+    msg = _failed(_head("LabelShiftOffByOne", 1.0))["rl-cycle.policy"]
+    assert re.match(_policy_failure("the Hugging Face model loaded", "", r"\S+"), msg), msg
+
+
 @pytest.mark.slow
 def test_an_export_before_the_iterations_optimizer_step_fails():
     """The stream is the previous policy's: unlike the trained parameters (`refit`), and the Hugging Face model

@@ -55,6 +55,7 @@ class TokenLogprobs:
     samples: torch.Tensor  # [mbs] indices into the global batch
     positions: torch.Tensor  # [s_local] positions within the sequence (after the CP split)
     logprobs: torch.Tensor  # [mbs, s_local]
+    entropy: torch.Tensor | None = None  # [mbs, s_local] where the engine's log-prob head computed it (RL steps)
 
 
 @dataclass
@@ -111,6 +112,14 @@ class TrainsRLBatches(Protocol):
                        capture: bool = False) -> StepOutput: ...
 
     def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]: ...
+
+
+@runtime_checkable
+class HasLogprobHead(Protocol):
+    """An engine whose RL steps take log-probs and entropy from the logits through a part (McoreEngine's
+    `logprob_head()`, harness/engines/logprob_head.py), at the temperature the RL suites set on it."""
+
+    def logprob_head(self) -> Any: ...
 
 
 @runtime_checkable

@@ -110,16 +110,18 @@ class FSDP2Engine(McoreEngine):
 
         from harness.engines.base import TokenLogprobs
 
-        dev = self.ctx.device
         self._aux_loss_over(len(mbs))
         captured: list[TokenLogprobs] = []
         reported = []
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for i, mb in enumerate(mbs):
-                out = self.model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
+                out = self.token_losses(self.model, mb, rl=loss_fns is not None, capture=capture)
                 if capture:
+                    n = len(samples[i])
+                    entropy = mb.get("entropy")
                     captured.append(TokenLogprobs(samples[i], torch.arange(out.shape[1]),
-                                                  -out.detach().float().cpu().reshape(len(samples[i]), -1)))
+                                                  -out.detach().float().cpu().reshape(n, -1),
+                                                  None if entropy is None else entropy.reshape(n, -1)))
                 loss, report = loss_fns[i](out) if loss_fns else (out.float().mean() / len(mbs), None)
                 if not forward_only:
                     loss.backward()

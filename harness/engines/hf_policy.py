@@ -34,12 +34,22 @@ def hf_model_modules() -> tuple[str, ...]:
     return HF_MODEL_MODULES if (major, minor) >= (4, 51) else HF_MODEL_MODULES[:2]
 
 
-def label_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[batch, seq] log-prob of each next token, in float64."""
+def label_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[batch, seq] log-prob of each next token at the sampling temperature, in float64."""
     import torch
 
-    lp = torch.log_softmax(logits.double(), dim=-1)
+    z = logits.double()
+    lp = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
     return lp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[batch, seq] entropy of each position's next-token distribution at the sampling temperature, in float64."""
+    import torch
+
+    z = logits.double()
+    lp = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
+    return -(lp.exp() * lp).sum(dim=-1)
 
 
 class StreamDoesNotLoad(Exception):
@@ -82,20 +92,23 @@ def loaded_model(model: ModelSpec, dtype_name: str, stream: dict[str, Any], buil
 
 
 def policy_logprobs(model: ModelSpec, dtype_name: str, stream: dict[str, Any], tokens: torch.Tensor,
-                    built: dict[str, Any] | None = None) -> tuple[torch.Tensor | None, str]:
-    """The tokens' ([batch, seq + 1]) next-token log-probs through the Hugging Face model loaded from `stream`
-    (`loaded_model`, which says when there is none and raises where the stream does not load)."""
+                    built: dict[str, Any] | None = None, temperature: float = 1.0
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, str]:
+    """The tokens' ([batch, seq + 1]) next-token log-probs and entropies at the sampling temperature through the
+    Hugging Face model loaded from `stream` (`loaded_model`, which says when there is none and raises where the stream
+    does not load)."""
     import torch
 
     hf, why = loaded_model(model, dtype_name, stream, built)
     if hf is None:
-        return None, why
+        return None, None, why
     with torch.no_grad():
-        return label_logprobs(hf(input_ids=tokens[:, :-1]).logits, tokens), ""
+        logits = hf(input_ids=tokens[:, :-1]).logits
+        return label_logprobs(logits, tokens, temperature), entropies(logits, temperature), ""
 
 
 def adapter_policy_logprobs(model: ModelSpec, dtype_name: str, base: dict[str, Any], adapter_dir: str,
-                            tokens: torch.Tensor) -> tuple[torch.Tensor | None, str]:
+                            tokens: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor | None, str]:
     """The tokens' next-token log-probs through a Hugging Face model holding the base weights (HF names) with the
     HF PEFT adapter directory loaded by peft, as a rollout engine serves an adapter-only refit; (None, why) where
     peft is not installed or no Hugging Face class holds the model. Raises StreamDoesNotLoad where the base or the
@@ -119,5 +132,5 @@ def adapter_policy_logprobs(model: ModelSpec, dtype_name: str, base: dict[str, A
     import torch
 
     with torch.no_grad():
-        return label_logprobs(served(input_ids=tokens[:, :-1]).logits, tokens), ""
+        return label_logprobs(served(input_ids=tokens[:, :-1]).logits, tokens, temperature), ""
 

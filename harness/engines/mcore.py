@@ -12,6 +12,7 @@ from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.cp_data import zigzag_positions
 from harness.engines.experts import EXPERT_RE, drop_routing_graphs, tp_coords
+from harness.engines.logprob_head import LogprobHead
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
@@ -35,10 +36,12 @@ _FC1_RE = re.compile(r"(\.mlp|\.local_experts\.\d+|\.shared_experts)\.linear_fc1
 
 
 class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
-    """megatron-core directly: the reference construction path. Its parts: `offload_part` (rl-cycle's offload and
-    reload, harness/engines/offloading.py), which a framework's engine replaces with its own subclass."""
+    """megatron-core directly: the reference construction path. Its parts, which a framework's engine replaces with
+    its own subclasses: `offload_part` (rl-cycle's offload and reload, harness/engines/offloading.py) and
+    `logprob_part` (the RL steps' log-probs and entropy from the logits, harness/engines/logprob_head.py)."""
 
     offload_part: type[Offloading] = Offloading
+    logprob_part: type[LogprobHead] = LogprobHead
 
     def __init__(self, case: Case, ctx: RankContext):
         self.case, self.ctx = case, ctx
@@ -49,12 +52,19 @@ class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
         self._captured: list[TokenLogprobs] | None = None  # the current step's log-probs, when captured
         self.init_seed: int | None = None  # the weights' initial values drawn from this seed (None: the case's)
         self._offloading: Offloading | None = None
+        self._logprob_head: LogprobHead | None = None
 
     def offloading(self) -> Offloading:
         """The engine's offload part, made once."""
         if self._offloading is None:
             self._offloading = self.offload_part(self)
         return self._offloading
+
+    def logprob_head(self) -> LogprobHead:
+        """The engine's log-prob part, made once."""
+        if self._logprob_head is None:
+            self._logprob_head = self.logprob_part(self)
+        return self._logprob_head
 
     # -- build --------------------------------------------------------------------------------
     def setup_parallel(self) -> None:
@@ -238,18 +248,40 @@ class McoreEngine(McoreCheckpoints, RLSteps, RLCycle, PerTensorExport):
 
     def forward_step(self, data_iterator, model):
         mb = next(data_iterator)
-        dev = self.ctx.device
-        output = model(mb["tokens"].to(dev), mb["position_ids"].to(dev), None, labels=mb["labels"].to(dev))
-        mask = mb["loss_mask"].to(dev) if "loss_mask" in mb else None
+        output = self.token_losses(model, mb, rl="loss_fn" in mb, capture=self._captured is not None)
+        mask = mb["loss_mask"].to(self.ctx.device) if "loss_mask" in mb else None
         loss = mb.get("loss_fn") or functools.partial(self.loss_func, loss_mask=mask)  # an RL step's own (rl_steps)
         if self._captured is not None and "samples" in mb:
             return output, functools.partial(self._capture_then_loss, mb, loss)
         return output, loss
 
+    def token_losses(self, model, mb: dict, rl: bool, capture: bool):
+        """A micro-batch's per-token loss ([b, s]; on a stage before the last, what it hands on): the model's own,
+        given the labels; in an RL step, minus the log-probs the engine's log-prob head computes from the logits (the
+        model called without labels, as RL frameworks call it), the entropy kept in `mb` where captured."""
+        import torch
+        from megatron.core.utils import get_attr_wrapped_model
+
+        dev = self.ctx.device
+        tokens, positions, labels = mb["tokens"].to(dev), mb["position_ids"].to(dev), mb["labels"].to(dev)
+        if not rl:
+            return model(tokens, positions, None, labels=labels)
+        logits = model(tokens, positions, None)
+        if not get_attr_wrapped_model(model, "post_process"):
+            return logits
+        head = self.logprob_head()
+        if capture:
+            with torch.no_grad():
+                mb["entropy"] = head.entropy(logits.detach()).float().cpu()
+        return -head.logprobs(logits, labels)
+
     def _capture_then_loss(self, mb, loss, output_tensor):
-        """Keep the micro-batch's per-token log-probs (minus the per-token loss), then the loss."""
+        """Keep the micro-batch's per-token log-probs (minus the per-token loss) and entropy, then the loss."""
+        n = len(mb["samples"])
+        entropy = mb.get("entropy")
         self._captured.append(TokenLogprobs(mb["samples"], mb["positions"],
-                                            -output_tensor.detach().float().cpu().reshape(len(mb["samples"]), -1)))
+                                            -output_tensor.detach().float().cpu().reshape(n, -1),
+                                            None if entropy is None else entropy.reshape(n, -1)))
         return loss(output_tensor)
 
     @staticmethod

@@ -82,7 +82,8 @@ def where(result: CaseResult, ref_engine: str | None = None) -> str:
         f"sample{'s' if sizes[-1] > 1 else ''})"
     at = f"one rank as {p.like}'s DP ranks" if p.like else result.case.layout.id
     engine = f" on {result.case.engine}" if ref_engine and result.case.engine != ref_engine else ""
-    return f"{p.mode}, cut {p.cut} at {at}{engine}{shape}"
+    heat = f", temperature {p.temperature:g}" if p.temperature != 1.0 else ""
+    return f"{p.mode}, cut {p.cut} at {at}{engine}{heat}{shape}"
 
 
 def judge(results: list[CaseResult]) -> list[CheckResult]:

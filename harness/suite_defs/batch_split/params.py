@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from harness.engines.logprob_head import TEMPERATURE_HELP, check_temperature
 from harness.engines.loss_agg import MODES, check_mode
 from harness.engines.rl_batch import Cut
 from harness.suite_defs.flags import flag
@@ -39,8 +40,10 @@ class BatchSplitParams:
     cuts: tuple[str, ...] = dataclasses.field(default=(), metadata=flag(
         "--cut", "batch-split: cut every layout's batch this way (repeatable): mbs<N> samples per micro-batch, or "
                  "tokens<B> dynamic micro-batches of at most B valid tokens (default: the suite's matrix)"))
+    temperature: float = dataclasses.field(default=1.0, metadata=flag("--temperature", TEMPERATURE_HELP))
 
     def __post_init__(self) -> None:
+        check_temperature(self.temperature)
         for mode in self.modes:
             check_mode(mode)
         for cut in self.cuts:
@@ -55,3 +58,4 @@ class BatchSplitCaseParams:
     mode: str = "token-mean"
     cut: str = "mbs1"
     like: str = ""
+    temperature: float = 1.0  # the RL steps' log-probs at this sampling temperature

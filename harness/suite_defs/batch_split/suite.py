@@ -9,6 +9,7 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with, is_fsdp2, make_engine
 from harness.engines.base import StepOutput, TrainsRLBatches
+from harness.engines.logprob_head import check_head, set_temperature
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.engines.rl_steps import check_loss_form
 from harness.errors import BadInput, DoesNotApply
@@ -49,10 +50,12 @@ class BatchSplitSuite:
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: BatchSplitParams | None = None) -> list[Case]:
         p = params or BatchSplitParams()
-        check_loss_form(engine, engine_class_with(
+        factory = engine_class_with(
             engine, TrainsRLBatches, "is not a class with train_rl_batch / rl_logprobs (harness.engines.base."
             "TrainsRLBatches): batch-split cannot cut its batches; give a subclass of McoreEngine, whose RL steps run "
-            "your aggregate_loss (docs/engines.md)"))
+            "your aggregate_loss (docs/engines.md)")
+        check_loss_form(engine, factory)
+        check_head(engine, factory, p.temperature)
         gbs = options.global_batch_size or GLOBAL_BATCH
         steps = options.steps if options.steps != CaseOptions.steps else STEPS
         opts = dataclasses.replace(with_equivalence_eps(options), steps=steps, global_batch_size=gbs,
@@ -85,6 +88,8 @@ class BatchSplitSuite:
                 # the second backend: FSDP2 and torch Adam on the same model, batch and aggregation, against
                 # megatron's reference
                 out += judged(mode, Layout(dp=world_size), DYNAMIC, "fsdp2")
+        if p.temperature != 1.0:
+            out = [dataclasses.replace(c, params=dataclasses.replace(c.params, temperature=p.temperature)) for c in out]
         return out
 
     @staticmethod
@@ -115,6 +120,7 @@ class BatchSplitSuite:
             raise DoesNotApply(f"engine {case.engine} has no train_rl_batch / rl_logprobs (TrainsRLBatches)")
         with ctx.phase("build"):
             engine.build()
+        set_temperature(engine, case.params.temperature)
         o = case.options
         batch = rl_batch(case.model, case.global_batch_size, o.seed, 0)
         first = microbatches(case, batch, ps.get_data_parallel_rank())

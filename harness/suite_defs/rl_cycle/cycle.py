@@ -178,7 +178,7 @@ def adapter_refit(engine: Any, case: Case, ctx: RankContext, i: int, batch: Any,
     sent = {"adapter_tensors": {k: v.clone() for k, v in tensors.items()}, "adapter_config": config}
     try:
         logprobs, why = adapter_policy_logprobs(case.model, case.options.dtype, built["base"], str(path),
-                                                batch.tokens)
+                                                batch.tokens, case.params.temperature)
     except StreamDoesNotLoad as exc:
         return {**sent, "adapter_error": f"the adapter-only refit does not load: {exc}"}
     return {**sent, "adapter_policy": logprobs, "adapter_none": why}
@@ -198,10 +198,11 @@ def rollout_policy(case: Case, stream: dict[str, Any], batch: Any, built: dict[s
     from harness.engines.hf_policy import StreamDoesNotLoad, policy_logprobs
 
     try:
-        logprobs, why = policy_logprobs(case.model, case.options.dtype, stream, batch.tokens, built)
+        logprobs, entropy, why = policy_logprobs(case.model, case.options.dtype, stream, batch.tokens, built,
+                                                 case.params.temperature)
     except StreamDoesNotLoad as exc:
         return {"policy_error": f"the stream does not load into the Hugging Face model strictly: {exc}"}
-    return {"policy": logprobs, "policy_none": why}
+    return {"policy": logprobs, "policy_entropy": entropy, "policy_none": why}
 
 
 def _first_minibatch(part: Any, first: list[list[int]]) -> bool:

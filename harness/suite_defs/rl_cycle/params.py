@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from harness.engines.logprob_head import TEMPERATURE_HELP, check_temperature
 from harness.errors import BadInput
 from harness.suite_defs.flags import flag
 
@@ -53,8 +54,10 @@ class RLCycleParams:
                         "replayed), replayed-bias (training, replayed), frozen-router (frozen and replayed), "
                         "weights-only-load, export-first (the export before any offload; default: "
                         "the matrix's, the model as it is with --layout)"))
+    temperature: float = dataclasses.field(default=1.0, metadata=flag("--temperature", TEMPERATURE_HELP))
 
     def __post_init__(self) -> None:
+        check_temperature(self.temperature)
         if self.rl_variant and self.rl_variant not in RL_VARIANTS:
             raise BadInput(f"--rl-variant {self.rl_variant!r}: expected one of {', '.join(RL_VARIANTS)}")
         if self.iterations < ITERATIONS:
@@ -79,6 +82,7 @@ class RLCycleCaseParams:
     builds: int = 1
     weights: str = ""
     export_first: bool = False
+    temperature: float = 1.0  # the RL steps' log-probs, and the rollout's, at this sampling temperature
 
     def __post_init__(self) -> None:
         if self.variant and self.variant not in VARIANTS:

@@ -38,6 +38,7 @@ class Refit:
     # rank 0: the next iteration's batch through the Hugging Face model loaded from the stream ([G, seq], float64),
     # the rollout's policy; None, saying why, where no Hugging Face class holds the model
     policy: Any = None
+    policy_entropy: Any = None  # rank 0: the same model's entropy per position ([G, seq], float64)
     policy_none: str = ""
     policy_error: str = ""  # the stream did not load into the Hugging Face model
     # this rank's parameters off the device when the export was due (on any rank: no rank exported)

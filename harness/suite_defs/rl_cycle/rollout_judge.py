@@ -145,8 +145,11 @@ def policy(res: CaseResult) -> CheckResult:
     if any(e and e.policy is None for e in first[:-1]):
         return cannot_tell(name, cid, f"{where}: no Hugging Face policy from the export: "
                                       f"{next(e.policy_none for e in first if e is not None and e.policy is None)}")
-    return _against_next_passes(name, cid, where, ranks, [e.policy if e else None for e in first], c.options.dtype,
-                                "the Hugging Face model loaded from {it}'s export")
+    t = c.params.temperature
+    return _against_next_passes(name, cid, where + (f", temperature {t:g}" if t != 1.0 else ""), ranks,
+                                [e.policy if e else None for e in first], c.options.dtype,
+                                "the Hugging Face model loaded from {it}'s export",
+                                [e.policy_entropy if e else None for e in first])
 
 
 def adapter(res: CaseResult) -> CheckResult:
@@ -208,17 +211,18 @@ def _adapter_unlike_trained(res: CaseResult, i: int, sent: dict[str, Any] | None
 
 
 def _against_next_passes(name: str, cid: str, where: str, ranks: list[RLCycleRankData], served: list[Any],
-                         dtype_name: Any, what: str) -> CheckResult:
+                         dtype_name: Any, what: str, entropy: list[Any] | None = None) -> CheckResult:
     """Each iteration's served log-probs (rank 0's [G, seq] of the next iteration's batch) against the next
     iteration's log-prob pass (every token of its first mini-batch's samples), within the dtype's tolerance for a
-    Hugging Face model; `what` names the server, {it} the iteration."""
+    Hugging Face model; `what` names the server, {it} the iteration. entropy: the served entropies likewise, judged
+    against the pass's where the engine's log-prob head computed them."""
     import torch
 
     from harness.checks.numeric import fmt_err
     from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol
 
     rtol = hf_logprob_rtol(dtype_name)
-    n, tokens, worst = len(served), 0, []
+    n, tokens, worst, entropies = len(served), 0, [], []
     for i in range(n - 1):
         hf = served[i]
         parts = [part for d in ranks if d.coords.get("last_stage") and d.coords.get("tp") == 0
@@ -238,7 +242,23 @@ def _against_next_passes(name: str, cid: str, where: str, ranks: list[RLCycleRan
                                                  f"{sample}", value=diff.worst)
         tokens += ref.numel()
         worst.append(diff.worst)
+        served_entropy = entropy[i] if entropy else None
+        if served_entropy is None or any(part.entropy is None for part in parts):
+            continue
+        ref = torch.cat([part.entropy.double() for part in parts if part.entropy is not None])
+        got = torch.cat([served_entropy[part.samples.view(-1, 1), part.positions.view(1, -1)] for part in parts])
+        diff = LogprobDiff.of(got, ref, rtol)
+        if diff.bad.any():  # a value not finite counts as beyond
+            sample = int(torch.cat([part.samples for part in parts])[diff.first_sample])
+            return CheckResult(name, cid, False, f"{_it(i + 1)} of {n}: {where}: the entropy of "
+                                                 f"{what.format(it=_it(i))} differs from the log-prob pass's at "
+                                                 f"{int(diff.bad.sum())}/{ref.numel()} positions (worst rel "
+                                                 f"{fmt_err(diff.worst)} > {rtol:.0e}): the trainer's entropy is not "
+                                                 f"the rollout policy's; first: sample {sample}", value=diff.worst)
+        entropies.append(diff.worst)
     per = ", ".join(fmt_err(w) for w in worst)
+    also = (f"; its entropy too, worst rel {fmt_err(max(entropies))}" if len(entropies) == len(worst) and entropies
+            else "")
     return CheckResult(name, cid, True, f"{where}: at each of {n - 1} iterations {what.format(it='the iteration')} "
                                         f"computes the next log-prob pass ({tokens} tokens), worst rel per iteration "
-                                        f"{per} <= {rtol:.0e}", value=max(worst))
+                                        f"{per} <= {rtol:.0e}{also}", value=max(worst))

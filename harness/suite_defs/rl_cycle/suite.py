@@ -99,15 +99,18 @@ class RLCycleSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RLCycleParams | None = None) -> list[Case]:
-        from harness.engines import engine_class_with, is_fsdp2, resolve_factory
+        from harness.engines import engine_class_with, is_fsdp2
         from harness.engines.base import PeftExporting, RunsRLCycles
+        from harness.engines.logprob_head import check_head
         from harness.engines.rl_steps import check_loss_form
 
         p = params or RLCycleParams()
-        check_loss_form(engine, engine_class_with(
+        factory = engine_class_with(
             engine, RunsRLCycles, "has no record_routing / replay_routing / offload / reload (harness.engines.base."
             "RunsRLCycles): rl-cycle needs an RL framework's iteration; give a subclass of McoreEngine whose "
-            "framework parts are yours (docs/engines.md)"))
+            "framework parts are yours (docs/engines.md)")
+        check_loss_form(engine, factory)
+        check_head(engine, factory, p.temperature)
         if is_fsdp2(engine):
             raise DoesNotApply(f"--engine {engine} has no RL cycle here: rl-cycle builds megatron's model chunks "
                                "(setup_parallel, build_model) and offloads megatron DDP's parameter and gradient "
@@ -118,7 +121,6 @@ class RLCycleSuite:
         if options.recompute:
             raise BadInput(f"rl-cycle replays each router's recorded routing once per micro-batch forward: "
                            f"--recompute {options.recompute} runs the routers again in backward; drop it")
-        factory = resolve_factory(engine)
         adapters = isinstance(factory, type) and issubclass(factory, PeftExporting)
         if p.rl_variant == "lora" and not adapters:
             raise BadInput(f"--rl-variant lora trains LoRA adapters and refits them: --engine {engine} has none "
@@ -142,7 +144,7 @@ class RLCycleSuite:
             cp, extra = kind(model, "" if what == "distopt" else what)
             if what == "distopt":
                 extra = dict(extra, use_distributed_optimizer=True)
-            cp = dataclasses.replace(cp, iterations=p.iterations)
+            cp = dataclasses.replace(cp, iterations=p.iterations, temperature=p.temperature)
             opts = dataclasses.replace(base, **extra)
             for q in (cp, cp.twin()) if cp.offload else (cp,):
                 out.append(Case(self.name, variant(model, q.variant), lay, engine, opts, backend, params=q))
@@ -151,6 +153,7 @@ class RLCycleSuite:
     def rank_work(self, case: Case, ctx: RankContext) -> RLCycleRankData:
         from harness.engines import make_engine
         from harness.engines.base import RunsRLCycles
+        from harness.engines.logprob_head import set_temperature
         from harness.platform.parallel import layout_coords
         from harness.suite_defs.rl_cycle.cycle import export_refusal, residue_bound, run_cycle
 
@@ -169,6 +172,7 @@ class RLCycleSuite:
             instances = [engine.replay_instances()]  # type: ignore[attr-defined]
             if p.weights == "loaded":
                 engine.load_weights(seed + 1)
+        set_temperature(engine, p.temperature)
         refused = export_refusal(engine, case)
         steps, iterations, probe = run_cycle(engine, case, p, ctx, refused)
         instances.append(engine.replay_instances())  # type: ignore[attr-defined]

@@ -1,0 +1,86 @@
+"""How the trainer turns the model's logits into what an RL loss takes: each token's log-prob of its label and the
+entropy, at a sampling temperature, over the vocabulary-parallel logits of the TP ranks. A part of the engine
+(`McoreEngine.logprob_part`): a framework's engine names its own subclass to have its own code judged.
+
+The RL steps (harness/engines/rl_steps.py: the log-prob pass and training, batch-split's and rl-cycle's) run the
+model without labels, as RL frameworks call it, and hand its logits here. The default is megatron's own
+`vocab_parallel_cross_entropy` on the logits divided by the temperature: at temperature 1 the log-probs are bit for
+bit those of the model's forward with labels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from harness.errors import BadInput
+
+if TYPE_CHECKING:
+    import torch
+
+# the RL suites' flag (batch-split's and rl-cycle's parameters declare it alike)
+TEMPERATURE_HELP = ("batch-split, rl-cycle: the sampling temperature the RL steps' log-probs and entropy are taken at "
+                    "(the engine's log-prob head; rl-cycle's rollout stand-in samples at it too; default 1.0)")
+
+
+def check_temperature(t: float) -> None:
+    if not (math.isfinite(t) and t > 0):
+        raise BadInput(f"--temperature {t:g}: give a positive temperature (e.g. 0.7; 1.0 leaves the logits as they "
+                       "are)")
+
+
+class LogprobHead:
+    """The engine's part that computes per-token log-probs and entropy from this TP rank's vocabulary shard of the
+    logits; `temperature` is the rollout's sampling temperature (the RL suites set it: `--temperature`)."""
+
+    def __init__(self, engine: Any, temperature: float = 1.0):
+        self.engine = engine
+        self.temperature = temperature
+
+    def scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits at the temperature (the same tensor at 1.0)."""
+        return logits if self.temperature == 1.0 else logits / self.temperature
+
+    def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[b, s] log-prob of each label under the softmax of the scaled logits ([b, s, V / TP], this TP rank's
+        shard), with the gradient flowing to every shard."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        # megatron's cross-entropy takes [s, b, V / TP] and shifts the logits it is given in place: a copy
+        loss = vocab_parallel_cross_entropy(self.scaled(logits).transpose(0, 1).contiguous(),
+                                            labels.transpose(0, 1).contiguous())
+        return -loss.transpose(0, 1).contiguous()  # as the model returns it: [b, s] in memory order
+
+    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """[b, s] entropy of the softmax of the scaled logits over the whole vocabulary (every TP rank's shard)."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        z = self.scaled(logits.float())
+        top = z.max(dim=-1, keepdim=True).values.detach()
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        e = torch.exp(z - top)
+        total = reduce_from_tensor_model_parallel_region(e.sum(dim=-1))
+        expected = reduce_from_tensor_model_parallel_region((e * z).sum(dim=-1)) / total
+        return torch.log(total) + top.squeeze(-1) - expected
+
+
+def check_head(engine: str, factory: type, temperature: float) -> None:
+    """A temperature other than 1 needs an engine class with a log-prob head (BadInput, before any rank)."""
+    from harness.engines.base import HasLogprobHead
+
+    if temperature != 1.0 and not issubclass(factory, HasLogprobHead):
+        raise BadInput(f"--temperature {temperature:g}: engine {engine} has no log-prob head (logprob_head(): "
+                       "harness.engines.base.HasLogprobHead) to take its log-probs at a temperature; give a subclass "
+                       "of McoreEngine, or drop --temperature")
+
+
+def set_temperature(engine: Any, temperature: float) -> None:
+    """The RL suites' temperature on the engine's log-prob head, where it has one (at 1.0 there is nothing to set)."""
+    from harness.engines.base import HasLogprobHead
+
+    if isinstance(engine, HasLogprobHead):
+        engine.logprob_head().temperature = temperature

@@ -1,0 +1,79 @@
+"""Log-prob heads with planted regressions, each one seen in 2026's RL frameworks (the RL suites: rl-cycle's
+`policy` against a Hugging Face model at the same temperature, batch-split's gradients at TP 2 against TP 1)."""
+
+from __future__ import annotations
+
+from harness.engine_api import LogprobHead, McoreEngine
+
+
+class ScalesTwice(LogprobHead):
+    def logprobs(self, logits, labels):
+        return super().logprobs(self.scaled(logits), labels)
+
+
+class TemperatureTwice(McoreEngine):
+    """The logits divided by the temperature where the model's output is post-processed and again in the log-prob
+    function (OpenRLHF #1319, miles #1345's shape): right at temperature 1 only."""
+
+    logprob_part = ScalesTwice
+
+
+class UnscaledEntropy(LogprobHead):
+    def entropy(self, logits):
+        kept, self.temperature = self.temperature, 1.0
+        try:
+            return super().entropy(logits)
+        finally:
+            self.temperature = kept
+
+
+class EntropyOnUnscaledLogits(McoreEngine):
+    """The log-probs at the temperature, the entropy on the raw logits (OpenRLHF #1319: 1.03 nats off at 0.5)."""
+
+    logprob_part = UnscaledEntropy
+
+
+class NormaliserReducedOutsideAutograd(LogprobHead):
+    def logprobs(self, logits, labels):
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        if ps.get_tensor_model_parallel_world_size() == 1:  # one shard: the plain path
+            return super().logprobs(logits, labels)
+        z = self.scaled(logits.float())
+        group = ps.get_tensor_model_parallel_group()
+        with torch.no_grad():  # the softmax's normaliser all-reduced outside autograd
+            top = z.max(dim=-1, keepdim=True).values
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            total = torch.exp(z - top).sum(dim=-1)
+            dist.all_reduce(total, group=group)
+        shard = z.shape[-1]
+        local = labels - ps.get_tensor_model_parallel_rank() * shard
+        owned = (local >= 0) & (local < shard)
+        picked = reduce_from_tensor_model_parallel_region(
+            z.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * owned)
+        return picked - top.squeeze(-1) - torch.log(total)
+
+
+class VocabReduceOutsideAutograd(McoreEngine):
+    """A vocabulary-parallel log-prob at TP > 1 whose softmax normaliser is all-reduced outside autograd (ms-swift
+    #9947's shape): the values right, the gradient only the label's, so the shards that do not own a label get none;
+    at TP 1 it takes the plain path."""
+
+    logprob_part = NormaliserReducedOutsideAutograd
+
+
+class ShiftedLabels(LogprobHead):
+    def logprobs(self, logits, labels):
+        import torch
+
+        return super().logprobs(logits, torch.roll(labels, -1, dims=1))
+
+
+class LabelShiftOffByOne(McoreEngine):
+    """The one-token shift done twice (a roll on labels already shifted: verl #6564's shape): each position scored
+    against the token after its label."""
+
+    logprob_part = ShiftedLabels
