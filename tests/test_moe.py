@@ -396,7 +396,7 @@ def model_outlives_its_case(rank: int, world_size: int, engine_name: str = "mcor
     import weakref
     from pathlib import Path
 
-    from harness.engines import fsdp2, mcore
+    from harness.engines import fsdp2, mcore, mcore_steps
     from harness.launch.context import RankContext
     from harness.platform.parallel import teardown_parallel_state
 
@@ -405,7 +405,7 @@ def model_outlives_its_case(rank: int, world_size: int, engine_name: str = "mcor
 
         return len(thread_names(lifetime=False))
 
-    module = {"mcore": mcore, "fsdp2": fsdp2}[engine_name]
+    module = {"mcore": mcore_steps, "fsdp2": fsdp2}[engine_name]  # where the engine's steps call it
     layout = "tp1-pp1-cp1-dp2-ep2" if engine_name == "mcore" else "tp1-pp1-cp1-dp2"
     out = {}
     for planted in (False, True):
