@@ -31,9 +31,9 @@ RL_VARIANTS = ("built-twice", "4-layers", "expert-bias", "replayed-bias", "froze
 LORA_DIM, LORA_ALPHA = 8, 16
 # What an export may leave allocated once it ended, at every iteration from the second on, before `refit` calls it a
 # leak: memory a sender holds past the send (serialized buckets, IPC handles, numpy copies) grows with every refit.
-# Correct engines on CPU ranks left up to 0.6 MiB at one iteration (malloc's per-thread caches, gloo's buffers for a
-# message size not seen before) but at most 83 KiB at each of iterations 2-4 (the live heap, glibc's mallinfo2;
-# every shipped model on mcore and megatron-bridge, tiny-qwen3-moe at PP 2 with VPP 2 the most).
+# Correct engines on CPU ranks left up to 0.6 MiB at one iteration (not garbage: a collection before reading changed
+# nothing) but at most 79 KiB at each of iterations 2-4 (the live heap, glibc's mallinfo2; every shipped model on
+# mcore, tiny on megatron-bridge, tiny-qwen3-moe at PP 2 with VPP 2 the most).
 EXPORT_KEPT = 256 << 10
 # the merged refit exported this many times in a row with no training between: a merge applied again at every refit
 # (into the base weights in place) moves the weights the rollout gets
