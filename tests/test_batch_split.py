@@ -68,6 +68,30 @@ def test_unmodified_megatron_passes_every_mode_at_cp2_and_pp2_dynamically():
         assert any(c.check == f"batch-split.{check}" and c.passed for c in run.checks), check
 
 
+def test_the_readings_of_a_loss_are_the_definitions_frameworks_give_the_modes():
+    """A wrong loss is named by the definition it matches: computed here by hand on a batch of three samples, one
+    fully masked, cut into two micro-batches, over CP 2's zigzag parts."""
+    import torch
+
+    from harness.engines.loss_agg import readings
+
+    loss = torch.arange(1.0, 25.0).reshape(3, 8)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0] * 8, [1] * 8], dtype=torch.float64)
+    got = readings(loss, mask, [[0, 1], [2]], cp=2)
+    mean0, mean2 = (3 + 4 + 5 + 6) / 4, sum(range(17, 25)) / 8
+    assert got["token-mean"] == pytest.approx((18 + sum(range(17, 25))) / 12)
+    assert got["seq-mean-token-mean"] == pytest.approx((mean0 + mean2) / 2)
+    assert got["seq-mean-token-mean over every sample, fully masked ones counted"] == pytest.approx((mean0 + mean2) / 3)
+    per_mb = "token-mean per micro-batch (each micro-batch's own tokens' mean, summed over the micro-batches)"
+    assert got[per_mb] == pytest.approx(mean0 + mean2)
+    assert got["token-mean per micro-batch, averaged over the micro-batches (each one weighed alike)"] == \
+        pytest.approx((mean0 + mean2) / 2)
+    # CP 2: rank 0 holds positions 0-1 and 6-7, rank 1 positions 2-5; sample 0's valid tokens are all on rank 1
+    parts = (mean0 + (17 + 18 + 23 + 24) / 4 + (19 + 20 + 21 + 22) / 4) / 2
+    assert got["seq-mean-token-mean with each CP rank's part of a sample taken for the sample (CP 2)"] == \
+        pytest.approx(parts)
+
+
 @pytest.mark.slow
 def test_a_frameworks_own_function_over_whole_sequences_passes_at_cp2_in_the_sequence_form():
     """A framework's function (tests/framework_losses.py: the loss matrix, mask, mode and global normalisers; it

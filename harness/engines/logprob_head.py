@@ -38,15 +38,16 @@ class LogprobHead:
         self.temperature = temperature
 
     def scaled(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits at the temperature (the same tensor at 1.0)."""
-        return logits if self.temperature == 1.0 else logits / self.temperature
+        """The logits at the temperature, divided in fp32 (the same tensor at 1.0)."""
+        return logits if self.temperature == 1.0 else logits.float() / self.temperature
 
     def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """[b, s] log-prob of each label under the softmax of the scaled logits ([b, s, V / TP], this TP rank's
         shard), with the gradient flowing to every shard."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        # megatron's cross-entropy takes [s, b, V / TP] and shifts the logits it is given in place: a copy
+        # megatron's cross-entropy takes [s, b, V / TP] and shifts what it is given in place: the model's own logits
+        # where the transpose needs no copy (one sample per micro-batch at temperature 1), so the entropy goes first
         loss = vocab_parallel_cross_entropy(self.scaled(logits).transpose(0, 1).contiguous(),
                                             labels.transpose(0, 1).contiguous())
         return -loss.transpose(0, 1).contiguous()  # as the model returns it: [b, s] in memory order
@@ -62,10 +63,10 @@ class LogprobHead:
         top = z.max(dim=-1, keepdim=True).values.detach()
         if ps.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-        e = torch.exp(z - top)
+        shifted = z - top
+        e = torch.exp(shifted)
         total = reduce_from_tensor_model_parallel_region(e.sum(dim=-1))
-        expected = reduce_from_tensor_model_parallel_region((e * z).sum(dim=-1)) / total
-        return torch.log(total) + top.squeeze(-1) - expected
+        return torch.log(total) - reduce_from_tensor_model_parallel_region((e * shifted).sum(dim=-1)) / total
 
 
 def check_head(engine: str, factory: type, temperature: float) -> None:

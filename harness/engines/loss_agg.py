@@ -98,8 +98,11 @@ def readings(token_loss: torch.Tensor, mask: torch.Tensor, microbatches: list[li
     means = torch.where(counts > 0, (token_loss * mask).sum(dim=1) / counts.clamp(min=1), torch.zeros_like(counts))
     out["seq-mean-token-mean over every sample, fully masked ones counted"] = float(means.sum() / max(len(counts), 1))
     if len(microbatches) > 1:
-        out["token-mean per micro-batch (each micro-batch's own tokens' mean, summed over the micro-batches)"] = sum(
-            float((token_loss[mb] * mask[mb]).sum() / mask[mb].sum().clamp(min=1)) for mb in microbatches)
+        means_mb = [float((token_loss[mb] * mask[mb]).sum() / mask[mb].sum().clamp(min=1)) for mb in microbatches]
+        out["token-mean per micro-batch (each micro-batch's own tokens' mean, summed over the micro-batches)"] = \
+            sum(means_mb)
+        out["token-mean per micro-batch, averaged over the micro-batches (each one weighed alike)"] = \
+            sum(means_mb) / len(means_mb)
     if cp > 1 and token_loss.shape[1] % (2 * cp) == 0:
         nonempty = max(int((counts > 0).sum()), 1)
         parts = 0.0

@@ -20,6 +20,9 @@ from harness.suite_defs.rl_cycle.payload import Iteration, Offloaded, Refit
 # bookkeeping tensors (its RNG tracker's states, the MoE loss tracker's). tiny and tiny-moe leave 2-13 KiB of it
 # on CPU ranks.
 FIXED_RESIDUE = 64 << 10
+# What a tensor rank 0 keeps of the stream costs the heap beyond its bytes (its C++ tensor and storage objects):
+# measured about 380 bytes on torch 2.13
+TENSOR_OVERHEAD = 512
 # What megatron's schedules keep of one micro-batch's activations per model chunk once a step is over (the
 # interleaved schedule: two [seq, 1, hidden] tensors of the last micro-batch per virtual stage), in [seq, hidden]
 # tensors: 4.
@@ -140,20 +143,26 @@ def export(engine: Any, rank: int, trained: list[Any]) -> Refit:
     if any(every):  # every rank skips it together (it is collective); the ranks that lost parameters name them
         return Refit([], trained, read_offloaded=gone)
     keep: dict[str, Any] | None = {} if rank == 0 else None
-    held = _holding()
-    before = held()
+    before = _held()
     sent = receive(engine.export_buckets(REFIT_BUCKET), keep)
-    after = held()
-    ours = 0 if held is not live_heap else sum(t.untyped_storage().nbytes() for t in (keep or {}).values())
+    after = _held()
+    ours = sum(t.untyped_storage().nbytes() + TENSOR_OVERHEAD for t in (keep or {}).values())
     return Refit(sent, trained, keep, kept=None if before is None or after is None else after - before - ours)
 
 
-def _holding() -> Any:
-    """What tells how much a rank holds: torch's allocated device memory on GPU ranks, the process's live heap on CPU
-    ranks (None where libc cannot say). Read around an export, it is what the export kept once it ended."""
+def _held() -> int | None:
+    """What the rank holds now, garbage collected first: the process's live heap (None where libc cannot say), and on
+    GPU ranks torch's allocated device memory too. Read around an export, it is what the export kept once it ended."""
+    import gc
+
     import torch
 
-    return torch.cuda.memory_allocated if torch.cuda.is_available() and torch.cuda.is_initialized() else live_heap
+    gc.collect()
+    heap = live_heap()
+    if heap is None or not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return heap
+    torch.cuda.synchronize()  # blocks freed on other streams are counted until their events complete
+    return heap + torch.cuda.memory_allocated()
 
 
 def adapter_refit(engine: Any, case: Case, ctx: RankContext, i: int, batch: Any, built: dict[str, Any]
