@@ -18,6 +18,7 @@ from harness.engines.base import ParamShard, StepOutput
 from harness.engines.experts import drop_routing_graphs
 from harness.engines.lr_schedule import SCHEDULER_KEY, make_scheduler, saved_schedule
 from harness.engines.mcore import McoreEngine
+from harness.engines.mcore_steps import captured
 from harness.errors import BadInput
 from harness.spec import Layout, ModelSpec
 
@@ -111,17 +112,13 @@ class FSDP2Engine(McoreEngine):
         from harness.engines.base import TokenLogprobs
 
         self._aux_loss_over(len(mbs))
-        captured: list[TokenLogprobs] = []
+        kept: list[TokenLogprobs] = []
         reported = []
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for i, mb in enumerate(mbs):
                 out = self.token_losses(self.model, mb, rl=loss_fns is not None, capture=capture)
                 if capture:
-                    n = len(samples[i])
-                    entropy = mb.get("entropy")
-                    captured.append(TokenLogprobs(samples[i], torch.arange(out.shape[1]),
-                                                  -out.detach().float().cpu().reshape(n, -1),
-                                                  None if entropy is None else entropy.reshape(n, -1)))
+                    kept.append(captured(mb, samples[i], torch.arange(out.shape[1]), out))
                 loss, report = loss_fns[i](out) if loss_fns else (out.float().mean() / len(mbs), None)
                 if not forward_only:
                     loss.backward()
@@ -132,7 +129,7 @@ class FSDP2Engine(McoreEngine):
         step: dict = {"aux_loss": self._take_aux_loss(), **({} if forward_only else self._optimizer_step())}
         total = torch.stack(reported).sum(0) if reported else None
         return StepOutput(None if total is None else float(total[0]), None if total is None else int(total[1]),
-                          captured if capture else None, **step)
+                          kept if capture else None, **step)
 
     def to_schedule(self, share, num_microbatches: int):
         """FSDP2 averages gradients over the DP ranks; no schedule divides by the micro-batches."""

@@ -36,20 +36,19 @@ def hf_model_modules() -> tuple[str, ...]:
 
 def label_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """[batch, seq] log-prob of each next token at the sampling temperature, in float64."""
+    return _at_labels(_log_softmax(logits, temperature), tokens)
+
+
+def _log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[batch, seq, vocab] log-probs at the sampling temperature, in float64."""
     import torch
 
     z = logits.double()
-    lp = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
+    return torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
+
+
+def _at_labels(lp: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return lp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
-def entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[batch, seq] entropy of each position's next-token distribution at the sampling temperature, in float64."""
-    import torch
-
-    z = logits.double()
-    lp = torch.log_softmax(z if temperature == 1.0 else z / temperature, dim=-1)
-    return -(lp.exp() * lp).sum(dim=-1)
 
 
 class StreamDoesNotLoad(Exception):
@@ -103,8 +102,8 @@ def policy_logprobs(model: ModelSpec, dtype_name: str, stream: dict[str, Any], t
     if hf is None:
         return None, None, why
     with torch.no_grad():
-        logits = hf(input_ids=tokens[:, :-1]).logits
-        return label_logprobs(logits, tokens, temperature), entropies(logits, temperature), ""
+        lp = _log_softmax(hf(input_ids=tokens[:, :-1]).logits, temperature)
+        return _at_labels(lp, tokens), -(lp.exp() * lp).sum(dim=-1), ""
 
 
 def adapter_policy_logprobs(model: ModelSpec, dtype_name: str, base: dict[str, Any], adapter_dir: str,

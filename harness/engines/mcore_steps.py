@@ -63,12 +63,8 @@ class McoreSteps:
         return -head.logprobs(logits, labels)
 
     def _capture_then_loss(self, mb, loss, output_tensor):
-        """Keep the micro-batch's per-token log-probs (minus the per-token loss) and entropy, then the loss."""
-        n = len(mb["samples"])
-        entropy = mb.get("entropy")
-        self._captured.append(TokenLogprobs(mb["samples"], mb["positions"],
-                                            -output_tensor.detach().float().cpu().reshape(n, -1),
-                                            None if entropy is None else entropy.reshape(n, -1)))
+        """Keep the micro-batch's per-token log-probs and entropy, then the loss."""
+        self._captured.append(captured(mb, mb["samples"], mb["positions"], output_tensor))
         return loss(output_tensor)
 
     @staticmethod
@@ -170,3 +166,12 @@ class McoreSteps:
         value = float(entry["values"].sum()) if entry else 0.0
         moe_utils.clear_aux_losses_tracker()
         return value
+
+
+def captured(mb: dict, samples: Any, positions: Any, token_loss: Any) -> TokenLogprobs:
+    """A micro-batch's per-token log-probs (minus its per-token loss) and, where the log-prob head kept it in `mb`,
+    its entropy, on the host."""
+    n = len(samples)
+    entropy = mb.get("entropy")
+    return TokenLogprobs(samples, positions, -token_loss.detach().float().cpu().reshape(n, -1),
+                         None if entropy is None else entropy.reshape(n, -1))

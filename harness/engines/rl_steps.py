@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import StepOutput, TokenLogprobs
 from harness.engines.cp_data import whole_sequences
+from harness.engines.logprob_head import check_head
 from harness.engines.loss_agg import CHUNK, LOSS_FORMS, SEQUENCE, BatchTotals, MicroBatchLoss, aggregate
 from harness.engines.rl_batch import RLBatch, microbatch_tensors
 from harness.errors import BadInput
@@ -30,8 +31,10 @@ if TYPE_CHECKING:
     import torch
 
 
-def check_loss_form(engine: str, factory: type) -> None:
-    """An RLSteps engine's `loss_form` is chunk or sequence (BadInput, before any rank, otherwise)."""
+def check_rl_engine(engine: str, factory: type, temperature: float) -> None:
+    """What the RL suites ask of an engine class before any rank (BadInput otherwise): an RLSteps engine's `loss_form`
+    is chunk or sequence, and a temperature other than 1 has a log-prob head to take it."""
+    check_head(engine, factory, temperature)
     form = factory.loss_form if issubclass(factory, RLSteps) else CHUNK
     if form not in LOSS_FORMS:
         raise BadInput(f"engine {engine}: loss_form {form!r}: give {CHUNK!r} (this CP rank's part of each sequence) "

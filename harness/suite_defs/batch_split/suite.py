@@ -9,9 +9,9 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with, is_fsdp2, make_engine
 from harness.engines.base import StepOutput, TrainsRLBatches
-from harness.engines.logprob_head import check_head, set_temperature
+from harness.engines.logprob_head import set_temperature
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
-from harness.engines.rl_steps import check_loss_form
+from harness.engines.rl_steps import check_rl_engine
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -54,8 +54,7 @@ class BatchSplitSuite:
             engine, TrainsRLBatches, "is not a class with train_rl_batch / rl_logprobs (harness.engines.base."
             "TrainsRLBatches): batch-split cannot cut its batches; give a subclass of McoreEngine, whose RL steps run "
             "your aggregate_loss (docs/engines.md)")
-        check_loss_form(engine, factory)
-        check_head(engine, factory, p.temperature)
+        check_rl_engine(engine, factory, p.temperature)
         gbs = options.global_batch_size or GLOBAL_BATCH
         steps = options.steps if options.steps != CaseOptions.steps else STEPS
         opts = dataclasses.replace(with_equivalence_eps(options), steps=steps, global_batch_size=gbs,

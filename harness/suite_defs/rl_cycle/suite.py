@@ -101,16 +101,14 @@ class RLCycleSuite:
               params: RLCycleParams | None = None) -> list[Case]:
         from harness.engines import engine_class_with, is_fsdp2
         from harness.engines.base import PeftExporting, RunsRLCycles
-        from harness.engines.logprob_head import check_head
-        from harness.engines.rl_steps import check_loss_form
+        from harness.engines.rl_steps import check_rl_engine
 
         p = params or RLCycleParams()
         factory = engine_class_with(
             engine, RunsRLCycles, "has no record_routing / replay_routing / offload / reload (harness.engines.base."
             "RunsRLCycles): rl-cycle needs an RL framework's iteration; give a subclass of McoreEngine whose "
             "framework parts are yours (docs/engines.md)")
-        check_loss_form(engine, factory)
-        check_head(engine, factory, p.temperature)
+        check_rl_engine(engine, factory, p.temperature)
         if is_fsdp2(engine):
             raise DoesNotApply(f"--engine {engine} has no RL cycle here: rl-cycle builds megatron's model chunks "
                                "(setup_parallel, build_model) and offloads megatron DDP's parameter and gradient "
