@@ -11,6 +11,9 @@ from harness.errors import BadInput
 TP2, PP2, DP4 = "tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp4"
 EP2, ETP2 = "tp1-pp1-cp1-dp4-ep2", "tp1-pp1-cp1-dp4-ep2-etp2"
 QUICK = {"bucket_sizes": ("8KiB",)}
+# The runs below are at world size 2, where every planted fault shows, at about half world
+# size 4's time; the default matrix above is world size 4's
+TP, PP, DP, EP = "tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp2-ep2"
 
 
 def _failed(run) -> dict[str, str]:
@@ -59,7 +62,7 @@ def test_bad_parameters_are_refused_before_any_rank(given, said):
 @pytest.mark.slow
 @pytest.mark.nightly
 def test_megatrons_export_passes_at_tp2_and_pp2_untied():
-    run = run_suite("refit", "tiny", 4, [TP2, PP2], backend="gloo", suite_params={**QUICK, "variant": "untied"})
+    run = run_suite("refit", "tiny", 2, [TP, PP], backend="gloo", suite_params={**QUICK, "variant": "untied"})
     assert not _failed(run)
     for check in ("complete", "values", "memory", "repeat", "policy"):
         assert sum(c.check == f"refit.{check}" and c.passed for c in run.checks) == 2, check
@@ -68,10 +71,10 @@ def test_megatrons_export_passes_at_tp2_and_pp2_untied():
 @pytest.mark.slow
 @pytest.mark.parametrize("engine, layout", [
     # megatron-bridge's export is judged in the fast tier by the SequentialMLP expert test below (tiny-qwen3-moe)
-    pytest.param("megatron-bridge", TP2, marks=pytest.mark.nightly),
-    ("fsdp2", DP4)])
+    pytest.param("megatron-bridge", TP, marks=pytest.mark.nightly),
+    ("fsdp2", DP)])
 def test_megatron_bridges_export_and_fsdp2s_pass(engine, layout):
-    run = run_suite("refit", "tiny", 4, [layout], engine=engine, backend="gloo", suite_params=QUICK)
+    run = run_suite("refit", "tiny", 2, [layout], engine=engine, backend="gloo", suite_params=QUICK)
     assert not _failed(run), engine
 
 
@@ -100,7 +103,7 @@ def _bridge_maps_sequential_mlp_experts() -> bool:
 def test_megatron_bridges_sequential_mlp_expert_export_is_judged_where_the_bridge_maps_it():
     """megatron-bridge 0.3.1 cannot export megatron's SequentialMLP experts: the case errors naming the upstream
     defect; a bridge that maps them (0.6.2) is judged like the other paths, and passes."""
-    run = run_suite("refit", "tiny-qwen3-moe", 4, [DP4], engine="megatron-bridge", backend="gloo", suite_params=QUICK)
+    run = run_suite("refit", "tiny-qwen3-moe", 2, [DP], engine="megatron-bridge", backend="gloo", suite_params=QUICK)
     if _bridge_maps_sequential_mlp_experts():
         assert not _failed(run) or set(_failed(run)) == {"refit.baseline"}, _failed(run)
         assert any(c.check == "refit.values" and c.passed for c in run.checks)
@@ -110,35 +113,36 @@ def test_megatron_bridges_sequential_mlp_expert_export_is_judged_where_the_bridg
 
 @pytest.mark.slow
 def test_an_expert_task_split_across_buckets_that_is_never_yielded_is_caught():
-    run = run_suite("refit", "tiny-moe", 4, [EP2], engine="tests.faulty_refit:ExpertBucketNeverYielded",
+    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.faulty_refit:ExpertBucketNeverYielded",
                     backend="gloo", suite_params=QUICK)
     msg = _failed(run)["refit.complete"]
-    assert msg.startswith(f"tiny-moe at {EP2} on tests.faulty_refit:ExpertBucketNeverYielded, buckets of 8 KiB: "
+    assert msg.startswith(f"tiny-moe at {EP} on tests.faulty_refit:ExpertBucketNeverYielded, buckets of 8 KiB: "
                           "rank 0 sent ")
     assert "never sent model.layers.0.mlp.experts." in msg
 
 
 @pytest.mark.slow
 def test_the_local_etp_shard_sent_instead_of_the_gathered_expert_is_caught():
-    run = run_suite("refit", "tiny-moe", 4, [ETP2], engine="tests.faulty_refit:ETPLocalShard", backend="gloo",
+    etp = "tp1-pp1-cp1-dp2-ep1-etp2"
+    run = run_suite("refit", "tiny-moe", 2, [etp], engine="tests.faulty_refit:ETPLocalShard", backend="gloo",
                     suite_params=QUICK)
     msg = _failed(run)["refit.values"]
-    assert f"tiny-moe at {ETP2} on tests.faulty_refit:ETPLocalShard, buckets of 8 KiB: rank 0, bucket " in msg
+    assert f"tiny-moe at {etp} on tests.faulty_refit:ETPLocalShard, buckets of 8 KiB: rank 0, bucket " in msg
     assert ".mlp.experts.0.gate_proj.weight of shape [32, 64], the harness's mapping expects [64, 64]" in msg
 
 
 @pytest.mark.slow
 def test_a_dropped_expert_bias_is_caught():
-    run = run_suite("refit", "tiny-moe", 4, [EP2], engine="tests.faulty_refit:DropsExpertBias", backend="gloo",
+    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.faulty_refit:DropsExpertBias", backend="gloo",
                     suite_params={**QUICK, "variant": "expert-bias"})
     msg = _failed(run)["refit.complete"]
     assert "never sent model.layers.0.mlp.gate.e_score_correction_bias" in msg
-    assert msg.startswith(f"tiny-moe+expert-bias at {EP2} on tests.faulty_refit:DropsExpertBias, buckets of 8 KiB")
+    assert msg.startswith(f"tiny-moe+expert-bias at {EP} on tests.faulty_refit:DropsExpertBias, buckets of 8 KiB")
 
 
 @pytest.mark.slow
 def test_a_fused_expert_tensor_built_whole_is_caught():
-    run = run_suite("refit", "tiny-moe", 4, [EP2], engine="tests.faulty_refit:FusedExpertsBuiltWhole",
+    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.faulty_refit:FusedExpertsBuiltWhole",
                     backend="gloo", suite_params=QUICK)
     msg = _failed(run)["refit.memory"]
     assert "built 64.0 KiB at once, beyond the largest tensor the export must build (32.0 KiB), at " in msg
@@ -148,16 +152,16 @@ def test_a_fused_expert_tensor_built_whole_is_caught():
 
 @pytest.mark.slow
 def test_an_exporter_that_keeps_its_buckets_is_caught():
-    run = run_suite("refit", "tiny", 4, [TP2], engine="tests.faulty_refit:KeepsBucketsAlive", backend="gloo",
+    run = run_suite("refit", "tiny", 2, [TP], engine="tests.faulty_refit:KeepsBucketsAlive", backend="gloo",
                     suite_params=QUICK)
     msg = _failed(run)["refit.repeat"]
-    assert f"tiny at {TP2} on tests.faulty_refit:KeepsBucketsAlive, buckets of 8 KiB: 10 exports of the same " in msg
+    assert f"tiny at {TP} on tests.faulty_refit:KeepsBucketsAlive, buckets of 8 KiB: 10 exports of the same " in msg
     assert "KiB per export (bound 16 KiB" in msg
 
 
 @pytest.mark.slow
 def test_stale_weights_are_caught_by_value_and_by_the_policy():
-    run = run_suite("refit", "tiny", 4, [DP4], engine="tests.faulty_refit:StaleWeights", backend="gloo",
+    run = run_suite("refit", "tiny", 2, [DP], engine="tests.faulty_refit:StaleWeights", backend="gloo",
                     suite_params=QUICK)
     failed = _failed(run)
     assert "unlike the trained parameter" in failed["refit.values"]
@@ -171,7 +175,7 @@ def test_an_export_peak_above_its_baseline_fails_naming_the_rank_and_the_bucket(
     from harness.suite_defs.refit import RefitParams, RefitSuite
     from harness.suite_defs.refit.figures import key, samples
 
-    run = run_suite("refit", "tiny", 4, [TP2], backend="gloo", suite_params=QUICK)
+    run = run_suite("refit", "tiny", 2, [TP], backend="gloo", suite_params=QUICK)
     res = run.results[0]
     suite, path = RefitSuite(), tmp_path / "cpu-gloo" / "refit.json"
 
@@ -185,18 +189,18 @@ def test_an_export_peak_above_its_baseline_fails_naming_the_rank_and_the_bucket(
     assert judged(1.0).passed
     low = judged(0.5)  # as if the export had needed half the memory when the baseline was recorded
     assert not low.passed and not low.improvement
-    assert low.message.startswith(f"tiny at {TP2} on mcore: rank") and "export_mib@8KiB" in low.message
+    assert low.message.startswith(f"tiny at {TP} on mcore: rank") and "export_mib@8KiB" in low.message
     assert "KiB above baseline" in low.message
     assert judged(2.0).improvement
 
 
 @pytest.mark.slow
 def test_an_exporter_that_ignores_the_bucket_size_is_caught_and_a_sent_tied_head_is_not():
-    run = run_suite("refit", "tiny", 4, [PP2], engine="tests.faulty_refit:OneBucketWithTiedHead", backend="gloo",
+    run = run_suite("refit", "tiny", 2, [PP], engine="tests.faulty_refit:OneBucketWithTiedHead", backend="gloo",
                     suite_params=QUICK)
     failed = _failed(run)
     assert failed["refit.memory"].startswith(
-        f"tiny at {PP2} on tests.faulty_refit:OneBucketWithTiedHead, buckets of 8 KiB: rank 0, bucket 0 holds ")
+        f"tiny at {PP} on tests.faulty_refit:OneBucketWithTiedHead, buckets of 8 KiB: rank 0, bucket 0 holds ")
     assert "beyond the bucket size 8 KiB" in failed["refit.memory"]
     assert "refit.complete" not in failed and "refit.values" not in failed  # lm_head sent, equal to the embedding
 
