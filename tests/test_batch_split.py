@@ -13,7 +13,9 @@ from harness.engines.rl_batch import Cut, microbatch_samples, num_microbatches, 
 from harness.errors import BadInput
 from harness.models import load_model
 
-CP2, PP2, DP4 = "tp1-pp1-cp2-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp4"
+CP2, PP2, DP4 = "tp1-pp1-cp2-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp4"  # the default matrix at world size 4
+# The runs below are at world size 2, where every planted fault shows, at about half world size 4's time
+CP, DP, TP, EP = "tp1-pp1-cp2-dp1", "tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1", "tp1-pp1-cp1-dp2-ep2"
 
 
 def _failed(run, checks=None) -> dict[tuple[str, str], str]:
@@ -98,7 +100,7 @@ def test_a_frameworks_own_function_over_whole_sequences_passes_at_cp2_in_the_seq
     refuses modes it does not know, as releases refused "token-sum") plugged in through a thin adapter that declares
     the sequence form: whole sequences gathered over CP, the same losses, gradients and parameters as one micro-batch
     on one rank; the forward-only pass never calls it (it has no loss)."""
-    run = run_suite("batch-split", "tiny", 4, [CP2], engine="tests.framework_losses:WholeSequenceLoss",
+    run = run_suite("batch-split", "tiny", 2, [CP], engine="tests.framework_losses:WholeSequenceLoss",
                     backend="gloo", suite_params={"modes": ("token-mean", "seq-mean-token-mean"), "cuts": ("mbs2",)})
     assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
     assert {c.check for c in run.checks} >= {f"batch-split.{k}" for k in ("loss", "grad_norm", "params", "aggregation")}
@@ -108,10 +110,10 @@ def test_a_frameworks_own_function_over_whole_sequences_passes_at_cp2_in_the_seq
 def test_whole_sequence_function_handed_cp_chunks_fails_naming_the_definition_it_computed():
     """The same function declared in the chunk form: at CP 2 each sample's token mean is taken over each CP rank's
     part (verl 0.9.1's CP 2 failure), and `aggregation` says so."""
-    run = run_suite("batch-split", "tiny", 4, [CP2], engine="tests.framework_losses:WholeSequenceLossOnChunks",
+    run = run_suite("batch-split", "tiny", 2, [CP], engine="tests.framework_losses:WholeSequenceLossOnChunks",
                     backend="gloo", suite_params={"modes": ("seq-mean-token-mean",), "cuts": ("mbs2",)})
-    msg = _failed(run)[(CP2, "batch-split.aggregation")]
-    assert re.fullmatch(r"seq-mean-token-mean, cut mbs2 at tp1-pp1-cp2-dp2 \(micro-batches of 2 samples\): step-0 "
+    msg = _failed(run)[(CP, "batch-split.aggregation")]
+    assert re.fullmatch(r"seq-mean-token-mean, cut mbs2 at tp1-pp1-cp2-dp1 \(micro-batches of 2 samples\): step-0 "
                         r"loss \S+ is not the seq-mean-token-mean of its forward-only log-probs over the response "
                         r"masks, \S+ \(rel \S+ > 1e-05\): it is the seq-mean-token-mean with each CP rank's part of "
                         r"a sample taken for the sample \(CP 2\) \(\S+\)", msg), msg
@@ -121,9 +123,9 @@ def test_whole_sequence_function_handed_cp_chunks_fails_naming_the_definition_it
 def test_seq_mean_over_every_sample_fails_naming_that_definition():
     """verl >= 0.7's seq-mean-token-mean divides by the global batch size, fully masked samples counted; the
     harness's (and verl 0.6.1's) by the samples with a valid token: `aggregation` names which one the loss is."""
-    run = run_suite("batch-split", "tiny", 4, [DP4], engine="tests.framework_losses:LossOverEverySample",
+    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.framework_losses:LossOverEverySample",
                     backend="gloo", suite_params={"modes": ("seq-mean-token-mean",), "cuts": ("mbs2",)})
-    msg = _failed(run)[(DP4, "batch-split.aggregation")]
+    msg = _failed(run)[(DP, "batch-split.aggregation")]
     assert msg.endswith("): it is the seq-mean-token-mean over every sample, fully masked ones counted ("
                         + msg.rsplit("(", 1)[1]), msg
     assert "is not the seq-mean-token-mean of its forward-only log-probs" in msg, msg
@@ -135,57 +137,56 @@ def test_at_a_temperature_tp2_trains_as_one_rank_and_a_normaliser_reduced_outsid
     parameters equal one micro-batch on one rank's. A head whose softmax normaliser is all-reduced outside autograd
     (ms-swift #9947's shape) gives the same values but a gradient only at the label: TP 2 fails, DP 4 (its plain
     path at TP 1) passes."""
-    tp2 = "tp2-pp1-cp1-dp2"
-    run = run_suite("batch-split", "tiny", 4, [tp2], backend="gloo",
+    run = run_suite("batch-split", "tiny", 2, [TP], backend="gloo",
                     suite_params={"temperature": 0.7, "modes": ("token-mean",), "cuts": ("mbs2",)})
     assert run.passed, [c.message for c in run.checks if c.failed]
-    planted = run_suite("batch-split", "tiny", 4, [tp2, DP4], engine="tests.faulty_logprobs:VocabReduceOutsideAutograd",
+    planted = run_suite("batch-split", "tiny", 2, [TP, DP], engine="tests.faulty_logprobs:VocabReduceOutsideAutograd",
                         backend="gloo", suite_params={"temperature": 0.7, "modes": ("token-mean",), "cuts": ("mbs2",)})
     failed = _failed(planted)
-    assert not [k for k in failed if k[0] == DP4], failed
-    msg = failed[(tp2, "batch-split.grad_norm")]
-    assert re.fullmatch(r"token-mean, cut mbs2 at tp2-pp1-cp1-dp2, temperature 0\.7 \(micro-batches of 2 samples\): "
+    assert not [k for k in failed if k[0] == DP], failed
+    msg = failed[(TP, "batch-split.grad_norm")]
+    assert re.fullmatch(r"token-mean, cut mbs2 at tp2-pp1-cp1-dp1, temperature 0\.7 \(micro-batches of 2 samples\): "
                         r"grad norm of step \d \S+ vs \S+ \(one micro-batch on one rank\), rel diff \S+, rel > 1e-05",
                         msg), msg
-    assert (tp2, "batch-split.params") in failed and (tp2, "batch-split.logprobs") not in failed  # values right
+    assert (TP, "batch-split.params") in failed and (TP, "batch-split.logprobs") not in failed  # values right
 
 
 @pytest.mark.slow
 def test_per_micro_batch_token_mean_is_caught():
-    run = run_suite("batch-split", "tiny", 4, [DP4], engine="tests.faulty_batch_split:PerMicroBatchTokenMean",
+    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.faulty_batch_split:PerMicroBatchTokenMean",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("tokens96",)})
     failed = _failed(run)
-    assert failed[(DP4, "batch-split.loss")].startswith(
-        f"token-mean, cut tokens96 at {DP4} (micro-batches of 1-3 samples): loss of step ")
-    assert "(one micro-batch on one rank)" in failed[(DP4, "batch-split.loss")]
-    assert (DP4, "batch-split.aggregation") in failed and (DP4, "batch-split.params") in failed
+    assert failed[(DP, "batch-split.loss")].startswith(
+        f"token-mean, cut tokens96 at {DP} (micro-batches of 2-3 samples): loss of step ")
+    assert "(one micro-batch on one rank)" in failed[(DP, "batch-split.loss")]
+    assert (DP, "batch-split.aggregation") in failed and (DP, "batch-split.params") in failed
     assert ": it is the token-mean per micro-batch (each micro-batch's own tokens' mean, summed over the " \
-           "micro-batches) (" in failed[(DP4, "batch-split.aggregation")], failed[(DP4, "batch-split.aggregation")]
+           "micro-batches) (" in failed[(DP, "batch-split.aggregation")], failed[(DP, "batch-split.aggregation")]
     assert ("tp1-pp1-cp1-dp1", "batch-split.aggregation") not in failed  # one micro-batch: its mean is the batch's
 
 
 @pytest.mark.slow
 def test_a_loss_divided_by_the_micro_batches_twice_shows_in_the_gradient_norm():
-    run = run_suite("batch-split", "tiny", 4, [DP4], engine="tests.faulty_batch_split:LossDividedByMicroBatchesTwice",
+    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.faulty_batch_split:LossDividedByMicroBatchesTwice",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs1",)})
     failed = _failed(run)
-    msg = failed[(DP4, "batch-split.grad_norm")]
-    assert msg.startswith(f"token-mean, cut mbs1 at {DP4} (micro-batches of 1 sample): grad norm of step ")
-    assert "rel diff 7.50e-01" in msg  # 4 micro-batches per rank: a quarter of the gradient
-    assert (DP4, "batch-split.loss") not in failed  # the loss it reports is right; the gradient is not
+    msg = failed[(DP, "batch-split.grad_norm")]
+    assert msg.startswith(f"token-mean, cut mbs1 at {DP} (micro-batches of 1 sample): grad norm of step ")
+    assert "rel diff 8.75e-01" in msg  # 8 micro-batches per rank: an eighth of the gradient
+    assert (DP, "batch-split.loss") not in failed  # the loss it reports is right; the gradient is not
 
 
 @pytest.mark.slow
 def test_a_cp_token_count_not_summed_over_cp_is_caught_at_cp2_only():
-    run = run_suite("batch-split", "tiny", 4, [CP2, DP4], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
+    run = run_suite("batch-split", "tiny", 2, [CP, DP], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
     failed = _failed(run)
-    assert failed[(CP2, "batch-split.loss")].startswith(f"token-mean, cut mbs2 at {CP2} (micro-batches of 2 samples): "
+    assert failed[(CP, "batch-split.loss")].startswith(f"token-mean, cut mbs2 at {CP} (micro-batches of 2 samples): "
                                                         "loss of step ")
-    assert (CP2, "batch-split.grad_norm") in failed
-    assert not [k for k in failed if k[0] == DP4]
+    assert (CP, "batch-split.grad_norm") in failed
+    assert not [k for k in failed if k[0] == DP]
     # equivalence runs megatron's own per-token loss, never this aggregation: it cannot see it
-    assert run_suite("equivalence", "tiny", 4, [CP2], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
+    assert run_suite("equivalence", "tiny", 2, [CP], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
                      backend="gloo").passed
 
 
@@ -199,7 +200,7 @@ def test_an_moe_model_gets_a_reference_with_each_cases_own_micro_batches():
 
 @pytest.mark.slow
 def test_unmodified_megatron_passes_an_moe_model_at_ep2_and_cp2_dynamically():
-    run = run_suite("batch-split", "tiny-moe", 4, ["tp1-pp1-cp1-dp4-ep2", CP2], backend="gloo",
+    run = run_suite("batch-split", "tiny-moe", 2, [EP, CP], backend="gloo",
                     suite_params={"modes": ("token-mean",), "cuts": ("tokens96",)})
     assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
     assert sum(c.check == "batch-split.aux_loss" and c.passed for c in run.checks) == 2
@@ -207,6 +208,7 @@ def test_unmodified_megatron_passes_an_moe_model_at_ep2_and_cp2_dynamically():
 
 @pytest.mark.slow
 def test_the_load_balancing_coefficient_applied_per_micro_batch_is_caught():
+    # at world size 4: at CP 2 and DP 1 the reference trains the same micro-batches on one rank, the plant with them
     run = run_suite("batch-split", "tiny-moe", 4, [CP2], engine="tests.faulty_batch_split:AuxLossCoefficientPerMicroBatch",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
     failed = _failed(run)
@@ -237,13 +239,13 @@ def test_the_default_matrix_runs_the_second_backend_against_megatrons_reference(
 
 @pytest.mark.slow
 def test_a_forward_pass_that_mixes_up_samples_is_caught():
-    run = run_suite("batch-split", "tiny", 4, [DP4], engine="tests.faulty_batch_split:ForwardPassMixesSamples",
+    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.faulty_batch_split:ForwardPassMixesSamples",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
     failed = _failed(run)
-    assert failed[(DP4, "batch-split.logprobs")].startswith(
-        f"token-mean, cut mbs2 at {DP4} (micro-batches of 2 samples): forward-only log-probs differ from one "
+    assert failed[(DP, "batch-split.logprobs")].startswith(
+        f"token-mean, cut mbs2 at {DP} (micro-batches of 2 samples): forward-only log-probs differ from one "
         "micro-batch on one rank at ")
-    assert (DP4, "batch-split.params") not in failed  # training itself is right
+    assert (DP, "batch-split.params") not in failed  # training itself is right
 
 
 @pytest.mark.slow
@@ -254,18 +256,18 @@ def test_one_more_zero_gradient_element_is_caught_exactly():
 
     from harness.suite_defs.batch_split.judge import BatchSplitRankData
 
-    run = run_suite("batch-split", "tiny", 4, [DP4], backend="gloo",
+    run = run_suite("batch-split", "tiny", 2, [DP], backend="gloo",
                     suite_params={"modes": ("token-mean",), "cuts": ("mbs1",)})
     assert run.passed
-    case = next(r for r in run.results if r.case.layout.id == DP4)
+    case = next(r for r in run.results if r.case.layout.id == DP)
     for rank in case.ranks:
         d: BatchSplitRankData = rank.payload_as(BatchSplitRankData)
         steps = list(d.steps)
         steps[1] = dataclasses.replace(steps[1], num_zeros=steps[1].num_zeros + 1)
         rank.data = dataclasses.replace(d, steps=steps)
     failed = _failed(run, run.suite.check(run.results))
-    msg = failed[(DP4, "batch-split.num_zeros")]
-    assert msg.startswith(f"token-mean, cut mbs1 at {DP4} (micro-batches of 1 sample): zero grads of step 1 ")
+    msg = failed[(DP, "batch-split.num_zeros")]
+    assert msg.startswith(f"token-mean, cut mbs1 at {DP} (micro-batches of 1 sample): zero grads of step 1 ")
     assert msg.endswith(", exactly")
 
 
