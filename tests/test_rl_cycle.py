@@ -244,13 +244,15 @@ def test_an_export_that_keeps_what_it_sent_fails_naming_what_it_kept_per_iterati
     assert not failed, failed  # the census counts tensors: the offload sees nothing left
 
 
-def _head(name: str, temperature: float):
-    return run_suite("rl-cycle", "tiny", 2, [TP], engine=f"tests.faulty_logprobs:{name}", backend="gloo",
+def _head(name: str, temperature: float, layout: str = TP):
+    """A plant in the log-prob head; at TP 2 (the vocabulary sharded) where it is the one that needs it, else at DP 2:
+    a TP 2 run of rl-cycle costs three times a DP 2 one on CPU ranks (TP's all-reduces over gloo)."""
+    return run_suite("rl-cycle", "tiny", 2, [layout], engine=f"tests.faulty_logprobs:{name}", backend="gloo",
                      suite_params={**QUICK, "temperature": temperature})
 
 
-def _policy_failure(what: str, temperature: str, figure: str) -> str:
-    return (rf"iteration 2 of 4: tiny at tp2-pp1-cp1-dp1{temperature}: {what} from iteration 1's export differs from the "
+def _policy_failure(what: str, temperature: str, figure: str, layout: str = TP) -> str:
+    return (rf"iteration 2 of 4: tiny at {layout}{temperature}: {what} from iteration 1's export differs from the "
             rf"log-prob pass(?:'s)? at \d+/512 (?:tokens|positions) \(worst rel {figure} > 1e-05\): the ")
 
 
@@ -274,16 +276,16 @@ def test_a_temperature_applied_twice_fails_the_policy():
 
 @pytest.mark.slow
 def test_entropy_on_unscaled_logits_fails_the_policy_on_entropy():
-    msg = _failed(_head("EntropyOnUnscaledLogits", 0.7))["rl-cycle.policy"]
+    msg = _failed(_head("EntropyOnUnscaledLogits", 0.7, DP))["rl-cycle.policy"]
     assert re.match(_policy_failure("the entropy of the Hugging Face model loaded", ", temperature 0.7",
-                                    r"\d\.\d+e-0[23]"), msg), msg
+                                    r"\d\.\d+e-0[23]", DP), msg), msg
     assert "the trainer's entropy is not the rollout policy's" in msg
 
 
 @pytest.mark.slow
 def test_labels_shifted_once_more_fail_the_policy():
-    msg = _failed(_head("LabelShiftOffByOne", 1.0))["rl-cycle.policy"]
-    assert re.match(_policy_failure("the Hugging Face model loaded", "", r"\S+"), msg), msg
+    msg = _failed(_head("LabelShiftOffByOne", 1.0, DP))["rl-cycle.policy"]
+    assert re.match(_policy_failure("the Hugging Face model loaded", "", r"\S+", DP), msg), msg
 
 
 @pytest.mark.slow
