@@ -117,7 +117,7 @@ class TrainsRLBatches(Protocol):
 @runtime_checkable
 class HasLogprobHead(Protocol):
     """An engine whose RL steps take log-probs and entropy from the logits through a part (McoreEngine's
-    `logprob_head()`, harness/engines/logprob_head.py), at the temperature the RL suites set on it."""
+    `logprob_head()`, harness/engines/logprob_head.py), made at the case's sampling temperature."""
 
     def logprob_head(self) -> Any: ...
 

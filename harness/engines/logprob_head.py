@@ -11,7 +11,7 @@ bit those of the model's forward with labels.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harness.errors import BadInput
 
@@ -29,9 +29,22 @@ def check_temperature(t: float) -> None:
                        "are)")
 
 
+@runtime_checkable
+class SampledAtTemperature(Protocol):
+    """A case's parameters that name the rollout's sampling temperature (batch-split's and rl-cycle's)."""
+
+    temperature: float
+
+
+def case_temperature(case: Any) -> float:
+    """The sampling temperature the case's RL steps take log-probs at (1.0 where its parameters name none)."""
+    return case.params.temperature if isinstance(case.params, SampledAtTemperature) else 1.0
+
+
 class LogprobHead:
     """The engine's part that computes per-token log-probs and entropy from this TP rank's vocabulary shard of the
-    logits; `temperature` is the rollout's sampling temperature (the RL suites set it: `--temperature`)."""
+    logits; `temperature` is the rollout's sampling temperature (the engine makes its head at the case's:
+    `--temperature`)."""
 
     def __init__(self, engine: Any, temperature: float = 1.0):
         self.engine = engine
@@ -77,11 +90,3 @@ def check_head(engine: str, factory: type, temperature: float) -> None:
         raise BadInput(f"--temperature {temperature:g}: engine {engine} has no log-prob head (logprob_head(): "
                        "harness.engines.base.HasLogprobHead) to take its log-probs at a temperature; give a subclass "
                        "of McoreEngine, or drop --temperature")
-
-
-def set_temperature(engine: Any, temperature: float) -> None:
-    """The RL suites' temperature on the engine's log-prob head, where it has one (at 1.0 there is nothing to set)."""
-    from harness.engines.base import HasLogprobHead
-
-    if isinstance(engine, HasLogprobHead):
-        engine.logprob_head().temperature = temperature

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from harness.dtypes import DType, dtype
 from harness.engines.base import ParamShard, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.experts import EXPERT_RE, tp_coords
-from harness.engines.logprob_head import LogprobHead
+from harness.engines.logprob_head import LogprobHead, case_temperature
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.mcore_steps import McoreSteps
@@ -57,9 +57,9 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
         return self._offloading
 
     def logprob_head(self) -> LogprobHead:
-        """The engine's log-prob part, made once."""
+        """The engine's log-prob part, made once, at the case's sampling temperature."""
         if self._logprob_head is None:
-            self._logprob_head = self.logprob_part(self)
+            self._logprob_head = self.logprob_part(self, case_temperature(self.case))
         return self._logprob_head
 
     # -- build --------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with, is_fsdp2, make_engine
 from harness.engines.base import StepOutput, TrainsRLBatches
-from harness.engines.logprob_head import set_temperature
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.engines.rl_steps import check_rl_engine
 from harness.errors import BadInput, DoesNotApply
@@ -119,7 +118,6 @@ class BatchSplitSuite:
             raise DoesNotApply(f"engine {case.engine} has no train_rl_batch / rl_logprobs (TrainsRLBatches)")
         with ctx.phase("build"):
             engine.build()
-        set_temperature(engine, case.params.temperature)
         o = case.options
         batch = rl_batch(case.model, case.global_batch_size, o.seed, 0)
         first = microbatches(case, batch, ps.get_data_parallel_rank())

@@ -151,7 +151,6 @@ class RLCycleSuite:
     def rank_work(self, case: Case, ctx: RankContext) -> RLCycleRankData:
         from harness.engines import make_engine
         from harness.engines.base import RunsRLCycles
-        from harness.engines.logprob_head import set_temperature
         from harness.platform.parallel import layout_coords
         from harness.suite_defs.rl_cycle.cycle import export_refusal, residue_bound, run_cycle
 
@@ -170,7 +169,6 @@ class RLCycleSuite:
             instances = [engine.replay_instances()]  # type: ignore[attr-defined]
             if p.weights == "loaded":
                 engine.load_weights(seed + 1)
-        set_temperature(engine, p.temperature)
         refused = export_refusal(engine, case)
         steps, iterations, probe = run_cycle(engine, case, p, ctx, refused)
         instances.append(engine.replay_instances())  # type: ignore[attr-defined]
