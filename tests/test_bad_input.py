@@ -35,6 +35,7 @@ CASES = [
     (["run", "--suite", "rl-cycle", "--temperature", "-1"], "--temperature -1: give a positive temperature"),
     (["run", "--suite", "batch-split", "--temperature", "0.7", "--engine", "tests.faulty_batch_split:RLStepsWithoutAHead"],
      "--temperature 0.7: engine tests.faulty_batch_split:RLStepsWithoutAHead has no log-prob head"),
+    (["run", "--suite", "refit", "--temperature", "0"], "--temperature 0: give a positive temperature"),
     (["run", "--suite", "refit", "--bucket-size", "8kb"], "--bucket-size '8kb': expected a positive size with a unit"),
     (["run", "--suite", "refit", "--refits", "1"], "--refits 1: at least 2"),
     (["run", "--suite", "refit", "--engine", "tests.faulty_engines:_DoneHandle"],
@@ -183,7 +184,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 106  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 107  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ it with a message naming the layout, the path, the bucket size and the tensor.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from harness.driver import plan, run_suite
@@ -166,6 +168,26 @@ def test_stale_weights_are_caught_by_value_and_by_the_policy():
     failed = _failed(run)
     assert "unlike the trained parameter" in failed["refit.values"]
     assert "the HF model loaded from the stream differs from the Megatron model at " in failed["refit.policy"]
+
+
+@pytest.mark.slow
+def test_the_policy_is_scored_through_the_log_prob_head_at_the_temperature_and_a_temperature_twice_fails():
+    """The held-out log-probs come through the engine's log-prob head (the model called without labels, as the RL
+    steps call it), at `--temperature`, against the Hugging Face model at the same temperature; a head that applies
+    the temperature twice fails `policy` (the values of the export are right)."""
+    quick = {**QUICK, "temperature": 0.7}
+    run = run_suite("refit", "tiny", 2, [TP], backend="gloo", suite_params=quick)
+    assert not _failed(run), _failed(run)
+    (policy,) = [c.message for c in run.checks if c.check == "refit.policy"]
+    assert re.fullmatch(r"tiny at tp2-pp1-cp1-dp1 on mcore, temperature 0\.7: the HF model loaded from the stream "
+                        r"computes the Megatron model's log-probs of 512 held-out tokens, worst rel \S+ <= 1e-05",
+                        policy), policy
+    failed = _failed(run_suite("refit", "tiny", 2, [TP], engine="tests.faulty_logprobs:TemperatureTwice",
+                               backend="gloo", suite_params=quick))
+    assert set(failed) == {"refit.policy"}, failed
+    assert re.fullmatch(r"tiny at tp2-pp1-cp1-dp1 on tests\.faulty_logprobs:TemperatureTwice, temperature 0\.7: the "
+                        r"HF model loaded from the stream differs from the Megatron model at \d+/512 held-out tokens "
+                        r"\(worst rel \S+ > 1e-05\); first: sample \d+, positions .*", failed["refit.policy"]), failed
 
 
 @pytest.mark.slow

@@ -121,6 +121,11 @@ class HasLogprobHead(Protocol):
 
     def logprob_head(self) -> Any: ...
 
+    def head_eval_step(self, step: int) -> StepOutput:
+        """Forward only on the batch of `step`, every token's log-prob through the head (the model called without
+        labels, as the RL steps call it): refit's policy check."""
+        ...
+
 
 @runtime_checkable
 class RunsRLCycles(TrainsRLBatches, Protocol):

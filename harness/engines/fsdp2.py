@@ -116,7 +116,7 @@ class FSDP2Engine(McoreEngine):
         reported = []
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for i, mb in enumerate(mbs):
-                out = self.token_losses(self.model, mb, rl=loss_fns is not None, capture=capture)
+                out = self.token_losses(self.model, mb, rl=loss_fns is not None or "head" in mb, capture=capture)
                 if capture:
                     kept.append(captured(mb, samples[i], torch.arange(out.shape[1]), out))
                 loss, report = loss_fns[i](out) if loss_fns else (out.float().mean() / len(mbs), None)

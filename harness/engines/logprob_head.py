@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     import torch
 
 # the RL suites' flag (batch-split's and rl-cycle's parameters declare it alike)
-TEMPERATURE_HELP = ("batch-split, rl-cycle: the sampling temperature the RL steps' log-probs and entropy are taken at "
-                    "(the engine's log-prob head; rl-cycle's rollout stand-in samples at it too; default 1.0)")
+TEMPERATURE_HELP = ("batch-split, refit, rl-cycle: the sampling temperature the trainer's log-probs and entropy are "
+                    "taken at (the engine's log-prob head; the Hugging Face model that stands in for the rollout "
+                    "scores at it too; default 1.0)")
 
 
 def check_temperature(t: float) -> None:

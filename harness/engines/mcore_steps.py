@@ -35,7 +35,7 @@ class McoreSteps:
 
     def forward_step(self, data_iterator, model):
         mb = next(data_iterator)
-        output = self.token_losses(model, mb, rl="loss_fn" in mb, capture=self._captured is not None)
+        output = self.token_losses(model, mb, rl="loss_fn" in mb or "head" in mb, capture=self._captured is not None)
         mask = mb["loss_mask"].to(self.ctx.device) if "loss_mask" in mb else None
         loss = mb.get("loss_fn") or functools.partial(self.loss_func, loss_mask=mask)  # an RL step's own (rl_steps)
         if self._captured is not None and "samples" in mb:
@@ -92,14 +92,20 @@ class McoreSteps:
         """Forward only on the batch of `step` (no update), capturing every token's log-prob."""
         return self._run_batch(step, forward_only=True, capture=True)
 
-    def _run_batch(self, step: int, forward_only: bool, capture: bool) -> StepOutput:
+    def head_eval_step(self, step: int) -> StepOutput:
+        """`eval_step` through the log-prob head: the model called without labels (bit for bit at temperature 1)."""
+        return self._run_batch(step, forward_only=True, capture=True, head=True)
+
+    def _run_batch(self, step: int, forward_only: bool, capture: bool, head: bool = False) -> StepOutput:
         import torch
         from megatron.core import parallel_state as ps
 
         dp_rank = ps.get_data_parallel_rank()
-        mbs = data.microbatches(self.case, step, dp_rank)
+        mbs: list[dict[str, Any]] = list(data.microbatches(self.case, step, dp_rank))
         if self.case.layout.cp > 1:
             mbs = [split_on_cp_rank(dict(mb)) for mb in mbs]
+        if head:  # forward_step takes the log-probs through the head
+            mbs = [{**mb, "head": True} for mb in mbs]
         firsts = [data.first_sample(self.case, dp_rank, i) for i in range(len(mbs))]
         return self.run_microbatches(mbs, [torch.arange(f, f + mb["tokens"].shape[0]) for f, mb in zip(firsts, mbs)],
                                      forward_only, capture)

@@ -33,7 +33,9 @@ def where(res: CaseResult, size: int | None = None) -> str:
     """'tiny+untied at tp1-pp2-cp1-dp2 on mcore, buckets of 8 KiB'."""
     c = res.case
     name = c.model.name + (f"+{c.params.variant}" if isinstance(c.params, RefitParams) and c.params.variant else "")
-    return f"{name} at {c.layout.id} on {c.engine}" + (f", buckets of {size_text(size)}" if size else "")
+    heat = f", temperature {c.params.temperature:g}" if isinstance(c.params, RefitParams) and \
+        c.params.temperature != 1.0 else ""
+    return f"{name} at {c.layout.id} on {c.engine}{heat}" + (f", buckets of {size_text(size)}" if size else "")
 
 
 def trained(res: CaseResult) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from harness.engines.logprob_head import TEMPERATURE_HELP, check_temperature
 from harness.errors import BadInput
 from harness.suite_defs.flags import flag
 
@@ -48,6 +49,7 @@ class RefitParams:
         "--refit-variant", "refit: run the model as this variant at every layout given: untied (embeddings), "
                            "4-layers (for virtual stages), expert-bias (aux-loss-free balancing) (default: the "
                            "matrix's, the model as it is with --layout)"))
+    temperature: float = dataclasses.field(default=1.0, metadata=flag("--temperature", TEMPERATURE_HELP))
     baselines_dir: str | None = dataclasses.field(default=None, metadata={"in_id": False})  # None: baselines/
 
     def __post_init__(self) -> None:
@@ -58,5 +60,6 @@ class RefitParams:
             bucket_bytes(size)
         if self.variant and self.variant not in ("untied", "4-layers", "expert-bias"):
             raise BadInput(f"refit variant {self.variant!r}: expected untied, 4-layers or expert-bias")
+        check_temperature(self.temperature)
         if self.refits < 2:
             raise BadInput(f"--refits {self.refits}: at least 2 (what repeated exports keep is judged per refit)")

@@ -7,8 +7,9 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
-from harness.engines.base import ExportsWeights, RefusesCases, RefusesExports
+from harness.engines.base import ExportsWeights, HasLogprobHead, RefusesCases, RefusesExports
 from harness.engines.hf_policy import hf_model_modules
+from harness.engines.logprob_head import check_head
 from harness.engines.weight_export import export_reference
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
@@ -75,6 +76,7 @@ class RefitSuite:
             "hf_weight_stream is yours (docs/engines.md)")
         if isinstance(factory, RefusesExports) and (why := factory.export_refusal(model, backend)):
             raise DoesNotApply(f"engine {engine!r}: {why}")
+        check_head(engine, factory, params.temperature)
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps)
         def of(what: str) -> ModelSpec:
             return variant(model, what) if what else model
@@ -115,8 +117,9 @@ class RefitSuite:
         for step in range(case.options.steps):
             with ctx.phase("steps"):
                 steps.append(engine.train_step(step))
-        with ctx.phase("eval"):
-            held_out = engine.eval_step(EVAL_STEP)
+        with ctx.phase("eval"):  # through the log-prob head where the engine has one, as the RL steps score
+            held_out = engine.head_eval_step(EVAL_STEP) if isinstance(engine, HasLogprobHead) else \
+                engine.eval_step(EVAL_STEP)
         with ctx.phase("collect"):
             params = export_reference(engine)
         p = case.params if isinstance(case.params, RefitParams) else RefitParams()
@@ -229,5 +232,6 @@ def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:
     missing = [k for k in res.missing_keys if k not in tied]
     tokens = data.global_batch(case, EVAL_STEP)
     with torch.no_grad():
-        logprobs = label_logprobs(model(input_ids=tokens[:, :-1]).logits, tokens)
+        p = case.params if isinstance(case.params, RefitParams) else RefitParams()
+        logprobs = label_logprobs(model(input_ids=tokens[:, :-1]).logits, tokens, p.temperature)
     return HFSide(expected, tied, missing, list(res.unexpected_keys), logprobs=logprobs), ""
