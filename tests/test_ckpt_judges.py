@@ -21,8 +21,7 @@ from harness.probes import proc
 from harness.probes.ckpt_format import OnDisk, inspect
 from harness.probes.memory import MeasurementError, MemoryPeak, measure, read_captures
 from harness.spec import Case, CaseOptions, Layout
-from harness.suite_defs.ckpt_memory import contract as ckpt_contract
-from harness.suite_defs.ckpt_memory.contract import refusal_kind
+from harness.suite_defs.ckpt_errors import describe_exception, refusal_kind
 from harness.suite_defs.ckpt_memory.contract_judge import _judge, _judge_side_effects
 from harness.suite_defs.ckpt_memory.payload import LoadTarget
 from harness.suite_defs.ckpt_memory.figures import key, record_command
@@ -240,7 +239,7 @@ def test_refusal_kind_accepts_only_the_flat_buffer_mismatch():
 
 
 def _refused(phase: str, exc: BaseException) -> LoadTarget:
-    return LoadTarget(TP2.id, error=ckpt_contract.describe_exception(exc), phase=phase,
+    return LoadTarget(TP2.id, error=describe_exception(exc), phase=phase,
                       refusal=refusal_kind(exc) if phase == "load" else "", traceback="Traceback ...")
 
 

@@ -14,7 +14,8 @@ from harness.engines.base import ParamShard, StepOutput, tp_shard
 from harness.launch.results import CaseResult, RankResult
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from harness.suite_defs.equivalence import EQUIVALENCE_ADAM_EPS, EquivalenceSuite
+from harness.suite_defs.agreement import EQUIVALENCE_ADAM_EPS
+from harness.suite_defs.equivalence import EquivalenceSuite
 
 
 def test_tp_unshard_inverts_shard_for_glu_blocks():

@@ -34,7 +34,7 @@ THIRD_PARTY_PROBES = {
     ("harness/probes/collectives.py", "_opname"): "torch's OpOverload",
     ("harness/probes/memory.py", "host_memory_stats"): "torch version probe",
     ("harness/probes/memory.py", "reset_peak_host_memory_stats"): "torch version probe",
-    ("harness/suite_defs/ckpt_memory/contract.py", "failures"): "torch's CheckpointException",
+    ("harness/suite_defs/ckpt_errors.py", "failures"): "torch's CheckpointException",
 }
 PROBE = re.compile(r"""\bhasattr\([^()]*,\s*["']([^"']+)["']\s*\)|\bgetattr\([^()]*,\s*["']([^"']+)["']\s*,""")
 
@@ -123,6 +123,33 @@ def test_a_planted_circle_is_found(tmp_path):
     (pkg / "suite" / "judge.py").write_text("from house.suite import params\n")
     assert circles(import_graph(tmp_path, "house")) == []
 
+
+
+def suites_importing_suites(graph: dict[str, set[str]], prefix: str = "harness.suite_defs") -> list[str]:
+    """'a -> b' for every module of one suite that imports a module of another. A suite is a registered suite's
+    module or package under `prefix`; the modules there that no suite owns (flags, agreement, ckpt_errors) are
+    the shared room every suite may use."""
+    from harness.suite_registry import SUITES
+
+    owners = {spec.suite.split(":")[0] for spec in SUITES.values()}
+
+    def suite_of(module: str) -> str | None:
+        return next((o for o in owners if module == o or module.startswith(o + ".")), None)
+
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if suite_of(m) and suite_of(t) and suite_of(m) != suite_of(t))
+
+
+def test_no_suite_imports_another():
+    found = suites_importing_suites(import_graph(ROOT, "harness"))
+    assert not found, "a suite imports another (move what both use to a module of harness/suite_defs no suite " \
+        "owns, or further down):\n" + "\n".join(found)
+
+
+def test_a_suite_importing_another_is_found():
+    graph = {"harness.suite_defs.golden.suite": {"harness.suite_defs.equivalence", "harness.suite_defs.agreement"},
+             "harness.suite_defs.equivalence": {"harness.suite_defs.agreement"}}
+    assert suites_importing_suites(graph) == ["harness.suite_defs.golden.suite -> harness.suite_defs.equivalence"]
 
 # where the megatron-core / bridge releases differ: every version probe of theirs lives there (harness/upstream.py)
 UPSTREAM = "harness/upstream.py"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -26,26 +25,11 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import default_matrix, validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.agreement import with_equivalence_eps
 
 # Losses, log-probs and parameters across layouts: within the dtype's rtol (harness/dtypes.py).
 # Copies of one shard (DP replicas, tied embedding copies) must stay bit-identical.
 REPLICA_ATOL = 0.0
-# Adam's update g / (|g| + eps) turns a rounding difference d in an element with |g| ~ eps into an
-# update difference up to lr * d / eps. With megatron's eps = 1e-8, fp32 gradients that differ by
-# reduction order (|d| ~ 1e-9 on the rarely-seen embedding rows of `small`) moved those elements by up
-# to lr / 2, and the parameters of `small` at TP=2 differed by 2.7e-5 after two steps (1.95e-6
-# after one). With eps = 1e-6 the same layouts agree to 4.8e-7 (1e-7: 2.0e-6); a skipped TP
-# reduction still differs by ~5e-2. Cases that name their own eps keep it.
-EQUIVALENCE_ADAM_EPS = 1e-6
-
-
-def with_equivalence_eps(options: CaseOptions) -> CaseOptions:
-    """The options with EQUIVALENCE_ADAM_EPS unless they name their own eps."""
-    if options.adam_eps == CaseOptions.adam_eps:
-        return dataclasses.replace(options, adam_eps=EQUIVALENCE_ADAM_EPS)
-    return options
-
-
 class EquivalenceSuite:
     name = "equivalence"
     default_model = "tiny"  # the CPU tier's model when none is given

@@ -16,6 +16,7 @@ from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.agreement import with_equivalence_eps
 from harness.suite_defs.batch_split.judge import BatchSplitRankData, judge, step_figures
 from harness.suite_defs.batch_split.params import (
     DYNAMIC,
@@ -26,7 +27,6 @@ from harness.suite_defs.batch_split.params import (
     BatchSplitCaseParams,
     BatchSplitParams,
 )
-from harness.suite_defs.equivalence import with_equivalence_eps
 
 
 def microbatches(case: Case, batch: RLBatch, dp_rank: int) -> list[list[int]]:

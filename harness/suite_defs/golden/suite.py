@@ -62,7 +62,7 @@ class GoldenSuite:
         """Every valid layout of the world size (default; for an MoE model with layouts.expert_matrix's expert
         layouts), STEPS steps each, zero gradients counted."""
         from harness.engines import is_fsdp2
-        from harness.suite_defs.equivalence import with_equivalence_eps
+        from harness.suite_defs.agreement import with_equivalence_eps
 
         # the fsdp2 engine shards over data parallel only
         chosen = layouts or ([Layout(dp=world_size)] if is_fsdp2(engine) else default_layouts(model, world_size))

@@ -145,7 +145,7 @@ class PeftCkptSuite:
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps,
                                       lora_dim=options.lora_dim or LORA_DIM,
                                       lora_alpha=options.lora_alpha or LORA_ALPHA)
-        from harness.suite_defs.equivalence import with_equivalence_eps
+        from harness.suite_defs.agreement import with_equivalence_eps
 
         options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
@@ -251,7 +251,7 @@ def _attempt(layout: Layout, phase: str, work) -> Reload | None:
     named) - an adapter checkpoint the engine cannot save is not loaded."""
     import traceback
 
-    from harness.suite_defs.ckpt_memory.contract import describe_exception, refusal_kind
+    from harness.suite_defs.ckpt_errors import describe_exception, refusal_kind
 
     try:
         work()
