@@ -57,7 +57,7 @@ class McoreSteps:
         if not get_attr_wrapped_model(model, "post_process"):
             return logits
         head = self.logprob_head()
-        if capture and "loss_fn" in mb:  # the RL steps' (refit's held-out log-probs need none)
+        if capture and "head" not in mb:  # the RL steps' (refit's held-out log-probs, head_eval_step, need none)
             with torch.no_grad():
                 mb["entropy"] = head.entropy(logits.detach()).float().cpu()
         return -head.logprobs(logits, labels)
