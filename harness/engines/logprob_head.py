@@ -18,7 +18,7 @@ from harness.errors import BadInput
 if TYPE_CHECKING:
     import torch
 
-# the RL suites' flag (batch-split's and rl-cycle's parameters declare it alike)
+# the flag of the suites that score log-probs (batch-split's, refit's and rl-cycle's parameters declare it alike)
 TEMPERATURE_HELP = ("batch-split, refit, rl-cycle: the sampling temperature the trainer's log-probs and entropy are "
                     "taken at (the engine's log-prob head; the Hugging Face model that stands in for the rollout "
                     "scores at it too; default 1.0)")
@@ -32,7 +32,7 @@ def check_temperature(t: float) -> None:
 
 @runtime_checkable
 class SampledAtTemperature(Protocol):
-    """A case's parameters that name the rollout's sampling temperature (batch-split's and rl-cycle's)."""
+    """A case's parameters that name the rollout's sampling temperature (batch-split's, refit's, rl-cycle's)."""
 
     temperature: float
 

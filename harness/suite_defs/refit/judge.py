@@ -9,6 +9,7 @@ from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import fmt_err
 from harness.checks.weight_stream import Expected, check_complete, check_values, first, reference
 from harness.dtypes import dtype
+from harness.engines.logprob_head import case_temperature
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.suite_defs.refit.params import RefitParams, size_text
@@ -33,8 +34,7 @@ def where(res: CaseResult, size: int | None = None) -> str:
     """'tiny+untied at tp1-pp2-cp1-dp2 on mcore, buckets of 8 KiB'."""
     c = res.case
     name = c.model.name + (f"+{c.params.variant}" if isinstance(c.params, RefitParams) and c.params.variant else "")
-    heat = f", temperature {c.params.temperature:g}" if isinstance(c.params, RefitParams) and \
-        c.params.temperature != 1.0 else ""
+    heat = f", temperature {case_temperature(c):g}" if case_temperature(c) != 1.0 else ""
     return f"{name} at {c.layout.id} on {c.engine}{heat}" + (f", buckets of {size_text(size)}" if size else "")
 
 

@@ -9,7 +9,7 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines.base import ExportsWeights, HasLogprobHead, RefusesCases, RefusesExports
 from harness.engines.hf_policy import hf_model_modules
-from harness.engines.logprob_head import check_head
+from harness.engines.logprob_head import case_temperature, check_head
 from harness.engines.weight_export import export_reference
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
@@ -232,6 +232,5 @@ def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:
     missing = [k for k in res.missing_keys if k not in tied]
     tokens = data.global_batch(case, EVAL_STEP)
     with torch.no_grad():
-        p = case.params if isinstance(case.params, RefitParams) else RefitParams()
-        logprobs = label_logprobs(model(input_ids=tokens[:, :-1]).logits, tokens, p.temperature)
+        logprobs = label_logprobs(model(input_ids=tokens[:, :-1]).logits, tokens, case_temperature(case))
     return HFSide(expected, tied, missing, list(res.unexpected_keys), logprobs=logprobs), ""
