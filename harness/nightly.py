@@ -127,7 +127,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             stop = run.interrupted
             rows += [[it.suite, it.model, it.engine, "NOT RUN", "-", f"nightly {stop}"] for it in items[i:]]
             break
-    written = write_report(out)
+    written = write_report(out, history_db)  # the page against the earlier nights, before tonight's are added
     con = store.open_db(history_db)
     try:
         added, known = store.ingest(con, out)
@@ -136,7 +136,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     say(f"history: {added} runs added to {history_db} ({known} already there)")
     print("\nnightly summary:")
     print(table(["suite", "model", "engine", "verdict", "wall", "cases"], rows))
-    print(f"report: {written['markdown']} (junit: {written['junit']}); "
+    print(f"report: {written['html']} ({written['markdown']}, junit: {written['junit']}); "
           f"{format_clock(time.monotonic() - t0)} in all" + (f"; INTERRUPTED ({stop})" if stop else ""))
     if not judged and not stop:
         print("nightly: NOTHING JUDGED - no run could judge anything at this world size; this is not a pass")

@@ -50,6 +50,25 @@ def variant_argv(variant: str) -> list[str]:
     return out
 
 
+def parse_case_id(case_id: str) -> dict[str, str]:
+    """suite / engine / model / layout / variant of a case id `suite/engine/model/layout[variant]`."""
+    import re
+
+    suite, engine, model, rest = case_id.split("/", 3)
+    m = re.fullmatch(r"([^\[]*)(?:\[(.*)\])?", rest)
+    if m is None:  # the pattern matches any string; for the type checker
+        raise ValueError(f"not a case id: {case_id!r}")
+    return {"suite": suite, "engine": engine, "model": model, "layout": m.group(1), "variant": m.group(2) or ""}
+
+
+def case_argv(case_id: str, world_size: int | None) -> list[str]:
+    """The selection flags that run one case again, from its id alone (a results file's or the history's)."""
+    sel = parse_case_id(case_id)
+    return ["--suite", sel["suite"], "--model", sel["model"],
+            *(["--world-size", str(world_size)] if world_size else []), "--layout", sel["layout"],
+            *variant_argv(sel["variant"]), "--engine", sel["engine"]]
+
+
 @dataclass(frozen=True)
 class CaseSelection:
     """A suite's cases as the user selected them. `suite_params` holds only the per-suite parameters the

@@ -3,6 +3,8 @@ the fix), no rank process spawned, nothing written."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness import cli
@@ -179,12 +181,14 @@ CASES = [
     (["history", "show", "--metric", "x", "--db", "{tmp}/a-file"], "is not an SQLite database"),
     (["history", "show", "--metric", "x", "--since", "yesterday", "--db", "{tmp}/a-file"], "--since 'yesterday': give a date"),
     (["nightly", "--out", "{tmp}/night", "--history-db", "{tmp}/a-file"], "history database {tmp}/a-file is not an SQLite"),
+    (["report", "{tmp}/run", "--history-db", "{tmp}/none.sqlite"], "--history-db {tmp}/none.sqlite does not exist"),
+    (["report", "{tmp}/run", "--history-db", "{tmp}/a-file"], "history database {tmp}/a-file is not an SQLite"),
 ]
 
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 107  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 109  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture
@@ -197,6 +201,9 @@ def sandbox(tmp_path, monkeypatch):
     (tmp_path / "earlier").mkdir()
     for name in ("results.json", "report.md"):
         (tmp_path / "earlier" / name).write_text("{}")
+    (tmp_path / "run").mkdir()  # a run's results, which `harness report` would render
+    (tmp_path / "run" / "results.json").write_text(json.dumps(
+        {"suite": "equivalence", "engine": "mcore", "model": "tiny", "world_size": 4, "cases": [], "checks": []}))
 
     def no_rank(*args, **kwargs):
         raise AssertionError("a rank process was started for bad input")

@@ -1,23 +1,36 @@
-"""`harness report`: results directories as Markdown, JSON, JUnit XML and PNG plots."""
+"""`harness report`: results directories as an HTML page, Markdown, JSON, JUnit XML and PNG plots."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from harness.errors import BadInput
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="render results directories as Markdown, JSON, JUnit XML and PNG plots")
+    p = sub.add_parser("report", help="render results directories as an HTML page, Markdown, JSON, JUnit XML and "
+                                      "PNG plots")
     p.add_argument("dir", help="a --out directory of `harness run` (every results.json below it is included)")
+    p.add_argument("--history-db", default=None,
+                   help="history database of the earlier nights: the page says what is new since them (default: "
+                        "DIR/history.sqlite where it exists, as `harness nightly` writes it)")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
+    from harness.history import store
     from harness.report.directory import prepare_out_dir, write_report
     from harness.report.runs import load_runs
 
     load_runs(Path(args.dir))  # a directory with readable results, before anything is written
+    db = Path(args.history_db) if args.history_db else Path(args.dir) / "history.sqlite"
+    if args.history_db and not db.exists():
+        raise BadInput(f"--history-db {db} does not exist: give the database `harness nightly` or `harness history "
+                       f"ingest` wrote, or leave the flag out")
+    if db.exists():
+        store.open_db(db, create=False).close()  # a corrupt or foreign database is refused before anything is written
     prepare_out_dir(Path(args.dir), "DIR")
-    written = write_report(Path(args.dir))
+    written = write_report(Path(args.dir), db if db.exists() else None)
     for kind, path in written.items():
         print(f"{kind}: {path}")
     return 0

@@ -29,15 +29,6 @@ def changed_between(a: Point, b: Point) -> dict[str, tuple[str | None, str | Non
     return {k: (a.versions.get(k), b.versions.get(k)) for k in keys if a.versions.get(k) != b.versions.get(k)}
 
 
-def case_selection(case_id: str) -> dict[str, str]:
-    """suite / engine / model / layout / variant of a case id `suite/engine/model/layout[variant]`."""
-    suite, engine, model, rest = case_id.split("/", 3)
-    m = re.fullmatch(r"([^\[]*)(?:\[(.*)\])?", rest)
-    if m is None:  # the pattern matches any string; for the type checker
-        raise ValueError(f"not a case id: {case_id!r}")
-    return {"suite": suite, "engine": engine, "model": model, "layout": m.group(1), "variant": m.group(2) or ""}
-
-
 # the distribution most likely behind a change, when several changed between two nights: the engine's
 LIKELY_FIRST = ("megatron-core", "megatron-bridge", "mbridge", "transformer-engine", "torch")
 
@@ -48,12 +39,11 @@ def bisect_commands(case_id: str, metric: str, world_size: int | None, change: C
     selecting the case again (its layout and variant) with a threshold between the values before and after:
     absolute for an exact figure, `baseline+P%` for a timed one (bisect judges those by statistics)."""
     from harness.checks.timing import TIMED_METRICS
-    from harness.selection import variant_argv
+    from harness.selection import case_argv
 
     packages = sorted(((k, ab) for k, ab in diff.items()
                        if k not in NOT_BISECTABLE and all(ab) and not any(" " in v for v in ab if v)),
                       key=lambda p: (LIKELY_FIRST.index(p[0]) if p[0] in LIKELY_FIRST else len(LIKELY_FIRST), p[0]))
-    sel = case_selection(case_id)
     middle = (change.before + change.after) / 2
     if metric in TIMED_METRICS:
         threshold = f"baseline+{abs(middle / change.before - 1) * 100:.3g}%"
@@ -61,9 +51,8 @@ def bisect_commands(case_id: str, metric: str, world_size: int | None, change: C
         threshold = f"{middle:.6g}"
     out = []
     for name, (a, b) in packages:
-        argv = ["harness", "bisect", "--package", name, f"{a}..{b}", "--suite", sel["suite"], "--model", sel["model"],
-                *(["--world-size", str(world_size)] if world_size else []), "--layout", sel["layout"],
-                *variant_argv(sel["variant"]), "--engine", sel["engine"], "--metric", metric, "--max", threshold]
+        argv = ["harness", "bisect", "--package", name, f"{a}..{b}", *case_argv(case_id, world_size),
+                "--metric", metric, "--max", threshold]
         if change.after < change.before:  # the metric fell: the search is for the first good candidate
             argv.append("--find-fix")
         out.append(shlex.join(argv))

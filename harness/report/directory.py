@@ -15,7 +15,7 @@ from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import OUTCOMES, check_failed
 from harness.report import time_spent
-from harness.report.plots import PLOTTED
+from harness.report.plots import PLOTTED, Chart
 from harness.report.runs import RunFile, load_runs
 from harness.tables import markdown_table, md_escape
 
@@ -37,7 +37,7 @@ def prepare_out_dir(path: Path, flag: str = "--out") -> Path:
 
 
 # What a run (results.json) and `harness report` (the rest) write into a run's directory.
-RUN_FILES = ("results.json", "report.md", "report.json", "junit.xml", "plots")
+RUN_FILES = ("results.json", "report.md", "report.json", "junit.xml", "report.html", "plots")
 
 
 def refuse_earlier_run(path: Path, force: bool, flag: str = "--out") -> None:
@@ -55,7 +55,7 @@ def refuse_earlier_run(path: Path, force: bool, flag: str = "--out") -> None:
     print(f"harness: --force: removed the earlier run's {', '.join(found)} from {path}", file=sys.stderr)
 
 
-def summary_json(runs: list[RunFile], plots: dict[str, list[Path]]) -> dict[str, Any]:
+def summary_json(runs: list[RunFile], plots: dict[str, list[Chart]]) -> dict[str, Any]:
     first = runs[0].data
     return {
         "platform": sorted({r.data.get("platform", "?") for r in runs}),
@@ -65,7 +65,7 @@ def summary_json(runs: list[RunFile], plots: dict[str, list[Path]]) -> dict[str,
                   "outcomes": dict(r.counts()),
                   "cases": [{"id": c["id"], "outcome": c.get("outcome"), "reason": c.get("reason", "")}
                             for c in r.data["cases"]],
-                  "plots": [str(p) for p in plots.get(str(r.path), [])]}
+                  "plots": [str(p.png) for p in plots.get(str(r.path), [])]}
                  for r in runs],
         "outcomes": dict(sum((r.counts() for r in runs), Counter())),
     }
@@ -77,7 +77,7 @@ def _case_cell(case: dict) -> str:
     return f"{case['layout']} {opts}".rstrip()
 
 
-def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -> str:
+def markdown(runs: list[RunFile], plots: dict[str, list[Chart]], out_dir: Path) -> str:
     first = runs[0].data
     versions = first.get("versions", {})
     total = sum((r.counts() for r in runs), Counter())
@@ -104,8 +104,8 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
         lines.append(markdown_table(["#", "case", "outcome", "reason"],
                                     [[i, _case_cell(c), c.get("outcome", c["status"]), c.get("reason", "")]
                                      for i, c in enumerate(r.data["cases"], 1)]))
-        for png in plots.get(str(r.path), []):
-            lines += ["", f"![{png.stem}]({png.relative_to(out_dir)})"]
+        for chart in plots.get(str(r.path), []):
+            lines += ["", f"![{chart.png.stem}]({chart.png.relative_to(out_dir)})"]
         if not plots.get(str(r.path)):
             lines += ["", f"No plot: none of the report's plots draws from this run's results (they show {PLOTTED})."]
         failed = [c for c in r.data["checks"] if check_failed(c)]
@@ -117,14 +117,17 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Path]], out_dir: Path) -
     return "\n".join(lines) + "\n"
 
 
-def write_report(directory: Path) -> dict[str, Path]:
-    """Render every run under the directory; returns what was written, by kind."""
-    from harness.report import junit, plots
+def write_report(directory: Path, history_db: Path | None = None) -> dict[str, Path]:
+    """Render every run under the directory (the HTML page against the history database's earlier nights where
+    one is given and exists); returns what was written, by kind."""
+    from harness.report import junit, page, plots
 
     runs = load_runs(directory)
-    pngs = plots.render_all(runs, directory / "plots")
-    out = {"markdown": directory / "report.md", "json": directory / "report.json", "junit": directory / "junit.xml"}
-    atomic_write(out["markdown"], markdown(runs, pngs, directory))
-    atomic_write(out["json"], json.dumps(summary_json(runs, pngs), indent=2))
-    atomic_write(out["junit"], junit.render(runs))
-    return {**out, **{p.stem: p for ps in pngs.values() for p in ps}}
+    charts = plots.render_all(runs, directory / "plots")
+    out = {"markdown": directory / "report.md", "json": directory / "report.json", "junit": directory / "junit.xml",
+           "html": directory / "report.html"}
+    atomic_write(out["markdown"], markdown(runs, charts, directory))
+    atomic_write(out["json"], json.dumps(summary_json(runs, charts), indent=2))
+    atomic_write(out["junit"], junit.render(runs, page=out["html"].name))
+    page.write_page(runs, charts, out["html"], history_db)
+    return {**out, **{c.png.stem: c.png for cs in charts.values() for c in cs}}

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from harness.report.runs import RunFile
 
 
-def render(runs: list[RunFile]) -> str:
+def render(runs: list[RunFile], page: str | None = None) -> str:
+    """page: the HTML report beside it, named in each testsuite's properties (`report`) for a CI system to link."""
     root = ET.Element("testsuites")
     for run in runs:
         d = run.data
@@ -28,7 +29,8 @@ def render(runs: list[RunFile]) -> str:
                               skipped=str(n["skipped"] + n["inconclusive"]), time=f"{d.get('wall_s', 0):.1f}",
                               timestamp=str(d.get("date", "")))
         props = ET.SubElement(suite, "properties")
-        for k, v in {"platform": d.get("platform", ""), **d.get("versions", {})}.items():
+        for k, v in {"platform": d.get("platform", ""), **d.get("versions", {}),
+                     **({"report": page} if page else {})}.items():
             ET.SubElement(props, "property", name=k, value=str(v))
         checks: dict[str, list[dict]] = {}
         for c in d["checks"]:

@@ -1,10 +1,13 @@
-"""PNG plots of results files (matplotlib, headless): checkpoint host / device peaks per rank against
-the baseline's tolerance band, per-rank RSS timelines of the save phase, the bytes the collectives
-moved per group role, and step phases per rank and step-time distributions against the baseline.
-Cases that did not pass have red labels."""
+"""Plots of results files (matplotlib, headless), each saved as PNG (the Markdown report) and SVG (the HTML page):
+checkpoint host / device peaks per rank against the baseline's tolerance band, per-rank RSS timelines of the save
+phase, the bytes the collectives moved per group role, and step phases per rank and step-time distributions against
+the baseline. Cases that did not pass have red labels."""
 
 from __future__ import annotations
 
+import re
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +20,18 @@ if TYPE_CHECKING:
 MIB = 1024 * 1024
 
 
+@dataclass(frozen=True)
+class Chart:
+    """One plot of a run: the PNG the Markdown report links and the SVG beside it that the HTML page inlines."""
+
+    name: str
+    png: Path
+
+    @property
+    def svg(self) -> Path:
+        return self.png.with_suffix(".svg")
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend; MissingDependency naming the install where matplotlib is missing."""
     try:
@@ -27,6 +42,52 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(plt, fig, path: Path, dpi: int) -> Path:
+    """The figure as PNG at path and as SVG beside it (path.svg, for the HTML page), then closed. In the SVG, text
+    stays text and each legend entry's artists get the ids `<stem>-s<k>-<j>` (k: the entry, j: its artist), the
+    entries' names in the root's `data-series`: a browser, or a test, finds every series of the chart."""
+    import json
+    from html import escape
+
+    fig.savefig(path, dpi=dpi)
+    names: list[str] = []
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            artists = list(handle) if isinstance(handle, tuple) else [handle]  # a bar series (a container): its bars
+            for j, artist in enumerate(artists):
+                artist.set_gid(f"{path.stem}-s{len(names)}-{j}")
+            names.append(label)
+    svg = path.with_suffix(".svg")
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": path.stem}):
+        fig.savefig(svg, metadata={"Date": None})
+    plt.close(fig)
+    svg.write_text(_compact(svg.read_text(), path.stem).replace(
+        "<svg ", f"<svg data-series=\"{escape(json.dumps(names))}\" ", 1))
+    return path
+
+
+def _compact(text: str, stem: str) -> str:
+    """The SVG smaller, drawing the same: coordinates to a tenth of a point, each distinct inline style once as a
+    class named after the chart (a page inlines many)."""
+    text = _COORDS.sub(lambda m: _DECIMALS.sub(r"\1", m.group(0)), text)
+    styles: dict[str, str] = {}
+    prefix = f"c{zlib.crc32(stem.encode()):08x}"
+
+    def to_class(m: re.Match) -> str:
+        name = styles.setdefault(m.group(1), f"{prefix}-{len(styles)}")
+        return f' class="{name}"'
+
+    text = _STYLE.sub(to_class, text)
+    sheet = "".join(f".{name}{{{style}}}" for style, name in styles.items())
+    return text.replace("</style>", sheet + "</style>", 1) if "</style>" in text else text
+
+
+# Coordinates in points to a tenth (a page of a night's charts stays small); text is not touched
+_COORDS = re.compile(r'\b(?:d|x|y|x1|x2|y1|y2|width|height|transform|points)="[^"]*"')
+_DECIMALS = re.compile(r"(\d\.\d)\d+")
+_STYLE = re.compile(r' style="([^"]*)"')
 
 
 def distinct_colors(plt, n: int) -> list:
@@ -101,7 +162,7 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
     _mark_failed(ax, cases, _failed_cases(run))
     ax.set_ylabel("host peak of the save, MiB")
-    ax.set_title(f"{run.title}: host peak per rank (solid: rank heap, hatched: forked writers); "
+    ax.set_title(f"{run.title}: host peak per rank (solid: rank heap, hatched: forked writers);\n"
                  "grey box: baseline +- tolerance, line: baseline", fontsize=9)
     ax.legend(fontsize=7, ncol=ranks)
     ax.grid(axis="y", alpha=0.3)
@@ -118,9 +179,7 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
         ax.set_title("device peak per rank (solid: max allocated, light: max reserved)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, 110)
 
 
 def ckpt_timelines(run: RunFile, path: Path) -> Path | None:
@@ -150,9 +209,7 @@ def ckpt_timelines(run: RunFile, path: Path) -> Path | None:
     fig.supylabel("rank RSS above its start, MiB")
     fig.suptitle(f"{run.title}: RSS of each rank during the save", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, 100)
 
 
 def collective_bytes(run: RunFile, path: Path) -> Path | None:
@@ -191,9 +248,7 @@ def _finish_per_case(plt, fig, ax, run: RunFile, cases: list[dict], path: Path, 
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, 110)
 
 
 def _failed_cases(run: RunFile) -> set[str]:
@@ -252,9 +307,9 @@ PLOTS = {"peaks": ckpt_peaks, "save-timeline": ckpt_timelines, "collective-bytes
          "step-phases": step_phases, "step-times": step_times}
 
 
-def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Path]]:
-    """Every plot that applies to each run, as out_dir/<run slug>-<plot>.png; {results path: [pngs]}."""
-    out: dict[str, list[Path]] = {}
+def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Chart]]:
+    """Every plot that applies to each run, as out_dir/<run slug>-<plot>.png and .svg; {results path: [charts]}."""
+    out: dict[str, list[Chart]] = {}
     seen: dict[str, int] = {}
     for run in runs:
         seen[run.slug] = seen.get(run.slug, 0) + 1
@@ -263,7 +318,7 @@ def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Path]]:
             out_dir.mkdir(parents=True, exist_ok=True)
             png = plot(run, out_dir / f"{slug}-{name}.png")
             if png:
-                out.setdefault(str(run.path), []).append(png)
+                out.setdefault(str(run.path), []).append(Chart(name, png))
     if out_dir.is_dir() and not any(out_dir.iterdir()):
         out_dir.rmdir()  # no empty folder: the report says per run why it has no plot
     return out

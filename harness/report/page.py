@@ -1,0 +1,245 @@
+"""The night's page: `harness report DIR` writes report.html, one self-contained static page (styles, script and
+charts inlined; nothing fetched from anywhere when it is opened) - what regressed, since when, on which stack,
+each failed or inconclusive check with its figures, the commands to rerun, record or bisect, and the charts."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import re
+import shlex
+import sqlite3
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.outcomes import OUTCOMES, Outcome, check_failed
+from harness.report.plots import Chart
+from harness.report.runs import RunFile
+from harness.selection import case_argv, parse_case_id
+from harness.stack import COMPONENTS, LABELS
+
+NOT_PASSING = (Outcome.REGRESSION, Outcome.IMPROVEMENT, Outcome.UNJUDGED, Outcome.ERROR)
+_COMMAND = re.compile(r"`(harness [^`]+)`")
+
+
+@dataclass
+class Since:
+    """A case's verdict tonight against the earlier nights of the history: new, since which night, or fixed."""
+
+    text: str
+    new: bool = False
+
+
+@dataclass
+class CaseRow:
+    case_id: str
+    suite: str
+    engine: str
+    model: str
+    layout: str
+    variant: str
+    outcome: str
+    reason: str
+    failed_checks: list[str]
+    anchor: str
+    since: Since | None = None
+
+
+@dataclass
+class CheckNote:
+    """A failed or inconclusive check: what it said, its figures and the commands that follow it up."""
+
+    check: str
+    case_id: str
+    kind: str  # "failed" / "inconclusive"
+    message: str
+    details: list[str]
+    commands: list[str]
+
+
+@dataclass
+class RunSection:
+    anchor: str
+    title: str
+    suite: str
+    results: str
+    verdict: str
+    warnings: list[str]
+    rows: list[CaseRow]
+    notes: list[CheckNote]
+    charts: list[tuple[str, str]]  # (name, the SVG gzipped, base64)
+    counts: dict[str, int]
+
+
+@dataclass
+class Night:
+    title: str
+    dates: str
+    stack: list[tuple[str, str]]
+    stack_note: str
+    totals: dict[str, int]
+    runs: int
+    warnings: list[str]
+    regressions: list[CaseRow]
+    fixed: list[str]
+    sections: list[RunSection]
+    filters: dict[str, list[str]] = field(default_factory=dict)
+    history: str = ""
+
+
+def rerun_command(case_id: str, world_size: int) -> str:
+    return shlex.join(["harness", "run", *case_argv(case_id, world_size)])
+
+
+def _commands(run: RunFile, check: dict) -> list[str]:
+    """The commands the check printed (backquoted `harness ...`), then the one that reruns its case."""
+    found = _COMMAND.findall(" ".join([check.get("message", ""), *check.get("details", [])]))
+    return [*dict.fromkeys(found), rerun_command(check["case_id"], run.data["world_size"])]
+
+
+def _svg(chart: Chart) -> str:
+    """The chart's SVG for inlining, gzipped and base64-encoded (a night's charts are some MB as text; the page's
+    script unpacks them with the browser's DecompressionStream): from its root element on, no XML prolog."""
+    text = chart.svg.read_text()
+    return base64.b64encode(gzip.compress(text[text.index("<svg"):].encode(), mtime=0)).decode()
+
+
+def _warnings(run: RunFile) -> list[str]:
+    d = run.data
+    out = [f"partial: {run.partial}"] if run.partial else []
+    if run.nothing_judged:
+        out.append(f"nothing judged: {run.nothing_judged}")
+    if d.get("stopped"):
+        out.append(f"stopped after {len(d['cases'])} of {d.get('cases_planned', '?')} cases: {d['stopped']}")
+    return out
+
+
+def _section(index: int, run: RunFile, charts: list[Chart], root: Path) -> RunSection:
+    d = run.data
+    by_case: dict[str, list[dict]] = {}
+    for c in d["checks"]:
+        by_case.setdefault(c["case_id"], []).append(c)
+    anchor = f"run-{index}"
+    rows = []
+    for c in d["cases"]:
+        sel = parse_case_id(c["id"])
+        outcome = c.get("outcome", Outcome.PASS if c.get("status") == "ok" else Outcome.ERROR)
+        rows.append(CaseRow(c["id"], d["suite"], sel["engine"], sel["model"], sel["layout"], sel["variant"], outcome,
+                            c.get("reason", ""), [x["check"] for x in by_case.get(c["id"], []) if check_failed(x)],
+                            anchor))
+    notes = [CheckNote(c["check"], c["case_id"], "failed" if check_failed(c) else "inconclusive", c["message"],
+                       c.get("details", [])[:40], _commands(run, c))
+             for c in d["checks"] if check_failed(c) or c.get("inconclusive")]
+    notes += [CheckNote("case", c["id"], "failed", c.get("reason", ""), (c.get("error") or "").splitlines()[-20:],
+                        [rerun_command(c["id"], d["world_size"])])
+              for c in d["cases"] if c.get("outcome") == Outcome.ERROR and not by_case.get(c["id"])]
+    verdict = d.get("verdict") or ("pass" if d.get("passed") else "fail")
+    return RunSection(anchor, run.title, d["suite"], _relative(run.path, root), verdict, _warnings(run), rows, notes,
+                      [(ch.name, _svg(ch)) for ch in charts], dict(run.counts()))
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _stack(runs: list[RunFile]) -> list[tuple[str, str]]:
+    seen: dict[str, set[str]] = {}
+    for r in runs:
+        for name in COMPONENTS:
+            v = r.data.get("versions", {}).get(name)
+            if v:
+                seen.setdefault(name, set()).add(str(v))
+    return [(LABELS[name], " / ".join(sorted(vs))) for name, vs in seen.items()]
+
+
+def _history(con: sqlite3.Connection, runs: list[RunFile], rows: list[CaseRow]) -> tuple[str, list[str]]:
+    """Each failing case's `since` from the earlier nights of the same suite, model, engine, label and platform
+    (a night is a run date before tonight's); the stack's change since the last such night; the cases that failed
+    then and pass tonight."""
+    notes: list[str] = []
+    fixed: list[str] = []
+    by_id = {row.case_id: row for row in rows}
+    for run in runs:
+        d = run.data
+        tonight = d.get("date")
+        if not tonight:
+            continue
+        earlier = con.execute(
+            "SELECT id, date, versions FROM runs WHERE suite=? AND model=? AND engine=? AND IFNULL(label,'')=? "
+            "AND platform=? AND date < ? ORDER BY date DESC, id DESC",
+            (d["suite"], d["model"], d["engine"], d.get("label") or "", d.get("platform", "?"), tonight)).fetchall()
+        if not earlier:
+            continue
+        last = json.loads(earlier[0][2])
+        changed = [f"{n} {last.get(n)} -> {d.get('versions', {}).get(n)}" for n in COMPONENTS
+                   if last.get(n) != d.get("versions", {}).get(n)]
+        if changed:
+            notes.append(f"{run.title}: {', '.join(changed)} since {earlier[0][1][:10]}")
+        for case in d["cases"]:
+            past = [con.execute("SELECT outcome FROM outcomes WHERE run_id=? AND case_id=?", (rid, case["id"]))
+                    .fetchone() for rid, _, _ in earlier]
+            row = by_id.get(case["id"])
+            if row is None:
+                continue
+            failing_now = row.outcome in NOT_PASSING
+            before = past[0][0] if past[0] else None
+            if not failing_now:
+                if before in NOT_PASSING:
+                    fixed.append(f"{case['id']}: {before} on {earlier[0][1][:10]}, {row.outcome} tonight")
+                continue
+            streak = 0
+            while streak < len(past) and past[streak] and past[streak][0] in NOT_PASSING:
+                streak += 1
+            if streak == 0:
+                row.since = Since(f"new tonight (it was {before or 'not run'} on {earlier[0][1][:10]})", new=True)
+            else:
+                row.since = Since(f"since {earlier[streak - 1][1][:10]} ({streak + 1} nights)")
+    return "; ".join(notes), fixed
+
+
+def night(runs: list[RunFile], charts: dict[str, list[Chart]], root: Path,
+          con: sqlite3.Connection | None = None) -> Night:
+    sections = [_section(i, r, charts.get(str(r.path), []), root) for i, r in enumerate(runs, 1)]
+    rows = [row for s in sections for row in s.rows]
+    totals = Counter(row.outcome for row in rows)
+    stack_note, history = "", ""
+    fixed: list[str] = []
+    if con is not None:
+        stack_note, fixed = _history(con, runs, rows)
+        history = "compared with the earlier nights in the history database"
+    dates = sorted(str(r.data.get("date", ""))[:16].replace("T", " ") for r in runs if r.data.get("date"))
+    filters = {"outcome": [o for o in OUTCOMES if totals[o]], "suite": sorted({row.suite for row in rows}),
+               "model": sorted({row.model for row in rows}), "engine": sorted({row.engine for row in rows})}
+    return Night(title="Harness nightly" if len(runs) > 1 else runs[0].title,
+                 dates=f"{dates[0]} .. {dates[-1]}" if dates and dates[0] != dates[-1] else (dates[0] if dates else ""),
+                 stack=_stack(runs), stack_note=stack_note, totals={o: totals[o] for o in OUTCOMES if totals[o]},
+                 runs=len(runs), warnings=[f"{s.title}: {w}" for s in sections for w in s.warnings],
+                 regressions=[row for row in rows if row.outcome in NOT_PASSING], fixed=fixed, sections=sections,
+                 filters=filters, history=history)
+
+
+def render(page: Night) -> str:
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("harness.report", "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    return env.get_template("night.html").render(night=page, not_passing=NOT_PASSING)
+
+
+def write_page(runs: list[RunFile], charts: dict[str, list[Chart]], path: Path, history_db: Path | None = None) -> Path:
+    """report.html for the runs; with a history database, what is new since the earlier nights."""
+    from harness.files import atomic_write
+    from harness.history import store
+
+    con = store.open_db(history_db, create=False) if history_db is not None and history_db.exists() else None
+    try:
+        atomic_write(path, render(night(runs, charts, path.parent, con)))
+    finally:
+        if con is not None:
+            con.close()
+    return path

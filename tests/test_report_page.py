@@ -1,0 +1,153 @@
+"""The night's page (report.html): what did not pass, since which night and on which stack, the commands that
+follow a failure up, the charts - read from the page as written and, in a real headless Chromium, as a browser
+shows it: no console error, no request beyond the page's own file, the regression rows and their links, a filter
+that narrows the table, every chart's series."""
+
+from __future__ import annotations
+
+import os
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from tests import browser
+from tests.night_pages import RECORD, history, night
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("jinja2")
+
+
+@pytest.fixture
+def page_dir(tmp_path):
+    from harness.report.directory import write_report
+
+    out = night(tmp_path / "night")
+    db = history(tmp_path / "history.sqlite", tmp_path / "earlier")
+    written = write_report(out, history_db=db)
+    assert written["html"] == out / "report.html"
+    return out
+
+
+def _text(html: str) -> str:
+    """The page's visible text, whitespace squeezed."""
+    class Text(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts: list[str] = []
+            self.skip = 0
+
+        def handle_starttag(self, tag, attrs):
+            self.skip += tag in ("script", "style")
+
+        def handle_endtag(self, tag):
+            self.skip -= tag in ("script", "style")
+
+        def handle_data(self, data):
+            if not self.skip:
+                self.parts.append(data)
+
+    p = Text()
+    p.feed(html)
+    return re.sub(r"\s+", " ", " ".join(p.parts))
+
+
+def test_the_page_says_what_did_not_pass_since_when_on_which_stack_and_what_to_run(page_dir):
+    html = (page_dir / "report.html").read_text()
+    text = _text(html)
+    assert "Did not pass tonight (2)" in text
+    # the TP 2 case passed the night before: new; the untied one has failed for three nights
+    assert re.search(r"tp2-pp1-cp1-dp2 regression refit.baseline new tonight \(it was pass on 2026-12-05\)", text)
+    assert re.search(r"tp1-pp2-cp1-dp2 \[variant=untied\] regression refit.baseline since 2026-12-04 \(3 nights\)",
+                     text)
+    assert "Stack changed: refit / mcore / tiny / world size 4: megatron-core 0.19.1 -> 0.19.2 since 2026-12-05" in text
+    assert "megatron-core 0.19.2" in text and "Python 3.12.1" in text
+    # the command the check printed, and the one that reruns the case, each ready to copy
+    commands = re.findall(r'<pre class="command">([^<]*)</pre>', html)
+    assert RECORD in commands
+    assert ("harness run --suite refit --model tiny --world-size 4 --layout tp2-pp1-cp1-dp2 --engine mcore"
+            in commands)
+    assert "CANNOT TELL ckpt-memory.async" in text
+    # the interrupted run says so at the top
+    assert "partial: interrupted (SIGINT) after 1 of 4 cases" in text.split("Did not pass tonight")[0]
+
+
+def test_the_page_is_one_file_that_asks_nothing_of_any_other_host(page_dir):
+    html = (page_dir / "report.html").read_text()
+    assert not re.findall(r'(?:src|href)="(?!#)[^"]*"', html), "the page links or loads another file"
+    assert "http://" not in _text(html) and "https://" not in html
+    assert "Content-Security-Policy" in html and "default-src 'none'" in html
+
+
+def test_a_night_without_history_names_no_since_and_a_page_of_passing_runs_says_nothing_regressed(tmp_path):
+    from harness.report.directory import write_report
+    from tests.night_pages import ckpt_run
+
+    ckpt_run(tmp_path / "n")
+    write_report(tmp_path / "n")
+    text = _text((tmp_path / "n" / "report.html").read_text())
+    assert "Nothing regressed tonight" in text and "since" not in text
+
+
+# -- in the browser -------------------------------------------------------------------------------------------
+def _need_browser() -> None:
+    if browser.available():
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"no browser at {browser.BROWSER} under CI=true: .ci/run installs Debian's chromium package")
+    pytest.skip(f"no browser at {browser.BROWSER}: apt-get install chromium (the page's browser tests need it)")
+
+
+def test_the_browser_tests_catch_a_console_error_and_a_request_to_another_host(tmp_path):
+    """The assertions below can fail: a page that logs an error and loads an image from elsewhere shows both."""
+    _need_browser()
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!doctype html><html><body><img src="http://203.0.113.9/x.png">'
+                   '<script>console.error("planted"); undefined_function();</script></body></html>')
+    with browser.Browser() as b:
+        page = b.open(bad.as_uri())
+        b.pump(0.5)
+        seen = page.seen
+    assert any("planted" in e for e in seen.errors) and any("undefined_function" in e for e in seen.errors)
+    assert "http://203.0.113.9/x.png" in seen.requests
+
+
+def test_in_a_browser_the_page_shows_its_regressions_filters_its_cases_and_draws_every_series(page_dir, tmp_path):
+    _need_browser()
+    url = (page_dir / "report.html").as_uri()
+    shots = Path(os.environ.get("HARNESS_SCREENSHOTS") or tmp_path)
+    with browser.Browser() as b:
+        page = b.open(url)
+        page.wait_for("document.body.getAttribute('data-charts') === 'drawn'")
+        rows = page.evaluate("Array.from(document.querySelectorAll('#regression-table tr.regression-row'))"
+                             ".map(r => [r.cells[3].textContent.trim(), r.querySelector('a').getAttribute('href')])")
+        assert [r[0] for r in rows] == ["tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2 [variant=untied]"]
+        for _, href in rows:  # each link leads to its run's section
+            assert page.evaluate(f"document.getElementById({href[1:]!r}) !== null")
+        total = page.evaluate("document.querySelectorAll('tr.case-row').length")
+        assert total == 6 and page.evaluate("document.getElementById('shown').textContent") == "6 of 6 cases shown"
+        page.evaluate("(() => { const s = document.querySelector('select[data-filter=outcome]'); s.value = "
+                      "'regression'; s.dispatchEvent(new Event('change')); })()")
+        visible = page.evaluate("Array.from(document.querySelectorAll('tr.case-row:not(.hidden)'))"
+                                ".map(r => r.getAttribute('data-outcome'))")
+        assert visible == ["regression", "regression"]
+        assert page.evaluate("location.hash") == "#outcome=regression"
+        assert page.evaluate("document.querySelectorAll('section.run:not(.hidden)').length") == 1
+        # every chart's series: each legend entry named in its SVG and drawn under its id
+        charts = page.evaluate("""Array.from(document.querySelectorAll('figure.chart')).map(f => {
+            const svg = f.querySelector('svg');
+            const names = JSON.parse(svg.getAttribute('data-series'));
+            const texts = Array.from(svg.querySelectorAll('text')).map(t => t.textContent);
+            return [f.getAttribute('data-chart'), names, names.map((n, k) =>
+                svg.querySelectorAll('[id*="-s' + k + '-"]').length > 0 && texts.includes(n))];
+        })""")
+        assert sorted(c[0] for c in charts) == ["peaks", "save-timeline"]
+        for name, names, drawn in charts:
+            assert names and all(drawn), f"{name}: series not drawn or not in the legend: {names} {drawn}"
+        page.evaluate("(() => { const s = document.querySelector('select[data-filter=outcome]'); s.value = ''; "
+                      "s.dispatchEvent(new Event('change')); })()")
+        page.screenshot(shots / "night-page.png", height=900)
+        seen = page.seen
+    assert seen.errors == []
+    assert set(seen.requests) == {url}, f"requests beyond the page: {sorted(set(seen.requests) - {url})}"
