@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.checks import CheckData
 from harness.errors import BadInput
 from harness.files import atomic_write, locked_dir
 
@@ -187,6 +188,14 @@ class Verdict:
     @property
     def delta(self) -> float:
         return self.measured - (self.baseline or 0.0)
+
+
+@dataclass
+class BaselineFigures(CheckData):
+    """What a baseline check judged: the entry's key and each metric's verdict (measured, baseline, tolerance)."""
+
+    key: str
+    metrics: dict[str, Verdict]
 
 
 def compare(data: dict[str, Any], key: str, metric: str, measured: float, floor: float = 0.0) -> Verdict:

@@ -22,10 +22,10 @@ def _case(case_id: str, outcome: str, reason: str = "", data: dict | None = None
 
 
 def _check(name: str, case_id: str, passed: bool, message: str, details: list[str] | None = None,
-           inconclusive: bool = False, value: float | None = None) -> dict:
+           inconclusive: bool = False, value: float | None = None, data: dict | None = None) -> dict:
     return {"check": name, "case_id": case_id, "passed": passed, "message": message, "details": details or [],
-            "inconclusive": inconclusive, "value": value, "status": "inconclusive" if inconclusive else
-            ("pass" if passed else "fail")}
+            "inconclusive": inconclusive, "value": value, "data": data or {},
+            "status": "inconclusive" if inconclusive else ("pass" if passed else "fail")}
 
 
 def _write(path: Path, suite: str, model: str, cases: list[dict], checks: list[dict], date: str,
@@ -42,17 +42,69 @@ def _write(path: Path, suite: str, model: str, cases: list[dict], checks: list[d
 
 def refit_run(path: Path, date: str = TONIGHT, versions: dict | None = None,
               outcomes: tuple[str, str, str] = ("pass", "regression", "regression")) -> Path:
-    """Three refit cases; the second's export peak is planted twice its baseline, the third's one layer short."""
+    """Three refit cases; a regression's export peak at 512 MiB buckets is planted twice its baseline. The checks'
+    figures are the judge's own types, as results.json holds them."""
+    from dataclasses import asdict
+
+    from harness.baselines import BaselineFigures, BaselineStatus, Verdict
+    from harness.suite_defs.refit.judge import Agreement, ExportPeaks
+
     cases, checks = [], []
     for case_id, outcome in zip(REFIT_CASES, outcomes):
         cases.append(_case(case_id, outcome, "" if outcome == "pass" else "refit.baseline failed"))
         ok = outcome == "pass"
+        peak = (0.45 if ok else 0.91) * MIB
+        verdicts = {f"rank{r}.export_mib@{size}": Verdict(BaselineStatus.PASS if ok or size == "8KiB"
+                                                          else BaselineStatus.REGRESSION, measured, 0.47, 0.09)
+                    for r in range(4) for size, measured in (("8KiB", 0.3), ("512MiB", peak / MIB))}
         checks.append(_check("refit.baseline", case_id, ok,
                              "every rank's export peak within its baseline" if ok else
                              f"rank1.export_mib@512MiB 933 KiB is +447 KiB above baseline 486 +- 97 KiB; record this "
                              f"stack's with `{RECORD}`",
-                             [] if ok else ["  rank0.export_mib@512MiB: 933 KiB, baseline 490 +- 98: regression"]))
+                             [] if ok else ["  rank0.export_mib@512MiB: 933 KiB, baseline 490 +- 98: regression"],
+                             data=asdict(BaselineFigures("tiny/x/fp32/mcore", verdicts))))
+        for bucket, at in ((8 * 1024, 0.3 * MIB), (512 * MIB, peak)):
+            checks.append(_check("refit.memory", case_id, True, "within", data=asdict(
+                ExportPeaks(bucket, bucket + 2 * 64 * 1024 + MIB, {r: int(at) for r in range(4)}))))
+        checks.append(_check("refit.policy", case_id, True, "agrees", value=9.8e-8,
+                             data=asdict(Agreement(9.8e-8, 1e-5, 0, 512))))
     return _write(path, "refit", "tiny", cases, checks, date, versions or VERSIONS)
+
+
+def batch_split_run(path: Path) -> Path:
+    """A cut whose gradient norm drifts from its reference's (the plant) beside one equal bit for bit."""
+    from dataclasses import asdict
+
+    from harness.suite_defs.batch_split.judge import StepSeries
+
+    ref = "batch-split/mcore/tiny/tp1-pp1-cp1-dp1[cut=mbs16]"
+    good = "batch-split/mcore/tiny/tp1-pp1-cp2-dp2[cut=tokens96]"
+    bad = "batch-split/mcore/tiny/tp2-pp1-cp1-dp2[cut=mbs2]"
+    cases = [_case(ref, "pass"), _case(good, "pass"), _case(bad, "regression", "batch-split.grad_norm failed")]
+    for c, cut in zip(cases, ("mbs16", "tokens96", "mbs2")):
+        c["params"] = {"mode": "token-mean", "cut": cut, "like": "", "temperature": 1.0}
+    want = [4.88, 4.87, 4.86]
+    checks = []
+    for cid, got_norm in ((good, [1.5, 1.4, 1.3]), (bad, [1.5, 1.47, 1.39])):
+        checks.append(_check("batch-split.loss", cid, True, "equal", data=asdict(StepSeries("loss", want, want, ref,
+                                                                                          1e-5))))
+        ok = cid == good
+        checks.append(_check("batch-split.grad_norm", cid, ok, "equal" if ok else "grad norm of step 1 differs",
+                             data=asdict(StepSeries("grad norm", got_norm, [1.5, 1.4, 1.3], ref, 1e-5))))
+    return _write(path, "batch-split", "tiny", cases, checks, TONIGHT, VERSIONS)
+
+
+def rl_cycle_run(path: Path) -> Path:
+    """Two cases' device residue per iteration: one flat, one growing every iteration (the plant)."""
+    ids = ("rl-cycle/mcore/tiny/tp1-pp1-cp1-dp4", "rl-cycle/mcore/tiny/tp2-pp1-cp1-dp2")
+    flat = {str(r): [70 * 1024] * 4 for r in range(4)}
+    grows = {str(r): [70 * 1024 * (i + 1) for i in range(4)] for r in range(4)}
+    cases = [_case(ids[0], "pass", data={"residue_bytes": flat, "residue_bound_bytes": 192 * 1024}),
+             _case(ids[1], "regression", "rl-cycle.offload failed",
+                   data={"residue_bytes": grows, "residue_bound_bytes": 192 * 1024})]
+    checks = [_check("rl-cycle.offload", ids[0], True, "flat"),
+              _check("rl-cycle.offload", ids[1], False, "the device held more after every offload")]
+    return _write(path, "rl-cycle", "tiny", cases, checks, TONIGHT, VERSIONS)
 
 
 def ckpt_run(path: Path) -> Path:
@@ -74,11 +126,14 @@ def interrupted_run(path: Path) -> Path:
                   VERSIONS, interrupted="SIGINT", cases_planned=4)
 
 
-def night(root: Path) -> Path:
-    """Tonight's results directory."""
+def night(root: Path, rl: bool = False) -> Path:
+    """Tonight's results directory (rl: the batch-split and rl-cycle runs too)."""
     refit_run(root / "refit")
     ckpt_run(root / "ckpt-memory")
     interrupted_run(root / "golden")
+    if rl:
+        batch_split_run(root / "batch-split")
+        rl_cycle_run(root / "rl-cycle")
     return root
 
 

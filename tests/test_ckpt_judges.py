@@ -584,7 +584,7 @@ def test_a_baseline_checks_figures_reach_results_json_as_the_report_reads_them(t
     from harness.report.results_file import to_json
     from harness.report.runs import RunFile
     from harness.suite_defs.ckpt_memory.suite import CkptMemorySuite
-    from harness.suite_defs.ckpt_memory.judge import BaselineFigures
+    from harness.baselines import BaselineFigures
     from harness.suite_run import SuiteRun
 
     case = Case("ckpt-memory", load_model("small"), DP4, "mcore", CaseOptions(steps=1), params=CkptCaseParams())

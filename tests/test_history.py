@@ -170,8 +170,8 @@ def test_failed_cases_are_marked_in_the_checkpoint_and_collective_plots(tmp_path
     run = RunFile(tmp_path / "results.json", {"suite": "ckpt-memory", "engine": "mcore", "model": "small",
                                               "world_size": 4, "cases": cases, "checks": []})
     marked = []
-    real = plots._mark_failed
-    monkeypatch.setattr(plots, "_mark_failed", lambda ax, cs, failed: (marked.append(set(failed)), real(ax, cs, failed)))
+    real = plots.mark_failed
+    monkeypatch.setattr(plots, "mark_failed", lambda ax, cs, failed: (marked.append(set(failed)), real(ax, cs, failed)))
     assert plots.ckpt_peaks(run, tmp_path / "peaks.png").exists()
     assert plots.collective_bytes(run, tmp_path / "bytes.png").exists()
     assert plots.ckpt_timelines(run, tmp_path / "timelines.png").exists()  # titles of failed cases in red

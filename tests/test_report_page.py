@@ -23,7 +23,7 @@ pytest.importorskip("jinja2")
 def page_dir(tmp_path):
     from harness.report.directory import write_report
 
-    out = night(tmp_path / "night")
+    out = night(tmp_path / "night", rl=True)
     db = history(tmp_path / "history.sqlite", tmp_path / "earlier")
     written = write_report(out, history_db=db)
     assert written["html"] == out / "report.html"
@@ -56,7 +56,7 @@ def _text(html: str) -> str:
 def test_the_page_says_what_did_not_pass_since_when_on_which_stack_and_what_to_run(page_dir):
     html = (page_dir / "report.html").read_text()
     text = _text(html)
-    assert "Did not pass tonight (2)" in text
+    assert "Did not pass tonight (4)" in text
     # the TP 2 case passed the night before: new; the untied one has failed for three nights
     assert re.search(r"tp2-pp1-cp1-dp2 regression refit.baseline new tonight \(it was pass on 2026-12-05\)", text)
     assert re.search(r"tp1-pp2-cp1-dp2 \[variant=untied\] regression refit.baseline since 2026-12-04 \(3 nights\)",
@@ -78,6 +78,24 @@ def test_the_page_is_one_file_that_asks_nothing_of_any_other_host(page_dir):
     assert not re.findall(r'(?:src|href)="(?!#)[^"]*"', html), "the page links or loads another file"
     assert "http://" not in _text(html) and "https://" not in html
     assert "Content-Security-Policy" in html and "default-src 'none'" in html
+
+
+def test_the_rl_suites_plots_draw_the_planted_faults_apart(page_dir):
+    """batch-split's drifting cut is named failed in its chart; refit's regression is drawn against its baseline;
+    rl-cycle's growing residue crosses its bound."""
+    import json
+    from html import unescape
+
+    def series(name: str) -> list[str]:
+        svg = next((page_dir / "plots").glob(f"*-{name}.svg")).read_text()
+        return json.loads(unescape(re.search(r'data-series="([^"]*)"', svg).group(1)))
+
+    steps = series("steps-vs-reference")
+    assert "tp2-pp1-cp1-dp2 token-mean mbs2 (failed)" in steps and "tp1-pp1-cp2-dp2 token-mean tokens96" in steps
+    assert "tolerance 1e-05" in steps
+    assert sorted(series("export-peaks")) == ["bound", "rank 0", "rank 1", "rank 2", "rank 3"]
+    assert sorted(series("residue")) == ["rank 0", "rank 1", "rank 2", "rank 3", "residue bound"]
+    assert sorted(series("logprob-agreement")) == ["tolerance 1e-05", "worst rel. difference of a held-out token"]
 
 
 def test_a_night_without_history_names_no_since_and_a_page_of_passing_runs_says_nothing_regressed(tmp_path):
@@ -122,18 +140,22 @@ def test_in_a_browser_the_page_shows_its_regressions_filters_its_cases_and_draws
         page.wait_for("document.body.getAttribute('data-charts') === 'drawn'")
         rows = page.evaluate("Array.from(document.querySelectorAll('#regression-table tr.regression-row'))"
                              ".map(r => [r.cells[3].textContent.trim(), r.querySelector('a').getAttribute('href')])")
-        assert [r[0] for r in rows] == ["tp2-pp1-cp1-dp2", "tp1-pp2-cp1-dp2 [variant=untied]"]
+        assert [r[0] for r in rows] == ["tp2-pp1-cp1-dp2 [cut=mbs2]", "tp2-pp1-cp1-dp2",
+                                        "tp1-pp2-cp1-dp2 [variant=untied]", "tp2-pp1-cp1-dp2"]
         for _, href in rows:  # each link leads to its run's section
             assert page.evaluate(f"document.getElementById({href[1:]!r}) !== null")
         total = page.evaluate("document.querySelectorAll('tr.case-row').length")
-        assert total == 6 and page.evaluate("document.getElementById('shown').textContent") == "6 of 6 cases shown"
+        assert total == 11 and page.evaluate("document.getElementById('shown').textContent") == "11 of 11 cases shown"
         page.evaluate("(() => { const s = document.querySelector('select[data-filter=outcome]'); s.value = "
                       "'regression'; s.dispatchEvent(new Event('change')); })()")
         visible = page.evaluate("Array.from(document.querySelectorAll('tr.case-row:not(.hidden)'))"
                                 ".map(r => r.getAttribute('data-outcome'))")
-        assert visible == ["regression", "regression"]
+        assert visible == ["regression"] * 4
         assert page.evaluate("location.hash") == "#outcome=regression"
-        assert page.evaluate("document.querySelectorAll('section.run:not(.hidden)').length") == 1
+        assert page.evaluate("document.querySelectorAll('section.run:not(.hidden)').length") == 3
+        page.evaluate("(() => { const s = document.querySelector('select[data-filter=suite]'); s.value = 'refit'; "
+                      "s.dispatchEvent(new Event('change')); })()")
+        assert page.evaluate("document.getElementById('shown').textContent") == "2 of 11 cases shown"
         # every chart's series: each legend entry named in its SVG and drawn under its id
         charts = page.evaluate("""Array.from(document.querySelectorAll('figure.chart')).map(f => {
             const svg = f.querySelector('svg');
@@ -142,11 +164,13 @@ def test_in_a_browser_the_page_shows_its_regressions_filters_its_cases_and_draws
             return [f.getAttribute('data-chart'), names, names.map((n, k) =>
                 svg.querySelectorAll('[id*="-s' + k + '-"]').length > 0 && texts.includes(n))];
         })""")
-        assert sorted(c[0] for c in charts) == ["peaks", "save-timeline"]
+        assert sorted(c[0] for c in charts) == ["export-peaks", "logprob-agreement", "peaks", "residue",
+                                                "save-timeline", "steps-vs-reference"]
         for name, names, drawn in charts:
             assert names and all(drawn), f"{name}: series not drawn or not in the legend: {names} {drawn}"
-        page.evaluate("(() => { const s = document.querySelector('select[data-filter=outcome]'); s.value = ''; "
-                      "s.dispatchEvent(new Event('change')); })()")
+        for name in ("outcome", "suite"):
+            page.evaluate(f"(() => {{ const s = document.querySelector('select[data-filter={name}]'); s.value = ''; "
+                          "s.dispatchEvent(new Event('change')); })()")
         page.screenshot(shots / "night-page.png", height=900)
         seen = page.seen
     assert seen.errors == []

@@ -136,7 +136,8 @@ def test_nightly_reports_a_pair_that_does_not_apply_and_is_no_failure(tmp_path, 
         return SuiteRun(planned.suite, planned.model_name, planned.world_size, planned.backend, planned.engine)
 
     monkeypatch.setattr("harness.driver.execute", execute)
-    monkeypatch.setattr("harness.report.directory.write_report", lambda out: {"markdown": "-", "junit": "-"})
+    monkeypatch.setattr("harness.report.directory.write_report",
+                        lambda out, db=None: {"markdown": "-", "junit": "-", "html": "-"})
     for judged in ("passed", "conclusive"):  # as a run that judged and passed
         monkeypatch.setattr(f"harness.suite_run.SuiteRun.{judged}", property(lambda self: True))
     code = nightly.run_nightly(tmp_path, ["grad-sync"], ["tiny-moe"], 2, "gloo", None, lambda msg: None)

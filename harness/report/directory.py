@@ -15,7 +15,8 @@ from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import OUTCOMES, check_failed
 from harness.report import time_spent
-from harness.report.plots import PLOTTED, Chart
+from harness.report.charts import PLOTTED
+from harness.report.plots import Chart
 from harness.report.runs import RunFile, load_runs
 from harness.tables import markdown_table, md_escape
 
@@ -120,10 +121,11 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Chart]], out_dir: Path) 
 def write_report(directory: Path, history_db: Path | None = None) -> dict[str, Path]:
     """Render every run under the directory (the HTML page against the history database's earlier nights where
     one is given and exists); returns what was written, by kind."""
-    from harness.report import junit, page, plots
+    from harness.report import charts as charting
+    from harness.report import junit, page
 
     runs = load_runs(directory)
-    charts = plots.render_all(runs, directory / "plots")
+    charts = charting.render_all(runs, directory / "plots")
     out = {"markdown": directory / "report.md", "json": directory / "report.json", "junit": directory / "junit.xml",
            "html": directory / "report.html"}
     atomic_write(out["markdown"], markdown(runs, charts, directory))

@@ -51,7 +51,7 @@ def save_figure(plt, fig, path: Path, dpi: int) -> Path:
     import json
     from html import escape
 
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")  # a legend placed beside the axes stays in the picture
     names: list[str] = []
     for ax in fig.axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -61,7 +61,7 @@ def save_figure(plt, fig, path: Path, dpi: int) -> Path:
             names.append(label)
     svg = path.with_suffix(".svg")
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": path.stem}):
-        fig.savefig(svg, metadata={"Date": None})
+        fig.savefig(svg, metadata={"Date": None}, bbox_inches="tight")
     plt.close(fig)
     svg.write_text(_compact(svg.read_text(), path.stem).replace(
         "<svg ", f"<svg data-series=\"{escape(json.dumps(names))}\" ", 1))
@@ -160,7 +160,7 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
                     ax.annotate(" / ".join(off), (x, heap + kids),
                                 rotation=90, fontsize=7, color="red", ha="center", va="bottom")
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
-    _mark_failed(ax, cases, _failed_cases(run))
+    mark_failed(ax, cases, failed_cases(run))
     ax.set_ylabel("host peak of the save, MiB")
     ax.set_title(f"{run.title}: host peak per rank (solid: rank heap, hatched: forked writers);\n"
                  "grey box: baseline +- tolerance, line: baseline", fontsize=9)
@@ -174,7 +174,7 @@ def ckpt_peaks(run: RunFile, path: Path) -> Path | None:
                 ax.bar(x, peak["device_reserved_peak"] / MIB, width, color=rank_colors[int(r)], alpha=0.4)
                 ax.bar(x, peak["device_allocated_peak"] / MIB, width, color=rank_colors[int(r)])
         ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=60, ha="right", fontsize=7)
-        _mark_failed(ax, cases, _failed_cases(run))
+        mark_failed(ax, cases, failed_cases(run))
         ax.set_ylabel("device peak, MiB")
         ax.set_title("device peak per rank (solid: max allocated, light: max reserved)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
@@ -197,7 +197,7 @@ def ckpt_timelines(run: RunFile, path: Path) -> Path | None:
             t = [s for s, _ in peak["timeline"]]
             mib = [(rss - peak["rss_before"]) / MIB for _, rss in peak["timeline"]]
             ax.plot(t, mib, label=f"rank {r}", linewidth=1)
-        failed = c["id"] in _failed_cases(run)
+        failed = c["id"] in failed_cases(run)
         ax.set_title(case_label(c) + (f" ({c['outcome']})" if failed else ""), fontsize=8,
                      **({"color": "red"} if failed else {}))
         ax.tick_params(labelsize=7)
@@ -241,7 +241,7 @@ def _finish_per_case(plt, fig, ax, run: RunFile, cases: list[dict], path: Path, 
                      rotation: int = 30, legend: bool = True) -> Path:
     """Case labels on the x axis (red for cases that did not pass), labels, legend, grid; saved and closed."""
     ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=rotation, ha="right", fontsize=7)
-    _mark_failed(ax, cases, _failed_cases(run))
+    mark_failed(ax, cases, failed_cases(run))
     ax.set_ylabel(ylabel)
     ax.set_title(f"{run.title}: {title}", fontsize=9)
     if legend:
@@ -251,11 +251,11 @@ def _finish_per_case(plt, fig, ax, run: RunFile, cases: list[dict], path: Path, 
     return save_figure(plt, fig, path, 110)
 
 
-def _failed_cases(run: RunFile) -> set[str]:
+def failed_cases(run: RunFile) -> set[str]:
     return {c["id"] for c in run.data["cases"] if c.get("outcome") not in (None, "pass", "skipped")}
 
 
-def _mark_failed(ax, cases: list[dict], failed: set[str]) -> None:
+def mark_failed(ax, cases: list[dict], failed: set[str]) -> None:
     """Red tick labels for cases that did not pass, so a regression does not look like a pass."""
     for label, c in zip(ax.get_xticklabels(), cases):
         if c["id"] in failed:
@@ -301,29 +301,3 @@ def step_times(run: RunFile, path: Path) -> Path | None:
                    boxprops={"facecolor": "tab:blue", "alpha": 0.6}, medianprops={"color": "black"})
     return _finish_per_case(plt, fig, ax, run, cases, path, "step time, ms (grey: baseline samples, blue: this run)",
                             "step times", legend=False)
-
-
-PLOTS = {"peaks": ckpt_peaks, "save-timeline": ckpt_timelines, "collective-bytes": collective_bytes,
-         "step-phases": step_phases, "step-times": step_times}
-
-
-def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Chart]]:
-    """Every plot that applies to each run, as out_dir/<run slug>-<plot>.png and .svg; {results path: [charts]}."""
-    out: dict[str, list[Chart]] = {}
-    seen: dict[str, int] = {}
-    for run in runs:
-        seen[run.slug] = seen.get(run.slug, 0) + 1
-        slug = run.slug if seen[run.slug] == 1 else f"{run.slug}-{seen[run.slug]}"
-        for name, plot in PLOTS.items():
-            out_dir.mkdir(parents=True, exist_ok=True)
-            png = plot(run, out_dir / f"{slug}-{name}.png")
-            if png:
-                out.setdefault(str(run.path), []).append(Chart(name, png))
-    if out_dir.is_dir() and not any(out_dir.iterdir()):
-        out_dir.rmdir()  # no empty folder: the report says per run why it has no plot
-    return out
-
-
-# What the plots draw from, for a report's line on a run that has none
-PLOTTED = ("checkpoint save peaks and timelines (ckpt-memory), collective bytes (grad-sync), step phases and "
-           "times (step-perf)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.checks import CheckResult, case_failed
+from harness.checks import CheckData, CheckResult, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.checks.step_outputs import (
     LogprobDiff,
@@ -45,6 +45,17 @@ class BatchSplitRankData(TrainedRankData):
 
     logprob_pass: list[StepOutput] = field(default_factory=list)
     microbatches: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class StepSeries(CheckData):
+    """A figure of every step against the reference's (the case it was judged against), and the tolerance."""
+
+    figure: str
+    got: list[float]
+    reference: list[float]
+    reference_case: str
+    rtol: float
 
 
 def data(result: CaseResult) -> list[BatchSplitRankData]:
@@ -152,13 +163,15 @@ def _steps(res: CaseResult, ref: CaseResult, at: str, figure: str, check: str, g
     worst = max(range(len(errs)), key=lambda i: severity(errs[i]))
     ok = within(errs[worst], tol)
     rows = [f"  step {i}: {a:.8g} vs {b:.8g}  rel {fmt_err(e)}" for i, (a, b, e) in enumerate(zip(got, want, errs))]
+    series = StepSeries(figure, list(got), list(want), ref.case.id, tol)
     if ok:
         return CheckResult(name, cid, ok, f"{at}: {figure} of {len(got)} steps equal the reference's "
-                                          f"({what(ref)}), worst rel {fmt_err(errs[worst])}", rows, value=errs[worst])
+                                          f"({what(ref)}), worst rel {fmt_err(errs[worst])}", rows, value=errs[worst],
+                           data=series)
     bound = "exactly" if tol == 0 else f"rel > {tol:.0e}"
     return CheckResult(name, cid, ok, f"{at}: {figure} of step {worst} {got[worst]:.8g} vs {want[worst]:.8g} "
                                       f"({what(ref)}), rel diff {fmt_err(errs[worst])}, {bound}", rows,
-                       value=errs[worst])
+                       value=errs[worst], data=series)
 
 
 def _zero_counts(res: CaseResult, ref: CaseResult, at: str, got: list[float], want: list[float]) -> CheckResult:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.backends import Backend
-from harness.checks import Captures, CheckData, CheckResult, cannot_tell, case_failed
+from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import LOAD_FIXED_COST, discrimination, gathers, rival, save_band
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB, flamegraph_path
@@ -19,14 +18,6 @@ from harness.suite_defs.ckpt_memory.params import SUITE, CkptMemoryParams
 
 if TYPE_CHECKING:
     from harness.baselines import Source, Verdict
-
-
-@dataclass
-class BaselineFigures(CheckData):
-    """What a baseline check judged: the entry's key and each metric's verdict (measured, baseline, tolerance)."""
-
-    key: str
-    metrics: dict[str, Verdict]
 
 
 EXPECTED_DEFAULT = "dp_reshardable"  # Megatron-LM / Megatron-Bridge default since R1
@@ -216,7 +207,7 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], source
         base = "-" if v.baseline is None else f"{v.baseline:.2f} +- {v.tolerance:.2f}"
         rows.append(f"{metric}: {value:.2f} MiB, baseline {base}, delta {v.delta:+.2f} MiB: {v.status}"
                     + (f"; detects {_detects(v)}" if v.baseline is not None else ""))
-    shown = BaselineFigures(key, verdicts)
+    shown = baselines.BaselineFigures(key, verdicts)
     by_status = {st: [m for m, v in verdicts.items() if v.status is st] for st in baselines.BaselineStatus}
     # the report stage deletes the captures of a pass and renders the flamegraph of a failure
     captures = Captures(files or [])

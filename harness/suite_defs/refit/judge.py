@@ -3,9 +3,10 @@ case, the policy a Hugging Face model loaded from the stream computes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import fmt_err
 from harness.checks.weight_stream import Expected, check_complete, check_values, first, reference
 from harness.dtypes import dtype
@@ -24,6 +25,25 @@ OVERHEAD = 1 * MIB
 # A rank's memory left allocated per repeated export: megatron's and torch's per-collective bookkeeping. A bucket
 # kept alive per export is the stream, bucket by bucket (tiny's 330 KiB at fp32).
 RETAINED_PER_REFIT = 16 * 1024
+
+
+@dataclass
+class ExportPeaks(CheckData):
+    """An export's host peak per rank (bytes) against the bound it is judged by, at one bucket size."""
+
+    bucket_bytes: int
+    bound_bytes: int
+    peaks: dict[int, int]
+
+
+@dataclass
+class Agreement(CheckData):
+    """Log-probs against another model's: the worst relative difference, the tolerance, the tokens beyond it."""
+
+    worst_rel: float
+    rtol: float
+    tokens_off: int
+    tokens: int
 
 
 def data(result: CaseResult) -> list[RefitRankData]:
@@ -94,17 +114,19 @@ def check_baseline(res: CaseResult, params: RefitParams, books: dict[str, Any]) 
     rows = [f"  {m}: {v.measured * 1024:.0f} KiB, baseline " + ("-" if v.baseline is None else
             f"{v.baseline * 1024:.0f} +- {(v.tolerance or 0) * 1024:.0f}") + f": {v.status}"
             for m, v in verdicts.items()]
+    shown = baselines.BaselineFigures(key, verdicts)
     missing = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.MISSING]
     if missing:
         return CheckResult("refit.baseline", cid, False, f"{where(res)}: no baseline for {key} {missing[0]} on "
                                                          f"platform {source.platform} ({path}); record it with: "
-                                                         f"{figures.record_command(res.case)}", rows)
+                                                         f"{figures.record_command(res.case)}", rows,
+                           data=shown)
     off = (baselines.BaselineStatus.REGRESSION, baselines.BaselineStatus.IMPROVEMENT)
     moved = [m for m, v in verdicts.items() if v.status in off]
     across = baselines.across_note(source, res.case, bool(moved), figures.record_command(res.case))
     if not moved:
         return CheckResult("refit.baseline", cid, True, f"{where(res)}: every rank's export peak within its baseline "
-                                                        f"({key}){across}", rows)
+                                                        f"({key}){across}", rows, data=shown)
     m = max(moved, key=lambda x: abs(verdicts[x].delta))
     v = verdicts[m]
     worse = v.status is baselines.BaselineStatus.REGRESSION
@@ -113,7 +135,7 @@ def check_baseline(res: CaseResult, params: RefitParams, books: dict[str, Any]) 
     base, tol = (v.baseline or 0) * 1024, (v.tolerance or 0) * 1024
     return CheckResult("refit.baseline", cid, False, f"{where(res)}: {m} {v.measured * 1024:.0f} KiB is "
                                                      f"{v.delta * 1024:+.0f} KiB {verb} baseline {base:.0f} +- "
-                                                     f"{tol:.0f} KiB{across}", rows, improvement=not worse)
+                                                     f"{tol:.0f} KiB{across}", rows, improvement=not worse, data=shown)
 
 
 def check_memory(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], biggest: int) -> CheckResult:
@@ -138,7 +160,8 @@ def check_memory(res: CaseResult, at: str, per_rank: list[tuple[int, Export]], b
                                       f"{'within' if ok else 'beyond'} bucket + 2 x largest tensor "
                                       f"({biggest / 1024:.1f} KiB) + {OVERHEAD // MIB} MiB = {bound / 1024:.0f} KiB; "
                                       f"largest allocation {worst.largest / 1024:.1f} KiB", rows,
-                       value=worst.peak.host_peak / MIB, show=not ok)
+                       value=worst.peak.host_peak / MIB, show=not ok,
+                       data=ExportPeaks(per_rank[0][1].bucket_bytes, bound, {r: e.peak.host_peak for r, e in per_rank}))
 
 
 def _over_budget(e: Export) -> str:
@@ -206,10 +229,12 @@ def check_policy(res: CaseResult, ranks: list[RefitRankData]) -> CheckResult:
         return CheckResult(name, cid, False, f"{at}: the HF model loaded from the stream differs from the Megatron "
                                              f"model at {int(diff.bad.sum())}/{megatron.numel()} held-out tokens "
                                              f"(worst rel {fmt_err(diff.worst)} > {rtol:.0e}); first: sample {s}, "
-                                             f"positions {diff.positions(s)}", value=diff.worst)
+                                             f"positions {diff.positions(s)}", value=diff.worst,
+                           data=Agreement(diff.worst, rtol, int(diff.bad.sum()), megatron.numel()))
     return CheckResult(name, cid, True, f"{at}: the HF model loaded from the stream computes the Megatron model's "
                                         f"log-probs of {megatron.numel()} held-out tokens, worst rel "
-                                        f"{fmt_err(diff.worst)} <= {rtol:.0e}", value=diff.worst)
+                                        f"{fmt_err(diff.worst)} <= {rtol:.0e}", value=diff.worst,
+                       data=Agreement(diff.worst, rtol, 0, megatron.numel()))
 
 
 def table_figures(result: CaseResult) -> dict[str, Any]:

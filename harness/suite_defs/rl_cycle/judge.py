@@ -273,6 +273,17 @@ def _largest(largest: list[tuple[str, int]]) -> str:
     return ", ".join(f"{what} {n / KIB:.1f} KiB" for what, n in largest[:3]) or "none"
 
 
+def residue_data(result: CaseResult) -> dict[str, Any]:
+    """For the report's plot: per rank, the bytes left on the device after each iteration's offload (None where it did
+    not offload), and the bound they are judged by."""
+    ranks = data(result)
+    if not ranks or not any(it.offload for d in ranks for it in d.iterations):
+        return {}
+    return {"residue_bytes": {str(r): [None if it.offload is None else it.offload.bytes for it in d.iterations]
+                              for r, d in enumerate(ranks)},
+            "residue_bound_bytes": ranks[0].residue_bound}
+
+
 def table_figures(result: CaseResult) -> dict[str, Any]:
     ranks = data(result)
     residues = [it.offload.bytes for d in ranks for it in d.iterations if it.offload is not None]

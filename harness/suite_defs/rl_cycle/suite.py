@@ -179,6 +179,12 @@ class RLCycleSuite:
                                bias_marked_frozen=engine.bias_marked_frozen(),  # type: ignore[attr-defined]
                                export_refused=refused)
 
+    @staticmethod
+    def report_data(result: CaseResult) -> dict[str, Any]:
+        from harness.suite_defs.rl_cycle.judge import residue_data
+
+        return residue_data(result)
+
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         from harness.suite_defs.rl_cycle.judge import table_figures
 
