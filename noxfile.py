@@ -268,8 +268,8 @@ def gpu_suite(session: nox.Session) -> None:
 
 @nox.session(python=NODE_PYTHON if _gpus() else None, venv_backend=None if _gpus() else "none")
 def nightly(session: nox.Session) -> None:
-    """Every suite x models x construction paths on this node, then the report (Markdown, JUnit, PNGs) in
-    nightly-out/: on GPUs on the environment nox runs from; else on 4 CPU ranks on both tested stacks, each into
+    """Every suite x models x construction paths on this node, then the report (the HTML page, Markdown, JUnit, PNGs)
+    and the history's site (nightly-out/site/index.html) in nightly-out/: on GPUs on the environment nox runs from; else on 4 CPU ranks on both tested stacks, each into
     nightly-out/<stack>/. Arguments after -- go to `harness nightly`."""
     given = any(a.startswith("--out") for a in session.posargs)
     args = session.posargs if given else ["--out", "nightly-out", *session.posargs]

@@ -128,12 +128,16 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             rows += [[it.suite, it.model, it.engine, "NOT RUN", "-", f"nightly {stop}"] for it in items[i:]]
             break
     written = write_report(out, history_db)  # the page against the earlier nights, before tonight's are added
+    from harness.history.site import write_site
+
     con = store.open_db(history_db)
     try:
         added, known = store.ingest(con, out)
+        site = write_site(con, history_db, out / "site")  # tonight's page and every metric's trend beside the others
     finally:
         con.close()
-    say(f"history: {added} runs added to {history_db} ({known} already there)")
+    say(f"history: {added} runs added to {history_db} ({known} already there); site: {out / 'site' / 'index.html'} "
+        f"({site['nights']} nights, {site['changed']} of {site['trends']} series with a change)")
     print("\nnightly summary:")
     print(table(["suite", "model", "engine", "verdict", "wall", "cases"], rows))
     print(f"report: {written['html']} ({written['markdown']}, junit: {written['junit']}); "

@@ -56,7 +56,7 @@ def _text(html: str) -> str:
 def test_the_page_says_what_did_not_pass_since_when_on_which_stack_and_what_to_run(page_dir):
     html = (page_dir / "report.html").read_text()
     text = _text(html)
-    assert "Did not pass tonight (4)" in text
+    assert "Did not pass tonight (4)" in text and "1 new tonight, 0 passing again" in text
     # the TP 2 case passed the night before: new; the untied one has failed for three nights
     assert re.search(r"tp2-pp1-cp1-dp2 regression refit.baseline new tonight \(it was pass on 2026-12-05\)", text)
     assert re.search(r"tp1-pp2-cp1-dp2 \[variant=untied\] regression refit.baseline since 2026-12-04 \(3 nights\)",

@@ -1,4 +1,5 @@
-"""`harness history ingest|show`: every nightly figure in a SQLite database; trends and change points."""
+"""`harness history ingest|show|site`: every nightly figure in a SQLite database; trends and change points, printed
+or as a static site."""
 
 from __future__ import annotations
 
@@ -21,12 +22,35 @@ def add_parser(sub) -> None:
     sh.add_argument("--db", default=None, help="default nightly-out/history.sqlite")
     sh.add_argument("--plots", default=None, help="directory for one PNG trend per case (default: next to the db)")
     sh.set_defaults(func=show)
+    si = hsub.add_parser("site", help="a static site: every night's page and every metric's trends, change points "
+                                      "and stack changes")
+    si.add_argument("--out", required=True, help="the site's directory (index.html, nights/, metrics/)")
+    si.add_argument("--db", default=None, help="default nightly-out/history.sqlite")
+    si.add_argument("--rebuild", action="store_true",
+                    help="render every night's page again (default: only the nights without one)")
+    si.set_defaults(func=site)
 
 
 def _db(args) -> Path:
     from harness.history.store import DEFAULT_DB
 
     return Path(args.db) if args.db else DEFAULT_DB
+
+
+def site(args) -> int:
+    from harness.history import site as history_site
+    from harness.history import store
+    from harness.report.directory import prepare_out_dir
+
+    db = _db(args)
+    con = store.open_db(db, create=False)  # a bad database is refused before the site's directory is made
+    try:
+        out = prepare_out_dir(Path(args.out))
+        written = history_site.write_site(con, db, out, args.rebuild)
+    finally:
+        con.close()
+    print(f"{out / 'index.html'}: " + ", ".join(f"{n} {what}" for what, n in written.items()))
+    return 0
 
 
 def ingest(args) -> int:

@@ -88,6 +88,11 @@ class Night:
     filters: dict[str, list[str]] = field(default_factory=dict)
     history: str = ""
 
+    @property
+    def new(self) -> int:
+        """Cases that did not pass tonight and passed (or did not run) the night before."""
+        return sum(bool(row.since and row.since.new) for row in self.regressions)
+
 
 def rerun_command(case_id: str, world_size: int) -> str:
     return shlex.join(["harness", "run", *case_argv(case_id, world_size)])
@@ -99,10 +104,10 @@ def _commands(run: RunFile, check: dict) -> list[str]:
     return [*dict.fromkeys(found), rerun_command(check["case_id"], run.data["world_size"])]
 
 
-def _svg(chart: Chart) -> str:
-    """The chart's SVG for inlining, gzipped and base64-encoded (a night's charts are some MB as text; the page's
+def inline_svg(svg: Path) -> str:
+    """An SVG file for inlining, gzipped and base64-encoded (a night's charts are some MB as text; the page's
     script unpacks them with the browser's DecompressionStream): from its root element on, no XML prolog."""
-    text = chart.svg.read_text()
+    text = svg.read_text()
     return base64.b64encode(gzip.compress(text[text.index("<svg"):].encode(), mtime=0)).decode()
 
 
@@ -137,7 +142,7 @@ def _section(index: int, run: RunFile, charts: list[Chart], root: Path) -> RunSe
               for c in d["cases"] if c.get("outcome") == Outcome.ERROR and not by_case.get(c["id"])]
     verdict = d.get("verdict") or ("pass" if d.get("passed") else "fail")
     return RunSection(anchor, run.title, d["suite"], _relative(run.path, root), verdict, _warnings(run), rows, notes,
-                      [(ch.name, _svg(ch)) for ch in charts], dict(run.counts()))
+                      [(ch.name, inline_svg(ch.svg)) for ch in charts], dict(run.counts()))
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -223,12 +228,16 @@ def night(runs: list[RunFile], charts: dict[str, list[Chart]], root: Path,
                  filters=filters, history=history)
 
 
-def render(page: Night) -> str:
+def environment():
+    """The pages' templates (harness/report/templates): HTML-escaped, an undefined name an error."""
     import jinja2
 
-    env = jinja2.Environment(loader=jinja2.PackageLoader("harness.report", "templates"),
-                             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    return env.get_template("night.html").render(night=page, not_passing=NOT_PASSING)
+    return jinja2.Environment(loader=jinja2.PackageLoader("harness.report", "templates"), autoescape=True,
+                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+
+
+def render(page: Night) -> str:
+    return environment().get_template("night.html").render(night=page, not_passing=NOT_PASSING)
 
 
 def write_page(runs: list[RunFile], charts: dict[str, list[Chart]], path: Path, history_db: Path | None = None) -> Path:

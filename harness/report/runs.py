@@ -59,7 +59,22 @@ class RunFile:
 
     def counts(self) -> Counter:
         ran = {True: Outcome.PASS, False: Outcome.ERROR}
-        return Counter(c.get("outcome", ran[c["status"] == CaseStatus.OK]) for c in self.data["cases"])
+        return Counter(c["outcome"] if "outcome" in c else ran[c.get("status") == CaseStatus.OK]
+                       for c in self.data["cases"])
+
+
+def read_run(path: Path) -> RunFile:
+    """One results.json; BadInput where it is unreadable or not a harness results file."""
+    try:
+        data = json.loads(path.read_text())
+        for key in ("suite", "engine", "model", "world_size", "cases", "checks"):
+            data[key]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f"{path} is not a harness results file ({type(exc).__name__}: {exc}); "
+                       f"re-run the suite with `harness run ... --out {path.parent}`") from None
+    data = schema.checked(data, schema.RESULTS, "results file", str(path),
+                          f"re-run the suite with `harness run ... --out {path.parent}`")
+    return RunFile(path, data)
 
 
 def load_runs(directory: Path) -> list[RunFile]:
@@ -68,18 +83,7 @@ def load_runs(directory: Path) -> list[RunFile]:
     if not directory.is_dir():
         raise BadInput(f"{directory} is not a directory; give the --out directory of `harness run` "
                        f"(or the --results-dir of the pytest suites)")
-    runs = []
-    for path in sorted(directory.rglob("results.json")):
-        try:
-            data = json.loads(path.read_text())
-            for key in ("suite", "engine", "model", "world_size", "cases", "checks"):
-                data[key]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise BadInput(f"{path} is not a harness results file ({type(exc).__name__}: {exc}); "
-                           f"re-run the suite with `harness run ... --out {path.parent}`") from None
-        data = schema.checked(data, schema.RESULTS, "results file", str(path),
-                              f"re-run the suite with `harness run ... --out {path.parent}`")
-        runs.append(RunFile(path, data))
+    runs = [read_run(path) for path in sorted(directory.rglob("results.json"))]
     if not runs:
         raise BadInput(f"no results.json under {directory}; write one with `harness run ... --out {directory}`")
     return runs

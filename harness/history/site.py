@@ -1,0 +1,187 @@
+"""`harness history site`: the history database as a static site - an index of the nights, each linking its night's
+page (rendered again from its results files where they are still on disk), and per metric the trend of every case
+with its change points, creep and stack changes marked. Links are relative: the site moves with its files."""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.history.changes import Change, detect
+from harness.history.show import describe, stack_changed
+from harness.history.store import Point, metrics, series
+from harness.outcomes import OUTCOMES
+from harness.stack import key as stack_key
+
+NOT_PASSING = ("regression", "improvement", "unjudged", "error")
+
+
+@dataclass
+class NightRow:
+    date: str
+    runs: int
+    outcomes: dict[str, int]
+    not_passing: int
+    stack: str
+    stack_changed: bool
+    page: str | None  # relative link, None where its results are no longer on disk
+    missing: int = 0  # results files no longer on disk
+
+
+@dataclass
+class Trend:
+    platform: str
+    label: str
+    case_id: str
+    nights: int
+    first: str
+    last: str
+    latest: float
+    changes: list[str]
+    new: bool  # a change found with the latest night that was not found without it
+    chart: str = ""  # gzipped, base64 SVG; "" for a series without a change
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MetricPage:
+    metric: str
+    slug: str
+    trends: list[Trend]
+
+    @property
+    def changed(self) -> list[Trend]:
+        return [t for t in self.trends if t.changes]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text)
+
+
+def nights(con: sqlite3.Connection) -> dict[str, list[tuple[int, str, str]]]:
+    """night (YYYY-MM-DD) -> its runs (id, results path, versions JSON), oldest night first."""
+    out: dict[str, list[tuple[int, str, str]]] = {}
+    for rid, date, path, versions in con.execute("SELECT id, date, path, versions FROM runs ORDER BY date, id"):
+        out.setdefault(date[:10], []).append((rid, path, versions))
+    return out
+
+
+def _trend_chart(out_dir: Path, name: str, metric: str, points: list[Point], changes: list[Change]) -> Path:
+    """The metric per night, each step as a dashed line, creep as its fitted line, each night whose stack changed as
+    a grey band (seen behind a step on the same night): PNG and SVG (report.plots.save_figure)."""
+    from harness.report.plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    xs = list(range(len(points)))
+    ax.plot(xs, [p.value for p in points], marker="o", ms=3, lw=1, color="tab:blue", label=metric)
+    restacked = [i for i in range(1, len(points)) if stack_changed(points[i - 1], points[i])]
+    for k, i in enumerate(restacked):
+        ax.axvspan(i - 0.8, i - 0.2, color="0.55", alpha=0.3, lw=0, label="stack changed" if k == 0 else None)
+    steps = [c for c in changes if c.kind == "step"]
+    for k, c in enumerate(steps):
+        ax.axvline(c.index - 0.5, color="red", ls="--", lw=1.2, label="change point" if k == 0 else None)
+        ax.annotate(f"{(c.ratio - 1) * 100:+.1f}%", (c.index - 0.5, max(p.value for p in points)), color="red",
+                    fontsize=8, ha="left", va="top")
+    for c in changes:
+        if c.kind == "creep":
+            ax.plot([0, len(points) - 1], [c.before, c.after], color="red", ls=":", lw=1.5,
+                    label=f"creep {(c.ratio - 1) * 100:+.1f}%")
+    step = max(1, len(points) // 10)
+    ax.set_xticks(xs[::step], [p.date[:10] for p in points][::step], rotation=30, fontsize=7)
+    ax.set_xlabel("night")
+    ax.set_ylabel(metric, fontsize=8)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return save_figure(plt, fig, out_dir / f"{name}.png", 100)
+
+
+def _new(values: list[float], changes: list[Change]) -> bool:
+    """Whether the latest night brought a change the history without it did not show (a step needs MIN_SIZE nights
+    on each side, so a step is new on the night its third night after it arrives)."""
+    before = {(c.kind, c.index if c.kind == "step" else 0) for c in detect(values[:-1])}
+    return any((c.kind, c.index if c.kind == "step" else 0) not in before for c in changes)
+
+
+def metric_page(con: sqlite3.Connection, metric: str, charts_dir: Path) -> MetricPage:
+    from harness.report.page import inline_svg
+
+    world = dict(con.execute("SELECT id, world_size FROM runs"))
+    trends = []
+    for (platform, label, case_id), points in sorted(series(con, metric).items()):
+        values = [p.value for p in points]
+        changes = detect(values)
+        t = Trend(platform, label or "-", case_id, len(points), points[0].date[:10], points[-1].date[:10],
+                  points[-1].value, ["; ".join(f"{c.kind} {(c.ratio - 1) * 100:+.1f}%" + (
+                      f" at {points[c.index].date[:10]}" if c.kind == "step" else "") for c in changes)] if changes
+                  else [], new=bool(changes) and _new(values, changes))
+        if changes:
+            name = _slug(f"{platform}-{stack_key(points[-1].versions)}-{label}-{case_id}-{metric}")
+            t.chart = inline_svg(_trend_chart(charts_dir, name, metric, points, changes).with_suffix(".svg"))
+            said = describe(case_id, metric, points, changes, world.get(points[-1].run_id))
+            t.notes = [line.strip() for line in said]
+        trends.append(t)
+    return MetricPage(metric, _slug(metric), trends)
+
+
+def _night_rows(con: sqlite3.Connection, out: Path, history_db: Path, rebuild: bool) -> list[NightRow]:
+    from harness.errors import BadInput
+    from harness.report import charts as charting
+    from harness.report.page import write_page
+    from harness.report.runs import RunFile, read_run
+
+    def readable(path: str) -> RunFile | None:
+        try:
+            return read_run(Path(path)) if Path(path).is_file() else None
+        except BadInput:  # replaced or damaged since it was ingested: the night is listed without it
+            return None
+
+    rows = []
+    previous_stack = None
+    for night, runs in nights(con).items():
+        outcomes = Counter(o for (o,) in con.execute(
+            f"SELECT outcome FROM outcomes WHERE run_id IN ({','.join('?' * len(runs))})", [r[0] for r in runs]))
+        versions = [json.loads(v) for _, _, v in runs]
+        stack = " / ".join(sorted({stack_key(v) for v in versions}))
+        page = out / "nights" / f"{night}.html"
+        loaded = [r for r in (readable(p) for _, p, _ in runs) if r is not None]
+        if loaded and (rebuild or not page.exists()):
+            with tempfile.TemporaryDirectory(prefix="harness-site-") as tmp:
+                write_page(loaded, charting.render_all(loaded, Path(tmp)), page, history_db)
+        rows.append(NightRow(night, len(runs), {o: outcomes[o] for o in OUTCOMES if outcomes[o]},
+                             sum(outcomes[o] for o in NOT_PASSING), stack,
+                             previous_stack is not None and stack != previous_stack,
+                             f"nights/{night}.html" if page.exists() else None, len(runs) - len(loaded)))
+        previous_stack = stack
+    return rows[::-1]
+
+
+def write_site(con: sqlite3.Connection, history_db: Path, out: Path, rebuild: bool = False) -> dict[str, int]:
+    """index.html, nights/<night>.html and metrics/<metric>.html under out; what was written, counted."""
+    from harness.files import atomic_write
+    from harness.report.page import environment
+
+    env = environment()
+    (out / "nights").mkdir(parents=True, exist_ok=True)
+    (out / "metrics").mkdir(parents=True, exist_ok=True)
+    night_rows = _night_rows(con, out, history_db, rebuild)
+    last_night = night_rows[0].date if night_rows else ""
+    pages = []
+    with tempfile.TemporaryDirectory(prefix="harness-site-") as tmp:
+        for metric in metrics(con):
+            page = metric_page(con, metric, Path(tmp))
+            atomic_write(out / "metrics" / f"{page.slug}.html",
+                         env.get_template("metric.html").render(page=page, last_night=last_night))
+            pages.append(page)
+    new = [(p, t) for p in pages for t in p.trends if t.new]
+    atomic_write(out / "index.html", env.get_template("site.html").render(
+        nights=night_rows, metrics=pages, new=new, last_night=last_night))
+    return {"nights": len(night_rows), "night pages": sum(bool(r.page) for r in night_rows),
+            "metrics": len(pages), "trends": sum(len(p.trends) for p in pages),
+            "changed": sum(len(p.changed) for p in pages)}
