@@ -21,8 +21,10 @@ pytest.importorskip("jinja2")
 LATE = "ckpt-memory/mcore/small/tp2-pp1-cp1-dp2[ckpt_format=dp_reshardable]"
 
 
-@pytest.fixture
-def site(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, written once for the module's tests (one of which writes it again, the same)."""
+    tmp_path = tmp_path_factory.mktemp("history")
     rng = np.random.default_rng(0)
     values, late = _noisy(rng), _noisy(rng)
     values[20:] *= 1.08
@@ -50,11 +52,11 @@ def test_the_index_lists_every_night_with_its_page_and_names_the_change_new_with
     assert "harness bisect --package megatron-core 0.16.0..0.16.1" in page
 
 
-def test_a_second_site_renders_only_the_nights_without_a_page(site, tmp_path, capsys):
+def test_a_second_site_renders_only_the_nights_without_a_page(site, capsys):
     night = site / "nights" / "2026-10-05.html"
     night.unlink()
     before = (site / "nights" / "2026-10-06.html").stat().st_mtime_ns
-    assert cli.main(["history", "site", "--db", str(tmp_path / "h.sqlite"), "--out", str(site)]) == 0
+    assert cli.main(["history", "site", "--db", str(site.parent / "h.sqlite"), "--out", str(site)]) == 0
     assert night.is_file() and (site / "nights" / "2026-10-06.html").stat().st_mtime_ns == before
     assert "30 nights, 30 night pages" in capsys.readouterr().out
 

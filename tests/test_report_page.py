@@ -19,10 +19,12 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("jinja2")
 
 
-@pytest.fixture
-def page_dir(tmp_path):
+@pytest.fixture(scope="module")
+def page_dir(tmp_path_factory):
+    """Tonight's page, rendered once for the module's tests (which only read it)."""
     from harness.report.directory import write_report
 
+    tmp_path = tmp_path_factory.mktemp("page")
     out = night(tmp_path / "night", rl=True)
     db = history(tmp_path / "history.sqlite", tmp_path / "earlier")
     written = write_report(out, history_db=db)
