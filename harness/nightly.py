@@ -58,6 +58,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     from harness.platform import resolve_backend
     from harness.platform.backend import cuda_device_count
     from harness.report.directory import prepare_out_dir, write_report
+    from harness.report.runs import NIGHT_PLAN
     from harness.report.terminal import count_outcomes, format_run
     from harness.tables import table
 
@@ -126,7 +127,13 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
         if run.interrupted is not None:  # the finished runs and this one's finished cases are kept
             stop = run.interrupted
             rows += [[it.suite, it.model, it.engine, "NOT RUN", "-", f"nightly {stop}"] for it in items[i:]]
+            not_run = items[i:]
             break
+    else:
+        not_run = []
+    # what was planned and not run, which no results file tells: the page says so at its top
+    atomic_write(out / NIGHT_PLAN, json.dumps({"planned": len(items), "interrupted": str(stop) if stop else None,
+                                             "not_run": [it.slug for it in not_run]}))
     written = write_report(out, history_db)  # the page against the earlier nights, before tonight's are added
     from harness.history.site import write_site
 

@@ -70,6 +70,10 @@ def test_the_page_says_what_did_not_pass_since_when_on_which_stack_and_what_to_r
     assert RECORD in commands
     assert ("harness run --suite refit --model tiny --world-size 4 --layout tp2-pp1-cp1-dp2 --engine mcore"
             in commands)
+    # new tonight on another megatron-core: the bisect over the releases between the two nights, ready to copy
+    assert ("harness bisect --package megatron-core 0.19.1..0.19.2 --suite refit --model tiny --world-size 4 --layout "
+            "tp2-pp1-cp1-dp2 --engine mcore --metric fail") in commands
+    assert not any("bisect" in c and "untied" in c for c in commands)  # it failed before the stack changed
     assert "CANNOT TELL ckpt-memory.async" in text
     # the interrupted run says so at the top
     assert "partial: interrupted (SIGINT) after 1 of 4 cases" in text.split("Did not pass tonight")[0]

@@ -103,6 +103,33 @@ def test_nightly_counts_a_run_that_judged_nothing_as_a_failure(tmp_path, capsys,
     assert "corrupt" in suite.find("testcase").find("failure").get("message")
 
 
+def test_an_interrupted_nightly_names_the_runs_it_did_not_run_at_the_top_of_its_page(tmp_path, capsys, monkeypatch):
+    import signal
+
+    from harness import nightly
+    from harness.errors import Interrupted
+    from harness.suite_run import SuiteRun
+
+    def execute(planned, out_dir, **kwargs):  # the first run is stopped by SIGTERM after its one case
+        run = SuiteRun(planned.suite, planned.model_name, planned.world_size, planned.backend, planned.engine)
+        run.interrupted = Interrupted(signal.SIGTERM)
+        out_dir.mkdir(parents=True)
+        (out_dir / "results.json").write_text(json.dumps(
+            {"suite": planned.suite.name, "engine": planned.engine, "model": planned.model_name, "world_size": 2,
+             "cases": [], "checks": [], "interrupted": "SIGTERM", "cases_planned": 3}))
+        return run
+
+    monkeypatch.setattr("harness.driver.execute", execute)
+    code = nightly.run_nightly(tmp_path, ["equivalence", "golden"], ["tiny"], 2, "gloo", "mcore", lambda msg: None)
+    assert code == 128 + signal.SIGTERM
+    plan = json.loads((tmp_path / "nightly.json").read_text())
+    assert plan == {"planned": 2, "interrupted": "SIGTERM", "not_run": ["golden-mcore-tiny"]}
+    page = (tmp_path / "report.html").read_text()
+    top = page[:page.index("Did not pass tonight") if "Did not pass tonight" in page else page.index("Nothing regressed")]
+    assert "the nightly was interrupted (SIGTERM): 1 of 2 runs did not run (golden-mcore-tiny)" in top
+    assert "partial: interrupted (SIGTERM) after 0 of 3 cases" in top
+
+
 def test_report_refuses_a_directory_without_results(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path)]) == 2
     assert f"no results.json under {tmp_path}" in capsys.readouterr().err

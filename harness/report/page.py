@@ -16,7 +16,7 @@ from pathlib import Path
 
 from harness.outcomes import OUTCOMES, Outcome, check_failed
 from harness.report.plots import Chart
-from harness.report.runs import RunFile
+from harness.report.runs import NIGHT_PLAN, RunFile
 from harness.selection import case_argv, parse_case_id
 from harness.stack import COMPONENTS, LABELS
 
@@ -44,7 +44,9 @@ class CaseRow:
     reason: str
     failed_checks: list[str]
     anchor: str
+    world_size: int
     since: Since | None = None
+    bisect: list[str] = field(default_factory=list)  # new tonight on another stack: one bisect per package changed
 
 
 @dataclass
@@ -98,6 +100,30 @@ def rerun_command(case_id: str, world_size: int) -> str:
     return shlex.join(["harness", "run", *case_argv(case_id, world_size)])
 
 
+def bisect_commands(row: CaseRow, before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """One `harness bisect --package` per package whose version changed between the night the case passed and
+    tonight (the engine's first), judging the case's verdict (--metric fail); --find-fix where tonight's release is
+    the older one."""
+    from packaging.version import InvalidVersion, Version
+
+    from harness.history.show import LIKELY_FIRST, NOT_BISECTABLE
+
+    out = []
+    changed = sorted((k for k in set(before) | set(after) if k not in NOT_BISECTABLE and before.get(k)
+                      and after.get(k) and before[k] != after[k]),
+                     key=lambda k: (LIKELY_FIRST.index(k) if k in LIKELY_FIRST else len(LIKELY_FIRST), k))
+    for name in changed:
+        try:
+            older = Version(after[name]) < Version(before[name])
+        except InvalidVersion:  # a local build, a commit: nothing to walk over
+            continue
+        lo, hi = (after[name], before[name]) if older else (before[name], after[name])
+        out.append(shlex.join(["harness", "bisect", "--package", name, f"{lo}..{hi}",
+                               *case_argv(row.case_id, row.world_size), "--metric", "fail",
+                               *(["--find-fix"] if older else [])]))
+    return out
+
+
 def _commands(run: RunFile, check: dict) -> list[str]:
     """The commands the check printed (backquoted `harness ...`), then the one that reruns its case."""
     found = _COMMAND.findall(" ".join([check.get("message", ""), *check.get("details", [])]))
@@ -133,7 +159,7 @@ def _section(index: int, run: RunFile, charts: list[Chart], root: Path) -> RunSe
         outcome = c.get("outcome", Outcome.PASS if c.get("status") == "ok" else Outcome.ERROR)
         rows.append(CaseRow(c["id"], d["suite"], sel["engine"], sel["model"], sel["layout"], sel["variant"], outcome,
                             c.get("reason", ""), [x["check"] for x in by_case.get(c["id"], []) if check_failed(x)],
-                            anchor))
+                            anchor, d["world_size"]))
     notes = [CheckNote(c["check"], c["case_id"], "failed" if check_failed(c) else "inconclusive", c["message"],
                        c.get("details", [])[:40], _commands(run, c))
              for c in d["checks"] if check_failed(c) or c.get("inconclusive")]
@@ -202,9 +228,24 @@ def _history(con: sqlite3.Connection, runs: list[RunFile], rows: list[CaseRow]) 
                 streak += 1
             if streak == 0:
                 row.since = Since(f"new tonight (it was {before or 'not run'} on {earlier[0][1][:10]})", new=True)
+                row.bisect = bisect_commands(row, last, d.get("versions", {}))
             else:
                 row.since = Since(f"since {earlier[streak - 1][1][:10]} ({streak + 1} nights)")
     return "; ".join(notes), fixed
+
+
+def _plan_warnings(root: Path) -> list[str]:
+    """What `harness nightly` planned and did not run (its nightly.json beside the results), which no results file
+    tells."""
+    try:
+        plan = json.loads((root / NIGHT_PLAN).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(plan, dict) or not plan.get("not_run"):
+        return []
+    shown = ", ".join(plan["not_run"][:12]) + (" ..." if len(plan["not_run"]) > 12 else "")
+    why = f"interrupted ({plan['interrupted']})" if plan.get("interrupted") else "stopped"
+    return [f"the nightly was {why}: {len(plan['not_run'])} of {plan.get('planned', '?')} runs did not run ({shown})"]
 
 
 def night(runs: list[RunFile], charts: dict[str, list[Chart]], root: Path,
@@ -223,7 +264,8 @@ def night(runs: list[RunFile], charts: dict[str, list[Chart]], root: Path,
     return Night(title="Harness nightly" if len(runs) > 1 else runs[0].title,
                  dates=f"{dates[0]} .. {dates[-1]}" if dates and dates[0] != dates[-1] else (dates[0] if dates else ""),
                  stack=_stack(runs), stack_note=stack_note, totals={o: totals[o] for o in OUTCOMES if totals[o]},
-                 runs=len(runs), warnings=[f"{s.title}: {w}" for s in sections for w in s.warnings],
+                 runs=len(runs),
+                 warnings=_plan_warnings(root) + [f"{s.title}: {w}" for s in sections for w in s.warnings],
                  regressions=[row for row in rows if row.outcome in NOT_PASSING], fixed=fixed, sections=sections,
                  filters=filters, history=history)
 

@@ -13,6 +13,8 @@ from harness import schema
 from harness.errors import BadInput
 from harness.outcomes import CaseStatus, Outcome
 
+NIGHT_PLAN = "nightly.json"  # `harness nightly`'s plan against what ran, beside the night's results files
+
 
 @dataclass
 class RunFile:
