@@ -75,7 +75,7 @@ def batch_split_run(path: Path) -> Path:
     """A cut whose gradient norm drifts from its reference's (the plant) beside one equal bit for bit."""
     from dataclasses import asdict
 
-    from harness.suite_defs.batch_split.judge import StepSeries
+    from harness.checks import StepSeries
 
     ref = "batch-split/mcore/tiny/tp1-pp1-cp1-dp1[cut=mbs16]"
     good = "batch-split/mcore/tiny/tp1-pp1-cp2-dp2[cut=tokens96]"

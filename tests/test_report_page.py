@@ -97,7 +97,7 @@ def test_the_rl_suites_plots_draw_the_planted_faults_apart(page_dir):
         return json.loads(unescape(re.search(r'data-series="([^"]*)"', svg).group(1)))
 
     steps = series("steps-vs-reference")
-    assert "tp2-pp1-cp1-dp2 token-mean mbs2 (failed)" in steps and "tp1-pp1-cp2-dp2 token-mean tokens96" in steps
+    assert "tp2-pp1-cp1-dp2 cut=mbs2 (failed)" in steps and "tp1-pp1-cp2-dp2 cut=tokens96" in steps
     assert "tolerance 1e-05" in steps
     assert sorted(series("export-peaks")) == ["bound", "rank 0", "rank 1", "rank 2", "rank 3"]
     assert sorted(series("residue")) == ["rank 0", "rank 1", "rank 2", "rank 3", "residue bound"]

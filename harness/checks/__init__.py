@@ -23,6 +23,18 @@ class CheckData:
 
 
 @dataclass
+class StepSeries(CheckData):
+    """A figure of every step against its reference's (the case it was judged against), and the tolerance: what a
+    report draws of a check that compares steps."""
+
+    figure: str
+    got: list[float]
+    reference: list[float]
+    reference_case: str
+    rtol: float
+
+
+@dataclass
 class CheckResult:
     check: str  # e.g. "equivalence.loss"
     case_id: str

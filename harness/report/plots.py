@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from harness.report.runs import RunFile
 
 MIB = 1024 * 1024
+FLOOR = 1e-10  # a relative difference of 0 (bit for bit) drawn here on a log axis
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,23 @@ def case_label(case: dict[str, Any]) -> str:
     if o.get("mix"):
         bits.append(f"{o['mix']} {o.get('cp_mode', '')}")
     return " ".join(bits)
+
+
+def variant_labels(run: RunFile) -> dict[str, str]:
+    """case id -> its layout and what tells it apart from the run's other cases at that layout: the parts of its
+    variant that not every case of the run shares (`use_distributed_optimizer=True` as distopt), and its engine
+    where it is not mcore."""
+    from harness.selection import parse_case_id
+
+    cases = [parse_case_id(c["id"]) for c in run.data["cases"]]
+    parts = [[p for p in c["variant"].split(",") if p] for c in cases]
+    common = set.intersection(*(set(p) for p in parts)) if parts else set()
+    short = {"use_distributed_optimizer=True": "distopt", "overlap_grad_reduce=True": "overlap"}
+    out = {}
+    for case, own, sel in zip(run.data["cases"], parts, cases):
+        bits = [sel["layout"], *(short.get(p, p) for p in own if p not in common)]
+        out[case["id"]] = " ".join(bits + ([sel["engine"]] if sel["engine"] != "mcore" else []))
+    return out
 
 
 def _baseline_checks(run: RunFile) -> dict[str, dict]:

@@ -1,6 +1,6 @@
-"""Plots of the RL suites' results files, from what their checks and cases recorded: batch-split's loss and gradient
-norm per step of each cut against its reference, refit's export peaks per bucket size against the bound and the
-baseline and its log-prob agreement per layout, rl-cycle's device residue per iteration against its bound."""
+"""Plots of the RL suites' results files, from what their checks and cases recorded: refit's export peaks per bucket
+size against the bound and the baseline and its log-prob agreement per layout, rl-cycle's device residue per
+iteration against its bound (batch-split's steps: check_plots.steps_against_reference)."""
 
 from __future__ import annotations
 
@@ -8,68 +8,17 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.report.plots import case_label, distinct_colors, failed_cases, mark_failed, pyplot, save_figure
+from harness.report.plots import FLOOR, distinct_colors, failed_cases, mark_failed, pyplot, save_figure, variant_labels
 
 if TYPE_CHECKING:
     from harness.report.runs import RunFile
 
 KIB = 1024
-FLOOR = 1e-10  # a relative difference of 0 (bit for bit) drawn here on a log axis
 _UNITS = {"B": 1, "KiB": KIB, "MiB": KIB ** 2, "GiB": KIB ** 3}
 
 
 def _checks(run: RunFile, name: str) -> list[dict[str, Any]]:
     return [c for c in run.data["checks"] if c["check"] == name and c.get("data")]
-
-
-def _label(case: dict[str, Any]) -> str:
-    """The layout and what tells the case apart in an RL suite: its parameters' words (loss mode, cut, model variant,
-    weights), a dtype other than fp32, a temperature other than 1, the engine other than mcore."""
-    p = case.get("params") or {}
-    engine = case["id"].split("/", 2)[1]
-    dtype = (case.get("options") or {}).get("dtype")
-    bits = [case_label(case), *(v for k, v in p.items() if isinstance(v, str) and k != "like"),
-            dtype if dtype not in (None, "fp32") else ""]
-    if p.get("temperature", 1.0) not in (1.0, None):
-        bits.append(f"T {p['temperature']:g}")
-    if engine != "mcore":
-        bits.append(engine)
-    return " ".join(b for b in bits if b)
-
-
-def batch_split_steps(run: RunFile, path: Path) -> Path | None:
-    """Per cut, each step's loss and gradient norm as a relative difference from its reference's, against the
-    tolerance (log scale; bit for bit drawn at FLOOR)."""
-    figures = [("loss", _checks(run, "batch-split.loss")), ("grad norm", _checks(run, "batch-split.grad_norm"))]
-    if not any(checks for _, checks in figures):
-        return None
-    plt = pyplot()
-    from matplotlib.ticker import MaxNLocator
-
-    cases = {c["id"]: c for c in run.data["cases"]}
-    ids = list(dict.fromkeys(c["case_id"] for _, checks in figures for c in checks))
-    colors = dict(zip(ids, distinct_colors(plt, len(ids))))
-    failed = failed_cases(run)
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), squeeze=False)
-    for ax, (figure, checks) in zip(axes[0], figures):
-        for c in checks:
-            d = c["data"]
-            rel = [max(abs(a - b) / abs(b) if b else abs(a - b), FLOOR) for a, b in zip(d["got"], d["reference"])]
-            case = cases.get(c["case_id"], {"id": c["case_id"], "layout": c["case_id"].split("/")[3]})
-            ax.plot(range(len(rel)), rel, marker="o", ms=3, lw=1.2, color=colors[c["case_id"]],
-                    label=_label(case) + (" (failed)" if c["case_id"] in failed else "") if ax is axes[0][0] else None)
-        for rtol in sorted({c["data"]["rtol"] for c in checks if c["data"]["rtol"] > 0}):
-            ax.axhline(rtol, color="red", ls="--", lw=1, label=f"tolerance {rtol:.0e}" if ax is axes[0][0] else None)
-        ax.set_yscale("log")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"{figure}: |cut - reference| / |reference|")
-        ax.set_title(f"{figure} per step against the reference (one micro-batch on one rank)", fontsize=9)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"{run.title}: each cut's steps against its reference ({FLOOR:.0e}: bit for bit)", fontsize=10)
-    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    return save_figure(plt, fig, path, 100)
 
 
 def _bucket_bytes(metric: str) -> int | None:
@@ -92,6 +41,7 @@ def refit_peaks(run: RunFile, path: Path) -> Path | None:
     if not memory:
         return None
     plt = pyplot()
+    labels = variant_labels(run)
     baseline = {c["case_id"]: c["data"].get("metrics", {}) for c in _checks(run, "refit.baseline")}
     buckets = sorted({c["data"]["bucket_bytes"] for c in memory})
     cases = [c for c in run.data["cases"] if any(m["case_id"] == c["id"] for m in memory)]
@@ -126,7 +76,7 @@ def refit_peaks(run: RunFile, path: Path) -> Path | None:
         off = sorted(b for b in bounds if b not in shown)
         ax.set_title(f"buckets of {_size(bucket)}" + (f" (bound {', '.join(_size(b) for b in off)}: off the scale)"
                                                       if off else ""), fontsize=9)
-        ax.set_xticks(range(len(cases)), [_label(c) for c in cases], rotation=30, ha="right", fontsize=7)
+        ax.set_xticks(range(len(cases)), [labels[c['id']] for c in cases], rotation=30, ha="right", fontsize=7)
         mark_failed(ax, cases, failed_cases(run))
         ax.set_ylabel("export peak, KiB")
         ax.grid(axis="y", alpha=0.3)
@@ -142,6 +92,7 @@ def refit_policy(run: RunFile, path: Path) -> Path | None:
     if not checks:
         return None
     plt = pyplot()
+    labels = variant_labels(run)
     cases = {c["id"]: c for c in run.data["cases"]}
     shown = [cases[c["case_id"]] for c in checks if c["case_id"] in cases]
     fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(shown) + 3), 4.5))
@@ -150,7 +101,7 @@ def refit_policy(run: RunFile, path: Path) -> Path | None:
     for rtol in sorted({c["data"]["rtol"] for c in checks}):
         ax.axhline(rtol, color="red", ls="--", lw=1, label=f"tolerance {rtol:.0e}")
     ax.set_yscale("log")
-    ax.set_xticks(range(len(shown)), [_label(c) for c in shown], rotation=30, ha="right", fontsize=7)
+    ax.set_xticks(range(len(shown)), [labels[c['id']] for c in shown], rotation=30, ha="right", fontsize=7)
     mark_failed(ax, shown, failed_cases(run))
     ax.set_ylabel("|HF - Megatron| / |Megatron|, log-prob")
     ax.set_title(f"{run.title}: the HF model loaded from the stream against Megatron's log-probs", fontsize=9)
@@ -167,6 +118,7 @@ def rl_cycle_residue(run: RunFile, path: Path) -> Path | None:
     if not cases:
         return None
     plt = pyplot()
+    labels = variant_labels(run)
     from matplotlib.ticker import MaxNLocator
 
     cols = min(4, len(cases))
@@ -182,7 +134,7 @@ def rl_cycle_residue(run: RunFile, path: Path) -> Path | None:
                    label="residue bound" if n == 0 else None)
         ax.set_ylim(bottom=0)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(_label(c) + (f" ({c['outcome']})" if c["id"] in failed else ""), fontsize=8,
+        ax.set_title(labels[c['id']] + (f" ({c['outcome']})" if c["id"] in failed else ""), fontsize=8,
                      **({"color": "red"} if c["id"] in failed else {}))
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)

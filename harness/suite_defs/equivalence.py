@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from harness.backends import Backend
-from harness.checks import CheckResult, case_failed
+from harness.checks import CheckResult, StepSeries, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, severity, within
 from harness.checks.step_outputs import (
     LogprobDiff,
@@ -153,7 +153,8 @@ class EquivalenceSuite:
         ok = within(errs[worst], rtol)
         msg = (f"{what} step {worst}: {lay} {losses[worst]:.8f} vs {rlay} {ref_losses[worst]:.8f}, "
                f"rel diff {fmt_err(errs[worst])} {'<=' if ok else '>'} {rtol:.0e}")
-        return CheckResult(check, cid, ok, msg, rows, value=errs[worst])
+        return CheckResult(check, cid, ok, msg, rows, value=errs[worst],
+                           data=StepSeries(what, list(losses), list(ref_losses), ref.case.id, rtol))
 
     @staticmethod
     def _check_logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:

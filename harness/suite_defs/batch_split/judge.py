@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.checks import CheckData, CheckResult, case_failed
+from harness.checks import CheckResult, StepSeries, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.checks.step_outputs import (
     LogprobDiff,
@@ -45,17 +45,6 @@ class BatchSplitRankData(TrainedRankData):
 
     logprob_pass: list[StepOutput] = field(default_factory=list)
     microbatches: list[list[int]] = field(default_factory=list)
-
-
-@dataclass
-class StepSeries(CheckData):
-    """A figure of every step against the reference's (the case it was judged against), and the tolerance."""
-
-    figure: str
-    got: list[float]
-    reference: list[float]
-    reference_case: str
-    rtol: float
 
 
 def data(result: CaseResult) -> list[BatchSplitRankData]:

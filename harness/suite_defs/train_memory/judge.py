@@ -98,11 +98,12 @@ def _check_baseline(res: CaseResult, source: Any) -> CheckResult:
     rows = [f"{m}: {v.measured:.2f} MiB, baseline " + ("-" if v.baseline is None else f"{v.baseline:.2f} +- "
                                                         f"{v.tolerance:.2f}") + f": {v.status}"
             for m, v in verdicts.items()]
+    shown = baselines.BaselineFigures(key, verdicts)
     missing = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.MISSING]
     if missing:
         return CheckResult("train-memory.baseline", res.case.id, False,
                            f"no baseline for {key} {missing[0]} on platform {source.platform} ({path}); record it "
-                           f"with: {record_command(res.case)}", rows)
+                           f"with: {record_command(res.case)}", rows, data=shown)
     worse = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.REGRESSION]
     better = [m for m, v in verdicts.items() if v.status is baselines.BaselineStatus.IMPROVEMENT]
     across = baselines.across_note(source, res.case, bool(worse or better), record_command(res.case))
@@ -114,9 +115,10 @@ def _check_baseline(res: CaseResult, source: Any) -> CheckResult:
         rank, _, phase = m.partition(".")  # rank0.step1_mib
         return CheckResult("train-memory.baseline", res.case.id, False,
                            f"{m} {v.measured:.2f} MiB is {v.delta:+.2f} MiB {verb} baseline {v.baseline:.2f} +- "
-                           f"{v.tolerance:.2f} MiB{across}", rows, improvement=not worse,
+                           f"{v.tolerance:.2f} MiB{across}", rows, improvement=not worse, data=shown,
                            captures=captures_of(res, int(rank.removeprefix("rank")), phase.removesuffix("_mib")))
-    return CheckResult("train-memory.baseline", res.case.id, True, f"within baseline ({key}){across}", rows)
+    return CheckResult("train-memory.baseline", res.case.id, True, f"within baseline ({key}){across}", rows,
+                       data=shown)
 
 
 def captures_of(res: CaseResult, rank: int, phase: str) -> Captures:

@@ -1,0 +1,116 @@
+"""Plots drawn from what checks recorded in a results file, for any suite whose checks record it: each case's
+figures per step against its reference's (`checks.StepSeries`: equivalence, batch-split), and each case's baselined
+figures against their baseline band (`baselines.BaselineFigures`, where no plot of its own draws them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.report.plots import FLOOR, distinct_colors, failed_cases, mark_failed, pyplot, save_figure, variant_labels
+
+if TYPE_CHECKING:
+    from harness.report.runs import RunFile
+
+# Suites whose baselined figures a plot of their own draws against the band (ckpt-memory's peaks, refit's exports)
+OWN_BASELINE_PLOTS = ("ckpt-memory", "refit")
+
+
+def _step_checks(run: RunFile) -> dict[str, list[dict[str, Any]]]:
+    """figure -> the checks that recorded it per step against a reference, in the order they ran."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for c in run.data["checks"]:
+        d = c.get("data") or {}
+        if {"figure", "got", "reference", "rtol"} <= set(d) and d["got"]:
+            out.setdefault(d["figure"], []).append(c)
+    return out
+
+
+def steps_against_reference(run: RunFile, path: Path) -> Path | None:
+    """Per figure (loss, gradient norm, ...), each case's steps as a relative difference from its reference's,
+    against the tolerance (log scale; bit for bit drawn at FLOOR)."""
+    figures = _step_checks(run)
+    if not figures:
+        return None
+    plt = pyplot()
+    labels = variant_labels(run)
+    from matplotlib.ticker import MaxNLocator
+
+    cases = {c["id"]: c for c in run.data["cases"]}
+    ids = list(dict.fromkeys(c["case_id"] for checks in figures.values() for c in checks))
+    colors = dict(zip(ids, distinct_colors(plt, len(ids))))
+    failed = failed_cases(run)
+    fig, axes = plt.subplots(1, len(figures), figsize=(7 * len(figures), 5.5), squeeze=False)
+    named: set[str] = set()
+    for ax, (figure, checks) in zip(axes[0], figures.items()):
+        for c in checks:
+            d = c["data"]
+            rel = [max(abs(a - b) / abs(b) if b else abs(a - b), FLOOR) for a, b in zip(d["got"], d["reference"])]
+            name = labels.get(c["case_id"], c["case_id"]) + (" (failed)" if c["case_id"] in failed else "")
+            ax.plot(range(len(rel)), rel, marker="o", ms=3, lw=1.2, color=colors[c["case_id"]],
+                    label=None if name in named else name)
+            named.add(name)
+        for rtol in sorted({c["data"]["rtol"] for c in checks if c["data"]["rtol"] > 0}):
+            name = f"tolerance {rtol:.0e}"
+            ax.axhline(rtol, color="red", ls="--", lw=1, label=None if name in named else name)
+            named.add(name)
+        refs = sorted({cases.get(c["data"]["reference_case"], {}).get("layout", "") for c in checks} - {""})
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{figure}: |case - reference| / |reference|")
+        ax.set_title(f"{figure} per step against the reference" + (f" ({', '.join(refs)})" if refs else ""),
+                     fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{run.title}: each case's steps against its reference ({FLOOR:.0e}: bit for bit)", fontsize=10)
+    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return save_figure(plt, fig, path, 100)
+
+
+def baseline_deviation(run: RunFile, path: Path) -> Path | None:
+    """Per case, each baselined figure's distance from its baseline in tolerances ((measured - baseline) /
+    tolerance: within the grey band [-1, 1] it passes), for suites with no plot of their own that draws it."""
+    if run.data["suite"] in OWN_BASELINE_PLOTS:
+        return None
+    checks = [c for c in run.data["checks"]
+              if c["check"].endswith(".baseline") and (c.get("data") or {}).get("metrics")]
+    if not checks:
+        return None
+    plt = pyplot()
+    labels = variant_labels(run)
+    cases = {c["id"]: c for c in run.data["cases"]}
+    shown = [cases[c["case_id"]] for c in checks if c["case_id"] in cases]
+    def figure(metric: str) -> str:  # rank0.step1_mib -> step1_mib: one series per figure, its worst rank
+        return re.sub(r"^rank\d+\.", "", metric)
+
+    def deviations(c: dict[str, Any]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for m, v in c["data"]["metrics"].items():
+            if v.get("baseline") is not None and v.get("tolerance"):
+                dev = (v["measured"] - v["baseline"]) / v["tolerance"]
+                if abs(dev) >= abs(out.get(figure(m), 0.0)):
+                    out[figure(m)] = dev
+        return out
+
+    per_case = [deviations(c) for c in checks if c["case_id"] in cases]
+    names = sorted({f for d in per_case for f in d})
+    colors = dict(zip(names, distinct_colors(plt, len(names))))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(shown) + 3), 5))
+    ax.axhspan(-1, 1, color="0.85", zorder=0, label="within the baseline's tolerance")
+    width = 0.8 / max(1, len(names))
+    for i, devs in enumerate(per_case):
+        for j, name in enumerate(names):
+            if name in devs:
+                ax.bar(i + (j - (len(names) - 1) / 2) * width, devs[name], width, color=colors[name],
+                       label=f"{name} (its rank furthest from the baseline)" if i == 0 else None)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xticks(range(len(shown)), [labels[c['id']] for c in shown], rotation=30, ha="right", fontsize=7)
+    mark_failed(ax, shown, failed_cases(run))
+    ax.set_ylabel("(measured - baseline) / tolerance")
+    ax.set_title(f"{run.title}: each baselined figure against its baseline (grey: within the tolerance)", fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return save_figure(plt, fig, path, 100)
