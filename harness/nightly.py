@@ -134,13 +134,15 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     # what was planned and not run, which no results file tells: the page says so at its top
     atomic_write(out / NIGHT_PLAN, json.dumps({"planned": len(items), "interrupted": str(stop) if stop else None,
                                              "not_run": [it.slug for it in not_run]}))
-    written = write_report(out, history_db)  # the page against the earlier nights, before tonight's are added
+    from harness.history import nights
     from harness.history.site import write_site
 
     con = store.open_db(history_db)
     try:
+        # the page against the earlier nights, before tonight's are added
+        written = write_report(out, lambda runs: nights.compare(con, runs))
         added, known = store.ingest(con, out)
-        site = write_site(con, history_db, out / "site")  # tonight's page and every metric's trend beside the others
+        site = write_site(con, out / "site")  # tonight's page and every metric's trend beside the others
     finally:
         con.close()
     say(f"history: {added} runs added to {history_db} ({known} already there); site: {out / 'site' / 'index.html'} "

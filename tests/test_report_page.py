@@ -27,7 +27,11 @@ def page_dir(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("page")
     out = night(tmp_path / "night", rl=True)
     db = history(tmp_path / "history.sqlite", tmp_path / "earlier")
-    written = write_report(out, history_db=db)
+    from harness.history import nights, store
+
+    con = store.open_db(db, create=False)
+    written = write_report(out, lambda runs: nights.compare(con, runs))
+    con.close()
     assert written["html"] == out / "report.html"
     return out
 

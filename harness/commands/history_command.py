@@ -46,7 +46,7 @@ def site(args) -> int:
     con = store.open_db(db, create=False)  # a bad database is refused before the site's directory is made
     try:
         out = prepare_out_dir(Path(args.out))
-        written = history_site.write_site(con, db, out, args.rebuild)
+        written = history_site.write_site(con, out, args.rebuild)
     finally:
         con.close()
     print(f"{out / 'index.html'}: " + ", ".join(f"{n} {what}" for what, n in written.items()))

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.history import store
+    from harness.history import nights, store
     from harness.report.directory import prepare_out_dir, write_report
     from harness.report.runs import load_runs
 
@@ -27,10 +27,14 @@ def main(args) -> int:
     if args.history_db and not db.exists():
         raise BadInput(f"--history-db {db} does not exist: give the database `harness nightly` or `harness history "
                        f"ingest` wrote, or leave the flag out")
-    if db.exists():
-        store.open_db(db, create=False).close()  # a corrupt or foreign database is refused before anything is written
-    prepare_out_dir(Path(args.dir), "DIR")
-    written = write_report(Path(args.dir), db if db.exists() else None)
+    # a corrupt or foreign database is refused before anything is written
+    con = store.open_db(db, create=False) if db.exists() else None
+    try:
+        prepare_out_dir(Path(args.dir), "DIR")
+        written = write_report(Path(args.dir), (lambda runs: nights.compare(con, runs)) if con else None)
+    finally:
+        if con is not None:
+            con.close()
     for kind, path in written.items():
         print(f"{kind}: {path}")
     return 0

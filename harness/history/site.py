@@ -12,10 +12,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.errors import BadInput
+from harness.files import atomic_write
+from harness.history import nights
 from harness.history.changes import Change, detect
 from harness.history.show import describe, stack_changed
 from harness.history.store import Point, metrics, series
 from harness.outcomes import OUTCOMES
+from harness.report import charts as charting
+from harness.report.page import environment, inline_svg, write_page
+from harness.report.plots import pyplot, save_figure
+from harness.report.runs import RunFile, read_run
 from harness.stack import key as stack_key
 
 NOT_PASSING = ("regression", "improvement", "unjudged", "error")
@@ -63,7 +70,7 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text)
 
 
-def nights(con: sqlite3.Connection) -> dict[str, list[tuple[int, str, str]]]:
+def nights_of(con: sqlite3.Connection) -> dict[str, list[tuple[int, str, str]]]:
     """night (YYYY-MM-DD) -> its runs (id, results path, versions JSON), oldest night first."""
     out: dict[str, list[tuple[int, str, str]]] = {}
     for rid, date, path, versions in con.execute("SELECT id, date, path, versions FROM runs ORDER BY date, id"):
@@ -74,8 +81,6 @@ def nights(con: sqlite3.Connection) -> dict[str, list[tuple[int, str, str]]]:
 def _trend_chart(out_dir: Path, name: str, metric: str, points: list[Point], changes: list[Change]) -> Path:
     """The metric per night, each step as a dashed line, creep as its fitted line, each night whose stack changed as
     a grey band (seen behind a step on the same night): PNG and SVG (report.plots.save_figure)."""
-    from harness.report.plots import pyplot, save_figure
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 3.4))
     xs = list(range(len(points)))
@@ -110,8 +115,6 @@ def _new(values: list[float], changes: list[Change]) -> bool:
 
 
 def metric_page(con: sqlite3.Connection, metric: str, charts_dir: Path) -> MetricPage:
-    from harness.report.page import inline_svg
-
     world = dict(con.execute("SELECT id, world_size FROM runs"))
     trends = []
     for (platform, label, case_id), points in sorted(series(con, metric).items()):
@@ -130,12 +133,7 @@ def metric_page(con: sqlite3.Connection, metric: str, charts_dir: Path) -> Metri
     return MetricPage(metric, _slug(metric), trends)
 
 
-def _night_rows(con: sqlite3.Connection, out: Path, history_db: Path, rebuild: bool) -> list[NightRow]:
-    from harness.errors import BadInput
-    from harness.report import charts as charting
-    from harness.report.page import write_page
-    from harness.report.runs import RunFile, read_run
-
+def _night_rows(con: sqlite3.Connection, out: Path, rebuild: bool) -> list[NightRow]:
     def readable(path: str) -> RunFile | None:
         try:
             return read_run(Path(path)) if Path(path).is_file() else None
@@ -144,7 +142,7 @@ def _night_rows(con: sqlite3.Connection, out: Path, history_db: Path, rebuild: b
 
     rows = []
     previous_stack = None
-    for night, runs in nights(con).items():
+    for night, runs in nights_of(con).items():
         outcomes = Counter(o for (o,) in con.execute(
             f"SELECT outcome FROM outcomes WHERE run_id IN ({','.join('?' * len(runs))})", [r[0] for r in runs]))
         versions = [json.loads(v) for _, _, v in runs]
@@ -153,7 +151,7 @@ def _night_rows(con: sqlite3.Connection, out: Path, history_db: Path, rebuild: b
         loaded = [r for r in (readable(p) for _, p, _ in runs) if r is not None]
         if loaded and (rebuild or not page.exists()):
             with tempfile.TemporaryDirectory(prefix="harness-site-") as tmp:
-                write_page(loaded, charting.render_all(loaded, Path(tmp)), page, history_db)
+                write_page(loaded, charting.render_all(loaded, Path(tmp)), page, nights.compare(con, loaded))
         rows.append(NightRow(night, len(runs), {o: outcomes[o] for o in OUTCOMES if outcomes[o]},
                              sum(outcomes[o] for o in NOT_PASSING), stack,
                              previous_stack is not None and stack != previous_stack,
@@ -162,15 +160,13 @@ def _night_rows(con: sqlite3.Connection, out: Path, history_db: Path, rebuild: b
     return rows[::-1]
 
 
-def write_site(con: sqlite3.Connection, history_db: Path, out: Path, rebuild: bool = False) -> dict[str, int]:
+def write_site(con: sqlite3.Connection, out: Path, rebuild: bool = False) -> dict[str, int]:
     """index.html, nights/<night>.html and metrics/<metric>.html under out; what was written, counted."""
-    from harness.files import atomic_write
-    from harness.report.page import environment
 
     env = environment()
     (out / "nights").mkdir(parents=True, exist_ok=True)
     (out / "metrics").mkdir(parents=True, exist_ok=True)
-    night_rows = _night_rows(con, out, history_db, rebuild)
+    night_rows = _night_rows(con, out, rebuild)
     last_night = night_rows[0].date if night_rows else ""
     pages = []
     with tempfile.TemporaryDirectory(prefix="harness-site-") as tmp:

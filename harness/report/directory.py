@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from harness.files import atomic_write
 from harness.outcomes import OUTCOMES, check_failed
 from harness.report import time_spent
 from harness.report.charts import PLOTTED
+from harness.report.page import Earlier
 from harness.report.plots import Chart
 from harness.report.runs import RunFile, load_runs
 from harness.tables import markdown_table, md_escape
@@ -118,9 +120,9 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Chart]], out_dir: Path) 
     return "\n".join(lines) + "\n"
 
 
-def write_report(directory: Path, history_db: Path | None = None) -> dict[str, Path]:
-    """Render every run under the directory (the HTML page against the history database's earlier nights where
-    one is given and exists); returns what was written, by kind."""
+def write_report(directory: Path, earlier_of: Callable[[list[RunFile]], Earlier] | None = None) -> dict[str, Path]:
+    """Render every run under the directory (the HTML page against the earlier nights where `earlier_of` compares
+    the runs with them: harness.history.nights.compare); returns what was written, by kind."""
     from harness.report import charts as charting
     from harness.report import junit, page
 
@@ -131,5 +133,5 @@ def write_report(directory: Path, history_db: Path | None = None) -> dict[str, P
     atomic_write(out["markdown"], markdown(runs, charts, directory))
     atomic_write(out["json"], json.dumps(summary_json(runs, charts), indent=2))
     atomic_write(out["junit"], junit.render(runs, page=out["html"].name))
-    page.write_page(runs, charts, out["html"], history_db)
+    page.write_page(runs, charts, out["html"], earlier_of(runs) if earlier_of else None)
     return {**out, **{c.png.stem: c.png for cs in charts.values() for c in cs}}

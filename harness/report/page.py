@@ -9,11 +9,11 @@ import gzip
 import json
 import re
 import shlex
-import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.files import atomic_write
 from harness.outcomes import OUTCOMES, Outcome, check_failed
 from harness.report.plots import Chart
 from harness.report.runs import NIGHT_PLAN, RunFile
@@ -30,6 +30,17 @@ class Since:
 
     text: str
     new: bool = False
+
+
+@dataclass
+class Earlier:
+    """Tonight against the earlier nights (harness.history.nights.compare): per case that did not pass, since when
+    and the bisects between the nights; where the stack changed; the cases passing again."""
+
+    since: dict[str, Since] = field(default_factory=dict)
+    bisect: dict[str, list[str]] = field(default_factory=dict)
+    stack_notes: list[str] = field(default_factory=list)
+    fixed: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -96,32 +107,13 @@ class Night:
         return sum(bool(row.since and row.since.new) for row in self.regressions)
 
 
+def case_outcome(case: dict) -> str:
+    """A results file's case's outcome (one written before outcomes were kept: pass where it ran, else error)."""
+    return case.get("outcome") or (Outcome.PASS if case.get("status") == "ok" else Outcome.ERROR)
+
+
 def rerun_command(case_id: str, world_size: int) -> str:
     return shlex.join(["harness", "run", *case_argv(case_id, world_size)])
-
-
-def bisect_commands(row: CaseRow, before: dict[str, str], after: dict[str, str]) -> list[str]:
-    """One `harness bisect --package` per package whose version changed between the night the case passed and
-    tonight (the engine's first), judging the case's verdict (--metric fail); --find-fix where tonight's release is
-    the older one."""
-    from packaging.version import InvalidVersion, Version
-
-    from harness.history.show import LIKELY_FIRST, NOT_BISECTABLE
-
-    out = []
-    changed = sorted((k for k in set(before) | set(after) if k not in NOT_BISECTABLE and before.get(k)
-                      and after.get(k) and before[k] != after[k]),
-                     key=lambda k: (LIKELY_FIRST.index(k) if k in LIKELY_FIRST else len(LIKELY_FIRST), k))
-    for name in changed:
-        try:
-            older = Version(after[name]) < Version(before[name])
-        except InvalidVersion:  # a local build, a commit: nothing to walk over
-            continue
-        lo, hi = (after[name], before[name]) if older else (before[name], after[name])
-        out.append(shlex.join(["harness", "bisect", "--package", name, f"{lo}..{hi}",
-                               *case_argv(row.case_id, row.world_size), "--metric", "fail",
-                               *(["--find-fix"] if older else [])]))
-    return out
 
 
 def _commands(run: RunFile, check: dict) -> list[str]:
@@ -156,7 +148,7 @@ def _section(index: int, run: RunFile, charts: list[Chart], root: Path) -> RunSe
     rows = []
     for c in d["cases"]:
         sel = parse_case_id(c["id"])
-        outcome = c.get("outcome", Outcome.PASS if c.get("status") == "ok" else Outcome.ERROR)
+        outcome = case_outcome(c)
         rows.append(CaseRow(c["id"], d["suite"], sel["engine"], sel["model"], sel["layout"], sel["variant"], outcome,
                             c.get("reason", ""), [x["check"] for x in by_case.get(c["id"], []) if check_failed(x)],
                             anchor, d["world_size"]))
@@ -188,52 +180,6 @@ def _stack(runs: list[RunFile]) -> list[tuple[str, str]]:
     return [(LABELS[name], " / ".join(sorted(vs))) for name, vs in seen.items()]
 
 
-def _history(con: sqlite3.Connection, runs: list[RunFile], rows: list[CaseRow]) -> tuple[str, list[str]]:
-    """Each failing case's `since` from the earlier nights of the same suite, model, engine, label and platform
-    (a night is a run date before tonight's); the stack's change since the last such night; the cases that failed
-    then and pass tonight."""
-    notes: list[str] = []
-    fixed: list[str] = []
-    by_id = {row.case_id: row for row in rows}
-    for run in runs:
-        d = run.data
-        tonight = d.get("date")
-        if not tonight:
-            continue
-        earlier = con.execute(
-            "SELECT id, date, versions FROM runs WHERE suite=? AND model=? AND engine=? AND IFNULL(label,'')=? "
-            "AND platform=? AND date < ? ORDER BY date DESC, id DESC",
-            (d["suite"], d["model"], d["engine"], d.get("label") or "", d.get("platform", "?"), tonight)).fetchall()
-        if not earlier:
-            continue
-        last = json.loads(earlier[0][2])
-        changed = [f"{n} {last.get(n)} -> {d.get('versions', {}).get(n)}" for n in COMPONENTS
-                   if last.get(n) != d.get("versions", {}).get(n)]
-        if changed:
-            notes.append(f"{run.title}: {', '.join(changed)} since {earlier[0][1][:10]}")
-        for case in d["cases"]:
-            past = [con.execute("SELECT outcome FROM outcomes WHERE run_id=? AND case_id=?", (rid, case["id"]))
-                    .fetchone() for rid, _, _ in earlier]
-            row = by_id.get(case["id"])
-            if row is None:
-                continue
-            failing_now = row.outcome in NOT_PASSING
-            before = past[0][0] if past[0] else None
-            if not failing_now:
-                if before in NOT_PASSING:
-                    fixed.append(f"{case['id']}: {before} on {earlier[0][1][:10]}, {row.outcome} tonight")
-                continue
-            streak = 0
-            while streak < len(past) and past[streak] and past[streak][0] in NOT_PASSING:
-                streak += 1
-            if streak == 0:
-                row.since = Since(f"new tonight (it was {before or 'not run'} on {earlier[0][1][:10]})", new=True)
-                row.bisect = bisect_commands(row, last, d.get("versions", {}))
-            else:
-                row.since = Since(f"since {earlier[streak - 1][1][:10]} ({streak + 1} nights)")
-    return "; ".join(notes), fixed
-
-
 def _plan_warnings(root: Path) -> list[str]:
     """What `harness nightly` planned and did not run (its nightly.json beside the results), which no results file
     tells."""
@@ -248,15 +194,17 @@ def _plan_warnings(root: Path) -> list[str]:
     return [f"the nightly was {why}: {len(plan['not_run'])} of {plan.get('planned', '?')} runs did not run ({shown})"]
 
 
-def night(runs: list[RunFile], charts: dict[str, list[Chart]], root: Path,
-          con: sqlite3.Connection | None = None) -> Night:
+def night(runs: list[RunFile], charts: dict[str, list[Chart]], root: Path, earlier: Earlier | None = None) -> Night:
     sections = [_section(i, r, charts.get(str(r.path), []), root) for i, r in enumerate(runs, 1)]
     rows = [row for s in sections for row in s.rows]
     totals = Counter(row.outcome for row in rows)
     stack_note, history = "", ""
     fixed: list[str] = []
-    if con is not None:
-        stack_note, fixed = _history(con, runs, rows)
+    if earlier is not None:
+        for row in rows:
+            row.since = earlier.since.get(row.case_id)
+            row.bisect = earlier.bisect.get(row.case_id, [])
+        stack_note, fixed = "; ".join(earlier.stack_notes), earlier.fixed
         history = "compared with the earlier nights in the history database"
     dates = sorted(str(r.data.get("date", ""))[:16].replace("T", " ") for r in runs if r.data.get("date"))
     filters = {"outcome": [o for o in OUTCOMES if totals[o]], "suite": sorted({row.suite for row in rows}),
@@ -282,15 +230,8 @@ def render(page: Night) -> str:
     return environment().get_template("night.html").render(night=page, not_passing=NOT_PASSING)
 
 
-def write_page(runs: list[RunFile], charts: dict[str, list[Chart]], path: Path, history_db: Path | None = None) -> Path:
-    """report.html for the runs; with a history database, what is new since the earlier nights."""
-    from harness.files import atomic_write
-    from harness.history import store
-
-    con = store.open_db(history_db, create=False) if history_db is not None and history_db.exists() else None
-    try:
-        atomic_write(path, render(night(runs, charts, path.parent, con)))
-    finally:
-        if con is not None:
-            con.close()
+def write_page(runs: list[RunFile], charts: dict[str, list[Chart]], path: Path,
+               earlier: Earlier | None = None) -> Path:
+    """report.html for the runs; with the earlier nights' comparison, what is new since them."""
+    atomic_write(path, render(night(runs, charts, path.parent, earlier)))
     return path
