@@ -108,6 +108,22 @@ def test_the_rl_suites_plots_draw_the_planted_faults_apart(page_dir):
     assert sorted(series("logprob-agreement")) == ["tolerance 1e-05", "worst rel. difference of a held-out token"]
 
 
+def test_harness_report_compares_with_the_history_beside_the_results_and_junit_names_the_page(tmp_path, capsys):
+    """As `harness nightly` leaves them: DIR/history.sqlite is the default history of `harness report DIR`."""
+    import xml.etree.ElementTree as ET
+
+    from harness import cli
+    from tests.night_pages import refit_run
+
+    refit_run(tmp_path / "night" / "refit")
+    history(tmp_path / "night" / "history.sqlite", tmp_path / "earlier")
+    assert cli.main(["report", str(tmp_path / "night")]) == 0
+    assert "html: " in capsys.readouterr().out
+    assert "new tonight (it was pass on 2026-12-05)" in _text((tmp_path / "night" / "report.html").read_text())
+    suite = ET.parse(tmp_path / "night" / "junit.xml").getroot().find("testsuite")
+    assert {p.get("name"): p.get("value") for p in suite.iter("property")}["report"] == "report.html"
+
+
 def test_a_night_without_history_names_no_since_and_a_page_of_passing_runs_says_nothing_regressed(tmp_path):
     from harness.report.directory import write_report
     from tests.night_pages import ckpt_run
