@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
+
 from harness.files import atomic_write
 from harness.outcomes import OUTCOMES, Outcome, check_failed
 from harness.report.plots import Chart
@@ -218,10 +220,8 @@ def night(runs: list[RunFile], charts: dict[str, list[Chart]], root: Path, earli
                  filters=filters, history=history)
 
 
-def environment():
+def environment() -> jinja2.Environment:
     """The pages' templates (harness/report/templates): HTML-escaped, an undefined name an error."""
-    import jinja2
-
     return jinja2.Environment(loader=jinja2.PackageLoader("harness.report", "templates"), autoescape=True,
                               undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
 
