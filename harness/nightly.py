@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 from harness import schema
@@ -87,6 +88,7 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     if history_db.exists():  # a corrupt or foreign database is refused before anything is written
         store.open_db(history_db, create=False).close()
     prepare_out_dir(out)
+    started = datetime.now(UTC).isoformat(timespec="seconds")  # the runs' results are dated after it
     say(f"nightly: {len(items)} runs at world size {world} ({backend}) into {out}")
     t0, rows, passed, stop, judged = time.monotonic(), [], True, None, False
     failing: list[str] = []  # the verdicts of the runs that did not pass
@@ -132,8 +134,9 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     else:
         not_run = []
     # what was planned and not run, which no results file tells: the page says so at its top
-    atomic_write(out / NIGHT_PLAN, json.dumps({"planned": len(items), "interrupted": str(stop) if stop else None,
-                                             "not_run": [it.slug for it in not_run]}))
+    atomic_write(out / NIGHT_PLAN, json.dumps({"started": started, "planned": len(items),
+                                               "interrupted": str(stop) if stop else None,
+                                               "not_run": [it.slug for it in not_run]}))
     from harness.history import nights
     from harness.history.site import write_site
 

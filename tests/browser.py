@@ -59,9 +59,11 @@ class Browser:
             os.dup2(a, 3)
             os.dup2(b, 4)
 
+        # its log to a file: a pipe nobody reads until it exits would block it once full
+        self._log = open(os.path.join(self.profile, "chromium.log"), "w+b")
         self.proc = subprocess.Popen([BROWSER, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
                                      preexec_fn=wire, close_fds=False, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=self._log)
         os.close(to_browser_r)
         os.close(from_browser_w)
         self._buf = b""
@@ -87,6 +89,7 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._log.close()
         shutil.rmtree(self.profile, ignore_errors=True)
 
     def _read(self, deadline: float) -> dict[str, Any]:
@@ -96,7 +99,8 @@ class Browser:
                 raise TimeoutError(f"chromium sent nothing within {self.timeout_s:.0f}s")
             chunk = os.read(self._from_browser, 1 << 20)
             if not chunk:
-                err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace")[-2000:]
                 raise RuntimeError(f"chromium closed its pipe (exit {self.proc.poll()}): {err}")
             self._buf += chunk
         raw, self._buf = self._buf.split(b"\0", 1)

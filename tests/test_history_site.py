@@ -1,5 +1,5 @@
 """`harness history site`: 30 synthetic nights with one step (megatron-core 0.16.0 -> 0.16.1 at night 20 adds 8% to
-a checkpoint peak) and a second case that steps at night 27 - the index lists every night and links its page, the
+a checkpoint peak) and a second case 20% up on its last two nights - the index lists every night and links its page, the
 step is marked on its metric's trend beside the stack's change, the late step is named new with the latest night;
 in headless Chromium, nothing is requested beyond the site's own files and every link resolves."""
 
@@ -28,7 +28,7 @@ def site(tmp_path_factory):
     rng = np.random.default_rng(0)
     values, late = _noisy(rng), _noisy(rng)
     values[20:] *= 1.08
-    late[27:] *= 1.15
+    late[28:] *= 1.2  # its last two nights: no step the night before, one tonight (placed at night 27)
     root = tmp_path / "nightly"
     for night, (v, w) in enumerate(zip(values, late)):
         _results(root / "a", night, float(v), "0.16.1" if night >= 20 else "0.16.0")
@@ -85,3 +85,31 @@ def test_in_a_browser_the_site_links_its_nights_and_draws_the_step_beside_the_st
     for seen in (index_seen, trend_seen):
         assert seen.errors == []
         assert all(u.startswith(site.as_uri()) for u in seen.requests), seen.requests
+
+
+def test_a_night_whose_results_file_was_replaced_is_not_rendered_from_another_nights(tmp_path, capsys):
+    """As `harness nightly --out nightly-out` every night leaves it: one path, each night's file in turn. The site
+    renders a night's page only from the file the database ingested (its digest), and again when the database
+    holds other runs for the night than its page shows."""
+    import json
+
+    root, db, out = tmp_path / "nightly", tmp_path / "h.sqlite", tmp_path / "site"
+    for night in range(6):
+        _results(root, night, 100.0 + night, "0.16.0")
+    assert cli.main(["history", "ingest", str(root), "--db", str(db)]) == 0
+    replaced = root / "night-02" / "ckpt-memory-mcore-small" / "results.json"
+    replaced.write_text(replaced.read_text().replace('"2026-10-03T', '"2026-10-09T'))  # a later night's file there
+    assert cli.main(["history", "site", "--db", str(db), "--out", str(out)]) == 0
+    index = (out / "index.html").read_text()
+    assert "2026-10-03 <span class=\"muted\">(results no longer on disk)</span>" in index
+    assert not (out / "nights" / "2026-10-03.html").exists()
+    assert json.loads((out / "nights.json").read_text())["2026-10-04"] == [4]
+    # another run of an existing night ingested later (another stack's): that night's page is written again
+    page = out / "nights" / "2026-10-04.html"
+    before = page.stat().st_mtime_ns
+    _results(tmp_path / "other", 3, 111.0, "0.16.0", case="ckpt-memory/mcore/small/tp2-pp1-cp1-dp2[ckpt_format=x]")
+    assert cli.main(["history", "ingest", str(tmp_path / "other"), "--db", str(db)]) == 0
+    capsys.readouterr()
+    assert cli.main(["history", "site", "--db", str(db), "--out", str(out)]) == 0
+    assert page.stat().st_mtime_ns != before and "tp2-pp1-cp1-dp2" in page.read_text()
+    assert json.loads((out / "nights.json").read_text())["2026-10-04"] == [4, 7]

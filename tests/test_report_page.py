@@ -79,6 +79,9 @@ def test_the_page_says_what_did_not_pass_since_when_on_which_stack_and_what_to_r
             "tp2-pp1-cp1-dp2 --engine mcore --metric fail") in commands
     assert not any("bisect" in c and "untied" in c for c in commands)  # it failed before the stack changed
     assert "CANNOT TELL ckpt-memory.async" in text
+    # batch-split has no earlier night in the history: said so, not counted as new
+    assert re.search(r"tp2-pp1-cp1-dp2 \[cut=mbs2\] regression batch-split.grad_norm its first night in the history",
+                     text)
     # the interrupted run says so at the top
     assert "partial: interrupted (SIGINT) after 1 of 4 cases" in text.split("Did not pass tonight")[0]
 
@@ -124,14 +127,60 @@ def test_harness_report_compares_with_the_history_beside_the_results_and_junit_n
     assert {p.get("name"): p.get("value") for p in suite.iter("property")}["report"] == "report.html"
 
 
+def _drawn(monkeypatch, module: str, plot, run_path):
+    """The figure a plot function drew (its save replaced by keeping the figure)."""
+    from harness.report import check_plots, rl_plots
+    from harness.report.runs import read_run
+
+    kept = []
+    target = {"rl_plots": rl_plots, "check_plots": check_plots}[module]
+    monkeypatch.setattr(target, "save_figure", lambda plt, fig, path, dpi: kept.append(fig) or path)
+    assert plot(read_run(run_path), run_path.parent / "x.png")
+    return kept[0]
+
+
+def test_the_rl_plots_draw_the_planted_figures_where_they_are(tmp_path, monkeypatch):
+    """The growing residue crosses its bound in its own panel; the drifting cut's gradient norm is above the
+    tolerance where the other's is below; a NaN is drawn at the top and marked."""
+    import json
+
+    from harness.report import check_plots, rl_plots
+    from tests.night_pages import batch_split_run, rl_cycle_run
+
+    fig = _drawn(monkeypatch, "rl_plots", rl_plots.rl_cycle_residue, rl_cycle_run(tmp_path / "rl"))
+    flat, grows = fig.axes[0], fig.axes[1]
+    bound = 192.0
+    assert max(max(line.get_ydata()) for line in flat.lines if line.get_label() != "residue bound") < bound
+    assert [list(line.get_ydata()) for line in grows.lines][0] == [70.0, 140.0, 210.0, 280.0]
+    assert grows.get_title().endswith("(regression)")
+
+    path = batch_split_run(tmp_path / "bs")
+    fig = _drawn(monkeypatch, "check_plots", check_plots.steps_against_reference, path)
+    names = [line.get_label() for line in fig.axes[0].lines[:2]]  # the legend names the cases once, on the left
+    assert names == ["tp1-pp1-cp2-dp2 cut=tokens96", "tp2-pp1-cp1-dp2 cut=mbs2 (failed)"]
+    good, bad = (list(line.get_ydata()) for line in fig.axes[1].lines[:2])  # the gradient norms, in that order
+    assert max(bad) > 1e-5 > max(good)
+    data = json.loads(path.read_text())
+    data["checks"][1]["data"]["got"][2] = float("nan")
+    path.write_text(json.dumps(data))
+    fig = _drawn(monkeypatch, "check_plots", check_plots.steps_against_reference, path)
+    marks = [line for line in fig.axes[1].lines if line.get_label() == "not finite"]
+    assert marks and list(marks[0].get_ydata()) == [check_plots.CEILING]
+
+
 def test_a_night_without_history_names_no_since_and_a_page_of_passing_runs_says_nothing_regressed(tmp_path):
     from harness.report.directory import write_report
-    from tests.night_pages import ckpt_run
+    from tests.night_pages import ckpt_run, refit_run
 
     ckpt_run(tmp_path / "n")
     write_report(tmp_path / "n")
     text = _text((tmp_path / "n" / "report.html").read_text())
-    assert "Nothing regressed tonight" in text and "since" not in text
+    assert "Nothing regressed tonight" in text and "regression-table" not in text
+    refit_run(tmp_path / "r")  # two regressions, no history: since "-", no count of what is new
+    write_report(tmp_path / "r")
+    html = (tmp_path / "r" / "report.html").read_text()
+    cells = re.findall(r'<tr class="regression-row">.*?<td[^>]*>([^<]*)\s*</td></tr>', html, re.S)
+    assert [c.strip() for c in cells] == ["-", "-"] and 'id="news"' not in html
 
 
 # -- in the browser -------------------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def test_nightly_counts_a_run_that_judged_nothing_as_a_failure(tmp_path, capsys,
 
 def test_an_interrupted_nightly_names_the_runs_it_did_not_run_at_the_top_of_its_page(tmp_path, capsys, monkeypatch):
     import signal
+    from datetime import datetime, timezone
 
     from harness import nightly
     from harness.errors import Interrupted
@@ -116,14 +117,16 @@ def test_an_interrupted_nightly_names_the_runs_it_did_not_run_at_the_top_of_its_
         out_dir.mkdir(parents=True)
         (out_dir / "results.json").write_text(json.dumps(
             {"suite": planned.suite.name, "engine": planned.engine, "model": planned.model_name, "world_size": 2,
-             "cases": [], "checks": [], "interrupted": "SIGTERM", "cases_planned": 3}))
+             "cases": [], "checks": [], "interrupted": "SIGTERM", "cases_planned": 3,
+             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
         return run
 
     monkeypatch.setattr("harness.driver.execute", execute)
     code = nightly.run_nightly(tmp_path, ["equivalence", "golden"], ["tiny"], 2, "gloo", "mcore", lambda msg: None)
     assert code == 128 + signal.SIGTERM
     plan = json.loads((tmp_path / "nightly.json").read_text())
-    assert plan == {"planned": 2, "interrupted": "SIGTERM", "not_run": ["golden-mcore-tiny"]}
+    assert {k: plan[k] for k in ("planned", "interrupted", "not_run")} == \
+        {"planned": 2, "interrupted": "SIGTERM", "not_run": ["golden-mcore-tiny"]}
     page = (tmp_path / "report.html").read_text()
     top = page[:page.index("Did not pass tonight") if "Did not pass tonight" in page else page.index("Nothing regressed")]
     assert "the nightly was interrupted (SIGTERM): 1 of 2 runs did not run (golden-mcore-tiny)" in top

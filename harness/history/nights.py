@@ -11,6 +11,7 @@ import sqlite3
 from packaging.version import InvalidVersion, Version
 
 from harness.history.show import LIKELY_FIRST, NOT_BISECTABLE
+from harness.outcomes import Outcome
 from harness.report.page import NOT_PASSING, Earlier, Since, case_outcome
 from harness.report.runs import RunFile
 from harness.selection import case_argv
@@ -39,9 +40,9 @@ def bisect_commands(case_id: str, world_size: int, before: dict[str, str], after
 
 
 def compare(con: sqlite3.Connection, runs: list[RunFile]) -> Earlier:
-    """Each failing case's `since` from the earlier nights of the same suite, model, engine, label and platform
-    (a night is a run date before tonight's); the stack's change since the last such night; the cases that failed
-    then and pass tonight."""
+    """Each failing case's `since` from the earlier nights of the same suite, model, engine, world size, label and
+    platform (a night is a run dated before tonight's; a run with none is its first night in the history); the
+    stack's change since the last such night; the cases that failed then and pass tonight."""
     out = Earlier()
     for run in runs:
         d = run.data
@@ -49,10 +50,14 @@ def compare(con: sqlite3.Connection, runs: list[RunFile]) -> Earlier:
         if not tonight:
             continue
         earlier = con.execute(
-            "SELECT id, date, versions FROM runs WHERE suite=? AND model=? AND engine=? AND IFNULL(label,'')=? "
-            "AND platform=? AND date < ? ORDER BY date DESC, id DESC",
-            (d["suite"], d["model"], d["engine"], d.get("label") or "", d.get("platform", "?"), tonight)).fetchall()
+            "SELECT id, date, versions FROM runs WHERE suite=? AND model=? AND engine=? AND world_size=? "
+            "AND IFNULL(label,'')=? AND platform=? AND date < ? ORDER BY date DESC, id DESC",
+            (d["suite"], d["model"], d["engine"], d["world_size"], d.get("label") or "", d.get("platform", "?"),
+             tonight)).fetchall()
         if not earlier:
+            for case in d["cases"]:
+                if case_outcome(case) in NOT_PASSING:
+                    out.since[case["id"]] = Since("its first night in the history")
             continue
         last = json.loads(earlier[0][2])
         changed = [f"{n} {last.get(n)} -> {d.get('versions', {}).get(n)}" for n in COMPONENTS
@@ -60,17 +65,20 @@ def compare(con: sqlite3.Connection, runs: list[RunFile]) -> Earlier:
         if changed:
             out.stack_notes.append(f"{run.title}: {', '.join(changed)} since {earlier[0][1][:10]}")
         for case in d["cases"]:
-            past = [con.execute("SELECT outcome FROM outcomes WHERE run_id=? AND case_id=?", (rid, case["id"]))
-                    .fetchone() for rid, _, _ in earlier]
-            outcome = case_outcome(case)
-            before = past[0][0] if past[0] else None
+
+            def outcome_on(i: int, case_id: str = case["id"], nights: list = earlier) -> str | None:
+                row = con.execute("SELECT outcome FROM outcomes WHERE run_id=? AND case_id=?",
+                                  (nights[i][0], case_id)).fetchone()
+                return row[0] if row else None
+
+            outcome, before = case_outcome(case), outcome_on(0)
             if outcome not in NOT_PASSING:
-                if before in NOT_PASSING:
+                if outcome == Outcome.PASS and before in NOT_PASSING:
                     out.fixed.append(f"{case['id']}: {before} on {earlier[0][1][:10]}, {outcome} tonight")
                 continue
             streak = 0
-            while streak < len(past) and past[streak] and past[streak][0] in NOT_PASSING:
-                streak += 1
+            while streak < len(earlier) and (before if streak == 0 else outcome_on(streak)) in NOT_PASSING:
+                streak += 1  # one query a night back, to the last night it did not fail
             if streak == 0:
                 out.since[case["id"]] = Since(f"new tonight (it was {before or 'not run'} on {earlier[0][1][:10]})",
                                               new=True)

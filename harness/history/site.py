@@ -4,7 +4,9 @@ with its change points, creep and stack changes marked. Links are relative: the 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import sqlite3
 import tempfile
@@ -15,7 +17,7 @@ from pathlib import Path
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.history import nights
-from harness.history.changes import Change, detect
+from harness.history.changes import MIN_SIZE, Change, detect
 from harness.history.show import describe, stack_changed
 from harness.history.store import Point, metrics, series
 from harness.outcomes import OUTCOMES
@@ -70,11 +72,12 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text)
 
 
-def nights_of(con: sqlite3.Connection) -> dict[str, list[tuple[int, str, str]]]:
-    """night (YYYY-MM-DD) -> its runs (id, results path, versions JSON), oldest night first."""
-    out: dict[str, list[tuple[int, str, str]]] = {}
-    for rid, date, path, versions in con.execute("SELECT id, date, path, versions FROM runs ORDER BY date, id"):
-        out.setdefault(date[:10], []).append((rid, path, versions))
+def nights_of(con: sqlite3.Connection) -> dict[str, list[tuple[int, str, str, str]]]:
+    """night (YYYY-MM-DD) -> its runs (id, results path, versions JSON, the results file's digest), oldest first."""
+    out: dict[str, list[tuple[int, str, str, str]]] = {}
+    for rid, date, path, versions, digest in con.execute(
+            "SELECT id, date, path, versions, digest FROM runs ORDER BY date, id"):
+        out.setdefault(date[:10], []).append((rid, path, versions, digest))
     return out
 
 
@@ -109,9 +112,16 @@ def _trend_chart(out_dir: Path, name: str, metric: str, points: list[Point], cha
 
 def _new(values: list[float], changes: list[Change]) -> bool:
     """Whether the latest night brought a change the history without it did not show (a step needs MIN_SIZE nights
-    on each side, so a step is new on the night its third night after it arrives)."""
-    before = {(c.kind, c.index if c.kind == "step" else 0) for c in detect(values[:-1])}
-    return any((c.kind, c.index if c.kind == "step" else 0) not in before for c in changes)
+    on each side, so a step is new on the night its third night after it arrives). A change the shorter history
+    already showed in the same direction is not new where PELT moved it: a step by up to MIN_SIZE nights, or a
+    step read as creep (or back) over the same nights."""
+    before = detect(values[:-1])
+
+    def seen(c: Change) -> bool:
+        return any((b.ratio > 1) == (c.ratio > 1) and (
+            c.kind != "step" or b.kind != "step" or abs(b.index - c.index) <= MIN_SIZE) for b in before)
+
+    return any(not seen(c) for c in changes)
 
 
 def metric_page(con: sqlite3.Connection, metric: str, charts_dir: Path) -> MetricPage:
@@ -133,36 +143,51 @@ def metric_page(con: sqlite3.Connection, metric: str, charts_dir: Path) -> Metri
     return MetricPage(metric, _slug(metric), trends)
 
 
-def _night_rows(con: sqlite3.Connection, out: Path, rebuild: bool) -> list[NightRow]:
-    def readable(path: str) -> RunFile | None:
-        try:
-            return read_run(Path(path)) if Path(path).is_file() else None
-        except BadInput:  # replaced or damaged since it was ingested: the night is listed without it
+def _readable(path: str, digest: str) -> RunFile | None:
+    """The results file the database ingested, if it is still on disk as it was: a nightly that reuses its --out
+    writes the next night's file at the same path."""
+    file = Path(path)
+    try:
+        if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != digest:
             return None
+        return read_run(file)
+    except (OSError, BadInput):  # unreadable or damaged since it was ingested: the night is listed without it
+        return None
 
+
+def _night_rows(con: sqlite3.Connection, out: Path, rebuild: bool) -> list[NightRow]:
+    """Every night, and its page written where it has none, or one of other runs than the database now holds for it
+    (another stack's runs ingested later, a night past midnight): the runs a page shows are kept in nights.json."""
+    built_path = out / "nights.json"
+    try:
+        built: dict[str, list[int]] = json.loads(built_path.read_text())
+    except (OSError, ValueError):
+        built = {}
     rows = []
     previous_stack = None
     for night, runs in nights_of(con).items():
+        ids = [r[0] for r in runs]
         outcomes = Counter(o for (o,) in con.execute(
-            f"SELECT outcome FROM outcomes WHERE run_id IN ({','.join('?' * len(runs))})", [r[0] for r in runs]))
-        versions = [json.loads(v) for _, _, v in runs]
-        stack = " / ".join(sorted({stack_key(v) for v in versions}))
+            f"SELECT outcome FROM outcomes WHERE run_id IN ({','.join('?' * len(runs))})", ids))
+        stack = " / ".join(sorted({stack_key(json.loads(v)) for _, _, v, _ in runs}))
         page = out / "nights" / f"{night}.html"
-        loaded = [r for r in (readable(p) for _, p, _ in runs) if r is not None]
-        if loaded and (rebuild or not page.exists()):
+        loaded = [r for r in (_readable(p, digest) for _, p, _, digest in runs) if r is not None]
+        if loaded and (rebuild or not page.exists() or built.get(night) != ids):
             with tempfile.TemporaryDirectory(prefix="harness-site-") as tmp:
-                write_page(loaded, charting.render_all(loaded, Path(tmp)), page, nights.compare(con, loaded))
+                root = Path(os.path.commonpath([str(r.path.parent) for r in loaded]))
+                write_page(loaded, charting.render_all(loaded, Path(tmp)), page, nights.compare(con, loaded), root)
+            built[night] = ids
         rows.append(NightRow(night, len(runs), {o: outcomes[o] for o in OUTCOMES if outcomes[o]},
                              sum(outcomes[o] for o in NOT_PASSING), stack,
                              previous_stack is not None and stack != previous_stack,
                              f"nights/{night}.html" if page.exists() else None, len(runs) - len(loaded)))
         previous_stack = stack
+    atomic_write(built_path, json.dumps(built, indent=1, sort_keys=True))
     return rows[::-1]
 
 
 def write_site(con: sqlite3.Connection, out: Path, rebuild: bool = False) -> dict[str, int]:
     """index.html, nights/<night>.html and metrics/<metric>.html under out; what was written, counted."""
-
     env = environment()
     (out / "nights").mkdir(parents=True, exist_ok=True)
     (out / "metrics").mkdir(parents=True, exist_ok=True)

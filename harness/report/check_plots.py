@@ -4,6 +4,7 @@ figures against their baseline band (`baselines.BaselineFigures`, where no plot 
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,16 @@ from harness.report.plots import FLOOR, distinct_colors, failed_cases, mark_fail
 
 if TYPE_CHECKING:
     from harness.report.runs import RunFile
+
+BEYOND = 10.0  # tolerances: a figure further from its baseline (or not finite) is drawn here
+CEILING = 1e3  # a relative difference that is NaN or inf, drawn here on the log axis
+
+
+def relative(a: float, b: float) -> float:
+    """|a - b| / |b| (|a - b| where b is 0) for a log axis: 0 at FLOOR, NaN or inf at CEILING."""
+    rel = abs(a - b) / abs(b) if b else abs(a - b)
+    return CEILING if not math.isfinite(rel) else min(max(rel, FLOOR), CEILING)
+
 
 # Suites whose baselined figures a plot of their own draws against the band (ckpt-memory's peaks, refit's exports)
 OWN_BASELINE_PLOTS = ("ckpt-memory", "refit")
@@ -46,11 +57,16 @@ def steps_against_reference(run: RunFile, path: Path) -> Path | None:
     for ax, (figure, checks) in zip(axes[0], figures.items()):
         for c in checks:
             d = c["data"]
-            rel = [max(abs(a - b) / abs(b) if b else abs(a - b), FLOOR) for a, b in zip(d["got"], d["reference"])]
+            rel = [relative(a, b) for a, b in zip(d["got"], d["reference"])]
             name = labels.get(c["case_id"], c["case_id"]) + (" (failed)" if c["case_id"] in failed else "")
             ax.plot(range(len(rel)), rel, marker="o", ms=3, lw=1.2, color=colors[c["case_id"]],
                     label=None if name in named else name)
             named.add(name)
+            beyond = [i for i, v in enumerate(rel) if v == CEILING]
+            if beyond:  # NaN or inf: drawn at the top, marked
+                ax.plot(beyond, [CEILING] * len(beyond), ls="none", marker="x", ms=8, color="red",
+                        label=None if "not finite" in named else "not finite")
+                named.add("not finite")
         for rtol in sorted({c["data"]["rtol"] for c in checks if c["data"]["rtol"] > 0}):
             name = f"tolerance {rtol:.0e}"
             ax.axhline(rtol, color="red", ls="--", lw=1, label=None if name in named else name)
@@ -90,8 +106,9 @@ def baseline_deviation(run: RunFile, path: Path) -> Path | None:
         for m, v in c["data"]["metrics"].items():
             if v.get("baseline") is not None and v.get("tolerance"):
                 dev = (v["measured"] - v["baseline"]) / v["tolerance"]
+                dev = dev if math.isfinite(dev) else BEYOND  # a NaN measurement is a regression: drawn as beyond
                 if abs(dev) >= abs(out.get(figure(m), 0.0)):
-                    out[figure(m)] = dev
+                    out[figure(m)] = max(-BEYOND, min(BEYOND, dev))
         return out
 
     per_case = [deviations(c) for c in checks if c["case_id"] in cases]
@@ -100,11 +117,13 @@ def baseline_deviation(run: RunFile, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(shown) + 3), 5))
     ax.axhspan(-1, 1, color="0.85", zorder=0, label="within the baseline's tolerance")
     width = 0.8 / max(1, len(names))
+    labelled: set[str] = set()
     for i, devs in enumerate(per_case):
         for j, name in enumerate(names):
             if name in devs:
                 ax.bar(i + (j - (len(names) - 1) / 2) * width, devs[name], width, color=colors[name],
-                       label=f"{name} (its rank furthest from the baseline)" if i == 0 else None)
+                       label=None if name in labelled else f"{name} (its rank furthest from the baseline)")
+                labelled.add(name)
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xticks(range(len(shown)), [labels[c['id']] for c in shown], rotation=30, ha="right", fontsize=7)
     mark_failed(ax, shown, failed_cases(run))

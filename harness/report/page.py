@@ -182,14 +182,18 @@ def _stack(runs: list[RunFile]) -> list[tuple[str, str]]:
     return [(LABELS[name], " / ".join(sorted(vs))) for name, vs in seen.items()]
 
 
-def _plan_warnings(root: Path) -> list[str]:
+def _plan_warnings(root: Path, runs: list[RunFile]) -> list[str]:
     """What `harness nightly` planned and did not run (its nightly.json beside the results), which no results file
-    tells."""
+    tells: the plan of these runs' night only (it started before them, and the same day: an out directory used
+    again holds the latest night's plan)."""
     try:
         plan = json.loads((root / NIGHT_PLAN).read_text())
     except (OSError, ValueError):
         return []
-    if not isinstance(plan, dict) or not plan.get("not_run"):
+    dates = sorted(str(r.data["date"]) for r in runs if r.data.get("date"))
+    started = plan.get("started") if isinstance(plan, dict) else None
+    if not plan.get("not_run") or not started or not dates or not (
+            dates[0][:10] == started[:10] and started <= dates[0]):
         return []
     shown = ", ".join(plan["not_run"][:12]) + (" ..." if len(plan["not_run"]) > 12 else "")
     why = f"interrupted ({plan['interrupted']})" if plan.get("interrupted") else "stopped"
@@ -215,7 +219,7 @@ def night(runs: list[RunFile], charts: dict[str, list[Chart]], root: Path, earli
                  dates=f"{dates[0]} .. {dates[-1]}" if dates and dates[0] != dates[-1] else (dates[0] if dates else ""),
                  stack=_stack(runs), stack_note=stack_note, totals={o: totals[o] for o in OUTCOMES if totals[o]},
                  runs=len(runs),
-                 warnings=_plan_warnings(root) + [f"{s.title}: {w}" for s in sections for w in s.warnings],
+                 warnings=_plan_warnings(root, runs) + [f"{s.title}: {w}" for s in sections for w in s.warnings],
                  regressions=[row for row in rows if row.outcome in NOT_PASSING], fixed=fixed, sections=sections,
                  filters=filters, history=history)
 
@@ -231,7 +235,8 @@ def render(page: Night) -> str:
 
 
 def write_page(runs: list[RunFile], charts: dict[str, list[Chart]], path: Path,
-               earlier: Earlier | None = None) -> Path:
-    """report.html for the runs; with the earlier nights' comparison, what is new since them."""
-    atomic_write(path, render(night(runs, charts, path.parent, earlier)))
+               earlier: Earlier | None = None, results_root: Path | None = None) -> Path:
+    """report.html for the runs; with the earlier nights' comparison, what is new since them. results_root: the
+    directory the runs' files are under (default the page's), where a nightly left its plan."""
+    atomic_write(path, render(night(runs, charts, results_root or path.parent, earlier)))
     return path

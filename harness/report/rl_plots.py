@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.report.plots import FLOOR, distinct_colors, failed_cases, mark_failed, pyplot, save_figure, variant_labels
+from harness.report.check_plots import relative
+from harness.report.plots import distinct_colors, failed_cases, mark_failed, pyplot, save_figure, variant_labels
 
 if TYPE_CHECKING:
     from harness.report.runs import RunFile
@@ -96,7 +97,7 @@ def refit_policy(run: RunFile, path: Path) -> Path | None:
     cases = {c["id"]: c for c in run.data["cases"]}
     shown = [cases[c["case_id"]] for c in checks if c["case_id"] in cases]
     fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(shown) + 3), 4.5))
-    worst = [max(c["data"]["worst_rel"], FLOOR) for c in checks if c["case_id"] in cases]
+    worst = [relative(c["data"]["worst_rel"], 0.0) for c in checks if c["case_id"] in cases]  # NaN at the top
     ax.bar(range(len(shown)), worst, 0.6, color="tab:blue", label="worst rel. difference of a held-out token")
     for rtol in sorted({c["data"]["rtol"] for c in checks}):
         ax.axhline(rtol, color="red", ls="--", lw=1, label=f"tolerance {rtol:.0e}")
