@@ -44,6 +44,8 @@ PASS_FAIL = "fail"
 # defect reported as inconclusive turns good in the release that fixes it)
 CHECK_METRIC = "check:"
 
+# the outcomes that are not a pass, nor a neutral skip or cannot-tell: a report lists these cases as not passing
+NOT_PASSING = (Outcome.REGRESSION, Outcome.IMPROVEMENT, Outcome.UNJUDGED, Outcome.ERROR)
 # the outcomes a summary counts, in its order
 OUTCOMES = tuple(o.value for o in Outcome if o is not Outcome.PENDING)
 # Exit codes of `harness run` / `baselines check` / `nightly`. 3 = could not measure: cases errored (a

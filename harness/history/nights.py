@@ -11,9 +11,9 @@ import sqlite3
 from packaging.version import InvalidVersion, Version
 
 from harness.history.show import LIKELY_FIRST, NOT_BISECTABLE
-from harness.outcomes import Outcome
-from harness.report.page import NOT_PASSING, Earlier, Since, case_outcome
-from harness.report.runs import RunFile
+from harness.outcomes import NOT_PASSING, Outcome
+from harness.report.page import Earlier, Since
+from harness.report.runs import RunFile, case_outcome
 from harness.selection import case_argv
 from harness.stack import COMPONENTS
 

@@ -20,14 +20,12 @@ from harness.history import nights
 from harness.history.changes import MIN_SIZE, Change, detect
 from harness.history.show import describe, stack_changed
 from harness.history.store import Point, metrics, series
-from harness.outcomes import OUTCOMES
+from harness.outcomes import NOT_PASSING, OUTCOMES
 from harness.report import charts as charting
 from harness.report.page import environment, inline_svg, write_page
 from harness.report.plots import pyplot, save_figure
 from harness.report.runs import RunFile, read_run
 from harness.stack import key as stack_key
-
-NOT_PASSING = ("regression", "improvement", "unjudged", "error")
 
 
 @dataclass

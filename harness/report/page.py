@@ -16,19 +16,18 @@ from pathlib import Path
 import jinja2
 
 from harness.files import atomic_write
-from harness.outcomes import OUTCOMES, Outcome, check_failed
+from harness.outcomes import NOT_PASSING, OUTCOMES, Outcome, check_failed
 from harness.report.plots import Chart
-from harness.report.runs import NIGHT_PLAN, RunFile
+from harness.report.runs import NIGHT_PLAN, RunFile, case_outcome
 from harness.selection import case_argv, parse_case_id
 from harness.stack import COMPONENTS, LABELS
 
-NOT_PASSING = (Outcome.REGRESSION, Outcome.IMPROVEMENT, Outcome.UNJUDGED, Outcome.ERROR)
 _COMMAND = re.compile(r"`(harness [^`]+)`")
 
 
 @dataclass
 class Since:
-    """A case's verdict tonight against the earlier nights of the history: new, since which night, or fixed."""
+    """A case's verdict tonight against the earlier nights of the history: new tonight, or since which night."""
 
     text: str
     new: bool = False
@@ -57,7 +56,6 @@ class CaseRow:
     reason: str
     failed_checks: list[str]
     anchor: str
-    world_size: int
     since: Since | None = None
     bisect: list[str] = field(default_factory=list)  # new tonight on another stack: one bisect per package changed
 
@@ -85,7 +83,6 @@ class RunSection:
     rows: list[CaseRow]
     notes: list[CheckNote]
     charts: list[tuple[str, str]]  # (name, the SVG gzipped, base64)
-    counts: dict[str, int]
 
 
 @dataclass
@@ -107,11 +104,6 @@ class Night:
     def new(self) -> int:
         """Cases that did not pass tonight and passed (or did not run) the night before."""
         return sum(bool(row.since and row.since.new) for row in self.regressions)
-
-
-def case_outcome(case: dict) -> str:
-    """A results file's case's outcome (one written before outcomes were kept: pass where it ran, else error)."""
-    return case.get("outcome") or (Outcome.PASS if case.get("status") == "ok" else Outcome.ERROR)
 
 
 def rerun_command(case_id: str, world_size: int) -> str:
@@ -153,7 +145,7 @@ def _section(index: int, run: RunFile, charts: list[Chart], root: Path) -> RunSe
         outcome = case_outcome(c)
         rows.append(CaseRow(c["id"], d["suite"], sel["engine"], sel["model"], sel["layout"], sel["variant"], outcome,
                             c.get("reason", ""), [x["check"] for x in by_case.get(c["id"], []) if check_failed(x)],
-                            anchor, d["world_size"]))
+                            anchor))
     notes = [CheckNote(c["check"], c["case_id"], "failed" if check_failed(c) else "inconclusive", c["message"],
                        c.get("details", [])[:40], _commands(run, c))
              for c in d["checks"] if check_failed(c) or c.get("inconclusive")]
@@ -162,7 +154,7 @@ def _section(index: int, run: RunFile, charts: list[Chart], root: Path) -> RunSe
               for c in d["cases"] if c.get("outcome") == Outcome.ERROR and not by_case.get(c["id"])]
     verdict = d.get("verdict") or ("pass" if d.get("passed") else "fail")
     return RunSection(anchor, run.title, d["suite"], _relative(run.path, root), verdict, _warnings(run), rows, notes,
-                      [(ch.name, inline_svg(ch.svg)) for ch in charts], dict(run.counts()))
+                      [(ch.name, inline_svg(ch.svg)) for ch in charts])
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -231,7 +223,7 @@ def environment() -> jinja2.Environment:
 
 
 def render(page: Night) -> str:
-    return environment().get_template("night.html").render(night=page, not_passing=NOT_PASSING)
+    return environment().get_template("night.html").render(night=page)
 
 
 def write_page(runs: list[RunFile], charts: dict[str, list[Chart]], path: Path,
