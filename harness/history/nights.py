@@ -10,7 +10,7 @@ import sqlite3
 
 from packaging.version import InvalidVersion, Version
 
-from harness.history.show import LIKELY_FIRST, NOT_BISECTABLE
+from harness.history.show import bisectable, changed_between
 from harness.outcomes import NOT_PASSING, Outcome
 from harness.report.page import Earlier, Since
 from harness.report.runs import RunFile, case_outcome
@@ -23,20 +23,16 @@ def bisect_commands(case_id: str, world_size: int, before: dict[str, str], after
     tonight (the engine's first), judging the case's verdict (--metric fail); --find-fix where tonight's release is
     the older one."""
     out = []
-    changed = sorted((k for k in set(before) | set(after) if k not in NOT_BISECTABLE and before.get(k)
-                      and after.get(k) and before[k] != after[k]),
-                     key=lambda k: (LIKELY_FIRST.index(k) if k in LIKELY_FIRST else len(LIKELY_FIRST), k))
-    for name in changed:
+    for name, (was, now) in bisectable(changed_between(before, after)):
         try:
-            older = Version(after[name]) < Version(before[name])
+            older = Version(now) < Version(was)
         except InvalidVersion:  # a local build, a commit: nothing to walk over
             continue
-        lo, hi = (after[name], before[name]) if older else (before[name], after[name])
+        lo, hi = (now, was) if older else (was, now)
         out.append(shlex.join(["harness", "bisect", "--package", name, f"{lo}..{hi}",
                                *case_argv(case_id, world_size), "--metric", "fail",
                                *(["--find-fix"] if older else [])]))
     return out
-
 
 
 def compare(con: sqlite3.Connection, runs: list[RunFile]) -> Earlier:

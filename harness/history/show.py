@@ -23,14 +23,23 @@ def stack_changed(a: Point, b: Point) -> bool:
     return any(a.versions.get(c) != b.versions.get(c) for c in COMPONENTS)
 
 
-def changed_between(a: Point, b: Point) -> dict[str, tuple[str | None, str | None]]:
-    """name -> (before, after) for every version that differs between two nights."""
-    keys = sorted(set(a.versions) | set(b.versions))
-    return {k: (a.versions.get(k), b.versions.get(k)) for k in keys if a.versions.get(k) != b.versions.get(k)}
+def changed_between(a: dict[str, str], b: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
+    """name -> (before, after) for every version that differs between two nights' versions."""
+    keys = sorted(set(a) | set(b))
+    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
 
 
 # the distribution most likely behind a change, when several changed between two nights: the engine's
 LIKELY_FIRST = ("megatron-core", "megatron-bridge", "mbridge", "transformer-engine", "torch")
+
+
+def bisectable(diff: dict[str, tuple[str | None, str | None]]) -> list[tuple[str, tuple[str, str]]]:
+    """The packages of a version diff a bisect can walk over (a release on both nights; not the harness's own or
+    Python), the engine's first."""
+    packages = [(k, (a, b)) for k, (a, b) in diff.items()
+                if k not in NOT_BISECTABLE and a and b and " " not in a and " " not in b]
+    return sorted(packages,
+                  key=lambda p: (LIKELY_FIRST.index(p[0]) if p[0] in LIKELY_FIRST else len(LIKELY_FIRST), p[0]))
 
 
 def bisect_commands(case_id: str, metric: str, world_size: int | None, change: Change,
@@ -41,9 +50,7 @@ def bisect_commands(case_id: str, metric: str, world_size: int | None, change: C
     from harness.checks.timing import TIMED_METRICS
     from harness.selection import case_argv
 
-    packages = sorted(((k, ab) for k, ab in diff.items()
-                       if k not in NOT_BISECTABLE and all(ab) and not any(" " in v for v in ab if v)),
-                      key=lambda p: (LIKELY_FIRST.index(p[0]) if p[0] in LIKELY_FIRST else len(LIKELY_FIRST), p[0]))
+    packages = bisectable(diff)
     middle = (change.before + change.after) / 2
     if metric in TIMED_METRICS:
         threshold = f"baseline+{abs(middle / change.before - 1) * 100:.3g}%"
@@ -70,7 +77,7 @@ def describe(case_id: str, metric: str, points: list[Point], changes: list[Chang
                          "no single night to bisect; compare the first and the last night")
             continue
         before, after = points[c.index - 1], points[c.index]
-        diff = changed_between(before, after)
+        diff = changed_between(before.versions, after.versions)
         what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) or \
             "no package version or harness commit changed: the machine or the environment did"
         lines.append(f"  change at {after.date[:10]}: {c.before:.4g} -> {c.after:.4g} ({(c.ratio - 1) * 100:+.1f}%); "
