@@ -9,6 +9,7 @@ from pathlib import Path
 
 from harness.history.changes import Change, detect
 from harness.history.store import Point
+from harness.report.plots import pyplot
 
 # what a bisect can walk over: distributions in results.json "versions" (the harness's own are not)
 NOT_BISECTABLE = ("harness", "harness_commit", "python")
@@ -90,25 +91,39 @@ def describe(case_id: str, metric: str, points: list[Point], changes: list[Chang
     return lines
 
 
-def plot(path: Path, case_id: str, metric: str, points: list[Point], changes: list[Change]) -> Path:
-    from harness.report.plots import pyplot
-
+def trend_figure(case_id: str, metric: str, points: list[Point], changes: list[Change]):
+    """The metric per night: each step a dashed line with its change, creep its fitted line, each night whose stack
+    changed a grey band (seen behind a step on the same night); (pyplot, the figure), to be saved."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.2))
+    fig, ax = plt.subplots(figsize=(9, 3.4))
     xs = list(range(len(points)))
-    ax.plot(xs, [p.value for p in points], marker="o", ms=3, lw=1)
+    ax.plot(xs, [p.value for p in points], marker="o", ms=3, lw=1, color="tab:blue", label=metric)
+    restacked = [i for i in range(1, len(points)) if stack_changed(points[i - 1], points[i])]
+    for k, i in enumerate(restacked):
+        ax.axvspan(i - 0.8, i - 0.2, color="0.55", alpha=0.3, lw=0, label="stack changed" if k == 0 else None)
+    steps = [c for c in changes if c.kind == "step"]
+    for k, c in enumerate(steps):
+        ax.axvline(c.index - 0.5, color="red", ls="--", lw=1.2, label="change point" if k == 0 else None)
+        ax.annotate(f"{(c.ratio - 1) * 100:+.1f}%", (c.index - 0.5, max(p.value for p in points)), color="red",
+                    fontsize=8, ha="left", va="top")
     for c in changes:
-        if c.kind == "step":
-            ax.axvline(c.index - 0.5, color="red", ls="--", lw=1)
-            ax.annotate(f"{(c.ratio - 1) * 100:+.1f}%", (c.index - 0.5, max(p.value for p in points)), color="red",
-                        fontsize=8, ha="left", va="top")
-        else:
-            ax.plot([0, len(points) - 1], [c.before, c.after], color="red", ls=":", lw=1)
-    step = max(1, len(points) // 8)
+        if c.kind == "creep":
+            ax.plot([0, len(points) - 1], [c.before, c.after], color="red", ls=":", lw=1.5,
+                    label=f"creep {(c.ratio - 1) * 100:+.1f}%")
+    step = max(1, len(points) // 10)
     ax.set_xticks(xs[::step], [p.date[:10] for p in points][::step], rotation=30, fontsize=7)
+    ax.set_xlabel("night")
     ax.set_ylabel(metric, fontsize=8)
     ax.set_title(case_id, fontsize=8)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3)
     fig.tight_layout()
+    return plt, fig
+
+
+def plot(path: Path, case_id: str, metric: str, points: list[Point], changes: list[Change]) -> Path:
+    """`history show`'s PNG trend of one case."""
+    plt, fig = trend_figure(case_id, metric, points, changes)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)

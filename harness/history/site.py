@@ -18,12 +18,12 @@ from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.history import nights
 from harness.history.changes import MIN_SIZE, Change, detect
-from harness.history.show import describe, stack_changed
-from harness.history.store import Point, metrics, series
+from harness.history.show import describe, trend_figure
+from harness.history.store import metrics, series
 from harness.outcomes import NOT_PASSING, OUTCOMES
 from harness.report import charts as charting
 from harness.report.page import environment, inline_svg, write_page
-from harness.report.plots import pyplot, save_figure
+from harness.report.plots import save_figure
 from harness.report.runs import RunFile, read_run
 from harness.stack import key as stack_key
 
@@ -79,35 +79,6 @@ def nights_of(con: sqlite3.Connection) -> dict[str, list[tuple[int, str, str, st
     return out
 
 
-def _trend_chart(out_dir: Path, name: str, metric: str, points: list[Point], changes: list[Change]) -> Path:
-    """The metric per night, each step as a dashed line, creep as its fitted line, each night whose stack changed as
-    a grey band (seen behind a step on the same night): PNG and SVG (report.plots.save_figure)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 3.4))
-    xs = list(range(len(points)))
-    ax.plot(xs, [p.value for p in points], marker="o", ms=3, lw=1, color="tab:blue", label=metric)
-    restacked = [i for i in range(1, len(points)) if stack_changed(points[i - 1], points[i])]
-    for k, i in enumerate(restacked):
-        ax.axvspan(i - 0.8, i - 0.2, color="0.55", alpha=0.3, lw=0, label="stack changed" if k == 0 else None)
-    steps = [c for c in changes if c.kind == "step"]
-    for k, c in enumerate(steps):
-        ax.axvline(c.index - 0.5, color="red", ls="--", lw=1.2, label="change point" if k == 0 else None)
-        ax.annotate(f"{(c.ratio - 1) * 100:+.1f}%", (c.index - 0.5, max(p.value for p in points)), color="red",
-                    fontsize=8, ha="left", va="top")
-    for c in changes:
-        if c.kind == "creep":
-            ax.plot([0, len(points) - 1], [c.before, c.after], color="red", ls=":", lw=1.5,
-                    label=f"creep {(c.ratio - 1) * 100:+.1f}%")
-    step = max(1, len(points) // 10)
-    ax.set_xticks(xs[::step], [p.date[:10] for p in points][::step], rotation=30, fontsize=7)
-    ax.set_xlabel("night")
-    ax.set_ylabel(metric, fontsize=8)
-    ax.legend(fontsize=7, loc="upper left")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return save_figure(plt, fig, out_dir / f"{name}.png", 100)
-
-
 def _new(values: list[float], changes: list[Change]) -> bool:
     """Whether the latest night brought a change the history without it did not show (a step needs MIN_SIZE nights
     on each side, so a step is new on the night its third night after it arrives). A change the shorter history
@@ -134,7 +105,8 @@ def metric_page(con: sqlite3.Connection, metric: str, charts_dir: Path) -> Metri
                   else [], new=bool(changes) and _new(values, changes))
         if changes:
             name = _slug(f"{platform}-{stack_key(points[-1].versions)}-{label}-{case_id}-{metric}")
-            t.chart = inline_svg(_trend_chart(charts_dir, name, metric, points, changes).with_suffix(".svg"))
+            plt, fig = trend_figure(case_id, metric, points, changes)
+            t.chart = inline_svg(save_figure(plt, fig, charts_dir / f"{name}.png", 100).with_suffix(".svg"))
             said = describe(case_id, metric, points, changes, world.get(points[-1].run_id))
             t.notes = [line.strip() for line in said]
         trends.append(t)
