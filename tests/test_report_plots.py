@@ -38,14 +38,14 @@ def test_no_two_series_of_the_collective_bytes_plot_share_a_colour(tmp_path, mon
     [run] = _run_file(tmp_path / "run", "grad-sync", [_case(i, {"collective_bytes": {"0": per_rank}})
                                                       for i in range(3)])
     drawn = {}
-    finish = plots._finish_per_case
+    finish = plots.finish_per_case
 
     def keep_axes(plt, fig, ax, *args, **kwargs):
         handles, labels = ax.get_legend_handles_labels()
         drawn.update({label: tuple(h.patches[0].get_facecolor()) for h, label in zip(handles, labels)})
         return finish(plt, fig, ax, *args, **kwargs)
 
-    monkeypatch.setattr(plots, "_finish_per_case", keep_axes)
+    monkeypatch.setattr(plots, "finish_per_case", keep_axes)
     assert plots.collective_bytes(run, tmp_path / "bytes.png")
     assert len(drawn) == 22
     assert len(set(drawn.values())) == 22, "series in the same colour: " + ", ".join(

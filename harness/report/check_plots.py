@@ -9,7 +9,16 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.report.plots import FLOOR, distinct_colors, failed_cases, mark_failed, pyplot, save_figure, variant_labels
+from harness.report.plots import (
+    FLOOR,
+    distinct_colors,
+    failed_cases,
+    finish_per_case,
+    judged_cases,
+    pyplot,
+    save_figure,
+    variant_labels,
+)
 
 if TYPE_CHECKING:
     from harness.report.runs import RunFile
@@ -95,9 +104,8 @@ def baseline_deviation(run: RunFile, path: Path) -> Path | None:
     if not checks:
         return None
     plt = pyplot()
-    labels = variant_labels(run)
-    cases = {c["id"]: c for c in run.data["cases"]}
-    shown = [cases[c["case_id"]] for c in checks if c["case_id"] in cases]
+    checks, shown = judged_cases(run, checks)
+
     def figure(metric: str) -> str:  # rank0.step1_mib -> step1_mib: one series per figure, its worst rank
         return re.sub(r"^rank\d+\.", "", metric)
 
@@ -111,7 +119,7 @@ def baseline_deviation(run: RunFile, path: Path) -> Path | None:
                     out[figure(m)] = max(-BEYOND, min(BEYOND, dev))
         return out
 
-    per_case = [deviations(c) for c in checks if c["case_id"] in cases]
+    per_case = [deviations(c) for c in checks]
     names = sorted({f for d in per_case for f in d})
     colors = dict(zip(names, distinct_colors(plt, len(names))))
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(shown) + 3), 5))
@@ -125,11 +133,6 @@ def baseline_deviation(run: RunFile, path: Path) -> Path | None:
                        label=None if name in labelled else f"{name} (its rank furthest from the baseline)")
                 labelled.add(name)
     ax.axhline(0, color="black", lw=0.8)
-    ax.set_xticks(range(len(shown)), [labels[c['id']] for c in shown], rotation=30, ha="right", fontsize=7)
-    mark_failed(ax, shown, failed_cases(run))
-    ax.set_ylabel("(measured - baseline) / tolerance")
-    ax.set_title(f"{run.title}: each baselined figure against its baseline (grey: within the tolerance)", fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    return save_figure(plt, fig, path, 100)
+    return finish_per_case(plt, fig, ax, run, shown, path, "(measured - baseline) / tolerance",
+                           "each baselined figure against its baseline (grey: within the tolerance)",
+                           labels=variant_labels(run))

@@ -251,14 +251,16 @@ def collective_bytes(run: RunFile, path: Path) -> Path | None:
         vals = [t.get(key, 0.0) for t in totals]
         ax.bar(range(len(cases)), vals, 0.7, bottom=bottom, label=key, color=colors[j])
         bottom = [b + v for b, v in zip(bottom, vals)]
-    return _finish_per_case(plt, fig, ax, run, cases, path, "MiB moved, all ranks, all recorded steps",
+    return finish_per_case(plt, fig, ax, run, cases, path, "MiB moved, all ranks, all recorded steps",
                             "collective bytes by group role / kind", rotation=70)
 
 
-def _finish_per_case(plt, fig, ax, run: RunFile, cases: list[dict], path: Path, ylabel: str, title: str,
-                     rotation: int = 30, legend: bool = True) -> Path:
-    """Case labels on the x axis (red for cases that did not pass), labels, legend, grid; saved and closed."""
-    ax.set_xticks(range(len(cases)), [case_label(c) for c in cases], rotation=rotation, ha="right", fontsize=7)
+def finish_per_case(plt, fig, ax, run: RunFile, cases: list[dict], path: Path, ylabel: str, title: str,
+                    rotation: int = 30, legend: bool = True, labels: dict[str, str] | None = None) -> Path:
+    """Case labels on the x axis (case_label's, or `labels` by case id; red for cases that did not pass), labels,
+    legend, grid; saved and closed."""
+    ticks = [labels[c["id"]] if labels else case_label(c) for c in cases]
+    ax.set_xticks(range(len(cases)), ticks, rotation=rotation, ha="right", fontsize=7)
     mark_failed(ax, cases, failed_cases(run))
     ax.set_ylabel(ylabel)
     ax.set_title(f"{run.title}: {title}", fontsize=9)
@@ -267,6 +269,13 @@ def _finish_per_case(plt, fig, ax, run: RunFile, cases: list[dict], path: Path, 
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return save_figure(plt, fig, path, 110)
+
+
+def judged_cases(run: RunFile, checks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The checks whose case is in the run's results, and those cases, in the checks' order."""
+    cases = {c["id"]: c for c in run.data["cases"]}
+    kept = [c for c in checks if c["case_id"] in cases]
+    return kept, [cases[c["case_id"]] for c in kept]
 
 
 def failed_cases(run: RunFile) -> set[str]:
@@ -298,7 +307,7 @@ def step_phases(run: RunFile, path: Path) -> Path | None:
             xs = [i + (r - (ranks - 1) / 2) * width for i in range(len(cases))]
             ax.bar(xs, vals, width * 0.9, bottom=bottom, color=colors[j], label=phase if r == 0 else None)
             bottom = [b + v for b, v in zip(bottom, vals)]
-    return _finish_per_case(plt, fig, ax, run, cases, path, "median ms per step (one bar per rank)",
+    return finish_per_case(plt, fig, ax, run, cases, path, "median ms per step (one bar per rank)",
                             "step phases per rank")
 
 
@@ -317,5 +326,5 @@ def step_times(run: RunFile, path: Path) -> Path | None:
                        boxprops={"facecolor": "0.85"}, medianprops={"color": "black"}, showfliers=True)
         ax.boxplot([c["data"]["step_ms"]], positions=[i + 0.18], widths=0.3, patch_artist=True,
                    boxprops={"facecolor": "tab:blue", "alpha": 0.6}, medianprops={"color": "black"})
-    return _finish_per_case(plt, fig, ax, run, cases, path, "step time, ms (grey: baseline samples, blue: this run)",
+    return finish_per_case(plt, fig, ax, run, cases, path, "step time, ms (grey: baseline samples, blue: this run)",
                             "step times", legend=False)

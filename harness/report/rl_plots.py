@@ -9,7 +9,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.report.check_plots import relative
-from harness.report.plots import distinct_colors, failed_cases, mark_failed, pyplot, save_figure, variant_labels
+from harness.report.plots import (
+    distinct_colors,
+    failed_cases,
+    finish_per_case,
+    judged_cases,
+    mark_failed,
+    pyplot,
+    save_figure,
+    variant_labels,
+)
 
 if TYPE_CHECKING:
     from harness.report.runs import RunFile
@@ -93,23 +102,16 @@ def refit_policy(run: RunFile, path: Path) -> Path | None:
     if not checks:
         return None
     plt = pyplot()
-    labels = variant_labels(run)
-    cases = {c["id"]: c for c in run.data["cases"]}
-    shown = [cases[c["case_id"]] for c in checks if c["case_id"] in cases]
+    checks, shown = judged_cases(run, checks)
     fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(shown) + 3), 4.5))
-    worst = [relative(c["data"]["worst_rel"], 0.0) for c in checks if c["case_id"] in cases]  # NaN at the top
+    worst = [relative(c["data"]["worst_rel"], 0.0) for c in checks]  # NaN at the top
     ax.bar(range(len(shown)), worst, 0.6, color="tab:blue", label="worst rel. difference of a held-out token")
     for rtol in sorted({c["data"]["rtol"] for c in checks}):
         ax.axhline(rtol, color="red", ls="--", lw=1, label=f"tolerance {rtol:.0e}")
     ax.set_yscale("log")
-    ax.set_xticks(range(len(shown)), [labels[c['id']] for c in shown], rotation=30, ha="right", fontsize=7)
-    mark_failed(ax, shown, failed_cases(run))
-    ax.set_ylabel("|HF - Megatron| / |Megatron|, log-prob")
-    ax.set_title(f"{run.title}: the HF model loaded from the stream against Megatron's log-probs", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    return save_figure(plt, fig, path, 100)
+    return finish_per_case(plt, fig, ax, run, shown, path, "|HF - Megatron| / |Megatron|, log-prob",
+                           "the HF model loaded from the stream against Megatron's log-probs",
+                           labels=variant_labels(run))
 
 
 def rl_cycle_residue(run: RunFile, path: Path) -> Path | None:
