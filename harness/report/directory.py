@@ -15,9 +15,9 @@ from typing import Any
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import OUTCOMES, check_failed
-from harness.report import time_spent
-from harness.report.charts import PLOTTED
-from harness.report.page import Earlier
+from harness.report import junit, time_spent
+from harness.report.charts import PLOTTED, render_all
+from harness.report.page import Earlier, write_page
 from harness.report.plots import Chart
 from harness.report.runs import RunFile, load_runs
 from harness.tables import markdown_table, md_escape
@@ -123,15 +123,12 @@ def markdown(runs: list[RunFile], plots: dict[str, list[Chart]], out_dir: Path) 
 def write_report(directory: Path, earlier_of: Callable[[list[RunFile]], Earlier] | None = None) -> dict[str, Path]:
     """Render every run under the directory (the HTML page against the earlier nights where `earlier_of` compares
     the runs with them: harness.history.nights.compare); returns what was written, by kind."""
-    from harness.report import charts as charting
-    from harness.report import junit, page
-
     runs = load_runs(directory)
-    charts = charting.render_all(runs, directory / "plots")
+    charts = render_all(runs, directory / "plots")
     out = {"markdown": directory / "report.md", "json": directory / "report.json", "junit": directory / "junit.xml",
            "html": directory / "report.html"}
     atomic_write(out["markdown"], markdown(runs, charts, directory))
     atomic_write(out["json"], json.dumps(summary_json(runs, charts), indent=2))
     atomic_write(out["junit"], junit.render(runs, page=out["html"].name))
-    page.write_page(runs, charts, out["html"], earlier_of(runs) if earlier_of else None)
+    write_page(runs, charts, out["html"], earlier_of(runs) if earlier_of else None)
     return {**out, **{c.png.stem: c.png for cs in charts.values() for c in cs}}
