@@ -93,6 +93,7 @@ def test_export_passes_every_check_at_tp2():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the export's CI-tier plant at TP 2: fc1 without the de-interleave
 def test_qkv_split_without_query_groups_is_named():
     failed = _failed(_run("tests.faulty_peft:QkvSplitIgnoresGroups"))
     for lay in TP2:

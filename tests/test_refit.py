@@ -102,6 +102,7 @@ def _bridge_maps_sequential_mlp_experts() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # a bridge's mapping of another expert layout; megatron-bridge's export stays in the CI tier
 def test_megatron_bridges_sequential_mlp_expert_export_is_judged_where_the_bridge_maps_it():
     """megatron-bridge 0.3.1 cannot export megatron's SequentialMLP experts: the case errors naming the upstream
     defect; a bridge that maps them (0.6.2) is judged like the other paths, and passes."""

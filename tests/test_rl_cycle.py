@@ -130,6 +130,7 @@ def test_the_live_heap_counts_what_is_kept_whatever_holds_it_and_not_what_was_fr
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the cpu-suite runs the frozen-router case on tiny-moe; upstream-bias's plants stay in the CI tier
 def test_a_frozen_replayed_router_holds_its_bias_and_megatrons_own_update_is_judged_by_the_release():
     """Where megatron-core honours frozen_expert_bias (0.17 and later) the engine marks the frozen router as
     megatron's training loop does and megatron holds the bias: a pass. Where it has no such mark (0.16.1) the move
@@ -179,6 +180,7 @@ def test_a_second_builds_routers_left_in_the_replay_list_are_caught():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # rl-cycle.replay's CI-tier plant: a second build's routers left in the replay list
 def test_replay_that_routes_by_fresh_scores_is_caught():
     msg = _failed(_faulty("ReplayRoutesByFreshScores", "tiny-moe", EP))["rl-cycle.replay"]
     assert "mini-batch 2" in msg and "decoder.layers." in msg and "tokens routed to other experts than the " \
@@ -269,6 +271,7 @@ def test_log_probs_and_entropy_at_a_temperature_are_the_rollouts_at_tp2():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the same plant fails refit.policy in the CI tier (test_refit.py); rl-cycle.policy's: the entropy's
 def test_a_temperature_applied_twice_fails_the_policy():
     msg = _failed(_head("TemperatureTwice", 0.7))["rl-cycle.policy"]
     assert re.match(_policy_failure("the Hugging Face model loaded", ", temperature 0.7", r"[1-9]\.\d+e-02"), msg), msg
@@ -304,6 +307,7 @@ def test_an_export_before_the_iterations_optimizer_step_fails():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # rl-cycle.refit's CI-tier plants: the first stream re-sent, an export before the step
 def test_an_export_that_reads_parameters_the_optimizer_offload_took_fails():
     """Colocated order: the optimizer's state leaves before the export. An optimizer offload that takes the model's
     own parameters with it (fp32 without master copies) leaves the export nothing but freed storage; exported before
@@ -342,6 +346,7 @@ def test_lora_refits_merged_and_adapter_only_at_every_iteration():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # LoRA in the loop keeps one CI-tier plant: the scaling folded into B
 def test_a_lora_merge_computed_in_bf16_term_by_term_fails_refit():
     msg = _failed(_lora("MergesInBf16TermByTerm"))["rl-cycle.refit"]
     assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp2: rank 0, bucket \d+: model\.layers\.0\.\S+ unlike "
@@ -349,6 +354,7 @@ def test_a_lora_merge_computed_in_bf16_term_by_term_fails_refit():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # LoRA in the loop keeps one CI-tier plant: the scaling folded into B
 def test_a_lora_merge_applied_again_at_every_refit_fails_refit():
     msg = _failed(_lora("MergesIntoTheBaseAtEveryRefit"))["rl-cycle.refit"]
     assert re.fullmatch(r"iteration 1 of 4: tiny at tp1-pp1-cp1-dp2: rank \d: refit 2 of 10 in a row, with no training "
@@ -382,6 +388,7 @@ def test_a_reload_that_loses_the_low_bits_of_the_weights_fails_the_export_after_
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # rl-cycle.refit's CI-tier plants: the first stream re-sent, an export before the step
 def test_an_export_the_rollout_cannot_load_fails_refit_and_policy():
     failed = _failed(_faulty("ExportsAnExtraKey", "tiny", DP))
     assert "sent what the harness's mapping has no key for: model.layers.0.mlp.leftover.weight" in \
