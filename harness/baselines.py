@@ -18,10 +18,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from harness import schema
+from harness import schema, stack
 from harness.checks import CheckData
 from harness.errors import BadInput
 from harness.files import atomic_write, locked_dir
+from harness.suite_registry import spec_of
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "baselines"
 
@@ -35,8 +36,6 @@ def baseline_path(baselines_dir: Path | str | None, platform: str, suite: str, s
 
 def suite_path(baselines_dir: Path | str | None, platform: str, suite: str) -> Path:
     """The file this stack records the suite's figures into (its stack's for a stack-bound suite)."""
-    from harness import stack
-    from harness.suite_registry import spec_of
 
     return baseline_path(baselines_dir, platform, suite, stack.key() if spec_of(suite).stack_bound else None)
 
@@ -62,8 +61,6 @@ class Book:
     other recording of it. Corrupt files are refused when the book is opened (before any rank starts)."""
 
     def __init__(self, baselines_dir: Path | str | None, platform: str, suite: str):
-        from harness.suite_registry import spec_of
-
         self.suite, self.path = suite, suite_path(baselines_dir, platform, suite)
         self.data = load(self.path)
         self.others: list[tuple[Path, dict[str, Any]]] = []
@@ -76,8 +73,6 @@ class Book:
             self.others = sorted(((p, load(p)) for p in found), key=lambda pd: _newest(pd[1]), reverse=True)
 
     def source(self, key: str) -> Source:
-        from harness import stack
-
         if key in self.data.get("entries", {}):
             if self.stack_bound:  # this stack's own recording
                 return Source(self.path, self.data)
@@ -107,7 +102,6 @@ def across_note(src: Source, case: Any, moved: bool, record: str = "") -> str:
     if not src.across:
         return ""
     from harness.selection import bisect_command, record_command
-    from harness.suite_registry import spec_of
 
     if not moved:
         return f"; against the baseline of another stack ({', '.join(src.across)})"

@@ -26,6 +26,7 @@ from harness.commands import (
 )
 from harness.errors import BadInput, Interrupted
 from harness.outcomes import EXIT_BAD_INPUT
+from harness.stack import untested_warning
 
 # in the order of `harness --help`
 COMMANDS = (layouts_command, run_command, baselines_command, report_command, bisect_command, compare_command,
@@ -46,7 +47,6 @@ def _raise_interrupted(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from harness.stack import untested_warning
 
     warning = untested_warning()  # a megatron-core outside the tested range runs, saying so once
     if warning:

@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, compare_rounds, tier
 from harness.errors import BadInput
-from harness.outcomes import CaseStatus
+from harness.files import atomic_write
+from harness.outcomes import EXIT_NOTHING_JUDGED, CaseStatus
+from harness.tables import table
 
 if TYPE_CHECKING:
     from harness.driver import Plan
@@ -170,7 +173,6 @@ def other_load_line(a: dict[str, CaseSamples], b: dict[str, CaseSamples], judged
 
 def judge(a: dict[str, CaseSamples], b: dict[str, CaseSamples], min_effect: float):
     """Per case key: (Comparison of step times, Comparison of exposed comm, differing counters), over rounds."""
-    from harness.checks.timing import compare_rounds
 
     out = {}
     for key in sorted(set(a) & set(b)):
@@ -227,10 +229,7 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
 def compare_main(args, sel: CaseSelection, say: Callable[[str], None], plans: dict[str, Plan]) -> int:
     """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds, plans holds
     the in-process sides' plans (plan_sides)."""
-    from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, tier
-    from harness.outcomes import EXIT_NOTHING_JUDGED
     from harness.platform import resolve_backend
-    from harness.tables import table
 
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
     cache.mkdir(parents=True, exist_ok=True)
@@ -271,8 +270,6 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None], plans: di
     if load:
         print(load)
     if args.out:
-        from harness.files import atomic_write
-
         atomic_write(Path(args.out) / "compare.json", json.dumps(
             {"a": a.label, "b": b.label, "rounds": args.rounds, "order": order, "min_effect": effect,
              "cases": {k: {"step": vars(s), "exposed": vars(c), "counters_differ": d,

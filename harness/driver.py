@@ -21,10 +21,14 @@ from harness.engines import resolve_factory
 from harness.engines.base import ImportsInRanks
 from harness.errors import Interrupted
 from harness.launch import CaseResult, run_case, zygote
-from harness.launch.pool import pool_for
+from harness.launch.pool import close_all, pool_for, retire_pools_used_by_others
 from harness.launch.profiler_crash import profiler_crash
+from harness.launch.rank_imports import MEGATRON
 from harness.outcomes import CaseStatus
 from harness.planning import Plan, plan
+from harness.probes.memory import run_captures
+from harness.report import artifacts
+from harness.report.results_file import write_results
 from harness.spec import Case, CaseOptions
 from harness.suite_defs import FreshRanks, FreshRanksPerCase, Suite
 from harness.suite_run import SuiteRun
@@ -90,8 +94,6 @@ class LocalRanks:
         zygote.prestart(self.planned.backend, self.preload)  # only for a valid plan: bad input starts no process
         suite = self.planned.suite
         if isinstance(suite, FreshRanks) and suite.fresh_pool and not self.fresh_ranks:
-            from harness.launch.pool import retire_pools_used_by_others
-
             # the suite's timings must not depend on what other suites left in the warm ranks (its own
             # earlier runs - baseline repeats, compare rounds - keep them warm)
             retire_pools_used_by_others(suite.name)
@@ -114,8 +116,6 @@ class LocalRanks:
         return stop
 
     def abort(self) -> None:
-        from harness.launch.pool import close_all
-
         close_all(kill=True)
 
     def finish(self, run_dir: Path) -> None:
@@ -124,7 +124,6 @@ class LocalRanks:
 
 def fork_preload(suite: Suite) -> tuple[str, ...]:
     """What a suite's ranks import beyond the modules every fork server has (torch's, megatron-core's)."""
-    from harness.launch.rank_imports import MEGATRON
 
     return tuple(m for m in suite.imports if m not in MEGATRON)
 
@@ -204,8 +203,6 @@ def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fre
         return run
     run.results = [results[i] for i in sorted(results)]
     run.judge()
-    from harness.probes.memory import run_captures
-    from harness.report import artifacts
 
     for note in artifacts.finish(run.checks, str(run_captures(run_dir))):
         say(note)
@@ -217,8 +214,6 @@ def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fre
 
 
 def _write(run: SuiteRun, out_dir: Path) -> None:
-    from harness.report.results_file import write_results
-
     write_results(run, Path(out_dir))
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from harness.errors import BadInput
+
 if TYPE_CHECKING:
     import torch
 
@@ -85,7 +87,5 @@ DTYPES = {d.value: d for d in DType}
 def dtype(name: str) -> DType:
     """The DType of a name; BadInput listing the known ones otherwise."""
     if name not in DTYPES:
-        from harness.errors import BadInput
-
         raise BadInput(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
     return DTYPES[name]

@@ -9,11 +9,16 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from harness import schema
+from harness import schema, stack
 from harness.backends import Backend
 from harness.errors import BadInput, DoesNotApply
+from harness.files import atomic_write
+from harness.history import store
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
+from harness.report.runs import NIGHT_PLAN
+from harness.report.terminal import count_outcomes, format_run
 from harness.suite_registry import SUITES as REGISTERED
+from harness.tables import table
 
 SUITES = tuple(REGISTERED)  # every registered suite, in the registry's order
 # Every construction path through every suite (R2 on each); a pair that does not apply (DoesNotApply: fsdp2 under
@@ -55,13 +60,9 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
 
     from harness import driver
     from harness.driver import format_clock
-    from harness.files import atomic_write
     from harness.platform import resolve_backend
     from harness.platform.backend import cuda_device_count
     from harness.report.directory import prepare_out_dir, write_report
-    from harness.report.runs import NIGHT_PLAN
-    from harness.report.terminal import count_outcomes, format_run
-    from harness.tables import table
 
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
@@ -82,7 +83,6 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
             inapplicable[item] = str(exc)
         except BadInput as exc:
             refused[item] = str(exc)
-    from harness.history import store
 
     history_db = history_db or out / "history.sqlite"
     if history_db.exists():  # a corrupt or foreign database is refused before anything is written
@@ -170,8 +170,6 @@ def other_stacks(given: list[str]) -> dict[tuple[str, str], str]:
     import json
     import re
     import subprocess
-
-    from harness import stack
 
     out: dict[tuple[str, str], str] = {}
     for item in given:

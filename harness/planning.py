@@ -7,8 +7,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from harness import baselines
 from harness.backends import Backend
-from harness.errors import BadInput, DoesNotApply
+from harness.errors import BadInput, DoesNotApply, DoesNotFit
 from harness.layouts import validate
 from harness.models import load_model
 from harness.platform import resolve_backend
@@ -107,7 +108,6 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
     refuse_what_does_not_fit(cases, backend, local_world_size or world_size)
     if isinstance(suite, Baselined) and cases:
-        from harness import baselines
         from harness.platform import detect_platform
 
         baselines.Book(baselines_dir_of(params), detect_platform(backend).key, suite.name)  # every stack's file
@@ -143,7 +143,6 @@ def refuse_what_does_not_fit(cases: list[Case], backend: Backend, local_world_si
     """DoesNotFit (exit 2, a skip in pytest) for the first case the training-memory model predicts will not fit
     the memory a rank has, before any rank starts; local_world_size: the ranks sharing this node."""
     from harness.checks.training_memory import refusal
-    from harness.errors import DoesNotFit
     from harness.platform.backend import memory_per_rank
 
     if not cases:

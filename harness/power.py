@@ -23,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.backends import Backend
+from harness.checks.timing import MIN_EFFECT_INTERLEAVED, tier
 from harness.engines.mcore import McoreEngine
+from harness.spec import CaseOptions
 
 SIZES = (0.0, 0.03, 0.05, 0.10, 0.25)
 WHERE = ("step", "comm")
@@ -168,12 +170,10 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     """Each planted size `trials` times per mode on `backend`'s ranks, judged at that tier's minimum effects."""
     import argparse
 
-    from harness.checks.timing import MIN_EFFECT_INTERLEAVED, tier
     from harness.compare import Side, judge, plan_sides, run_rounds
     from harness.driver import execute, plan
     from harness.recording import record_suite
     from harness.selection import CaseSelection
-    from harness.spec import CaseOptions
     from harness.suite_defs import default_dtype
 
     options = CaseOptions(use_distributed_optimizer=True, overlap_grad_reduce=True,

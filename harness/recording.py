@@ -7,10 +7,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness import baselines
 from harness.backends import Backend
 from harness.baselines import ABS_FLOOR, REL_TOLERANCE, build_entries, noisy_metrics, suite_path, write
-from harness.errors import BadInput
+from harness.errors import BadInput, DoesNotFit, MissingDependency
+from harness.report.provenance import now, versions
 from harness.selection import DEFAULT_WORLD_SIZE
+from harness.suite_defs import (
+    REGRESSION_RUNS,
+    Baselined,
+    RawSamples,
+    RecordingPolicy,
+    SizesRecording,
+    baselines_dir_of,
+    get_suite,
+)
 
 if TYPE_CHECKING:
     from harness.driver import Plan
@@ -27,8 +38,6 @@ def record_suite(selection: Plan | CaseSelection | str, model: str | None = None
     from harness import driver  # looked up per call: tests plant a fake executor
     from harness.platform import detect_platform
     from harness.platform.backend import machine_fingerprint
-    from harness.report.provenance import now, versions
-    from harness.suite_defs import Baselined, RawSamples, RecordingPolicy, SizesRecording, baselines_dir_of
 
     if repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {repeats}")
@@ -94,11 +103,8 @@ def missing_baselines(world_size: int, backend: Backend, baselines_dir: str | No
     """The regression suites' runs (suite_defs.REGRESSION_RUNS) with baselines, on this backend and world size,
     whose platform file lacks an entry of a case they plan; planned only, nothing runs. A run whose model does
     not fit here or needs what is not installed is left out (its suite skips it too)."""
-    from harness import baselines
     from harness.driver import plan
-    from harness.errors import DoesNotFit, MissingDependency
     from harness.platform import detect_platform, resolve_backend
-    from harness.suite_defs import REGRESSION_RUNS, Baselined, get_suite
 
     backend = resolve_backend(backend, world_size)
     platform = detect_platform(backend).key

@@ -12,6 +12,7 @@ from harness.backends import BACKENDS, Backend
 from harness.errors import BadInput
 from harness.option_flags import ParamFlag, flags_of
 from harness.spec import Case, CaseOptions, id_fragment
+from harness.suite_defs import default_dtype
 from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
 
 
@@ -109,7 +110,6 @@ class CaseSelection:
         given = {name: v for name, v in given.items() if v is not None}  # not given: the field's default
         if "dtype" not in given:  # the suite's for the backend (GPU ranks: step-perf in bf16)
             from harness.platform import resolve_backend
-            from harness.suite_defs import default_dtype
 
             given["dtype"] = default_dtype(args.suite, resolve_backend(args.backend, args.world_size))
         options = CaseOptions(**given)
@@ -147,7 +147,6 @@ class CaseSelection:
         add("engine", "--engine", self.engine, SHARED_FLAGS["--engine"]["default"])
         add("backend", "--backend", self.backend, SHARED_FLAGS["--backend"]["default"])
         from harness.platform import resolve_backend
-        from harness.suite_defs import default_dtype
 
         backend = self.backend if self.backend != Backend.AUTO else resolve_backend(self.backend, self.world_size)
         defaults = {**vars(OPTION_DEFAULTS), "dtype": default_dtype(self.suite, backend)}

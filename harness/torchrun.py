@@ -20,10 +20,13 @@ from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.launch.worker import freeze_long_lived, init_distributed, run_rank, shutdown_distributed
-from harness.outcomes import EXIT_BAD_INPUT
+from harness.outcomes import EXIT_BAD_INPUT, CaseStatus
 from harness.platform.backend import CPU_RANK_ENV, GPU_RANK_ENV, gpus_from_device_files, resolve_backend
+from harness.platform.parallel import release_memory
+from harness.report.terminal import format_run
 from harness.selection import SHARED_FLAGS, option_flags
 from harness.spec import Case, CaseOptions
+from harness.suite_defs import default_dtype
 from harness.suite_defs.flags import param_flags
 
 
@@ -62,8 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from harness.driver import execute, plan
-    from harness.report.terminal import format_run
-    from harness.suite_defs import default_dtype
 
     world = int(os.environ["WORLD_SIZE"])
     try:
@@ -117,9 +118,6 @@ class TorchrunRanks:
 
     def run(self, case: Case) -> CaseResult | None:
         import torch.distributed as dist
-
-        from harness.outcomes import CaseStatus
-        from harness.platform.parallel import release_memory
 
         t_case = time.monotonic()
         b = self.base

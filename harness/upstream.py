@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.errors import MissingDependency
+
 
 def _source(module: str) -> str:
     """A module's source text, read from its file without importing it or its parent packages (find_spec on a
@@ -104,8 +106,6 @@ def dynamic_cp_api() -> DynamicCPApi:
     import importlib
 
     from megatron.core import parallel_state, utils
-
-    from harness.errors import MissingDependency
 
     init_args = inspect.signature(parallel_state.initialize_model_parallel).parameters
     missing = []

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from harness.errors import BadInput
 from harness.outcomes import CHECK_METRIC, PASS_FAIL
+from harness.tables import table
 
 GOOD, BAD, SKIP = 0, 1, 125  # git bisect run's exit codes
 VERDICTS = {GOOD: "good", BAD: "BAD", SKIP: "skip"}
@@ -158,7 +159,6 @@ def format_table(tried: list[Tried], metric: str, first_bad: int | None, terms: 
                  package: str | None = None) -> str:
     """package: the distribution bisected over (its version column; the candidate label where the step did
     not report it), else megatron-core's."""
-    from harness.tables import table
 
     numeric = metric != PASS_FAIL and not metric.startswith(CHECK_METRIC)
     rows = []

@@ -14,10 +14,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness import baselines
 from harness.bisect.search import BAD, GOOD, PASS_FAIL, SKIP, StepResult, Threshold
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import CHECK_METRIC, Outcome
+from harness.report.provenance import versions
+from harness.report.results_file import run_adjustments
 
 if TYPE_CHECKING:
     from harness.selection import CaseSelection
@@ -47,7 +50,6 @@ class StepSpec:
 def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False) -> StepResult:
     """Bad when any case's metric exceeds its threshold (metric 'fail': when any case does not pass); the
     step names what the harness adjusted in the engine it judged."""
-    from harness.report.results_file import run_adjustments
 
     step = _judge_outcomes(run, metric, threshold, error_is_bad)
     step.adjustments = list(run_adjustments(run))
@@ -55,8 +57,6 @@ def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False
 
 
 def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) -> StepResult:
-    from harness import baselines
-    from harness.report.provenance import versions
     from harness.suite_defs import Baselined, TimedBaselines, baselines_dir_of
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
@@ -123,7 +123,6 @@ def _judge_check(run, name: str, error_is_bad: bool, vers: dict) -> StepResult:
 def refuse_unknown_metric(planned, metric: str) -> None:
     """BadInput before anything runs for a metric the suite's baseline file names for none of its cases (as
     rankN.name, any rank): else the whole suite would run before the metric was refused."""
-    from harness import baselines
     from harness.platform import detect_platform
     from harness.suite_defs import Baselined, baselines_dir_of
 

@@ -18,7 +18,9 @@ stands in for it (step-perf says which one it used).
 
 from __future__ import annotations
 
+from harness.checks.expected_collectives import stage_moe_layers
 from harness.dtypes import DType
+from harness.layouts import coords_of, expert_group
 from harness.spec import Layout, ModelSpec
 
 
@@ -53,8 +55,6 @@ def layer_forward_flops_per_token(model: ModelSpec, layout: Layout, seq_length: 
 def step_flops(model: ModelSpec, layout: Layout, rank: int, *, global_batch_size: int, micro_batch_size: int,
                recompute: str = "") -> int:
     """Matmul FLOPs one rank executes in one training step (forward, backward, recompute)."""
-    from harness.checks.expected_collectives import stage_moe_layers
-    from harness.layouts import coords_of
 
     c = coords_of(layout, rank)
     s = model.seq_length
@@ -75,7 +75,6 @@ def step_flops(model: ModelSpec, layout: Layout, rank: int, *, global_batch_size
 def exact_groups(model: ModelSpec, layout: Layout) -> list[tuple[int, ...]]:
     """The sets of ranks whose summed FLOPs the analytic count gives exactly: each rank alone for a dense model;
     for an MoE model each ETP x EP group of a stage (the ranks a token's routed copies stay within)."""
-    from harness.layouts import expert_group
 
     ranks = range(layout.world_size)
     if not model.moe:

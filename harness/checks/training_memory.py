@@ -49,8 +49,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.backends import Backend
+from harness.checks.expected_collectives import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params, stage_moe_layers
 from harness.checks.memory_model import expert_shard_params, shard_params
 from harness.dtypes import DType, dtype
+from harness.layouts import coords_of, violations
 from harness.spec import Layout, ModelSpec
 
 GIB = 1024 ** 3
@@ -187,8 +189,6 @@ def training_of(case) -> Training:
 
 
 def _stage(layout: Layout, rank: int) -> int:
-    from harness.layouts import coords_of
-
     return coords_of(layout, rank).pp
 
 
@@ -258,7 +258,6 @@ def moe_layer_activation_bytes(model: ModelSpec, layout: Layout, training: Train
 
 def stage_layers(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
     """(dense layers, MoE layers) the rank's pipeline stage holds (every virtual chunk)."""
-    from harness.checks.expected_collectives import stage_moe_layers
 
     layers = model.num_layers // (layout.pp * layout.vpp) * layout.vpp
     moe = stage_moe_layers(model, layout, _stage(layout, rank))
@@ -321,8 +320,6 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
 def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) -> tuple[int, int]:
     """(elements of the rank's largest parameter shard, elements of its largest gradient bucket), by the
     grad-sync plan's own arithmetic of megatron's buffers."""
-    from harness.checks.expected_collectives import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params
-    from harness.layouts import coords_of
 
     c = coords_of(layout, rank)
     d = layout.dp * layout.cp
@@ -358,8 +355,6 @@ def nearest_fitting(model: ModelSpec, layout: Layout, training: Training, availa
     """The nearest setting that the model predicts will fit: recompute, a smaller micro-batch, a larger
     TP or PP at the same world size; '' where none of them does."""
     import dataclasses
-
-    from harness.layouts import violations
 
     tries: list[tuple[str, Layout, Training]] = []
     if training.recompute != "selective":

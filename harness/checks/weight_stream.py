@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult
-from harness.probes.weight_stream import Sent
+from harness.probes.weight_stream import Sent, digest
 
 if TYPE_CHECKING:
     import torch
@@ -73,8 +73,6 @@ def check_values(name: str, cid: str, at: str, per_rank: list[tuple[int, list[Se
     """Shapes as expected; rank 0's stream (every key) equal to the trained parameters bit for bit; every rank's
     tensor the same as rank 0's."""
     import torch
-
-    from harness.probes.weight_stream import digest
 
     for r, sent in per_rank:
         for s in sent:

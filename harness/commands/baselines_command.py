@@ -6,10 +6,13 @@ import sys
 import time
 from pathlib import Path
 
+from harness import baselines
 from harness.commands.case_args import add_case_args
 from harness.commands.common import existing_baselines_dir
-from harness.errors import BadInput
+from harness.errors import BadInput, DoesNotFit, MissingDependency
+from harness.report.terminal import format_run
 from harness.selection import CaseSelection
+from harness.suite_defs import Baselined, get_suite
 
 
 def add_parser(sub) -> None:
@@ -33,8 +36,6 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     from harness.driver import execute, plan
     from harness.recording import record_suite
-    from harness.report.terminal import format_run
-    from harness.suite_defs import Baselined
 
     if args.missing:
         return record_missing(args)
@@ -64,9 +65,7 @@ def main(args) -> int:
 
 def diff(args) -> int:
     """The suite's baseline file against a git revision of it (--against) or another file (--old)."""
-    from harness import baselines
     from harness.platform import detect_platform, resolve_backend
-    from harness.suite_defs import get_suite
 
     suite = get_suite(args.suite)
     platform = args.platform or detect_platform(resolve_backend(args.backend, args.world_size)).key
@@ -88,7 +87,6 @@ def diff(args) -> int:
 def record_missing(args) -> int:
     """`record --missing`: each run of the regression suites that lacks an entry here, its whole matrix recorded
     (so a file's entries of one run come from one recording); exit 1 where a recording was refused."""
-    from harness.errors import DoesNotFit, MissingDependency
     from harness.recording import missing_baselines, record_suite
 
     if args.action != "record":
@@ -100,8 +98,6 @@ def record_missing(args) -> int:
     if args.repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {args.repeats}")
     if args.suite:
-        from harness.suite_defs import Baselined, get_suite
-
         if not isinstance(get_suite(args.suite), Baselined):
             raise BadInput(f"suite {args.suite!r} has no baselines")
     todo = missing_baselines(args.world_size, args.backend, args.baselines_dir, args.suite)

@@ -12,6 +12,7 @@ from pathlib import Path
 from harness.commands.case_args import add_case_args
 from harness.commands.common import say
 from harness.errors import BadInput
+from harness.files import atomic_write
 from harness.outcomes import CHECK_METRIC, PASS_FAIL
 from harness.selection import CaseSelection
 
@@ -230,7 +231,6 @@ def step(args) -> int:
     import time
 
     from harness.bisect import VERDICTS, Threshold, flip, run_step, write_step_json
-    from harness.files import atomic_write
 
     t0 = time.monotonic()
     try:

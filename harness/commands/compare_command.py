@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from harness.commands.case_args import add_case_args
 from harness.commands.common import out_dir, say
+from harness.compare import compare_main, pinned_package, plan_sides
 from harness.errors import BadInput
 from harness.selection import CaseSelection
 
@@ -28,11 +29,8 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.compare import compare_main, plan_sides
-
     if args.suite != "step-perf":
         raise BadInput(f"compare judges step times: --suite step-perf (got {args.suite!r})")
-    from harness.compare import pinned_package
 
     pinned_package(args)  # a malformed --package, or two B sides, before anything runs
     sel = CaseSelection.from_args(args)

@@ -6,6 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.errors import BadInput
+from harness.history import show as history_show
+from harness.history import store
+from harness.history.store import DEFAULT_DB
 
 
 def add_parser(sub) -> None:
@@ -32,14 +35,11 @@ def add_parser(sub) -> None:
 
 
 def _db(args) -> Path:
-    from harness.history.store import DEFAULT_DB
-
     return Path(args.db) if args.db else DEFAULT_DB
 
 
 def site(args) -> int:
     from harness.history import site as history_site
-    from harness.history import store
     from harness.report.directory import prepare_out_dir
 
     db = _db(args)
@@ -54,8 +54,6 @@ def site(args) -> int:
 
 
 def ingest(args) -> int:
-    from harness.history import store
-
     if not Path(args.dir).is_dir():
         raise BadInput(f"{args.dir}: not a directory (give a --out directory of harness run / nightly)")
     db = _db(args)
@@ -72,8 +70,6 @@ def ingest(args) -> int:
 def show(args) -> int:
     from datetime import date
 
-    from harness.history import show as history_show
-    from harness.history import store
     from harness.report.directory import prepare_out_dir
 
     if args.since:

@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from harness.errors import BadInput
+from harness.layouts import enumerate_layouts, validate, violations
+from harness.models import load_model
+from harness.spec import Layout
 
 if TYPE_CHECKING:
     from harness.spec import Layout, ModelSpec
@@ -19,10 +22,6 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.layouts import enumerate_layouts, validate, violations
-    from harness.models import load_model
-    from harness.spec import Layout
-
     model = load_model(args.model)
     if args.world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {args.world_size}")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness import stack
 from harness.commands.common import say
 from harness.errors import BadInput
+from harness.nightly import SUITES, other_stacks, run_nightly, worst_exit
 from harness.selection import SHARED_FLAGS
 
 
@@ -32,8 +34,6 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.nightly import SUITES, other_stacks, run_nightly, worst_exit
-
     if args.world_size is not None and args.world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {args.world_size}")
     out = Path(args.out)
@@ -41,7 +41,6 @@ def main(args) -> int:
     if not args.other_stack:
         return run_nightly(out, args.suite or list(SUITES), args.model, args.world_size, args.backend, args.engine,
                            say, label=args.label, history_db=history_db)
-    from harness import stack
 
     others = other_stacks(args.other_stack)  # BadInput before anything runs
     history_db = history_db or out / "history.sqlite"

@@ -6,7 +6,11 @@ from __future__ import annotations
 from harness.backends import Backend
 from harness.commands.common import say
 from harness.errors import BadInput
+from harness.layouts import validate
+from harness.models import load_model
 from harness.selection import SHARED_FLAGS
+from harness.spec import Layout
+from harness.tables import table
 
 
 def add_parser(sub) -> None:
@@ -26,11 +30,6 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.layouts import validate
-    from harness.models import load_model
-    from harness.spec import Layout
-    from harness.tables import table
-
     if args.trials < 1 or args.rounds < 2 or args.timed_steps < 3 or args.world_size < 1:
         raise BadInput("--trials >= 1, --rounds >= 2, --timed-steps >= 3 and --world-size >= 1 are needed, got "
                        f"{args.trials}, {args.rounds}, {args.timed_steps}, {args.world_size}")

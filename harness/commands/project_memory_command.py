@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import math
 
+from harness.checks.memory_model import MIB, project, save_band
+from harness.checks.training_memory import GIB, Training, nearest_fitting, worst_rank
 from harness.dtypes import DTYPES
 from harness.errors import BadInput
+from harness.layouts import validate
+from harness.models import load_model
+from harness.spec import Layout
 
 MAX_SEQ_LENGTH = 1 << 22  # 4M tokens: beyond any context trained today; a larger one is a typo
 KNOWN_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
@@ -37,11 +42,6 @@ def add_parser(sub) -> None:
 def training(args) -> int:
     """Each component of the worst rank's training memory in GiB, and whether it fits --device-gib."""
     import dataclasses
-
-    from harness.checks.training_memory import GIB, Training, nearest_fitting, worst_rank
-    from harness.layouts import validate
-    from harness.models import load_model
-    from harness.spec import Layout
 
     model = load_model(args.model)
     if args.seq_length is not None and not 1 <= args.seq_length <= MAX_SEQ_LENGTH:
@@ -86,10 +86,6 @@ def training(args) -> int:
 def main(args) -> int:
     if args.training:
         return training(args)
-    from harness.checks.memory_model import MIB, project, save_band
-    from harness.layouts import validate
-    from harness.models import load_model
-    from harness.spec import Layout
 
     model = load_model(args.model)
     layout = validate(Layout.parse(args.layout), model)

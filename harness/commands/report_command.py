@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.errors import BadInput
+from harness.report.runs import load_runs
 
 
 def add_parser(sub) -> None:
@@ -20,7 +21,6 @@ def add_parser(sub) -> None:
 def main(args) -> int:
     from harness.history import nights, store
     from harness.report.directory import prepare_out_dir, write_report
-    from harness.report.runs import load_runs
 
     load_runs(Path(args.dir))  # a directory with readable results, before anything is written
     db = Path(args.history_db) if args.history_db else Path(args.dir) / "history.sqlite"

@@ -5,7 +5,9 @@ from __future__ import annotations
 from harness.commands.case_args import add_case_args
 from harness.commands.common import existing_baselines_dir, out_dir
 from harness.errors import BadInput
+from harness.report.terminal import format_run
 from harness.selection import CaseSelection
+from harness.suite_defs import Baselined
 
 
 def add_parser(sub) -> None:
@@ -26,8 +28,6 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     from harness.driver import execute, plan
-    from harness.report.terminal import format_run
-    from harness.suite_defs import Baselined
 
     sel = CaseSelection.from_args(args)
     if args.shuffle is not None and args.shuffle < 0:

@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from harness.engines.base import ChecksAvailability
 from harness.errors import BadInput, DoesNotApply, MissingDependency
 
 if TYPE_CHECKING:
@@ -47,7 +48,6 @@ def resolve_factory(name: str) -> Callable[[Case, RankContext], Engine]:
     # An engine whose packages may be missing (the bridges) exposes check_available(), on the factory
     # (so subclasses in other modules inherit it) or on its module: MissingDependency with the install
     # command, raised here in the parent before any rank starts.
-    from harness.engines.base import ChecksAvailability
 
     for owner in (factory, module):  # the factory first: subclasses in other modules inherit it
         if isinstance(owner, ChecksAvailability):

@@ -35,6 +35,7 @@ from harness.engines.cp_data import pack_thd, thd_batch_on_this_cp_rank
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, transformer_config
 from harness.errors import BadInput
+from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
 from harness.upstream import DynamicCPApi, dynamic_cp_api
 
@@ -103,8 +104,6 @@ class CPEngine(McoreEngine):
     def build(self) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.models.gpt import GPTModel
-
-        from harness.platform.parallel import init_parallel_state
 
         lay, o = self.case.layout, self.case.options
         if self.mode == "dynamic" and (lay.tp, lay.pp, lay.cp) != (1, 1, 1):

@@ -14,11 +14,13 @@ from typing import Any
 
 from harness.dtypes import DType, dtype
 from harness.engines import data
-from harness.engines.base import ParamShard, StepOutput
+from harness.engines.base import ParamShard, StepOutput, TokenLogprobs
 from harness.engines.experts import drop_routing_graphs
+from harness.engines.hf_weights import hf_state_dict
 from harness.engines.lr_schedule import SCHEDULER_KEY, make_scheduler, saved_schedule
 from harness.engines.mcore import McoreEngine
 from harness.engines.mcore_steps import captured
+from harness.engines.weight_export import expert_biases
 from harness.errors import BadInput
 from harness.spec import Layout, ModelSpec
 
@@ -108,8 +110,6 @@ class FSDP2Engine(McoreEngine):
         import contextlib
 
         import torch
-
-        from harness.engines.base import TokenLogprobs
 
         self._aux_loss_over(len(mbs))
         kept: list[TokenLogprobs] = []
@@ -223,9 +223,6 @@ class FSDP2Engine(McoreEngine):
         import torch
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
         from torch.distributed.tensor import DTensor
-
-        from harness.engines.hf_weights import hf_state_dict
-        from harness.engines.weight_export import expert_biases
 
         named = {**self.global_names(self.model), **expert_biases(self.model)}
         for name, p in named.items():

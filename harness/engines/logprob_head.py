@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from harness.engines.base import HasLogprobHead
 from harness.errors import BadInput
 
 if TYPE_CHECKING:
@@ -85,7 +86,6 @@ class LogprobHead:
 
 def check_head(engine: str, factory: type, temperature: float) -> None:
     """A temperature other than 1 needs an engine class with a log-prob head (BadInput, before any rank)."""
-    from harness.engines.base import HasLogprobHead
 
     if temperature != 1.0 and not issubclass(factory, HasLogprobHead):
         raise BadInput(f"--temperature {temperature:g}: engine {engine} has no log-prob head (logprob_head(): "

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from harness.engines.cp_data import zigzag_positions
 from harness.errors import BadInput
 
 if TYPE_CHECKING:
@@ -90,8 +91,6 @@ def readings(token_loss: torch.Tensor, mask: torch.Tensor, microbatches: list[li
     loss that is not its mode's is named by the one it matches. microbatches: every DP rank's, as sample indices;
     cp: the CP size the loss was cut over."""
     import torch
-
-    from harness.engines.cp_data import zigzag_positions
 
     counts = mask.sum(dim=1)
     out = {mode: reference_loss(mode, token_loss, mask) for mode in MODES}

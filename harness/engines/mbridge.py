@@ -33,6 +33,7 @@ from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, sequence_parallel, training_fields
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.errors import BadInput, MissingDependency, NotOnThisStack
+from harness.upstream import mbridge_build_refusal
 
 if TYPE_CHECKING:
     from harness.spec import Layout, ModelSpec
@@ -47,7 +48,6 @@ _CPU_FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout
 def check_available() -> None:
     """MissingDependency naming the install command, NotOnThisStack where the installed mbridge cannot build on the
     installed megatron-core; cheap enough for the parent (imports nothing heavy)."""
-    from harness.upstream import mbridge_build_refusal
 
     for module, dist in _REQUIRED.items():
         if importlib.util.find_spec(module) is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from harness.adjustments import note
 from harness.dtypes import DType, dtype
 from harness.engines.base import ParamShard, TokenLogprobs, partition_dim, tp_shard
 from harness.engines.experts import EXPERT_RE, tp_coords
@@ -20,6 +21,7 @@ from harness.engines.rl_steps import RLSteps
 from harness.engines.weight_export import PerTensorExport
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.launch.context import RankContext
+from harness.platform.backend import cpu_share
 from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
 
@@ -77,8 +79,6 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
 
         o = self.case.options
         if o.adam_eps != MEGATRON_ADAM_EPS:
-            from harness.adjustments import note
-
             note(f"Adam eps {o.adam_eps:g} (megatron-core's default {MEGATRON_ADAM_EPS:g}), from the case options")
         return OptimizerConfig(
             optimizer="adam", lr=o.lr, adam_eps=o.adam_eps, weight_decay=0.0, clip_grad=o.clip_grad,
@@ -201,8 +201,6 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
         from concurrent.futures import ThreadPoolExecutor
 
         import torch
-
-        from harness.platform.backend import cpu_share
 
         def set_one(name: str, p) -> str | None:
             tp_rank, tp = tp_coords(name)

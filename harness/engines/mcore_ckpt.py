@@ -6,9 +6,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from harness.adjustments import note
 from harness.engines.base import ParamShard, partition_dim
 from harness.engines.experts import data_parallel, tp_coords
 from harness.engines.lr_schedule import SCHEDULER_KEY, saved_schedule
+from harness.errors import MissingDependency
+from harness.upstream import async_save_kwargs, can_save_async
 
 if TYPE_CHECKING:
     import torch
@@ -131,11 +134,8 @@ class McoreCheckpoints:
             dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=strategy,
                                     content_metadata=self.checkpoint_metadata(fmt))
             return
-        from harness.upstream import async_save_kwargs, can_save_async
 
         if not can_save_async():
-            from harness.errors import MissingDependency
-
             raise MissingDependency("async save needs megatron-core with "
                                     "dist_checkpointing.save(async_sharded_save=...) (0.10 or later)")
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -202,8 +202,6 @@ def _keep_torch_adam_step() -> Iterator[None]:
     0 in a fresh engine), which silently reset Adam's step and its bias corrections. Either way the
     param_groups step is kept. Scoped to one load."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    from harness.adjustments import note
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.adjustments import note
 from harness.backends import Backend
 from harness.dtypes import DType
 from harness.dtypes import dtype as dtype_of
@@ -44,7 +45,7 @@ from harness.engines.megatron_bridge_import import check_available, import_bridg
 from harness.engines.model_config import grouped_experts, layer_spec, moe_config, sequence_parallel, training_fields
 from harness.engines.wrap_config import WrapConfig, ddp_config_dict
 from harness.spec import Layout, ModelSpec
-from harness.upstream import bridge_saves_hf_adapter
+from harness.upstream import BRIDGE_EXPERT_LORA, bridge_saves_hf_adapter
 
 if TYPE_CHECKING:
     import torch
@@ -58,8 +59,6 @@ def adapter_refusal(model: ModelSpec, layout: Layout, backend: Backend) -> str |
     if not model.moe or (layout.ep == 1 and layout.expert_tp == 1) or grouped_experts(on_cpu=backend == Backend.GLOO):
         return None
     from importlib.metadata import PackageNotFoundError, version
-
-    from harness.upstream import BRIDGE_EXPERT_LORA
 
     try:
         found = version("megatron-bridge")
@@ -313,8 +312,6 @@ def _cpu_peft_flags() -> None:
             setattr(module, flag, False)
             _peft_flags_changed.add(flag)
     if _peft_flags_changed:  # every case of a warm rank says so, not only the first
-        from harness.adjustments import note
-
         note("megatron.bridge PEFT: Transformer Engine flags False as megatron-core's "
              "(placeholder TE classes made them True): " + ", ".join(sorted(_peft_flags_changed)))
 

@@ -8,7 +8,9 @@ import importlib.util
 import sys
 import types
 
+from harness.adjustments import note
 from harness.errors import MissingDependency
+from harness.upstream import bridge_transformers_mismatch
 
 INSTALL = ("pip install --no-deps megatron-bridge==RELEASE && pip install -c constraints-cpu.txt -e .[bridge] (each "
            "stack's RELEASE and transformers: docs/stacks.md)")
@@ -26,7 +28,6 @@ stubbed_imports: list[tuple[str, str]] = []
 
 def check_available() -> None:
     """MissingDependency naming the install command; cheap enough for the parent (imports nothing heavy)."""
-    from harness.upstream import bridge_transformers_mismatch
 
     for module, dist in _REQUIRED.items():
         if importlib.util.find_spec(module) is None:
@@ -139,7 +140,5 @@ def import_bridge():
 
 def _note_stubs() -> None:
     if stubbed_imports:
-        from harness.adjustments import note
-
         note("megatron.bridge imported behind stubs of its CUDA-only imports: "
              + ", ".join(f"{pkg} in {mod}" for mod, pkg in stubbed_imports))

@@ -5,7 +5,11 @@ from __future__ import annotations
 import zlib
 from typing import TYPE_CHECKING, Any
 
+from harness.adjustments import note
 from harness.dtypes import dtype as dtype_of
+from harness.engines.sp_norm import mark_norms_sequence_parallel
+from harness.errors import BadInput, DoesNotApply
+from harness.platform.backend import COMPILE_OFF
 from harness.spec import Case
 
 if TYPE_CHECKING:
@@ -80,8 +84,6 @@ def moe_config(case: Case, on_cpu: bool) -> dict:
     if not m.moe:
         return {}
     if o.moe_dispatcher not in ("alltoall", "allgather"):
-        from harness.errors import BadInput
-
         raise BadInput(f"MoE dispatcher {o.moe_dispatcher!r}: expected alltoall or allgather (flex needs DeepEP)")
     grouped = grouped_experts(on_cpu)
     return dict(
@@ -105,8 +107,6 @@ def routing_replay_config() -> dict:
     from megatron.core.transformer import TransformerConfig
 
     if "moe_enable_routing_replay" not in {f.name for f in dataclasses.fields(TransformerConfig)}:
-        from harness.errors import DoesNotApply
-
         raise DoesNotApply(f"megatron-core {version('megatron-core')} has no routing replay "
                            "(TransformerConfig.moe_enable_routing_replay): it needs megatron-core 0.16 or later")
     return {"moe_enable_routing_replay": True}
@@ -135,11 +135,8 @@ def fusions(on_cpu: bool) -> dict[str, bool]:
     """Megatron's fusions as a user's GPU config has them (Megatron-LM turns these on by default), each on where
     its kernel exists here; every one left off is listed among the harness's adjustments with the reason.
     CPU ranks: all off (CUDA kernels)."""
-    from harness.adjustments import note
 
     if on_cpu:
-        from harness.platform.backend import COMPILE_OFF
-
         note("fusions off on CPU ranks (CUDA kernels): " + ", ".join(FUSIONS))
         note(COMPILE_OFF)
         return dict.fromkeys(FUSIONS, False)
@@ -175,8 +172,6 @@ def recompute_config(recompute: str) -> dict:
     if recompute == "selective":
         return dict(recompute_granularity="selective")
     if recompute:
-        from harness.errors import BadInput
-
         raise BadInput(f"recompute {recompute!r}: expected full or selective")
     return {}
 
@@ -198,7 +193,6 @@ def layer_spec(on_cpu: bool, normalization: str, cp: int = 1, config: Transforme
     if te:
         return (specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage) if moe
                 else specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm))
-    from harness.adjustments import note
 
     note("layer spec: megatron's local spec (Transformer Engine's needs CUDA)")
     if moe:
@@ -216,8 +210,6 @@ def layer_spec(on_cpu: bool, normalization: str, cp: int = 1, config: Transforme
         for layer in layers:
             layer.submodules.self_attention.submodules.core_attention = ReferenceCPAttention
     if config is not None and config.sequence_parallel:
-        from harness.engines.sp_norm import mark_norms_sequence_parallel
-
         mark_norms_sequence_parallel(spec)
     return spec
 

@@ -3,8 +3,10 @@ where it cannot run or resume (probed on megatron-core's OptimizerConfig and ver
 
 from __future__ import annotations
 
+from harness.adjustments import note
 from harness.backends import Backend
 from harness.dtypes import DType
+from harness.upstream import OFFLOAD_FP32_LOAD
 
 # CaseOptions.optimizer_cpu_offload: the whole optimizer state on the host (HybridDeviceOptimizer; megatron asserts
 # AdamW mode, OptimizerConfig's default), with the precision-aware optimizer where Transformer Engine is installed:
@@ -20,7 +22,6 @@ def offload_config() -> dict:
 
     if importlib.util.find_spec("transformer_engine") is not None:
         return {**OFFLOAD, **PRECISION_AWARE}
-    from harness.adjustments import note
 
     note("optimizer CPU offload without the precision-aware optimizer: megatron-core's OptimizerConfig needs "
          "Transformer Engine installed for use_precision_aware_optimizer")
@@ -41,7 +42,6 @@ def offload_unsupported(backend: Backend, dtype: str) -> str:
     if missing:
         return (f"megatron-core {version('megatron-core')}'s OptimizerConfig has no {', '.join(missing)}: optimizer "
                 f"CPU offload needs a megatron-core that offers them")
-    from harness.upstream import OFFLOAD_FP32_LOAD
 
     if dtype == DType.fp32 and OFFLOAD_FP32_LOAD.present():
         return (f"{OFFLOAD_FP32_LOAD.said()} (megatron-core {version('megatron-core')}'s HybridDeviceOptimizer makes "

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import StepOutput, TokenLogprobs
+from harness.engines.model_config import _full_init
+from harness.upstream import frozen_expert_bias_honoured
 
 if TYPE_CHECKING:
     import torch
@@ -64,8 +66,6 @@ class RLCycle:
         """The built chunks, before DDP wraps them: the routers frozen where the case says so, their expert bias
         marked frozen where megatron-core honours the mark (as megatron's training loop marks a frozen router)."""
         if self.case.options.freeze_router:
-            from harness.upstream import frozen_expert_bias_honoured
-
             mark = frozen_expert_bias_honoured()
             for router in routers(chunks):
                 router.weight.requires_grad_(False)
@@ -161,7 +161,6 @@ class RLCycle:
     def load_weights(self, seed: int) -> None:
         """Weights only (as a framework loads a policy's weights, no optimizer state): every weight matrix set to
         the initial values of `seed`, then the optimizer's master copies refreshed from the parameters."""
-        from harness.engines.model_config import _full_init
 
         for model in self.models:
             self.set_full(model.module, lambda name, shape: None if len(shape) < 2  # type: ignore[attr-defined]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from harness.adjustments import note
+
 
 class SequenceParallelTorchNorm:
     """torch's RMSNorm / LayerNorm (as megatron's WrappedTorchNorm builds it) with its weights marked
@@ -56,8 +58,6 @@ def mark_norms_sequence_parallel(spec: Any) -> int:
 
     replaced = walk(spec)
     if replaced:
-        from harness.adjustments import note
-
         note("norms: torch's RMSNorm / LayerNorm with their weights marked sequence_parallel (megatron's torch norm "
              "refuses sequence parallelism, which its MoE layer needs with TP; harness/engines/sp_norm.py)")
     return replaced

@@ -22,6 +22,7 @@ from harness.backends import Backend
 from harness.engines.base import ParamShard, partition_dim, tp_unshard
 from harness.engines.experts import EXPERT_RE
 from harness.engines.hf_weights import hf_state_dict
+from harness.engines.model_config import grouped_experts
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +69,6 @@ class _Entry:
 def export_refusal(model: ModelSpec, backend: Backend) -> str | None:
     """The harness's exporter knows megatron's SequentialMLP experts (`local_experts.N.`); GPU ranks with
     Transformer Engine build grouped-GEMM experts (`experts.linear_fc1.weightN`), which it does not gather."""
-    from harness.engines.model_config import grouped_experts
 
     if model.moe and grouped_experts(on_cpu=backend != Backend.NCCL):
         return ("the harness's own exporter gathers megatron's SequentialMLP experts only, and ranks with "

@@ -7,9 +7,15 @@ import re
 import shlex
 from pathlib import Path
 
+from harness.checks.timing import TIMED_METRICS
+from harness.errors import BadInput
+from harness.history import store
 from harness.history.changes import Change, detect
 from harness.history.store import Point
 from harness.report.plots import pyplot
+from harness.stack import COMPONENTS
+from harness.stack import key as stack_key_of
+from harness.tables import table as text_table
 
 # what a bisect can walk over: distributions in results.json "versions" (the harness's own are not)
 NOT_BISECTABLE = ("harness", "harness_commit", "python")
@@ -19,7 +25,6 @@ def stack_changed(a: Point, b: Point) -> bool:
     """Whether a component of the stack (harness.stack.COMPONENTS: Python, torch, megatron-core, the bridges) changed
     between two nights of one series (its key holds Python's minor, the torch build and megatron-core: a bridge
     upgrade or a Python patch release stays in it, marked)."""
-    from harness.stack import COMPONENTS
 
     return any(a.versions.get(c) != b.versions.get(c) for c in COMPONENTS)
 
@@ -48,7 +53,6 @@ def bisect_commands(case_id: str, metric: str, world_size: int | None, change: C
     """One `harness bisect --package NAME A..B ...` per package whose version changed (the engine's first),
     selecting the case again (its layout and variant) with a threshold between the values before and after:
     absolute for an exact figure, `baseline+P%` for a timed one (bisect judges those by statistics)."""
-    from harness.checks.timing import TIMED_METRICS
     from harness.selection import case_argv
 
     packages = bisectable(diff)
@@ -131,20 +135,15 @@ def plot(path: Path, case_id: str, metric: str, points: list[Point], changes: li
 
 
 def show(con, metric: str, case_glob: str, since: str | None, plots_dir: Path | None) -> tuple[str, list[Path]]:
-    from harness.history import store
-    from harness.tables import table as text_table
-
     data = store.series(con, metric, case_glob, since)
     if not data:
         known = store.metrics(con)
         hint = f"; metrics in the database: {', '.join(known[:12])}{' ...' if len(known) > 12 else ''}" if known else ""
-        from harness.errors import BadInput
 
         raise BadInput(f"no figures of metric {metric!r} for cases matching {case_glob!r}"
                        f"{f' since {since}' if since else ''}{hint}")
     world = dict(con.execute("SELECT id, world_size FROM runs"))
     rows, notes, pngs = [], [], []
-    from harness.stack import key as stack_key_of
 
     for (platform, label, case_id), points in sorted(data.items()):
         stack_key = stack_key_of(points[-1].versions)

@@ -10,6 +10,8 @@ import importlib
 from collections import Counter
 from typing import Any
 
+from harness.probes import proc
+
 # module path -> attributes whose identity must not change across cases
 _WATCHED: dict[str, tuple[str, ...]] = {
     "torch.distributed": ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
@@ -70,8 +72,6 @@ def snapshot() -> dict[str, Any]:
     """Identities of watched functions plus process-global state a case must restore."""
     import torch
     from torch.distributed import distributed_c10d as c10d
-
-    from harness.probes import proc
 
     snap: dict[str, Any] = {}
     for path, attrs in _WATCHED.items():

@@ -32,6 +32,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.backends import Backend
+from harness.files import atomic_write
+from harness.launch import worker
+from harness.launch.children import die_with_parent, import_path
+from harness.launch.rank_imports import MEGATRON, import_modules
 from harness.platform.backend import CPU_RANK_ENV
 
 # Imported by the server before any fork, required; then megatron-core's modules, where installed.
@@ -97,8 +101,6 @@ class Zygote:
     running server this one is forked from, having imported what that one has (else it is started afresh)."""
 
     def __init__(self, preload: tuple[str, ...] = (), from_server: Zygote | None = None):
-        from harness.launch.children import die_with_parent, import_path
-
         self.dir = Path(tempfile.mkdtemp(prefix="harness-zygote-"))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc: subprocess.Popen | ForkedRank
@@ -232,8 +234,6 @@ atexit.register(close)
 
 # -- the server ---------------------------------------------------------------------------------------
 def serve(sock: socket.socket, status_dir: Path, preload: tuple[str, ...] = ()) -> None:
-    from harness.launch.rank_imports import MEGATRON, import_modules
-
     import_modules(PRELOAD, on_cpu=True)
     import_modules(MEGATRON, on_cpu=True, optional=True)
     import_modules(preload, on_cpu=True, optional=True)
@@ -284,8 +284,6 @@ def serve(sock: socket.socket, status_dir: Path, preload: tuple[str, ...] = ()) 
 
 
 def _reap(status_dir: Path) -> None:
-    from harness.files import atomic_write
-
     while True:
         try:
             child, status = os.waitpid(-1, os.WNOHANG)
@@ -303,8 +301,6 @@ def _become_server(request: dict, fds: list[int], sock: socket.socket, parent: i
     """In the forked child: become a fork server that imports request["serve"] too; never returns."""
 
     def body() -> int:
-        from harness.launch.children import die_with_parent
-
         sock.close()
         die_with_parent(parent)
         _log_to(request["log"])
@@ -318,9 +314,6 @@ def _become_rank(request: dict, fds: list[int], sock: socket.socket, started: in
     """In the forked child: become the rank the harness asked for; never returns."""
 
     def body() -> int:
-        from harness.launch import worker
-        from harness.launch.children import die_with_parent
-
         sock.close()
         os.setsid()
         die_with_parent(parent)

@@ -7,6 +7,7 @@ import gc
 from typing import Any
 
 from harness.spec import Layout
+from harness.upstream import clear_moe_metrics
 
 
 def init_parallel_state(layout: Layout, *, on_cpu: bool, seed: int,
@@ -96,7 +97,6 @@ def teardown_parallel_state() -> None:
 def clear_moe_tracker() -> None:
     """Empty megatron's MoE auxiliary-loss tracker: its entries keep the process groups of the case that logged them
     (the router's TP x CP group), 48 gloo threads in a warm rank at world size 4."""
-    from harness.upstream import clear_moe_metrics
 
     clear_moe_metrics()
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.errors import MissingDependency
 from harness.probes.proc import MeasurementError, descendants, reset_peak_rss, status_field
 
 MIB = 1024 * 1024
@@ -225,8 +226,6 @@ def _pinned_pool(reset: bool = False) -> dict[str, int]:
     stats = getattr(torch.cuda, "host_memory_stats", None)
     reset_peak = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
     if stats is None or reset_peak is None:
-        from harness.errors import MissingDependency
-
         raise MissingDependency(f"torch {torch.__version__} has no torch.cuda.host_memory_stats / "
                                 "reset_peak_host_memory_stats: a GPU save's pinned host staging cannot be measured "
                                 "(torch >= 2.7 has them)")

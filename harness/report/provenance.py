@@ -9,6 +9,8 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from harness.stack import components
+
 
 def versions() -> dict[str, str]:
     """The versions a results file records (a copy: callers may add to it)."""
@@ -17,8 +19,6 @@ def versions() -> dict[str, str]:
 
 @functools.cache  # read once per process: results.json is written after every case (22 ms a call here, with
 def _versions() -> dict[str, str]:  # `git status`); what a run records is the code it started with anyway
-    from harness.stack import components
-
     out = dict(components())  # the stack: Python, the torch build, megatron-core, the bridges, Transformer Engine
     for dist in ("transformers", "peft"):
         try:

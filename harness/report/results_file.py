@@ -7,6 +7,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness import schema
+from harness.files import atomic_write
 from harness.report.provenance import engine_distribution, versions
 
 if TYPE_CHECKING:
@@ -18,7 +20,6 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
     """A run as data (results.json): everything a report shows, so reports are rendered without the suite."""
     from dataclasses import asdict
 
-    from harness import schema
     from harness.platform import detect_platform
 
     return {
@@ -54,7 +55,6 @@ def _jsonable(params: Any) -> dict[str, Any]:
 
 def write_results(run: SuiteRun, out_dir: Path) -> Path:
     """DIR/results.json, written atomically."""
-    from harness.files import atomic_write
 
     path = out_dir / "results.json"
     atomic_write(path, json.dumps(to_json(run), indent=2, default=str))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from harness.outcomes import Outcome, check_failed
+from harness.outcomes import OUTCOMES, Outcome, check_failed
 from harness.report.results_file import to_json
+from harness.stack import describe
+from harness.tables import table
 
 if TYPE_CHECKING:
     from harness.suite_run import SuiteRun
@@ -26,7 +28,6 @@ def _checked(check: dict) -> str:
 def format_results(data: dict[str, Any]) -> str:
     """The human report from a results.json's data alone: per-case verdict and suite figures, phase
     timings, then every failure (no suite code, no torch)."""
-    from harness.tables import table
 
     suite, cases, checks = data["suite"], data["cases"], data["checks"]
     out = [f"== {suite}: model {data['model']}, world size {data['world_size']}, backend {data['backend']}, "
@@ -86,7 +87,6 @@ def format_results(data: dict[str, Any]) -> str:
     out.append("")
     out.append("summary:")
     out.append(summary_table(cases))
-    from harness.stack import describe
 
     versions = data.get("versions", {})
     if versions.get("megatron-core") or versions.get("torch"):
@@ -113,8 +113,6 @@ def format_results(data: dict[str, Any]) -> str:
 def _count(outcomes: list[str]) -> str:
     from collections import Counter
 
-    from harness.outcomes import OUTCOMES
-
     n = Counter(outcomes)
     return ", ".join(f"{n[k]} {k}" for k in OUTCOMES if n[k]) or "no cases"
 
@@ -126,7 +124,6 @@ def count_outcomes(outcomes) -> str:
 
 def summary_table(cases: list[dict[str, Any]], width: int = 140) -> str:
     """One row per case (results.json's cases): number, layout, options, outcome and, unless it passed, why."""
-    from harness.tables import table
 
     mixed = _mixed_engines(cases)
     rows = []

@@ -24,6 +24,7 @@ from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import default_matrix, validate
+from harness.platform.parallel import layout_coords
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.agreement import with_equivalence_eps
 
@@ -66,8 +67,6 @@ class EquivalenceSuite:
         return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]
 
     def rank_work(self, case: Case, ctx: RankContext) -> TrainedRankData:
-        from harness.platform.parallel import layout_coords
-
         engine = make_engine(case, ctx)
         with ctx.phase("build"):
             engine.build()

@@ -12,13 +12,13 @@ import importlib
 from typing import Any
 
 from harness.option_flags import FLAG, ParamFlag, declared, flag, flags_of
+from harness.suite_registry import SUITES
 
 __all__ = ["ParamFlag", "check_param_values", "flag", "flag_of", "param_flags", "param_types", "variant_flags"]
 
 
 def param_types() -> list[type]:
     """Every parameter type the registered suites' specs list (SuiteSpec.params), imported."""
-    from harness.suite_registry import SUITES
 
     out = []
     for ref in dict.fromkeys(ref for spec in SUITES.values() for ref in spec.params):

@@ -20,13 +20,14 @@ from harness.checks.expected_collectives import (
 )
 from harness.checks.numeric import beyond, severity
 from harness.checks.tensors import assemble
-from harness.engines import make_engine
+from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import HasGradBuffers, ParamShard
 from harness.engines.mcore import McoreEngine
 from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult, RankResult
 from harness.layouts import default_matrix, validate
+from harness.platform.parallel import layout_coords
 from harness.probes.collectives import Collective, CollectiveRecorder, GroupRoles, grad_stats_groups, instrument
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.tables import table as text_table
@@ -63,8 +64,6 @@ class GradSyncSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
-        from harness.engines import is_fsdp2
-
         if is_fsdp2(engine):
             raise DoesNotApply(f"the grad-sync suite judges megatron DDP's gradient-sync modes (all-reduce, or reduce-"
                            f"scatter with the distributed optimizer); engine {engine} reduces with FSDP2's own "
@@ -85,8 +84,6 @@ class GradSyncSuite:
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> GradSyncRankData:
-        from harness.platform.parallel import layout_coords
-
         engine = make_engine(case, ctx)
         with ctx.phase("build"):
             engine.build()

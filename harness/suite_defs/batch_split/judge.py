@@ -18,6 +18,8 @@ from harness.checks.step_outputs import (
 from harness.checks.tensors import assemble, rel_error
 from harness.dtypes import dtype
 from harness.engines.base import StepOutput
+from harness.engines.loss_agg import readings, reference_loss
+from harness.engines.rl_batch import rl_batch
 from harness.launch.results import CaseResult
 
 if TYPE_CHECKING:
@@ -187,8 +189,6 @@ def _aggregation(res: CaseResult, at: str, got: tuple[torch.Tensor, torch.Tensor
     """The first step's loss against the mode's formula (harness/engines/loss_agg.py) over the forward-only pass's
     log-probs of the same batch on the same weights, with the response masks of the harness's own batch: an engine
     whose aggregation is wrong alike at every cut (the reference's too) passes the comparisons and fails here."""
-    from harness.engines.loss_agg import readings, reference_loss
-    from harness.engines.rl_batch import rl_batch
 
     cid, case = res.case.id, res.case
     losses = step_figures(res)["loss"]

@@ -15,6 +15,7 @@ from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
+from harness.platform.parallel import layout_coords
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.agreement import with_equivalence_eps
 from harness.suite_defs.batch_split.judge import BatchSplitRankData, judge, step_figures
@@ -110,8 +111,6 @@ class BatchSplitSuite:
 
     def rank_work(self, case: Case, ctx: RankContext) -> BatchSplitRankData:
         from megatron.core import parallel_state as ps
-
-        from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
         if not isinstance(engine, TrainsRLBatches):  # the plan refuses such a factory; here for the type checker

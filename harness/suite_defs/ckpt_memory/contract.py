@@ -21,9 +21,9 @@ from pathlib import Path
 
 from harness.backends import Backend
 from harness.engines import make_engine
-from harness.engines.base import checkpointing
+from harness.engines.base import HasOptimizerState, checkpointing
 from harness.launch.context import RankContext
-from harness.layouts import violations
+from harness.layouts import reference_layouts, violations
 from harness.probes.memory import MeasurementError, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_errors import describe_exception, refusal_kind
@@ -45,7 +45,6 @@ def targets(model: ModelSpec, world_size: int) -> list[Layout]:
     PP 2 over half the DP where the model allows them (tp2-dp2 and pp2-dp2 at world size 4). An MoE model saved
     at EP 2 loads at EP 1 (which no format promises: contract_judge.promised) and EP 4 too, and at TP 2 and PP 2
     with EP 2."""
-    from harness.layouts import reference_layouts
 
     saved = save_layout(world_size, model)
     if not saved.expert_parallel:
@@ -172,7 +171,6 @@ def reshard_work(case: Case, ctx: RankContext) -> ContractRankData:
 
 def _optimizer_state(engine) -> list | None:
     """The engine's optimizer state shards by global name, or None if it has no optimizer_state_shards()."""
-    from harness.engines.base import HasOptimizerState
 
     return engine.optimizer_state_shards() if isinstance(engine, HasOptimizerState) else None
 

@@ -7,6 +7,7 @@ import math
 
 from harness.backends import Backend
 from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks.memory_model import device_load_band, device_load_blind_spot, load_band, load_blind_spot
 from harness.checks.numeric import beyond, fmt_err, nonfinite_summary, within
 from harness.checks.tensors import assemble, rel_error
 from harness.dtypes import DType, dtype
@@ -71,7 +72,6 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
 def judge_load_peak(res: CaseResult, fmt: str, per_rank: list[LoadTarget]) -> CheckResult:
     """Every rank's load peak against the memory model's band: on CPU ranks the host peak (the state lives on the
     host), on GPU ranks the device peak above the load's start (the host peak shown beside it, not judged)."""
-    from harness.checks.memory_model import device_load_band, device_load_blind_spot, load_band, load_blind_spot
 
     target = Layout.parse(per_rank[0].layout)
     cid = res.case.id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from harness.backends import Backend
+from harness.baselines import ABS_FLOOR
 from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
@@ -41,7 +42,6 @@ RETAINED_FLOOR = 0.5
 
 def floor(metric: str) -> float:
     """A metric's absolute tolerance floor, MiB."""
-    from harness.baselines import ABS_FLOOR
 
     return RETAINED_FLOOR if metric.endswith("retained_per_save_mib") else ABS_FLOOR
 

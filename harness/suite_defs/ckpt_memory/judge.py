@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from harness import baselines
 from harness.backends import Backend
 from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import LOAD_FIXED_COST, discrimination, gathers, rival, save_band
 from harness.launch.results import CaseResult
+from harness.probes.ckpt_format import EXPECTED_ON_DISK
 from harness.probes.memory import MIB, flamegraph_path
 from harness.probes.retention import Retention
 from harness.suite_defs.ckpt_memory import figures
@@ -27,7 +29,6 @@ EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharde
 def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResult]:
     """Every save case: contract, model band, retained memory, baseline; every contract case (check_reshard
     judges its loads' values and bands): its loads' peaks against the baseline."""
-    from harness import baselines
     from harness.platform import detect_platform
 
     out: list[CheckResult] = []
@@ -71,7 +72,6 @@ def labelled_format(res: CaseResult) -> str:
 
 def _check_contract(res: CaseResult) -> CheckResult:
     """The format asked for against what is on disk (and, for mem_efficient, what the memory shows)."""
-    from harness.probes.ckpt_format import EXPECTED_ON_DISK
 
     asked = res.case.params.ckpt_format
     expected = EXPECTED_DEFAULTS.get(asked, asked)
@@ -195,7 +195,6 @@ def check_baseline(name: str, res: CaseResult, samples: dict[str, float], source
     was recorded before it was measured) cannot be judged and is named; an absent entry fails with the record
     command (missing_fails) or cannot tell (a check newer than the committed files). floor: the least tolerance,
     MiB, whatever the recorded one. An entry recorded on another stack says what differs (baselines.across_note)."""
-    from harness import baselines
 
     data, path = source.data, source.path
     key = key_of(res.case)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from harness.backends import Backend
+from harness.baselines import noisy_metrics, tolerance_for
 from harness.checks import CheckResult
 from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import LabelsCheckpoints
@@ -13,6 +14,8 @@ from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
+from harness.platform.parallel import layout_coords
+from harness.probes.ckpt_format import inspect
 from harness.probes.memory import MIB, captures_dir, measure
 from harness.probes.retention import measure_retention
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
@@ -95,7 +98,6 @@ class CkptMemorySuite:
 
         if case.params.ckpt_role:
             return reshard_work(case, ctx)
-        from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
         with ctx.phase("build"):
@@ -114,8 +116,6 @@ class CkptMemorySuite:
         dist.barrier()
         on_disk = label = None
         if ctx.rank == 0:
-            from harness.probes.ckpt_format import inspect
-
             # what the files are, and what the engine says they are
             on_disk, label = inspect(ckpt_dir), _label(engine, ckpt_dir)
         with ctx.phase("resaves"):
@@ -146,14 +146,10 @@ class CkptMemorySuite:
 
     @staticmethod
     def tolerance(metric: str, values: list[float]) -> float:
-        from harness.baselines import tolerance_for
-
         return tolerance_for(values, figures.floor(metric))
 
     @staticmethod
     def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
-        from harness.baselines import noisy_metrics
-
         return noisy_metrics(samples, figures.floor)
 
     def check(self, results: list[CaseResult], params: CkptMemoryParams | None = None) -> list[CheckResult]:

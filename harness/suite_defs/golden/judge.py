@@ -13,6 +13,7 @@ import math
 import statistics
 from typing import TYPE_CHECKING
 
+from harness import baselines
 from harness.checks import CheckResult
 from harness.dtypes import dtype
 from harness.suite_defs.golden.figures import hands_out_moments, is_optimizer_state, record_command, trajectory
@@ -69,7 +70,6 @@ def _rel(got: float, want: float) -> float:
 
 def check(results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
     """Each case's per-step figures and final fingerprints against the golden trajectory of its model and dtype."""
-    from harness import baselines
     from harness.platform import detect_platform
 
     out: list[CheckResult] = []

@@ -10,11 +10,16 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult, case_failed
+from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import HasOptimizerState, checkpointing
+from harness.engines.optimizer_offload import offload_unsupported
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
-from harness.layouts import default_matrix, validate
+from harness.layouts import default_matrix, reference_layouts, validate
+from harness.platform.parallel import layout_coords
+from harness.probes.memory import artifacts_dir
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.agreement import with_equivalence_eps
 from harness.suite_defs.golden import figures, judge
 from harness.suite_defs.golden.figures import step_metric, trajectory
 from harness.suite_defs.golden.params import (
@@ -33,7 +38,6 @@ from harness.suite_defs.golden.payload import GoldenRankData
 
 def checkpoint_dir(case: Case) -> Path:
     """Where a first-half case saves (its output directory), and where the resume case after it loads from."""
-    from harness.probes.memory import artifacts_dir
 
     if case.params.role == "first-half":
         return Path(case.out_dir or artifacts_dir(case.id)) / "ckpt"
@@ -61,8 +65,6 @@ class GoldenSuite:
               params: GoldenParams | None = None) -> list[Case]:
         """Every valid layout of the world size (default; for an MoE model with layouts.expert_matrix's expert
         layouts), STEPS steps each, zero gradients counted."""
-        from harness.engines import is_fsdp2
-        from harness.suite_defs.agreement import with_equivalence_eps
 
         # the fsdp2 engine shards over data parallel only
         chosen = layouts or ([Layout(dp=world_size)] if is_fsdp2(engine) else default_layouts(model, world_size))
@@ -88,8 +90,6 @@ class GoldenSuite:
         a resume there; for a fully reshardable format also a resume at another layout of the world size.
         fsdp2's formats: the same on the pure-DP layout with the fsdp2 engine, whose own unbroken trajectory
         (another optimizer, not megatron's) runs beside them."""
-        from harness.engines import is_fsdp2
-        from harness.layouts import reference_layouts
 
         own_fsdp2 = is_fsdp2(engine)
         dp = Layout(dp=world_size)
@@ -121,8 +121,6 @@ class GoldenSuite:
         """The first half and the resume at `layout` of the first distributed-optimizer format again with the
         optimizer's CPU offload and the precision-aware optimizer (Megatron-LM #1842: the loss jumped from 0.31 to
         10 after such a resume), judged against the same trajectory; skipped, naming why, where it cannot run."""
-        from harness.engines import is_fsdp2
-        from harness.engines.optimizer_offload import offload_unsupported
 
         fmt = next((f for f in params.formats if f not in FSDP2_FORMATS), None)
         if fmt is None or is_fsdp2(engine):
@@ -137,9 +135,6 @@ class GoldenSuite:
 
     def rank_work(self, case: Case, ctx: RankContext) -> GoldenRankData:
         import torch.distributed as dist
-
-        from harness.engines import make_engine
-        from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
         with ctx.phase("build"):

@@ -8,10 +8,17 @@ from typing import Any
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.checks.step_outputs import HF_LOGPROB_RTOL as LOGPROB_RTOL
-from harness.checks.step_outputs import TrainedRankData
+from harness.checks.step_outputs import (
+    LogprobDiff,
+    TrainedRankData,
+    assemble_logprobs,
+    coverage_problem,
+    first_step_logprobs,
+)
+from harness.checks.tensors import assemble, rel_error
 from harness.dtypes import DType, dtype
 from harness.engines.base import ParamShard, StepOutput
-from harness.engines.lora import CONFIG_FILE, hf_target_modules
+from harness.engines.lora import CONFIG_FILE, adapter_values, expected_hf_adapter, hf_target_modules
 from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB, MemoryPeak
 from harness.spec import ModelSpec
@@ -68,8 +75,6 @@ EXPORT_FIXED = 4 * MIB
 
 
 def export_bound(model: ModelSpec, dim: int) -> int:
-    from harness.engines.lora import adapter_values
-
     return EXPORT_COPIES * 4 * adapter_values(model, dim) + EXPORT_FIXED
 
 
@@ -142,8 +147,6 @@ def _check_valid(res: CaseResult, hf: dict) -> CheckResult:
 def _check_tensors(res: CaseResult, hf: dict) -> CheckResult:
     """Every exported tensor against the Megatron model's own adapter parameters, mapped to HF names by
     the harness's arithmetic: names the tensor a wrong split, de-interleave or gather produced."""
-    from harness.checks.tensors import assemble
-    from harness.engines.lora import expected_hf_adapter
 
     cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.tensors"
     want = expected_hf_adapter(assemble([peft_data(r).adapters for r in res.ranks]).tensors, res.case.model)
@@ -216,8 +219,6 @@ def torch_equal(a: Any, b: Any) -> bool:
 
 
 def _check_logprobs(res: CaseResult, hf: dict) -> CheckResult:
-    from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs
-
     cid, lay, name = res.case.id, res.case.layout.id, "peft-ckpt.logprobs"
     if "load_error" in hf:
         return CheckResult(name, cid, False, f"{lay}: not computed: PEFT refused the adapter")
@@ -273,7 +274,6 @@ def _check_reload(res: CaseResult, which: str) -> CheckResult:
     held-out log-probs of the model that exported it. legacy: the adapter-only distributed checkpoint
     (the layout before HF PEFT export) must load there too (megatron's sharded tensors promise TP / PP
     changes), giving the same log-probs; a refusal fails with the load's own reason."""
-    from harness.checks.step_outputs import LogprobDiff, assemble_logprobs, coverage_problem, first_step_logprobs
 
     cid, lay, name = res.case.id, res.case.layout.id, f"peft-ckpt.{which}"
     what = {"roundtrip": "the exported HF PEFT adapter", "legacy": "the adapter-only distributed checkpoint"}[which]
@@ -335,8 +335,6 @@ def _check_export(res: CaseResult, hf: dict, ref: CaseResult, ref_hf: dict | Non
 
 
 def _check_memory(res: CaseResult) -> CheckResult:
-    from harness.engines.lora import adapter_values
-
     cid, lay, m, o = res.case.id, res.case.layout.id, res.case.model, res.case.options
     name = "peft-ckpt.memory"
     bound = export_bound(m, o.lora_dim)
@@ -372,8 +370,6 @@ class TensorDiff:
 
     @classmethod
     def of(cls, got: dict, want: dict, rtol: float) -> TensorDiff:
-        from harness.checks.tensors import rel_error
-
         extra, lost = sorted(set(got) - set(want)), sorted(set(want) - set(got))
         shapes = [k for k in want if k in got and got[k].shape != want[k].shape]
         if extra or lost or shapes:

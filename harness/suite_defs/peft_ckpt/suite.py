@@ -28,17 +28,22 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
+from harness.checks.tensors import assemble
+from harness.engines import data, engine_class_with, make_engine, resolve_factory
 from harness.engines.base import PeftExporting, RefusesAdapterLayouts, peft_exporting
 from harness.engines.hf_policy import label_logprobs
+from harness.engines.hf_weights import hf_state_dict, to_module_format
 from harness.engines.lora import read_adapter_dir
-from harness.engines.mbridge import hf_architecture
+from harness.engines.mbridge import hf_architecture, hf_config
 from harness.errors import BadInput, DoesNotApply, MissingDependency
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import expert_matrix, validate, violations
-from harness.platform.parallel import teardown_parallel_state
+from harness.platform.parallel import layout_coords, teardown_parallel_state
 from harness.probes.memory import MIB, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.agreement import with_equivalence_eps
+from harness.suite_defs.ckpt_errors import describe_exception, refusal_kind
 from harness.suite_defs.peft_ckpt.judge import PeftRankData, Reload, peft_data
 from harness.suite_defs.peft_ckpt.judge import check as judge
 
@@ -67,10 +72,6 @@ def hf_side(case: Case, path: Path, base: dict) -> dict[str, Any]:
     import torch
     from peft.utils import set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
-
-    from harness.engines import data
-    from harness.engines.hf_weights import to_module_format
-    from harness.engines.mbridge import hf_config
 
     config, tensors = read_adapter_dir(path)
     out: dict[str, Any] = {"config": config, "tensors": {k: v.float().clone() for k, v in tensors.items()},
@@ -106,9 +107,6 @@ def hf_reference_base(engine: PeftExporting, case: Case, ctx: RankContext) -> di
         return engine.hf_base_state_dict(ctx.workdir)
     import torch.distributed as dist
 
-    from harness.checks.tensors import assemble
-    from harness.engines.hf_weights import hf_state_dict
-
     shards = [s for s in engine.param_shards() if ".adapter." not in s.name]
     gathered: list[Any] | None = [None] * dist.get_world_size() if ctx.rank == 0 else None
     dist.gather_object(shards, gathered, dst=0)
@@ -132,7 +130,6 @@ class PeftCkptSuite:
         """Pure DP first (the export the others are compared with), then the layouts with TP and PP."""
         if engine == "mcore":  # megatron-core alone has no LoRA / PEFT export: the bridge's path is the default
             engine = "megatron-bridge"
-        from harness.engines import engine_class_with
 
         factory = engine_class_with(engine, PeftExporting, "has no export_peft_adapter(path): the peft-ckpt suite "
                                     "needs an engine that trains LoRA adapters and exports them (built-in: "
@@ -145,7 +142,6 @@ class PeftCkptSuite:
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps,
                                       lora_dim=options.lora_dim or LORA_DIM,
                                       lora_alpha=options.lora_alpha or LORA_ALPHA)
-        from harness.suite_defs.agreement import with_equivalence_eps
 
         options = with_equivalence_eps(options)
         reference = Layout(dp=world_size)
@@ -168,9 +164,6 @@ class PeftCkptSuite:
         import os
 
         import torch.distributed as dist
-
-        from harness.engines import make_engine
-        from harness.platform.parallel import layout_coords
 
         engine = peft_exporting(make_engine(case, ctx), case.engine)
         with ctx.phase("build"):
@@ -198,7 +191,6 @@ class PeftCkptSuite:
         coords = layout_coords()
         legacy.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        from harness.engines import resolve_factory
 
         target = roundtrip_layout(case.layout, adapter_refusal(resolve_factory(case.engine), case.model, case.backend))
         with ctx.phase("save"):
@@ -251,8 +243,6 @@ def _attempt(layout: Layout, phase: str, work) -> Reload | None:
     named) - an adapter checkpoint the engine cannot save is not loaded."""
     import traceback
 
-    from harness.suite_defs.ckpt_errors import describe_exception, refusal_kind
-
     try:
         work()
         return None
@@ -266,7 +256,6 @@ def _attempt(layout: Layout, phase: str, work) -> Reload | None:
 def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> Reload:
     """A fresh LoRA model at `layout` (base weights from global names, B zero), `load` into it, then the
     held-out batch's outputs, or where and why it failed."""
-    from harness.engines import make_engine
     from harness.platform.parallel import layout_coords, teardown_parallel_state
 
     engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)

@@ -6,6 +6,7 @@ from harness.backends import Backend
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.spec import Case
+from harness.suite_defs.refit.params import RefitParams, size_text
 from harness.suite_defs.refit.payload import RefitRankData
 
 # The least tolerance of an export peak: the figures are memray's heap high-water marks, repeatable to a few KiB on
@@ -15,7 +16,6 @@ FLOOR_MIB = 32 / 1024
 
 def key(case: Case) -> str:
     """The case's entry in baselines/<platform>/refit.json (a path's own entry: each export is its own code)."""
-    from harness.suite_defs.refit.params import RefitParams
 
     variant = case.params.variant if isinstance(case.params, RefitParams) else ""
     return f"{case.model.name}{'+' + variant if variant else ''}/{case.layout.id}/{case.options.dtype}/{case.engine}"
@@ -26,7 +26,6 @@ def record_command(case: Case) -> str:
     import shlex
 
     from harness import selection
-    from harness.suite_defs.refit.params import RefitParams
 
     p = case.params if isinstance(case.params, RefitParams) else RefitParams()
     extra = ["--refit-variant", p.variant] if p.variant else []
@@ -38,7 +37,6 @@ def record_command(case: Case) -> str:
 def samples(result: CaseResult) -> dict[str, float]:
     """Per rank and bucket size, MiB: the export's host peak (memray's heap high-water; on GPU ranks the device's
     allocated peak above the export's start)."""
-    from harness.suite_defs.refit.params import size_text
 
     out = {}
     for r in result.ranks:

@@ -6,13 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from harness import baselines
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import fmt_err
+from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs, hf_logprob_rtol
+from harness.checks.tensors import assemble
 from harness.checks.weight_stream import Expected, check_complete, check_values, first, reference
 from harness.dtypes import dtype
 from harness.engines.logprob_head import case_temperature
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
+from harness.suite_defs.refit import figures
 from harness.suite_defs.refit.params import RefitParams, size_text
 from harness.suite_defs.refit.payload import Export, RefitRankData
 
@@ -60,7 +64,6 @@ def where(res: CaseResult, size: int | None = None) -> str:
 
 def trained(res: CaseResult) -> dict[str, torch.Tensor]:
     """The trained parameters (and expert biases) of every rank assembled, under megatron's global names."""
-    from harness.checks.tensors import assemble
 
     return assemble([d.params for d in data(res)]).tensors
 
@@ -100,9 +103,7 @@ def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
 
 def check_baseline(res: CaseResult, params: RefitParams, books: dict[str, Any]) -> CheckResult:
     """Each rank's export peak per bucket size against its baseline entry (figures.key)."""
-    from harness import baselines
     from harness.platform import detect_platform
-    from harness.suite_defs.refit import figures
 
     platform = detect_platform(res.case.backend).key
     if platform not in books:
@@ -205,7 +206,6 @@ def check_repeats(res: CaseResult, at: str, per_rank: list[tuple[int, Export]]) 
 def check_policy(res: CaseResult, ranks: list[RefitRankData]) -> CheckResult:
     """The HF model loaded from the stream (no key missing, none unexpected) computes the Megatron model's
     log-probs of a held-out batch."""
-    from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs, hf_logprob_rtol
 
     cid, name, at = res.case.id, "refit.policy", where(res)
     hf = ranks[0].hf

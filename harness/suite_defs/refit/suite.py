@@ -6,18 +6,27 @@ import dataclasses
 from typing import Any
 
 from harness.backends import Backend
+from harness.baselines import noisy_metrics, tolerance_for
 from harness.checks import CheckResult
+from harness.dtypes import dtype
+from harness.engines import data, engine_class_with, make_engine
 from harness.engines.base import ExportsWeights, HasLogprobHead, RefusesCases, RefusesExports
-from harness.engines.hf_policy import hf_model_modules
+from harness.engines.hf_policy import hf_model_modules, label_logprobs
+from harness.engines.hf_weights import checkpoint_shapes, to_module_format
 from harness.engines.logprob_head import case_temperature, check_head
+from harness.engines.mbridge import hf_architecture, hf_config
 from harness.engines.weight_export import export_reference
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
-from harness.layouts import violations
-from harness.probes.weight_stream import receive
+from harness.layouts import validate, violations
+from harness.platform.parallel import layout_coords
+from harness.probes.memory import captures_dir, largest_allocation, measure
+from harness.probes.retention import measure_retention
+from harness.probes.weight_stream import digest, receive
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.refit import figures
+from harness.suite_defs.refit.judge import judge, table_figures
 from harness.suite_defs.refit.params import STEPS, SUITE, RefitParams, bucket_bytes
 from harness.suite_defs.refit.payload import Export, HFSide, RefitRankData
 
@@ -66,9 +75,6 @@ class RefitSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RefitParams | None = None) -> list[Case]:
-        from harness.engines import engine_class_with
-        from harness.layouts import validate
-
         params = params or RefitParams()
         factory = engine_class_with(
             engine, ExportsWeights, "has no export_buckets(bucket_bytes) (harness.engines.base.ExportsWeights): refit "
@@ -104,9 +110,6 @@ class RefitSuite:
 
     def rank_work(self, case: Case, ctx: RankContext) -> RefitRankData:
         import torch.distributed as dist
-
-        from harness.engines import make_engine
-        from harness.platform.parallel import layout_coords
 
         engine = make_engine(case, ctx)
         if not isinstance(engine, ExportsWeights):  # the plan refuses such a factory; here for the type checker
@@ -148,24 +151,16 @@ class RefitSuite:
 
     @staticmethod
     def tolerance(metric: str, values: list[float]) -> float:
-        from harness.baselines import tolerance_for
-
         return tolerance_for(values, figures.FLOOR_MIB)
 
     @staticmethod
     def noisy_metrics(samples: dict[str, dict[str, list[float]]]) -> list[str]:
-        from harness.baselines import noisy_metrics
-
         return noisy_metrics(samples, lambda metric: figures.FLOOR_MIB)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
-        from harness.suite_defs.refit.judge import table_figures
-
         return table_figures(result) if result.ok else {}
 
     def check(self, results: list[CaseResult], params: RefitParams | None = None) -> list[CheckResult]:
-        from harness.suite_defs.refit.judge import judge
-
         return judge(results, params or RefitParams())
 
 
@@ -173,10 +168,6 @@ def _exports(engine: ExportsWeights, size: int, refits: int, case: Case, ctx: Ra
     """One bucket size: an export measured (host peak, largest allocation), then `refits` more under a tracker of what
     they leave allocated."""
     import torch.distributed as dist
-
-    from harness.probes.memory import captures_dir, largest_allocation, measure
-    from harness.probes.retention import measure_retention
-    from harness.probes.weight_stream import digest
 
     dist.barrier()
     with measure(f"refit-{size}", captures_dir(case), ctx.rank, device=not ctx.on_cpu) as peak:
@@ -204,13 +195,6 @@ def hf_side(case: Case, stream: dict[str, Any]) -> tuple[HFSide | None, str]:
     stream, and the held-out batch through it; (None, why) for a model with no Hugging Face architecture here."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from harness.dtypes import dtype
-    from harness.engines import data
-    from harness.engines.hf_policy import label_logprobs
-    from harness.engines.hf_weights import checkpoint_shapes, to_module_format
-    from harness.engines.mbridge import hf_architecture, hf_config
-    from harness.errors import BadInput
 
     try:
         hf_architecture(case.model)

@@ -7,7 +7,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from harness.engines.base import ExportsWeights, PeftExporting, StepOutput
+from harness.engines.base import ExportsWeights, PeftExporting, RefusesExports, StepOutput
+from harness.engines.hf_policy import StreamDoesNotLoad, adapter_policy_logprobs, policy_logprobs
+from harness.engines.lora import read_adapter_dir
+from harness.engines.offload import HostStore, census, not_resident_params
+from harness.engines.rl_batch import Cut, microbatch_samples, rl_batch
+from harness.engines.rl_cycle import routers
+from harness.engines.weight_export import expert_biases, export_reference
 from harness.launch.context import RankContext
 from harness.probes.heap import live_heap
 from harness.probes.weight_stream import receive
@@ -33,10 +39,6 @@ def run_cycle(engine: Any, case: Case, p: RLCycleCaseParams, ctx: RankContext, r
               ) -> tuple[list[StepOutput], list[Iteration], list[dict[str, Any]]]:
     """The case's iterations; refused: why the engine's export cannot run for the case ('' where it can)."""
     from megatron.core import parallel_state as ps
-
-    from harness.engines.offload import HostStore, census
-    from harness.engines.rl_batch import Cut, microbatch_samples, rl_batch
-    from harness.engines.weight_export import expert_biases, export_reference
 
     def biases() -> dict[str, Any]:
         return {k: v.detach().cpu().clone() for m in engine.models for k, v in expert_biases(m.module).items()}
@@ -135,8 +137,6 @@ def export(engine: Any, rank: int, trained: list[Any]) -> Refit:
     exported (it would read freed storage): the names go to the judge."""
     import torch.distributed as dist
 
-    from harness.engines.offload import not_resident_params
-
     gone = not_resident_params(engine.models)
     every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(every, gone)
@@ -172,9 +172,6 @@ def adapter_refit(engine: Any, case: Case, ctx: RankContext, i: int, batch: Any,
     the adapters, taken once: they are frozen) with the adapter loaded by peft."""
     import torch.distributed as dist
 
-    from harness.engines.hf_policy import StreamDoesNotLoad, adapter_policy_logprobs
-    from harness.engines.lora import read_adapter_dir
-
     path = ctx.workdir / f"adapter-{i}"
     engine.export_peft_adapter(str(path))
     if "base" not in built:
@@ -196,7 +193,6 @@ def adapter_refit(engine: Any, case: Case, ctx: RankContext, i: int, batch: Any,
 def export_refusal(engine: Any, case: Case) -> str:
     """Why the engine's export cannot run for this case ('' where it can): what it says of itself
     (RefusesExports), as the refit suite asks before planning."""
-    from harness.engines.base import RefusesExports
 
     return (engine.export_refusal(case.model, case.backend) or "") if isinstance(engine, RefusesExports) else ""
 
@@ -204,7 +200,6 @@ def export_refusal(engine: Any, case: Case) -> str:
 def rollout_policy(case: Case, stream: dict[str, Any], batch: Any, built: dict[str, Any]) -> dict[str, Any]:
     """Rank 0: the next iteration's batch through the Hugging Face model loaded from the iteration's export (built
     once per case, in `built`)."""
-    from harness.engines.hf_policy import StreamDoesNotLoad, policy_logprobs
 
     try:
         logprobs, entropy, why = policy_logprobs(case.model, case.options.dtype, stream, batch.tokens, built,
@@ -225,8 +220,6 @@ def residue_bound(engine: Any, case: Case) -> int:
     buffer (kept for its collectives), what each MoE layer's dispatcher keeps of one micro-batch (its routing map and
     probabilities, its token counts) and FIXED_RESIDUE."""
     from megatron.core import parallel_state as ps
-
-    from harness.engines.rl_cycle import routers
 
     kept = [b for m in engine.models for b in m.module.buffers() if b is not None]
     kept += list(ps.get_global_memory_buffer().buffer.values())

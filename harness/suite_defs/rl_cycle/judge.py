@@ -8,10 +8,12 @@ from typing import Any
 
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.launch.results import CaseResult
+from harness.stack import components
 from harness.suite_defs.rl_cycle.params import MINI_BATCHES, SUITE, RLCycleCaseParams
 from harness.suite_defs.rl_cycle.payload import at_iteration as _it
 from harness.suite_defs.rl_cycle.payload import data
 from harness.suite_defs.rl_cycle.rollout_judge import adapter, policy, refit
+from harness.upstream import FROZEN_EXPERT_BIAS
 
 KIB = 1024
 # What an offload leaves may move by this much from one iteration to the next without growing: the allgather
@@ -162,8 +164,6 @@ def _upstream(res: CaseResult, probe: list[dict[str, Any]]) -> CheckResult:
     """megatron's own expert-bias update in a step with the router frozen and nothing held by the framework: held
     where megatron-core honours frozen_expert_bias (the mark set as its training loop sets it); a known upstream
     defect, inconclusive, where the release has no such mechanism (Megatron-LM#4785)."""
-    from harness.stack import components
-    from harness.upstream import FROZEN_EXPERT_BIAS
 
     name, cid = f"{SUITE}.upstream-bias", res.case.id
     moved = max(float((probe[1][k] - v).abs().max()) for k, v in probe[0].items())

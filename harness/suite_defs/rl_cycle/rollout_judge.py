@@ -8,6 +8,12 @@ import math
 from typing import Any
 
 from harness.checks import CheckResult, cannot_tell
+from harness.checks.numeric import fmt_err
+from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol
+from harness.checks.tensors import assemble
+from harness.checks.weight_stream import Expected, check_complete, check_values, reference
+from harness.dtypes import dtype
+from harness.engines.lora import expected_hf_adapter, merged_weights
 from harness.launch.results import CaseResult
 from harness.suite_defs.rl_cycle.params import EXPORT_KEPT, SUITE
 from harness.suite_defs.rl_cycle.payload import RLCycleRankData, data
@@ -19,10 +25,6 @@ def refit(res: CaseResult) -> CheckResult:
     """Each iteration's export, after its training and the optimizer's offload: every key once, and equal bit for bit to
     the parameters that iteration trained (mapped to Hugging Face names by the harness's own arithmetic); every rank's
     copy rank 0's. A stream that repeats an earlier iteration's bytes is named as such."""
-    from harness.checks.tensors import assemble
-    from harness.checks.weight_stream import Expected, check_complete, check_values, reference
-    from harness.dtypes import dtype
-    from harness.engines.lora import merged_weights
 
     name, cid, c = f"{SUITE}.refit", res.case.id, res.case
     where = f"{c.model.name} at {c.layout.id}"
@@ -201,9 +203,6 @@ def _adapter_unlike_trained(res: CaseResult, i: int, sent: dict[str, Any] | None
     iteration trained, by the harness's own mapping, bit for bit; '' where it does not."""
     import torch
 
-    from harness.checks.tensors import assemble
-    from harness.engines.lora import expected_hf_adapter
-
     c = res.case
     if sent is None or config is None:
         return "was not read back on rank 0"
@@ -230,9 +229,6 @@ def _against_next_passes(name: str, cid: str, where: str, ranks: list[RLCycleRan
     Hugging Face model; `what` names the server, {it} the iteration. entropy: the served entropies likewise, judged
     against the pass's where the engine's log-prob head computed them."""
     import torch
-
-    from harness.checks.numeric import fmt_err
-    from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol
 
     rtol = hf_logprob_rtol(dtype_name)
     n, tokens, worst, entropies = len(served), 0, [], []

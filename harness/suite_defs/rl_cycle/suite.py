@@ -7,12 +7,18 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
+from harness.engines import engine_class_with, is_fsdp2, make_engine
+from harness.engines.base import PeftExporting, RunsRLCycles
 from harness.engines.hf_policy import hf_model_modules
+from harness.engines.rl_steps import check_rl_engine
 from harness.errors import BadInput, DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate, violations
+from harness.platform.parallel import layout_coords
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
+from harness.suite_defs.rl_cycle.cycle import export_refusal, residue_bound, run_cycle
+from harness.suite_defs.rl_cycle.judge import judge, residue_data, table_figures
 from harness.suite_defs.rl_cycle.params import (
     GLOBAL_BATCH,
     LORA_ALPHA,
@@ -99,10 +105,6 @@ class RLCycleSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RLCycleParams | None = None) -> list[Case]:
-        from harness.engines import engine_class_with, is_fsdp2
-        from harness.engines.base import PeftExporting, RunsRLCycles
-        from harness.engines.rl_steps import check_rl_engine
-
         p = params or RLCycleParams()
         factory = engine_class_with(
             engine, RunsRLCycles, "has no record_routing / replay_routing / offload / reload (harness.engines.base."
@@ -149,11 +151,6 @@ class RLCycleSuite:
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> RLCycleRankData:
-        from harness.engines import make_engine
-        from harness.engines.base import RunsRLCycles
-        from harness.platform.parallel import layout_coords
-        from harness.suite_defs.rl_cycle.cycle import export_refusal, residue_bound, run_cycle
-
         engine = make_engine(case, ctx)
         if not isinstance(engine, RunsRLCycles):  # the plan refuses such a factory; here for the type checker
             raise DoesNotApply(f"engine {case.engine} has no RL cycle (RunsRLCycles)")
@@ -181,17 +178,11 @@ class RLCycleSuite:
 
     @staticmethod
     def report_data(result: CaseResult) -> dict[str, Any]:
-        from harness.suite_defs.rl_cycle.judge import residue_data
-
         return residue_data(result)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
-        from harness.suite_defs.rl_cycle.judge import table_figures
-
         return table_figures(result) if result.ok else {}
 
     def check(self, results: list[CaseResult], params: RLCycleParams | None = None) -> list[CheckResult]:
-        from harness.suite_defs.rl_cycle.judge import judge
-
         return judge(results)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 
+from harness.checks.flops_model import exact_groups, step_flops
 from harness.checks.timing import TIMED_METRICS
 from harness.dtypes import DType
 from harness.launch.results import CaseResult, RankResult
@@ -75,7 +76,6 @@ def counters(result: CaseResult) -> dict[str, float]:
     """The exact counters of a case as flat metrics, per rank ("rank0.flops"). An MoE model's are summed over each
     group of ranks a token's routed copies stay within ("ranks0+2.flops"; flops_model.exact_groups): which rank
     computes and moves a token follows the routing, which moves as the weights train, the group's sums do not."""
-    from harness.checks.flops_model import exact_groups
 
     per_rank: dict[int, dict[str, float]] = {}
     for r in result.ranks:
@@ -100,7 +100,6 @@ def flops_used(result: CaseResult) -> tuple[list[int], str]:
     when it saw every matmul the config implies (megatron's local spec; an MoE model's ranks summed over each
     group a token's experts stay within, as routing decides which rank computes them), else the analytic count
     (harness/checks/flops_model.py) - Transformer Engine's GEMMs and fused attention are invisible to it."""
-    from harness.checks.flops_model import exact_groups, step_flops
 
     case = result.case
     counted = {r.rank: rank_data(r).counters.flops for r in result.ranks}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from harness import baselines
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio, tier
 from harness.launch.results import CaseResult
@@ -43,7 +44,6 @@ class TimeFigures(CheckData):
 
 def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult]:
     """Every case against its entry in the platform's baseline file."""
-    from harness import baselines
     from harness.platform import detect_platform
     from harness.platform.backend import machine_fingerprint
 
@@ -161,7 +161,6 @@ def _check_counters(res: CaseResult, entry: dict, source: Any = None) -> CheckRe
             rel = f" ({(got - want) / want:+.1%})" if want else ""
             problems.append(f"{metric} {got:g} vs baseline {want:g}{rel}")
     rows = [f"  {p}" for p in problems]
-    from harness import baselines
 
     across = baselines.across_note(source, res.case, bool(problems), record_command(res.case)) if source else ""
     o = res.case.options

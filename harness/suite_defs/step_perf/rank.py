@@ -4,8 +4,12 @@ step with the counters installed."""
 
 from __future__ import annotations
 
+from harness.checks.expected_collectives import dp_records
 from harness.engines import make_engine
 from harness.launch.context import RankContext
+from harness.platform.parallel import layout_coords
+from harness.probes.cpu_share import cpu_window
+from harness.probes.timers import PhaseTimer, calibrate
 from harness.spec import Case
 from harness.suite_defs.step_perf.params import StepPerfParams
 from harness.suite_defs.step_perf.payload import Counters, StepPerfRankData
@@ -13,7 +17,6 @@ from harness.suite_defs.step_perf.payload import Counters, StepPerfRankData
 
 def count_work(engine, step: int) -> Counters:
     """One untimed step with the counters installed: FLOPs, collectives by role/kind, overlap."""
-    from harness.checks.expected_collectives import dp_records
     from harness.probes.collectives import CollectiveRecorder, GroupRoles, instrument
     from harness.probes.flops import FlopCounter
 
@@ -35,10 +38,6 @@ def rank_work(case: Case, ctx: RankContext) -> StepPerfRankData:
     import random
 
     import torch.distributed as dist
-
-    from harness.platform.parallel import layout_coords
-    from harness.probes.cpu_share import cpu_window
-    from harness.probes.timers import PhaseTimer, calibrate
 
     engine = make_engine(case, ctx)
     with ctx.phase("build"):

@@ -8,7 +8,8 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
-from harness.checks.timing import MIN_EFFECT, Comparison
+from harness.checks.flops_model import matmul_dtype, peak_tflops
+from harness.checks.timing import MIN_EFFECT, Comparison, paired_ratio
 from harness.engines import is_fsdp2
 from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
@@ -95,14 +96,10 @@ class StepPerfSuite:
                "dp MB (rank 0)": f"{dp_bytes / 1e6:.1f}"}
         plain = figures.plain_ms(result)
         if len(plain) >= 3:
-            from harness.checks.timing import paired_ratio
-
             cost = paired_ratio(plain, times)
             out["harness overhead"] = f"{cost.ratio - 1:+.1%} [{cost.ci_low - 1:+.1%}, {cost.ci_high - 1:+.1%}]"
         device = data[0].device
         if device:
-            from harness.checks.flops_model import matmul_dtype, peak_tflops
-
             used, source = figures.flops_used(result)
             tflops = max(used) / (med / 1000) / 1e12
             dtype = matmul_dtype(case.options.dtype, device.get("tf32", False))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from harness import baselines
 from harness.backends import Backend
 from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.training_memory import MIB, predict, training_of
@@ -12,6 +13,7 @@ from harness.launch.results import CaseResult
 from harness.suite_defs.train_memory.figures import key as key_of
 from harness.suite_defs.train_memory.figures import phase_figures, record_command, samples
 from harness.suite_defs.train_memory.params import SUITE, UNMODELLED, TrainMemoryParams
+from harness.suite_defs.train_memory.payload import TrainMemoryRankData
 
 # How far a measured phase may lie from the model's prediction, relative, plus an absolute slack for what
 # a phase allocates beyond tensors (Python objects, module construction, megatron's bookkeeping). Measured on
@@ -81,7 +83,6 @@ def _check_model(res: CaseResult) -> CheckResult:
 
 def _source(params: TrainMemoryParams, res: CaseResult, books: dict[str, Any]) -> Any:
     """Where the case's baseline entry is read from (each platform's files read once)."""
-    from harness import baselines
     from harness.platform import detect_platform
 
     platform = detect_platform(res.case.backend).key
@@ -91,8 +92,6 @@ def _source(params: TrainMemoryParams, res: CaseResult, books: dict[str, Any]) -
 
 
 def _check_baseline(res: CaseResult, source: Any) -> CheckResult:
-    from harness import baselines
-
     key, path = key_of(res.case), source.path
     verdicts = {m: baselines.compare(source.data, key, m, v) for m, v in samples(res).items()}
     rows = [f"{m}: {v.measured:.2f} MiB, baseline " + ("-" if v.baseline is None else f"{v.baseline:.2f} +- "
@@ -125,7 +124,6 @@ def captures_of(res: CaseResult, rank: int, phase: str) -> Captures:
     """Every rank's memray captures of the case, kept with a failed check (the other ranks' beside the failing
     one: the excess is often what one rank holds and the others do not), and the flamegraph of the failing phase's.
     Passed checks name none: the report stage deletes what no failed check kept."""
-    from harness.suite_defs.train_memory.payload import TrainMemoryRankData
 
     peaks = {(r.rank, p.phase): p.capture for r in res.ranks
              for d in (r.payload_as(TrainMemoryRankData),) for p in (d.build, *d.steps)}
