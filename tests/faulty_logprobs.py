@@ -77,3 +77,31 @@ class LabelShiftOffByOne(McoreEngine):
     against the token after its label."""
 
     logprob_part = ShiftedLabels
+
+
+class EntropyNormaliserOutsideAutograd(LogprobHead):
+    def entropy(self, logits):
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        if ps.get_tensor_model_parallel_world_size() == 1:  # one shard: the plain path
+            return super().entropy(logits)
+        z = self.scaled(logits.float())
+        group = ps.get_tensor_model_parallel_group()
+        with torch.no_grad():  # the softmax's normaliser all-reduced outside autograd
+            top = z.max(dim=-1, keepdim=True).values
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            total = torch.exp(z - top).sum(dim=-1)
+            dist.all_reduce(total, group=group)
+        shifted = z - top
+        return torch.log(total) - reduce_from_tensor_model_parallel_region((torch.exp(shifted) * shifted).sum(-1)) / total
+
+
+class EntropyReduceOutsideAutograd(McoreEngine):
+    """A vocabulary-parallel entropy at TP > 1 whose softmax normaliser is all-reduced outside autograd (ms-swift
+    #9947's shape, on the entropy bonus): the values right, the gradient without the normaliser's part; at TP 1 it
+    takes the plain path."""
+
+    logprob_part = EntropyNormaliserOutsideAutograd

@@ -152,6 +152,27 @@ def test_at_a_temperature_tp2_trains_as_one_rank_and_a_normaliser_reduced_outsid
 
 
 @pytest.mark.slow
+def test_an_entropy_bonus_at_tp2_trains_as_one_rank_and_its_normaliser_outside_autograd_fails_the_gradient():
+    """The loss minus 0.01 x the entropy, aggregated in the case's mode (verl's entropy_coeff): at TP 2 and temperature
+    0.7 the losses, gradients and parameters equal one micro-batch on one rank's, and the first step's loss is the
+    mode's formula over the log-prob pass's log-probs and entropy. An entropy whose softmax normaliser is all-reduced
+    outside autograd gives the same values and another gradient: TP 2 fails on the gradient alone."""
+    params = {"temperature": 0.7, "entropy_coef": 0.01, "modes": ("token-mean",), "cuts": ("mbs2",)}
+    run = run_suite("batch-split", "tiny", 2, [TP], backend="gloo", suite_params=params)
+    assert run.passed, [c.message for c in run.checks if c.failed]
+    assert all("entropy bonus 0.01" in c.message for c in run.checks if c.check == "batch-split.aggregation")
+    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.faulty_logprobs:EntropyReduceOutsideAutograd",
+                        backend="gloo", suite_params=params)
+    failed = _failed(planted)
+    msg = failed[(TP, "batch-split.grad_norm")]
+    assert re.fullmatch(r"token-mean, cut mbs2 at tp2-pp1-cp1-dp1, temperature 0\.7, entropy bonus 0\.01 \(micro-batches "
+                        r"of 2 samples\): grad norm of step \d \S+ vs \S+ \(one micro-batch on one rank\), rel diff "
+                        r"\S+, rel > 1e-05", msg), msg
+    assert set(failed) <= {(TP, "batch-split.grad_norm"), (TP, "batch-split.params"), (TP, "batch-split.loss")}, failed
+    assert (TP, "batch-split.params") in failed  # the values right (log-probs, first loss), the update not
+
+
+@pytest.mark.slow
 def test_per_micro_batch_token_mean_is_caught():
     run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.faulty_batch_split:PerMicroBatchTokenMean",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("tokens96",)})
@@ -249,9 +270,9 @@ def test_a_forward_pass_that_mixes_up_samples_is_caught():
 
 
 @pytest.mark.slow
-def test_one_more_zero_gradient_element_is_caught_exactly():
-    """The zero gradient elements are compared exactly: one element more on every rank at step 1 of a correct run,
-    planted in its results, fails the check naming the step and both counts."""
+def test_zero_gradient_elements_beyond_the_summation_orders_are_caught():
+    """On tiny two zero gradient elements apart are the summation order's (ZERO_COUNT_FLOOR); three more on every rank
+    at step 1 of a correct run, planted in its results, fail the check naming the step and both counts."""
     import dataclasses
 
     from harness.suite_defs.batch_split.judge import BatchSplitRankData
@@ -263,24 +284,25 @@ def test_one_more_zero_gradient_element_is_caught_exactly():
     for rank in case.ranks:
         d: BatchSplitRankData = rank.payload_as(BatchSplitRankData)
         steps = list(d.steps)
-        steps[1] = dataclasses.replace(steps[1], num_zeros=steps[1].num_zeros + 1)
+        steps[1] = dataclasses.replace(steps[1], num_zeros=steps[1].num_zeros + 3)
         rank.data = dataclasses.replace(d, steps=steps)
     failed = _failed(run, run.suite.check(run.results))
     msg = failed[(DP, "batch-split.num_zeros")]
     assert msg.startswith(f"token-mean, cut mbs1 at {DP} (micro-batches of 1 sample): zero grads of step 1 ")
-    assert msg.endswith(", exactly")
+    assert msg.endswith(", 3 apart, more than the 2 the summation order explains (16 x 2^-24 of 82240 elements, at "
+                        "least 2)"), msg
 
 
 def test_zero_counts_apart_by_the_summation_order_pass_and_beyond_it_fail():
     """small-moe's zero gradient elements differ by 1-2 of 9.0M between a cut and its reference on correct code
-    (an element that cancels to 0.0 in one order and not in another): within the tolerance; 9 apart is not; the
-    tiny models' counts stay exact."""
+    (an element that cancels to 0.0 in one order and not in another): within the tolerance; 9 apart is not; on the
+    tiny models 2 apart at most."""
     from types import SimpleNamespace
 
     from harness.suite_defs.batch_split.judge import _zero_counts, zero_count_tolerance
 
-    assert zero_count_tolerance(load_model("tiny").num_params()) == 0
-    assert zero_count_tolerance(load_model("tiny-moe").num_params()) == 0
+    assert zero_count_tolerance(load_model("tiny").num_params()) == 2
+    assert zero_count_tolerance(load_model("tiny-moe").num_params()) == 2
     slack = zero_count_tolerance(load_model("small-moe").num_params())
     assert slack == 8
     res = SimpleNamespace(case=SimpleNamespace(id="c", model=load_model("small-moe"), params=SimpleNamespace(like="")))
@@ -293,4 +315,4 @@ def test_zero_counts_apart_by_the_summation_order_pass_and_beyond_it_fail():
     assert beyond.failed
     assert beyond.message == ("token-mean, cut mbs1 at tp1-pp1-cp2-dp2: zero grads of step 1 633865 vs 633856 (one "
                               "micro-batch on one rank), 9 apart, more than the 8 the summation order explains "
-                              "(16 x 2^-24 of 8986880 elements)")
+                              "(16 x 2^-24 of 8986880 elements, at least 2)")

@@ -163,6 +163,7 @@ def test_a_frozen_router_left_unmarked_fails_where_megatron_has_the_mark():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # upstream-bias's CI-tier plant: a frozen router left unmarked
 def test_megatron_ignoring_the_frozen_mark_fails_where_it_has_the_mark():
     from harness.upstream import FROZEN_EXPERT_BIAS
 

@@ -30,18 +30,19 @@ def trained(rank: RankResult) -> TrainedRankData:
     return rank.payload_as(TrainedRankData)
 
 
-def first_step_logprobs(result: CaseResult, outputs: Callable[[TrainedRankData], list[StepOutput]] | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+def first_step_logprobs(result: CaseResult, outputs: Callable[[TrainedRankData], list[StepOutput]] | None = None,
+                        what: str = "logprobs") -> tuple[torch.Tensor, torch.Tensor] | None:
     """(log-probs [global batch, seq], how many ranks reported each token) of the first of each rank's
     `outputs` (default: its training steps), assembled from the last-stage, TP-rank-0 ranks in the original
     token order (NaN where none did); None when the engine captured none."""
     pick = outputs or (lambda d: d.steps)
-    return assemble_logprobs(result.case, [(d.coords, pick(d)) for d in map(trained, result.ranks)])
+    return assemble_logprobs(result.case, [(d.coords, pick(d)) for d in map(trained, result.ranks)], what)
 
 
-def assemble_logprobs(case: Case, rank_outputs: list[tuple[dict[str, int], list[StepOutput]]]
-                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """first_step_logprobs over (coords, step outputs) of a case's ranks."""
+def assemble_logprobs(case: Case, rank_outputs: list[tuple[dict[str, int], list[StepOutput]]],
+                      what: str = "logprobs") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """first_step_logprobs over (coords, step outputs) of a case's ranks; `what`: "logprobs" or "entropy" (None
+    where a rank kept none)."""
     gbs, seq = case.global_batch_size, case.model.seq_length
     values = torch.full((gbs, seq), float("nan"), dtype=torch.float64)
     counts = torch.zeros((gbs, seq), dtype=torch.long)
@@ -51,8 +52,11 @@ def assemble_logprobs(case: Case, rank_outputs: list[tuple[dict[str, int], list[
         if not steps or steps[0].token_logprobs is None:
             return None
         for part in steps[0].token_logprobs:
+            figure = getattr(part, what)
+            if figure is None:
+                return None
             rows, cols = part.samples.view(-1, 1), part.positions.view(1, -1)
-            values[rows, cols] = part.logprobs.double()
+            values[rows, cols] = figure.double()
             counts[rows, cols] += 1
     return values, counts
 

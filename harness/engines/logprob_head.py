@@ -25,6 +25,16 @@ TEMPERATURE_HELP = ("batch-split, refit, rl-cycle: the sampling temperature the 
                     "scores at it too; default 1.0)")
 
 
+ENTROPY_COEF_HELP = ("batch-split: the entropy bonus's coefficient C: each training step's loss minus C x the entropy "
+                     "of the log-prob head, aggregated in the case's mode (verl's entropy_coeff; default 0: none)")
+
+
+def check_entropy_coef(c: float) -> None:
+    if not (math.isfinite(c) and c >= 0):
+        raise BadInput(f"--entropy-coef {c:g}: give a coefficient of 0 or more (e.g. 0.01; 0 trains without the "
+                       "entropy bonus)")
+
+
 def check_temperature(t: float) -> None:
     if not (math.isfinite(t) and t > 0):
         raise BadInput(f"--temperature {t:g}: give a positive temperature (e.g. 0.7; 1.0 leaves the logits as they "
@@ -36,6 +46,18 @@ class SampledAtTemperature(Protocol):
     """A case's parameters that name the rollout's sampling temperature (batch-split's, refit's, rl-cycle's)."""
 
     temperature: float
+
+
+@runtime_checkable
+class TrainedWithEntropyBonus(Protocol):
+    """A case's parameters that name an entropy bonus for its RL training steps (batch-split's)."""
+
+    entropy_coef: float
+
+
+def case_entropy_coef(case: Any) -> float:
+    """The coefficient of the entropy bonus the case's RL training steps subtract from their loss (0: none)."""
+    return case.params.entropy_coef if isinstance(case.params, TrainedWithEntropyBonus) else 0.0
 
 
 def case_temperature(case: Any) -> float:

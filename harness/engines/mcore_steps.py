@@ -57,6 +57,8 @@ class McoreSteps:
         if not get_attr_wrapped_model(model, "post_process"):
             return logits
         head = self.logprob_head()
+        if mb.get("entropy_coef"):  # an entropy bonus in the loss (rl_steps): its gradient reaches every shard
+            mb["entropy_term"] = head.entropy(logits)
         if capture and "head" not in mb:  # the RL steps' (refit's held-out log-probs, head_eval_step, need none)
             with torch.no_grad():
                 mb["entropy"] = head.entropy(logits.detach()).float().cpu()

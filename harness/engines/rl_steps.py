@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.engines.base import StepOutput, TokenLogprobs
 from harness.engines.cp_data import whole_sequences
-from harness.engines.logprob_head import check_head
+from harness.engines.logprob_head import case_entropy_coef, check_head
 from harness.engines.loss_agg import CHUNK, LOSS_FORMS, SEQUENCE, BatchTotals, MicroBatchLoss, aggregate
 from harness.engines.rl_batch import RLBatch, microbatch_tensors
 from harness.errors import BadInput
@@ -109,24 +109,28 @@ class RLSteps:
         seq, cp = self.case.model.seq_length, ps.get_context_parallel_world_size()
         if self.case.layout.pp > 1:
             self.config.variable_seq_lengths = True  # micro-batches of different sizes pass between stages
-        mbs = [microbatch_tensors(batch, group, seq) for group in microbatches]
+        mbs: list[dict[str, Any]] = [microbatch_tensors(batch, group, seq) for group in microbatches]
         if cp > 1:
             mbs = [split_on_cp_rank(dict(mb)) for mb in mbs]
+        if mode is not None and case_entropy_coef(self.case):  # the head keeps the entropy with its gradient
+            mbs = [{**mb, "entropy_coef": case_entropy_coef(self.case)} for mb in mbs]
         counts = [self.sample_token_counts(mb["loss_mask"]) for mb in mbs]
         totals = self.batch_totals([mb["loss_mask"] for mb in mbs], counts)
         n = len(mbs)
-        fns = [functools.partial(self._rl_loss, mode, mb["loss_mask"], c, totals, n) for mb, c in zip(mbs, counts)]
+        fns = [functools.partial(self._rl_loss, mode, mb, c, totals, n) for mb, c in zip(mbs, counts)]
         return mbs, [torch.tensor(group) for group in microbatches], fns
 
-    def _rl_loss(self, mode: str | None, mask, counts, totals: BatchTotals, num_microbatches: int, output_tensor):
+    def _rl_loss(self, mode: str | None, mb: dict, counts, totals: BatchTotals, num_microbatches: int, output_tensor):
         import torch
         from megatron.core import parallel_state as ps
 
-        dev = output_tensor.device
+        dev, mask = output_tensor.device, mb["loss_mask"]
         tokens = mask.sum().float().to(dev)
         if mode is None:  # the forward-only pass: log-probs, no loss
             return torch.zeros((), device=dev), {"lm loss": torch.stack([torch.zeros((), device=dev), tokens])}
         token_loss, mask, cp = output_tensor.float().reshape(mask.shape), mask.to(dev).float(), 1
+        if "entropy_term" in mb:  # the entropy bonus: the loss minus C x each token's entropy, aggregated alike
+            token_loss = token_loss - mb["entropy_coef"] * mb.pop("entropy_term").float().reshape(mask.shape)
         if self.loss_form == SEQUENCE and ps.get_context_parallel_world_size() > 1:
             group, cp = ps.get_context_parallel_group(), ps.get_context_parallel_world_size()
             token_loss, mask = whole_sequences(token_loss, group), whole_sequences(mask, group)

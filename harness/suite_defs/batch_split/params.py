@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.engines.logprob_head import TEMPERATURE_HELP, check_temperature
+from harness.engines.logprob_head import ENTROPY_COEF_HELP, TEMPERATURE_HELP, check_entropy_coef, check_temperature
 from harness.engines.loss_agg import MODES, check_mode
 from harness.engines.rl_batch import Cut
 from harness.suite_defs.flags import flag
@@ -41,9 +41,11 @@ class BatchSplitParams:
         "--cut", "batch-split: cut every layout's batch this way (repeatable): mbs<N> samples per micro-batch, or "
                  "tokens<B> dynamic micro-batches of at most B valid tokens (default: the suite's matrix)"))
     temperature: float = dataclasses.field(default=1.0, metadata=flag("--temperature", TEMPERATURE_HELP))
+    entropy_coef: float = dataclasses.field(default=0.0, metadata=flag("--entropy-coef", ENTROPY_COEF_HELP))
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
+        check_entropy_coef(self.entropy_coef)
         for mode in self.modes:
             check_mode(mode)
         for cut in self.cuts:
@@ -59,3 +61,4 @@ class BatchSplitCaseParams:
     cut: str = "mbs1"
     like: str = ""
     temperature: float = 1.0  # the RL steps' log-probs at this sampling temperature
+    entropy_coef: float = 0.0  # the training loss minus this x the head's entropy (0: none)

@@ -87,8 +87,9 @@ class BatchSplitSuite:
                 # the second backend: FSDP2 and torch Adam on the same model, batch and aggregation, against
                 # megatron's reference
                 out += judged(mode, Layout(dp=world_size), DYNAMIC, "fsdp2")
-        if p.temperature != 1.0:
-            out = [dataclasses.replace(c, params=dataclasses.replace(c.params, temperature=p.temperature)) for c in out]
+        if p.temperature != 1.0 or p.entropy_coef:
+            out = [dataclasses.replace(c, params=dataclasses.replace(c.params, temperature=p.temperature,
+                                                                     entropy_coef=p.entropy_coef)) for c in out]
         return out
 
     @staticmethod
