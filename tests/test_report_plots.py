@@ -59,3 +59,37 @@ def test_a_run_without_plots_says_why_and_leaves_no_empty_folder(tmp_path):
     write_report(tmp_path)
     assert not (tmp_path / "plots").exists()
     assert "No plot: none of the report's plots draws from this run's results" in (tmp_path / "report.md").read_text()
+
+
+def test_golden_steps_are_drawn_in_each_steps_own_tolerance_and_the_step_that_left_it_above_it(tmp_path, monkeypatch):
+    """The trajectory golden judged, as its check records it: the case whose step 2 left the tolerance is drawn
+    above 1 there and named failed; a step held exactly (the learning rate) at the floor; a NaN at the ceiling."""
+    import dataclasses
+
+    from harness.report import check_plots
+    from harness.report.plots import FLOOR
+    from harness.suite_defs.golden.judge import judge
+    from tests.test_golden import GOLDEN, _entry
+
+    def recorded(cid: str, measured: dict) -> dict:
+        (trajectory,) = [c for c in judge(cid, "tiny/fp32/steps=3", "fp32", measured, _entry(GOLDEN))
+                         if c.check == "golden.trajectory"]
+        return {"check": trajectory.check, "case_id": cid, "status": "pass" if trajectory.passed else "fail",
+                "message": trajectory.message, "data": dataclasses.asdict(trajectory.data)}
+
+    cases = [_case(0, {}), {**_case(1, {}), "outcome": "regression"}]
+    [run] = _run_file(tmp_path / "run", "golden", cases)
+    run.data["checks"] = [recorded(cases[0]["id"], dict(GOLDEN)),
+                          recorded(cases[1]["id"], dict(GOLDEN, **{"step02.grad_norm": 0.6001,
+                                                                   "step03.loss": float("nan")}))]
+    kept = []
+    monkeypatch.setattr(check_plots, "save_figure", lambda plt, fig, path, dpi: kept.append(fig) or path)
+    assert check_plots.steps_against_stored(run, tmp_path / "x.png")
+    panels = {ax.get_title().split(" per step")[0]: ax for ax in kept[0].axes}
+    assert sorted(panels) == ["grad_norm", "loss", "lr", "num_zeros"]
+    good, bad, tolerance = panels["grad_norm"].lines
+    assert good.get_label() == "tp1-pp1-cp1-dp2 seed=0" and bad.get_label() == "tp1-pp1-cp1-dp2 seed=1 (failed)"
+    assert list(tolerance.get_ydata()) == [1.0, 1.0]
+    assert list(bad.get_xdata()) == [1, 2, 3] and bad.get_ydata()[1] > 1.0 > max(good.get_ydata())
+    assert list(panels["lr"].lines[0].get_ydata()) == [FLOOR] * 3  # held exactly: drawn at the floor
+    assert panels["loss"].lines[1].get_ydata()[2] == check_plots.CEILING  # NaN: at the ceiling

@@ -35,6 +35,15 @@ class StepSeries(CheckData):
 
 
 @dataclass
+class TrajectoryFigures(CheckData):
+    """Each step's figures against stored values, with each one's allowed deviation (golden's trajectory against its
+    recorded values): what a report draws of a trajectory judged step by step."""
+
+    key: str  # the stored values' key
+    rows: list[tuple[str, float, float, float]]  # ("step03.loss", measured, stored, allowed absolute deviation)
+
+
+@dataclass
 class CheckResult:
     check: str  # e.g. "equivalence.loss"
     case_id: str

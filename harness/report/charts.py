@@ -12,6 +12,7 @@ from harness.report.runs import RunFile
 PLOTS = {"peaks": plots.ckpt_peaks, "save-timeline": plots.ckpt_timelines, "collective-bytes": plots.collective_bytes,
          "step-phases": plots.step_phases, "step-times": plots.step_times,
          "steps-vs-reference": check_plots.steps_against_reference,
+         "steps-vs-stored": check_plots.steps_against_stored,
          "baseline-deviation": check_plots.baseline_deviation, "export-peaks": rl_plots.refit_peaks,
          "logprob-agreement": rl_plots.refit_policy, "residue": rl_plots.rl_cycle_residue}
 
@@ -35,6 +36,7 @@ def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Chart]]:
 
 # What the plots draw from, for a report's line on a run that has none
 PLOTTED = ("checkpoint save peaks and timelines (ckpt-memory), collective bytes (grad-sync), step phases and "
-           "times (step-perf), steps against the reference (equivalence, batch-split), baselined figures against "
+           "times (step-perf), steps against the reference (equivalence, batch-split) and against the stored "
+           "trajectory (golden), baselined figures against "
            "their band (train-memory), export peaks and log-prob agreement (refit), device residue per iteration "
            "(rl-cycle)")

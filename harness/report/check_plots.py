@@ -1,6 +1,7 @@
 """Plots drawn from what checks recorded in a results file, for any suite whose checks record it: each case's
-figures per step against its reference's (`checks.StepSeries`: equivalence, batch-split), and each case's baselined
-figures against their baseline band (`baselines.BaselineFigures`, where no plot of its own draws them)."""
+figures per step against its reference's (`checks.StepSeries`: equivalence, batch-split) or against stored values
+with each step's own tolerance (`checks.TrajectoryFigures`: golden), and each case's baselined figures against
+their baseline band (`baselines.BaselineFigures`, where no plot of its own draws them)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,53 @@ def steps_against_reference(run: RunFile, path: Path) -> Path | None:
                      fontsize=9)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{run.title}: each case's steps against its reference ({FLOOR:.0e}: bit for bit)", fontsize=10)
+    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return save_figure(plt, fig, path, 100)
+
+
+def steps_against_stored(run: RunFile, path: Path) -> Path | None:
+    """Per figure (loss, gradient norm, ...), each case's steps as their distance from the stored trajectory in
+    that step's allowed deviations (log scale: at 1 the tolerance; a step held exactly drawn at FLOOR, a step that
+    must be exact and is not, or is not finite, at CEILING)."""
+    checks = [c for c in run.data["checks"] if {"key", "rows"} <= set(c.get("data") or {}) and c["data"]["rows"]]
+    if not checks:
+        return None
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}  # figure -> case -> [(step, distance)]
+    for c in checks:
+        for metric, got, want, allowed in c["data"]["rows"]:
+            step, figure = metric.split(".", 1)
+            off = abs(got - want) if math.isfinite(got) else math.inf
+            distance = off / allowed if allowed else (0.0 if off == 0 else math.inf)
+            series.setdefault(figure, {}).setdefault(c["case_id"], []).append(
+                (int(step[4:]), CEILING if not math.isfinite(distance) else min(max(distance, FLOOR), CEILING)))
+    plt = pyplot()
+    labels, failed = variant_labels(run), failed_cases(run)
+    from matplotlib.ticker import MaxNLocator
+
+    ids = list(dict.fromkeys(c["case_id"] for c in checks))
+    colors = dict(zip(ids, distinct_colors(plt, len(ids))))
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 5), squeeze=False)
+    named: set[str] = set()
+    for ax, (figure, cases) in zip(axes[0], sorted(series.items())):
+        for cid, points in cases.items():
+            points.sort()
+            name = labels.get(cid, cid) + (" (failed)" if cid in failed else "")
+            ax.plot([s for s, _ in points], [d for _, d in points], marker="o", ms=3, lw=1.2, color=colors[cid],
+                    label=None if name in named else name)
+            named.add(name)
+        ax.axhline(1.0, color="red", ls="--", lw=1, label=None if "the step's tolerance" in named else
+                   "the step's tolerance")
+        named.add("the step's tolerance")
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{figure}: |case - stored| / allowed")
+        ax.set_title(f"{figure} per step against the stored trajectory", fontsize=9)
+        ax.grid(alpha=0.3)
+    keys = sorted({c["data"]["key"] for c in checks})
+    fig.suptitle(f"{run.title}: each case's steps against {', '.join(keys)} (1: the step's tolerance; "
+                 f"{FLOOR:.0e}: exact)", fontsize=10)
     fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     return save_figure(plt, fig, path, 100)

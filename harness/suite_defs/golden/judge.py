@@ -14,7 +14,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from harness import baselines
-from harness.checks import CheckResult
+from harness.checks import CheckResult, TrajectoryFigures
 from harness.dtypes import dtype
 from harness.suite_defs.golden.figures import hands_out_moments, is_optimizer_state, record_command, trajectory
 from harness.suite_defs.golden.figures import key as key_of
@@ -122,12 +122,13 @@ def _check_resume(res: CaseResult, first: CaseResult | None, key: str, entry: di
     moments = hands_out_moments(res)
     steps, params = judge(res.case.id, key, res.case.options.dtype, measured, entry, moments=moments)
     if steps.failed:
-        return CheckResult("golden.resume", res.case.id, False, f"{where}: {steps.message}", steps.details)
+        return CheckResult("golden.resume", res.case.id, False, f"{where}: {steps.message}", steps.details,
+                           data=steps.data)
     if params.failed:
         return CheckResult("golden.resume", res.case.id, False, f"{where}: {params.message}", params.details)
     return CheckResult("golden.resume", res.case.id, True,
                        f"{where}: {steps.message}{_not_judged(_unjudged(entry, measured, moments))}",
-                       value=steps.value)
+                       value=steps.value, data=steps.data)
 
 
 def _unjudged(entry: dict, measured: dict[str, float], moments: bool) -> list[str]:
@@ -166,6 +167,7 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
                 f"{allowed / abs(want) if want else allowed:.0e})")
 
     steps = [r for r in rows if r[0].startswith("step")]
+    drawn = TrajectoryFigures(key, [(m, got, want, allowed) for m, got, want, allowed, _ in steps])
     missing = sorted(m for m in entry if m.startswith("step") and m not in measured)
     unjudged = _unjudged(entry, measured, moments)
     lost = sorted(m for m in entry if not m.startswith("step") and m not in measured and m not in unjudged)
@@ -182,7 +184,7 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
         else:
             more = " ..." if len(missing) > 3 else ""
             msg = f"the run reported no {', '.join(missing[:3])}{more} (in the golden trajectory)"
-        out.append(CheckResult("golden.trajectory", case_id, False, msg, details))
+        out.append(CheckResult("golden.trajectory", case_id, False, msg, details, data=drawn))
     else:
         worst = max(steps, key=lambda r: _rel(r[1], r[2]), default=None)
         n = len({r[0][:6] for r in steps})
@@ -190,7 +192,7 @@ def judge(case_id: str, key: str, dtype_name: str, measured: dict[str, float], e
                                f"{n} steps within the golden trajectory of {key}" +
                                (f" (largest deviation: {worst[0]} rel {_rel(worst[1], worst[2]):.1e})"
                                 if worst else ""),
-                               details, value=_rel(worst[1], worst[2]) if worst else 0.0))
+                               details, value=_rel(worst[1], worst[2]) if worst else 0.0, data=drawn))
     bad_params = [r for r in params if not r[4]]
     if bad_params or lost or extra:
         if bad_params:
