@@ -93,3 +93,35 @@ def test_golden_steps_are_drawn_in_each_steps_own_tolerance_and_the_step_that_le
     assert list(bad.get_xdata()) == [1, 2, 3] and bad.get_ydata()[1] > 1.0 > max(good.get_ydata())
     assert list(panels["lr"].lines[0].get_ydata()) == [FLOOR] * 3  # held exactly: drawn at the floor
     assert panels["loss"].lines[1].get_ydata()[2] == check_plots.CEILING  # NaN: at the ceiling
+
+
+def test_dynamic_cps_gradients_are_drawn_per_tensor_against_no_cp_and_the_planted_one_above_the_tolerance(
+        tmp_path, monkeypatch):
+    """Each case's gradient errors per tensor as dynamic-cp's check records them: the case whose loss was scaled by
+    1/DP (R3) is drawn above the tolerance at every tensor and named failed; the bit-for-bit one at the floor; a NaN
+    at the ceiling."""
+    import dataclasses
+
+    from harness.checks import ParamErrors
+    from harness.report import check_plots
+    from harness.report.plots import FLOOR
+
+    cases = [_case(0, {}), {**_case(1, {}), "outcome": "regression"}, _case(2, {})]
+    [run] = _run_file(tmp_path / "run", "dynamic-cp", cases)
+    names = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight"]
+
+    def recorded(case: dict, errors: list[float]) -> dict:
+        data = ParamErrors(cases[2]["id"], 1e-5, dict(zip(names, errors)))
+        return {"check": "dynamic-cp.grads", "case_id": case["id"], "status": "pass", "message": "",
+                "data": dataclasses.asdict(data)}
+
+    run.data["checks"] = [recorded(cases[0], [0.0, 3e-8]), recorded(cases[1], [0.5, float("nan")])]
+    kept = []
+    monkeypatch.setattr(check_plots, "save_figure", lambda plt, fig, path, dpi: kept.append(fig) or path)
+    assert check_plots.params_against_reference(run, tmp_path / "x.png")
+    (ax,) = kept[0].axes
+    good, bad, tolerance = ax.lines
+    assert good.get_label() == "tp1-pp1-cp1-dp2 seed=0" and bad.get_label() == "tp1-pp1-cp1-dp2 seed=1 (failed)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.mlp.linear_fc1.weight", "embedding.word_embeddings.weight"]
+    assert list(good.get_ydata()) == [3e-8, FLOOR]  # in the tensors' order; bit for bit at the floor
+    assert list(bad.get_ydata()) == [check_plots.CEILING, 0.5] and tolerance.get_ydata()[0] == 1e-5

@@ -35,6 +35,16 @@ class StepSeries(CheckData):
 
 
 @dataclass
+class ParamErrors(CheckData):
+    """Each parameter's (or gradient's) relative error against the reference case's, and the tolerance: what a report
+    draws of a check that compares tensors by name."""
+
+    reference_case: str
+    rtol: float
+    errors: dict[str, float]
+
+
+@dataclass
 class TrajectoryFigures(CheckData):
     """Each step's figures against stored values, with each one's allowed deviation (golden's trajectory against its
     recorded values): what a report draws of a trajectory judged step by step."""

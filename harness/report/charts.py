@@ -13,6 +13,7 @@ PLOTS = {"peaks": plots.ckpt_peaks, "save-timeline": plots.ckpt_timelines, "coll
          "step-phases": plots.step_phases, "step-times": plots.step_times,
          "steps-vs-reference": check_plots.steps_against_reference,
          "steps-vs-stored": check_plots.steps_against_stored,
+         "tensors-vs-reference": check_plots.params_against_reference,
          "baseline-deviation": check_plots.baseline_deviation, "export-peaks": rl_plots.refit_peaks,
          "logprob-agreement": rl_plots.refit_policy, "residue": rl_plots.rl_cycle_residue}
 
@@ -37,6 +38,6 @@ def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Chart]]:
 # What the plots draw from, for a report's line on a run that has none
 PLOTTED = ("checkpoint save peaks and timelines (ckpt-memory), collective bytes (grad-sync), step phases and "
            "times (step-perf), steps against the reference (equivalence, batch-split) and against the stored "
-           "trajectory (golden), baselined figures against "
+           "trajectory (golden), gradients against the reference (dynamic-cp), baselined figures against "
            "their band (train-memory), export peaks and log-prob agreement (refit), device residue per iteration "
            "(rl-cycle)")

@@ -1,7 +1,8 @@
 """Plots drawn from what checks recorded in a results file, for any suite whose checks record it: each case's
 figures per step against its reference's (`checks.StepSeries`: equivalence, batch-split) or against stored values
-with each step's own tolerance (`checks.TrajectoryFigures`: golden), and each case's baselined figures against
-their baseline band (`baselines.BaselineFigures`, where no plot of its own draws them)."""
+with each step's own tolerance (`checks.TrajectoryFigures`: golden), each case's tensors against its reference's
+(`checks.ParamErrors`: dynamic-cp's gradients), and each case's baselined figures against their baseline band
+(`baselines.BaselineFigures`, where no plot of its own draws them)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,55 @@ def steps_against_reference(run: RunFile, path: Path) -> Path | None:
                      fontsize=9)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{run.title}: each case's steps against its reference ({FLOOR:.0e}: bit for bit)", fontsize=10)
+    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return save_figure(plt, fig, path, 100)
+
+
+def params_against_reference(run: RunFile, path: Path) -> Path | None:
+    """Per check that compared tensors by name (`checks.ParamErrors`: dynamic-cp's gradients), each case's relative
+    error per parameter against its reference's, against the tolerance (log scale; bit for bit at FLOOR, NaN or inf
+    at CEILING)."""
+    checks = [c for c in run.data["checks"] if {"errors", "reference_case", "rtol"} <= set(c.get("data") or {})
+              and c["data"]["errors"]]
+    if not checks:
+        return None
+    plt = pyplot()
+    labels, failed = variant_labels(run), failed_cases(run)
+    names = sorted({n for c in checks for n in c["data"]["errors"]})
+    ids = list(dict.fromkeys(c["case_id"] for c in checks))
+    colors = dict(zip(ids, distinct_colors(plt, len(ids))))
+    per_check: dict[str, list[dict[str, Any]]] = {}
+    for c in checks:
+        per_check.setdefault(c["check"], []).append(c)
+    fig, axes = plt.subplots(1, len(per_check), figsize=(max(8.0, 0.35 * len(names) + 4) * len(per_check), 6),
+                             squeeze=False)
+    named: set[str] = set()
+    for ax, (check, cs) in zip(axes[0], sorted(per_check.items())):
+        for c in cs:
+            errors = c["data"]["errors"]
+            xs = [i for i, n in enumerate(names) if n in errors]
+            ys = [CEILING if not math.isfinite(errors[n]) else min(max(errors[n], FLOOR), CEILING)
+                  for n in names if n in errors]
+            name = labels.get(c["case_id"], c["case_id"]) + (" (failed)" if c["case_id"] in failed else "")
+            ax.plot(xs, ys, ls="none", marker="o", ms=4, color=colors[c["case_id"]],
+                    label=None if name in named else name)
+            named.add(name)
+        for rtol in sorted({c["data"]["rtol"] for c in cs}):
+            name = f"tolerance {rtol:.0e}"
+            ax.axhline(rtol, color="red", ls="--", lw=1, label=None if name in named else name)
+            named.add(name)
+        ax.set_yscale("log")
+        if len(names) <= 60:
+            ax.set_xticks(range(len(names)), [n.replace("decoder.layers.", "") for n in names], rotation=90,
+                          fontsize=6)
+        ax.set_xlabel("parameter")
+        ax.set_ylabel("|case - reference| / |reference|")
+        refs = sorted({labels.get(c["data"]["reference_case"], c["data"]["reference_case"]) for c in cs})
+        against = f"the reference ({refs[0]})" if len(refs) == 1 else f"its reference (one of {len(refs)})"
+        ax.set_title(f"{check}: each tensor against {against}", fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{run.title}: each case's tensors against its reference ({FLOOR:.0e}: bit for bit)", fontsize=10)
     fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     return save_figure(plt, fig, path, 100)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.checks import CheckResult, case_failed
+from harness.checks import CheckResult, ParamErrors, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_count, nonfinite_summary, severity, within
 from harness.checks.tensors import rel_error
 from harness.dtypes import dtype
@@ -166,6 +166,7 @@ def _check_grads(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
         return CheckResult("dynamic-cp.grads", res.case.id, False,
                            f"{head}: parameter names differ from no CP: {sorted(set(got) ^ set(want))[:5]}")
     errs = {n: rel_error(got[n], want[n]) for n in want}
+    drawn = ParamErrors(ref.case.id, rtol, {n: float(e) for n, e in errs.items()})
     worst = max(errs, key=lambda n: severity(errs[n]))
     bad = sorted((n for n in errs if beyond(errs[n], rtol)), key=lambda n: -severity(errs[n]))
     if bad:
@@ -175,10 +176,10 @@ def _check_grads(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:
                            f"{head}: {len(bad)}/{len(errs)} gradients differ from no CP; worst {bad[0]}: rel "
                            f"{fmt_err(errs[bad[0]])} > {rtol:.0e} (norm ratio {ratio:.4f})"
                            + (f" (non-finite: {nonfinite})" if nonfinite else ""),
-                           [f"  {n}: rel {fmt_err(errs[n])}" for n in bad], value=errs[bad[0]])
+                           [f"  {n}: rel {fmt_err(errs[n])}" for n in bad], value=errs[bad[0]], data=drawn)
     return CheckResult("dynamic-cp.grads", res.case.id, True,
                        f"{head}: {len(errs)} gradients equal no CP, worst {worst} rel {errs[worst]:.2e} <= {rtol:.0e}",
-                       value=errs[worst])
+                       value=errs[worst], data=drawn)
 
 
 def _rank0(res: CaseResult) -> DynamicCPRankData:
