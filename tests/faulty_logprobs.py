@@ -33,22 +33,32 @@ class EntropyOnUnscaledLogits(McoreEngine):
     logprob_part = UnscaledEntropy
 
 
+def _normaliser_outside_autograd(z):
+    """The softmax's max and normaliser over the TP ranks' vocabulary shards, all-reduced outside autograd (ms-swift
+    #9947's shape): the values right, no gradient through them."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        top = z.max(dim=-1, keepdim=True).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        total = torch.exp(z - top).sum(dim=-1)
+        dist.all_reduce(total, group=group)
+    return top, total
+
+
 class NormaliserReducedOutsideAutograd(LogprobHead):
     def logprobs(self, logits, labels):
         import torch
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         if ps.get_tensor_model_parallel_world_size() == 1:  # one shard: the plain path
             return super().logprobs(logits, labels)
         z = self.scaled(logits.float())
-        group = ps.get_tensor_model_parallel_group()
-        with torch.no_grad():  # the softmax's normaliser all-reduced outside autograd
-            top = z.max(dim=-1, keepdim=True).values
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            total = torch.exp(z - top).sum(dim=-1)
-            dist.all_reduce(total, group=group)
+        top, total = _normaliser_outside_autograd(z)
         shard = z.shape[-1]
         local = labels - ps.get_tensor_model_parallel_rank() * shard
         owned = (local >= 0) & (local < shard)
@@ -82,19 +92,13 @@ class LabelShiftOffByOne(McoreEngine):
 class EntropyNormaliserOutsideAutograd(LogprobHead):
     def entropy(self, logits):
         import torch
-        import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         if ps.get_tensor_model_parallel_world_size() == 1:  # one shard: the plain path
             return super().entropy(logits)
         z = self.scaled(logits.float())
-        group = ps.get_tensor_model_parallel_group()
-        with torch.no_grad():  # the softmax's normaliser all-reduced outside autograd
-            top = z.max(dim=-1, keepdim=True).values
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-            total = torch.exp(z - top).sum(dim=-1)
-            dist.all_reduce(total, group=group)
+        top, total = _normaliser_outside_autograd(z)
         shifted = z - top
         return torch.log(total) - reduce_from_tensor_model_parallel_region((torch.exp(shifted) * shifted).sum(-1)) / total
 

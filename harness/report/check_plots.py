@@ -39,6 +39,14 @@ def relative(a: float, b: float) -> float:
 OWN_BASELINE_PLOTS = ("ckpt-memory", "refit")
 
 
+
+def _finish(plt: Any, fig: Any, path: Path, title: str) -> Path | None:
+    """A figure of panels titled, its legend on the right, saved."""
+    fig.suptitle(title, fontsize=10)
+    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    return save_figure(plt, fig, path, 100)
+
 def _step_checks(run: RunFile) -> dict[str, list[dict[str, Any]]]:
     """figure -> the checks that recorded it per step against a reference, in the order they ran."""
     out: dict[str, list[dict[str, Any]]] = {}
@@ -90,10 +98,7 @@ def steps_against_reference(run: RunFile, path: Path) -> Path | None:
         ax.set_title(f"{figure} per step against the reference" + (f" ({', '.join(refs)})" if refs else ""),
                      fontsize=9)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{run.title}: each case's steps against its reference ({FLOOR:.0e}: bit for bit)", fontsize=10)
-    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    return save_figure(plt, fig, path, 100)
+    return _finish(plt, fig, path, f"{run.title}: each case's steps against its reference ({FLOOR:.0e}: bit for bit)")
 
 
 def params_against_reference(run: RunFile, path: Path) -> Path | None:
@@ -139,10 +144,8 @@ def params_against_reference(run: RunFile, path: Path) -> Path | None:
         against = f"the reference ({refs[0]})" if len(refs) == 1 else f"its reference (one of {len(refs)})"
         ax.set_title(f"{check}: each tensor against {against}", fontsize=9)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{run.title}: each case's tensors against its reference ({FLOOR:.0e}: bit for bit)", fontsize=10)
-    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    return save_figure(plt, fig, path, 100)
+    return _finish(plt, fig, path, f"{run.title}: each case's tensors against its reference ({FLOOR:.0e}: bit for "
+                                   "bit)")
 
 
 def steps_against_stored(run: RunFile, path: Path) -> Path | None:
@@ -185,11 +188,8 @@ def steps_against_stored(run: RunFile, path: Path) -> Path | None:
         ax.set_title(f"{figure} per step against the stored trajectory", fontsize=9)
         ax.grid(alpha=0.3)
     keys = sorted({c["data"]["key"] for c in checks})
-    fig.suptitle(f"{run.title}: each case's steps against {', '.join(keys)} (1: the step's tolerance; "
-                 f"{FLOOR:.0e}: exact)", fontsize=10)
-    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    return save_figure(plt, fig, path, 100)
+    return _finish(plt, fig, path, f"{run.title}: each case's steps against {', '.join(keys)} (1: the step's "
+                                   f"tolerance; {FLOOR:.0e}: exact)")
 
 
 def baseline_deviation(run: RunFile, path: Path) -> Path | None:
