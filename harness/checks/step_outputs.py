@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -13,6 +14,8 @@ from harness.dtypes import DType, dtype
 from harness.engines.base import ParamShard, StepOutput
 from harness.launch.results import CaseResult, RankResult
 from harness.spec import Case
+
+PerToken = Literal["logprobs", "entropy"]  # what a rank's TokenLogprobs hold per token
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ def trained(rank: RankResult) -> TrainedRankData:
 
 
 def first_step_logprobs(result: CaseResult, outputs: Callable[[TrainedRankData], list[StepOutput]] | None = None,
-                        what: str = "logprobs") -> tuple[torch.Tensor, torch.Tensor] | None:
+                        what: PerToken = "logprobs") -> tuple[torch.Tensor, torch.Tensor] | None:
     """(log-probs [global batch, seq], how many ranks reported each token) of the first of each rank's
     `outputs` (default: its training steps), assembled from the last-stage, TP-rank-0 ranks in the original
     token order (NaN where none did); None when the engine captured none."""
@@ -40,7 +43,7 @@ def first_step_logprobs(result: CaseResult, outputs: Callable[[TrainedRankData],
 
 
 def assemble_logprobs(case: Case, rank_outputs: list[tuple[dict[str, int], list[StepOutput]]],
-                      what: str = "logprobs") -> tuple[torch.Tensor, torch.Tensor] | None:
+                      what: PerToken = "logprobs") -> tuple[torch.Tensor, torch.Tensor] | None:
     """first_step_logprobs over (coords, step outputs) of a case's ranks; `what`: "logprobs" or "entropy" (None
     where a rank kept none)."""
     gbs, seq = case.global_batch_size, case.model.seq_length

@@ -112,8 +112,9 @@ class RLSteps:
         mbs: list[dict[str, Any]] = [microbatch_tensors(batch, group, seq) for group in microbatches]
         if cp > 1:
             mbs = [split_on_cp_rank(dict(mb)) for mb in mbs]
-        if mode is not None and case_entropy_coef(self.case):  # the head keeps the entropy with its gradient
-            mbs = [{**mb, "entropy_coef": case_entropy_coef(self.case)} for mb in mbs]
+        coef = case_entropy_coef(self.case)
+        if mode is not None and coef:  # the head keeps the entropy with its gradient
+            mbs = [{**mb, "entropy_coef": coef} for mb in mbs]
         counts = [self.sample_token_counts(mb["loss_mask"]) for mb in mbs]
         totals = self.batch_totals([mb["loss_mask"] for mb in mbs], counts)
         n = len(mbs)

@@ -29,10 +29,14 @@ BEYOND = 10.0  # tolerances: a figure further from its baseline (or not finite) 
 CEILING = 1e3  # a relative difference that is NaN or inf, drawn here on the log axis
 
 
+def on_log_axis(v: float) -> float:
+    """A non-negative figure for a log axis: 0 at FLOOR, NaN or inf at CEILING."""
+    return CEILING if not math.isfinite(v) else min(max(v, FLOOR), CEILING)
+
+
 def relative(a: float, b: float) -> float:
-    """|a - b| / |b| (|a - b| where b is 0) for a log axis: 0 at FLOOR, NaN or inf at CEILING."""
-    rel = abs(a - b) / abs(b) if b else abs(a - b)
-    return CEILING if not math.isfinite(rel) else min(max(rel, FLOOR), CEILING)
+    """|a - b| / |b| (|a - b| where b is 0) for a log axis (on_log_axis)."""
+    return on_log_axis(abs(a - b) / abs(b) if b else abs(a - b))
 
 
 # Suites whose baselined figures a plot of their own draws against the band (ckpt-memory's peaks, refit's exports)
@@ -124,8 +128,7 @@ def params_against_reference(run: RunFile, path: Path) -> Path | None:
         for c in cs:
             errors = c["data"]["errors"]
             xs = [i for i, n in enumerate(names) if n in errors]
-            ys = [CEILING if not math.isfinite(errors[n]) else min(max(errors[n], FLOOR), CEILING)
-                  for n in names if n in errors]
+            ys = [on_log_axis(errors[n]) for n in names if n in errors]
             name = labels.get(c["case_id"], c["case_id"]) + (" (failed)" if c["case_id"] in failed else "")
             ax.plot(xs, ys, ls="none", marker="o", ms=4, color=colors[c["case_id"]],
                     label=None if name in named else name)
@@ -162,7 +165,7 @@ def steps_against_stored(run: RunFile, path: Path) -> Path | None:
             off = abs(got - want) if math.isfinite(got) else math.inf
             distance = off / allowed if allowed else (0.0 if off == 0 else math.inf)
             series.setdefault(figure, {}).setdefault(c["case_id"], []).append(
-                (int(step[4:]), CEILING if not math.isfinite(distance) else min(max(distance, FLOOR), CEILING)))
+                (int(step[4:]), on_log_axis(distance)))
     plt = pyplot()
     labels, failed = variant_labels(run), failed_cases(run)
     from matplotlib.ticker import MaxNLocator

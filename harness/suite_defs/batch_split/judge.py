@@ -9,6 +9,7 @@ from harness.checks import CheckResult, StepSeries, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.checks.step_outputs import (
     LogprobDiff,
+    PerToken,
     TrainedRankData,
     coverage_problem,
     first_step_logprobs,
@@ -71,7 +72,7 @@ def step_figures(result: CaseResult) -> dict[str, list[float]]:
             "zero grads": [float("nan") if o.num_zeros is None else float(o.num_zeros) for o in first]}
 
 
-def forward_logprobs(result: CaseResult, what: str = "logprobs") -> tuple[torch.Tensor, torch.Tensor] | None:
+def forward_logprobs(result: CaseResult, what: PerToken = "logprobs") -> tuple[torch.Tensor, torch.Tensor] | None:
     """The forward-only pass's log-probs (or entropies) over the global batch and how many ranks reported each
     token (checks.step_outputs.first_step_logprobs of the pass); None when none was captured."""
     return first_step_logprobs(result, lambda d: d.logprob_pass if isinstance(d, BatchSplitRankData) else [], what)
