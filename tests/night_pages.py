@@ -47,7 +47,8 @@ def refit_run(path: Path, date: str = TONIGHT, versions: dict | None = None,
     from dataclasses import asdict
 
     from harness.baselines import BaselineFigures, BaselineStatus, Verdict
-    from harness.suite_defs.refit.judge import Agreement, ExportPeaks
+    from harness.checks import Agreement
+    from harness.suite_defs.refit.judge import ExportPeaks
 
     cases, checks = [], []
     for case_id, outcome in zip(REFIT_CASES, outcomes):

@@ -104,12 +104,19 @@ def test_qkv_split_without_query_groups_is_named():
 
 @pytest.mark.slow
 def test_fc1_without_tp_deinterleave_fails_at_tp2_only():
-    failed = _failed(_run("tests.faulty_peft:Fc1NoDeinterleave"))
+    run = _run("tests.faulty_peft:Fc1NoDeinterleave")
+    failed = _failed(run)
     assert not any(lay == TP2[0] for _, lay in failed), failed  # at TP1 halves are [gate; up]
     msg = failed[("peft-ckpt.tensors", TP2[1])]
     assert "mlp.gate_proj.lora_B.weight" in msg or "mlp.up_proj.lora_B.weight" in msg
     assert "_proj.lora_B.weight" in failed[("peft-ckpt.export", TP2[1])]
     assert ("peft-ckpt.logprobs", TP2[1]) in failed
+    # what the report draws (harness/report/adapter_plots.py, check_plots.params_against_reference) shows it too
+    drawn = {c.check: c.data for c in run.checks if c.case_id.split("/")[3].startswith(TP2[1])}
+    export = drawn["peft-ckpt.export"]
+    assert export.reference_case.split("/")[3].startswith(TP2[0]) and max(export.errors.values()) > export.rtol
+    assert drawn["peft-ckpt.logprobs"].worst_rel > drawn["peft-ckpt.logprobs"].rtol
+    assert drawn["peft-ckpt.logprobs"].tokens_off > 0
 
 
 @pytest.mark.slow
@@ -152,11 +159,14 @@ def test_config_fields_are_judged_where_the_engine_wrote_them():
 
 @pytest.mark.slow
 def test_merged_export_fails_content_and_memory():
-    failed = _failed(_run("tests.faulty_peft:MergedExport", model="small", layouts=["tp1-pp1-cp1-dp1"]))
+    run = _run("tests.faulty_peft:MergedExport", model="small", layouts=["tp1-pp1-cp1-dp1"])
+    failed = _failed(run)
     lay = "tp1-pp1-cp1-dp1"
     assert "PEFT does not expect" in failed[("peft-ckpt.valid", lay)]
     assert "tensors that are no adapter of the model" in failed[("peft-ckpt.tensors", lay)]
     assert "gathers or merges more than the adapters" in failed[("peft-ckpt.memory", lay)]
+    (peaks,) = [c.data for c in run.checks if c.check == "peft-ckpt.memory"]  # as the report draws it
+    assert peaks.peaks[0] > peaks.bound_bytes < peaks.tells_below_bytes
 
 
 @pytest.mark.slow

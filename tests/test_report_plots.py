@@ -125,3 +125,42 @@ def test_dynamic_cps_gradients_are_drawn_per_tensor_against_no_cp_and_the_plante
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0.mlp.linear_fc1.weight", "embedding.word_embeddings.weight"]
     assert list(good.get_ydata()) == [3e-8, FLOOR]  # in the tensors' order; bit for bit at the floor
     assert list(bad.get_ydata()) == [check_plots.CEILING, 0.5] and tolerance.get_ydata()[0] == 1e-5
+
+
+def test_peft_ckpts_adapter_is_drawn_and_a_merging_export_stands_above_its_bound(tmp_path, monkeypatch):
+    """As peft-ckpt's checks record them: the case whose export merged the base weights into the adapter (tests/
+    faulty_peft.py:MergedExport) is drawn above the bound and named failed, its log-probs above the tolerance; the
+    passing case's export peaks under the bound, its log-probs under the tolerance, a NaN at the ceiling."""
+    import dataclasses
+
+    from harness.checks import Agreement, HostPeaks
+    from harness.report import adapter_plots, check_plots
+
+    cases = [_case(0, {}), {**_case(1, {}), "outcome": "regression"}]
+    [run] = _run_file(tmp_path / "run", "peft-ckpt", cases)
+    mib = 1 << 20
+
+    def recorded(case: dict, check: str, data) -> dict:
+        return {"check": check, "case_id": case["id"], "status": "pass", "message": "", "data": dataclasses.asdict(data)}
+
+    run.data["checks"] = [
+        recorded(cases[0], "peft-ckpt.logprobs", Agreement(2e-7, 1e-5, 0, 512)),
+        recorded(cases[0], "peft-ckpt.roundtrip", Agreement(float("nan"), 1e-5, 512, 512)),
+        recorded(cases[0], "peft-ckpt.memory", HostPeaks({0: 2 * mib, 1: mib}, 6 * mib, 23 * mib)),
+        recorded(cases[1], "peft-ckpt.logprobs", Agreement(0.3, 1e-5, 511, 512)),
+        recorded(cases[1], "peft-ckpt.memory", HostPeaks({0: 19 * mib, 1: 18 * mib}, 6 * mib, 23 * mib))]
+    kept = []
+    monkeypatch.setattr(adapter_plots, "save_figure", lambda plt, fig, path, dpi: kept.append(fig) or path)
+    assert adapter_plots.adapter_export(run, tmp_path / "x.png")
+    logprobs, peaks = kept[0].axes
+    bars = {(c.get_label(), round(p.get_x() + p.get_width() / 2)): p.get_height()
+            for c in logprobs.containers for p in c.patches}
+    assert bars[("HF + PEFT against Megatron", 1)] > 1e-5 > bars[("HF + PEFT against Megatron", 0)]
+    assert max(h for (name, _), h in bars.items() if "reloaded into" in name) == check_plots.CEILING
+    [tolerance] = [line for line in logprobs.lines if line.get_label() == "tolerance 1e-05"]
+    bound, whole = (next(line for line in peaks.lines if line.get_label() == name).get_ydata()[0]
+                    for name in ("bound", "the whole model (a merging export)"))
+    heights = [(round(p.get_x() + p.get_width() / 2), p.get_height()) for p in peaks.patches]
+    assert bound == 6 and whole == 23 and max(h for x, h in heights if x == 0) < bound < min(h for x, h in heights
+                                                                                              if x == 1)
+    assert [t.get_color() for t in peaks.get_xticklabels()][1] == "red"  # the failed case's label

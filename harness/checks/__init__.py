@@ -45,6 +45,26 @@ class ParamErrors(CheckData):
 
 
 @dataclass
+class Agreement(CheckData):
+    """Log-probs against another model's: the worst relative difference, the tolerance, the tokens beyond it."""
+
+    worst_rel: float
+    rtol: float
+    tokens_off: int
+    tokens: int
+
+
+@dataclass
+class HostPeaks(CheckData):
+    """A phase's host peak per rank (bytes) against the bound it is judged by, and the size a bound must stay below
+    for the peak to tell (peft-ckpt's adapter export: the whole model's, which a merging export would hold)."""
+
+    peaks: dict[int, int]
+    bound_bytes: int
+    tells_below_bytes: int
+
+
+@dataclass
 class TrajectoryFigures(CheckData):
     """Each step's figures against stored values, with each one's allowed deviation (golden's trajectory against its
     recorded values): what a report draws of a trajectory judged step by step."""

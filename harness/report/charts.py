@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.report import check_plots, plots, rl_plots
+from harness.report import adapter_plots, check_plots, plots, rl_plots
 from harness.report.plots import Chart
 from harness.report.runs import RunFile
 
@@ -15,7 +15,8 @@ PLOTS = {"peaks": plots.ckpt_peaks, "save-timeline": plots.ckpt_timelines, "coll
          "steps-vs-stored": check_plots.steps_against_stored,
          "tensors-vs-reference": check_plots.params_against_reference,
          "baseline-deviation": check_plots.baseline_deviation, "export-peaks": rl_plots.refit_peaks,
-         "logprob-agreement": rl_plots.refit_policy, "residue": rl_plots.rl_cycle_residue}
+         "logprob-agreement": rl_plots.refit_policy, "residue": rl_plots.rl_cycle_residue,
+         "adapter-export": adapter_plots.adapter_export}
 
 
 def render_all(runs: list[RunFile], out_dir: Path) -> dict[str, list[Chart]]:
@@ -40,4 +41,4 @@ PLOTTED = ("checkpoint save peaks and timelines (ckpt-memory), collective bytes 
            "times (step-perf), steps against the reference (equivalence, batch-split) and against the stored "
            "trajectory (golden), gradients against the reference (dynamic-cp), baselined figures against "
            "their band (train-memory), export peaks and log-prob agreement (refit), device residue per iteration "
-           "(rl-cycle)")
+           "(rl-cycle), the exported adapter's tensors, log-probs and host peak (peft-ckpt)")

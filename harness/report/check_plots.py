@@ -7,6 +7,7 @@ with each step's own tolerance (`checks.TrajectoryFigures`: golden), each case's
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,8 +140,7 @@ def params_against_reference(run: RunFile, path: Path) -> Path | None:
             named.add(name)
         ax.set_yscale("log")
         if len(names) <= 60:
-            ax.set_xticks(range(len(names)), [n.replace("decoder.layers.", "") for n in names], rotation=90,
-                          fontsize=6)
+            ax.set_xticks(range(len(names)), _short_names(names), rotation=90, fontsize=6)
         ax.set_xlabel("parameter")
         ax.set_ylabel("|case - reference| / |reference|")
         refs = sorted({labels.get(c["data"]["reference_case"], c["data"]["reference_case"]) for c in cs})
@@ -149,6 +149,13 @@ def params_against_reference(run: RunFile, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     return _finish(plt, fig, path, f"{run.title}: each case's tensors against its reference ({FLOOR:.0e}: bit for "
                                    "bit)")
+
+
+def _short_names(names: list[str]) -> list[str]:
+    """Tensor names without the dotted prefix they all share and without `decoder.layers.`."""
+    common = os.path.commonprefix(names) if len(names) > 1 else ""
+    cut = common.rfind(".") + 1
+    return [n[cut:].replace("decoder.layers.", "") for n in names]
 
 
 def steps_against_stored(run: RunFile, path: Path) -> Path | None:
@@ -237,3 +244,26 @@ def baseline_deviation(run: RunFile, path: Path) -> Path | None:
     return finish_per_case(plt, fig, ax, run, shown, path, "(measured - baseline) / tolerance",
                            "each baselined figure against its baseline (grey: within the tolerance)",
                            labels=variant_labels(run))
+
+
+def agreement_bars(ax: Any, run: RunFile, series: dict[str, str]) -> list[dict[str, Any]]:
+    """Per case, a bar for each check of `series` (check -> the bar's name) that recorded log-probs against another
+    model's (`checks.Agreement`): its worst relative difference (log scale; bit for bit at FLOOR, NaN at CEILING),
+    against each tolerance; the cases drawn, in the run's order."""
+    checks = [c for c in run.data["checks"] if c["check"] in series and (c.get("data") or {}).get("rtol")]
+    ids = set(c["case_id"] for c in checks)
+    cases = [c for c in run.data["cases"] if c["id"] in ids]
+    if not cases:
+        return []
+    at = {c["id"]: i for i, c in enumerate(cases)}
+    drawn = [name for name in series if any(c["check"] == name for c in checks)]
+    colors = dict(zip(drawn, ["tab:purple", "tab:brown", "tab:olive", "tab:cyan"]))  # not the ranks' tab10 colours
+    width = 0.8 / len(drawn)
+    for j, name in enumerate(drawn):
+        mine = [c for c in checks if c["check"] == name and c["case_id"] in at]
+        ax.bar([at[c["case_id"]] + (j - (len(drawn) - 1) / 2) * width for c in mine],
+               [relative(c["data"]["worst_rel"], 0.0) for c in mine], width, color=colors[name], label=series[name])
+    for rtol in sorted({c["data"]["rtol"] for c in checks}):
+        ax.axhline(rtol, color="red", ls="--", lw=1, label=f"tolerance {rtol:.0e}")
+    ax.set_yscale("log")
+    return cases

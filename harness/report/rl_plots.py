@@ -8,12 +8,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.report.check_plots import relative
+from harness.report.check_plots import agreement_bars
 from harness.report.plots import (
     distinct_colors,
     failed_cases,
     finish_per_case,
-    judged_cases,
     mark_failed,
     pyplot,
     save_figure,
@@ -98,17 +97,11 @@ def refit_peaks(run: RunFile, path: Path) -> Path | None:
 
 def refit_policy(run: RunFile, path: Path) -> Path | None:
     """Per case: the worst relative difference of the HF model's log-probs from Megatron's, against the tolerance."""
-    checks = _checks(run, "refit.policy")
-    if not checks:
+    if not _checks(run, "refit.policy"):
         return None
     plt = pyplot()
-    checks, shown = judged_cases(run, checks)
-    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(shown) + 3), 4.5))
-    worst = [relative(c["data"]["worst_rel"], 0.0) for c in checks]  # NaN at the top
-    ax.bar(range(len(shown)), worst, 0.6, color="tab:blue", label="worst rel. difference of a held-out token")
-    for rtol in sorted({c["data"]["rtol"] for c in checks}):
-        ax.axhline(rtol, color="red", ls="--", lw=1, label=f"tolerance {rtol:.0e}")
-    ax.set_yscale("log")
+    fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(run.data["cases"]) + 3), 4.5))
+    shown = agreement_bars(ax, run, {"refit.policy": "worst rel. difference of a held-out token"})
     return finish_per_case(plt, fig, ax, run, shown, path, "|HF - Megatron| / |Megatron|, log-prob",
                            "the HF model loaded from the stream against Megatron's log-probs",
                            labels=variant_labels(run))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.checks import CheckResult, cannot_tell, case_failed
+from harness.checks import Agreement, CheckResult, HostPeaks, ParamErrors, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.checks.step_outputs import HF_LOGPROB_RTOL as LOGPROB_RTOL
 from harness.checks.step_outputs import (
@@ -231,31 +231,31 @@ def _check_logprobs(res: CaseResult, hf: dict) -> CheckResult:
         return CheckResult(name, cid, False, f"{lay}: held-out log-probs: {coverage}")
     peft_lp, off = hf["logprobs"], hf["logprobs_disabled"]
     diff = LogprobDiff.of(peft_lp, megatron, LOGPROB_RTOL)
-    worst = diff.worst
+    worst, drawn = diff.worst, _agreement(diff, megatron.numel())
     effect = float(((peft_lp - off).abs() / (float(megatron.abs().max()) or 1.0)).max())
     if diff.bad.any():
         unjudged = _beyond_fp32(name, cid, f"{lay}: HF + PEFT against the Megatron model", worst,
-                                res.case.options.dtype, effect)
+                                res.case.options.dtype, effect, drawn)
         if unjudged:
             return unjudged
         sample = diff.first_sample
         return CheckResult(name, cid, False,
                            f"{lay}: HF + PEFT log-probs differ from the Megatron model at {int(diff.bad.sum())}/"
                            f"{megatron.numel()} held-out tokens (worst rel {fmt_err(worst)} > {LOGPROB_RTOL:.0e}); "
-                           f"first: sample {sample}, positions {diff.positions(sample)}", value=worst)
+                           f"first: sample {sample}, positions {diff.positions(sample)}", value=worst, data=drawn)
     if not effect > NOOP_MIN:
         return CheckResult(name, cid, False,
                            f"{lay}: the adapter is a no-op in PEFT: disabling it moves the log-probs by "
                            f"{fmt_err(effect)} (<= {NOOP_MIN:.0e}) after {res.case.options.steps} steps",
-                           value=effect)
+                           value=effect, data=drawn)
     return CheckResult(name, cid, True,
                        f"{lay}: HF + PEFT log-probs of {megatron.numel()} held-out tokens equal the Megatron model's, "
                        f"worst rel {worst:.2e} <= {LOGPROB_RTOL:.0e}; the adapter moves them by {effect:.2e}",
-                       value=worst)
+                       value=worst, data=drawn)
 
 
-def _beyond_fp32(name: str, cid: str, head: str, worst: float, dtype_name: str, effect: float | None = None
-                 ) -> CheckResult | None:
+def _beyond_fp32(name: str, cid: str, head: str, worst: float, dtype_name: str, effect: float | None = None,
+                 drawn: Agreement | None = None) -> CheckResult | None:
     """In fp16 / bf16 a log-prob difference beyond fp32's tolerance and within the dtype's is rounding as much as a
     wrong adapter: what the adapter itself moves (~1e-3 after two steps) hides in it, so the comparison cannot tell
     (None: fp32, or beyond the dtype's tolerance: the caller judges)."""
@@ -266,7 +266,7 @@ def _beyond_fp32(name: str, cid: str, head: str, worst: float, dtype_name: str, 
     rounding = f"{dtype_name}'s rounding ({rtol:.0e})"
     return cannot_tell(name, cid, f"{head}: log-probs differ by {worst:.2e} in {dtype_name}, beyond fp32's "
                                   f"{LOGPROB_RTOL:.0e} and within {rounding}{moved}: a wrong adapter can hide there; "
-                                  f"judge with --dtype fp32", value=worst)
+                                  f"judge with --dtype fp32", value=worst, data=drawn)
 
 
 def _check_reload(res: CaseResult, which: str) -> CheckResult:
@@ -295,9 +295,9 @@ def _check_reload(res: CaseResult, which: str) -> CheckResult:
     if coverage:
         return CheckResult(name, cid, False, f"{lay} -> {target}: held-out log-probs: {coverage}")
     diff = LogprobDiff.of(got, want, LOGPROB_RTOL)
-    worst = diff.worst
+    worst, drawn = diff.worst, _agreement(diff, got.numel())
     if diff.bad.any():
-        unjudged = _beyond_fp32(name, cid, f"{lay} -> {target}: {what}", worst, res.case.options.dtype)
+        unjudged = _beyond_fp32(name, cid, f"{lay} -> {target}: {what}", worst, res.case.options.dtype, None, drawn)
         if unjudged:
             return unjudged
         sample = diff.first_sample
@@ -305,9 +305,10 @@ def _check_reload(res: CaseResult, which: str) -> CheckResult:
                            f"{lay} -> {target}: {what} loaded, but the held-out log-probs differ from the model "
                            f"that saved it at {int(diff.bad.sum())}/{got.numel()} tokens (worst rel "
                            f"{fmt_err(worst)} > {LOGPROB_RTOL:.0e}); first: sample {sample}, positions "
-                           f"{diff.positions(sample)}", value=worst)
+                           f"{diff.positions(sample)}", value=worst, data=drawn)
     return CheckResult(name, cid, True, f"{lay} -> {target}: {what} loads and gives the saving model's held-out "
-                                        f"log-probs, worst rel {worst:.2e} <= {LOGPROB_RTOL:.0e}", value=worst)
+                                        f"log-probs, worst rel {worst:.2e} <= {LOGPROB_RTOL:.0e}", value=worst,
+                       data=drawn)
 
 
 def _check_export(res: CaseResult, hf: dict, ref: CaseResult, ref_hf: dict | None) -> CheckResult:
@@ -325,13 +326,15 @@ def _check_export(res: CaseResult, hf: dict, ref: CaseResult, ref_hf: dict | Non
         return CheckResult(name, cid, False, f"{lay}: {len(diff.shapes)} tensors have other shapes than {rlay}'s; "
                                              f"{k}: {tuple(got[k].shape)} vs {tuple(want[k].shape)}")
     errs, bad, worst = diff.errs, diff.bad, diff.worst or ""
+    drawn = ParamErrors(ref.case.id, EXPORT_RTOL, dict(errs))
     if bad:
         return CheckResult(name, cid, False,
                            f"{lay}: {len(bad)}/{len(errs)} exported adapter tensors differ from {rlay}'s; worst "
                            f"{bad[0]}: rel {fmt_err(errs[bad[0]])} > {EXPORT_RTOL:.0e}",
-                           [f"  {k}: rel {fmt_err(errs[k])}" for k in bad], value=errs[bad[0]])
+                           [f"  {k}: rel {fmt_err(errs[k])}" for k in bad], value=errs[bad[0]], data=drawn)
     return CheckResult(name, cid, True, f"{lay}: {len(errs)} exported adapter tensors equal {rlay}'s; worst "
-                                        f"{worst} rel {errs[worst]:.2e} <= {EXPORT_RTOL:.0e}", value=errs[worst])
+                                        f"{worst} rel {errs[worst]:.2e} <= {EXPORT_RTOL:.0e}", value=errs[worst],
+                       data=drawn)
 
 
 def _check_memory(res: CaseResult) -> CheckResult:
@@ -342,19 +345,26 @@ def _check_memory(res: CaseResult) -> CheckResult:
     peaks = {r.rank: _export_peak(r).host_peak for r in res.ranks}
     worst = max(peaks, key=lambda r: peaks[r])
     rows = [f"  rank {r}: {p / MIB:.2f} MiB" for r, p in sorted(peaks.items())]
+    whole = 4 * m.num_params()
     why = (f"adapter {adapter / MIB:.2f} MiB x {EXPORT_COPIES} + {EXPORT_FIXED / MIB:.0f} MiB fixed; "
-           f"the whole model is {4 * m.num_params() / MIB:.1f} MiB")
+           f"the whole model is {whole / MIB:.1f} MiB")
+    drawn = HostPeaks({r: int(p) for r, p in peaks.items()}, int(bound), whole)
     if within(peaks[worst], bound):
-        if 4 * m.num_params() <= bound:  # a whole-model export would fit in the bound too
+        if whole <= bound:  # a whole-model export would fit in the bound too
             return cannot_tell(name, cid, f"{lay}: export host peak {peaks[worst] / MIB:.2f} MiB <= "
                                           f"{bound / MIB:.2f} MiB, but a whole-model export would fit that bound too "
-                                          f"({why}): judge on `small`", rows, value=peaks[worst] / MIB)
+                                          f"({why}): judge on `small`", rows, value=peaks[worst] / MIB, data=drawn)
         return CheckResult(name, cid, True, f"{lay}: export host peak {peaks[worst] / MIB:.2f} MiB (rank {worst}) "
-                                            f"<= {bound / MIB:.2f} MiB ({why})", rows, value=peaks[worst] / MIB)
+                                            f"<= {bound / MIB:.2f} MiB ({why})", rows, value=peaks[worst] / MIB,
+                           data=drawn)
     return CheckResult(name, cid, False,
                        f"{lay}: the adapter export peaked at {peaks[worst] / MIB:.2f} MiB of host memory on rank "
                        f"{worst} > {bound / MIB:.2f} MiB ({why}): it gathers or merges more than the adapters",
-                       rows, value=peaks[worst] / MIB)
+                       rows, value=peaks[worst] / MIB, data=drawn)
+
+
+def _agreement(diff: LogprobDiff, tokens: int) -> Agreement:
+    return Agreement(float(diff.worst), LOGPROB_RTOL, int(diff.bad.sum()), int(tokens))
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from harness import baselines
-from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
+from harness.checks import Agreement, CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import fmt_err
 from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs, hf_logprob_rtol
 from harness.checks.tensors import assemble
@@ -38,16 +38,6 @@ class ExportPeaks(CheckData):
     bucket_bytes: int
     bound_bytes: int
     peaks: dict[int, int]
-
-
-@dataclass
-class Agreement(CheckData):
-    """Log-probs against another model's: the worst relative difference, the tolerance, the tokens beyond it."""
-
-    worst_rel: float
-    rtol: float
-    tokens_off: int
-    tokens: int
 
 
 def data(result: CaseResult) -> list[RefitRankData]:
