@@ -41,6 +41,28 @@ class Item:
         return f"{self.suite}-{self.engine}-{self.model or 'default'}".replace(":", "-")
 
 
+def clear_earlier_night(out: Path, history_db: Path) -> tuple[int, int] | None:
+    """A nightly that reuses --out: the earlier night's runs there ingested into the history database where it does
+    not hold them yet (a night stopped before its ingest), then their files removed, so that tonight's page shows
+    tonight's runs only (a run planned and not run tonight is not last night's); (runs, added) or None."""
+    from harness.report.directory import remove_run_files
+
+    runs = [p.parent for p in sorted(out.rglob("results.json"))]
+    if not runs and not (out / NIGHT_PLAN).exists():
+        return None
+    con = store.open_db(history_db)
+    try:
+        added, _ = store.ingest(con, out)
+    finally:
+        con.close()
+    for run in runs:
+        remove_run_files(run)
+        if run != out and not any(run.iterdir()):
+            run.rmdir()
+    remove_run_files(out, (NIGHT_PLAN,))
+    return len(runs), added
+
+
 def plan_items(suites: list[str], models: list[str], engine: str | None) -> list[Item]:
     from harness.suite_defs import get_suite
 
@@ -88,6 +110,10 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     if history_db.exists():  # a corrupt or foreign database is refused before anything is written
         store.open_db(history_db, create=False).close()
     prepare_out_dir(out)
+    earlier = clear_earlier_night(out, history_db)
+    if earlier:
+        say(f"nightly: {out} held {earlier[0]} runs of an earlier night: in {history_db} ({earlier[1]} added now), "
+            "their files removed")
     started = datetime.now(UTC).isoformat(timespec="seconds")  # the runs' results are dated after it
     say(f"nightly: {len(items)} runs at world size {world} ({backend}) into {out}")
     t0, rows, passed, stop, judged = time.monotonic(), [], True, None, False

@@ -133,6 +133,54 @@ def test_an_interrupted_nightly_names_the_runs_it_did_not_run_at_the_top_of_its_
     assert "partial: interrupted (SIGTERM) after 0 of 3 cases" in top
 
 
+def test_a_nightly_that_reuses_its_out_shows_tonights_runs_only_and_keeps_the_earlier_nights_in_the_history(
+        tmp_path, capsys, monkeypatch):
+    """Night 1 ran both runs; night 2, into the same --out, is stopped after the first: its page and report.json
+    hold tonight's one run, not night 1's golden beside it; night 1's runs stay in the history database."""
+    import signal
+    import sqlite3
+    from datetime import datetime, timezone
+
+    from harness import nightly
+    from harness.errors import Interrupted
+    from harness.suite_run import SuiteRun
+
+    def execute_until(stop_after: int):
+        ran = []
+
+        def execute(planned, out_dir, **kwargs):
+            ran.append(planned.suite.name)
+            run = SuiteRun(planned.suite, planned.model_name, planned.world_size, planned.backend, planned.engine)
+            run.interrupted = Interrupted(signal.SIGTERM) if len(ran) == stop_after else None
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "results.json").write_text(json.dumps(
+                {"suite": planned.suite.name, "engine": planned.engine, "model": planned.model_name,
+                 "world_size": 2, "cases": [], "checks": [], "night": stop_after,
+                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
+            return run
+        return execute
+
+    said = []
+    monkeypatch.setattr("harness.driver.execute", execute_until(0))
+    nightly.run_nightly(tmp_path, ["equivalence", "golden"], ["tiny"], 2, "gloo", "mcore", said.append)
+    assert (tmp_path / "golden-mcore-tiny" / "results.json").exists()
+    killed = tmp_path / "refit-mcore-tiny"  # a run of a night killed before its ingest
+    killed.mkdir()
+    (killed / "results.json").write_text(json.dumps(
+        {"suite": "refit", "engine": "mcore", "model": "tiny", "world_size": 2, "cases": [], "checks": [],
+         "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
+    monkeypatch.setattr("harness.driver.execute", execute_until(1))
+    nightly.run_nightly(tmp_path, ["equivalence", "golden"], ["tiny"], 2, "gloo", "mcore", said.append)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [r["title"].split(" / ")[0] for r in report["runs"]] == ["equivalence"]
+    assert not (tmp_path / "golden-mcore-tiny").exists()  # not run tonight: last night's is not shown as tonight's
+    assert f"nightly: {tmp_path} held 3 runs of an earlier night: in {tmp_path / 'history.sqlite'} (1 added now), " \
+           "their files removed" in said
+    with sqlite3.connect(tmp_path / "history.sqlite") as con:
+        assert sorted(s for (s,) in con.execute("SELECT suite FROM runs")) == ["equivalence", "equivalence", "golden",
+                                                                               "refit"]
+
+
 def test_report_refuses_a_directory_without_results(tmp_path, capsys):
     assert cli.main(["report", str(tmp_path)]) == 2
     assert f"no results.json under {tmp_path}" in capsys.readouterr().err

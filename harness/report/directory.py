@@ -52,10 +52,17 @@ def refuse_earlier_run(path: Path, force: bool, flag: str = "--out") -> None:
     if not force:
         raise BadInput(f"{flag} {path} holds an earlier run ({', '.join(found)}): give a new directory, or add "
                        "--force to replace that run")
+    remove_run_files(path)
+    print(f"harness: --force: removed the earlier run's {', '.join(found)} from {path}", file=sys.stderr)
+
+
+def remove_run_files(path: Path, also: tuple[str, ...] = ()) -> list[str]:
+    """The run's files (RUN_FILES, and `also`) removed from the directory; their names."""
+    found = [name for name in (*RUN_FILES, *also) if (path / name).exists()]
     for name in found:
         target = path / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
-    print(f"harness: --force: removed the earlier run's {', '.join(found)} from {path}", file=sys.stderr)
+    return found
 
 
 def summary_json(runs: list[RunFile], plots: dict[str, list[Chart]]) -> dict[str, Any]:
