@@ -34,6 +34,7 @@ from harness.engines.mbridge import hf_config
 from harness.engines.mcore import McoreEngine
 from harness.engines.model_config import layer_spec, transformer_config
 from harness.engines.offloading import Offloading
+from harness.engines.policy_loss import PolicyStats
 from harness.engines.weight_export import buckets
 from harness.errors import BadInput, MissingDependency
 from harness.launch.context import RankContext
@@ -53,7 +54,7 @@ __all__ = [
     # the model's configuration as the harness builds it
     "transformer_config", "layer_spec", "hf_config", "DType", "dtype", "Backend",
     # the override points' own types and helpers
-    "MicroBatchLoss", "BatchTotals", "buckets",
+    "MicroBatchLoss", "BatchTotals", "PolicyStats", "buckets",
     # errors a factory or a refusal raises
     "BadInput", "MissingDependency",
 ]

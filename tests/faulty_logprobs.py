@@ -109,3 +109,17 @@ class EntropyReduceOutsideAutograd(McoreEngine):
     takes the plain path."""
 
     logprob_part = EntropyNormaliserOutsideAutograd
+
+
+class OldLogprobsAtTemperatureOne(McoreEngine):
+    """PPO's old log-probs taken by a pass that does not apply the rollout's temperature (the log-prob pass before
+    the update run with the model's default sampling parameters), the training forward at it: every token's ratio is
+    off by what the temperature moves; right at temperature 1 only."""
+
+    def old_logprobs(self, mbs, samples, batch, microbatches):
+        head = self.logprob_head()
+        kept, head.temperature = head.temperature, 1.0
+        try:
+            super().old_logprobs(mbs, samples, batch, microbatches)
+        finally:
+            head.temperature = kept

@@ -152,6 +152,27 @@ def test_at_a_temperature_tp2_trains_as_one_rank_and_a_normaliser_reduced_outsid
 
 
 @pytest.mark.slow
+def test_ppo_clip_at_tp2_has_ratio_exactly_1_and_old_log_probs_without_the_temperature_fail_it():
+    """PPO's clipped surrogate with a KL penalty over the old log-probs of a forward-only pass just before each step
+    (--policy-loss ppo-clip): at TP 2 and temperature 0.7 every step's ratio is exactly 1, nothing clipped, KL 0, and
+    it trains as one rank; old log-probs taken without the temperature fail the ratio, naming the TP size, the
+    temperature and the figure."""
+    params = {"temperature": 0.7, "policy_loss": "ppo-clip", "modes": ("token-mean",), "cuts": ("mbs2",)}
+    run = run_suite("batch-split", "tiny", 2, [TP], backend="gloo", suite_params=params)
+    assert run.passed, _failed(run)
+    ppo = {c.case_id: c.message for c in run.checks if c.check == "batch-split.ppo"}
+    assert len(ppo) == 2 and all("the ratio is exactly 1" in m and "KL 0" in m for m in ppo.values()), ppo
+    assert any("PPO-clip at TP 2:" in m for m in ppo.values()), ppo
+    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.faulty_logprobs:OldLogprobsAtTemperatureOne",
+                        backend="gloo", suite_params=params)
+    msg = _failed(planted)[(TP, "batch-split.ppo")]
+    assert re.fullmatch(r"token-mean, cut mbs2 at tp2-pp1-cp1-dp1, temperature 0\.7, ppo-clip \(micro-batches of 2 "
+                        r"samples\): PPO-clip at TP 2: step 0's ratio is not exactly 1 over its \d+ response tokens: "
+                        r"max \|ratio - 1\| [\d.]+e[-+]\d+, \d+ clipped \(eps 0\.2\), KL [\d.]+e[-+]\d+ per token: the old "
+                        r"log-probs are not the policy's own on the weights before the step", msg), msg
+
+
+@pytest.mark.slow
 def test_an_entropy_bonus_at_tp2_trains_as_one_rank_and_its_normaliser_outside_autograd_fails_the_gradient():
     """The loss minus 0.01 x the entropy, aggregated in the case's mode (verl's entropy_coeff): at TP 2 and temperature
     0.7 the losses, gradients and parameters equal one micro-batch on one rank's, and the first step's loss is the

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harness.backends import Backend
+from harness.engines.policy_loss import PolicyStats
 
 if TYPE_CHECKING:  # planning and judging import no torch; ranks do
     import torch
@@ -77,6 +78,8 @@ class StepOutput:
     # megatron's optimizer applied no update (update_successful False: a non-finite gradient norm, or one beyond
     # grad_norm_skip_threshold): the step trained nothing (harness/checks/skipped_steps.py)
     skipped: bool = False
+    # the RL steps' PPO figures over this rank's tokens (a `--policy-loss ppo-clip` step; None otherwise)
+    policy: PolicyStats | None = None
 
 
 class Engine(Protocol):

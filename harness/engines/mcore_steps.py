@@ -12,6 +12,7 @@ from harness.engines import data
 from harness.engines.base import StepOutput, TokenLogprobs
 from harness.engines.cp_data import zigzag_positions
 from harness.engines.experts import drop_routing_graphs
+from harness.engines.policy_loss import PolicyStats
 from harness.upstream import split_on_cp_rank
 
 
@@ -161,7 +162,9 @@ class McoreSteps:
         if not losses:
             return StepOutput(None, None, captured, **reported)
         total = torch.stack([d["lm loss"] for d in losses]).sum(0)
-        return StepOutput(float(total[0]), int(total[1]), captured, **reported)
+        policy = [d["policy"] for d in losses if "policy" in d]
+        return StepOutput(float(total[0]), int(total[1]), captured, **reported,
+                          policy=PolicyStats.of(policy) if policy else None)
 
     def _take_aux_loss(self) -> float | None:
         """This rank's load-balancing loss of the batch just run, from megatron's MoE loss tracker, which is then

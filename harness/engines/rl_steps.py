@@ -23,6 +23,7 @@ from harness.engines.base import StepOutput, TokenLogprobs
 from harness.engines.cp_data import whole_sequences
 from harness.engines.logprob_head import case_entropy_coef, check_head
 from harness.engines.loss_agg import CHUNK, LOSS_FORMS, SEQUENCE, BatchTotals, MicroBatchLoss, aggregate
+from harness.engines.policy_loss import PPO_CLIP, advantage, case_policy_loss, ppo_clip
 from harness.engines.rl_batch import RLBatch, microbatch_tensors
 from harness.errors import BadInput
 from harness.upstream import split_on_cp_rank
@@ -94,7 +95,16 @@ class RLSteps:
         """One training step on this DP rank's micro-batches (sample indices into the global batch); capture: its
         forward's per-token log-probs too."""
         mbs, samples, fns = self._rl_inputs(batch, microbatches, mode)
+        if case_policy_loss(self.case) == PPO_CLIP:
+            self.old_logprobs(mbs, samples, batch, microbatches)
         return self.run_microbatches(mbs, samples, forward_only=False, capture=capture, loss_fns=fns)
+
+    def old_logprobs(self, mbs: list[dict], samples: list, batch: RLBatch, microbatches: list[list[int]]) -> None:
+        """PPO's old log-probs: a forward-only pass over the step's own micro-batches on the weights before the step
+        (as a framework's compute_log_prob before its update), each kept in its micro-batch as "old_logprobs"."""
+        _, _, fns = self._rl_inputs(batch, microbatches, None)
+        keep = [functools.partial(_keep_old, mb, fn) for mb, fn in zip(mbs, fns)]
+        self.run_microbatches(mbs, samples, forward_only=True, capture=False, loss_fns=keep)
 
     def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]:
         """Forward only, no gradient (as a framework's compute_log_prob): every token's log-prob."""
@@ -115,6 +125,9 @@ class RLSteps:
         coef = case_entropy_coef(self.case)
         if mode is not None and coef:  # the head keeps the entropy with its gradient
             mbs = [{**mb, "entropy_coef": coef} for mb in mbs]
+        if mode is not None and case_policy_loss(self.case) == PPO_CLIP:  # after the CP split: one per sample
+            mbs = [{**mb, "advantages": torch.tensor([advantage(i) for i in group], dtype=torch.float32)}
+                   for mb, group in zip(mbs, microbatches)]
         counts = [self.sample_token_counts(mb["loss_mask"]) for mb in mbs]
         totals = self.batch_totals([mb["loss_mask"] for mb in mbs], counts)
         n = len(mbs)
@@ -130,6 +143,12 @@ class RLSteps:
         if mode is None:  # the forward-only pass: log-probs, no loss
             return torch.zeros((), device=dev), {"lm loss": torch.stack([torch.zeros((), device=dev), tokens])}
         token_loss, mask, cp = output_tensor.float().reshape(mask.shape), mask.to(dev).float(), 1
+        policy = None
+        if "advantages" in mb:  # PPO-clip over the old log-probs of the pass before the step
+            if "old_logprobs" not in mb:
+                raise RuntimeError("a ppo-clip step without old log-probs (old_logprobs() keeps them per micro-batch)")
+            old, adv = mb.pop("old_logprobs").to(dev), mb["advantages"].to(dev)
+            token_loss, policy = ppo_clip(-token_loss, old, adv, mask)
         if "entropy_term" in mb:  # the entropy bonus: the loss minus C x each token's entropy, aggregated alike
             token_loss = token_loss - mb["entropy_coef"] * mb.pop("entropy_term").float().reshape(mask.shape)
         if self.loss_form == SEQUENCE and ps.get_context_parallel_world_size() > 1:
@@ -137,5 +156,13 @@ class RLSteps:
             token_loss, mask = whole_sequences(token_loss, group), whole_sequences(mask, group)
         share = self.aggregate_loss(MicroBatchLoss(mode, token_loss, mask, counts.to(dev), totals))
         # every CP rank of the sequence form holds the whole share: each reports its 1/cp, so the sum is the share
-        reported = torch.stack([share.detach().float() / cp, tokens])
-        return self.to_schedule(share, num_microbatches), {"lm loss": reported}
+        reported = {"lm loss": torch.stack([share.detach().float() / cp, tokens])}
+        if policy is not None:
+            reported["policy"] = policy
+        return self.to_schedule(share, num_microbatches), reported
+
+
+def _keep_old(mb: dict, loss_fn, output_tensor):
+    """The forward-only pass's loss function that keeps the micro-batch's log-probs ([b, s], this CP rank's part)."""
+    mb["old_logprobs"] = -output_tensor.detach().float().reshape(mb["loss_mask"].shape)
+    return loss_fn(output_tensor)

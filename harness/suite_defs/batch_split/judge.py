@@ -20,6 +20,7 @@ from harness.checks.tensors import assemble, rel_error
 from harness.dtypes import dtype
 from harness.engines.base import StepOutput
 from harness.engines.loss_agg import readings, reference_loss
+from harness.engines.policy_loss import NLL, PPO_CLIP, advantage
 from harness.engines.rl_batch import rl_batch
 from harness.launch.results import CaseResult
 
@@ -88,7 +89,8 @@ def where(result: CaseResult, ref_engine: str | None = None) -> str:
     at = f"one rank as {p.like}'s DP ranks" if p.like else result.case.layout.id
     engine = f" on {result.case.engine}" if ref_engine and result.case.engine != ref_engine else ""
     heat = (f", temperature {p.temperature:g}" if p.temperature != 1.0 else "") + \
-        (f", entropy bonus {p.entropy_coef:g}" if p.entropy_coef else "")
+        (f", entropy bonus {p.entropy_coef:g}" if p.entropy_coef else "") + \
+        (f", {p.policy_loss}" if p.policy_loss != NLL else "")
     return f"{p.mode}, cut {p.cut} at {at}{engine}{heat}{shape}"
 
 
@@ -210,15 +212,22 @@ def _aggregation(res: CaseResult, at: str, got: tuple[torch.Tensor, torch.Tensor
         return CheckResult("batch-split.aggregation", cid, False, f"{at}: forward-only log-probs: {coverage}")
     batch = rl_batch(case.model, case.global_batch_size, case.options.seed, 0)
     mask = batch.response_masks(list(range(batch.size)), case.model.seq_length).double()
-    token_loss = -values.double() - (coef * entropy[0].double() if entropy is not None else 0.0)
+    import torch
+
+    ppo = case.params.policy_loss == PPO_CLIP
+    # PPO-clip at ratio 1: each token's loss is its sample's negative advantage, the KL penalty 0
+    policy = (-torch.tensor([advantage(i) for i in range(batch.size)], dtype=torch.float64)[:, None]
+              .expand_as(values) if ppo else -values.double())
+    token_loss = policy - (coef * entropy[0].double() if entropy is not None else 0.0)
     want = reference_loss(case.params.mode, token_loss, mask)
     err = _rel(losses[0], want)
     rtol = dtype(case.options.dtype).rtol
     ok = within(err, rtol)
-    of = "log-probs and entropy bonus" if coef else "log-probs"
+    of = ("PPO-clip loss at ratio 1 (its samples' negative advantages)" if ppo else "log-probs") + \
+        (" and entropy bonus" if coef else "")
     said = (f"{at}: step-0 loss {losses[0]:.8g} {'equals' if ok else 'is not'} the {case.params.mode} of its "
-            f"forward-only {of} over the response masks, {want:.8g} (rel {fmt_err(err)} {'<=' if ok else '>'} "
-            f"{rtol:.0e})")
+            f"{'' if ppo else 'forward-only '}{of} over the response masks, {want:.8g} (rel {fmt_err(err)} "
+            f"{'<=' if ok else '>'} {rtol:.0e})")
     if not ok:
         parts = {tuple(mb) for d in data(res) for mb in d.microbatches}
         known = readings(token_loss, mask, [list(mb) for mb in sorted(parts)], case.layout.cp)

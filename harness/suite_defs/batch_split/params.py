@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from harness.engines.logprob_head import ENTROPY_COEF_HELP, TEMPERATURE_HELP, check_entropy_coef, check_temperature
 from harness.engines.loss_agg import MODES, check_mode
+from harness.engines.policy_loss import NLL, POLICY_LOSS_HELP, check_policy_loss
 from harness.engines.rl_batch import Cut
 from harness.suite_defs.flags import flag
 
@@ -42,10 +43,12 @@ class BatchSplitParams:
                  "tokens<B> dynamic micro-batches of at most B valid tokens (default: the suite's matrix)"))
     temperature: float = dataclasses.field(default=1.0, metadata=flag("--temperature", TEMPERATURE_HELP))
     entropy_coef: float = dataclasses.field(default=0.0, metadata=flag("--entropy-coef", ENTROPY_COEF_HELP))
+    policy_loss: str = dataclasses.field(default=NLL, metadata=flag("--policy-loss", POLICY_LOSS_HELP))
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
         check_entropy_coef(self.entropy_coef)
+        check_policy_loss(self.policy_loss)
         for mode in self.modes:
             check_mode(mode)
         for cut in self.cuts:
@@ -62,3 +65,4 @@ class BatchSplitCaseParams:
     like: str = ""
     temperature: float = 1.0  # the RL steps' log-probs at this sampling temperature
     entropy_coef: float = 0.0  # the training loss minus this x the head's entropy (0: none)
+    policy_loss: str = NLL  # the training steps' loss: nll, or ppo-clip (harness/engines/policy_loss.py)

@@ -9,6 +9,7 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with, is_fsdp2, make_engine
 from harness.engines.base import StepOutput, TrainsRLBatches
+from harness.engines.policy_loss import NLL, PPO_CLIP
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.engines.rl_steps import check_rl_engine
 from harness.errors import BadInput, DoesNotApply
@@ -28,6 +29,7 @@ from harness.suite_defs.batch_split.params import (
     BatchSplitCaseParams,
     BatchSplitParams,
 )
+from harness.suite_defs.batch_split.policy import check_ratio
 
 
 def microbatches(case: Case, batch: RLBatch, dp_rank: int) -> list[list[int]]:
@@ -87,9 +89,10 @@ class BatchSplitSuite:
                 # the second backend: FSDP2 and torch Adam on the same model, batch and aggregation, against
                 # megatron's reference
                 out += judged(mode, Layout(dp=world_size), DYNAMIC, "fsdp2")
-        if p.temperature != 1.0 or p.entropy_coef:
+        if p.temperature != 1.0 or p.entropy_coef or p.policy_loss != NLL:
             out = [dataclasses.replace(c, params=dataclasses.replace(c.params, temperature=p.temperature,
-                                                                     entropy_coef=p.entropy_coef)) for c in out]
+                                                                     entropy_coef=p.entropy_coef,
+                                                                     policy_loss=p.policy_loss)) for c in out]
         return out
 
     @staticmethod
@@ -137,4 +140,5 @@ class BatchSplitSuite:
         return {"losses": step_figures(result)["loss"]} if result.ok else {}
 
     def check(self, results: list[CaseResult], params: BatchSplitParams | None = None) -> list[CheckResult]:
-        return judge(results)
+        return judge(results) + [check_ratio(r) for r in results
+                                 if r.ok and r.case.params.policy_loss == PPO_CLIP]
