@@ -20,6 +20,7 @@ from harness.engines.hf_weights import hf_state_dict
 from harness.engines.lr_schedule import SCHEDULER_KEY, make_scheduler, saved_schedule
 from harness.engines.mcore import McoreEngine
 from harness.engines.mcore_steps import captured
+from harness.engines.policy_loss import PolicyStats
 from harness.engines.weight_export import expert_biases
 from harness.errors import BadInput
 from harness.spec import Layout, ModelSpec
@@ -113,7 +114,7 @@ class FSDP2Engine(McoreEngine):
 
         self._aux_loss_over(len(mbs))
         kept: list[TokenLogprobs] = []
-        reported = []
+        reported, policy = [], []
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             for i, mb in enumerate(mbs):
                 out = self.token_losses(self.model, mb, rl=loss_fns is not None or "head" in mb, capture=capture)
@@ -124,12 +125,13 @@ class FSDP2Engine(McoreEngine):
                     loss.backward()
                 if report is not None:
                     reported.append(report["lm loss"])
+                    policy += [report["policy"]] if "policy" in report else []
         if self.config.num_moe_experts:
             drop_routing_graphs([self.model])
         step: dict = {"aux_loss": self._take_aux_loss(), **({} if forward_only else self._optimizer_step())}
         total = torch.stack(reported).sum(0) if reported else None
         return StepOutput(None if total is None else float(total[0]), None if total is None else int(total[1]),
-                          kept if capture else None, **step)
+                          kept if capture else None, **step, policy=PolicyStats.of(policy) if policy else None)
 
     def to_schedule(self, share, num_microbatches: int):
         """FSDP2 averages gradients over the DP ranks; no schedule divides by the micro-batches."""
