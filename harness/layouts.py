@@ -19,7 +19,7 @@ def violations(layout: Layout, model: ModelSpec, world_size: int | None = None,
     checks = [
         (model.num_attention_heads % tp, f"num_attention_heads={model.num_attention_heads} not divisible by tp={tp}"),
         (model.num_query_groups % tp, f"num_query_groups={model.num_query_groups} not divisible by tp={tp}"),
-        (model.vocab_size % tp, f"vocab_size={model.vocab_size} not divisible by tp={tp}"),
+        (model.padded_vocab_size(tp) % tp, f"vocab_size={model.vocab_size} not divisible by tp={tp}"),
         (model.ffn_hidden_size % tp, f"ffn_hidden_size={model.ffn_hidden_size} not divisible by tp={tp}"),
         (model.num_layers % (pp * vpp),
          f"num_layers={model.num_layers} not divisible by pp*vpp={pp * vpp}"),

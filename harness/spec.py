@@ -45,6 +45,9 @@ class ModelSpec:
     # aux-loss-free balancing (DeepSeek-V3's): a sigmoid router whose per-expert bias, updated from each step's
     # expert loads, shifts the top-k choice
     moe_expert_bias: bool = False
+    # megatron's vocabulary padding (its training scripts' --make-vocab-size-divisible-by): the embedding and output
+    # layer built with padded_vocab_size(tp) rows, the ones past vocab_size no token's; 0 pads nothing
+    make_vocab_size_divisible_by: int = 0
 
     @property
     def kv_channels(self) -> int:
@@ -57,6 +60,12 @@ class ModelSpec:
     @property
     def expert_ffn(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """The rows of the embedding and output layer at TP `tp`: the vocabulary padded to a multiple of
+        make_vocab_size_divisible_by x TP, as megatron pads it (the vocabulary itself where nothing pads it)."""
+        step = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // step) * step if step else self.vocab_size
 
     def moe_layers(self) -> int:
         """How many layers hold an MoE MLP."""

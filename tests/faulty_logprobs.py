@@ -123,3 +123,16 @@ class OldLogprobsAtTemperatureOne(McoreEngine):
             super().old_logprobs(mbs, samples, batch, microbatches)
         finally:
             head.temperature = kept
+
+
+class KeepsPaddedColumns(LogprobHead):
+    def padding(self, logits):
+        return None
+
+
+class PaddedVocabularyInTheSoftmax(McoreEngine):
+    """megatron's padded vocabulary columns left in the log-probs' and the entropy's softmax (the issue's miles #1031
+    shape: the padding not cut): probability mass on rows no token has, as much as the layout pads; right where
+    nothing pads."""
+
+    logprob_part = KeepsPaddedColumns

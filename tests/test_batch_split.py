@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from harness.engines.loss_agg import MODES
 from harness.engines.rl_batch import Cut, microbatch_samples, num_microbatches, rl_batch
 from harness.errors import BadInput
 from harness.models import load_model
+from harness.spec import Layout
 
 CP2, PP2, DP4 = "tp1-pp1-cp2-dp2", "tp1-pp2-cp1-dp2", "tp1-pp1-cp1-dp4"  # the default matrix at world size 4
 # The runs below are at world size 2, where every planted fault shows, at about half world size 4's time
@@ -173,6 +175,25 @@ def test_ppo_clip_at_tp2_has_ratio_exactly_1_and_old_log_probs_without_the_tempe
 
 
 @pytest.mark.slow
+def test_a_vocabulary_tp_does_not_divide_is_padded_and_masked_and_its_padding_left_in_the_softmax_fails():
+    """tiny with 127 tokens, padded as megatron pads it (to 128 on one rank, to 256 at TP 2, whose second shard is
+    all padding): at TP 2, temperature 0.7 and an entropy bonus, the log-probs, entropies and gradients equal one
+    rank's, every value finite; a head that leaves the padded columns in the softmax fails at TP 2."""
+    params = {"temperature": 0.7, "entropy_coef": 0.01, "vocab_size": 127, "modes": ("token-mean",),
+              "cuts": ("mbs2",)}
+    run = run_suite("batch-split", "tiny", 2, [TP], backend="gloo", suite_params=params)
+    assert run.passed, _failed(run)
+    assert {r.case.model.padded_vocab_size(r.case.layout.tp) for r in run.results} == {128, 256}
+    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.faulty_logprobs:PaddedVocabularyInTheSoftmax",
+                        backend="gloo", suite_params=params)
+    failed = _failed(planted)
+    assert {check for lay, check in failed if lay == TP} >= {"batch-split.logprobs", "batch-split.params"}, failed
+    assert re.fullmatch(r"token-mean, cut mbs2 at tp2-pp1-cp1-dp1, temperature 0\.7, entropy bonus 0\.01, vocabulary "
+                        r"127 padded to 256 \(micro-batches of 2 samples\): forward-only log-probs differ from one "
+                        r"micro-batch on one rank at \d+/\d+ tokens .*", failed[(TP, "batch-split.logprobs")])
+
+
+@pytest.mark.slow
 def test_an_entropy_bonus_at_tp2_trains_as_one_rank_and_its_normaliser_outside_autograd_fails_the_gradient():
     """The loss minus 0.01 x the entropy, aggregated in the case's mode (verl's entropy_coeff): at TP 2 and temperature
     0.7 the losses, gradients and parameters equal one micro-batch on one rank's, and the first step's loss is the
@@ -326,7 +347,8 @@ def test_zero_counts_apart_by_the_summation_order_pass_and_beyond_it_fail():
     assert zero_count_tolerance(load_model("tiny-moe").num_params()) == 2
     slack = zero_count_tolerance(load_model("small-moe").num_params())
     assert slack == 8
-    res = SimpleNamespace(case=SimpleNamespace(id="c", model=load_model("small-moe"), params=SimpleNamespace(like="")))
+    res = SimpleNamespace(case=SimpleNamespace(id="c", model=load_model("small-moe"), params=SimpleNamespace(like=""),
+                                               layout=Layout.parse("tp1-pp1-cp2-dp2")))
 
     def check(got):
         return _zero_counts(res, res, "token-mean, cut mbs1 at tp1-pp1-cp2-dp2", got, [633856.0, 633856.0])
@@ -337,3 +359,12 @@ def test_zero_counts_apart_by_the_summation_order_pass_and_beyond_it_fail():
     assert beyond.message == ("token-mean, cut mbs1 at tp1-pp1-cp2-dp2: zero grads of step 1 633865 vs 633856 (one "
                               "micro-batch on one rank), 9 apart, more than the 8 the summation order explains "
                               "(16 x 2^-24 of 8986880 elements, at least 2)")
+    # a vocabulary padded to 128 on one rank and to 256 at TP 2: TP 2's 129 padded rows of 64 against one: 8192 more
+    padded = dataclasses.replace(load_model("tiny"), vocab_size=127, make_vocab_size_divisible_by=128)
+    tp2, one = (SimpleNamespace(case=SimpleNamespace(id=lay, model=padded, params=SimpleNamespace(like=""),
+                                                     layout=Layout.parse(lay)))
+                for lay in ("tp2-pp1-cp1-dp1", "tp1-pp1-cp1-dp1"))
+    assert _zero_counts(tp2, one, "at tp2", [8192.0 + 64], [64.0]).passed
+    lost = _zero_counts(tp2, one, "at tp2", [64.0], [64.0])  # the padded rows took gradients
+    assert lost.failed and "64 vs 8256 (one micro-batch on one rank + 8192 of the vocabulary rows this layout pads " \
+        "more), 8192 apart" in lost.message, lost.message

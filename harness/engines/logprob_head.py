@@ -78,15 +78,30 @@ class LogprobHead:
         """The logits at the temperature, divided in fp32 (the same tensor at 1.0)."""
         return logits if self.temperature == 1.0 else logits.float() / self.temperature
 
+    def padding(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """[V / TP] True at this shard's padded columns (megatron's vocabulary padded past the model's: no token's),
+        None where the shard has none."""
+        import torch
+        from megatron.core import parallel_state as ps
+
+        shard, vocab = logits.shape[-1], self.engine.case.model.vocab_size
+        start = ps.get_tensor_model_parallel_rank() * shard
+        if start + shard <= vocab:
+            return None
+        return torch.arange(start, start + shard, device=logits.device) >= vocab
+
     def logprobs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """[b, s] log-prob of each label under the softmax of the scaled logits ([b, s, V / TP], this TP rank's
-        shard), with the gradient flowing to every shard."""
+        shard; padded columns out of it), with the gradient flowing to every shard."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        z = self.scaled(logits)
+        pad = self.padding(z)
+        if pad is not None:  # a padded row takes no probability and no gradient
+            z = z.masked_fill(pad, float("-inf"))
         # megatron's cross-entropy takes [s, b, V / TP] and shifts what it is given in place: the model's own logits
         # where the transpose needs no copy (one sample per micro-batch at temperature 1), so the entropy goes first
-        loss = vocab_parallel_cross_entropy(self.scaled(logits).transpose(0, 1).contiguous(),
-                                            labels.transpose(0, 1).contiguous())
+        loss = vocab_parallel_cross_entropy(z.transpose(0, 1).contiguous(), labels.transpose(0, 1).contiguous())
         return -loss.transpose(0, 1).contiguous()  # as the model returns it: [b, s] in memory order
 
     def entropy(self, logits: torch.Tensor) -> torch.Tensor:
@@ -97,11 +112,16 @@ class LogprobHead:
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         z = self.scaled(logits.float())
+        pad = self.padding(z)
+        if pad is not None:
+            z = z.masked_fill(pad, float("-inf"))
         top = z.max(dim=-1, keepdim=True).values.detach()
         if ps.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
         shifted = z - top
         e = torch.exp(shifted)
+        if pad is not None:  # 0 x -inf: a padded column adds nothing to the entropy, not NaN
+            shifted = shifted.masked_fill(pad, 0.0)
         total = reduce_from_tensor_model_parallel_region(e.sum(dim=-1))
         return torch.log(total) - reduce_from_tensor_model_parallel_region((e * shifted).sum(dim=-1)) / total
 

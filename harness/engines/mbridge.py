@@ -130,6 +130,7 @@ class MbridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
     bridge: Any = None
     check_available = staticmethod(check_available)
+    pads_vocabulary = False  # the HF config's vocabulary
     refusal = staticmethod(bridge_refusal)
     export_refusal = staticmethod(export_refusal)
 

@@ -40,6 +40,8 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
 
     offload_part: type[Offloading] = Offloading
     logprob_part: type[LogprobHead] = LogprobHead
+    # builds the embedding and output layer with ModelSpec.padded_vocab_size rows (a bridge builds its HF config's)
+    pads_vocabulary = True
 
     def __init__(self, case: Case, ctx: RankContext):
         self.case, self.ctx = case, ctx
@@ -104,7 +106,8 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
             spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, self.case.layout.cp, self.config,
                               vp_stage)
             chunks.append(GPTModel(
-                config=self.config, transformer_layer_spec=spec, vocab_size=self.case.model.vocab_size,
+                config=self.config, transformer_layer_spec=spec,
+                vocab_size=self.case.model.padded_vocab_size(self.case.layout.tp),
                 max_sequence_length=self.case.model.seq_length,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

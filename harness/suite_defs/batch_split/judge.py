@@ -23,6 +23,7 @@ from harness.engines.loss_agg import readings, reference_loss
 from harness.engines.policy_loss import NLL, PPO_CLIP, advantage
 from harness.engines.rl_batch import rl_batch
 from harness.launch.results import CaseResult
+from harness.spec import Case, ModelSpec
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +91,9 @@ def where(result: CaseResult, ref_engine: str | None = None) -> str:
     engine = f" on {result.case.engine}" if ref_engine and result.case.engine != ref_engine else ""
     heat = (f", temperature {p.temperature:g}" if p.temperature != 1.0 else "") + \
         (f", entropy bonus {p.entropy_coef:g}" if p.entropy_coef else "") + \
-        (f", {p.policy_loss}" if p.policy_loss != NLL else "")
+        (f", {p.policy_loss}" if p.policy_loss != NLL else "") + \
+        (f", vocabulary {p.vocab_size} padded to {result.case.model.padded_vocab_size(result.case.layout.tp)}"
+         if p.vocab_size else "")
     return f"{p.mode}, cut {p.cut} at {at}{engine}{heat}{shape}"
 
 
@@ -178,17 +181,22 @@ def _zero_counts(res: CaseResult, ref: CaseResult, at: str, got: list[float], wa
         return differ
     n_elements = res.case.model.num_params()
     allowed = zero_count_tolerance(n_elements)
+    # the padded vocabulary's rows (no token's) have zero gradients: as many more as this layout pads more
+    padded = padded_rows(res.case) - padded_rows(ref.case)
+    want = [b + padded for b in want]
+    pads = f" + {padded} of the vocabulary rows this layout pads more" if padded else ""
     errs = [abs(a - b) for a, b in zip(got, want)]
     worst = max(range(len(errs)), key=lambda i: severity(errs[i]))
     rows = [f"  step {i}: {a:.0f} vs {b:.0f}  apart {e:.0f}" for i, (a, b, e) in enumerate(zip(got, want, errs))]
     if within(errs[worst], allowed):
         return CheckResult(name, cid, True, f"{at}: {figure} of {len(got)} steps match the reference's "
-                                            f"({what(ref)}): at most {errs[worst]:.0f} apart, the summation order "
-                                            f"explains {allowed}", rows, value=errs[worst])
+                                            f"({what(ref)}{pads}): at most {errs[worst]:.0f} apart, the summation "
+                                            f"order explains {allowed}", rows, value=errs[worst])
     slack = (f"more than the {allowed} the summation order explains ({ZERO_COUNT_SLACK} x 2^-24 of {n_elements} "
              f"elements, at least {ZERO_COUNT_FLOOR})")
     return CheckResult(name, cid, False, f"{at}: {figure} of step {worst} {got[worst]:.0f} vs {want[worst]:.0f} "
-                                         f"({what(ref)}), {errs[worst]:.0f} apart, {slack}", rows, value=errs[worst])
+                                         f"({what(ref)}{pads}), {errs[worst]:.0f} apart, {slack}", rows,
+                       value=errs[worst])
 
 
 def _aggregation(res: CaseResult, at: str, got: tuple[torch.Tensor, torch.Tensor] | None) -> CheckResult:
@@ -238,14 +246,29 @@ def _aggregation(res: CaseResult, at: str, got: tuple[torch.Tensor, torch.Tensor
     return CheckResult("batch-split.aggregation", cid, ok, said, value=err)
 
 
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def without_padding(tensors: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.Tensor]:
+    """The embedding and output layer cut to the model's vocabulary (megatron's padded rows are no token's)."""
+    return {n: t[:model.vocab_size] if n in VOCAB_TENSORS and t.shape[0] > model.vocab_size else t
+            for n, t in tensors.items()}
+
+
+def padded_rows(case: Case) -> int:
+    """The gradient elements of the padded vocabulary's rows (the embedding's, and the output layer's if untied)."""
+    m = case.model
+    return (m.padded_vocab_size(case.layout.tp) - m.vocab_size) * m.hidden_size * (1 if m.tie_embeddings else 2)
+
+
 def _rel(got: float, want: float) -> float:
     return abs(got - want) / abs(want) if want else abs(got)
 
 
 def _params(res: CaseResult, ref: CaseResult, at: str, rtol: float) -> CheckResult:
     cid = res.case.id
-    full = assemble([trained(r).params for r in res.ranks]).tensors
-    want = assemble([trained(r).params for r in ref.ranks]).tensors
+    full = without_padding(assemble([trained(r).params for r in res.ranks]).tensors, res.case.model)
+    want = without_padding(assemble([trained(r).params for r in ref.ranks]).tensors, ref.case.model)
     if set(full) != set(want):
         return CheckResult("batch-split.params", cid, False,
                            f"{at}: parameter names differ from the reference's: "

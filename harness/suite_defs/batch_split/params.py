@@ -9,9 +9,11 @@ from harness.engines.logprob_head import ENTROPY_COEF_HELP, TEMPERATURE_HELP, ch
 from harness.engines.loss_agg import MODES, check_mode
 from harness.engines.policy_loss import NLL, POLICY_LOSS_HELP, check_policy_loss
 from harness.engines.rl_batch import Cut
+from harness.errors import BadInput
 from harness.suite_defs.flags import flag
 
 SUITE = "batch-split"
+VOCAB_PADDING = 128  # megatron's --make-vocab-size-divisible-by default
 STEPS = 3
 GLOBAL_BATCH = 16  # 4 samples per DP rank at DP 4: micro-batches of 1, 2 and 4 samples
 # A token budget that cuts `tiny`'s batches (prompt + valid response: 8-72 tokens per sample) into 2-5 micro-batches
@@ -44,11 +46,18 @@ class BatchSplitParams:
     temperature: float = dataclasses.field(default=1.0, metadata=flag("--temperature", TEMPERATURE_HELP))
     entropy_coef: float = dataclasses.field(default=0.0, metadata=flag("--entropy-coef", ENTROPY_COEF_HELP))
     policy_loss: str = dataclasses.field(default=NLL, metadata=flag("--policy-loss", POLICY_LOSS_HELP))
+    vocab_size: int = dataclasses.field(default=0, metadata=flag(
+        "--vocab-size", f"batch-split: the model's vocabulary replaced by this many tokens, padded as megatron pads "
+                        f"it (to a multiple of {VOCAB_PADDING} x TP): the padded rows must take no log-prob, entropy "
+                        f"or gradient (default 0: the model's own)"))
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
         check_entropy_coef(self.entropy_coef)
         check_policy_loss(self.policy_loss)
+        if self.vocab_size < 0 or self.vocab_size == 1:
+            raise BadInput(f"--vocab-size {self.vocab_size}: give a vocabulary of 2 tokens or more (e.g. 127, which "
+                           f"TP 2 does not divide), or 0 for the model's own")
         for mode in self.modes:
             check_mode(mode)
         for cut in self.cuts:
@@ -66,3 +75,4 @@ class BatchSplitCaseParams:
     temperature: float = 1.0  # the RL steps' log-probs at this sampling temperature
     entropy_coef: float = 0.0  # the training loss minus this x the head's entropy (0: none)
     policy_loss: str = NLL  # the training steps' loss: nll, or ppo-clip (harness/engines/policy_loss.py)
+    vocab_size: int = 0  # the model's vocabulary replaced by this many tokens, padded (0: the model's own)

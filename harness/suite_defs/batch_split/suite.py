@@ -26,6 +26,7 @@ from harness.suite_defs.batch_split.params import (
     MATRIX,
     STEPS,
     SUITE,
+    VOCAB_PADDING,
     BatchSplitCaseParams,
     BatchSplitParams,
 )
@@ -57,6 +58,12 @@ class BatchSplitSuite:
             "TrainsRLBatches): batch-split cannot cut its batches; give a subclass of McoreEngine, whose RL steps run "
             "your aggregate_loss (docs/engines.md)")
         check_rl_engine(engine, factory, p.temperature)
+        if p.vocab_size:
+            if not getattr(factory, "pads_vocabulary", False):
+                raise BadInput(f"--vocab-size: engine {engine} does not build the vocabulary padded as megatron's "
+                               "training scripts do (a bridge builds it from its Hugging Face config); give mcore or "
+                               "fsdp2, or drop --vocab-size")
+            model = dataclasses.replace(model, vocab_size=p.vocab_size, make_vocab_size_divisible_by=VOCAB_PADDING)
         gbs = options.global_batch_size or GLOBAL_BATCH
         steps = options.steps if options.steps != CaseOptions.steps else STEPS
         opts = dataclasses.replace(with_equivalence_eps(options), steps=steps, global_batch_size=gbs,
@@ -89,10 +96,11 @@ class BatchSplitSuite:
                 # the second backend: FSDP2 and torch Adam on the same model, batch and aggregation, against
                 # megatron's reference
                 out += judged(mode, Layout(dp=world_size), DYNAMIC, "fsdp2")
-        if p.temperature != 1.0 or p.entropy_coef or p.policy_loss != NLL:
+        if p.temperature != 1.0 or p.entropy_coef or p.policy_loss != NLL or p.vocab_size:
             out = [dataclasses.replace(c, params=dataclasses.replace(c.params, temperature=p.temperature,
                                                                      entropy_coef=p.entropy_coef,
-                                                                     policy_loss=p.policy_loss)) for c in out]
+                                                                     policy_loss=p.policy_loss,
+                                                                     vocab_size=p.vocab_size)) for c in out]
         return out
 
     @staticmethod
