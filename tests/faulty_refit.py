@@ -89,3 +89,19 @@ class OneBucketWithTiedHead(McoreEngine):
         stream = list(self.hf_weight_stream())
         head = [("lm_head.weight", t) for name, t in stream if name == "model.embed_tokens.weight"]
         yield stream + (head if self.case.model.tie_embeddings else [])
+
+
+class ExportKeepsThePaddedVocabulary(McoreEngine):
+    """The embedding and output layer exported with megatron's padded vocabulary rows (the padding not cut after the
+    gather, the issue's miles #1031 shape): the rollout is sent a vocabulary larger than its own."""
+
+    def _full(self, e, shard):
+        import dataclasses
+
+        kept = self.case
+        padded = kept.model.padded_vocab_size(kept.layout.tp)
+        self.case = dataclasses.replace(kept, model=dataclasses.replace(kept.model, vocab_size=padded))
+        try:
+            return super()._full(e, shard)
+        finally:
+            self.case = kept

@@ -38,6 +38,8 @@ CASES = [
     (["run", "--suite", "batch-split", "--entropy-coef", "-1"], "--entropy-coef -1: give a coefficient of 0 or more"),
     (["run", "--suite", "batch-split", "--policy-loss", "grpo"], "--policy-loss grpo: give one of nll, ppo-clip"),
     (["run", "--suite", "batch-split", "--vocab-size", "1"], "--vocab-size 1: give a vocabulary of 2 tokens or more"),
+    (["run", "--suite", "refit", "--refit-variant", "padded-vocab", "--layout", "tp2-pp1-cp1-dp2", "--engine",
+      "megatron-bridge"], "--refit-variant padded-vocab: engine megatron-bridge does not build the vocabulary padded"),
     (["run", "--suite", "batch-split", "--vocab-size", "127", "--engine", "megatron-bridge"],
      "--vocab-size: engine megatron-bridge does not build the vocabulary padded"),
     (["run", "--suite", "batch-split", "--temperature", "0.7", "--engine", "tests.faulty_batch_split:RLStepsWithoutAHead"],
@@ -193,7 +195,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 113  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 114  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

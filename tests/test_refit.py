@@ -52,7 +52,7 @@ def test_the_default_matrix_lays_out_every_layout_that_matters():
     ({"bucket_sizes": ("8kb",)}, "--bucket-size '8kb': expected a positive size with a unit"),
     ({"bucket_sizes": ("0KiB",)}, "expected a positive size"),
     ({"refits": 1}, "--refits 1: at least 2"),
-    ({"variant": "tied"}, "refit variant 'tied': expected untied, 4-layers or expert-bias"),
+    ({"variant": "tied"}, "refit variant 'tied': expected untied, 4-layers, expert-bias or padded-vocab"),
 ])
 def test_bad_parameters_are_refused_before_any_rank(given, said):
     given = dict(given)
@@ -68,6 +68,28 @@ def test_megatrons_export_passes_at_tp2_and_pp2_untied():
     assert not _failed(run)
     for check in ("complete", "values", "memory", "repeat", "policy"):
         assert sum(c.check == f"refit.{check}" and c.passed for c in run.checks) == 2, check
+
+
+@pytest.mark.slow
+def test_a_vocabulary_tp_does_not_divide_is_exported_cut_and_an_export_of_the_padded_rows_fails():
+    """tiny with 127 tokens, padded as megatron pads it (256 rows at TP 2): the export cut to the vocabulary loads into
+    the 127-token HF model, whose log-probs at temperature 0.7 are the masked head's; an export that keeps the padded
+    rows fails on the shapes the rollout's model has; a head that keeps the padded column in its softmax fails against
+    the HF model even on one TP rank (128 rows: one padded), where no layout comparison could see it."""
+    params = {**QUICK, "variant": "padded-vocab", "temperature": 0.7}
+    run = run_suite("refit", "tiny", 2, [TP], backend="gloo", suite_params=params)
+    assert not _failed(run)
+    assert {c.check for c in run.checks if c.passed} >= {"refit.complete", "refit.values", "refit.policy"}
+    planted = _failed(run_suite("refit", "tiny", 2, [TP], engine="tests.faulty_refit:ExportKeepsThePaddedVocabulary",
+                                backend="gloo", suite_params=params))
+    assert planted["refit.values"].endswith("rank 0, bucket 0: model.embed_tokens.weight of shape [256, 64], HF "
+                                            "expects [127, 64]"), planted
+    assert "the HF model does not load from the stream strictly" in planted["refit.policy"], planted
+    # the padded column left in the head's softmax: one rank pads one row, and the 127-token HF model tells it apart
+    head = _failed(run_suite("refit", "tiny", 2, [DP], engine="tests.faulty_logprobs:PaddedVocabularyInTheSoftmax",
+                             backend="gloo", suite_params=params))
+    assert re.search(r"temperature 0\.7: the HF model loaded from the stream differs from the Megatron model at "
+                     r"512/512 held-out tokens", head["refit.policy"]), head
 
 
 @pytest.mark.slow

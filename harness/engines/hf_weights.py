@@ -59,10 +59,10 @@ def hf_state_dict(full: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, 
         name = name.replace(".to_wrap.", ".")
         if ".adapter." in name:
             continue
-        if name == "embedding.word_embeddings.weight":
-            out["model.embed_tokens.weight"] = t
+        if name == "embedding.word_embeddings.weight":  # megatron's padded rows cut: no token is theirs
+            out["model.embed_tokens.weight"] = t[:model.vocab_size]
         elif name == "output_layer.weight":
-            out["lm_head.weight"] = t
+            out["lm_head.weight"] = t[:model.vocab_size]
         elif name == "decoder.final_layernorm.weight":
             out["model.norm.weight"] = t
         elif (layer := _LAYER.match(name)) is None:

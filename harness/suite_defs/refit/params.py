@@ -47,8 +47,9 @@ class RefitParams:
 
     variant: str = dataclasses.field(default="", metadata=flag(
         "--refit-variant", "refit: run the model as this variant at every layout given: untied (embeddings), "
-                           "4-layers (for virtual stages), expert-bias (aux-loss-free balancing) (default: the "
-                           "matrix's, the model as it is with --layout)"))
+                           "4-layers (for virtual stages), expert-bias (aux-loss-free balancing), padded-vocab (one "
+                           "token fewer, padded as megatron pads it: to a multiple of 128 x TP; the export must cut "
+                           "the padding) (default: the matrix's, the model as it is with --layout)"))
     temperature: float = dataclasses.field(default=1.0, metadata=flag("--temperature", TEMPERATURE_HELP))
     baselines_dir: str | None = dataclasses.field(default=None, metadata={"in_id": False})  # None: baselines/
 
@@ -58,8 +59,8 @@ class RefitParams:
             raise BadInput("--bucket-size: give at least one size, e.g. --bucket-size 8KiB")
         for size in self.bucket_sizes:
             bucket_bytes(size)
-        if self.variant and self.variant not in ("untied", "4-layers", "expert-bias"):
-            raise BadInput(f"refit variant {self.variant!r}: expected untied, 4-layers or expert-bias")
+        if self.variant and self.variant not in ("untied", "4-layers", "expert-bias", "padded-vocab"):
+            raise BadInput(f"refit variant {self.variant!r}: expected untied, 4-layers, expert-bias or padded-vocab")
         check_temperature(self.temperature)
         if self.refits < 2:
             raise BadInput(f"--refits {self.refits}: at least 2 (what repeated exports keep is judged per refit)")

@@ -39,8 +39,11 @@ VARIANTS: dict[str, dict[str, Any]] = {"untied": dict(tie_embeddings=False), "4-
 
 def variant(model: ModelSpec, what: str) -> ModelSpec:
     """The model with untied embeddings ("untied"), with 4 layers for two virtual stages per PP stage ("4-layers"),
-    or with aux-loss-free balancing ("expert-bias"), under its own name (the case's parameters name the variant:
+    with aux-loss-free balancing ("expert-bias"), or with one token fewer padded as megatron pads a vocabulary
+    ("padded-vocab": to a multiple of 128 x TP), under its own name (the case's parameters name the variant:
     `--refit-variant`)."""
+    if what == "padded-vocab":
+        return dataclasses.replace(model, vocab_size=model.vocab_size - 1, make_vocab_size_divisible_by=128)
     return dataclasses.replace(model, **VARIANTS[what])
 
 
@@ -83,6 +86,10 @@ class RefitSuite:
         if isinstance(factory, RefusesExports) and (why := factory.export_refusal(model, backend)):
             raise DoesNotApply(f"engine {engine!r}: {why}")
         check_head(engine, factory, params.temperature)
+        if params.variant == "padded-vocab" and not getattr(factory, "pads_vocabulary", False):
+            raise BadInput(f"--refit-variant padded-vocab: engine {engine} does not build the vocabulary padded as "
+                           "megatron's training scripts do (a bridge builds it from its Hugging Face config); give "
+                           "mcore or fsdp2")
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps)
         def of(what: str) -> ModelSpec:
             return variant(model, what) if what else model
