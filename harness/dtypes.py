@@ -28,9 +28,10 @@ class DTypeTraits:
     rtol: float  # relative tolerance of values compared across layouts (losses, log-probs, parameters, gradients)
     golden_max_spread: float  # the most a golden recording may spread over layouts and repeats (of its median)
     golden_rtol: float  # the least relative tolerance of a golden figure (its recorded spread x 4 where larger)
-    # whether golden records the count of zero gradient elements: in bf16 it moved by up to 72% of itself between
-    # layouts of `tiny` (whether an element underflows to exactly 0 depends on the reduction order)
-    golden_zero_count: bool = True
+    # whether the count of zero gradient elements compares across layouts (golden records it, batch-split judges
+    # it): in bf16 it moved by up to 72% of itself between layouts of `tiny` (whether an element underflows to
+    # exactly 0 depends on the reduction order)
+    zero_count_comparable: bool = True
 
 
 class DType(StrEnum):
@@ -65,8 +66,8 @@ class DType(StrEnum):
         return self.traits.golden_rtol
 
     @property
-    def golden_zero_count(self) -> bool:
-        return self.traits.golden_zero_count
+    def zero_count_comparable(self) -> bool:
+        return self.traits.zero_count_comparable
 
     @property
     def torch(self) -> torch.dtype:
@@ -77,8 +78,8 @@ class DType(StrEnum):
 
 _TRAITS = {
     DType.fp32: DTypeTraits(4, "float32", 1e-5, 1e-4, 1e-5),
-    DType.bf16: DTypeTraits(2, "bfloat16", 2e-2, 2e-2, 1e-2, golden_zero_count=False),
-    DType.fp16: DTypeTraits(2, "float16", 1e-2, 5e-2, 1e-2, golden_zero_count=False),
+    DType.bf16: DTypeTraits(2, "bfloat16", 2e-2, 2e-2, 1e-2, zero_count_comparable=False),
+    DType.fp16: DTypeTraits(2, "float16", 1e-2, 5e-2, 1e-2, zero_count_comparable=False),
 }
 FP32, BF16, FP16 = DType.fp32, DType.bf16, DType.fp16
 DTYPES = {d.value: d for d in DType}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.checks import CheckResult, StepSeries, case_failed
+from harness.checks import CheckResult, StepSeries, cannot_tell, case_failed
 from harness.checks.numeric import beyond, fmt_err, severity, within
 from harness.checks.step_outputs import (
     LogprobDiff,
@@ -188,6 +188,12 @@ def _zero_counts(res: CaseResult, ref: CaseResult, at: str, got: list[float], wa
     errs = [abs(a - b) for a, b in zip(got, want)]
     worst = max(range(len(errs)), key=lambda i: severity(errs[i]))
     rows = [f"  step {i}: {a:.0f} vs {b:.0f}  apart {e:.0f}" for i, (a, b, e) in enumerate(zip(got, want, errs))]
+    kind = dtype(res.case.options.dtype)
+    if not within(errs[worst], allowed) and not kind.zero_count_comparable:  # measured: 42-50 of tiny's 82K in bf16
+        return cannot_tell(name, cid, f"{at}: {figure} of step {worst} {got[worst]:.0f} vs {want[worst]:.0f} "
+                                      f"({what(ref)}{pads}): in {kind} whether an element underflows to exactly 0 "
+                                      f"depends on the reduction order; judge the zero gradients with --dtype fp32",
+                           rows, value=errs[worst])
     if within(errs[worst], allowed):
         return CheckResult(name, cid, True, f"{at}: {figure} of {len(got)} steps match the reference's "
                                             f"({what(ref)}{pads}): at most {errs[worst]:.0f} apart, the summation "

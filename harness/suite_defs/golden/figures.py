@@ -27,7 +27,7 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
         out[step_metric(i, "loss")] = loss
     for i, aux in enumerate(step_aux_losses(result) or [], start=first_step):
         out[step_metric(i, "aux_loss")] = aux
-    figures = ("grad_norm", "num_zeros", "lr") if dtype(result.case.options.dtype).golden_zero_count \
+    figures = ("grad_norm", "num_zeros", "lr") if dtype(result.case.options.dtype).zero_count_comparable \
         else ("grad_norm", "lr")
     for i, s in enumerate(data[0].steps, start=first_step):
         for figure in figures:
