@@ -19,6 +19,7 @@ from harness.engines.base import (
     HasGradBuffers,
     HasLogprobHead,
     HasOptimizerState,
+    PadsVocabulary,
     ParamShard,
     PeftExporting,
     RefusesCases,
@@ -47,6 +48,7 @@ __all__ = [
     # the engine protocol and the optional capabilities a suite checks for
     "Engine", "StepOutput", "ParamShard", "TokenLogprobs", "HasGradBuffers", "HasOptimizerState", "Checkpointing",
     "PeftExporting", "RefusesCases", "TrainsRLBatches", "RunsRLCycles", "ExportsWeights", "HasLogprobHead",
+    "PadsVocabulary",
     # the harness's engines, to subclass, and their parts
     "McoreEngine", "FSDP2Engine", "CPEngine", "Offloading", "LogprobHead",
     # what a factory is called with

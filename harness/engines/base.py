@@ -118,6 +118,15 @@ class TrainsRLBatches(Protocol):
 
 
 @runtime_checkable
+class PadsVocabulary(Protocol):
+    """An engine that builds the embedding and output layer with megatron's padded vocabulary rows
+    (`ModelSpec.padded_vocab_size`), as batch-split's --vocab-size and refit's padded-vocab variant need: McoreEngine
+    and fsdp2. A bridge builds its Hugging Face config's vocabulary: it sets `padded_vocab_rows = None`."""
+
+    def padded_vocab_rows(self) -> int: ...
+
+
+@runtime_checkable
 class HasLogprobHead(Protocol):
     """An engine whose RL steps take log-probs and entropy from the logits through a part (McoreEngine's
     `logprob_head()`, harness/engines/logprob_head.py), made at the case's sampling temperature."""

@@ -130,7 +130,7 @@ class MbridgeEngine(McoreEngine):
     overrides: dict[str, Any] | None = None  # the framework's optional DDP override dict
     bridge: Any = None
     check_available = staticmethod(check_available)
-    pads_vocabulary = False  # the HF config's vocabulary
+    padded_vocab_rows = None  # type: ignore[assignment]  # the HF config's vocabulary: no PadsVocabulary
     refusal = staticmethod(bridge_refusal)
     export_refusal = staticmethod(export_refusal)
 

@@ -40,8 +40,6 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
 
     offload_part: type[Offloading] = Offloading
     logprob_part: type[LogprobHead] = LogprobHead
-    # builds the embedding and output layer with ModelSpec.padded_vocab_size rows (a bridge builds its HF config's)
-    pads_vocabulary = True
 
     def __init__(self, case: Case, ctx: RankContext):
         self.case, self.ctx = case, ctx
@@ -53,6 +51,10 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
         self.init_seed: int | None = None  # the weights' initial values drawn from this seed (None: the case's)
         self._offloading: Offloading | None = None
         self._logprob_head: LogprobHead | None = None
+
+    def padded_vocab_rows(self) -> int:
+        """The rows of the embedding and output layer this engine builds: the vocabulary padded as megatron pads it."""
+        return self.case.model.padded_vocab_size(self.case.layout.tp)
 
     def offloading(self) -> Offloading:
         """The engine's offload part, made once."""
@@ -106,8 +108,7 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
             spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, self.case.layout.cp, self.config,
                               vp_stage)
             chunks.append(GPTModel(
-                config=self.config, transformer_layer_spec=spec,
-                vocab_size=self.case.model.padded_vocab_size(self.case.layout.tp),
+                config=self.config, transformer_layer_spec=spec, vocab_size=self.padded_vocab_rows(),
                 max_sequence_length=self.case.model.seq_length,
                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

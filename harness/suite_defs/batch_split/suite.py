@@ -8,7 +8,7 @@ from typing import Any
 from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with, is_fsdp2, make_engine
-from harness.engines.base import StepOutput, TrainsRLBatches
+from harness.engines.base import PadsVocabulary, StepOutput, TrainsRLBatches
 from harness.engines.policy_loss import NLL, PPO_CLIP
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.engines.rl_steps import check_rl_engine
@@ -59,7 +59,7 @@ class BatchSplitSuite:
             "your aggregate_loss (docs/engines.md)")
         check_rl_engine(engine, factory, p.temperature)
         if p.vocab_size:
-            if not getattr(factory, "pads_vocabulary", False):
+            if not issubclass(factory, PadsVocabulary):
                 raise BadInput(f"--vocab-size: engine {engine} does not build the vocabulary padded as megatron's "
                                "training scripts do (a bridge builds it from its Hugging Face config); give mcore or "
                                "fsdp2, or drop --vocab-size")

@@ -10,7 +10,7 @@ from harness.baselines import noisy_metrics, tolerance_for
 from harness.checks import CheckResult
 from harness.dtypes import dtype
 from harness.engines import data, engine_class_with, make_engine
-from harness.engines.base import ExportsWeights, HasLogprobHead, RefusesCases, RefusesExports
+from harness.engines.base import ExportsWeights, HasLogprobHead, PadsVocabulary, RefusesCases, RefusesExports
 from harness.engines.hf_policy import hf_model_modules, label_logprobs
 from harness.engines.hf_weights import checkpoint_shapes, to_module_format
 from harness.engines.logprob_head import case_temperature, check_head
@@ -86,7 +86,7 @@ class RefitSuite:
         if isinstance(factory, RefusesExports) and (why := factory.export_refusal(model, backend)):
             raise DoesNotApply(f"engine {engine!r}: {why}")
         check_head(engine, factory, params.temperature)
-        if params.variant == "padded-vocab" and not getattr(factory, "pads_vocabulary", False):
+        if params.variant == "padded-vocab" and not issubclass(factory, PadsVocabulary):
             raise BadInput(f"--refit-variant padded-vocab: engine {engine} does not build the vocabulary padded as "
                            "megatron's training scripts do (a bridge builds it from its Hugging Face config); give "
                            "mcore or fsdp2")
