@@ -71,6 +71,7 @@ def test_megatrons_export_passes_at_tp2_and_pp2_untied():
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the head's masking keeps its CI-tier test in test_batch_split.py; refit.values and .policy theirs
 def test_a_vocabulary_tp_does_not_divide_is_exported_cut_and_an_export_of_the_padded_rows_fails():
     """tiny with 127 tokens, padded as megatron pads it (256 rows at TP 2): the export cut to the vocabulary loads into
     the 127-token HF model, whose log-probs at temperature 0.7 are the masked head's; an export that keeps the padded
