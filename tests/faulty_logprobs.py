@@ -116,11 +116,11 @@ class OldLogprobsAtTemperatureOne(McoreEngine):
     the update run with the model's default sampling parameters), the training forward at it: every token's ratio is
     off by what the temperature moves; right at temperature 1 only."""
 
-    def old_logprobs(self, mbs, samples, batch, microbatches):
+    def old_logprobs(self, mbs, samples):
         head = self.logprob_head()
         kept, head.temperature = head.temperature, 1.0
         try:
-            super().old_logprobs(mbs, samples, batch, microbatches)
+            super().old_logprobs(mbs, samples)
         finally:
             head.temperature = kept
 

@@ -18,6 +18,12 @@ from harness.spec import Case
 PerToken = Literal["logprobs", "entropy"]  # what a rank's TokenLogprobs hold per token
 
 
+def reports_batch(coords: dict[str, int]) -> bool:
+    """Whether a rank's losses and per-token figures count toward the global batch's: the last pipeline stage's
+    ranks of TP rank 0 (each holds its DP and CP part; the other TP ranks hold copies)."""
+    return bool(coords.get("last_stage")) and coords.get("tp") == 0
+
+
 @dataclass(frozen=True)
 class TrainedRankData:
     """What a rank that trained returns (equivalence's payload; golden's and peft-ckpt's extend it): its place
@@ -50,7 +56,7 @@ def assemble_logprobs(case: Case, rank_outputs: list[tuple[dict[str, int], list[
     values = torch.full((gbs, seq), float("nan"), dtype=torch.float64)
     counts = torch.zeros((gbs, seq), dtype=torch.long)
     for c, steps in rank_outputs:
-        if not c.get("last_stage") or c.get("tp") != 0:
+        if not reports_batch(c):
             continue
         if not steps or steps[0].token_logprobs is None:
             return None
@@ -133,8 +139,7 @@ def step_losses(result: CaseResult) -> list[float]:
     """Global per-token mean loss per step, from the last-stage, TP-rank-0 ranks."""
     sums: dict[int, list[float]] = {}
     for data in map(trained, result.ranks):
-        c = data.coords
-        if not c.get("last_stage") or c.get("tp") != 0:
+        if not reports_batch(data.coords):
             continue
         for i, out in enumerate(data.steps):
             if out.loss_sum is None or out.num_tokens is None:

@@ -121,8 +121,7 @@ class CPEngine(McoreEngine):
         cp_attention = self.mode == "dynamic" or lay.cp > 1
         spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, 2 if cp_attention else 1,
                           qk_layernorm=self.case.model.qk_layernorm)
-        chunk = GPTModel(config=config, transformer_layer_spec=spec,
-                         vocab_size=self.case.model.padded_vocab_size(lay.tp),
+        chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=self.padded_vocab_rows(),
                          max_sequence_length=max(self.case.model.seq_length, *self.case.params.seqlens, 1),
                          pre_process=True, post_process=True,
                          share_embeddings_and_output_weights=self.case.model.tie_embeddings,

@@ -96,14 +96,13 @@ class RLSteps:
         forward's per-token log-probs too."""
         mbs, samples, fns = self._rl_inputs(batch, microbatches, mode)
         if case_policy_loss(self.case) == PPO_CLIP:
-            self.old_logprobs(mbs, samples, batch, microbatches)
+            self.old_logprobs(mbs, samples)
         return self.run_microbatches(mbs, samples, forward_only=False, capture=capture, loss_fns=fns)
 
-    def old_logprobs(self, mbs: list[dict], samples: list, batch: RLBatch, microbatches: list[list[int]]) -> None:
+    def old_logprobs(self, mbs: list[dict], samples: list) -> None:
         """PPO's old log-probs: a forward-only pass over the step's own micro-batches on the weights before the step
         (as a framework's compute_log_prob before its update), each kept in its micro-batch as "old_logprobs"."""
-        _, _, fns = self._rl_inputs(batch, microbatches, None)
-        keep = [functools.partial(_keep_old, mb, fn) for mb, fn in zip(mbs, fns)]
+        keep = [functools.partial(_keep_old, mb) for mb in mbs]
         self.run_microbatches(mbs, samples, forward_only=True, capture=False, loss_fns=keep)
 
     def rl_logprobs(self, batch: RLBatch, microbatches: list[list[int]]) -> list[TokenLogprobs]:
@@ -138,10 +137,10 @@ class RLSteps:
         import torch
         from megatron.core import parallel_state as ps
 
+        if mode is None:
+            return _no_loss(mb, output_tensor)
         dev, mask = output_tensor.device, mb["loss_mask"]
         tokens = mask.sum().float().to(dev)
-        if mode is None:  # the forward-only pass: log-probs, no loss
-            return torch.zeros((), device=dev), {"lm loss": torch.stack([torch.zeros((), device=dev), tokens])}
         token_loss, mask, cp = output_tensor.float().reshape(mask.shape), mask.to(dev).float(), 1
         policy = None
         if "advantages" in mb:  # PPO-clip over the old log-probs of the pass before the step
@@ -162,7 +161,16 @@ class RLSteps:
         return self.to_schedule(share, num_microbatches), reported
 
 
-def _keep_old(mb: dict, loss_fn, output_tensor):
+def _no_loss(mb: dict, output_tensor):
+    """A forward-only pass's loss function: log-probs, no loss (the micro-batch's tokens reported)."""
+    import torch
+
+    dev = output_tensor.device
+    tokens = mb["loss_mask"].sum().float().to(dev)
+    return torch.zeros((), device=dev), {"lm loss": torch.stack([torch.zeros((), device=dev), tokens])}
+
+
+def _keep_old(mb: dict, output_tensor):
     """The forward-only pass's loss function that keeps the micro-batch's log-probs ([b, s], this CP rank's part)."""
     mb["old_logprobs"] = -output_tensor.detach().float().reshape(mb["loss_mask"].shape)
-    return loss_fn(output_tensor)
+    return _no_loss(mb, output_tensor)

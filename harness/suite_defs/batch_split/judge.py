@@ -13,6 +13,7 @@ from harness.checks.step_outputs import (
     TrainedRankData,
     coverage_problem,
     first_step_logprobs,
+    reports_batch,
     step_aux_losses,
     trained,
 )
@@ -64,7 +65,7 @@ def step_figures(result: CaseResult) -> dict[str, list[float]]:
     ranks = data(result)
     losses: dict[int, float] = {}
     for d in ranks:
-        if d.coords.get("last_stage") and d.coords.get("tp") == 0:
+        if reports_batch(d.coords):
             for i, out in enumerate(d.steps):
                 if out.loss_sum is not None:
                     losses[i] = losses.get(i, 0.0) + out.loss_sum

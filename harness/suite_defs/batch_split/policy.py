@@ -4,6 +4,7 @@ the old log-probs of the pass just before the step are the policy's own (harness
 from __future__ import annotations
 
 from harness.checks import CheckResult
+from harness.checks.step_outputs import reports_batch
 from harness.engines.policy_loss import CLIP_EPS, PolicyStats
 from harness.launch.results import CaseResult
 from harness.suite_defs.batch_split.judge import data, where
@@ -14,12 +15,13 @@ CHECK = "batch-split.ppo"
 def step_stats(result: CaseResult) -> list[PolicyStats | None]:
     """Per step, the PPO figures over the global batch: the last-stage ranks of TP rank 0 (each its DP and CP part)."""
     per_step: dict[int, list[PolicyStats]] = {}
-    for d in data(result):
-        if d.coords.get("last_stage") and d.coords.get("tp") == 0:
+    ranks = data(result)
+    for d in ranks:
+        if reports_batch(d.coords):
             for i, out in enumerate(d.steps):
                 if out.policy is not None:
                     per_step.setdefault(i, []).append(out.policy)
-    steps = len(data(result)[0].steps) if result.ranks else 0
+    steps = len(ranks[0].steps) if ranks else 0
     return [PolicyStats(max(s.max_ratio_dev for s in per_step[i]), sum(s.clipped for s in per_step[i]),
                         sum(s.tokens for s in per_step[i]), sum(s.kl_sum for s in per_step[i]))
             if i in per_step else None for i in range(steps)]

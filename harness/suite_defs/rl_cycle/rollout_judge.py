@@ -9,7 +9,7 @@ from typing import Any
 
 from harness.checks import CheckResult, cannot_tell
 from harness.checks.numeric import fmt_err
-from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol
+from harness.checks.step_outputs import LogprobDiff, hf_logprob_rtol, reports_batch
 from harness.checks.tensors import assemble
 from harness.checks.weight_stream import Expected, check_complete, check_values, reference
 from harness.dtypes import dtype
@@ -234,7 +234,7 @@ def _against_next_passes(name: str, cid: str, where: str, ranks: list[RLCycleRan
     n, tokens, worst, entropies = len(served), 0, [], []
     for i in range(n - 1):
         hf = served[i]
-        parts = [part for d in ranks if d.coords.get("last_stage") and d.coords.get("tp") == 0
+        parts = [part for d in ranks if reports_batch(d.coords)
                  for part in d.iterations[i + 1].logprobs]
         if hf is None or not parts:
             return CheckResult(name, cid, False, f"{_it(i + 1)} of {n}: {where}: no log-prob pass log-probs captured")
