@@ -150,7 +150,7 @@ def test_peft_ckpts_adapter_is_drawn_and_a_merging_export_stands_above_its_bound
         recorded(cases[1], "peft-ckpt.logprobs", Agreement(0.3, 1e-5, 511, 512)),
         recorded(cases[1], "peft-ckpt.memory", HostPeaks({0: 19 * mib, 1: 18 * mib}, 6 * mib, 23 * mib))]
     kept = []
-    monkeypatch.setattr(adapter_plots, "save_figure", lambda plt, fig, path, dpi: kept.append(fig) or path)
+    monkeypatch.setattr(check_plots, "save_figure", lambda plt, fig, path, dpi: kept.append(fig) or path)
     assert adapter_plots.adapter_export(run, tmp_path / "x.png")
     logprobs, peaks = kept[0].axes
     bars = {(c.get_label(), round(p.get_x() + p.get_width() / 2)): p.get_height()

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.report.check_plots import agreement_bars
-from harness.report.plots import distinct_colors, failed_cases, mark_failed, pyplot, save_figure, variant_labels
+from harness.report.check_plots import agreement_bars, finish_panels
+from harness.report.plots import distinct_colors, failed_cases, mark_failed, pyplot, variant_labels
 
 if TYPE_CHECKING:
     from harness.report.runs import RunFile
@@ -38,10 +38,7 @@ def adapter_export(run: RunFile, path: Path) -> Path | None:
     _peaks(plt, right, cases, peaks)
     _ticks(right, cases, labels, failed)
     right.set_ylabel("export host peak, MiB")
-    fig.suptitle(f"{run.title}: the exported adapter", fontsize=10)
-    fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    return save_figure(plt, fig, path, 100)
+    return finish_panels(plt, fig, path, f"{run.title}: the exported adapter")
 
 
 def _peaks(plt: Any, ax: Any, cases: list[dict[str, Any]], checks: list[dict[str, Any]]) -> None:

@@ -45,7 +45,7 @@ OWN_BASELINE_PLOTS = ("ckpt-memory", "refit")
 
 
 
-def _finish(plt: Any, fig: Any, path: Path, title: str) -> Path | None:
+def finish_panels(plt: Any, fig: Any, path: Path, title: str) -> Path | None:
     """A figure of panels titled, its legend on the right, saved."""
     fig.suptitle(title, fontsize=10)
     fig.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
@@ -103,7 +103,8 @@ def steps_against_reference(run: RunFile, path: Path) -> Path | None:
         ax.set_title(f"{figure} per step against the reference" + (f" ({', '.join(refs)})" if refs else ""),
                      fontsize=9)
         ax.grid(alpha=0.3)
-    return _finish(plt, fig, path, f"{run.title}: each case's steps against its reference ({FLOOR:.0e}: bit for bit)")
+    return finish_panels(plt, fig, path,
+                         f"{run.title}: each case's steps against its reference ({FLOOR:.0e}: bit for bit)")
 
 
 def params_against_reference(run: RunFile, path: Path) -> Path | None:
@@ -147,8 +148,8 @@ def params_against_reference(run: RunFile, path: Path) -> Path | None:
         against = f"the reference ({refs[0]})" if len(refs) == 1 else f"its reference (one of {len(refs)})"
         ax.set_title(f"{check}: each tensor against {against}", fontsize=9)
         ax.grid(alpha=0.3)
-    return _finish(plt, fig, path, f"{run.title}: each case's tensors against its reference ({FLOOR:.0e}: bit for "
-                                   "bit)")
+    return finish_panels(plt, fig, path,
+                         f"{run.title}: each case's tensors against its reference ({FLOOR:.0e}: bit for bit)")
 
 
 def _short_names(names: list[str]) -> list[str]:
@@ -198,8 +199,8 @@ def steps_against_stored(run: RunFile, path: Path) -> Path | None:
         ax.set_title(f"{figure} per step against the stored trajectory", fontsize=9)
         ax.grid(alpha=0.3)
     keys = sorted({c["data"]["key"] for c in checks})
-    return _finish(plt, fig, path, f"{run.title}: each case's steps against {', '.join(keys)} (1: the step's "
-                                   f"tolerance; {FLOOR:.0e}: exact)")
+    return finish_panels(plt, fig, path, f"{run.title}: each case's steps against {', '.join(keys)} (1: the step's "
+                                         f"tolerance; {FLOOR:.0e}: exact)")
 
 
 def baseline_deviation(run: RunFile, path: Path) -> Path | None:
