@@ -22,6 +22,7 @@ from harness.engines.base import (
     PadsVocabulary,
     ParamShard,
     PeftExporting,
+    ProbesMTP,
     RefusesCases,
     RunsRLCycles,
     StepOutput,
@@ -49,6 +50,7 @@ __all__ = [
     "Engine", "StepOutput", "ParamShard", "TokenLogprobs", "HasGradBuffers", "HasOptimizerState", "Checkpointing",
     "PeftExporting", "RefusesCases", "TrainsRLBatches", "RunsRLCycles", "ExportsWeights", "HasLogprobHead",
     "PadsVocabulary",
+    "ProbesMTP",
     # the harness's engines, to subclass, and their parts
     "McoreEngine", "FSDP2Engine", "CPEngine", "Offloading", "LogprobHead",
     # what a factory is called with

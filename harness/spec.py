@@ -48,6 +48,9 @@ class ModelSpec:
     # megatron's vocabulary padding (its training scripts' --make-vocab-size-divisible-by): the embedding and output
     # layer built with padded_vocab_size(tp) rows, the ones past vocab_size no token's; 0 pads nothing
     make_vocab_size_divisible_by: int = 0
+    # megatron's multi-token prediction: this many MTP layers after the decoder, their heads detached from the main
+    # model (TransformerConfig.mtp_detach_heads), as RL frameworks train it; 0: none
+    mtp_num_layers: int = 0
 
     @property
     def kv_channels(self) -> int:

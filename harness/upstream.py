@@ -196,6 +196,17 @@ def frozen_expert_bias_honoured() -> bool:
     return "frozen_expert_bias" in _source("megatron.core.distributed.finalize_model_grads")
 
 
+def mtp_detach_refusal() -> str | None:
+    """Why the installed megatron-core cannot train multi-token prediction with its heads detached from the main
+    model, as RL frameworks train it (None: it can): TransformerConfig.mtp_detach_heads, which 0.19.2 has and 0.16.1
+    lacks. Read from the source, without importing megatron."""
+    if "mtp_detach_heads" in _source("megatron.core.transformer.transformer_config"):
+        return None
+    return (f"megatron-core {_version('megatron-core')} has no TransformerConfig.mtp_detach_heads (MTP heads detached "
+            f"from the main model, as RL frameworks train them; 0.19.2 has it): run --mtp-layers on the current stack "
+            f"(nox -s cpu-suite)")
+
+
 # -- bridges ---------------------------------------------------------------------------------------------------
 def mbridge_build_refusal() -> str | None:
     """Why the installed mbridge cannot build a model on the installed megatron-core (None: it can): mbridge 0.15.1

@@ -42,6 +42,9 @@ CASES = [
       "megatron-bridge"], "--refit-variant padded-vocab: engine megatron-bridge does not build the vocabulary padded"),
     (["run", "--suite", "batch-split", "--vocab-size", "127", "--engine", "megatron-bridge"],
      "--vocab-size: engine megatron-bridge does not build the vocabulary padded"),
+    (["run", "--suite", "batch-split", "--mtp-layers", "5"], "--mtp-layers 5: give 1 to 4 MTP layers"),
+    (["run", "--suite", "batch-split", "--mtp-layers", "1", "--engine", "fsdp2"],
+     "--mtp-layers: engine fsdp2 does not build megatron's MTP layers and measure them"),
     (["run", "--suite", "batch-split", "--temperature", "0.7", "--engine", "tests.faulty_batch_split:RLStepsWithoutAHead"],
      "--temperature 0.7: engine tests.faulty_batch_split:RLStepsWithoutAHead has no log-prob head"),
     (["run", "--suite", "refit", "--temperature", "0"], "--temperature 0: give a positive temperature"),
@@ -195,7 +198,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 114  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 116  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ import pytest
 from harness.driver import plan, run_suite
 from harness.engines.loss_agg import MODES
 from harness.engines.rl_batch import Cut, microbatch_samples, num_microbatches, rl_batch
-from harness.errors import BadInput
+from harness import upstream
+from harness.errors import BadInput, NotOnThisStack
 from harness.models import load_model
 from harness.spec import Layout
 
@@ -378,3 +379,37 @@ def test_zero_counts_apart_by_the_summation_order_pass_and_beyond_it_fail():
     assert unjudged.inconclusive and "in bf16 whether an element underflows to exactly 0 depends on the reduction " \
         "order; judge the zero gradients with --dtype fp32" in unjudged.message, unjudged.message
     assert _zero_counts(bf16, bf16, "at tp2", [9.0], [8.0]).passed
+
+
+def test_mtp_cases_measure_one_rank_and_every_parallel_dimension_and_an_mtp_less_stack_is_refused(monkeypatch):
+    cases = plan("batch-split", "tiny", 4, backend="gloo", suite_params={"mtp_layers": 1}).cases
+    assert {c.layout.id for c in cases} == {"tp1-pp1-cp1-dp1", DP4, "tp2-pp1-cp1-dp2", CP2, PP2}
+    assert {c.model.mtp_num_layers for c in cases} == {1} and {c.params.cut for c in cases} == {"tokens96"}
+    monkeypatch.setattr(upstream, "_source", lambda module: "class TransformerConfig: mtp_num_layers = None")
+    with pytest.raises(NotOnThisStack, match="has no TransformerConfig.mtp_detach_heads"):
+        plan("batch-split", "tiny", 4, backend="gloo", suite_params={"mtp_layers": 1})
+
+
+@pytest.mark.slow
+def test_mtp_heads_detached_leave_the_main_gradients_and_count_the_response_and_each_planted_mtp_fault_fails():
+    """One MTP layer at TP 2, the model called without labels: the main model's gradients equal the step's with MTP
+    off, and megatron's MTP loss counts the response tokens and is their cross-entropy. Planted: the output layer's
+    weight not detached in the MTP loss (verl #6432), no loss mask (ms-swift #8192), the mask aligned with the labels."""
+    params = {"mtp_layers": 1, "modes": ("token-mean",)}
+    run = run_suite("batch-split", "tiny", 2, [TP], backend="gloo", suite_params=params)
+    assert run.passed, _failed(run)
+    assert {c.check for c in run.checks} == {"batch-split.mtp_grads", "batch-split.mtp_loss"}
+    at = r"token-mean, cut tokens96 at tp2-pp1-cp1-dp1, 1 MTP layer \(micro-batches of 2-3 samples\): "
+    for engine, check, said in (
+            ("MTPReachesTheOutputLayer", "batch-split.mtp_grads",
+             r"MTP's loss reached the embedding \(the output layer's weight, tied\) at TP 2: its gradient with MTP on "
+             r"differs from the same step's with MTP off by \S+ of its largest \(> 1e-05\); .*"),
+            ("MTPLossOverEveryPosition", "batch-split.mtp_loss",
+             r"megatron's MTP loss at depth 1 counted 992 tokens at TP 2, the response holds 353 whose target lies in "
+             r"the window \(positions whose target is prompt or padding counted: .*"),
+            ("MTPMaskOnTheLabels", "batch-split.mtp_loss",
+             r"megatron's MTP loss at depth 1 counted 354 tokens at TP 2, the response holds 353 .*")):
+        failed = _failed(run_suite("batch-split", "tiny", 2, [TP], engine=f"tests.faulty_mtp:{engine}",
+                                   backend="gloo", suite_params=params))
+        assert set(failed) == {(TP, check)}, (engine, failed)
+        assert re.fullmatch(at + said, failed[(TP, check)]), failed[(TP, check)]

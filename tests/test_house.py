@@ -24,6 +24,7 @@ THIRD_PARTY_PROBES = {
     ("harness/engines/cp_attention.py", "qkv_format"): "megatron's PackedSeqParams",
     ("harness/engines/mcore.py", "decoder"): "megatron's model chunk (pipeline stages without one)",
     ("harness/engines/mcore.py", "share_embeddings_and_output_weights"): "megatron's model chunk",
+    ("harness/engines/mcore.py", "mtp_process"): "megatron's model chunk (0.16's GPTModel has no MTP stage flag)",
     ("harness/engines/mcore_ckpt.py", "chained_optimizers"): "megatron's ChainedOptimizer",
     ("harness/engines/mcore_ckpt.py", "model_param_group_index_map"): "megatron's DistributedOptimizer",
     ("harness/engines/mcore_ckpt.py", "float16_groups"): "megatron's Float16OptimizerWithFloat16Params",

@@ -127,6 +127,15 @@ class PadsVocabulary(Protocol):
 
 
 @runtime_checkable
+class ProbesMTP(Protocol):
+    """An engine that builds megatron's MTP layers (`ModelSpec.mtp_num_layers`) and measures the first step with them
+    on and off (batch-split's --mtp-layers; harness/engines/mtp.py): McoreEngine. A bridge builds its Hugging Face
+    config's model: it sets `mtp_probe = None`."""
+
+    def mtp_probe(self, batch: RLBatch, microbatches: list[list[int]], mode: str) -> Any: ...
+
+
+@runtime_checkable
 class HasLogprobHead(Protocol):
     """An engine whose RL steps take log-probs and entropy from the logits through a part (McoreEngine's
     `logprob_head()`, harness/engines/logprob_head.py), made at the case's sampling temperature."""

@@ -30,6 +30,7 @@ FORMATS = ("fsdp2_sharded", "fsdp2_full")
 
 class FSDP2Engine(McoreEngine):
     default_ckpt_format = "fsdp2_sharded"  # what "fsdp2_default" saves
+    mtp_probe = None  # type: ignore[assignment]  # its gradients are FSDP2's, not megatron's buffers: no ProbesMTP
 
     @staticmethod
     def refusal(model: ModelSpec, layout: Layout) -> str | None:
@@ -105,9 +106,10 @@ class FSDP2Engine(McoreEngine):
         return {"grad_norm": grad_norm, "num_zeros": num_zeros, "lr": lr}
 
     def run_microbatches(self, mbs: list[dict], samples: list, forward_only: bool, capture: bool,
-                         loss_fns: list | None = None) -> StepOutput:
+                         loss_fns: list | None = None, update: bool = True) -> StepOutput:
         """The RL steps' loop (rl_steps.py) without megatron's schedule: each micro-batch's loss as its function
-        hands it over (to_schedule), backward, then the clipped optimizer step unless forward only."""
+        hands it over (to_schedule), backward, then the clipped optimizer step unless forward only or not to
+        `update`."""
         import contextlib
 
         import torch
@@ -128,7 +130,8 @@ class FSDP2Engine(McoreEngine):
                     policy += [report["policy"]] if "policy" in report else []
         if self.config.num_moe_experts:
             drop_routing_graphs([self.model])
-        step: dict = {"aux_loss": self._take_aux_loss(), **({} if forward_only else self._optimizer_step())}
+        stepped = not forward_only and update
+        step: dict = {"aux_loss": self._take_aux_loss(), **(self._optimizer_step() if stepped else {})}
         total = torch.stack(reported).sum(0) if reported else None
         return StepOutput(None if total is None else float(total[0]), None if total is None else int(total[1]),
                           kept if capture else None, **step, policy=PolicyStats.of(policy) if policy else None)

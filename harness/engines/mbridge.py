@@ -131,6 +131,7 @@ class MbridgeEngine(McoreEngine):
     bridge: Any = None
     check_available = staticmethod(check_available)
     padded_vocab_rows = None  # type: ignore[assignment]  # the HF config's vocabulary: no PadsVocabulary
+    mtp_probe = None  # type: ignore[assignment]  # the HF config's model: no ProbesMTP
     refusal = staticmethod(bridge_refusal)
     export_refusal = staticmethod(export_refusal)
 

@@ -13,9 +13,17 @@ from harness.engines.logprob_head import LogprobHead, case_temperature
 from harness.engines.lr_schedule import make_scheduler
 from harness.engines.mcore_ckpt import McoreCheckpoints
 from harness.engines.mcore_steps import McoreSteps
-from harness.engines.model_config import _full_init, in_params_dtype, layer_spec, transformer_config
+from harness.engines.model_config import (
+    _full_init,
+    in_params_dtype,
+    layer_spec,
+    transformer_config,
+    uses_transformer_engine,
+)
+from harness.engines.mtp import MTPProbe, block_spec, probe
 from harness.engines.offloading import Offloading
 from harness.engines.optimizer_offload import offload_config
+from harness.engines.rl_batch import RLBatch
 from harness.engines.rl_cycle import RLCycle
 from harness.engines.rl_steps import RLSteps
 from harness.engines.weight_export import PerTensorExport
@@ -68,6 +76,11 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
             self._logprob_head = self.logprob_part(self, case_temperature(self.case))
         return self._logprob_head
 
+    def mtp_probe(self, batch: RLBatch, microbatches: list[list[int]], mode: str) -> MTPProbe:
+        """The first step's gradients with the model's MTP layers on and off, and what megatron's MTP loss took
+        (harness/engines/mtp.py); no update."""
+        return probe(self, batch, microbatches, mode)
+
     # -- build --------------------------------------------------------------------------------
     def setup_parallel(self) -> None:
         init_parallel_state(self.case.layout, on_cpu=self.ctx.on_cpu, seed=self.case.options.seed)
@@ -114,6 +127,7 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
                 post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
                 share_embeddings_and_output_weights=self.case.model.tie_embeddings,
                 position_embedding_type="rope", vp_stage=vp_stage,
+                mtp_block_spec=block_spec(self.config, spec, uses_transformer_engine(self.ctx.on_cpu), vp_stage),
             ))
         for chunk in chunks:
             self.reinit(chunk)
@@ -185,6 +199,8 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
                 expert = first_expert + int(e.group(1))
                 name = name[:e.start()] + f".mlp.experts.local_experts.{expert}." + name[e.end():]
             if name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
+                if getattr(chunk, "mtp_process", False):
+                    continue  # a last stage with MTP layers holds the embedding: its output layer takes that weight
                 name = "embedding.word_embeddings.weight"  # the tied copy on the last stage
             out[name] = p
         return out

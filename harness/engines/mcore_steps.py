@@ -54,7 +54,9 @@ class McoreSteps:
         tokens, positions, labels = mb["tokens"].to(dev), mb["position_ids"].to(dev), mb["labels"].to(dev)
         if not rl:
             return model(tokens, positions, None, labels=labels)
-        logits = model(tokens, positions, None)
+        # a model with MTP layers takes the response mask its MTP loss counts (RLSteps.mtp_loss_mask)
+        mtp = {"loss_mask": mb["mtp_mask"].to(dev)} if "mtp_mask" in mb else {}
+        logits = model(tokens, positions, None, **mtp)
         if not get_attr_wrapped_model(model, "post_process"):
             return logits
         head = self.logprob_head()
@@ -114,10 +116,11 @@ class McoreSteps:
                                      forward_only, capture)
 
     def run_microbatches(self, mbs: list[dict], samples: list, forward_only: bool, capture: bool,
-                         loss_fns: list | None = None) -> StepOutput:
+                         loss_fns: list | None = None, update: bool = True) -> StepOutput:
         """One forward(-backward) over this rank's micro-batches (already split over CP; `samples`: each one's
-        sample indices in the global batch), then the optimizer's step unless forward only. `loss_fns`: each
-        micro-batch's own loss function (default: the per-token loss over its loss mask)."""
+        sample indices in the global batch), then the optimizer's step unless forward only or not to `update` (the
+        gradients left in megatron's buffers). `loss_fns`: each micro-batch's own loss function (default: the
+        per-token loss over its loss mask)."""
         import torch
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -150,7 +153,7 @@ class McoreSteps:
         if self.config.num_moe_experts:
             drop_routing_graphs(self.models)
         reported: dict = {"aux_loss": self._take_aux_loss()}
-        if not forward_only:
+        if not forward_only and update:
             lr = self.optimizer.param_groups[0]["lr"]
             updated, grad_norm, num_zeros = self.optimizer.step()
             if updated and self.scheduler is not None:  # megatron's train_step: by the global batch's samples

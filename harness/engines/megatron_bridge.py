@@ -78,6 +78,7 @@ class MegatronBridgeEngine(McoreEngine):
     _export_tasks: list | None = None  # the bridge's conversion plan of the refit export
     check_available = staticmethod(check_available)
     padded_vocab_rows = None  # type: ignore[assignment]  # the HF config's vocabulary: no PadsVocabulary
+    mtp_probe = None  # type: ignore[assignment]  # the HF config's model: no ProbesMTP
     # the bridge's import is 3.8 s of CPU in every rank that makes it (a CPU rank, quiet machine)
     rank_imports = ("harness.engines.megatron_bridge_import:import_bridge",)
     refusal = staticmethod(bridge_refusal)

@@ -46,7 +46,15 @@ def transformer_config(case: Case, on_cpu: bool, params_dtype: str | None = None
         batch_p2p_comm=not (lay.vpp > 1), deallocate_pipeline_outputs=True,
         **training_fields(case),
         **moe_config(case, on_cpu),
+        **mtp_config(case),
     )
+
+
+def mtp_config(case: Case) -> dict:
+    """The model's multi-token prediction layers, their heads detached from the main model (RL frameworks' MTP:
+    the MTP loss trains the MTP layers only); nothing for a model without."""
+    n = case.model.mtp_num_layers
+    return dict(mtp_num_layers=n, mtp_detach_heads=True) if n else {}
 
 
 def training_fields(case: Case) -> dict:
@@ -187,7 +195,7 @@ def layer_spec(on_cpu: bool, normalization: str, cp: int = 1, config: Transforme
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    te = not on_cpu and _importable("transformer_engine")
+    te = uses_transformer_engine(on_cpu)
     moe = config is not None and bool(config.num_moe_experts)
     qk_layernorm = qk_layernorm or bool(config is not None and config.qk_layernorm)
     if te:
@@ -212,6 +220,11 @@ def layer_spec(on_cpu: bool, normalization: str, cp: int = 1, config: Transforme
     if config is not None and config.sequence_parallel:
         mark_norms_sequence_parallel(spec)
     return spec
+
+
+def uses_transformer_engine(on_cpu: bool) -> bool:
+    """Whether the layer specs are Transformer Engine's: on GPU where transformer_engine imports."""
+    return not on_cpu and _importable("transformer_engine")
 
 
 def _full_init(name: str, full_shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -23,6 +23,7 @@ from harness.engines.base import StepOutput, TokenLogprobs
 from harness.engines.cp_data import whole_sequences
 from harness.engines.logprob_head import case_entropy_coef, check_head
 from harness.engines.loss_agg import CHUNK, LOSS_FORMS, SEQUENCE, BatchTotals, MicroBatchLoss, aggregate
+from harness.engines.mtp import token_mask
 from harness.engines.policy_loss import PPO_CLIP, advantage, case_policy_loss, ppo_clip
 from harness.engines.rl_batch import RLBatch, microbatch_tensors
 from harness.errors import BadInput
@@ -50,7 +51,7 @@ class RLSteps:
     loss_form: str = CHUNK  # at CP > 1, what aggregate_loss gets: this rank's part of the sequences, or SEQUENCE
 
     def run_microbatches(self, mbs: list[dict], samples: list, forward_only: bool, capture: bool,
-                         loss_fns: list | None = None) -> StepOutput:
+                         loss_fns: list | None = None, update: bool = True) -> StepOutput:
         raise NotImplementedError  # McoreEngine's
 
     # -- the framework's part -----------------------------------------------------------------
@@ -78,6 +79,12 @@ class RLSteps:
             dist.all_reduce(counts, group=ps.get_context_parallel_group())
         return counts.round().to(torch.int64)
 
+    def mtp_loss_mask(self, loss_mask: torch.Tensor) -> torch.Tensor | None:
+        """The loss mask a model with MTP layers is called with ([n, s], before the CP split): megatron's MTP loss
+        derives its labels from the input ids and rolls this mask with them, so it is the response aligned with the
+        input tokens (None: megatron counts every position)."""
+        return token_mask(loss_mask)
+
     def aggregate_loss(self, inputs: MicroBatchLoss) -> torch.Tensor:
         """A micro-batch's share of the global batch's loss (override to plug in a framework's own aggregation)."""
         return aggregate(inputs)
@@ -91,13 +98,13 @@ class RLSteps:
 
     # -- the steps ------------------------------------------------------------------------------
     def train_rl_batch(self, batch: RLBatch, microbatches: list[list[int]], mode: str,
-                       capture: bool = False) -> StepOutput:
+                       capture: bool = False, update: bool = True) -> StepOutput:
         """One training step on this DP rank's micro-batches (sample indices into the global batch); capture: its
-        forward's per-token log-probs too."""
+        forward's per-token log-probs too; update False: the gradients only, left in megatron's buffers."""
         mbs, samples, fns = self._rl_inputs(batch, microbatches, mode)
         if case_policy_loss(self.case) == PPO_CLIP:
             self.old_logprobs(mbs, samples)
-        return self.run_microbatches(mbs, samples, forward_only=False, capture=capture, loss_fns=fns)
+        return self.run_microbatches(mbs, samples, forward_only=False, capture=capture, loss_fns=fns, update=update)
 
     def old_logprobs(self, mbs: list[dict], samples: list) -> None:
         """PPO's old log-probs: a forward-only pass over the step's own micro-batches on the weights before the step
@@ -119,6 +126,9 @@ class RLSteps:
         if self.case.layout.pp > 1:
             self.config.variable_seq_lengths = True  # micro-batches of different sizes pass between stages
         mbs: list[dict[str, Any]] = [microbatch_tensors(batch, group, seq) for group in microbatches]
+        if self.case.model.mtp_num_layers:
+            mbs = [{**mb, "mtp_mask": mask} if (mask := self.mtp_loss_mask(mb["loss_mask"])) is not None else mb
+                   for mb in mbs]
         if cp > 1:
             mbs = [split_on_cp_rank(dict(mb)) for mb in mbs]
         coef = case_entropy_coef(self.case)

@@ -21,6 +21,7 @@ from harness.checks.tensors import assemble, rel_error
 from harness.dtypes import dtype
 from harness.engines.base import StepOutput
 from harness.engines.loss_agg import readings, reference_loss
+from harness.engines.mtp import MTPProbe
 from harness.engines.policy_loss import NLL, PPO_CLIP, advantage
 from harness.engines.rl_batch import rl_batch
 from harness.launch.results import CaseResult
@@ -53,6 +54,7 @@ class BatchSplitRankData(TrainedRankData):
 
     logprob_pass: list[StepOutput] = field(default_factory=list)
     microbatches: list[list[int]] = field(default_factory=list)
+    mtp: MTPProbe | None = None  # an --mtp-layers case's measurements (no steps)
 
 
 def data(result: CaseResult) -> list[BatchSplitRankData]:
@@ -94,7 +96,8 @@ def where(result: CaseResult, ref_engine: str | None = None) -> str:
         (f", entropy bonus {p.entropy_coef:g}" if p.entropy_coef else "") + \
         (f", {p.policy_loss}" if p.policy_loss != NLL else "") + \
         (f", vocabulary {p.vocab_size} padded to {result.case.model.padded_vocab_size(result.case.layout.tp)}"
-         if p.vocab_size else "")
+         if p.vocab_size else "") + (f", {p.mtp_layers} MTP layer{'s' if p.mtp_layers > 1 else ''}"
+                                     if p.mtp_layers else "")
     return f"{p.mode}, cut {p.cut} at {at}{engine}{heat}{shape}"
 
 

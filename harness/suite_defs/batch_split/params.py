@@ -20,6 +20,7 @@ GLOBAL_BATCH = 16  # 4 samples per DP rank at DP 4: micro-batches of 1, 2 and 4 
 # of 1-5 samples per DP rank at DP 2, and 1-2 at DP 4.
 TOKEN_BUDGET = 96
 DYNAMIC = f"tokens{TOKEN_BUDGET}"
+MAX_MTP_LAYERS = 4
 
 # Per mode, the (layout, cut) pairs of the default matrix: every mode through a dynamic cut and a static one, at CP 2
 # (where a token count must be summed over CP) and at PP 2 (where the schedule needs as many micro-batches as stages,
@@ -50,6 +51,11 @@ class BatchSplitParams:
         "--vocab-size", f"batch-split: the model's vocabulary replaced by this many tokens, padded as megatron pads "
                         f"it (to a multiple of {VOCAB_PADDING} x TP): the padded rows must take no log-prob, entropy "
                         f"or gradient (default 0: the model's own)"))
+    mtp_layers: int = dataclasses.field(default=0, metadata=flag(
+        "--mtp-layers", "batch-split: the model with this many multi-token prediction layers, their heads detached "
+                        "(megatron-core's mtp_detach_heads, 0.19 and later): per layout, the first step's main-model "
+                        "gradients with MTP on and off, and the tokens and loss megatron's MTP loss takes, against the "
+                        "response's (default 0: no MTP; the cut comparisons run without it)"))
 
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
@@ -58,6 +64,9 @@ class BatchSplitParams:
         if self.vocab_size < 0 or self.vocab_size == 1:
             raise BadInput(f"--vocab-size {self.vocab_size}: give a vocabulary of 2 tokens or more (e.g. 127, which "
                            f"TP 2 does not divide), or 0 for the model's own")
+        if not 0 <= self.mtp_layers <= MAX_MTP_LAYERS:
+            raise BadInput(f"--mtp-layers {self.mtp_layers}: give 1 to {MAX_MTP_LAYERS} MTP layers (DeepSeek-V3 "
+                           f"trains 1), or 0 for none")
         for mode in self.modes:
             check_mode(mode)
         for cut in self.cuts:
@@ -76,3 +85,4 @@ class BatchSplitCaseParams:
     entropy_coef: float = 0.0  # the training loss minus this x the head's entropy (0: none)
     policy_loss: str = NLL  # the training steps' loss: nll, or ppo-clip (harness/engines/policy_loss.py)
     vocab_size: int = 0  # the model's vocabulary replaced by this many tokens, padded (0: the model's own)
+    mtp_layers: int = 0  # the model's MTP layers: the case measures the first step with them on and off (mtp.py)

@@ -8,11 +8,11 @@ from typing import Any
 from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with, is_fsdp2, make_engine
-from harness.engines.base import PadsVocabulary, StepOutput, TrainsRLBatches
+from harness.engines.base import PadsVocabulary, ProbesMTP, StepOutput, TrainsRLBatches
 from harness.engines.policy_loss import NLL, PPO_CLIP
 from harness.engines.rl_batch import Cut, RLBatch, check_cut, microbatch_samples, rl_batch
 from harness.engines.rl_steps import check_rl_engine
-from harness.errors import BadInput, DoesNotApply
+from harness.errors import BadInput, DoesNotApply, NotOnThisStack
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import validate
@@ -20,6 +20,7 @@ from harness.platform.parallel import layout_coords
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.agreement import with_equivalence_eps
 from harness.suite_defs.batch_split.judge import BatchSplitRankData, judge, step_figures
+from harness.suite_defs.batch_split.mtp import check_mtp
 from harness.suite_defs.batch_split.params import (
     DYNAMIC,
     GLOBAL_BATCH,
@@ -31,6 +32,7 @@ from harness.suite_defs.batch_split.params import (
     BatchSplitParams,
 )
 from harness.suite_defs.batch_split.policy import check_ratio
+from harness.upstream import mtp_detach_refusal
 
 
 def microbatches(case: Case, batch: RLBatch, dp_rank: int) -> list[list[int]]:
@@ -70,6 +72,8 @@ class BatchSplitSuite:
                                    log_num_zeros_in_grad=True)
         if opts.micro_batch_size is not None:
             raise BadInput("batch-split cuts the batch itself: give --cut mbs<N> instead of --micro-batch-size")
+        if p.mtp_layers:
+            return self._mtp_cases(model, world_size, layouts, engine, factory, backend, opts, p)
         pairs = self._pairs(model, world_size, layouts, p, fsdp2=is_fsdp2(engine))
         out: list[Case] = []
         reference = Layout(dp=1)
@@ -103,6 +107,36 @@ class BatchSplitSuite:
                                                                      vocab_size=p.vocab_size)) for c in out]
         return out
 
+    def _mtp_cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, engine: str, factory: type,
+                   backend: Backend, opts: CaseOptions, p: BatchSplitParams) -> list[Case]:
+        """--mtp-layers: per mode and layout (default: one rank, pure DP, and TP, CP and PP 2 with the rest as DP),
+        one case that measures the first step with the model's MTP layers on and off, cut dynamically. Megatron
+        normalises the MTP loss per micro-batch and per CP rank, so the MTP layers train differently per cut: the
+        cut comparisons run without MTP."""
+        if not issubclass(factory, ProbesMTP):
+            raise BadInput(f"--mtp-layers: engine {engine} does not build megatron's MTP layers and measure them "
+                           "(harness.engines.base.ProbesMTP: McoreEngine and its subclasses); give mcore, or drop "
+                           "--mtp-layers")
+        why = mtp_detach_refusal()
+        if why:
+            raise NotOnThisStack(f"--mtp-layers: {why}")
+        model = dataclasses.replace(model, mtp_num_layers=p.mtp_layers)
+        if layouts is None:
+            layouts = [Layout(dp=1)] + ([Layout(dp=world_size)] if world_size > 1 else [])
+            if world_size % 2 == 0:
+                half = world_size // 2
+                layouts += [Layout(tp=2, dp=half), Layout(cp=2, dp=half), Layout(pp=2, dp=half)]
+        gbs = opts.global_batch_size or GLOBAL_BATCH
+        out = []
+        for lay in layouts:
+            if lay.world_size > 1:  # one rank: the cut comparisons' reference layout, on any world size
+                validate(lay, model, world_size, global_batch_size=gbs)
+            check_cut(Cut.parse(DYNAMIC), gbs, lay.dp)
+            out += [Case(self.name, model, lay, engine, opts, backend, params=BatchSplitCaseParams(
+                mode, DYNAMIC, temperature=p.temperature, entropy_coef=p.entropy_coef, policy_loss=p.policy_loss,
+                vocab_size=p.vocab_size, mtp_layers=p.mtp_layers)) for mode in p.modes]
+        return out
+
     @staticmethod
     def _pairs(model: ModelSpec, world_size: int, layouts: list[Layout] | None, p: BatchSplitParams,
                fsdp2: bool) -> dict[str, list[tuple[Layout, str]]]:
@@ -132,6 +166,12 @@ class BatchSplitSuite:
         o = case.options
         batch = rl_batch(case.model, case.global_batch_size, o.seed, 0)
         first = microbatches(case, batch, ps.get_data_parallel_rank())
+        if case.params.mtp_layers:
+            if not isinstance(engine, ProbesMTP):  # the plan refuses such a factory
+                raise DoesNotApply(f"engine {case.engine} has no mtp_probe (ProbesMTP)")
+            with ctx.phase("mtp"):
+                probe = engine.mtp_probe(batch, first, case.params.mode)
+            return BatchSplitRankData(layout_coords(), [], [], microbatches=first, mtp=probe)
         with ctx.phase("logprobs"):
             logprobs = engine.rl_logprobs(batch, first)
         steps = []
@@ -148,5 +188,7 @@ class BatchSplitSuite:
         return {"losses": step_figures(result)["loss"]} if result.ok else {}
 
     def check(self, results: list[CaseResult], params: BatchSplitParams | None = None) -> list[CheckResult]:
-        return judge(results) + [check_ratio(r) for r in results
-                                 if r.ok and r.case.params.policy_loss == PPO_CLIP]
+        mtp = [r for r in results if r.case.params.mtp_layers]
+        rest = [r for r in results if not r.case.params.mtp_layers]
+        return judge(rest) + [check_ratio(r) for r in rest if r.ok and r.case.params.policy_loss == PPO_CLIP] + \
+            [c for r in mtp for c in check_mtp(r)]
