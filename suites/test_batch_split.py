@@ -36,3 +36,15 @@ def test_every_moe_check_passes(moe_run, judge):
 @pytest.mark.parametrize("check", ["aggregation", "loss", "grad_norm", "num_zeros", "aux_loss", "params", "logprobs"])
 def test_every_moe_cut_trains_as_its_micro_batches_on_one_rank(moe_run, judge, check):
     judge(moe_run, f"batch-split.{check}")
+
+
+@pytest.fixture(scope="module")
+def mtp_run(suite_runner):
+    """tiny with one MTP layer, its heads detached: per layout the first step with MTP on and off (megatron-core with
+    mtp_detach_heads: the current stack)."""
+    return suite_runner("batch-split", label="batch-split-mtp", suite_params={"mtp_layers": 1, "modes": ("token-mean",)})
+
+
+@pytest.mark.parametrize("check", ["mtp_grads", "mtp_loss"])
+def test_mtp_heads_leave_the_main_model_and_count_the_response(mtp_run, judge, check):
+    judge(mtp_run, f"batch-split.{check}")
