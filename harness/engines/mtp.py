@@ -100,25 +100,32 @@ def probe(engine: Any, batch: RLBatch, microbatches: list[list[int]], mode: str)
 
 class mtp_off:
     """The model's MTP layers switched off for a `with` block: their block hands the decoder's hidden states on
-    unchanged and megatron computes no MTP loss (config.mtp_num_layers None). The chunk keeps its `mtp_process`: on a
-    last pipeline stage that holds the MTP layers the output layer takes the embedding's weight, MTP on or off."""
+    unchanged and megatron's GPTModel computes no MTP loss from them. Nothing else changes - the config, each chunk's
+    `mtp_process` - so the rest of the step runs as with MTP on: on a last pipeline stage that holds the MTP layers the
+    output layer takes the embedding's weight, and megatron all-reduces that stage's embedding gradient with the first
+    stage's."""
 
     def __init__(self, engine: Any, chunks: list):
-        self.engine, self.chunks = engine, [c for c in chunks if c.mtp_process]
+        self.chunks = [c for c in chunks if c.mtp_process]
 
     def __enter__(self) -> None:
-        self.depth = self.engine.config.mtp_num_layers
-        self.engine.config.mtp_num_layers = None  # one config object: every chunk's and the schedule's
+        from megatron.core.models.gpt import gpt_model
+
+        self.upstream = gpt_model.process_mtp_loss
+        gpt_model.process_mtp_loss = _hand_on
         for c in self.chunks:
             c.mtp.forward = _hand_on
 
     def __exit__(self, *exc: object) -> None:
-        self.engine.config.mtp_num_layers = self.depth
+        from megatron.core.models.gpt import gpt_model
+
+        gpt_model.process_mtp_loss = self.upstream
         for c in self.chunks:
             del c.mtp.forward  # the class's again
 
 
 def _hand_on(*args: Any, hidden_states: Any, **kwargs: Any) -> Any:
+    """The decoder's hidden states, as they came (the MTP block's and the MTP loss's stand-in)."""
     return hidden_states
 
 
