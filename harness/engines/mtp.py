@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.engines.cp_data import zigzag_positions
 from harness.engines.rl_batch import RLBatch, microbatch_tensors
+from harness.engines.sp_norm import mark_norms_sequence_parallel
 
 if TYPE_CHECKING:
     import torch
@@ -27,13 +28,17 @@ MTP_PART = "mtp."
 
 def block_spec(config: Any, layer_spec: Any, use_transformer_engine: bool, vp_stage: int | None) -> Any:
     """megatron's MTP block spec for a chunk whose decoder layers take `layer_spec` (None: no MTP, or not on this
-    stage)."""
+    stage); its local norms marked sequence-parallel as the decoder's are where the model runs with it (an MoE model
+    at TP > 1)."""
     if not config.mtp_num_layers:
         return None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine,
+    spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_transformer_engine,
                                   vp_stage=vp_stage)
+    if spec is not None and config.sequence_parallel and not use_transformer_engine:
+        mark_norms_sequence_parallel(spec)
+    return spec
 
 
 def token_mask(loss_mask: torch.Tensor) -> torch.Tensor:
