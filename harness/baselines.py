@@ -22,6 +22,7 @@ from harness import schema, stack
 from harness.checks import CheckData
 from harness.errors import BadInput
 from harness.files import atomic_write, locked_dir
+from harness.selection import bisect_command, record_command
 from harness.suite_registry import spec_of
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "baselines"
@@ -101,7 +102,6 @@ def across_note(src: Source, case: Any, moved: bool, record: str = "") -> str:
     the command that records this stack's own entry (`record`: the suite's own, else the case's selection's)."""
     if not src.across:
         return ""
-    from harness.selection import bisect_command, record_command
 
     if not moved:
         return f"; against the baseline of another stack ({', '.join(src.across)})"

@@ -13,10 +13,16 @@ from harness import schema, stack
 from harness.backends import Backend
 from harness.errors import BadInput, DoesNotApply
 from harness.files import atomic_write
-from harness.history import store
+from harness.history import nights, store
+from harness.history.site import write_site
 from harness.outcomes import EXIT_ERRORED, EXIT_FAIL, EXIT_NOTHING_JUDGED, EXIT_PASS
+from harness.platform import backend as platform_backend
+from harness.platform import resolve_backend
+from harness.report import directory
+from harness.report.directory import prepare_out_dir, remove_run_files
 from harness.report.runs import NIGHT_PLAN
 from harness.report.terminal import count_outcomes, format_run
+from harness.suite_defs import get_suite
 from harness.suite_registry import SUITES as REGISTERED
 from harness.tables import table
 
@@ -45,7 +51,6 @@ def clear_earlier_night(out: Path, history_db: Path) -> tuple[int, int] | None:
     """A nightly that reuses --out: the earlier night's runs there ingested into the history database where it does
     not hold them yet (a night stopped before its ingest), then their files removed, so that tonight's page shows
     tonight's runs only (a run planned and not run tonight is not last night's); (runs, added) or None."""
-    from harness.report.directory import remove_run_files
 
     runs = [p.parent for p in sorted(out.rglob("results.json"))]
     if not runs and not (out / NIGHT_PLAN).exists():
@@ -64,7 +69,6 @@ def clear_earlier_night(out: Path, history_db: Path) -> tuple[int, int] | None:
 
 
 def plan_items(suites: list[str], models: list[str], engine: str | None) -> list[Item]:
-    from harness.suite_defs import get_suite
 
     items: list[Item] = []
     for name in suites:
@@ -82,14 +86,11 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
 
     from harness import driver
     from harness.driver import format_clock
-    from harness.platform import resolve_backend
-    from harness.platform.backend import cuda_device_count
-    from harness.report.directory import prepare_out_dir, write_report
 
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
         raise BadInput(f"unknown suite(s) {unknown}; nightly runs {', '.join(SUITES)}")
-    gpus = cuda_device_count() if backend in (Backend.AUTO, Backend.NCCL) else 0
+    gpus = platform_backend.cuda_device_count() if backend in (Backend.AUTO, Backend.NCCL) else 0
     world = world_size or gpus or 4
     backend = resolve_backend(backend, world)
     items = plan_items(suites, list(models or DEFAULT_MODELS[backend]), engine)
@@ -163,13 +164,11 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     atomic_write(out / NIGHT_PLAN, json.dumps({"started": started, "planned": len(items),
                                                "interrupted": str(stop) if stop else None,
                                                "not_run": [it.slug for it in not_run]}))
-    from harness.history import nights
-    from harness.history.site import write_site
 
     con = store.open_db(history_db)
     try:
         # the page against the earlier nights, before tonight's are added
-        written = write_report(out, lambda runs: nights.compare(con, runs))
+        written = directory.write_report(out, lambda runs: nights.compare(con, runs))
         added, known = store.ingest(con, out)
         site = write_site(con, out / "site")  # tonight's page and every metric's trend beside the others
     finally:

@@ -9,9 +9,11 @@ from typing import Any
 
 from harness import baselines
 from harness.backends import Backend
+from harness.engines.base import RefusesCases
 from harness.errors import BadInput, DoesNotApply, DoesNotFit
 from harness.layouts import validate
 from harness.models import load_model
+from harness.platform import backend as platform_backend
 from harness.platform import resolve_backend
 from harness.selection import DEFAULT_WORLD_SIZE, CaseSelection
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
@@ -116,7 +118,6 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
 
 def refusal(factory: Any, model: ModelSpec, layout: Layout) -> str | None:
     """Why the engine factory cannot build the model at the layout (RefusesCases); None where it can."""
-    from harness.engines.base import RefusesCases
 
     return factory.refusal(model, layout) if isinstance(factory, RefusesCases) else None
 
@@ -143,11 +144,10 @@ def refuse_what_does_not_fit(cases: list[Case], backend: Backend, local_world_si
     """DoesNotFit (exit 2, a skip in pytest) for the first case the training-memory model predicts will not fit
     the memory a rank has, before any rank starts; local_world_size: the ranks sharing this node."""
     from harness.checks.training_memory import refusal
-    from harness.platform.backend import memory_per_rank
 
     if not cases:
         return
-    available = memory_per_rank(backend, local_world_size)
+    available = platform_backend.memory_per_rank(backend, local_world_size)
     for case in cases:
         why = "" if case.skip else refusal(case, available)
         if why:

@@ -22,10 +22,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness import driver, recording
 from harness.backends import Backend
 from harness.checks.timing import MIN_EFFECT_INTERLEAVED, tier
+from harness.compare import Side, judge, plan_sides, run_rounds
 from harness.engines.mcore import McoreEngine
+from harness.selection import CaseSelection
 from harness.spec import CaseOptions
+from harness.suite_defs import default_dtype
 
 SIZES = (0.0, 0.03, 0.05, 0.10, 0.25)
 WHERE = ("step", "comm")
@@ -170,12 +174,6 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
     """Each planted size `trials` times per mode on `backend`'s ranks, judged at that tier's minimum effects."""
     import argparse
 
-    from harness.compare import Side, judge, plan_sides, run_rounds
-    from harness.driver import execute, plan
-    from harness.recording import record_suite
-    from harness.selection import CaseSelection
-    from harness.suite_defs import default_dtype
-
     options = CaseOptions(use_distributed_optimizer=True, overlap_grad_reduce=True,
                           dtype=default_dtype("step-perf", backend))
     params = {"timed_steps": timed_steps, "option_sets": ((True, True),)}
@@ -188,16 +186,18 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
         # case (measured on `small` at world size 2: 64 -> 382 threads, 290 -> 986 MiB RSS per rank over 12
         # step-perf cases, step time +5-9%), so trials late in a warm pool read as slower than a baseline
         # recorded in its first cases - a drift of the pool's age, not of the planted size.
-        record_suite("step-perf", model, world_size, [layout], baselines_dir=baselines, backend=backend,
-                     options=options, suite_params=params, fresh_ranks=True)
+        recording.record_suite("step-perf", model, world_size, [layout], baselines_dir=baselines, backend=backend,
+                               options=options, suite_params=params, fresh_ranks=True)
         planted = [(w, s) for w in WHERE for s in SIZES]
-        plans = {(w, s): plan("step-perf", model, world_size, [layout], engine=f"harness.power:{engine_name(w, s)}",
-                              backend=backend, options=options, baselines_dir=baselines, suite_params=params)
+        plans = {(w, s): driver.plan("step-perf", model, world_size, [layout],
+                                     engine=f"harness.power:{engine_name(w, s)}", backend=backend, options=options,
+                                     baselines_dir=baselines, suite_params=params)
                  for w, s in planted}
         for trial in range(trials):
             rng.shuffle(planted)
             for where, size in planted:
-                run = execute(plans[where, size], fresh_ranks=True, progress=lambda msg: None).stop_if_interrupted()
+                run = driver.execute(plans[where, size], fresh_ranks=True,
+                                     progress=lambda msg: None).stop_if_interrupted()
                 time_check = next(c for c in run.checks if c.check == "step-perf.time")
                 t = tallies.setdefault(("vs baseline", where, size), Tally("vs baseline", where, size))
                 t.trials += 1

@@ -7,10 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import baselines
+from harness import baselines, driver
+from harness import platform as harness_platform
 from harness.backends import Backend
 from harness.baselines import ABS_FLOOR, REL_TOLERANCE, build_entries, noisy_metrics, suite_path, write
 from harness.errors import BadInput, DoesNotFit, MissingDependency
+from harness.platform import backend as platform_backend
+from harness.platform import resolve_backend
 from harness.report.provenance import now, versions
 from harness.selection import DEFAULT_WORLD_SIZE
 from harness.suite_defs import (
@@ -34,10 +37,6 @@ def record_suite(selection: Plan | CaseSelection | str, model: str | None = None
     """Run the suite `repeats` times, store median / spread / tolerance per metric; (path, diff). selection: a Plan
     made by the command (its baselines_dir is the plan's), else what plan() takes, planned here once."""
     import sys
-
-    from harness import driver  # looked up per call: tests plant a fake executor
-    from harness.platform import detect_platform
-    from harness.platform.backend import machine_fingerprint
 
     if repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {repeats}")
@@ -76,10 +75,10 @@ def record_suite(selection: Plan | CaseSelection | str, model: str | None = None
                            f"memory: a spread over the repeats larger than the tolerance max({REL_TOLERANCE:.0%} of "
                            f"the median, {ABS_FLOOR} MiB); step-perf: a counter that varies); find the source of "
                            f"the variance or record on a quieter machine:\n  " + "\n  ".join(noisy))
-    platform = detect_platform(backend).key
+    platform = harness_platform.detect_platform(backend).key
     path = suite_path(baselines_dir, platform, suite.name)
     provenance = {**versions(), "date": now(), "repeats": repeats,
-                  "machine": machine_fingerprint(backend)}
+                  "machine": platform_backend.machine_fingerprint(backend)}
     policy = suite if isinstance(suite, RecordingPolicy) else None
     entries = build_entries(samples, policy.tolerance if policy else None, raw, policy.digits if policy else 3)
     changes = write(path, suite.name, platform, entries, provenance)
@@ -103,11 +102,9 @@ def missing_baselines(world_size: int, backend: Backend, baselines_dir: str | No
     """The regression suites' runs (suite_defs.REGRESSION_RUNS) with baselines, on this backend and world size,
     whose platform file lacks an entry of a case they plan; planned only, nothing runs. A run whose model does
     not fit here or needs what is not installed is left out (its suite skips it too)."""
-    from harness.driver import plan
-    from harness.platform import detect_platform, resolve_backend
 
     backend = resolve_backend(backend, world_size)
-    platform = detect_platform(backend).key
+    platform = harness_platform.detect_platform(backend).key
     out = []
     for run in REGRESSION_RUNS:
         if (suite and run.suite != get_suite(suite).name) or (run.cpu_only and backend != Backend.GLOO):
@@ -115,7 +112,8 @@ def missing_baselines(world_size: int, backend: Backend, baselines_dir: str | No
         if not isinstance(get_suite(run.suite), Baselined):
             continue
         try:
-            planned = plan(run.suite, run.model, world_size, backend=backend, baselines_dir=baselines_dir)
+            planned = driver.plan(run.suite, run.model, world_size, backend=backend,
+                                          baselines_dir=baselines_dir)
             found, cases = planned.suite, planned.cases
         except (DoesNotFit, MissingDependency):
             continue

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from harness.backends import BACKENDS, Backend
 from harness.errors import BadInput
 from harness.option_flags import ParamFlag, flags_of
+from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, id_fragment
 from harness.suite_defs import default_dtype
 from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
@@ -146,7 +147,6 @@ class CaseSelection:
         add("layout", "--layout", self.layouts, ())
         add("engine", "--engine", self.engine, SHARED_FLAGS["--engine"]["default"])
         add("backend", "--backend", self.backend, SHARED_FLAGS["--backend"]["default"])
-        from harness.platform import resolve_backend
 
         backend = self.backend if self.backend != Backend.AUTO else resolve_backend(self.backend, self.world_size)
         defaults = {**vars(OPTION_DEFAULTS), "dtype": default_dtype(self.suite, backend)}

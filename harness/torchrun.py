@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import driver
 from harness.backends import Backend
+from harness.driver import new_run_dir
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -64,16 +66,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from harness.driver import execute, plan
-
     world = int(os.environ["WORLD_SIZE"])
     try:
         suite_params = {"timed_steps": args.timed_steps} if args.timed_steps is not None else None
-        planned = plan(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
-                       options=CaseOptions(**({"steps": args.steps} if args.steps is not None else {}),
-                                           dtype=default_dtype(args.suite, backend)),
-                       timeout_s=args.timeout, suite_params=suite_params, baselines_dir=args.baselines_dir,
-                       local_world_size=local_world)
+        planned = driver.plan(args.suite, args.model, world, args.layout, engine=args.engine, backend=backend,
+                              options=CaseOptions(**({"steps": args.steps} if args.steps is not None else {}),
+                                                  dtype=default_dtype(args.suite, backend)),
+                              timeout_s=args.timeout, suite_params=suite_params, baselines_dir=args.baselines_dir,
+                              local_world_size=local_world)
     except BadInput as exc:
         if rank == 0:
             print(f"harness: error: {exc}", file=sys.stderr)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     freeze_long_lived()  # one process runs every case, as a warm pool rank does
     runner = TorchrunRanks(base, dist.new_group(backend="gloo"))  # results travel as objects, on the CPU
     out = Path(args.out) if args.out and rank == 0 else None
-    run = execute(planned, runner=runner, out_dir=out)
+    run = driver.execute(planned, runner=runner, out_dir=out)
     code = 0
     if rank == 0:
         print(format_run(run))
@@ -108,8 +108,6 @@ class TorchrunRanks:
         """One directory for the run (the driver's new_run_dir: $HARNESS_ARTIFACTS, which several nodes must
         share, since a case's checkpoint is written by the ranks of every node), named by rank 0."""
         import torch.distributed as dist
-
-        from harness.driver import new_run_dir
 
         shared = [str(new_run_dir()) if self.judges else ""]
         dist.broadcast_object_list(shared, src=0, group=self.group)

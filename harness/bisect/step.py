@@ -14,13 +14,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import baselines
+from harness import baselines, driver
+from harness import platform as harness_platform
 from harness.bisect.search import BAD, GOOD, PASS_FAIL, SKIP, StepResult, Threshold
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import CHECK_METRIC, Outcome
 from harness.report.provenance import versions
 from harness.report.results_file import run_adjustments
+from harness.suite_defs import Baselined, SeesOtherLoad, TimedBaselines, baselines_dir_of
 
 if TYPE_CHECKING:
     from harness.selection import CaseSelection
@@ -57,7 +59,6 @@ def judge_run(run, metric: str, threshold: Threshold, error_is_bad: bool = False
 
 
 def _judge_outcomes(run, metric: str, threshold: Threshold, error_is_bad: bool) -> StepResult:
-    from harness.suite_defs import Baselined, TimedBaselines, baselines_dir_of
 
     vers = {k: v for k, v in versions().items() if k not in ("harness", "harness_commit")}
     outcomes = run.outcomes()
@@ -123,8 +124,6 @@ def _judge_check(run, name: str, error_is_bad: bool, vers: dict) -> StepResult:
 def refuse_unknown_metric(planned, metric: str) -> None:
     """BadInput before anything runs for a metric the suite's baseline file names for none of its cases (as
     rankN.name, any rank): else the whole suite would run before the metric was refused."""
-    from harness.platform import detect_platform
-    from harness.suite_defs import Baselined, baselines_dir_of
 
     suite = planned.suite
     if metric == PASS_FAIL:
@@ -137,7 +136,8 @@ def refuse_unknown_metric(planned, metric: str) -> None:
         return
     if not isinstance(suite, Baselined):
         raise BadInput(f"suite {suite.name!r} has no numeric metrics; use --metric fail")
-    book = baselines.Book(baselines_dir_of(planned.params), detect_platform(planned.backend).key, suite.name)
+    platform_key = harness_platform.detect_platform(planned.backend).key
+    book = baselines.Book(baselines_dir_of(planned.params), platform_key, suite.name)
     known = sorted({_any_rank(m) for data in (book.data, *(d for _, d in book.others))
                     for entry in data.get("entries", {}).values() for m in entry}, key=lambda m: (len(m), m))
     if known and _any_rank(metric) not in known:
@@ -167,7 +167,6 @@ def _judge_timed(run, result, metric: str, case_entry: dict, threshold: Threshol
     """A timed figure (step-perf) is judged as the suite judges it: bad when significantly slower than the
     baseline's samples beyond the minimum effect (`--max baseline+P%` sets the effect, else the suite's);
     skipped where other processes on the machine explain the slowdown."""
-    from harness.suite_defs import SeesOtherLoad
 
     cmp = run.suite.timed_comparison(result, metric, case_entry, threshold.relative_effect, params=run.params)
     busy = (run.suite.load_explains(result, metric, case_entry, cmp)
@@ -182,20 +181,18 @@ def _judge_timed(run, result, metric: str, case_entry: dict, threshold: Threshol
 
 
 def _platform(result) -> str:
-    from harness.platform import detect_platform
 
-    return detect_platform(result.case.backend).key
+    return harness_platform.detect_platform(result.case.backend).key
 
 
 def run_step(selection: CaseSelection, spec: StepSpec) -> StepResult:
     """Run the selected cases in this environment and judge them (the body of `harness bisect-step`).
     selection: the cases, as the step's flags select them."""
-    from harness.driver import execute, plan
 
     threshold = Threshold(spec.max)
-    planned = plan(selection, baselines_dir=spec.baselines_dir)
+    planned = driver.plan(selection, baselines_dir=spec.baselines_dir)
     refuse_unknown_metric(planned, spec.metric)
-    run = execute(planned, fresh_ranks=spec.fresh_ranks).stop_if_interrupted()
+    run = driver.execute(planned, fresh_ranks=spec.fresh_ranks).stop_if_interrupted()
     return judge_run(run, spec.metric, threshold, spec.error_is_bad)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from harness.checks import CheckResult
+from harness.engines.hf_weights import hf_state_dict
 from harness.probes.weight_stream import Sent, digest
 
 if TYPE_CHECKING:
@@ -30,7 +31,6 @@ class Expected:
 
 def reference(full: dict[str, torch.Tensor], model: ModelSpec) -> dict[str, torch.Tensor]:
     """The trained parameters (megatron's global names, assembled) under HF names: what the export must send."""
-    from harness.engines.hf_weights import hf_state_dict
 
     return hf_state_dict(full, model)
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from harness.engines.base import ChecksAvailability
+from harness.engines.fsdp2 import FSDP2Engine
 from harness.errors import BadInput, DoesNotApply, MissingDependency
 
 if TYPE_CHECKING:
@@ -75,7 +76,6 @@ def is_fsdp2(engine: str) -> bool:
         return True
     if ":" not in engine:
         return False
-    from harness.engines.fsdp2 import FSDP2Engine
 
     factory = resolve_factory(engine)
     return isinstance(factory, type) and issubclass(factory, FSDP2Engine)

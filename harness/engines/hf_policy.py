@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.dtypes import dtype
 from harness.engines.hf_weights import to_module_format
+from harness.engines.mbridge import hf_architecture, hf_config
 from harness.errors import BadInput
 
 if TYPE_CHECKING:
@@ -65,7 +66,6 @@ def loaded_model(model: ModelSpec, dtype_name: str, stream: dict[str, Any], buil
     mode; (None, why) where no Hugging Face class holds the model here or transformers is not installed. Raises
     StreamDoesNotLoad where the stream does not load strictly. built: where the model built on a first call is kept
     for the next ones (each loads every key again, strictly)."""
-    from harness.engines.mbridge import hf_architecture, hf_config
 
     try:
         from transformers import AutoModelForCausalLM

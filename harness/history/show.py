@@ -13,6 +13,7 @@ from harness.history import store
 from harness.history.changes import Change, detect
 from harness.history.store import Point
 from harness.report.plots import pyplot
+from harness.selection import case_argv
 from harness.stack import COMPONENTS
 from harness.stack import key as stack_key_of
 from harness.tables import table as text_table
@@ -53,7 +54,6 @@ def bisect_commands(case_id: str, metric: str, world_size: int | None, change: C
     """One `harness bisect --package NAME A..B ...` per package whose version changed (the engine's first),
     selecting the case again (its layout and variant) with a threshold between the values before and after:
     absolute for an exact figure, `baseline+P%` for a timed one (bisect judges those by statistics)."""
-    from harness.selection import case_argv
 
     packages = bisectable(diff)
     middle = (change.before + change.after) / 2

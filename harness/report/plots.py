@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness.baselines import BaselineStatus
 from harness.errors import MissingDependency
+from harness.selection import parse_case_id
 
 if TYPE_CHECKING:
     from harness.report.runs import RunFile
@@ -122,7 +123,6 @@ def variant_labels(run: RunFile) -> dict[str, str]:
     """case id -> its layout and what tells it apart from the run's other cases at that layout: the parts of its
     variant that not every case of the run shares (`use_distributed_optimizer=True` as distopt), and its engine
     where it is not mcore."""
-    from harness.selection import parse_case_id
 
     cases = [parse_case_id(c["id"]) for c in run.data["cases"]]
     parts = [[p for p in c["variant"].split(",") if p] for c in cases]

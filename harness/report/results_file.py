@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness import schema
+from harness import platform, schema
 from harness.files import atomic_write
 from harness.report.provenance import engine_distribution, versions
 
@@ -20,11 +20,9 @@ def to_json(run: SuiteRun) -> dict[str, Any]:
     """A run as data (results.json): everything a report shows, so reports are rendered without the suite."""
     from dataclasses import asdict
 
-    from harness.platform import detect_platform
-
     return {
         "schema": schema.RESULTS, "suite": run.suite.name, "model": run.model, "world_size": run.world_size,
-        "engine": run.engine, "backend": run.backend, "platform": detect_platform(run.backend).key,
+        "engine": run.engine, "backend": run.backend, "platform": platform.detect_platform(run.backend).key,
         "versions": versions(), "date": datetime.now(UTC).isoformat(timespec="seconds"), "wall_s": run.wall_s,
         "judge_s": run.judge_s,
         "passed": run.passed, "verdict": run.verdict, "exit_code": run.exit_code, "adjustments": run_adjustments(run),

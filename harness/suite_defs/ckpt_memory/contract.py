@@ -24,6 +24,7 @@ from harness.engines import make_engine
 from harness.engines.base import HasOptimizerState, checkpointing
 from harness.launch.context import RankContext
 from harness.layouts import reference_layouts, violations
+from harness.platform.parallel import teardown_parallel_state
 from harness.probes.memory import MeasurementError, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_errors import describe_exception, refusal_kind
@@ -104,8 +105,6 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> LoadT
     is the kind of refusal a format gives for a layout it does not promise."""
     import torch.distributed as dist
 
-    from harness.platform.parallel import teardown_parallel_state
-
     target = dataclasses.replace(case, layout=layout)
     engine = checkpointing(make_engine(target, ctx), target.engine)
     phase = "build"
@@ -134,8 +133,6 @@ def _try_load(case: Case, ctx: RankContext, layout: Layout, ckpt: Path) -> LoadT
 
 def reshard_work(case: Case, ctx: RankContext) -> ContractRankData:
     import torch.distributed as dist
-
-    from harness.platform.parallel import teardown_parallel_state
 
     ckpt = saved_checkpoint(case)
     if case.params.ckpt_role != "reshard":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness import selection
 from harness.backends import Backend
 from harness.baselines import ABS_FLOOR
 from harness.launch.results import CaseResult, RankResult
@@ -25,7 +26,6 @@ def key(case: Case) -> str:
 
 def record_command(case: Case) -> str:
     """The command that records exactly this case's baseline."""
-    from harness import selection
 
     o = case.params
     if o.ckpt_role:  # the contract comes with the default matrix only; a reshard-load case runs at half the DP

@@ -6,6 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 from harness import baselines
+from harness import platform as harness_platform
 from harness.backends import Backend
 from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import LOAD_FIXED_COST, discrimination, gathers, rival, save_band
@@ -29,7 +30,6 @@ EXPECTED_DEFAULTS = {"default": EXPECTED_DEFAULT, "fsdp2_default": "fsdp2_sharde
 def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResult]:
     """Every save case: contract, model band, retained memory, baseline; every contract case (check_reshard
     judges its loads' values and bands): its loads' peaks against the baseline."""
-    from harness.platform import detect_platform
 
     out: list[CheckResult] = []
     books: dict[str, baselines.Book] = {}
@@ -40,7 +40,7 @@ def check(results: list[CaseResult], params: CkptMemoryParams) -> list[CheckResu
         if not res.ok:
             out.append(case_failed("ckpt-memory.run", res))
             continue
-        platform = detect_platform(case.backend).key
+        platform = harness_platform.detect_platform(case.backend).key
         if platform not in books:
             books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
         source = books[platform].source(key_of(case))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from harness import selection
+from harness.checks.tensors import assemble
 from harness.dtypes import dtype
+from harness.engines import baseline_suffix
 from harness.launch.results import CaseResult
 from harness.spec import Case
 
@@ -18,7 +21,6 @@ def trajectory(result: CaseResult, first_step: int = 1) -> dict[str, float]:
     param.<name> (L2 norm of the full parameter), exp_avg.<name> / exp_avg_sq.<name> (of its Adam moments, where
     the engine hands out its optimizer state) and optimizer.step (Adam's step counter)."""
     from harness.checks.step_outputs import step_aux_losses, step_losses
-    from harness.checks.tensors import assemble
     from harness.suite_defs.golden.payload import GoldenRankData
 
     data = [r.payload_as(GoldenRankData) for r in result.ranks]
@@ -66,7 +68,6 @@ def hands_out_moments(result: CaseResult) -> bool:
 def key(case: Case) -> str:
     """One trajectory per model, dtype, step count and learning-rate schedule: every layout is judged against it.
     The fsdp2 engine (torch Adam, no loss mask) trains another one, stored beside it."""
-    from harness.engines import baseline_suffix
 
     o = case.options
     engine = baseline_suffix(case.engine)
@@ -77,6 +78,5 @@ def key(case: Case) -> str:
 
 def record_command(case: Case) -> str:
     """The whole suite at the case's world size, dtype, steps and engine: one trajectory for every layout."""
-    from harness import selection
 
     return selection.record_command(case, layout=False)

@@ -14,6 +14,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from harness import baselines
+from harness import platform as harness_platform
 from harness.checks import CheckResult, TrajectoryFigures
 from harness.dtypes import dtype
 from harness.suite_defs.golden.figures import hands_out_moments, is_optimizer_state, record_command, trajectory
@@ -70,13 +71,12 @@ def _rel(got: float, want: float) -> float:
 
 def check(results: list[CaseResult], params: GoldenParams) -> list[CheckResult]:
     """Each case's per-step figures and final fingerprints against the golden trajectory of its model and dtype."""
-    from harness.platform import detect_platform
 
     out: list[CheckResult] = []
     books: dict[str, baselines.Book] = {}
     by_id = {r.case.id: r for r in results}
     for res in results:
-        platform = detect_platform(res.case.backend).key
+        platform = harness_platform.detect_platform(res.case.backend).key
         if platform not in books:
             books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
         key = key_of(res.case)

@@ -256,7 +256,6 @@ def _attempt(layout: Layout, phase: str, work) -> Reload | None:
 def _reload(case: Case, ctx: RankContext, layout: Layout, load) -> Reload:
     """A fresh LoRA model at `layout` (base weights from global names, B zero), `load` into it, then the
     held-out batch's outputs, or where and why it failed."""
-    from harness.platform.parallel import layout_coords, teardown_parallel_state
 
     engine = peft_exporting(make_engine(dataclasses.replace(case, layout=layout), ctx), case.engine)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness import selection
 from harness.backends import Backend
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
@@ -24,8 +25,6 @@ def key(case: Case) -> str:
 def record_command(case: Case) -> str:
     """The case's record command: its selection, its variant and bucket sizes (the metrics' names)."""
     import shlex
-
-    from harness import selection
 
     p = case.params if isinstance(case.params, RefitParams) else RefitParams()
     extra = ["--refit-variant", p.variant] if p.variant else []

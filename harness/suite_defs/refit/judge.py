@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from harness import baselines
+from harness import platform as harness_platform
 from harness.checks import Agreement, CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.numeric import fmt_err
 from harness.checks.step_outputs import LogprobDiff, coverage_problem, first_step_logprobs, hf_logprob_rtol
@@ -93,9 +94,8 @@ def judge(results: list[CaseResult], params: RefitParams) -> list[CheckResult]:
 
 def check_baseline(res: CaseResult, params: RefitParams, books: dict[str, Any]) -> CheckResult:
     """Each rank's export peak per bucket size against its baseline entry (figures.key)."""
-    from harness.platform import detect_platform
 
-    platform = detect_platform(res.case.backend).key
+    platform = harness_platform.detect_platform(res.case.backend).key
     if platform not in books:
         books[platform] = baselines.Book(params.baselines_dir, platform, "refit")
     key, cid = figures.key(res.case), res.case.id

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import statistics
 
+from harness import selection
 from harness.checks.flops_model import exact_groups, step_flops
 from harness.checks.timing import TIMED_METRICS
 from harness.dtypes import DType
+from harness.engines import baseline_suffix
 from harness.launch.results import CaseResult, RankResult
 from harness.probes import cpu_share
 from harness.probes.cpu_share import ForeignLoad
@@ -117,7 +119,6 @@ def flops_used(result: CaseResult) -> tuple[list[int], str]:
 def key(case: Case) -> str:
     """The case's entry in baselines/<platform>/step-perf.json (its dtype named where it is not fp32, the fsdp2
     path's own entry beside megatron's)."""
-    from harness.engines import baseline_suffix
 
     o = case.options
     return (f"{case.model.name}/{case.layout.id}/distopt={int(o.use_distributed_optimizer)}"
@@ -126,6 +127,5 @@ def key(case: Case) -> str:
 
 
 def record_command(case: Case) -> str:
-    from harness import selection
 
     return selection.record_command(case, skip=("steps",))  # timed steps are --timed-steps

@@ -9,9 +9,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from harness import baselines
+from harness import platform as harness_platform
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
 from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio, tier
 from harness.launch.results import CaseResult
+from harness.platform import backend
 from harness.probes.cpu_share import FOREIGN_LIMIT, ForeignLoad
 from harness.suite_defs.step_perf import figures
 from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, key, record_command
@@ -44,8 +46,6 @@ class TimeFigures(CheckData):
 
 def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult]:
     """Every case against its entry in the platform's baseline file."""
-    from harness.platform import detect_platform
-    from harness.platform.backend import machine_fingerprint
 
     out: list[CheckResult] = []
     books: dict[str, baselines.Book] = {}
@@ -56,7 +56,7 @@ def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult
             continue
         if params.overhead:
             out.append(check_overhead(res))
-        platform = detect_platform(res.case.backend).key
+        platform = harness_platform.detect_platform(res.case.backend).key
         if platform not in books:
             books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
         source = books[platform].source(key(res.case))
@@ -70,7 +70,7 @@ def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult
             continue
         out.append(_check_counters(res, entry, source))
         if res.case.backend not in machines:
-            machines[res.case.backend] = machine_fingerprint(res.case.backend)
+            machines[res.case.backend] = backend.machine_fingerprint(res.case.backend)
         machine = machines[res.case.backend]
         provenance = source.data.get("provenance", {}).get(key(res.case), {})
         recorded_on = provenance.get("machine")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from harness import selection
 from harness.backends import Backend
+from harness.engines import baseline_suffix
 from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
@@ -18,7 +20,6 @@ def phase_figures(rank: RankResult, backend: Backend) -> dict[str, int]:
 
 def key(case: Case) -> str:
     """The case's entry in baselines/<platform>/train-memory.json (the fsdp2 path's own entry beside megatron's)."""
-    from harness.engines import baseline_suffix
 
     o = case.options
     return (f"{case.model.name}/{case.layout.id}/{o.dtype}/mbs{case.micro_batch_size}/"
@@ -27,7 +28,6 @@ def key(case: Case) -> str:
 
 
 def record_command(case: Case) -> str:
-    from harness import selection
 
     return selection.record_command(case, skip=("steps",))  # the suite's own
 

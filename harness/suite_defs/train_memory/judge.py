@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from harness import baselines
+from harness import platform as harness_platform
 from harness.backends import Backend
 from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.training_memory import MIB, predict, training_of
@@ -83,9 +84,8 @@ def _check_model(res: CaseResult) -> CheckResult:
 
 def _source(params: TrainMemoryParams, res: CaseResult, books: dict[str, Any]) -> Any:
     """Where the case's baseline entry is read from (each platform's files read once)."""
-    from harness.platform import detect_platform
 
-    platform = detect_platform(res.case.backend).key
+    platform = harness_platform.detect_platform(res.case.backend).key
     if platform not in books:
         books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
     return books[platform].source(key_of(res.case))

@@ -7,9 +7,11 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
+from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import reference_layouts, validate
+from harness.platform.parallel import layout_coords, teardown_parallel_state
 from harness.probes.memory import MIB, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.train_memory import figures, judge
@@ -51,8 +53,6 @@ class TrainMemorySuite:
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> TrainMemoryRankData:
-        from harness.engines import make_engine
-        from harness.platform.parallel import layout_coords, teardown_parallel_state
 
         with ctx.phase("prime"):  # a throwaway engine's build and step: one-time costs of the process land here
             engine = make_engine(case, ctx)
