@@ -26,10 +26,6 @@ from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, compare_ro
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import EXIT_NOTHING_JUDGED, CaseStatus
-from harness.platform import resolve_backend
-from harness.probes.cpu_share import FOREIGN_LIMIT
-from harness.suite_defs.step_perf import figures
-from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS
 from harness.tables import table
 
 if TYPE_CHECKING:
@@ -82,6 +78,7 @@ def plan_sides(sel: CaseSelection, engines: list[str], steps_per_round: int) -> 
 def _in_process_round(side: Side, plans: dict[str, Plan], say) -> dict[str, CaseSamples]:
     """One round of a side in this process: its engine's plan, executed again."""
     from harness.driver import execute
+    from harness.suite_defs.step_perf import figures
 
     run = execute(plans[side.engine], progress=say).stop_if_interrupted()
     out = {}
@@ -96,6 +93,7 @@ def _in_process_round(side: Side, plans: dict[str, Plan], say) -> dict[str, Case
 
 def _subprocess_round(side: Side, sel: CaseSelection, args, workdir: Path, n: int) -> dict[str, CaseSamples]:
     from harness.bisect import step_env
+    from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS
 
     out_dir = workdir / f"{side.label.replace('/', '_')}-{n}"
     env = step_env(side.pythonpath)
@@ -157,6 +155,7 @@ def most_other_load(side: dict[str, CaseSamples]) -> float | None:
 def other_load_line(a: dict[str, CaseSamples], b: dict[str, CaseSamples], judged_busy: bool) -> str:
     """What other processes used of the machine while each side was timed ('' where nothing was measured); where
     it passed FOREIGN_LIMIT and some case is slower or cannot tell, the way out."""
+    from harness.probes.cpu_share import FOREIGN_LIMIT
 
     share_a, share_b = most_other_load(a), most_other_load(b)
     if share_a is None and share_b is None:
@@ -230,6 +229,7 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
 def compare_main(args, sel: CaseSelection, say: Callable[[str], None], plans: dict[str, Plan]) -> int:
     """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds, plans holds
     the in-process sides' plans (plan_sides)."""
+    from harness.platform import resolve_backend
 
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
     cache.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from harness.engines.base import ChecksAvailability
-from harness.engines.fsdp2 import FSDP2Engine
 from harness.errors import BadInput, DoesNotApply, MissingDependency
 
 if TYPE_CHECKING:
@@ -76,6 +75,7 @@ def is_fsdp2(engine: str) -> bool:
         return True
     if ":" not in engine:
         return False
+    from harness.engines.fsdp2 import FSDP2Engine  # here: the package stays light for the suites' parameters
 
     factory = resolve_factory(engine)
     return isinstance(factory, type) and issubclass(factory, FSDP2Engine)

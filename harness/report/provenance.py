@@ -9,7 +9,6 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
-from harness.engines import BUILTIN
 from harness.stack import components
 
 
@@ -37,6 +36,7 @@ def _versions() -> dict[str, str]:  # `git status`); what a run records is the c
 def engine_distribution(engine: str) -> dict[str, str | None]:
     """The installed distribution that provides an engine, and its version: for `pkg.mod:factory` the
     distribution of `pkg` (None when it is not installed as one, e.g. a module on PYTHONPATH)."""
+    from harness.engines import BUILTIN  # here: a report renders from results.json without the engines' modules
 
     if engine in BUILTIN:  # a built-in engine: what is judged is the package it builds with
         name = {"mbridge": "mbridge", "megatron-bridge": "megatron-bridge",
