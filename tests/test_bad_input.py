@@ -43,6 +43,8 @@ CASES = [
     (["run", "--suite", "batch-split", "--vocab-size", "127", "--engine", "megatron-bridge"],
      "--vocab-size: engine megatron-bridge does not build the vocabulary padded"),
     (["run", "--suite", "batch-split", "--mtp-layers", "5"], "--mtp-layers 5: give 1 to 4 MTP layers"),
+    (["run", "--suite", "batch-split", "--mtp-layers", "1", "--policy-loss", "ppo-clip"],
+     "--mtp-layers with --policy-loss ppo-clip: the MTP measurements take one forward-backward"),
     (["run", "--suite", "batch-split", "--mtp-layers", "1", "--engine", "fsdp2"],
      "--mtp-layers: engine fsdp2 does not build megatron's MTP layers and measure them"),
     (["run", "--suite", "batch-split", "--temperature", "0.7", "--engine", "tests.faulty_batch_split:RLStepsWithoutAHead"],
@@ -198,7 +200,7 @@ CASES = [
 
 
 def test_the_table_holds_every_bad_input():
-    assert len(CASES) == 116  # one more per bad input added; none dropped without a word
+    assert len(CASES) == 117  # one more per bad input added; none dropped without a word
 
 
 @pytest.fixture

@@ -54,7 +54,8 @@ def token_mask(loss_mask: torch.Tensor) -> torch.Tensor:
 class MTPProbe:
     """One rank's measurements of the first step's micro-batches, run with MTP on and again off (no update)."""
 
-    # per main-model part: (largest |gradient with MTP on - with it off|, largest |gradient with it off|) on this rank
+    # per main-model parameter (global name): (largest |gradient with MTP on - with it off|, largest |gradient with it
+    # off|) on this rank
     grads: dict[str, tuple[float, float]]
     mtp_grad: float | None  # the MTP layers' largest |gradient| with MTP on (None: none on this rank)
     # per MTP depth, summed over this rank's micro-batches of each one's mean: (megatron's MTP loss, the harness's
@@ -65,7 +66,9 @@ class MTPProbe:
 
 
 def probe(engine: Any, batch: RLBatch, microbatches: list[list[int]], mode: str) -> MTPProbe:
-    """The step's gradients with MTP on and off, megatron's MTP loss and counts against the harness's."""
+    """The step's gradients with MTP on and off, megatron's MTP loss and counts against the harness's. The case's
+    policy loss is the log-likelihood: a PPO step's old-log-prob pass would run the MTP layers too (the suite refuses
+    --policy-loss ppo-clip with --mtp-layers)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from megatron.core.utils import unwrap_model
 
@@ -73,7 +76,7 @@ def probe(engine: Any, batch: RLBatch, microbatches: list[list[int]], mode: str)
     outputs: list[torch.Tensor] = []
     hooks = [c.output_layer.register_forward_hook(lambda _m, _i, out: outputs.append(out[0].detach().clone()))
              for c in chunks if c.post_process]
-    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    MTPLossLoggingHelper.tracker.clear()  # sized by the first depth it saw: a warm rank's earlier case may differ
     try:
         engine.train_rl_batch(batch, microbatches, mode, update=False)
     finally:
@@ -84,18 +87,14 @@ def probe(engine: Any, batch: RLBatch, microbatches: list[list[int]], mode: str)
     depth = engine.config.mtp_num_layers
     megatron_losses = [float(v) for v in tracker["loss_values"]] if "loss_values" in tracker else []
     counted = [int(v) for v in tracker["total_values"]] if "total_values" in tracker else []
-    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    tracker.clear()
     with mtp_off(engine, chunks):
         engine.train_rl_batch(batch, microbatches, mode, update=False)
     off = _grads(engine)
     for m in engine.models:
         m.zero_grad_buffer()
-    grads = {}
-    for prefix, part in MAIN_PARTS.items():
-        names = [n for n in off if n.startswith(prefix)]
-        if names:
-            grads[part] = (max(float((on[n] - off[n]).abs().max()) for n in names),
-                           max(float(off[n].abs().max()) for n in names))
+    grads = {n: (float((on[n] - off[n]).abs().max()), float(off[n].abs().max()))
+             for n in off if n.startswith(tuple(MAIN_PARTS))}
     mtp = [float(g.abs().max()) for n, g in on.items() if n.startswith(MTP_PART)]
     reference, expected = ([], []) if not outputs else _reference(engine, batch, microbatches, outputs, depth)
     return MTPProbe(grads, max(mtp) if mtp else None,
@@ -166,7 +165,7 @@ def _reference(engine: Any, batch: RLBatch, microbatches: list[list[int]], outpu
         for k in range(depth):
             logits = outputs[i * per_mb + k]  # [s, b, V / TP]
             target = positions + k + 1
-            inside = target < seq - 1  # label j is token j + 1: the last input token is no position's target
+            inside = target < seq - 1  # label seq - 1 is the token past the window, no input token
             at = target.clamp(max=seq - 1)
             labels, mask = full["labels"][:, at], full["loss_mask"][:, at].float() * inside
             ce = vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous().to(logits.device))

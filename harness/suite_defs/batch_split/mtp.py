@@ -7,11 +7,13 @@ layers on and off (harness/engines/mtp.py):
 
 from __future__ import annotations
 
+import math
+
 from harness.checks import CheckResult, case_failed
 from harness.checks.numeric import fmt_err, within
 from harness.checks.step_outputs import reports_batch
-from harness.dtypes import dtype
-from harness.engines.mtp import MTPProbe
+from harness.dtypes import DType, dtype
+from harness.engines.mtp import MAIN_PARTS, MTPProbe
 from harness.launch.results import CaseResult
 from harness.suite_defs.batch_split.judge import data, where
 
@@ -31,39 +33,54 @@ def check_mtp(result: CaseResult) -> list[CheckResult]:
     return [_grads(result, at, [p for _, p in got]), _loss(result, at, got)]
 
 
+def grad_rtol(kind: DType) -> float:
+    """How far a main-model gradient with MTP on may lie from the same step's with MTP off, relative to the
+    parameter's largest: the same kernels run twice (bit for bit equal on CPU ranks, every shipped model and layout);
+    the bound leaves a GPU's non-deterministic reductions room, far below what MTP's loss moves (1e-01 of the output
+    layer's gradient when its weight is not detached)."""
+    return 1e-6 if kind == DType.fp32 else 1e-3
+
+
 def _grads(result: CaseResult, at: str, probes: list[MTPProbe]) -> CheckResult:
-    cid, tp = result.case.id, result.case.layout.tp
-    rtol = dtype(result.case.options.dtype).rtol
-    moved: dict[str, float] = {}
+    cid = result.case.id
+    rtol = grad_rtol(dtype(result.case.options.dtype))
+    moved: dict[str, float] = {}  # per parameter, its worst rank's |on - off| relative to its own largest gradient
     for p in probes:
-        for part, (diff, size) in p.grads.items():
-            rel = diff / size if size else diff
-            moved[part] = max(moved.get(part, 0.0), rel)
-    rows = [f"  {part}: max |on - off| {fmt_err(rel)} of its largest gradient" for part, rel in moved.items()]
-    mtp = [p.mtp_grad for p in probes if p.mtp_grad is not None]
+        for name, (diff, size) in p.grads.items():
+            rel = diff / size if size else (math.inf if diff else 0.0)
+            moved[name] = max(moved.get(name, 0.0), rel)
     if not moved:
         return CheckResult(GRADS, cid, False, f"{at}: no rank reported the main model's gradients")
-    part = max(moved, key=lambda k: moved[k])
-    if not within(moved[part], rtol):
-        tied = " (the output layer's weight, tied)" if part == "embedding" and result.case.model.tie_embeddings else ""
+    worst = {}
+    for prefix, part in MAIN_PARTS.items():
+        names = [n for n in moved if n.startswith(prefix)]
+        if names:
+            worst[part] = max(names, key=lambda n: moved[n])
+    rows = [f"  {part}: worst {name}, |on - off| {fmt_err(moved[name])} of its largest gradient"
+            for part, name in worst.items()]
+    mtp = [p.mtp_grad for p in probes if p.mtp_grad is not None]
+    part = max(worst, key=lambda k: moved[worst[k]])
+    name = worst[part]
+    if not within(moved[name], rtol):
+        tied = " (tied to the output layer)" if part == "embedding" and result.case.model.tie_embeddings else ""
+        bad = sum(1 for n in moved if not within(moved[n], rtol))
         return CheckResult(GRADS, cid, False,
-                           f"{at}: MTP's loss reached the {part}{tied} at TP {tp}: its gradient with MTP on differs "
-                           f"from the same step's with MTP off by {fmt_err(moved[part])} of its largest (> "
-                           f"{rtol:.0e}); with the MTP heads detached (mtp_detach_heads) only the MTP layers take "
-                           f"MTP's gradient", rows,
-                           value=moved[part])
+                           f"{at}: MTP's loss reached the {part}{tied}: {name}'s gradient with MTP on differs from "
+                           f"the same step's with MTP off by {fmt_err(moved[name])} of its largest (> {rtol:.0e}; "
+                           f"{bad} of {len(moved)} main-model parameters moved); with the MTP heads detached "
+                           f"(mtp_detach_heads) only the MTP layers take MTP's gradient", rows, value=moved[name])
     if not mtp or max(mtp) == 0:
         return CheckResult(GRADS, cid, False,
-                           f"{at}: the MTP layers took no gradient at TP {tp} (largest "
-                           f"{max(mtp) if mtp else 'none reported'}): MTP did not train", rows, value=moved[part])
+                           f"{at}: the MTP layers took no gradient (largest {max(mtp) if mtp else 'none reported'}): "
+                           "MTP did not train", rows, value=moved[name])
     return CheckResult(GRADS, cid, True,
-                       f"{at}: with MTP's heads detached, the {_parts(moved, result)} gradients equal the same step's "
-                       f"with MTP off at TP {tp} (worst {part} {fmt_err(moved[part])} <= {rtol:.0e}); the MTP layers' "
-                       f"largest {max(mtp):.3g}", rows, value=moved[part])
+                       f"{at}: with MTP's heads detached, the {_parts(worst, result)} gradients equal the same step's "
+                       f"with MTP off, parameter by parameter (worst {name} {fmt_err(moved[name])} <= {rtol:.0e}); "
+                       f"the MTP layers' largest {max(mtp):.3g}", rows, value=moved[name])
 
 
 def _loss(result: CaseResult, at: str, probes: list[tuple[dict[str, int], MTPProbe]]) -> CheckResult:
-    cid, tp = result.case.id, result.case.layout.tp
+    cid = result.case.id
     rtol = dtype(result.case.options.dtype).rtol
     reporting = [p for c, p in probes if reports_batch(c)]
     depth = result.case.model.mtp_num_layers
@@ -80,23 +97,25 @@ def _loss(result: CaseResult, at: str, probes: list[tuple[dict[str, int], MTPPro
     off = [k for k in range(depth) if counted[k] != expected[k]]
     if off:
         k = off[0]
-        why = ("positions whose target is prompt or padding counted" if counted[k] > expected[k]
-               else "response tokens left out") + ": the loss mask the forward took is missing or not the response " \
-            "aligned with the input tokens"
-        return CheckResult(LOSS, cid, False, f"{at}: megatron's MTP loss at depth {k + 1} counted {counted[k]} tokens "
-                                             f"at TP {tp}, the response holds {expected[k]} whose target lies in the "
-                                             f"window ({why})", rows, value=float(abs(counted[k] - expected[k])))
+        why = ("positions whose target is prompt or padding counted: the loss mask the forward took is missing or not "
+               "the response aligned with the input tokens" if counted[k] > expected[k] else
+               "response tokens left out: the loss mask the forward took is not the response aligned with the input "
+               "tokens")
+        return CheckResult(LOSS, cid, False, f"{at}: megatron's MTP loss at depth {k + 1} counted {counted[k]} tokens, "
+                                             f"the response holds {expected[k]} whose target lies in the window "
+                                             f"({why})", rows, value=float(abs(counted[k] - expected[k])))
     if not within(worst[0], rtol):
-        return CheckResult(LOSS, cid, False, f"{at}: megatron's MTP loss {worst[1]:.8g} at TP {tp} is not the "
+        return CheckResult(LOSS, cid, False, f"{at}: megatron's MTP loss {worst[1]:.8g} is not the "
                                              f"cross-entropy of its logits over the response tokens, {worst[2]:.8g} "
                                              f"(rel {fmt_err(worst[0])} > {rtol:.0e}): it counts other positions or "
                                              f"targets than the response's", rows, value=worst[0])
-    return CheckResult(LOSS, cid, True, f"{at}: megatron's MTP loss counts the {sum(expected)} response tokens whose "
-                                        f"target lies in the window at TP {tp}, and equals their cross-entropy (worst "
-                                        f"rel {fmt_err(worst[0])} <= {rtol:.0e})", rows, value=worst[0])
+    counts = ", ".join(f"{n} at depth {k + 1}" for k, n in enumerate(expected))
+    return CheckResult(LOSS, cid, True, f"{at}: megatron's MTP loss counts the response tokens whose target lies in "
+                                        f"the window ({counts}) and equals their cross-entropy (worst rel "
+                                        f"{fmt_err(worst[0])} <= {rtol:.0e})", rows, value=worst[0])
 
 
-def _parts(moved: dict[str, float], result: CaseResult) -> str:
+def _parts(moved: dict[str, str], result: CaseResult) -> str:
     """'embedding and decoder (the output layer tied to the embedding)'."""
     names = list(moved)
     said = " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]

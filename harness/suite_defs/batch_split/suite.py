@@ -109,14 +109,18 @@ class BatchSplitSuite:
 
     def _mtp_cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, engine: str, factory: type,
                    backend: Backend, opts: CaseOptions, p: BatchSplitParams) -> list[Case]:
-        """--mtp-layers: per mode and layout (default: one rank, pure DP, and TP, CP and PP 2 with the rest as DP),
-        one case that measures the first step with the model's MTP layers on and off, cut dynamically. Megatron
-        normalises the MTP loss per micro-batch and per CP rank, so the MTP layers train differently per cut: the
-        cut comparisons run without MTP."""
+        """--mtp-layers: per mode, layout (default: one rank, pure DP, and TP, CP and PP 2 with the rest as DP) and
+        cut (default: dynamic), one case that measures the first step with the model's MTP layers on and off.
+        Megatron normalises the MTP loss per micro-batch and per CP rank, so the MTP layers train differently per cut:
+        the cut comparisons run without MTP."""
         if not issubclass(factory, ProbesMTP):
             raise BadInput(f"--mtp-layers: engine {engine} does not build megatron's MTP layers and measure them "
                            "(harness.engines.base.ProbesMTP: McoreEngine and its subclasses); give mcore, or drop "
                            "--mtp-layers")
+        if p.policy_loss == PPO_CLIP:
+            raise BadInput("--mtp-layers with --policy-loss ppo-clip: the MTP measurements take one forward-backward, "
+                           "and PPO's old-log-prob pass before it would run the MTP layers too; judge MTP with the "
+                           "default --policy-loss nll")
         why = mtp_detach_refusal()
         if why:
             raise NotOnThisStack(f"--mtp-layers: {why}")
@@ -131,10 +135,11 @@ class BatchSplitSuite:
         for lay in layouts:
             if lay.world_size > 1:  # one rank: the cut comparisons' reference layout, on any world size
                 validate(lay, model, world_size, global_batch_size=gbs)
-            check_cut(Cut.parse(DYNAMIC), gbs, lay.dp)
-            out += [Case(self.name, model, lay, engine, opts, backend, params=BatchSplitCaseParams(
-                mode, DYNAMIC, temperature=p.temperature, entropy_coef=p.entropy_coef, policy_loss=p.policy_loss,
-                vocab_size=p.vocab_size, mtp_layers=p.mtp_layers)) for mode in p.modes]
+            for cut in p.cuts or (DYNAMIC,):
+                check_cut(Cut.parse(cut), gbs, lay.dp)
+                out += [Case(self.name, model, lay, engine, opts, backend, params=BatchSplitCaseParams(
+                    mode, cut, temperature=p.temperature, entropy_coef=p.entropy_coef, policy_loss=p.policy_loss,
+                    vocab_size=p.vocab_size, mtp_layers=p.mtp_layers)) for mode in p.modes]
         return out
 
     @staticmethod
