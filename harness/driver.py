@@ -173,14 +173,14 @@ def execute(planned: Plan, *, progress: Callable[[str], None] | None = None, fre
             elapsed = time.monotonic() - t0
             eta = f", ETA {format_clock(elapsed / (i - 1) * (n - i + 1))}" if i > 1 else ""
             say(f"[{i}/{n} {format_clock(elapsed)} elapsed{eta}] {case.id} ...")
-            if case.skip:  # every process skips it alike
-                result: CaseResult | None = CaseResult(case, [], CaseStatus.SKIPPED, error=case.skip,
+            if case.skip_reason:  # every process skips it alike
+                result: CaseResult | None = CaseResult(case, [], CaseStatus.SKIPPED, error=case.skip_reason,
                                                        fresh_ranks=False)
             else:
                 result = runner.run(case)
             if result is not None and judges:
                 results[idx] = run.describe(result)
-                warm = "" if result.fresh_ranks or case.skip else " (warm ranks)"
+                warm = "" if result.fresh_ranks or case.skip_reason else " (warm ranks)"
                 why = f": {result.error.splitlines()[0]}" if result.skipped and result.error else ""
                 say(f"[{i}/{n}] {case.id} {result.status} in {result.wall_s:.1f}s{warm}{why}")
                 for note in result.notes:

@@ -144,8 +144,9 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
         print(format_run(run), flush=True)
         # a run whose every case this world size cannot run or judge (e.g. dynamic-cp on one GPU) says so and
         # is no failure; the nightly as a whole fails when nothing at all was judged
+        # skipped for the world size, not for a missing package
         cannot = run.verdict == "nothing judged" and bool(run.results) and not run.errors and \
-            all(r.case.skip or not r.skipped for r in run.results)  # skipped for the world size, not a missing package
+            all(r.case.skip_reason or not r.skipped for r in run.results)
         passed &= run.passed or cannot
         if not (run.passed or cannot):
             failing.append(run.verdict)

@@ -85,8 +85,8 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
     if options is None:
         options = CaseOptions(dtype=default_dtype(suite.name, backend))
     model = load_model(model_name or default_model(suite, backend))
-    why = spec_of(suite.name).dense_only
-    if model.moe and why:
+    why = spec_of(suite.name).moe_refusal
+    if model.moe and why is not None:
         raise DoesNotApply(f"the {suite.name} suite does not judge mixture-of-experts models yet (model "
                            f"{model.name}): {why}; run {model.name} with --suite {' or --suite '.join(moe_suites())}, "
                            "or a dense model here")
@@ -129,12 +129,12 @@ def buildable(cases: list[Case], factory: Any, engine: str) -> list[Case]:
         engines = sorted({c.engine for c in cases})
         raise DoesNotApply(f"--engine {engine} runs no case of this selection (its cases are {' and '.join(engines)}'s"
                            f" alone): run it with --engine {engines[0]}")
-    refused = {c.id: why for c in cases if not c.skip and c.engine == engine
+    refused = {c.id: why for c in cases if not c.skip_reason and c.engine == engine
                and (why := refusal(factory, c.model, c.layout))}
     if not refused:
         return cases
     kept = [c for c in cases if c.id not in refused and not set(c.after) & refused.keys()]
-    if not [c for c in kept if not c.skip and c.engine == engine]:  # (golden adds cases of other engines)
+    if not [c for c in kept if not c.skip_reason and c.engine == engine]:  # (golden adds cases of other engines)
         raise DoesNotApply(f"{next(iter(refused.values()))} (--engine {engine} can build no case of this "
                            "selection)")
     return kept
@@ -149,6 +149,6 @@ def refuse_what_does_not_fit(cases: list[Case], backend: Backend, local_world_si
         return
     available = platform_backend.memory_per_rank(backend, local_world_size)
     for case in cases:
-        why = "" if case.skip else refusal(case, available)
+        why = "" if case.skip_reason else refusal(case, available)
         if why:
             raise DoesNotFit(why)

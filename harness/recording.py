@@ -121,7 +121,7 @@ def missing_baselines(world_size: int, backend: Backend, baselines_dir: str | No
         path = baselines.suite_path(baselines_dir, platform, found.name)
         entries = baselines.load(path).get("entries", {})
         # a case planned as skipped (e.g. the DP-only reshard load at DP 1) is not recorded either (record_suite)
-        keys = list(dict.fromkeys(found.key(c) for c in cases if not c.skip))
+        keys = list(dict.fromkeys(found.key(c) for c in cases if not c.skip_reason))
         missing = [k for k in keys if k not in entries]
         if missing:
             out.append(MissingBaselines(found.name, cases[0].model.name, missing, len(keys), path))

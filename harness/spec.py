@@ -275,11 +275,11 @@ class Case:
     suite_ref: str = field(default="", compare=False)
     # why this case cannot run here (e.g. it needs more ranks than the world size gives, naming how many):
     # the driver reports it skipped without starting a rank
-    skip: str = field(default="", compare=False)
+    skip_reason: str = field(default="", compare=False)
 
-    def skipped(self, reason: str) -> Case:
+    def to_skip(self, reason: str) -> Case:
         """This case, to be reported skipped for `reason` instead of run."""
-        return dataclasses.replace(self, skip=reason)
+        return dataclasses.replace(self, skip_reason=reason)
 
     @property
     def variant(self) -> str:

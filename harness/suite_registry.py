@@ -27,9 +27,9 @@ class SuiteSpec:
 
     suite: str  # its class, `package.module:Class`
     params: tuple[str, ...] = ()  # its parameter types whose fields declare flags (modules that import no torch)
-    # "" judges a mixture-of-experts model (its experts by global index, its EP / ETP layouts, its auxiliary
-    # loss); else why its plans know dense models only (docs/moe.md)
-    dense_only: str = ""
+    # why its plans know dense models only (docs/moe.md); None: it judges a mixture-of-experts model (its experts by
+    # global index, its EP / ETP layouts, its auxiliary loss)
+    moe_refusal: str | None = None
     # every run of it in the regression suites (suites/test_*.py; tests/test_baselines.py holds them to it): what
     # `harness baselines record --missing` records where a platform lacks it
     runs: tuple[Run, ...] = (Run(),)
@@ -48,7 +48,7 @@ SUITES: dict[str, SuiteSpec] = {
                              params=(f"{_SD}.ckpt_memory.params:CkptMemoryParams",
                                      f"{_SD}.ckpt_memory.params:CkptCaseParams")),
     "dynamic-cp": SuiteSpec(f"{_SD}.dynamic_cp:DynamicCPSuite",
-                            dense_only="its packed-sequence engine builds dense layers only"),
+                            moe_refusal="its packed-sequence engine builds dense layers only"),
     # `small` is launch-bound on an H100 (0.2 TFLOP/s, MFU 0.0%), so on GPU ranks it times the 1B shape that fits
     # one GPU, in bf16 mixed precision as Megatron users train (docs/step-perf.md has fp32 and bf16 figures)
     "step-perf": SuiteSpec(f"{_SD}.step_perf:StepPerfSuite", runs=(Run(), Run("tiny-moe", cpu_only=True)),

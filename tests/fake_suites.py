@@ -166,7 +166,7 @@ class Blind(Mixed):
 
         cases = [Case("tests.fake_suites:Blind", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + PASS),
                       backend, CASE_TIMEOUT_S) for i in range(3)]
-        return cases[:2] + [cases[2].skipped(f"needs world size {2 * world_size}, the run has {world_size}")]
+        return cases[:2] + [cases[2].to_skip(f"needs world size {2 * world_size}, the run has {world_size}")]
 
     def check(self, results, params=None):
         from harness.checks import cannot_tell

@@ -264,8 +264,8 @@ def test_equivalence_given_only_pure_dp_names_the_layouts_to_add():
     from harness.suite_defs import get_suite
 
     [case] = get_suite("equivalence").cases(load_model("tiny"), 2, [Layout(dp=2)])
-    assert case.skip.startswith("equivalence compares every layout with pure DP, and --layout named only pure DP: "
-                                "add a layout to compare (valid for tiny at world size 2: tp1-pp1-cp2-dp1"), case.skip
+    assert case.skip_reason.startswith("equivalence compares every layout with pure DP, and --layout named only pure DP: "
+                                "add a layout to compare (valid for tiny at world size 2: tp1-pp1-cp2-dp1"), case.skip_reason
 
 
 def test_a_corrupt_baseline_outside_git_is_not_told_to_git_checkout(tmp_path):
@@ -293,7 +293,7 @@ def test_a_default_matrix_holds_only_the_layouts_the_path_builds(model):
     assert {c.layout.id for c in planned.cases} == {"tp1-pp1-cp1-dp4"}  # FSDP2 shards over DP only
     assert len(default_matrix(planned.cases[0].model, 4)) > 1  # what mcore runs
     ckpt = plan("ckpt-memory", "small", 4, engine="fsdp2", backend="gloo")
-    own = [c for c in ckpt.cases if c.engine == "fsdp2" and not c.skip]  # its megatron formats run on mcore
+    own = [c for c in ckpt.cases if c.engine == "fsdp2" and not c.skip_reason]  # its megatron formats run on mcore
     assert own and all((c.layout.tp, c.layout.pp, c.layout.cp) == (1, 1, 1) for c in own)
 
 

@@ -129,7 +129,7 @@ def _fake_recorder(monkeypatch, refuse: str = ""):
         planned = plan(suite, model, world_size, backend=backend, baselines_dir=baselines_dir)
         found, cases = planned.suite, planned.cases
         path = baselines.suite_path(baselines_dir, "cpu-gloo", found.name)
-        keys = {found.key(c) for c in cases if not c.skip}  # as record_suite: a skipped case records nothing
+        keys = {found.key(c) for c in cases if not c.skip_reason}  # as record_suite: a skipped case records nothing
         data = baselines.load(path)
         entries = {**data.get("entries", {}), **baselines.build_entries({k: {"m": [1.0] * 3} for k in keys})}
         return path, baselines.write(path, found.name, "cpu-gloo", entries, data.get("provenance", {}))

@@ -101,7 +101,7 @@ def test_bad_mixes_and_layouts_are_refused_before_anything_runs():
     with pytest.raises(BadInput, match="must have tp1 and pp1"):
         plan("dynamic-cp", "tiny", 4, ["tp2-pp1-cp2-dp1"], suite_params={"mixes": MIX})
     (odd,) = plan("dynamic-cp", "tiny", 3, suite_params={"mixes": MIX}).cases  # not bad input: a skip naming the need
-    assert "needs world size 2 or more, even" in odd.skip
+    assert "needs world size 2 or more, even" in odd.skip_reason
 
 
 def test_missing_dynamic_cp_api_names_what_is_missing(monkeypatch):

@@ -201,7 +201,7 @@ def test_golden_runs_in_bf16_on_cpu_ranks_for_both_engines():
     run = run_suite("golden", "tiny", 1, backend="gloo", options=CaseOptions(dtype="bf16"),
                     suite_params={"formats": ("dp_reshardable", "fsdp2_sharded")})
     assert run.passed, [c.message for c in run.checks if c.failed]
-    engines = {c.engine for c in (r.case for r in run.results) if not c.skip}
+    engines = {c.engine for c in (r.case for r in run.results) if not c.skip_reason}
     assert engines == {"mcore", "fsdp2"}, engines
     assert {c.check for c in run.checks} >= {"golden.trajectory", "golden.params", "golden.resume"}
     from harness.suite_defs.golden.figures import trajectory
@@ -406,15 +406,17 @@ def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skip
                                                                                        "dp_reshardable")
         assert resume.after == (first.id,) and suite.key(resume) == suite.key(cases[0])
         if backend == "gloo":
-            assert first.skip == resume.skip == ("megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the "
-                                                 "state between CUDA streams: it runs on NCCL ranks only")
+            assert first.skip_reason == resume.skip_reason == (
+                "megatron's optimizer CPU offload (HybridDeviceOptimizer) moves the state between CUDA streams: it runs "
+                "on NCCL ranks only")
         elif broken:  # megatron-core 0.16.1 - 0.19.2 offer them, and cannot resume them in fp32 (golden's dtype)
-            assert first.skip == resume.skip and "cannot load the optimizer state of fp32 parameters" in first.skip
+            assert first.skip_reason == resume.skip_reason
+            assert "cannot load the optimizer state of fp32 parameters" in first.skip_reason
         else:
-            assert not first.skip and not resume.skip
+            assert not first.skip_reason and not resume.skip_reason
         if backend == "nccl":
             bf16 = suite.cases(tiny, 2, None, backend=backend, options=CaseOptions(dtype="bf16"))
-            assert [c.skip for c in bf16 if c.options.optimizer_cpu_offload] == ["", ""]
+            assert [c.skip_reason for c in bf16 if c.options.optimizer_cpu_offload] == ["", ""]
     import importlib.util
 
     from harness import adjustments

@@ -45,13 +45,13 @@ def test_the_printed_command_records_the_entry_the_check_looks_for(suite, model,
                         *extra])
     judged = planned.suite
     for case in planned.cases:
-        if case.skip:
+        if case.skip_reason:
             continue
         command = judged.record_command(case)
         argv = shlex.split(command)
         assert argv[:3] == ["harness", "baselines", "record"], command
         recorded = _planned(argv[1:])
-        keys = {judged.key(c) for c in recorded.cases if not c.skip}
+        keys = {judged.key(c) for c in recorded.cases if not c.skip_reason}
         assert judged.key(case) in keys, f"{case.id}: `{command}` records {sorted(keys)}, not {judged.key(case)}"
         assert recorded.backend == case.backend and recorded.world_size in (world, 2 * world), command
 

@@ -19,7 +19,7 @@ from harness.suite_defs.grad_sync import GradSyncRankData, GradSyncSuite
 def test_equivalence_at_world_size_1_is_skipped_with_the_ranks_it_needs():
     cases = plan("equivalence", "tiny", 1, backend="gloo").cases
     (case,) = cases
-    assert case.skip == ("equivalence compares every layout with pure DP, and world size 1 has no other valid layout "
+    assert case.skip_reason == ("equivalence compares every layout with pure DP, and world size 1 has no other valid layout "
                          "for tiny: needs world size 2 or more (e.g. --world-size 2 or 4)")
 
 
@@ -27,17 +27,17 @@ def test_equivalence_at_world_size_1_is_skipped_with_the_ranks_it_needs():
 def test_dynamic_cp_needs_an_even_world_size_of_at_least_2(world_size):
     cases = plan("dynamic-cp", "tiny", world_size, backend="gloo").cases
     (case,) = cases
-    assert case.skip.startswith(f"dynamic CP needs an even DP x CP size of at least 2 (megatron's hybrid CP groups), "
+    assert case.skip_reason.startswith(f"dynamic CP needs an even DP x CP size of at least 2 (megatron's hybrid CP groups), "
                                 f"world size {world_size} has none: needs world size 2 or more, even")
 
 
 def test_ckpt_memory_at_world_size_1_runs_its_contract_except_the_dp_only_load():
     cases = plan("ckpt-memory", "small", 1, backend="gloo").cases
-    roles = [(c.params.ckpt_role, c.layout.id, bool(c.skip)) for c in cases if c.params.ckpt_role]
+    roles = [(c.params.ckpt_role, c.layout.id, bool(c.skip_reason)) for c in cases if c.params.ckpt_role]
     assert roles == [("reshard", "tp1-pp1-cp1-dp1", False), ("reshard-load", "tp1-pp1-cp1-dp1", True)] * 2
-    skipped = next(c for c in cases if c.skip)
-    assert skipped.skip.endswith("world size 1 cannot be halved: needs world size 2 or more, even")
-    assert not [c for c in cases if not c.params.ckpt_role and c.skip]  # every save case runs
+    skipped = next(c for c in cases if c.skip_reason)
+    assert skipped.skip_reason.endswith("world size 1 cannot be halved: needs world size 2 or more, even")
+    assert not [c for c in cases if not c.params.ckpt_role and c.skip_reason]  # every save case runs
 
 
 def test_ckpt_memory_contract_at_world_size_2_loads_at_tp2_pp2_and_dp1():

@@ -32,8 +32,8 @@ REGRESSION_RUNS = tuple(RegressionRun(name, run.model, run.cpu_only) for name, s
 
 
 def moe_suites() -> list[str]:
-    """The registered suites that judge a mixture-of-experts model (SuiteSpec.dense_only empty)."""
-    return [name for name, spec in SUITES.items() if not spec.dense_only]
+    """The registered suites that judge a mixture-of-experts model (no SuiteSpec.moe_refusal)."""
+    return [name for name, spec in SUITES.items() if spec.moe_refusal is None]
 
 
 def default_dtype(suite_name: str, backend: Backend) -> DType:

@@ -56,12 +56,12 @@ class EquivalenceSuite:
             validate(lay, model, world_size, **batch)
         ordered = [reference] + [lay for lay in layouts if lay != reference]
         if len(ordered) == 1 and given and others:
-            return [Case(self.name, model, reference, engine, options, backend).skipped(
+            return [Case(self.name, model, reference, engine, options, backend).to_skip(
                 f"equivalence compares every layout with pure DP, and --layout named only pure DP: add a layout to "
                 f"compare (valid for {model.name} at world size {world_size}: {', '.join(map(str, others[:4]))}"
                 f"{' ...' if len(others) > 4 else ''}) or drop --layout")]
         if len(ordered) == 1:  # nothing to compare the reference with: say so, judge nothing
-            return [Case(self.name, model, reference, engine, options, backend).skipped(
+            return [Case(self.name, model, reference, engine, options, backend).to_skip(
                 f"equivalence compares every layout with pure DP, and world size {world_size} has no other valid "
                 f"layout for {model.name}: needs world size 2 or more (e.g. --world-size 2 or 4)")]
         return [Case(self.name, model, lay, engine, options, backend) for lay in ordered]

@@ -81,7 +81,7 @@ class BatchSplitSuite:
             why = ("batch-split compares cuts over several ranks with one micro-batch on one rank: needs world size 2 "
                    "or more (e.g. --world-size 4)")
             return [Case(self.name, model, reference, engine, opts, backend, params=BatchSplitCaseParams(mode, "mbs1"))
-                    .skipped(why) for mode in p.modes]
+                    .to_skip(why) for mode in p.modes]
         def judged(mode: str, lay: Layout, cut: str, on: str) -> list[Case]:
             """The case, after an MoE model's reference with the same micro-batches (its load-balancing loss is
             per micro-batch)."""

@@ -78,7 +78,7 @@ def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, ba
         loader = Case(name, model, target or save_layout(world_size, model), engine, opts, backend, after=(saver.id,),
                       params=CkptCaseParams(fmt, ckpt_role="reshard-load"))  # loads what `saver` wrote
         halves = world_size % 2 == 0
-        out.append(loader if target else loader.skipped(
+        out.append(loader if target else loader.to_skip(
             f"the DP-only reshard load halves DP at another world size; world size {world_size} cannot be halved: "
             f"needs world size 2 or more, even" if not halves else
             f"the DP-only reshard load halves DP at another world size; DP {world_size // 2} cannot hold the save "

@@ -101,7 +101,7 @@ class DynamicCPSuite:
         check_dynamic_cp_available()
         cp_engine(engine)  # the path is refused before any rank: its ranks could not build the suite's engine
         if world_size < 2 or world_size % 2:
-            return [Case(self.name, model, Layout(dp=world_size), engine, options, backend).skipped(
+            return [Case(self.name, model, Layout(dp=world_size), engine, options, backend).to_skip(
                 f"dynamic CP needs an even DP x CP size of at least 2 (megatron's hybrid CP groups), world size "
                 f"{world_size} has none: needs world size 2 or more, even (e.g. --world-size 2 or 4)")]
         if layouts is None:

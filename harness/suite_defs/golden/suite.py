@@ -131,7 +131,7 @@ class GoldenSuite:
         resume = Case(self.name, model, layout, engine, opts, backend, after=(first.id,),
                       params=dataclasses.replace(params, role="resume", ckpt_format=fmt))
         why = offload_unsupported(backend, options.dtype)
-        return [first.skipped(why), resume.skipped(why)] if why else [first, resume]
+        return [first.to_skip(why), resume.to_skip(why)] if why else [first, resume]
 
     def rank_work(self, case: Case, ctx: RankContext) -> GoldenRankData:
         import torch.distributed as dist

@@ -112,7 +112,7 @@ class RefitSuite:
             case = Case(self.name, of(what), lay, engine, options, backend,
                         params=dataclasses.replace(params, variant=what))
             why = refusal(of(what), lay) if what else None
-            out.append(case.skipped(f"the {what} variant of {model.name}: {why}") if why else case)
+            out.append(case.to_skip(f"the {what} variant of {model.name}: {why}") if why else case)
         return out
 
     def rank_work(self, case: Case, ctx: RankContext) -> RefitRankData:
