@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.checks.expected_collectives import chunk_params
+from harness.ckpt_formats import CkptFormat
 from harness.layouts import coords_of, expert_coords
 from harness.spec import Layout, ModelSpec
 
@@ -108,11 +109,11 @@ def _fsdp2_band(fmt: str, n: int, d: int, rank: int, device: bool) -> Band:
     s = STATE_BYTES_PER_PARAM * n
     staging = 2 * (s // d) if device else 0
     on = " + device staging <= 2 S/D" if device else ""
-    if fmt == "fsdp2_full" and rank == 0 and d > 1:
+    if fmt == CkptFormat.FSDP2_FULL and rank == 0 and d > 1:
         return Band(int(0.8 * s), 3 * s + FIXED_COST, f"fsdp2_full rank 0: 1-3x S, S=12N, N={n / 1e6:.2f}M")
-    if fmt == "fsdp2_full" and d > 1:
+    if fmt == CkptFormat.FSDP2_FULL and d > 1:
         return Band(0, 2 * s // d + FIXED_COST, f"fsdp2_full: ~S/D passes through, S=12N, D={d}")
-    if fmt == "fsdp2_full":  # D = 1: the whole state is the rank's own; a GPU copies it to the CPU (1-3x S)
+    if fmt == CkptFormat.FSDP2_FULL:  # D = 1: the whole state is the rank's own; a GPU copies it to the CPU (1-3x S)
         return Band(0, (3 * s if device else s) + FIXED_COST,
                     f"fsdp2_full at D=1: nothing to gather, <= {'3x ' if device else ''}S, N={n / 1e6:.2f}M")
     return Band(0, s // d + staging + FIXED_COST, f"fsdp2_sharded: <= S/D{on}, S=12N, N={n / 1e6:.2f}M, D={d}")
@@ -122,10 +123,10 @@ def gathers(fmt: str, layout: Layout, rank: int, model: ModelSpec | None = None)
     """Whether the format gathers optimizer state on this rank during a save (the shard's whole, or for an MoE
     model at EP > 1 the dense or the experts' part: mem_efficient gathers each on rank 0 of its own DP group;
     model None: a dense model)."""
-    if fmt == "fsdp2_full":
+    if fmt == CkptFormat.FSDP2_FULL:
         return rank == 0 and layout.dp * layout.cp > 1
     experts = model is not None and expert_shard_params(model, layout, rank) > 0
-    return fmt == "fully_reshardable" or (fmt == "fully_reshardable_mem_efficient" and (
+    return fmt == CkptFormat.FULLY_RESHARDABLE or (fmt == CkptFormat.FULLY_RESHARDABLE_MEM_EFFICIENT and (
         _dp_rank0(layout, rank) or (experts and _edp_rank0(layout, rank))))
 
 
@@ -154,11 +155,11 @@ def save_band(fmt: str, model: ModelSpec, layout: Layout, rank: int, fully_paral
         what = "(S_e + P_e)/E" if fully_parallel else f"{what} + S_e/E{' + P_e' if edp_rank0 else ''}"
     staging, on = (2 * own, f" + device staging <= 2 x {what}") if device else (0, "")
     moe = f", N_e={ne / 1e6:.2f}M, E={e}" if ne else ""
-    if fmt in ("dp_reshardable", "fully_sharded_model_space"):
+    if fmt in (CkptFormat.DP_RESHARDABLE, CkptFormat.FULLY_SHARDED_MODEL_SPACE):
         return Band(0, own + staging + FIXED_COST, f"{fmt}: <= {what}{on}, S=12N, N={n / 1e6:.2f}M, D={d}{moe}")
-    if fmt not in ("fully_reshardable", "fully_reshardable_mem_efficient"):
+    if fmt not in (CkptFormat.FULLY_RESHARDABLE, CkptFormat.FULLY_RESHARDABLE_MEM_EFFICIENT):
         raise ValueError(f"no memory model for checkpoint format {fmt!r}")
-    everywhere = fmt == "fully_reshardable"
+    everywhere = fmt == CkptFormat.FULLY_RESHARDABLE
     dense_gathered, experts_gathered = everywhere or dp_rank0, bool(ne) and (everywhere or edp_rank0)
     gathered = (sd if dense_gathered else 0) + (se if experts_gathered else 0)
     if not gathered:  # off both rank 0s: at most its own shard of the state
@@ -188,9 +189,9 @@ def _load_state(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> tuple[
     ne = expert_shard_params(model, layout, rank)
     nd, d, e = n - ne, layout.dp * layout.cp, (layout.edp if ne else 1)
     own = STATE_BYTES_PER_PARAM * (nd // d + ne // e)
-    if fmt == "dp_reshardable":
+    if fmt == CkptFormat.DP_RESHARDABLE:
         return own, own, "S/D + S_e/E" if ne else "S/D"
-    if fmt in ("fully_reshardable", "fully_reshardable_mem_efficient"):
+    if fmt in (CkptFormat.FULLY_RESHARDABLE, CkptFormat.FULLY_RESHARDABLE_MEM_EFFICIENT):
         return STATE_BYTES_PER_PARAM * n, own, "S"
     raise ValueError(f"no load model for checkpoint format {fmt!r}")
 
@@ -203,7 +204,7 @@ def load_band(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> Band:
     read, own, what = _load_state(fmt, model, layout, rank)
     fresh = 2 * own // 3
     moe = f", N_e={expert_shard_params(model, layout, rank) / 1e6:.2f}M" if "S_e" in what else ""
-    if fmt == "dp_reshardable":
+    if fmt == CkptFormat.DP_RESHARDABLE:
         return Band(0, read + fresh + LOAD_FIXED_COST,
                     f"{fmt} load: <= {what} read + the fresh Adam state, {what}={read / MIB:.1f} MiB{moe}")
     return Band(read, 2 * read + fresh + LOAD_FIXED_COST,
@@ -255,7 +256,7 @@ def load_blind_spot(fmt: str, model: ModelSpec, layout: Layout, rank: int) -> st
     twice) on top of the smallest load measured would leave the band; otherwise why it would not."""
     read, own, what = _load_state(fmt, model, layout, rank)
     kind = fmt.removesuffix("_mem_efficient")
-    fresh = 2 * own // 3 if kind == "fully_reshardable" else 0
+    fresh = 2 * own // 3 if kind == CkptFormat.FULLY_RESHARDABLE else 0
     least = LOAD_MEASURED_MIN[kind] * read + fresh
     if least + own > load_band(fmt, model, layout, rank).high:
         return ""
@@ -269,7 +270,7 @@ def rival(fmt: str, layout: Layout, rank: int, model: ModelSpec | None = None) -
     one (megatron: fully_reshardable vs dp_reshardable; FSDP2 on rank 0: full vs sharded state dict).
     None where no format gathers on this rank (FSDP2 off rank 0)."""
     if fmt.startswith("fsdp2"):
-        return None if rank != 0 else ("fsdp2_sharded" if fmt == "fsdp2_full" else "fsdp2_full")
+        return None if rank != 0 else ("fsdp2_sharded" if fmt == CkptFormat.FSDP2_FULL else "fsdp2_full")
     return "dp_reshardable" if gathers(fmt, layout, rank, model) else "fully_reshardable"
 
 

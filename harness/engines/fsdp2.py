@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from harness.ckpt_formats import CkptFormat
 from harness.dtypes import DType, dtype
 from harness.engines import data
 from harness.engines.base import ParamShard, StepOutput, TokenLogprobs
@@ -161,7 +162,7 @@ class FSDP2Engine(McoreEngine):
         return float(norm), int(zeros.item())
 
     def resolve_format(self, fmt: str) -> str:
-        fmt = self.default_ckpt_format if fmt == "fsdp2_default" else fmt
+        fmt = self.default_ckpt_format if fmt == CkptFormat.FSDP2_DEFAULT else fmt
         if fmt not in FORMATS:
             raise BadInput(f"engine fsdp2 saves {', '.join(FORMATS)} (or fsdp2_default), not {fmt!r}")
         return fmt
@@ -177,7 +178,7 @@ class FSDP2Engine(McoreEngine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         schedule = {SCHEDULER_KEY: self.scheduler.state_dict()} if self.scheduler is not None else {}
-        if self.resolve_format(fmt) == "fsdp2_sharded":
+        if self.resolve_format(fmt) == CkptFormat.FSDP2_SHARDED:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd, **schedule}, checkpoint_id=ckpt_dir)
             return
@@ -193,7 +194,7 @@ class FSDP2Engine(McoreEngine):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-        if self.resolve_format(fmt) == "fsdp2_sharded":
+        if self.resolve_format(fmt) == CkptFormat.FSDP2_SHARDED:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # initialises the Adam state to fill
             state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
             if self.scheduler is not None:

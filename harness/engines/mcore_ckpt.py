@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from harness.adjustments import note
+from harness.ckpt_formats import CkptFormat
 from harness.engines.base import ParamShard, partition_dim
 from harness.engines.experts import data_parallel, tp_coords
 from harness.engines.lr_schedule import SCHEDULER_KEY, saved_schedule
@@ -90,14 +91,14 @@ class McoreCheckpoints:
         return out
 
     def checkpoint_metadata(self, fmt: str) -> dict:
-        if fmt == "default":
+        if fmt == CkptFormat.DEFAULT:
             fmt = self.default_ckpt_format
         sharding = "fully_reshardable" if fmt.startswith("fully_reshardable") else fmt
         # chained_optim_avoid_prefix as megatron's training loop sets it (training/checkpointing.py): a model-space
         # (fully reshardable) state of a ChainedOptimizer - an MoE model's dense and expert optimizers at EP > 1 -
         # is keyed by parameter alone, not chained_<i>., so it loads where one optimizer holds the experts (EP 1)
         return {"distrib_optim_sharding_type": sharding,
-                "distrib_optim_fully_reshardable_mem_efficient": fmt == "fully_reshardable_mem_efficient",
+                "distrib_optim_fully_reshardable_mem_efficient": fmt == CkptFormat.FULLY_RESHARDABLE_MEM_EFFICIENT,
                 "chained_optim_avoid_prefix": True}
 
     def sharded_state_dict(self, fmt: str, is_loading: bool = False) -> dict:

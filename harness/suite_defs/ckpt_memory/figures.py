@@ -5,6 +5,7 @@ from __future__ import annotations
 from harness import selection
 from harness.backends import Backend
 from harness.baselines import ABS_FLOOR
+from harness.ckpt_formats import CkptFormat
 from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
@@ -55,7 +56,7 @@ def samples(result: CaseResult) -> dict[str, float]:
     if result.case.params.ckpt_role:
         return load_samples(result)
     for r in result.ranks:
-        if result.case.params.ckpt_format == "fsdp2_full" and r.rank != 0:
+        if result.case.params.ckpt_format == CkptFormat.FSDP2_FULL and r.rank != 0:
             # Only gathers pass through these ranks; their peak is bimodal across reruns (8 or 12 MiB
             # for `small`: one more full tensor alive or not), so only the model band judges them.
             continue

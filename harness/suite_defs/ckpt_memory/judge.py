@@ -10,6 +10,7 @@ from harness import platform as harness_platform
 from harness.backends import Backend
 from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.memory_model import LOAD_FIXED_COST, discrimination, gathers, rival, save_band
+from harness.ckpt_formats import CkptFormat
 from harness.launch.results import CaseResult
 from harness.probes.ckpt_format import EXPECTED_ON_DISK
 from harness.probes.memory import MIB, flamegraph_path
@@ -65,7 +66,7 @@ def labelled_format(res: CaseResult) -> str:
     if "format" in meta:
         return meta["format"]
     sharding = meta.get("distrib_optim_sharding_type", "?")
-    if sharding == "fully_reshardable" and meta.get("distrib_optim_fully_reshardable_mem_efficient"):
+    if sharding == CkptFormat.FULLY_RESHARDABLE and meta.get("distrib_optim_fully_reshardable_mem_efficient"):
         return "fully_reshardable_mem_efficient"
     return sharding
 
@@ -93,10 +94,11 @@ def _check_contract(res: CaseResult) -> CheckResult:
         return CheckResult("ckpt-memory.contract", res.case.id, False,
                            f"{what}: the checkpoint on disk is {disk.layout}, not {want} ({disk.evidence})", rows)
     note = ""
-    if want == "fully_reshardable" and expected in ("fully_reshardable", "fully_reshardable_mem_efficient"):
+    fully = (CkptFormat.FULLY_RESHARDABLE, CkptFormat.FULLY_RESHARDABLE_MEM_EFFICIENT)
+    if want == CkptFormat.FULLY_RESHARDABLE and expected in fully:
         gathered, why = _gathered_off_dp_rank0(res)
         rows.append(f"mem_efficient or not (byte-identical on disk), from the measured peaks: {why}")
-        if gathered is not None and gathered != (expected == "fully_reshardable"):
+        if gathered is not None and gathered != (expected == CkptFormat.FULLY_RESHARDABLE):
             measured = "fully_reshardable" if gathered else "fully_reshardable_mem_efficient"
             return CheckResult("ckpt-memory.contract", res.case.id, False,
                                f"{what}: on disk fully_reshardable, by the measured peaks {measured}: {why}", rows)
