@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from harness.backends import Backend
@@ -12,6 +13,14 @@ from harness.dtypes import DType
 from harness.dtypes import dtype as dtype_of
 from harness.errors import BadInput
 from harness.option_flags import flag
+
+
+class Recompute(StrEnum):
+    """Activation recompute: off, full (every layer, megatron's uniform method) or selective (core attention)."""
+
+    OFF = ""
+    FULL = "full"
+    SELECTIVE = "selective"
 
 
 @dataclass(frozen=True)
@@ -202,10 +211,9 @@ class CaseOptions:
     min_lr: float = 0.0
     adam_eps: float = 1e-8  # megatron's default
     clip_grad: float = 1.0  # megatron's default: clip the global gradient norm at 1.0 (0: off)
-    # activation recompute: "" off, "full" (every layer, megatron's uniform method) or "selective" (core attention)
-    recompute: str = field(default="", metadata=flag(
+    recompute: str = field(default=Recompute.OFF, metadata=flag(  # a Recompute
         "--recompute", "activation recompute: full (every layer) or selective (core attention); default off",
-        choices=("", "full", "selective")))
+        choices=tuple(Recompute)))
     bucket_size: int | None = None  # DDP gradient bucket size in elements (None: megatron's default)
     global_batch_size: int | None = None  # None: the model spec's
     micro_batch_size: int | None = field(default=None, metadata=flag(

@@ -21,7 +21,7 @@ from __future__ import annotations
 from harness.checks.expected_collectives import stage_moe_layers
 from harness.dtypes import DType
 from harness.layouts import coords_of, expert_group
-from harness.spec import Layout, ModelSpec
+from harness.spec import Layout, ModelSpec, Recompute
 
 
 def layer_forward_flops_per_token(model: ModelSpec, layout: Layout, seq_length: int,
@@ -65,7 +65,9 @@ def step_flops(model: ModelSpec, layout: Layout, rank: int, *, global_batch_size
     for n, moe in ((layers - moe_layers, False), (moe_layers, True)):
         per_layer = layer_forward_flops_per_token(model, layout, s, moe)
         forward = sum(per_layer.values())
-        extra = {"full": forward, "selective": per_layer["scores"] + per_layer["probs x v"]}.get(recompute, 0)
+        recomputed: dict[str, float] = {Recompute.FULL: forward,
+                                        Recompute.SELECTIVE: per_layer["scores"] + per_layer["probs x v"]}
+        extra = recomputed.get(recompute, 0)
         total += n * (3 * forward + extra)
     if c.pp == layout.pp - 1:
         total += 3 * 2 * model.hidden_size * (model.vocab_size // layout.tp)  # logits: forward and backward

@@ -53,7 +53,7 @@ from harness.checks.expected_collectives import DEFAULT_BUCKET_ELEMS, chunk_buck
 from harness.checks.memory_model import expert_shard_params, shard_params
 from harness.dtypes import DType, dtype
 from harness.layouts import coords_of, violations
-from harness.spec import Layout, ModelSpec
+from harness.spec import Layout, ModelSpec, Recompute
 
 GIB = 1024 ** 3
 MIB = 1024 ** 2
@@ -221,7 +221,7 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, training: Training)
     }
     if cp > 1:  # the reference CP attention keeps the all-gathered K and V
         parts["gathered k, v (CP)"] = 2 * kv_width / t * s * b * e
-    if training.recompute == "selective":
+    if training.recompute == Recompute.SELECTIVE:
         for k in ("attention probabilities", "attention context", "gathered k, v (CP)"):
             parts.pop(k, None)
     return parts
@@ -296,7 +296,7 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
         in_flight = layout.pp * (1 + (layout.pp - 1) / (layout.pp * layout.vpp))
     else:
         in_flight = min(layout.pp - stage, training.num_microbatches)
-    kept = layer_input if training.recompute == "full" else per_layer
+    kept = layer_input if training.recompute == Recompute.FULL else per_layer
     activations = int(kept * layers * in_flight / layout.vpp if layout.vpp > 1 else kept * layers * in_flight)
     embedding = layer_input * (in_flight if stage == 0 else 0)
     transient = int(largest_layer)  # a layer recomputed, or the gradients of the one in backward
@@ -357,12 +357,12 @@ def nearest_fitting(model: ModelSpec, layout: Layout, training: Training, availa
     import dataclasses
 
     tries: list[tuple[str, Layout, Training]] = []
-    if training.recompute != "selective":
+    if training.recompute != Recompute.SELECTIVE:
         tries.append(("selective activation recompute (--recompute selective)", layout,
-                      dataclasses.replace(training, recompute="selective")))
-    if training.recompute != "full":
+                      dataclasses.replace(training, recompute=Recompute.SELECTIVE)))
+    if training.recompute != Recompute.FULL:
         tries.append(("full activation recompute (--recompute full)", layout,
-                      dataclasses.replace(training, recompute="full")))
+                      dataclasses.replace(training, recompute=Recompute.FULL)))
     if training.micro_batch_size > 1:
         tries.append((f"micro-batch {training.micro_batch_size // 2} (--micro-batch-size)", layout,
                       dataclasses.replace(training, micro_batch_size=training.micro_batch_size // 2)))

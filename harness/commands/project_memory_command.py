@@ -10,7 +10,7 @@ from harness.dtypes import DTYPES
 from harness.errors import BadInput
 from harness.layouts import validate
 from harness.models import load_model
-from harness.spec import Layout
+from harness.spec import Layout, Recompute
 
 MAX_SEQ_LENGTH = 1 << 22  # 4M tokens: beyond any context trained today; a larger one is a typo
 KNOWN_FORMATS = ("dp_reshardable", "fully_reshardable", "fully_reshardable_mem_efficient")
@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     t.add_argument("--global-batch-size", type=int, default=None, help="default: the model's")
     t.add_argument("--distributed-optimizer", action="store_true")
     t.add_argument("--grad-reduce-in-fp32", action="store_true")
-    t.add_argument("--recompute", default="", choices=["", "full", "selective"])
+    t.add_argument("--recompute", default="", choices=list(Recompute))
     t.add_argument("--sequence-parallel", action="store_true")
     t.add_argument("--fused-attention", action="store_true",
                    help="a fused / flash attention kernel (Transformer Engine): no a x s x s probabilities kept")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -39,7 +40,16 @@ from harness.platform.parallel import init_parallel_state
 from harness.spec import Case
 from harness.upstream import DynamicCPApi, dynamic_cp_api
 
-MODES = ("none", "static", "dynamic")
+
+class CPMode(StrEnum):
+    """How a dynamic-cp case lays its samples over the ranks."""
+
+    NONE = "none"  # whole samples
+    STATIC = "static"  # THD packs over the layout's CP
+    DYNAMIC = "dynamic"  # megatron's hybrid CP
+
+
+MODES = tuple(CPMode)
 
 
 @dataclass(frozen=True)
@@ -48,8 +58,7 @@ class CPCaseParams:
 
     mix: str = ""  # the name of the global batch's sequence-length mix
     seqlens: tuple[int, ...] = field(default=(), metadata={"in_id": False})  # named by `mix`
-    # "none": whole samples, "static": THD packs over the layout's CP, "dynamic": hybrid CP
-    cp_mode: str = ""
+    cp_mode: str = ""  # a CPMode
     # megatron's max_seqlen_per_dp_cp_rank (the dynamic local CP size follows from it)
     max_seqlen_per_dp_cp_rank: int | None = None
 
@@ -106,9 +115,9 @@ class CPEngine(McoreEngine):
         from megatron.core.models.gpt import GPTModel
 
         lay, o = self.case.layout, self.case.options
-        if self.mode == "dynamic" and (lay.tp, lay.pp, lay.cp) != (1, 1, 1):
+        if self.mode == CPMode.DYNAMIC and (lay.tp, lay.pp, lay.cp) != (1, 1, 1):
             raise BadInput(f"dynamic CP runs on pure-DP layouts (it regroups the DP ranks), not {lay.id}")
-        self.api = dynamic_cp_api() if self.mode == "dynamic" else None
+        self.api = dynamic_cp_api() if self.mode == CPMode.DYNAMIC else None
         init_parallel_state(lay, on_cpu=self.ctx.on_cpu, seed=o.seed,
                             dynamic_cp_flag=self.api.flag if self.api else None)
         config = transformer_config(self.case, self.ctx.on_cpu)
@@ -118,7 +127,7 @@ class CPEngine(McoreEngine):
             config.max_seqlen_per_dp_cp_rank = self.case.params.max_seqlen_per_dp_cp_rank
         self.config = config
         # the CP attention wherever a CP group may be larger than 1 (static CP, or per sample)
-        cp_attention = self.mode == "dynamic" or lay.cp > 1
+        cp_attention = self.mode == CPMode.DYNAMIC or lay.cp > 1
         spec = layer_spec(self.ctx.on_cpu, self.case.model.normalization, 2 if cp_attention else 1,
                           qk_layernorm=self.case.model.qk_layernorm)
         chunk = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=self.padded_vocab_rows(),
@@ -148,7 +157,7 @@ class CPEngine(McoreEngine):
         batch = samples(self.case)
         for m in self.models:
             m.zero_grad_buffer()
-        if self.mode == "dynamic":
+        if self.mode == CPMode.DYNAMIC:
             mbs: Any = iter([self.schedule(batch)])
             count = 1
         else:
@@ -156,7 +165,7 @@ class CPEngine(McoreEngine):
             if not mine:  # fewer samples than DP ranks: a fully masked dummy keeps the collectives matched
                 mine = [{**pad_sample({k: v[:1] for k, v in batch[0].items()}, 8), "loss_mask": torch.zeros(8),
                          "sample_id": torch.full((8,), -1)}]
-            mbs = [self.pack(mine)] if self.mode == "static" else [dict(s) for s in mine]
+            mbs = [self.pack(mine)] if self.mode == CPMode.STATIC else [dict(s) for s in mine]
             count = len(mbs)
             mbs = iter(mbs)
         get_forward_backward_func()(
@@ -209,10 +218,10 @@ class CPEngine(McoreEngine):
 
     def forward_step(self, data_iterator, model):
         mb = next(data_iterator)
-        if self.mode == "dynamic":
+        if self.mode == CPMode.DYNAMIC:
             local_cp = self.local_cp_size(mb)
             mb, params = self.split_dynamic(mb, local_cp)
-        elif self.mode == "static":
+        elif self.mode == CPMode.STATIC:
             mb, params = self.split_static(mb)
             local_cp = self.case.layout.cp
         else:

@@ -10,7 +10,7 @@ from harness.dtypes import dtype as dtype_of
 from harness.engines.sp_norm import mark_norms_sequence_parallel
 from harness.errors import BadInput, DoesNotApply
 from harness.platform.backend import COMPILE_OFF
-from harness.spec import Case
+from harness.spec import Case, Recompute
 
 if TYPE_CHECKING:
     import torch
@@ -175,9 +175,9 @@ def fusions(on_cpu: bool) -> dict[str, bool]:
 
 def recompute_config(recompute: str) -> dict:
     """TransformerConfig fields of the case's activation-recompute option."""
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         return dict(recompute_granularity="selective")
     if recompute:
         raise BadInput(f"recompute {recompute!r}: expected full or selective")

@@ -11,7 +11,7 @@ from harness.checks import CheckResult, ParamErrors, case_failed
 from harness.checks.numeric import beyond, fmt_err, nonfinite_count, nonfinite_summary, severity, within
 from harness.checks.tensors import rel_error
 from harness.dtypes import dtype
-from harness.engines.cp_modes import TokenOutputs
+from harness.engines.cp_modes import CPMode, TokenOutputs
 from harness.launch.results import CaseResult, RankResult
 
 
@@ -90,7 +90,7 @@ def _check_coverage(res: CaseResult) -> CheckResult:
             problems.append(f"sample {i} (length {lengths[i]}): {missing} tokens never computed, "
                             f"{dup} computed more than once (max {int(c.max())} times)")
     rows = []
-    if o.cp_mode == "dynamic":
+    if o.cp_mode == CPMode.DYNAMIC:
         for i, n in enumerate(lengths):
             # The harness's own arithmetic, not the engine's padding (the code under test): the
             # sample padded to a multiple of 2 x world size, as the zigzag split needs.
@@ -112,7 +112,7 @@ def _check_coverage(res: CaseResult) -> CheckResult:
                            [f"  {p}" for p in problems] + rows)
     return CheckResult("dynamic-cp.coverage", res.case.id, True,
                        f"every token of {len(lengths)} samples computed once; local CP sizes {sizes}", rows,
-                       show=o.cp_mode == "dynamic")
+                       show=o.cp_mode == CPMode.DYNAMIC)
 
 
 def _check_logprobs(res: CaseResult, ref: CaseResult, rtol: float) -> CheckResult:

@@ -16,7 +16,7 @@ from typing import Any
 from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.engines import engine_class_with
-from harness.engines.cp_modes import CPCaseParams, CPEngine, TokenOutputs
+from harness.engines.cp_modes import CPCaseParams, CPEngine, CPMode, TokenOutputs
 from harness.errors import BadInput
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -120,8 +120,8 @@ class DynamicCPSuite:
         out = []
         for name, lengths in mixes.items():
             check_mix(lengths)
-            plan = [(Layout(dp=world_size), "none")] + [(lay, "static") for lay in static] + \
-                   [(Layout(dp=world_size), "dynamic")]
+            plan = [(Layout(dp=world_size), CPMode.NONE)] + [(lay, CPMode.STATIC) for lay in static] + \
+                   [(Layout(dp=world_size), CPMode.DYNAMIC)]
             for lay, mode in plan:
                 out.append(Case(self.name, model, lay, engine, options, backend,
                                 params=CPCaseParams(name, tuple(lengths), mode, max_seqlen_per_rank(world_size))))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harness.errors import BadInput
+from harness.spec import Recompute
 
 SUITE = "train-memory"
 STEPS = 2  # the first creates the optimizer state; the second holds activations only
@@ -12,7 +13,7 @@ STEPS = 2  # the first creates the optimizer state; the second holds activations
 # (~12 MiB at pure DP) are below the flat copy a gloo collective makes of the gradient buffer (23 MiB), so a
 # step's peak would say nothing about activations; at two they lead wherever TP or PP splits the weights.
 MICRO_BATCH = 2
-RECOMPUTE = ("full", "selective")
+RECOMPUTE = (Recompute.FULL, Recompute.SELECTIVE)
 # Paths whose memory the model (harness/checks/training_memory.py: megatron DDP's buffers, its optimizers,
 # recompute) does not describe, and why; they run plain data parallel and are judged against their baselines only.
 UNMODELLED = {"fsdp2": "FSDP2 shards parameters, gradients and optimizer state over DP and gathers each layer's "
