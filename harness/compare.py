@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, compare_rounds, tier
+from harness.engine_names import EngineName
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import EXIT_NOTHING_JUDGED, CaseStatus
@@ -38,7 +39,7 @@ class Side:
     """One side of a comparison: an engine in this process, or a run in another environment."""
 
     label: str
-    engine: str = "mcore"
+    engine: str = EngineName.MCORE
     python: str | None = None  # another interpreter (a cached environment of another release)
     pythonpath: list[str] = field(default_factory=list)  # put first on the path (a worktree of a commit)
 
@@ -204,7 +205,7 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
     engines = args.engine or []
     if len(engines) == 2:
         return Side(f"A={engines[0]}", engines[0]), Side(f"B={engines[1]}", engines[1])
-    engine = engines[0] if engines else "mcore"
+    engine = engines[0] if engines else EngineName.MCORE
     if len(engines) > 2:
         raise BadInput(f"--engine given {len(engines)} times; compare takes two engines (A then B) or one")
     here = Side("A=this environment", engine, python=sys.executable)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from harness.backends import Backend
 from harness.broken_env import broken_environment
+from harness.engine_names import EngineName
 from harness.engines import resolve_factory
 from harness.engines.base import ImportsInRanks
 from harness.errors import Interrupted
@@ -38,7 +39,7 @@ __all__ = ["CaseRunner", "LocalRanks", "Plan", "execute", "new_run_dir", "plan",
 
 
 def run_suite(suite_name: str | Suite, model_name: str | None, world_size: int, layout_ids: list[str] | None = None, *,
-              engine: str = "mcore", backend: str = Backend.AUTO, options: CaseOptions | None = None,
+              engine: str = EngineName.MCORE, backend: str = Backend.AUTO, options: CaseOptions | None = None,
               timeout_s: float | None = None, suite_params: dict | None = None, baselines_dir: str | None = None,
               **run_options) -> SuiteRun:
     """plan then execute: the suite's cases planned from these arguments, run with run_options (execute's)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness import schema, stack
 from harness.backends import Backend
+from harness.engine_names import EngineName
 from harness.errors import BadInput, DoesNotApply
 from harness.files import atomic_write
 from harness.history import nights, store
@@ -29,8 +30,8 @@ from harness.tables import table
 SUITES = tuple(REGISTERED)  # every registered suite, in the registry's order
 # Every construction path through every suite (R2 on each); a pair that does not apply (DoesNotApply: fsdp2 under
 # grad-sync, a bridge and a model it cannot map) is reported as such. peft-ckpt's mcore is megatron-bridge.
-ENGINES = ("mcore", "mbridge", "megatron-bridge", "fsdp2")
-PATHS = {"peft-ckpt": ("megatron-bridge",)}
+ENGINES = tuple(EngineName)
+PATHS = {"peft-ckpt": (EngineName.MEGATRON_BRIDGE,)}
 # On CPU ranks every reference model that runs there: no shipped model or path may raise a false alarm
 DEFAULT_MODELS = {"gloo": ("tiny", "small", "tiny-moe", "small-moe", "tiny-qwen3-moe"),
                   "nccl": ("default", "small", "1b-2k")}

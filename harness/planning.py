@@ -9,6 +9,7 @@ from typing import Any
 
 from harness import baselines
 from harness.backends import Backend
+from harness.engine_names import EngineName
 from harness.engines.base import RefusesCases
 from harness.errors import BadInput, DoesNotApply, DoesNotFit
 from harness.layouts import validate
@@ -61,7 +62,7 @@ class Plan:
 
 
 def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, world_size: int = DEFAULT_WORLD_SIZE,
-         layout_ids: list[str] | None = None, *, engine: str = "mcore", backend: str = Backend.AUTO,
+         layout_ids: list[str] | None = None, *, engine: str = EngineName.MCORE, backend: str = Backend.AUTO,
          options: CaseOptions | None = None, timeout_s: float | None = None, suite_params: dict | None = None,
          baselines_dir: str | None = None, local_world_size: int | None = None) -> Plan:
     """The run's Plan, or BadInput, before anything runs or is written; it starts no process and writes nothing.
@@ -91,7 +92,7 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
                            f"{model.name}): {why}; run {model.name} with --suite {' or --suite '.join(moe_suites())}, "
                            "or a dense model here")
     factory = None
-    if engine != "mcore":
+    if engine != EngineName.MCORE:
         from harness.engines import resolve_factory
 
         factory = resolve_factory(engine)  # fail fast in the parent on a bad import path
@@ -125,7 +126,7 @@ def refusal(factory: Any, model: ModelSpec, layout: Layout) -> str | None:
 def buildable(cases: list[Case], factory: Any, engine: str) -> list[Case]:
     """The cases of a suite's default matrix that the engine can build (and those that read their outputs);
     DoesNotApply naming why when it can build none of its own."""
-    if engine != "mcore" and cases and not any(c.engine == engine for c in cases):
+    if engine != EngineName.MCORE and cases and not any(c.engine == engine for c in cases):
         engines = sorted({c.engine for c in cases})
         raise DoesNotApply(f"--engine {engine} runs no case of this selection (its cases are {' and '.join(engines)}'s"
                            f" alone): run it with --engine {engines[0]}")

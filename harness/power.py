@@ -26,6 +26,7 @@ from harness import driver, recording
 from harness.backends import Backend
 from harness.checks.timing import MIN_EFFECT_INTERLEAVED, tier
 from harness.compare import Side, judge, plan_sides, run_rounds
+from harness.engine_names import EngineName
 from harness.engines.mcore import McoreEngine
 from harness.selection import CaseSelection
 from harness.spec import CaseOptions
@@ -208,14 +209,14 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                 say(f"trial {trial + 1}/{trials} vs baseline {where} +{size:.0%}: {verdict} ({time_check.message})")
     if "compare" in modes:
         sel = CaseSelection("step-perf", model, world_size, (layout,), backend=backend, options=options)
-        engines = ["mcore", *(f"harness.power:{engine_name('step', size)}" for size in SIZES)]
+        engines = [EngineName.MCORE, *(f"harness.power:{engine_name('step', size)}" for size in SIZES)]
         side_plans = plan_sides(sel, engines, timed_steps)  # each side's plan, made once
         sizes = list(SIZES)
         for trial in range(trials):
             rng.shuffle(sizes)
             for size in sizes:
                 args = argparse.Namespace(rounds=rounds, steps_per_round=timed_steps, order_seed=trial)
-                a = Side("A=mcore", "mcore")
+                a = Side("A=mcore", EngineName.MCORE)
                 b = Side(f"B=+{size:.0%}", f"harness.power:{engine_name('step', size)}")
                 samples_a, samples_b, _ = run_rounds(a, b, sel, args, lambda msg: None, side_plans)
                 step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED[tier(backend)]).values()))

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from harness.backends import BACKENDS, Backend
+from harness.engine_names import EngineName
 from harness.errors import BadInput
 from harness.option_flags import ParamFlag, flags_of
 from harness.platform import resolve_backend
@@ -32,7 +33,7 @@ SHARED_FLAGS: dict[str, dict] = {
     "--model": dict(default=None, help="model spec (default: the suite's CPU model, tiny or small)"),
     "--world-size": dict(type=int, default=DEFAULT_WORLD_SIZE,
                          help=f"ranks per case (default {DEFAULT_WORLD_SIZE})"),
-    "--engine": dict(default="mcore", help="mcore, or a user engine package.module:factory"),
+    "--engine": dict(default=EngineName.MCORE, help="mcore, or a user engine package.module:factory"),
     "--backend": dict(default=Backend.AUTO, choices=BACKENDS,
                       help="auto: nccl where every rank has a GPU of its own, else gloo (ranks on CPU)"),
 }
@@ -80,7 +81,7 @@ class CaseSelection:
     model: str | None = None  # None: the suite's default model
     world_size: int = DEFAULT_WORLD_SIZE
     layouts: tuple[str, ...] = ()  # (): the suite's matrix
-    engine: str = "mcore"
+    engine: str = EngineName.MCORE
     backend: Backend = Backend.AUTO
     options: CaseOptions = field(default_factory=CaseOptions)  # steps, seed, dtype, distributed optimizer, overlap
     timeout: float | None = None  # per-case seconds; None: the case's default
@@ -104,7 +105,7 @@ class CaseSelection:
             if value is not None and value is not False:
                 params[pf.field] = tuple(value) if pf.kind == "list" else value
         check_param_values(params)
-        engine = args.engine or "mcore"
+        engine = args.engine or EngineName.MCORE
         if isinstance(engine, list):  # compare: A then B
             engine = engine[0]
         given = {name: getattr(args, dest) for _, name, dest in OPTION_FLAGS}

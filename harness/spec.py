@@ -11,6 +11,7 @@ from typing import Any
 from harness.backends import Backend
 from harness.dtypes import DType
 from harness.dtypes import dtype as dtype_of
+from harness.engine_names import EngineName
 from harness.errors import BadInput
 from harness.option_flags import flag
 
@@ -265,7 +266,7 @@ class Case:
     suite: str
     model: ModelSpec
     layout: Layout
-    engine: str = "mcore"
+    engine: str = EngineName.MCORE
     options: CaseOptions = field(default_factory=CaseOptions)
     backend: Backend = Backend.GLOO
     timeout_s: float = 300.0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from harness.commands.case_args import add_case_args
 from harness.commands.common import say
+from harness.engine_names import EngineName
 from harness.errors import BadInput
 from harness.files import atomic_write
 from harness.outcomes import CHECK_METRIC, PASS_FAIL
@@ -97,7 +98,7 @@ def main(args) -> int:
     sel = CaseSelection.from_args(args)
     # the selection is planned here too, so bad input is refused before any environment is built; the
     # engine is imported in each candidate's environment (a --repo engine lives in the checkout), not here
-    planned = plan(dataclasses.replace(sel, engine="mcore"), baselines_dir=args.baselines_dir)
+    planned = plan(dataclasses.replace(sel, engine=EngineName.MCORE), baselines_dir=args.baselines_dir)
     from harness.bisect.step import refuse_unknown_metric
 
     refuse_unknown_metric(planned, args.metric)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from harness.commands.case_args import add_case_args
 from harness.commands.common import out_dir, say
 from harness.compare import compare_main, pinned_package, plan_sides
+from harness.engine_names import EngineName
 from harness.errors import BadInput
 from harness.selection import CaseSelection
 
@@ -38,6 +39,6 @@ def main(args) -> int:
         raise BadInput(f"--steps-per-round must be >= 3, got {args.steps_per_round}")
     if args.rounds < 2:
         raise BadInput(f"--rounds must be >= 2 (interleaving needs several rounds per side), got {args.rounds}")
-    plans = plan_sides(sel, args.engine or ["mcore"], args.steps_per_round)  # every bad input before any rank
+    plans = plan_sides(sel, args.engine or [EngineName.MCORE], args.steps_per_round)  # every bad input before any rank
     out_dir(args.out)
     return compare_main(args, sel, say, plans)

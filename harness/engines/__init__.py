@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from harness.engine_names import EngineName
 from harness.engines.base import ChecksAvailability
 from harness.errors import BadInput, DoesNotApply, MissingDependency
 
@@ -14,11 +15,11 @@ if TYPE_CHECKING:
     from harness.launch.context import RankContext
     from harness.spec import Case
 
-BUILTIN = {
-    "mcore": "harness.engines.mcore:McoreEngine",
-    "mbridge": "harness.engines.mbridge:MbridgeEngine",
-    "megatron-bridge": "harness.engines.megatron_bridge:MegatronBridgeEngine",
-    "fsdp2": "harness.engines.fsdp2:FSDP2Engine",
+BUILTIN: dict[str, str] = {
+    EngineName.MCORE: "harness.engines.mcore:McoreEngine",
+    EngineName.MBRIDGE: "harness.engines.mbridge:MbridgeEngine",
+    EngineName.MEGATRON_BRIDGE: "harness.engines.megatron_bridge:MegatronBridgeEngine",
+    EngineName.FSDP2: "harness.engines.fsdp2:FSDP2Engine",
 }
 
 
@@ -71,7 +72,7 @@ def make_engine(case: Case, ctx: RankContext) -> Engine:
 
 def is_fsdp2(engine: str) -> bool:
     """Whether the engine (name or import path) is the fsdp2 engine or derives from it."""
-    if engine == "fsdp2":
+    if engine == EngineName.FSDP2:
         return True
     if ":" not in engine:
         return False

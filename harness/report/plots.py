@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.baselines import BaselineStatus
+from harness.engine_names import EngineName
 from harness.errors import MissingDependency
 from harness.selection import parse_case_id
 
@@ -131,7 +132,7 @@ def variant_labels(run: RunFile) -> dict[str, str]:
     out = {}
     for case, own, sel in zip(run.data["cases"], parts, cases):
         bits = [sel["layout"], *(short.get(p, p) for p in own if p not in common)]
-        out[case["id"]] = " ".join(bits + ([sel["engine"]] if sel["engine"] != "mcore" else []))
+        out[case["id"]] = " ".join(bits + ([sel["engine"]] if sel["engine"] != EngineName.MCORE else []))
     return out
 
 

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+from harness.engine_names import EngineName
 from harness.stack import components
 
 
@@ -39,8 +40,9 @@ def engine_distribution(engine: str) -> dict[str, str | None]:
     from harness.engines import BUILTIN  # here: a report renders from results.json without the engines' modules
 
     if engine in BUILTIN:  # a built-in engine: what is judged is the package it builds with
-        name = {"mbridge": "mbridge", "megatron-bridge": "megatron-bridge",
-                "fsdp2": "torch"}.get(engine, "megatron-core")
+        dists: dict[str, str] = {EngineName.MBRIDGE: "mbridge", EngineName.MEGATRON_BRIDGE: "megatron-bridge",
+                                 EngineName.FSDP2: "torch"}
+        name = dists.get(engine, "megatron-core")
     else:
         top = engine.partition(":")[0].split(".")[0]
         name = (metadata.packages_distributions().get(top) or [""])[0]

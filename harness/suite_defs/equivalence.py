@@ -20,6 +20,7 @@ from harness.checks.step_outputs import (
 )
 from harness.checks.tensors import assemble, max_abs, rel_error
 from harness.dtypes import dtype
+from harness.engine_names import EngineName
 from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -41,7 +42,7 @@ class EquivalenceSuite:
         return {"losses": step_losses(result)} if result.ok else {}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
         """The pure-DP reference first, then every other layout (default: every valid layout, CP included; for an
         MoE model with the expert layouts of layouts.expert_matrix)."""

@@ -20,6 +20,7 @@ from harness.checks.expected_collectives import (
 )
 from harness.checks.numeric import beyond, severity
 from harness.checks.tensors import assemble
+from harness.engine_names import EngineName
 from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import HasGradBuffers, ParamShard
 from harness.engines.mcore import McoreEngine
@@ -62,7 +63,7 @@ class GradSyncSuite:
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
         if is_fsdp2(engine):
             raise DoesNotApply(f"the grad-sync suite judges megatron DDP's gradient-sync modes (all-reduce, or reduce-"

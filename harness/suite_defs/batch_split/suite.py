@@ -7,6 +7,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
+from harness.engine_names import EngineName
 from harness.engines import engine_class_with, is_fsdp2, make_engine
 from harness.engines.base import PadsVocabulary, ProbesMTP, StepOutput, TrainsRLBatches
 from harness.engines.policy_loss import NLL, PPO_CLIP
@@ -52,7 +53,7 @@ class BatchSplitSuite:
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: BatchSplitParams | None = None) -> list[Case]:
         p = params or BatchSplitParams()
         factory = engine_class_with(
@@ -96,10 +97,10 @@ class BatchSplitSuite:
                 check_cut(Cut.parse(cut), gbs, lay.dp)
                 validate(lay, model, world_size, global_batch_size=gbs)
                 out += judged(mode, lay, cut, engine)
-            if engine == "mcore" and layouts is None and not p.cuts:
+            if engine == EngineName.MCORE and layouts is None and not p.cuts:
                 # the second backend: FSDP2 and torch Adam on the same model, batch and aggregation, against
                 # megatron's reference
-                out += judged(mode, Layout(dp=world_size), DYNAMIC, "fsdp2")
+                out += judged(mode, Layout(dp=world_size), DYNAMIC, EngineName.FSDP2)
         if p.temperature != 1.0 or p.entropy_coef or p.policy_loss != NLL or p.vocab_size:
             out = [dataclasses.replace(c, params=dataclasses.replace(c.params, temperature=p.temperature,
                                                                      entropy_coef=p.entropy_coef,

@@ -8,6 +8,7 @@ from typing import Any
 from harness.backends import Backend
 from harness.baselines import noisy_metrics, tolerance_for
 from harness.checks import CheckResult
+from harness.engine_names import EngineName
 from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import LabelsCheckpoints
 from harness.errors import DoesNotApply
@@ -53,7 +54,7 @@ class CkptMemorySuite:
                "memray")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: CkptMemoryParams | None = None) -> list[Case]:
         p = params or CkptMemoryParams()
         # the contract cases come with the default matrix (not with hand-picked layouts or formats)
@@ -70,7 +71,7 @@ class CkptMemorySuite:
             raise DoesNotApply(f"--engine {engine} saves FSDP2 checkpoints of dense models only (torch's fully_shard "
                                f"over DP), so ckpt-memory has no case of it for mixture-of-experts model {model.name}: "
                                "run the model with --engine mcore, or a dense model here")
-        mcore_engine, fsdp2_engine = ("mcore", engine) if fsdp2 else (engine, "fsdp2")
+        mcore_engine, fsdp2_engine = (EngineName.MCORE, engine) if fsdp2 else (engine, EngineName.FSDP2)
         memory = []
         for lay in layouts:
             for fmt in p.formats:

@@ -15,6 +15,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
+from harness.engine_names import EngineName
 from harness.engines import engine_class_with
 from harness.engines.cp_modes import CPCaseParams, CPEngine, CPMode, TokenOutputs
 from harness.errors import BadInput
@@ -94,7 +95,7 @@ class DynamicCPSuite:
         return {"cp_mode": result.case.params.cp_mode, "loss": round(loss, 8) if loss is not None else None}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: DynamicCPParams | None = None) -> list[Case]:
         """Per mix: no CP (reference), static CP at every CP size of the layouts, dynamic CP."""
         p = params or DynamicCPParams()
@@ -145,7 +146,7 @@ class DynamicCPSuite:
 def cp_engine(engine: str) -> type[CPEngine]:
     """The suite's engine class for --engine (mcore: CPEngine); DoesNotApply for one that is no CPEngine (the
     bridges, fsdp2: they build no packed-sequence model with static or dynamic CP)."""
-    if engine == "mcore":
+    if engine == EngineName.MCORE:
         return CPEngine
     return engine_class_with(engine, CPEngine, "cannot run the dynamic-cp suite: it compares megatron's no, static and "
                              "dynamic CP on packed sequences through harness.engines.cp_modes:CPEngine or a subclass; "

@@ -10,6 +10,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult, case_failed
+from harness.engine_names import EngineName
 from harness.engines import is_fsdp2, make_engine
 from harness.engines.base import HasOptimizerState, checkpointing
 from harness.engines.optimizer_offload import offload_unsupported
@@ -61,7 +62,7 @@ class GoldenSuite:
                "megatron.core.optimizer", "megatron.core.pipeline_parallel")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: GoldenParams | None = None) -> list[Case]:
         """Every valid layout of the world size (default; for an MoE model with layouts.expert_matrix's expert
         layouts), STEPS steps each, zero gradients counted."""
@@ -96,7 +97,7 @@ class GoldenSuite:
         out: list[Case] = []
         for fmt in params.formats:
             if fmt in FSDP2_FORMATS:
-                eng = engine if own_fsdp2 else "fsdp2"
+                eng = engine if own_fsdp2 else EngineName.FSDP2
                 if not own_fsdp2 and not any(c.engine == eng and not c.params.role for c in out):
                     out.append(Case(self.name, model, dp, eng, options, backend, params=params))
                 lay, opts, loads = dp, options, [dp]

@@ -29,6 +29,7 @@ from typing import Any
 from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.checks.tensors import assemble
+from harness.engine_names import EngineName
 from harness.engines import data, engine_class_with, make_engine, resolve_factory
 from harness.engines.base import PeftExporting, RefusesAdapterLayouts, peft_exporting
 from harness.engines.hf_policy import label_logprobs
@@ -125,11 +126,12 @@ class PeftCkptSuite:
         return {"export_host_peak_mib": [round(p, 3) for p in peaks]}
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: None = None) -> list[Case]:
         """Pure DP first (the export the others are compared with), then the layouts with TP and PP."""
-        if engine == "mcore":  # megatron-core alone has no LoRA / PEFT export: the bridge's path is the default
-            engine = "megatron-bridge"
+        # megatron-core alone has no LoRA / PEFT export: the bridge's path is the default
+        if engine == EngineName.MCORE:
+            engine = EngineName.MEGATRON_BRIDGE
 
         factory = engine_class_with(engine, PeftExporting, "has no export_peft_adapter(path): the peft-ckpt suite "
                                     "needs an engine that trains LoRA adapters and exports them (built-in: "

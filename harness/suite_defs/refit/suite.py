@@ -9,6 +9,7 @@ from harness.backends import Backend
 from harness.baselines import noisy_metrics, tolerance_for
 from harness.checks import CheckResult
 from harness.dtypes import dtype
+from harness.engine_names import EngineName
 from harness.engines import data, engine_class_with, make_engine
 from harness.engines.base import ExportsWeights, HasLogprobHead, PadsVocabulary, RefusesCases, RefusesExports
 from harness.engines.hf_policy import hf_model_modules, label_logprobs
@@ -76,7 +77,7 @@ class RefitSuite:
     fresh_ranks_per_case = True
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RefitParams | None = None) -> list[Case]:
         params = params or RefitParams()
         factory = engine_class_with(

@@ -7,6 +7,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
+from harness.engine_names import EngineName
 from harness.engines import engine_class_with, is_fsdp2, make_engine
 from harness.engines.base import PeftExporting, RunsRLCycles
 from harness.engines.hf_policy import hf_model_modules
@@ -103,7 +104,7 @@ class RLCycleSuite:
     fresh_ranks_per_case = True
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: RLCycleParams | None = None) -> list[Case]:
         p = params or RLCycleParams()
         factory = engine_class_with(

@@ -10,6 +10,7 @@ from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.checks.flops_model import matmul_dtype, peak_tflops
 from harness.checks.timing import MIN_EFFECT, Comparison, paired_ratio
+from harness.engine_names import EngineName
 from harness.engines import is_fsdp2
 from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
@@ -38,7 +39,7 @@ class StepPerfSuite:
     runs_alone = True
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: StepPerfParams | None = None) -> list[Case]:
         import dataclasses
 

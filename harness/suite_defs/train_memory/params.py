@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.engine_names import EngineName
 from harness.errors import BadInput
 from harness.spec import Recompute
 
@@ -16,9 +17,10 @@ MICRO_BATCH = 2
 RECOMPUTE = (Recompute.FULL, Recompute.SELECTIVE)
 # Paths whose memory the model (harness/checks/training_memory.py: megatron DDP's buffers, its optimizers,
 # recompute) does not describe, and why; they run plain data parallel and are judged against their baselines only.
-UNMODELLED = {"fsdp2": "FSDP2 shards parameters, gradients and optimizer state over DP and gathers each layer's "
-                       "weights for its forward and backward; the model describes megatron DDP's buffers and "
-                       "optimizers, and this path has no distributed optimizer or recompute of megatron's"}
+UNMODELLED: dict[str, str] = {
+    EngineName.FSDP2: "FSDP2 shards parameters, gradients and optimizer state over DP and gathers each layer's weights "
+                      "for its forward and backward; the model describes megatron DDP's buffers and optimizers, and "
+                      "this path has no distributed optimizer or recompute of megatron's"}
 
 
 @dataclass(frozen=True)

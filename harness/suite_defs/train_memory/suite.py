@@ -7,6 +7,7 @@ from typing import Any
 
 from harness.backends import Backend
 from harness.checks import CheckResult
+from harness.engine_names import EngineName
 from harness.engines import make_engine
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
@@ -31,7 +32,7 @@ class TrainMemorySuite:
                "megatron.core.optimizer", "megatron.core.pipeline_parallel", "memray")
 
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
-              engine: str = "mcore", backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
+              engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: TrainMemoryParams | None = None) -> list[Case]:
         """Per layout (default: pure DP, TP 2, PP 2; an MoE model's with EP 2) with and without the distributed
         optimizer; then the recompute settings at the first layout."""
