@@ -278,7 +278,3 @@ class CPEngine(McoreEngine):
         dist.all_gather_object(gathered, [dataclasses.astuple(r) for r in self.records])
         return [TokenOutputs(*t) for rank_records in gathered for t in rank_records]
 
-    def grads(self) -> dict[str, torch.Tensor]:
-        """Full gradients by global parameter name (TP = 1: every rank holds them all)."""
-        params: dict[str, Any] = self.global_names(self.models[0].module)  # megatron's DDP sets main_grad
-        return {name: p.main_grad.detach().float().cpu().clone() for name, p in params.items()}

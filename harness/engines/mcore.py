@@ -262,6 +262,12 @@ class McoreEngine(McoreCheckpoints, McoreSteps, RLSteps, RLCycle, PerTensorExpor
         return [[(name, p.numel()) for name, p in model.module.named_parameters() if p.requires_grad]
                 for model in self.models]
 
+    def main_grads(self) -> dict[str, torch.Tensor]:
+        """Each trainable parameter's gradient as megatron's DDP left it in its buffer (main_grad), by global name,
+        on the host."""
+        params: dict[str, Any] = {n: p for m in self.models for n, p in self.global_names(m.module).items()}
+        return {name: p.main_grad.detach().float().cpu().clone() for name, p in params.items() if p.requires_grad}
+
     def param_shards(self) -> list[ParamShard]:
         out = []
         for model in self.models:

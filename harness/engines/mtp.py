@@ -82,15 +82,15 @@ def probe(engine: Any, batch: RLBatch, microbatches: list[list[int]], mode: str)
     finally:
         for h in hooks:
             h.remove()
-    on = _grads(engine)
+    on = engine.main_grads()
     tracker = MTPLossLoggingHelper.tracker
     depth = engine.config.mtp_num_layers
     megatron_losses = [float(v) for v in tracker["loss_values"]] if "loss_values" in tracker else []
     counted = [int(v) for v in tracker["total_values"]] if "total_values" in tracker else []
     tracker.clear()
-    with mtp_off(engine, chunks):
+    with mtp_off(chunks):
         engine.train_rl_batch(batch, microbatches, mode, update=False)
-    off = _grads(engine)
+    off = engine.main_grads()
     for m in engine.models:
         m.zero_grad_buffer()
     grads = {n: (float((on[n] - off[n]).abs().max()), float(off[n].abs().max()))
@@ -109,7 +109,7 @@ class mtp_off:
     output layer takes the embedding's weight, and megatron all-reduces that stage's embedding gradient with the first
     stage's."""
 
-    def __init__(self, engine: Any, chunks: list):
+    def __init__(self, chunks: list):
         self.chunks = [c for c in chunks if c.mtp_process]
 
     def __enter__(self) -> None:
@@ -131,16 +131,6 @@ class mtp_off:
 def _hand_on(*args: Any, hidden_states: Any, **kwargs: Any) -> Any:
     """The decoder's hidden states, as they came (the MTP block's and the MTP loss's stand-in)."""
     return hidden_states
-
-
-def _grads(engine: Any) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient as megatron's DDP left it in its buffer (main_grad), by global name."""
-    out = {}
-    for m in engine.models:
-        for name, p in engine.global_names(m.module).items():
-            if p.requires_grad:  # megatron's DDP gave it a view into its gradient buffer
-                out[name] = p.main_grad.detach().float().clone()
-    return out
 
 
 def _reference(engine: Any, batch: RLBatch, microbatches: list[list[int]], outputs: list[torch.Tensor],

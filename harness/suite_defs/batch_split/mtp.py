@@ -115,9 +115,9 @@ def _loss(result: CaseResult, at: str, probes: list[tuple[dict[str, int], MTPPro
                                         f"{fmt_err(worst[0])} <= {rtol:.0e})", rows, value=worst[0])
 
 
-def _parts(moved: dict[str, str], result: CaseResult) -> str:
-    """'embedding and decoder (the output layer tied to the embedding)'."""
-    names = list(moved)
+def _parts(worst: dict[str, str], result: CaseResult) -> str:
+    """'embedding and decoder (the output layer tied to the embedding)' from the parts judged."""
+    names = list(worst)
     said = " and ".join(names) if len(names) < 3 else ", ".join(names[:-1]) + " and " + names[-1]
-    tied = result.case.model.tie_embeddings and "output layer" not in moved
+    tied = result.case.model.tie_embeddings and "output layer" not in worst
     return said + (" (the output layer tied to the embedding)" if tied else "")

@@ -137,7 +137,7 @@ class DynamicCPSuite:
         with ctx.phase("collect"):
             merged = engine.merge(engine.gather_records(), len(case.params.seqlens))
             return DynamicCPRankData([_plain(r) for r in engine.records], engine.loss_sum, engine.num_tokens,
-                                     merged if ctx.rank == 0 else [], engine.grads() if ctx.rank == 0 else {})
+                                     merged if ctx.rank == 0 else [], engine.main_grads() if ctx.rank == 0 else {})
 
     def check(self, results: list[CaseResult], params: DynamicCPParams | None = None) -> list[CheckResult]:
         return judge(results)
