@@ -48,7 +48,7 @@ def test_benchmark(step_perf_run, case_id, benchmark):
         pytest.fail(result.error.splitlines()[0] if result.error else f"{case_id} did not run")
     data = StepPerfSuite.report_data(result)
     # every timed step of the case, as the ranks measured it, goes to pytest-benchmark
-    assert len(data["step_ms"]) == result.case.params.timed_steps and all(ms > 0 for ms in data["step_ms"])
+    assert len(data["step_ms"]) == result.case.options.steps and all(ms > 0 for ms in data["step_ms"])
     checks = {c.check: c.message for c in step_perf_run.checks if c.case_id == case_id}
     bench.record(benchmark, [ms / 1000 for ms in data["step_ms"]], {
         "case": case_id, "layout": result.case.layout.id, "metrics": step_perf_run.suite.metrics(result),

@@ -238,7 +238,7 @@ def test_a_cpu_time_baseline_hours_old_is_not_judged(recorded, straggler, monkey
     assert checks["step-perf.time"].failed, checks["step-perf.time"].message
     recorded_at = datetime.fromisoformat(recorded[1]["provenance"]["tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1"]["date"])
     later = recorded_at + timedelta(hours=3)
-    monkeypatch.setattr(judge, "_now", lambda: later)
+    monkeypatch.setattr(judge, "now", lambda: later)
     judged = {c.check: c for c in judge.check(run.results, run.params)}
     time = judged["step-perf.time"]
     assert time.inconclusive, time.message
@@ -684,6 +684,36 @@ def test_on_another_machine_time_is_not_judged_and_counters_are(recorded, monkey
     run, checks = _run("mcore", recorded[0])
     assert checks["step-perf.counters"].passed and checks["step-perf.time"].inconclusive
     assert run.verdict == "pass"  # the counters judged it; the time could not
+
+
+@pytest.mark.slow  # the recorded fixture's ranks
+def test_a_case_whose_time_no_baseline_here_judges_times_three_steps(recorded, monkeypatch):
+    """Against a baseline of this machine recorded minutes before, a case times its 20 steps; where no baseline here
+    can judge its time (another machine's, or one hours old on CPU ranks: every fresh CI machine) it times 3, for
+    the report (its counters come from one untimed step after them), and its time verdict says so; a recording and
+    --timed-steps time what they ask."""
+    from datetime import datetime, timedelta
+
+    from harness.driver import plan
+    from harness.suite_defs.step_perf import judge
+
+    def planned(**kw):
+        return plan("step-perf", "tiny", 2, LAYOUT, backend="gloo", options=OPTIONS, baselines_dir=str(recorded[0]),
+                    suite_params=dict(option_sets=((True, True),), **kw.pop("params", {})), **kw).cases
+
+    assert [c.options.steps for c in planned()] == [20]
+    recorded_at = datetime.fromisoformat(recorded[1]["provenance"]["tiny/tp1-pp1-cp1-dp2/distopt=1,overlap=1"]["date"])
+    with monkeypatch.context() as m:
+        m.setattr(judge, "now", lambda: recorded_at + timedelta(hours=3))
+        assert [c.options.steps for c in planned()] == [3]
+    monkeypatch.setattr("harness.platform.backend.machine_fingerprint", lambda backend: "Another CPU x64")
+    cut = planned()
+    assert [c.options.steps for c in cut] == [3]
+    assert judge._steps_note(cut[0]) == " (so the run timed 3 steps, for the report, not 20; --timed-steps 20 times " \
+                                        "them all)"
+    assert [c.options.steps for c in planned(recording=True)] == [20]
+    assert [c.options.steps for c in planned(params=dict(timed_steps=5))] == [5]
+    assert judge._steps_note(planned(params=dict(timed_steps=5))[0]) == ""
 
 
 def test_a_cpu_machine_is_its_boot():

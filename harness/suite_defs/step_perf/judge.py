@@ -15,9 +15,10 @@ from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minim
 from harness.launch.results import CaseResult
 from harness.platform import backend
 from harness.probes.cpu_share import FOREIGN_LIMIT, ForeignLoad
+from harness.spec import Case
 from harness.suite_defs.step_perf import figures
 from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, key, record_command
-from harness.suite_defs.step_perf.params import CPU_TIME_BASELINE_HOURS, SUITE, StepPerfParams
+from harness.suite_defs.step_perf.params import CPU_TIME_BASELINE_HOURS, SUITE, TIMED_STEPS, StepPerfParams
 
 
 @dataclass
@@ -71,47 +72,58 @@ def check(results: list[CaseResult], params: StepPerfParams) -> list[CheckResult
         out.append(_check_counters(res, entry, source))
         if res.case.backend not in machines:
             machines[res.case.backend] = backend.machine_fingerprint(res.case.backend)
-        machine = machines[res.case.backend]
         provenance = source.data.get("provenance", {}).get(key(res.case), {})
-        recorded_on = provenance.get("machine")
-        if recorded_on != machine:
-            out.append(cannot_tell(
-                "step-perf.time", res.case.id,
-                f"not judged: no baseline for this machine - {key(res.case)} was recorded on "
-                f"{recorded_on or 'an unrecorded machine'}, this is {machine}; a step time says nothing about the "
-                f"code across machines. Judge time here with `harness compare` (A and B interleaved in one run), "
-                f"or record this machine's baseline: {record_command(res.case)}"))
-            continue
-        if stale := stale_for_time(res, provenance, _now()):
-            out.append(cannot_tell("step-perf.time", res.case.id, stale))
+        if why := time_unjudged(res.case, provenance, machines[res.case.backend], now()):
+            out.append(cannot_tell("step-perf.time", res.case.id, why + _steps_note(res.case)))
             continue
         out.append(_check_time(res, entry, params))
     return out
 
 
-def _now() -> datetime:
+def now() -> datetime:
     return datetime.now(UTC)
 
 
-def stale_for_time(res: CaseResult, provenance: dict, now: datetime) -> str:
+def time_unjudged(case: Case, provenance: dict, machine: str, now: datetime) -> str:
+    """Why this machine cannot judge the case's time against its baseline entry (its provenance), '' where it
+    can: recorded on another machine, or on CPU ranks longer ago than a CPU's speed holds."""
+    recorded_on = provenance.get("machine")
+    if recorded_on != machine:
+        return (f"not judged: no baseline for this machine - {key(case)} was recorded on "
+                f"{recorded_on or 'an unrecorded machine'}, this is {machine}; a step time says nothing about the "
+                f"code across machines. Judge time here with `harness compare` (A and B interleaved in one run), "
+                f"or record this machine's baseline: {record_command(case)}")
+    return stale_for_time(case, provenance, now)
+
+
+def _steps_note(case: Case) -> str:
+    """What a case planned for a time nobody judges timed (StepPerfSuite.cases), '' where it timed them all."""
+    if not (isinstance(case.params, StepPerfParams) and case.params.timed_steps is None
+            and case.options.steps < TIMED_STEPS):
+        return ""
+    return (f" (so the run timed {case.options.steps} steps, for the report, not {TIMED_STEPS}; "
+            f"--timed-steps {TIMED_STEPS} times them all)")
+
+
+def stale_for_time(case: Case, provenance: dict, now: datetime) -> str:
     """Why a CPU time baseline of this machine is too old to judge by, '' where it is not: a VM's speed drifts
     beyond the minimum effect within hours, and a VM restored from a snapshot keeps the boot id of the one
     that recorded (`CPU_TIME_BASELINE_HOURS`)."""
-    if tier(res.case.backend) != "cpu":
+    if tier(case.backend) != "cpu":
         return ""
     try:
         recorded = datetime.fromisoformat(provenance["date"])
     except (KeyError, TypeError, ValueError):
-        return (f"not judged: the baseline of {key(res.case)} does not say when it was recorded; on CPU ranks "
+        return (f"not judged: the baseline of {key(case)} does not say when it was recorded; on CPU ranks "
                 f"time is judged only against a baseline of the last {CPU_TIME_BASELINE_HOURS:g} h: "
-                f"{record_command(res.case)}")
+                f"{record_command(case)}")
     hours = (now - (recorded if recorded.tzinfo else recorded.replace(tzinfo=UTC))).total_seconds() / 3600
     if hours <= CPU_TIME_BASELINE_HOURS:
         return ""
-    return (f"not judged: the baseline of {key(res.case)} was recorded {hours:.1f} h ago ({provenance['date']}); "
+    return (f"not judged: the baseline of {key(case)} was recorded {hours:.1f} h ago ({provenance['date']}); "
             f"a CPU machine's speed drifts beyond the minimum effect within hours, so on CPU ranks time is judged "
             f"only against a baseline of the last {CPU_TIME_BASELINE_HOURS:g} h. Record one right before the run: "
-            f"{record_command(res.case)}, or compare A/B interleaved (harness compare)")
+            f"{record_command(case)}, or compare A/B interleaved (harness compare)")
 
 
 # The harness's own cost of a step (its seams wrapped, barrier-aligned boundaries) against the same engine's

@@ -13,6 +13,10 @@ SUITE = "step-perf"
 # detected at p < 0.01 with 20 vs 60 samples at the spread of `small` on 4 CPU ranks).
 WARMUP_STEPS = 3
 TIMED_STEPS = 20
+# Timed where no baseline of this machine can judge the time (recorded on another machine, or on CPU ranks longer
+# ago than CPU_TIME_BASELINE_HOURS: every CI run on a fresh VM): the counters come from one untimed step after
+# them and the report's step figures need a median, so the other 17 steps would buy a verdict nobody gives.
+UNJUDGED_TIMED_STEPS = 3
 # The default matrix, trimmed for the CPU tier (a `small` step takes ~0.7 s on 4 ranks of 2 cores, and
 # a case ~25 s): every option set on pure DP, and each model-parallel kind with the distributed
 # optimizer and overlap on. `--layout` runs the given layouts with every option set.
@@ -38,8 +42,11 @@ class StepPerfParams:
     carries them (`Case.params`), and `overhead` is part of its id."""
 
     warmup_steps: int = field(default=WARMUP_STEPS, metadata=_RUN_LEVEL)
-    timed_steps: int = field(default=TIMED_STEPS, metadata=flag(
-        "--timed-steps", f"step-perf: timed steps per case (default {TIMED_STEPS})", in_id=False))
+    # None: TIMED_STEPS where a baseline of this machine judges the case's time (or while recording one), else
+    # UNJUDGED_TIMED_STEPS
+    timed_steps: int | None = field(default=None, metadata=flag(
+        "--timed-steps", f"step-perf: timed steps per case (default {TIMED_STEPS} where a baseline of this machine "
+                         f"judges the time, else {UNJUDGED_TIMED_STEPS})", in_id=False))
     # (distopt, overlap); None: the default matrix's
     option_sets: tuple[tuple[bool, bool], ...] | None = field(default=None, metadata=_RUN_LEVEL)
     # None: MIN_EFFECT of the tier
@@ -49,6 +56,7 @@ class StepPerfParams:
     # judge times scaled by the calibration workload's (baseline / now)
     normalise: bool = field(default=NORMALISE, metadata=_RUN_LEVEL)
     baselines_dir: str | None = field(default=None, metadata=_RUN_LEVEL)  # None: the repository's baselines/
+    recording: bool = field(default=False, metadata=_RUN_LEVEL)  # planned to record baselines: every step timed
     # --overhead: each timed step paired with an uninstrumented step of the same engine (no seam wrapped, no
     # counter), in random order per pair; judged: the harness's own cost of a step (judge.py)
     overhead: bool = field(default=False, metadata=flag(
@@ -56,7 +64,7 @@ class StepPerfParams:
                       "the harness's own cost of a step (goal: within 2%%)"))
 
     def __post_init__(self):
-        if self.timed_steps < 3:
+        if self.timed_steps is not None and self.timed_steps < 3:
             raise BadInput(f"--timed-steps must be >= 3 (the statistics need samples), got {self.timed_steps}")
         if self.min_effect is not None and not 0 < self.min_effect < 10:
             raise BadInput(f"--min-effect is a fraction of the baseline median (e.g. 0.1 for 10%), "

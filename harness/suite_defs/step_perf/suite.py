@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import asdict
 from typing import Any
 
+from harness import baselines
+from harness import platform as harness_platform
 from harness.backends import Backend
 from harness.checks import CheckResult
 from harness.checks.flops_model import matmul_dtype, peak_tflops
-from harness.checks.timing import MIN_EFFECT, Comparison, paired_ratio
+from harness.checks.timing import MIN_EFFECT, Comparison, paired_ratio, tier
 from harness.engine_names import EngineName
 from harness.engines import is_fsdp2
 from harness.errors import DoesNotApply
 from harness.launch.context import RankContext
 from harness.launch.results import CaseResult
 from harness.layouts import expert_matrix, validate
+from harness.platform import backend as platform_backend
 from harness.probes.cpu_share import FOREIGN_LIMIT
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.step_perf import figures, judge, rank, sizing
 from harness.suite_defs.step_perf.figures import FOREIGN, NOT_COUNTERS, TIMED
-from harness.suite_defs.step_perf.params import CPU_BUCKET_ELEMS, DEFAULT_LAYOUTS, OPTION_SETS, SUITE, StepPerfParams
+from harness.suite_defs.step_perf.params import (
+    CPU_BUCKET_ELEMS,
+    DEFAULT_LAYOUTS,
+    OPTION_SETS,
+    SUITE,
+    TIMED_STEPS,
+    UNJUDGED_TIMED_STEPS,
+    StepPerfParams,
+)
 from harness.suite_defs.step_perf.payload import StepPerfRankData
 
 
@@ -41,8 +53,6 @@ class StepPerfSuite:
     def cases(self, model: ModelSpec, world_size: int, layouts: list[Layout] | None, *,
               engine: str = EngineName.MCORE, backend: Backend = Backend.GLOO, options: CaseOptions = CaseOptions(),
               params: StepPerfParams | None = None) -> list[Case]:
-        import dataclasses
-
         p = params or StepPerfParams()
         explicit = layouts is not None
         if layouts is None and model.moe:  # pure DP, then the experts' layouts (their dispatcher's traffic)
@@ -69,11 +79,11 @@ class StepPerfSuite:
                 if not explicit and option_sets is None and not pure_dp and not (distopt and overlap):
                     continue
                 bucket = options.bucket_size or (CPU_BUCKET_ELEMS if backend == Backend.GLOO and not fsdp2 else None)
-                opts = dataclasses.replace(options, steps=p.timed_steps, warmup_steps=p.warmup_steps,
+                opts = dataclasses.replace(options, steps=p.timed_steps or TIMED_STEPS, warmup_steps=p.warmup_steps,
                                            use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                                            bucket_size=bucket)
                 out.append(Case(self.name, model, lay, engine, opts, backend, params=p))
-        return out
+        return out if p.timed_steps or p.recording else timed_for_a_judge(out, p)
 
     def rank_work(self, case: Case, ctx: RankContext) -> StepPerfRankData:
         return rank.rank_work(case, ctx)
@@ -126,7 +136,7 @@ class StepPerfSuite:
 
     def recording_notes(self, entries: dict[str, dict], params: StepPerfParams | None, backend: Backend) -> list[str]:
         p = params or StepPerfParams()
-        return sizing.recording_notes(entries, p.timed_steps, p.min_effect, backend)
+        return sizing.recording_notes(entries, p.timed_steps or TIMED_STEPS, p.min_effect, backend)
 
     def raw_samples(self, result: CaseResult) -> dict[str, list[float]]:
         return {"step_time_ms": figures.step_ms(result), "exposed_comm_ms": figures.exposed_ms(result)}
@@ -168,3 +178,25 @@ class StepPerfSuite:
                 "plain_step_ms": figures.plain_ms(result), "calibration_ms": figures.calibration_ms(result),
                 "phases_ms": {str(r): m for r, m in figures.phase_medians(result).items()},
                 "counters": {str(r.rank): asdict(figures.rank_data(r).counters) for r in result.ranks}}
+
+
+def timed_for_a_judge(cases: list[Case], params: StepPerfParams) -> list[Case]:
+    """Each case with UNJUDGED_TIMED_STEPS timed steps where no baseline of this machine can judge its time (on CPU
+    ranks: recorded on another machine or too long ago; judge.time_unjudged), else as planned. GPU cases keep theirs:
+    this machine's fingerprint there needs torch, which the planning process does not import."""
+    out = []
+    books: dict[str, baselines.Book] = {}
+    machine = None
+    now = judge.now()
+    for case in cases:
+        if tier(case.backend) != "cpu":
+            out.append(case)
+            continue
+        platform = harness_platform.detect_platform(case.backend).key
+        book = books.setdefault(platform, baselines.Book(params.baselines_dir, platform, SUITE))
+        machine = machine or platform_backend.machine_fingerprint(case.backend)
+        provenance = book.source(figures.key(case)).data.get("provenance", {}).get(figures.key(case), {})
+        if judge.time_unjudged(case, provenance, machine, now):
+            case = dataclasses.replace(case, options=dataclasses.replace(case.options, steps=UNJUDGED_TIMED_STEPS))
+        out.append(case)
+    return out
