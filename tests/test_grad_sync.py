@@ -123,8 +123,7 @@ def _recorded(*records: tuple[str, str]):
         return Collective(f"{kind}_", kind, (0, 1), "dp-cp", "float32", 4096, 16384, 1, "backward", source)
 
     both = [coll("reduce_scatter", "dispatch"), coll("reduce_scatter", "alias")]
-    ranks = [RankResult(r, data=GradSyncRankData({"dp": r}, [coll(*x) for x in records] if r == 0 else both, [], [],
-                                                 0.0, 0.0)) for r in (0, 1)]
+    ranks = [RankResult(r, data=GradSyncRankData({"dp": r}, [coll(*x) for x in records] if r == 0 else both, [])) for r in (0, 1)]
     return CaseResult(Case("grad-sync", load_model("tiny"), Layout(1, 1, 1, 2)), ranks, "ok")
 
 

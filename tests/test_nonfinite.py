@@ -100,7 +100,7 @@ def test_nan_replica_fails_the_replica_check():
 def _grad_sync_data(params):
     from harness.suite_defs.grad_sync import GradSyncRankData
 
-    return GradSyncRankData({}, [], params, [], 0.0, 0.0)
+    return GradSyncRankData({}, [], params)
 
 
 def test_grad_sync_nan_replica_fails():

@@ -66,8 +66,8 @@ def test_grad_sync_replicas_cannot_tell_without_dp_replicas():
                                                     "so none can drift apart: needs DP x CP >= 2")
     shards = [ParamShard("w", torch.ones(2), None, 0, 1)]
     dp2 = CaseResult(Case("grad-sync", load_model("tiny"), Layout(dp=2), "mcore", CaseOptions(steps=3)),
-                     [RankResult(0, data=GradSyncRankData({}, [], shards, [], 0.0, 0.0)),
-                      RankResult(1, data=GradSyncRankData({}, [], shards, [], 0.0, 0.0))], "ok")
+                     [RankResult(0, data=GradSyncRankData({}, [], shards)),
+                      RankResult(1, data=GradSyncRankData({}, [], shards))], "ok")
     assert GradSyncSuite._check_replicas(dp2).passed
 
 

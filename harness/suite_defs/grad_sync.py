@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -38,15 +37,12 @@ STEPS = 3  # replica consistency is judged after 3 steps
 
 @dataclass(frozen=True)
 class GradSyncRankData:
-    """What a grad-sync rank returns: the collectives it issued over the recorded steps, its parameter shards
-    after them, and the recorded steps' seconds beside one unrecorded step's (the recorder's overhead)."""
+    """What a grad-sync rank returns: the collectives it issued over the recorded steps and its parameter shards
+    after them."""
 
     coords: dict[str, int]
     collectives: list[Collective]
     params: list[ParamShard]
-    step_s: list[float]
-    unrecorded_step_s: float
-    recorder_bookkeeping_s: float
     # per model chunk, the built model's parameters that train, (name, numel) in registration order (engines with
     # HasGradBuffers); None: planned from the model spec's arithmetic
     buffer_params: list[list[tuple[str, int]]] | None = None
@@ -92,31 +88,21 @@ class GradSyncSuite:
         if isinstance(engine, McoreEngine) and engine.optimizer is not None:  # the norm's groups, as megatron built
             roles.add(grad_stats_groups(engine.optimizer), "grad-stats")
         recorder = CollectiveRecorder(roles)
-        step_times = []
         with instrument(engine, recorder), recorder:
             for step in range(case.options.steps):
-                t0 = time.perf_counter()
                 with ctx.phase("steps"), recorder.phase("forward-backward"):
                     engine.train_step(step)
-                step_times.append(time.perf_counter() - t0)
         with ctx.phase("collect"):
             shards = engine.param_shards()
-        # One more step, unrecorded, to measure the recorder's overhead on a warm step.
-        t0 = time.perf_counter()
-        with ctx.phase("steps"):
-            engine.train_step(case.options.steps)
-        unrecorded = time.perf_counter() - t0
         buffers = engine.grad_buffer_params() if isinstance(engine, HasGradBuffers) else None
-        return GradSyncRankData(layout_coords(), recorder.records, shards, step_times, unrecorded,
-                                recorder.overhead_s, buffers)
+        return GradSyncRankData(layout_coords(), recorder.records, shards, buffers)
 
     def metrics(self, result: CaseResult) -> dict[str, Any]:
         if not result.ok:
             return {}
         r0 = result.ranks[0]
         seen = Counter(r.op for r in dp_records(_data(r0).collectives) if r.source == "dispatch")
-        return {"observed dp ops (rank 0)": " ".join(f"{op}x{n}" for op, n in sorted(seen.items())),
-                "recorder overhead": f"{overhead(result):+.0%}"}
+        return {"observed dp ops (rank 0)": " ".join(f"{op}x{n}" for op, n in sorted(seen.items()))}
 
     @staticmethod
     def report_data(result: CaseResult) -> dict[str, Any]:
@@ -274,10 +260,3 @@ class GradSyncSuite:
             f"max abs {bad[worst]:.3g} (configured {GradSyncSuite._configured(res.case)}; a reduce-scatter paired "
             f"with a non-distributed optimizer looks like this)",
             [f"  {n}: max abs {s:.3g}" for n, s in sorted(bad.items())], value=bad[worst])
-
-
-def overhead(result: CaseResult) -> float:
-    """Relative cost of a recorded step over an unrecorded one (last recorded step, slowest rank)."""
-    rec = max(_data(r).step_s[-1] for r in result.ranks)
-    plain = max(_data(r).unrecorded_step_s for r in result.ranks)
-    return rec / plain - 1 if plain else 0.0
