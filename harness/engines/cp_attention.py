@@ -83,8 +83,8 @@ class ReferenceCPAttention(torch.nn.Module):
         group = self._group(packed_seq_params)
         cp = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if cp > 1 else 0
-        if cp > 1:
-            key, value = _GatherSeq.apply(key, group), _GatherSeq.apply(value, group)
+        if cp > 1:  # K and V in one collective each way: on gloo a collective's latency is most of a CP step
+            key, value = _GatherSeq.apply(torch.cat([key, value], dim=-1), group).split(key.shape[-1], dim=-1)
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "sbhd") == "thd":
             return self._thd(query, key, value, packed_seq_params, cp, rank)
         seq = query.shape[0] * cp
