@@ -23,13 +23,12 @@ from harness.suite_defs import (
     Parameterised,
     Suite,
     baselines_dir_of,
-    default_dtype,
     default_model,
     get_suite,
     moe_suites,
 )
-from harness.suite_defs.flags import flag_of
-from harness.suite_registry import spec_of
+from harness.suite_flags import flag_of
+from harness.suite_registry import default_dtype, spec_of
 
 
 def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str | None = None,

@@ -30,7 +30,7 @@ from harness.engine_names import EngineName
 from harness.engines.mcore import McoreEngine
 from harness.selection import CaseSelection
 from harness.spec import CaseOptions
-from harness.suite_defs import default_dtype
+from harness.suite_registry import default_dtype
 
 SIZES = (0.0, 0.03, 0.05, 0.10, 0.25)
 WHERE = ("step", "comm")

@@ -14,8 +14,8 @@ from harness.errors import BadInput
 from harness.option_flags import ParamFlag, flags_of
 from harness.platform import resolve_backend
 from harness.spec import Case, CaseOptions, id_fragment
-from harness.suite_defs import default_dtype
-from harness.suite_defs.flags import check_param_values, param_flags, variant_flags
+from harness.suite_flags import check_param_values, param_flags, variant_flags
+from harness.suite_registry import default_dtype
 
 
 def option_flags() -> list[ParamFlag]:

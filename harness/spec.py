@@ -191,7 +191,7 @@ class CaseOptions:
     warmup_steps: int = 0  # untimed steps before the `steps` a suite measures (step-perf)
     seed: int = field(default=1234, metadata=flag("--seed", "the seed of weights and data (default 1234)"))
     # a name given ("bf16") becomes its DType; an unknown one is BadInput. Not given on the command line: the
-    # suite's for the backend (suite_defs.default_dtype)
+    # suite's for the backend (suite_registry.default_dtype)
     dtype: DType = field(default=DType.fp32, metadata=flag(
         "--dtype", "default fp32; step-perf on NCCL ranks bf16 (mixed precision, as Megatron users train)",
         choices=("fp32", "bf16")))

@@ -9,6 +9,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from harness.backends import Backend
+from harness.dtypes import DType
 from harness.errors import BadInput
 
 
@@ -70,6 +72,12 @@ SUITES: dict[str, SuiteSpec] = {
 def spec_of(name: str) -> SuiteSpec:
     """A registered suite's spec; a suite given by import path has the defaults (dense and MoE, no GPU defaults)."""
     return SUITES.get(name) or SuiteSpec(name)
+
+
+def default_dtype(suite_name: str, backend: Backend) -> DType:
+    """The dtype a suite's cases train in when none is given: fp32, or on NCCL ranks the suite's GPU one."""
+    gpu = spec_of(suite_name).gpu_dtype
+    return DType(gpu) if gpu and backend == Backend.NCCL else DType.fp32
 
 
 def load_suite(name: str) -> Any:

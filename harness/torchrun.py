@@ -28,8 +28,8 @@ from harness.platform.parallel import release_memory
 from harness.report.terminal import format_run
 from harness.selection import SHARED_FLAGS, option_flags
 from harness.spec import Case, CaseOptions
-from harness.suite_defs import default_dtype
-from harness.suite_defs.flags import param_flags
+from harness.suite_flags import param_flags
+from harness.suite_registry import default_dtype
 
 
 def main(argv: list[str] | None = None) -> int:

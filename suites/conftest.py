@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from harness.selection import SHARED_FLAGS
-from harness.suite_defs.flags import param_flags
+from harness.suite_flags import param_flags
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

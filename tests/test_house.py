@@ -126,6 +126,32 @@ def test_a_planted_circle_is_found(tmp_path):
 
 
 
+def rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph between rooms: a top-level module or package of harness/ (`harness.selection`, `harness.engines`)
+    imports another where one of its modules does."""
+    def room(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        out.setdefault(room(module), set()).update(room(t) for t in targets if room(t) != room(module))
+    return {r: {t for t in targets if t in out} for r, targets in out.items()}
+
+
+def test_harness_has_no_circle_between_rooms():
+    """No room imports a room that imports it back: the suites' flags and dtypes sit below both the selection and
+    the suites, so a suite's record command (selection) imports no suite back."""
+    found = circles(rooms(import_graph(ROOT, "harness")))
+    assert not found, "rooms of harness/ that import each other (move what both use below both):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_a_circle_between_rooms_is_found():
+    graph = {"harness.selection": {"harness.suite_defs"}, "harness.suite_defs": set(),
+             "harness.suite_defs.golden.figures": {"harness.selection"}}
+    assert circles(rooms(graph)) == [["harness.selection", "harness.suite_defs"]]
+
+
 def suites_importing_suites(graph: dict[str, set[str]], prefix: str = "harness.suite_defs") -> list[str]:
     """'a -> b' for every module of one suite that imports a module of another. A suite is a registered suite's
     module or package under `prefix`; the modules there that no suite owns (flags, agreement, ckpt_errors) are

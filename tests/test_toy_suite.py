@@ -62,7 +62,7 @@ _NO_TORCH = textwrap.dedent("""
 
     class Refuse:
         BLOCKED = ("torch", "megatron", "harness.suite_defs", "harness.driver", "harness.launch", "tests.toy_suite")
-        PARAMS = ("harness.suite_defs", "harness.suite_defs.flags") + PARAM_MODULES
+        PARAMS = ("harness.suite_defs", "harness.suite_flags") + PARAM_MODULES
 
         def find_spec(self, name, path=None, target=None):
             if name not in self.PARAMS and any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
@@ -131,7 +131,7 @@ def test_a_suite_parameter_is_declared_once_on_its_type(toy_registered, monkeypa
 def test_every_suite_parameter_type_with_flags_is_listed():
     import dataclasses
 
-    from harness.suite_defs.flags import param_types
+    from harness.suite_flags import param_types
 
     listed = set(param_types())
     for name in suite_registry.SUITES:

@@ -12,7 +12,7 @@ from typing import Any
 from harness.checks import CheckResult
 from harness.checks.numeric import within
 from harness.spec import Case, Layout
-from harness.suite_defs.flags import flag
+from harness.option_flags import flag
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from harness.selection import SHARED_FLAGS, option_flags
-from harness.suite_defs.flags import param_flags
+from harness.suite_flags import param_flags
 from harness.suite_registry import SUITES
 
 

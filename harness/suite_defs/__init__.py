@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from harness.backends import Backend
-from harness.dtypes import DType
 from harness.suite_registry import SUITES, load_suite, spec_of
 
 if TYPE_CHECKING:
@@ -34,12 +33,6 @@ REGRESSION_RUNS = tuple(RegressionRun(name, run.model, run.cpu_only) for name, s
 def moe_suites() -> list[str]:
     """The registered suites that judge a mixture-of-experts model (no SuiteSpec.moe_refusal)."""
     return [name for name, spec in SUITES.items() if spec.moe_refusal is None]
-
-
-def default_dtype(suite_name: str, backend: Backend) -> DType:
-    """The dtype a suite's cases train in when none is given: fp32, or on NCCL ranks the suite's GPU one."""
-    gpu = spec_of(suite_name).gpu_dtype
-    return DType(gpu) if gpu and backend == Backend.NCCL else DType.fp32
 
 
 def default_model(suite: Suite, backend: Backend) -> str:

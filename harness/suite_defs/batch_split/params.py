@@ -10,7 +10,7 @@ from harness.engines.loss_agg import MODES, check_mode
 from harness.engines.policy_loss import NLL, POLICY_LOSS_HELP, check_policy_loss
 from harness.engines.rl_batch import Cut
 from harness.errors import BadInput
-from harness.suite_defs.flags import flag
+from harness.option_flags import flag
 
 SUITE = "batch-split"
 VOCAB_PADDING = 128  # megatron's --make-vocab-size-divisible-by default

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.errors import BadInput
-from harness.suite_defs.flags import flag
+from harness.option_flags import flag
 
 SUITE = "ckpt-memory"
 # fully_sharded_model_space (deprecated) fails in megatron-core 0.16.1 with "ShardedTensor.flattened_range

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.suite_defs.flags import flag
+from harness.option_flags import flag
 
 SUITE = "golden"
 STEPS = 12

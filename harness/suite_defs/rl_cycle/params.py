@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from harness.engines.logprob_head import TEMPERATURE_HELP, check_temperature
 from harness.errors import BadInput
-from harness.suite_defs.flags import flag
+from harness.option_flags import flag
 
 SUITE = "rl-cycle"
 ITERATIONS = 4

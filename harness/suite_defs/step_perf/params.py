@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from harness.errors import BadInput
-from harness.suite_defs.flags import flag
+from harness.option_flags import flag
 
 SUITE = "step-perf"
 # 3 warm-up steps take the first-step costs (allocator growth, lazy inits) out; 20 timed steps per case
