@@ -405,8 +405,8 @@ def _heap_in_use() -> float:
 def late_frees(rank: int, world_size: int) -> dict[str, int]:
     """On a gloo rank whose group worker shares the rank's core at idle priority (SCHED_IDLE: the waiter, woken by
     it, runs first): in how many of 12 coalesced reduce-scatters of 16 MiB, issued as megatron's gradient buffer
-    issues them, gloo's clone of the input was still allocated when the block returned; and in how many of 12 with
-    the release taken out (the plant)."""
+    issues them, gloo's clone of the input was still allocated when the block returned; and with the release taken
+    out (the plant), at which of 12 it first was (0: at none)."""
     import os
     import time
 
@@ -453,7 +453,8 @@ def late_frees(rank: int, world_size: int) -> dict[str, int]:
         late = sum(still_held() for _ in range(12))
         release, cpu_collectives.release = cpu_collectives.release, lambda group: None
         try:
-            planted = sum(still_held() for _ in range(12))
+            # the plant's first late free is enough: each one waits for the starved worker to free its clone
+            planted = next((i + 1 for i in range(12) if still_held()), 0)
         finally:
             cpu_collectives.release = release
     finally:
