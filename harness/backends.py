@@ -13,3 +13,17 @@ class Backend(StrEnum):
 
 
 BACKENDS = tuple(Backend)  # argparse choices: "gloo" in BACKENDS holds (a StrEnum equals its value)
+
+
+class Tier(StrEnum):
+    """Where a case's ranks compute, and what a model is sized for: CPU (gloo ranks, on the host) or GPU (NCCL
+    ranks, one GPU each). Minimum effects, the memory model's device terms and time baselines' lifetimes differ by
+    tier."""
+
+    CPU = "cpu"
+    GPU = "gpu"
+
+
+def tier_of(backend: Backend) -> Tier:
+    """GPU on NCCL ranks, else CPU."""
+    return Tier.GPU if backend == Backend.NCCL else Tier.CPU

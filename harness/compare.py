@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, compare_rounds, tier
+from harness.backends import tier_of
+from harness.checks.timing import CONFIDENCE, MIN_EFFECT_INTERLEAVED, compare_rounds
 from harness.engine_names import EngineName
 from harness.errors import BadInput
 from harness.files import atomic_write
@@ -243,7 +244,7 @@ def compare_main(args, sel: CaseSelection, say: Callable[[str], None], plans: di
             worktree = Worktree(Path(args.repo).resolve(), cache)
             b.pythonpath = [str(worktree.checkout(args.rev) / args.path_in_repo)]
         backend = resolve_backend(sel.backend, sel.world_size)  # auto: nccl where there are GPUs enough
-        effect = sel.suite_params.get("min_effect", MIN_EFFECT_INTERLEAVED[tier(backend)])
+        effect = sel.suite_params.get("min_effect", MIN_EFFECT_INTERLEAVED[tier_of(backend)])
         samples_a, samples_b, order = run_rounds(a, b, sel, args, say, plans)
     finally:
         if worktree:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness import driver, recording
-from harness.backends import Backend
-from harness.checks.timing import MIN_EFFECT_INTERLEAVED, tier
+from harness.backends import Backend, tier_of
+from harness.checks.timing import MIN_EFFECT_INTERLEAVED
 from harness.compare import Side, judge, plan_sides, run_rounds
 from harness.engine_names import EngineName
 from harness.engines.mcore import McoreEngine
@@ -219,7 +219,7 @@ def run_power(model: str, world_size: int, layout: str, trials: int, rounds: int
                 a = Side("A=mcore", EngineName.MCORE)
                 b = Side(f"B=+{size:.0%}", f"harness.power:{engine_name('step', size)}")
                 samples_a, samples_b, _ = run_rounds(a, b, sel, args, lambda msg: None, side_plans)
-                step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED[tier(backend)]).values()))
+                step, _, _ = next(iter(judge(samples_a, samples_b, MIN_EFFECT_INTERLEAVED[tier_of(backend)]).values()))
                 t = tallies.setdefault(("interleaved", "step", size), Tally("interleaved", "step", size))
                 t.trials += 1
                 t.hits += int(step.slower)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from harness.backends import Backend
+from harness.backends import Backend, Tier
 from harness.dtypes import DType
 from harness.dtypes import dtype as dtype_of
 from harness.engine_names import EngineName
@@ -43,7 +43,7 @@ class ModelSpec:
     swiglu: bool = True
     global_batch_size: int = 8
     micro_batch_size: int = 1
-    tier: str = "cpu"
+    tier: Tier = Tier.CPU  # what it is sized for
     description: str = ""
     num_experts: int = 0  # 0: dense
     moe_router_topk: int = 2

@@ -14,7 +14,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from harness.backends import Backend
+from harness.backends import Tier
 from harness.outcomes import Outcome
 
 ALPHA = 0.01  # one-sided significance level of the Mann-Whitney U test
@@ -27,17 +27,11 @@ BOOTSTRAP_RESAMPLES = 2000
 # median ratios 0.92-1.14 (sd of log ratio 0.014-0.054), and at world size 1 (tp1-pp1-cp1-dp1 against its own
 # baseline minutes later) up to x1.26: hence 50% on CPU, from the CLI and from pytest alike (--min-effect sets
 # another). Interleaved A/B runs (harness compare) cancel the drift and judge small effects: MIN_EFFECT_INTERLEAVED.
-MIN_EFFECT = {"cpu": 0.5, "gpu": 0.05}
+MIN_EFFECT = {Tier.CPU: 0.5, Tier.GPU: 0.05}
 # the figures judged by these statistics against stored samples (step-perf), where `harness bisect --max`
 # takes a relative effect (baseline+P%), not an absolute threshold
 TIMED_METRICS = ("step_time_ms", "exposed_comm_ms")
-MIN_EFFECT_INTERLEAVED = {"cpu": 0.05, "gpu": 0.03}
-
-
-def tier(backend: Backend) -> str:
-    """The key of a backend's minimum effects (MIN_EFFECT, MIN_EFFECT_INTERLEAVED): "gpu" on NCCL ranks, else
-    "cpu"."""
-    return "gpu" if backend == Backend.NCCL else "cpu"
+MIN_EFFECT_INTERLEAVED = {Tier.CPU: 0.05, Tier.GPU: 0.03}
 
 
 @dataclass(frozen=True)

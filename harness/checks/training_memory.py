@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harness.backends import Backend
+from harness.backends import Tier, tier_of
 from harness.checks.expected_collectives import DEFAULT_BUCKET_ELEMS, chunk_buckets, chunk_params, stage_moe_layers
 from harness.checks.memory_model import expert_shard_params, shard_params
 from harness.dtypes import DType, dtype
@@ -60,7 +60,7 @@ MIB = 1024 ** 2
 # What a rank holds beyond the model's tensors. GPU: the CUDA context, cuBLAS / NCCL workspaces and the
 # caching allocator's fragmentation, outside torch's allocated bytes (not yet measured on a GPU with this
 # model: a conservative 2 GiB). CPU: nothing beyond the heap figures the model is judged against.
-FIXED_OVERHEAD = {"gpu": 2 * GIB, "cpu": 0}
+FIXED_OVERHEAD = {Tier.GPU: 2 * GIB, Tier.CPU: 0}
 # What a gloo rank process holds before any tensor of the case: the interpreter with torch and megatron-core
 # imported (~350 MB RSS measured) - counted when deciding whether a case fits the host.
 CPU_PROCESS = GIB // 2
@@ -120,7 +120,7 @@ class TrainingMemory:
     # the device kind: its fixed overhead, and what a phase's figure counts: "cpu", the heap a phase allocates
     # itself (memray: a free of what was allocated before the phase does not lower it); "gpu", the device's
     # allocated bytes above the phase's start
-    device: str = "gpu"
+    device: Tier = Tier.GPU
     parts: dict[str, int] = field(default_factory=dict)  # the activation count's terms, for the report
 
     @property
@@ -164,7 +164,7 @@ class TrainingMemory:
                "step0": max(self.forward_backward, self.collective, moments + self.optimizer_step)}
         # a later step starts holding the previous step's gradient copies, freed by its zero_grad: a device's
         # figure counts that free, a heap figure (only what the phase allocates) does not
-        freed = self.main_grads if self.device == "gpu" else 0
+        freed = self.main_grads if self.device == Tier.GPU else 0
         later = max(self.forward_backward, self.collective, self.optimizer_step) - freed
         out.update({f"step{i}": later for i in range(1, steps)})
         return out
@@ -264,7 +264,8 @@ def stage_layers(model: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]
     return layers - moe, moe
 
 
-def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0, device: str = "gpu") -> TrainingMemory:
+def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
+            device: Tier = Tier.GPU) -> TrainingMemory:
     """The model's prediction for one rank."""
     n = shard_params(model, layout, rank)
     pbytes = dtype(training.dtype).bytes
@@ -304,11 +305,11 @@ def predict(model: ModelSpec, layout: Layout, training: Training, rank: int = 0,
     logits = int(model.vocab_size / t * tokens * (pbytes + 4)) if last else 0
     buckets, largest = _buckets(model, layout, training, rank)
     collective = 0
-    if device == "cpu":  # gloo's coalesced collectives flatten a bucket into a new tensor; NCCL works in place
+    if device == Tier.CPU:  # gloo's coalesced collectives flatten a bucket into a new tensor; NCCL works in place
         collective = largest * max(gbytes, pbytes if training.use_distributed_optimizer else 0)
     build_transient = n * pbytes if training.use_distributed_optimizer else 0
-    optimizer_transient = buckets * (12 if device == "cpu" else 8)
-    if device == "gpu" and training.foreach_adam:
+    optimizer_transient = buckets * (12 if device == Tier.CPU else 8)
+    if device == Tier.GPU and training.foreach_adam:
         optimizer_transient = max(optimizer_transient, 4 * n // share)
     # megatron's optimizer steps fp32 copies of the gradients where the buffer holds them in the param dtype
     main_grads = masters if gbytes < 4 else 0
@@ -338,20 +339,20 @@ def _buckets(model: ModelSpec, layout: Layout, training: Training, rank: int) ->
     return largest_param, largest_bucket
 
 
-def worst_rank(model: ModelSpec, layout: Layout, training: Training, device: str = "gpu") -> TrainingMemory:
+def worst_rank(model: ModelSpec, layout: Layout, training: Training, device: Tier = Tier.GPU) -> TrainingMemory:
     """The rank predicted to need the most."""
     return max((predict(model, layout, training, r, device) for r in range(layout.world_size)), key=lambda m: m.peak)
 
 
-def fits(model: ModelSpec, layout: Layout, training: Training, available: int, device: str = "gpu"
+def fits(model: ModelSpec, layout: Layout, training: Training, available: int, device: Tier = Tier.GPU
          ) -> tuple[bool, TrainingMemory]:
     m = worst_rank(model, layout, training, device)
-    need = m.peak + (CPU_PROCESS if device == "cpu" else 0)
+    need = m.peak + (CPU_PROCESS if device == Tier.CPU else 0)
     return need <= FIT_MARGIN * available, m
 
 
 def nearest_fitting(model: ModelSpec, layout: Layout, training: Training, available: int, world_size: int,
-                    device: str = "gpu") -> str:
+                    device: Tier = Tier.GPU) -> str:
     """The nearest setting that the model predicts will fit: recompute, a smaller micro-batch, a larger
     TP or PP at the same world size; '' where none of them does."""
     import dataclasses
@@ -386,13 +387,13 @@ def nearest_fitting(model: ModelSpec, layout: Layout, training: Training, availa
 def refusal(case, available: int) -> str:
     """'' when the model predicts the case fits `available` bytes per rank; else one line naming the predicted
     and the available GiB and the nearest setting that fits."""
-    device = "gpu" if case.backend == Backend.NCCL else "cpu"
+    device = tier_of(case.backend)
     training = training_of(case)
     ok, m = fits(case.model, case.layout, training, available, device)
     if ok:
         return ""
     fix = nearest_fitting(case.model, case.layout, training, available, case.layout.world_size, device)
-    where = "its GPU" if device == "gpu" else "its share of the host's available memory"
+    where = "its GPU" if device == Tier.GPU else "its share of the host's available memory"
     return (f"case {case.id} will not fit: the training-memory model predicts {m.peak / GIB:.1f} GiB on rank {m.rank} "
             f"(weights {m.weights / GIB:.1f}, gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, "
             f"activations {(m.activations + m.transient + m.logits) / GIB:.1f}) against {available / GIB:.1f} GiB of "

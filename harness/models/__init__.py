@@ -7,6 +7,7 @@ import tomllib
 from functools import cache
 from pathlib import Path
 
+from harness.backends import Tier
 from harness.errors import BadInput
 from harness.spec import ModelSpec
 
@@ -32,4 +33,8 @@ def load_model(name: str) -> ModelSpec:
     unknown = set(data) - fields
     if unknown:
         raise BadInput(f"model file {path} has unknown keys {sorted(unknown)}; allowed: {sorted(fields - {'name'})}")
+    if "tier" in data:
+        if data["tier"] not in tuple(Tier):
+            raise BadInput(f"model file {path}: tier {data['tier']!r} is not one of {', '.join(Tier)}")
+        data["tier"] = Tier(data["tier"])
     return ModelSpec(name=name, **data)

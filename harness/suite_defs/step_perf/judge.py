@@ -10,8 +10,9 @@ from typing import Any
 
 from harness import baselines
 from harness import platform as harness_platform
+from harness.backends import Tier, tier_of
 from harness.checks import CheckData, CheckResult, cannot_tell, case_failed
-from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio, tier
+from harness.checks.timing import MIN_EFFECT, Comparison, compare_samples, minimum_detectable_effect, paired_ratio
 from harness.launch.results import CaseResult
 from harness.platform import backend
 from harness.probes.cpu_share import FOREIGN_LIMIT, ForeignLoad
@@ -109,7 +110,7 @@ def stale_for_time(case: Case, provenance: dict, now: datetime) -> str:
     """Why a CPU time baseline of this machine is too old to judge by, '' where it is not: a VM's speed drifts
     beyond the minimum effect within hours, and a VM restored from a snapshot keeps the boot id of the one
     that recorded (`CPU_TIME_BASELINE_HOURS`)."""
-    if tier(case.backend) != "cpu":
+    if tier_of(case.backend) != Tier.CPU:
         return ""
     try:
         recorded = datetime.fromisoformat(provenance["date"])
@@ -206,7 +207,7 @@ def timed_comparison(res: CaseResult, metric: str, entry: dict, effect: float | 
         scale = calibration / figures.calibration_ms(res)
         measured = [m * scale for m in measured]
     effect = (effect if effect is not None else params.min_effect if params.min_effect is not None
-              else MIN_EFFECT[tier(res.case.backend)])
+              else MIN_EFFECT[tier_of(res.case.backend)])
     return compare_samples(entry[metric]["samples"], measured, effect)
 
 

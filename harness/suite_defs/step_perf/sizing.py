@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.backends import Backend
-from harness.checks.timing import MIN_EFFECT, fewest_steps_detecting, minimum_detectable_effect, tier
+from harness.backends import Backend, tier_of
+from harness.checks.timing import MIN_EFFECT, fewest_steps_detecting, minimum_detectable_effect
 
 UP_TO = 200  # timed steps searched for the fewest that detect the minimum effect
 
@@ -49,6 +49,6 @@ def recording_notes(entries: dict[str, dict], timed_steps: int, min_effect: floa
                     backend: Backend) -> list[str]:
     """A line per recorded entry: its Sizing at the run's timed steps and the tier's minimum effect (or the
     one given)."""
-    effect = min_effect if min_effect is not None else MIN_EFFECT[tier(backend)]
+    effect = min_effect if min_effect is not None else MIN_EFFECT[tier_of(backend)]
     found = [sizing(k, e, timed_steps, effect) for k, e in sorted(entries.items())]
     return [s.describe() for s in found if s is not None]

@@ -9,10 +9,10 @@ from typing import Any
 
 from harness import baselines
 from harness import platform as harness_platform
-from harness.backends import Backend
+from harness.backends import Backend, Tier, tier_of
 from harness.checks import CheckResult
 from harness.checks.flops_model import matmul_dtype, peak_tflops
-from harness.checks.timing import MIN_EFFECT, Comparison, paired_ratio, tier
+from harness.checks.timing import MIN_EFFECT, Comparison, paired_ratio
 from harness.engine_names import EngineName
 from harness.engines import is_fsdp2
 from harness.errors import DoesNotApply
@@ -144,7 +144,7 @@ class StepPerfSuite:
     def tolerance(self, metric: str, values: list[float]) -> float:
         """Counters are exact (tolerance 0). Timed figures are judged by statistics on their samples, not
         by a band; their stored tolerance is the minimum effect, for people reading the file."""
-        return MIN_EFFECT["cpu"] * statistics.median(values) if metric in TIMED else 0.0
+        return MIN_EFFECT[Tier.CPU] * statistics.median(values) if metric in TIMED else 0.0
 
     def noisy_metrics(self, samples: dict[str, dict[str, list[float]]]) -> list[str]:
         """A counter that differs between repeats cannot be judged exactly: the work of a step is not
@@ -189,7 +189,7 @@ def timed_for_a_judge(cases: list[Case], params: StepPerfParams) -> list[Case]:
     machine = None
     now = judge.now()
     for case in cases:
-        if tier(case.backend) != "cpu":
+        if tier_of(case.backend) != Tier.CPU:
             out.append(case)
             continue
         platform = harness_platform.detect_platform(case.backend).key

@@ -7,7 +7,7 @@ from typing import Any
 
 from harness import baselines
 from harness import platform as harness_platform
-from harness.backends import Backend
+from harness.backends import tier_of
 from harness.checks import Captures, CheckResult, cannot_tell, case_failed
 from harness.checks.training_memory import MIB, predict, training_of
 from harness.launch.results import CaseResult
@@ -28,7 +28,7 @@ ABS_SLACK = 1.5 * MIB
 
 def expected_phases(case, rank: int) -> dict[str, int]:
     """Bytes the model says each measured phase adds on this rank (TrainingMemory.phases)."""
-    m = predict(case.model, case.layout, training_of(case), rank, "gpu" if case.backend == Backend.NCCL else "cpu")
+    m = predict(case.model, case.layout, training_of(case), rank, tier_of(case.backend))
     return m.phases(case.options.steps)
 
 
