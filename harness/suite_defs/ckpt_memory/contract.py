@@ -28,7 +28,7 @@ from harness.platform.parallel import teardown_parallel_state
 from harness.probes.memory import MeasurementError, artifacts_dir, captures_dir, measure
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.ckpt_errors import describe_exception, refusal_kind
-from harness.suite_defs.ckpt_memory.params import CONTRACT_FORMATS, CkptCaseParams
+from harness.suite_defs.ckpt_memory.params import CONTRACT_FORMATS, CkptCaseParams, CkptRole
 from harness.suite_defs.ckpt_memory.payload import ContractRankData, LoadTarget
 
 
@@ -72,11 +72,11 @@ def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, ba
     opts = dataclasses.replace(options, steps=2, use_distributed_optimizer=True)
     for fmt in formats:
         saver = Case(name, model, save_layout(world_size, model), engine, opts, backend,
-                     params=CkptCaseParams(fmt, ckpt_role="reshard"))
+                     params=CkptCaseParams(fmt, ckpt_role=CkptRole.RESHARD))
         out.append(saver)
         target = dp_only_target(world_size, model)
         loader = Case(name, model, target or save_layout(world_size, model), engine, opts, backend, after=(saver.id,),
-                      params=CkptCaseParams(fmt, ckpt_role="reshard-load"))  # loads what `saver` wrote
+                      params=CkptCaseParams(fmt, ckpt_role=CkptRole.RESHARD_LOAD))  # loads what `saver` wrote
         halves = world_size % 2 == 0
         out.append(loader if target else loader.to_skip(
             f"the DP-only reshard load halves DP at another world size; world size {world_size} cannot be halved: "
@@ -90,7 +90,7 @@ def contract_cases(name: str, model: ModelSpec, world_size: int, engine: str, ba
 def saved_checkpoint(case: Case) -> Path:
     """Where a reshard case writes its checkpoint, and where a reshard-load case finds the one it reads
     (the output directory of the case it runs after, resolved by the driver)."""
-    if case.params.ckpt_role == "reshard":
+    if case.params.ckpt_role == CkptRole.RESHARD:
         root = Path(case.out_dir) if case.out_dir else artifacts_dir(case.id)
     elif case.inputs:
         root = Path(case.inputs[0])
@@ -135,7 +135,7 @@ def reshard_work(case: Case, ctx: RankContext) -> ContractRankData:
     import torch.distributed as dist
 
     ckpt = saved_checkpoint(case)
-    if case.params.ckpt_role != "reshard":
+    if case.params.ckpt_role != CkptRole.RESHARD:
         return ContractRankData([_try_load(case, ctx, case.layout, ckpt)])
     if ctx.rank == 0:
         shutil.rmtree(ckpt, ignore_errors=True)

@@ -14,6 +14,7 @@ from harness.dtypes import DType, dtype
 from harness.launch.results import CaseResult
 from harness.probes.memory import MIB
 from harness.spec import Layout
+from harness.suite_defs.ckpt_memory.params import CkptRole
 from harness.suite_defs.ckpt_memory.payload import ContractRankData, LoadTarget
 
 # Loaded values are copies (bit-identical). The step after a load at another layout differs by that layout's
@@ -46,7 +47,7 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
         if not res.ok:
             out.append(case_failed("ckpt-memory.reshard", res))
             continue
-        src_id = res.case.id if role == "reshard" else res.case.after[0]
+        src_id = res.case.id if role == CkptRole.RESHARD else res.case.after[0]
         src = ran.get(src_id)
         if src is None or not src.ok:
             out.append(CheckResult("ckpt-memory.reshard", res.case.id, False,
@@ -56,7 +57,7 @@ def check_reshard(results: list[CaseResult]) -> list[CheckResult]:
         saved = assemble([d.saved for d in source]).tensors
         saved_optim = _assemble_optional([d.saved_optim for d in source])
         reference = assemble([d.reference for d in source]).tensors
-        if role == "reshard":
+        if role == CkptRole.RESHARD:
             out.append(_judge_side_effects(res, fmt, assemble([d.continued for d in source]).tensors, reference))
         loads = [r.payload_as(ContractRankData).targets for r in res.ranks]
         for i in range(len(loads[0])):

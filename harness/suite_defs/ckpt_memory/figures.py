@@ -9,6 +9,7 @@ from harness.ckpt_formats import CkptFormat
 from harness.launch.results import CaseResult, RankResult
 from harness.probes.memory import MIB
 from harness.spec import Case
+from harness.suite_defs.ckpt_memory.params import CkptRole
 from harness.suite_defs.ckpt_memory.payload import ContractRankData, SaveRankData
 
 
@@ -30,7 +31,7 @@ def record_command(case: Case) -> str:
 
     o = case.params
     if o.ckpt_role:  # the contract comes with the default matrix only; a reshard-load case runs at half the DP
-        world_size = case.layout.world_size * (2 if o.ckpt_role == "reshard-load" else 1)
+        world_size = case.layout.world_size * (2 if o.ckpt_role == CkptRole.RESHARD_LOAD else 1)
         return selection.record_command(case, layout=False, world_size=world_size, params=False, skip=("steps",))
     return selection.record_command(case, skip=("steps",))  # the suite's own
 

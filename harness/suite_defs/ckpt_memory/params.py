@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from harness.errors import BadInput
 from harness.option_flags import flag
@@ -48,6 +49,16 @@ class CkptMemoryParams:
             raise BadInput(f"unknown checkpoint format(s) {unknown}; known: {', '.join(ALL_FORMATS)}")
 
 
+class CkptRole(StrEnum):
+    """What a ckpt-memory case does: a measured save (MEMORY, the empty string: no role in its id); RESHARD saves
+    and loads back at other layouts of its world size; RESHARD_LOAD loads what the case it runs after
+    (`Case.after`) saved, at another world size."""
+
+    MEMORY = ""
+    RESHARD = "reshard"
+    RESHARD_LOAD = "reshard-load"
+
+
 @dataclass(frozen=True)
 class CkptCaseParams:
     """A checkpoint case's own parameters (`Case.params` of the ckpt-memory suite)."""
@@ -59,6 +70,4 @@ class CkptCaseParams:
     fully_parallel_save: bool = field(default=False, metadata=flag("--fully-parallel-save", "", cli=False))
     # megatron's async save: the write runs in a forked process
     async_save: bool = field(default=False, metadata=flag("--async-save", "", cli=False))
-    # "" a memory case; "reshard" saves and loads back at other layouts of its world size; "reshard-load"
-    # loads what the case it runs after (`Case.after`) saved, at another world size
-    ckpt_role: str = ""
+    ckpt_role: CkptRole = CkptRole.MEMORY

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 
 from harness.option_flags import flag
 
@@ -21,6 +22,16 @@ RESUME_FORMATS = ("dp_reshardable", "fully_reshardable")  # the distributed opti
 FSDP2_FORMATS = ("fsdp2_sharded", "fsdp2_full")
 
 
+class GoldenRole(StrEnum):
+    """What a golden case trains: WHOLE (the empty string: no role in its id) the unbroken trajectory; FIRST_HALF
+    trains the first half and saves; RESUME loads what the case it runs after saved (at its own layout, which may
+    differ) and trains the second half."""
+
+    WHOLE = ""
+    FIRST_HALF = "first-half"
+    RESUME = "resume"
+
+
 @dataclass(frozen=True)
 class GoldenParams:
     """The golden suite's parameters; `role` and `ckpt_format` are a case's own (resume cases)."""
@@ -29,7 +40,5 @@ class GoldenParams:
     # formats whose resume is judged (--ckpt-format); () none
     formats: tuple[str, ...] = dataclasses.field(default=RESUME_FORMATS + FSDP2_FORMATS, metadata=flag(
         "--ckpt-format", "golden: the formats whose resume is judged", in_id=False))
-    # "" the unbroken trajectory; "first-half" trains the first half and saves; "resume" loads what the case it
-    # runs after saved (at its own layout, which may differ) and trains the second half
-    role: str = ""
+    role: GoldenRole = GoldenRole.WHOLE
     ckpt_format: str = ""

@@ -33,6 +33,7 @@ from harness.suite_defs.golden.params import (
     STEPS,
     SUITE,
     GoldenParams,
+    GoldenRole,
 )
 from harness.suite_defs.golden.payload import GoldenRankData
 
@@ -40,7 +41,7 @@ from harness.suite_defs.golden.payload import GoldenRankData
 def checkpoint_dir(case: Case) -> Path:
     """Where a first-half case saves (its output directory), and where the resume case after it loads from."""
 
-    if case.params.role == "first-half":
+    if case.params.role == GoldenRole.FIRST_HALF:
         return Path(case.out_dir or artifacts_dir(case.id)) / "ckpt"
     return Path(case.inputs[0] if case.inputs else artifacts_dir(case.after[0])) / "ckpt"
 
@@ -111,10 +112,10 @@ class GoldenSuite:
                     loads += [x for x in reference_layouts(model, world_size) if x != layout
                               and x in default_layouts(model, world_size)][:1]
             first = Case(self.name, model, lay, eng, opts, backend,
-                         params=dataclasses.replace(params, role="first-half", ckpt_format=fmt))
+                         params=dataclasses.replace(params, role=GoldenRole.FIRST_HALF, ckpt_format=fmt))
             out.append(first)
             out += [Case(self.name, model, x, eng, opts, backend, after=(first.id,),
-                         params=dataclasses.replace(params, role="resume", ckpt_format=fmt)) for x in loads]
+                         params=dataclasses.replace(params, role=GoldenRole.RESUME, ckpt_format=fmt)) for x in loads]
         return out + self.offload_cases(model, layout, engine, backend, options, params)
 
     def offload_cases(self, model: ModelSpec, layout: Layout, engine: str, backend: Backend, options: CaseOptions,
@@ -128,9 +129,9 @@ class GoldenSuite:
             return []
         opts = dataclasses.replace(options, use_distributed_optimizer=True, optimizer_cpu_offload=True)
         first = Case(self.name, model, layout, engine, opts, backend,
-                     params=dataclasses.replace(params, role="first-half", ckpt_format=fmt))
+                     params=dataclasses.replace(params, role=GoldenRole.FIRST_HALF, ckpt_format=fmt))
         resume = Case(self.name, model, layout, engine, opts, backend, after=(first.id,),
-                      params=dataclasses.replace(params, role="resume", ckpt_format=fmt))
+                      params=dataclasses.replace(params, role=GoldenRole.RESUME, ckpt_format=fmt))
         why = offload_unsupported(backend, options.dtype)
         return [first.to_skip(why), resume.to_skip(why)] if why else [first, resume]
 
@@ -141,16 +142,16 @@ class GoldenSuite:
         with ctx.phase("build"):
             engine.build()
         role, half = case.params.role, case.options.steps // 2
-        if role == "resume":
+        if role == GoldenRole.RESUME:
             with ctx.phase("load"):
                 checkpointing(engine, case.engine).load_checkpoint(str(checkpoint_dir(case)), case.params.ckpt_format)
-        todo = {"": range(case.options.steps), "first-half": range(half),
-                "resume": range(half, case.options.steps)}[role]
+        todo = {GoldenRole.WHOLE: range(case.options.steps), GoldenRole.FIRST_HALF: range(half),
+                GoldenRole.RESUME: range(half, case.options.steps)}[role]
         steps = []
         for step in todo:
             with ctx.phase("steps"):
                 steps.append(engine.train_step(step))
-        if role == "first-half":
+        if role == GoldenRole.FIRST_HALF:
             ckpt = checkpoint_dir(case)
             if ctx.rank == 0:
                 shutil.rmtree(ckpt, ignore_errors=True)
