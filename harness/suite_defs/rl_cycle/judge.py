@@ -9,7 +9,7 @@ from typing import Any
 from harness.checks import CheckResult, cannot_tell, case_failed
 from harness.launch.results import CaseResult
 from harness.stack import components
-from harness.suite_defs.rl_cycle.params import MINI_BATCHES, SUITE, RLCycleCaseParams
+from harness.suite_defs.rl_cycle.params import MINI_BATCHES, SUITE, RLCycleCaseParams, Weights
 from harness.suite_defs.rl_cycle.payload import at_iteration as _it
 from harness.suite_defs.rl_cycle.payload import data
 from harness.suite_defs.rl_cycle.rollout_judge import adapter, policy, refit
@@ -194,8 +194,9 @@ def trajectory(res: CaseResult, twin: CaseResult | None) -> CheckResult:
     import torch
 
     p = params(res)
-    name, cid = (f"{SUITE}.load" if p.weights == "loaded" else f"{SUITE}.trajectory"), res.case.id
-    what = "the case built with the loaded weights" if p.weights == "loaded" else "the same iterations without offload"
+    loaded = p.weights == Weights.LOADED
+    name, cid = (f"{SUITE}.load" if loaded else f"{SUITE}.trajectory"), res.case.id
+    what = "the case built with the loaded weights" if loaded else "the same iterations without offload"
     if twin is None or not twin.ok:
         return CheckResult(name, cid, False, f"{what} ({dataclasses.replace(res.case, params=p.twin()).id}) "
                                              f"{'did not run' if twin is None else 'failed'}: nothing to compare with")

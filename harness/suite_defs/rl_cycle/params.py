@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 
 from harness.engines.logprob_head import TEMPERATURE_HELP, check_temperature
 from harness.errors import BadInput
@@ -23,7 +24,16 @@ MODE = "token-mean"
 # as refit's smallest size sends them.
 REFIT_BUCKET = 8 << 10
 VARIANTS = ("4-layers", "expert-bias", "replayed-bias", "frozen-router")
-WEIGHTS = ("", "loaded", "as-loaded")
+
+
+class Weights(StrEnum):
+    """Where a case's starting weights come from: BUILT (the empty string: no mark in its id) as the build
+    initialised them; LOADED built, then the weights of the next seed loaded alone (no optimizer state); AS_LOADED
+    built with those weights (the loaded case's twin)."""
+
+    BUILT = ""
+    LOADED = "loaded"
+    AS_LOADED = "as-loaded"
 # --rl-variant: a case of the default matrix's kinds at the layouts given
 RL_VARIANTS = ("built-twice", "4-layers", "expert-bias", "replayed-bias", "frozen-router", "weights-only-load",
                "export-first", "lora")
@@ -71,8 +81,7 @@ class RLCycleCaseParams:
     aux-loss-free balancing ("expert-bias": its router trains, routing not replayed) or with it and the router frozen
     ("frozen-router", routing replayed). offload: parameters, gradients and optimizer state offloaded and reloaded
     after each iteration (False: the twin the trajectory is compared with). builds: the model built this many times
-    in the process, the policy last. weights: "loaded" - built, then the weights of the next seed loaded alone (no
-    optimizer state); "as-loaded" - built with those weights (the loaded case's twin). export_first: the export
+    in the process, the policy last. weights: where the starting weights come from (`Weights`). export_first: the export
     before any offload (default: a colocated framework's order, the optimizer's state offloaded before the export and
     the parameters after it)."""
 
@@ -80,18 +89,18 @@ class RLCycleCaseParams:
     variant: str = ""
     offload: bool = True
     builds: int = 1
-    weights: str = ""
+    weights: Weights = Weights.BUILT
     export_first: bool = False
     temperature: float = 1.0  # the RL steps' log-probs, and the rollout's, at this sampling temperature
 
     def __post_init__(self) -> None:
         if self.variant and self.variant not in VARIANTS:
             raise BadInput(f"rl-cycle variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
-        if self.weights not in WEIGHTS:
+        if self.weights not in tuple(Weights):
             raise BadInput(f"rl-cycle weights {self.weights!r}: expected loaded or as-loaded")
 
     def twin(self) -> RLCycleCaseParams:
         """The case whose trajectory this one's must equal: the same without offload; a loaded case's, built with
         the loaded weights."""
-        return dataclasses.replace(self, offload=False, weights="as-loaded" if self.weights == "loaded"
+        return dataclasses.replace(self, offload=False, weights=Weights.AS_LOADED if self.weights == Weights.LOADED
                                    else self.weights)

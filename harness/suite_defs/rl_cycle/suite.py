@@ -28,6 +28,7 @@ from harness.suite_defs.rl_cycle.params import (
     SUITE,
     RLCycleCaseParams,
     RLCycleParams,
+    Weights,
 )
 from harness.suite_defs.rl_cycle.payload import RLCycleRankData
 
@@ -62,7 +63,7 @@ def kind(model: ModelSpec, what: str) -> tuple[RLCycleCaseParams, dict[str, Any]
     if what == "export-first":
         return p(export_first=True), replay
     if what == "weights-only-load":
-        return p(weights="loaded"), dict(replay, use_distributed_optimizer=True, dtype="bf16")
+        return p(weights=Weights.LOADED), dict(replay, use_distributed_optimizer=True, dtype="bf16")
     return p(), replay
 
 
@@ -158,14 +159,14 @@ class RLCycleSuite:
         p = case.params if isinstance(case.params, RLCycleCaseParams) else RLCycleCaseParams()
         seed = case.options.seed
         with ctx.phase("build"):
-            if p.weights == "as-loaded":
+            if p.weights == Weights.AS_LOADED:
                 engine.init_seed = seed + 1  # type: ignore[attr-defined]
             engine.setup_parallel()  # type: ignore[attr-defined]
             for _ in range(p.builds - 1):
                 engine.build_chunks()  # type: ignore[attr-defined]  # a bridge's first build, a reference copy
             engine.build_model()
             instances = [engine.replay_instances()]  # type: ignore[attr-defined]
-            if p.weights == "loaded":
+            if p.weights == Weights.LOADED:
                 engine.load_weights(seed + 1)
         refused = export_refusal(engine, case)
         steps, iterations, probe = run_cycle(engine, case, p, ctx, refused)
