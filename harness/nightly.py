@@ -102,7 +102,8 @@ def run_nightly(out: Path, suites: list[str], models: list[str] | None, world_si
     plans: dict[Item, driver.Plan] = {}
     for item in items:
         try:
-            plans[item] = driver.plan(item.suite, item.model, world, engine=item.engine, backend=backend)
+            plans[item] = driver.plan(item.suite, item.model, world, engine=item.engine, backend=backend,
+                                      full_timing=True)  # the history's trends of step times
         except DoesNotApply as exc:
             inapplicable[item] = str(exc)
         except BadInput as exc:

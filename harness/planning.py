@@ -32,17 +32,17 @@ from harness.suite_registry import default_dtype, spec_of
 
 
 def suite_parameters(suite: Suite, given: dict | None = None, baselines_dir: str | None = None,
-                     recording: bool = False) -> Any:
+                     full_timing: bool = False) -> Any:
     """The suite's parameters (`suite.Params`, defaults: its default matrix) with the values the user
-    gave; BadInput for a parameter the suite does not have or a value it refuses. recording: planned to record
-    baselines, told to a suite whose parameters have a `recording` field."""
+    gave; BadInput for a parameter the suite does not have or a value it refuses. full_timing: told to a suite
+    whose parameters have a `full_timing` field (`plan`)."""
     given = dict(given or {})
     params_type = suite.Params if isinstance(suite, Parameterised) else None
     names = {f.name for f in dataclasses.fields(params_type)} if params_type else set()
     if baselines_dir is not None and "baselines_dir" in names:
         given["baselines_dir"] = baselines_dir
-    if recording and "recording" in names:
-        given["recording"] = True
+    if full_timing and "full_timing" in names:
+        given["full_timing"] = True
     for name in given:
         if name not in names:
             flag = flag_of(name)
@@ -67,7 +67,7 @@ class Plan:
 def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, world_size: int = DEFAULT_WORLD_SIZE,
          layout_ids: list[str] | None = None, *, engine: str = EngineName.MCORE, backend: str = Backend.AUTO,
          options: CaseOptions | None = None, timeout_s: float | None = None, suite_params: dict | None = None,
-         baselines_dir: str | None = None, local_world_size: int | None = None, recording: bool = False) -> Plan:
+         baselines_dir: str | None = None, local_world_size: int | None = None, full_timing: bool = False) -> Plan:
     """The run's Plan, or BadInput, before anything runs or is written; it starts no process and writes nothing.
     selection: what a command read from its flags (CaseSelection: the other selecting arguments are its), or a
     suite by name or object with the model, world size, layouts and options given one by one. model_name None: the
@@ -75,14 +75,15 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
     suite_params: values of the suite's parameters (`suite.Params` fields, e.g. step-perf's timed_steps). A suite
     with baselines has its baseline file parsed here (a corrupt one is refused before any rank).
     local_world_size: the ranks on this node where they span several (torchrun's LOCAL_WORLD_SIZE): NCCL needs a
-    GPU for each of those, not for the whole world. recording: the plan records baselines (`suite_parameters`)."""
+    GPU for each of those, not for the whole world. full_timing: every timed figure measured in full, whatever this
+    machine's baselines can judge - the caller uses them itself (a recording, a bisect step, the nightly's history)."""
     if isinstance(selection, CaseSelection):
         sel = selection
         selection, model_name, world_size, layout_ids = sel.suite, sel.model, sel.world_size, sel.layout_ids
         engine, backend, options, timeout_s = sel.engine, sel.backend, sel.options, sel.timeout
         suite_params = dict(sel.suite_params)
     suite = get_suite(selection)
-    params = suite_parameters(suite, suite_params, baselines_dir, recording)
+    params = suite_parameters(suite, suite_params, baselines_dir, full_timing)
     if world_size < 1:
         raise BadInput(f"--world-size must be >= 1, got {world_size}")
     backend = resolve_backend(backend, local_world_size or world_size)

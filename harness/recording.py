@@ -49,7 +49,7 @@ def record_suite(selection: Plan | CaseSelection | str, model: str | None = None
         planned = selection
         baselines_dir = baselines_dir_of(planned.params)
     else:
-        planned = driver.plan(selection, model, world_size, layout_ids, baselines_dir=baselines_dir, recording=True,
+        planned = driver.plan(selection, model, world_size, layout_ids, baselines_dir=baselines_dir, full_timing=True,
                               **plan_kwargs)
     for i in range(repeats):
         print(f"repeat {i + 1}/{repeats}", file=sys.stderr, flush=True)

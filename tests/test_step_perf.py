@@ -690,8 +690,9 @@ def test_on_another_machine_time_is_not_judged_and_counters_are(recorded, monkey
 def test_a_case_whose_time_no_baseline_here_judges_times_three_steps(recorded, monkeypatch):
     """Against a baseline of this machine recorded minutes before, a case times its 20 steps; where no baseline here
     can judge its time (another machine's, or one hours old on CPU ranks: every fresh CI machine) it times 3, for
-    the report (its counters come from one untimed step after them), and its time verdict says so; a recording and
-    --timed-steps time what they ask."""
+    the report (its counters come from one untimed step after them), and its time verdict says so; a plan whose
+    caller uses the times itself (full_timing: a recording, a bisect step, the nightly) and --timed-steps time what
+    they ask."""
     from datetime import datetime, timedelta
 
     from harness.driver import plan
@@ -711,7 +712,7 @@ def test_a_case_whose_time_no_baseline_here_judges_times_three_steps(recorded, m
     assert [c.options.steps for c in cut] == [3]
     assert judge._steps_note(cut[0]) == " (so the run timed 3 steps, for the report, not 20; --timed-steps 20 times " \
                                         "them all)"
-    assert [c.options.steps for c in planned(recording=True)] == [20]
+    assert [c.options.steps for c in planned(full_timing=True)] == [20]
     assert [c.options.steps for c in planned(params=dict(timed_steps=5))] == [5]
     assert judge._steps_note(planned(params=dict(timed_steps=5))[0]) == ""
 

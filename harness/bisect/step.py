@@ -190,7 +190,7 @@ def run_step(selection: CaseSelection, spec: StepSpec) -> StepResult:
     selection: the cases, as the step's flags select them."""
 
     threshold = Threshold(spec.max)
-    planned = driver.plan(selection, baselines_dir=spec.baselines_dir)
+    planned = driver.plan(selection, baselines_dir=spec.baselines_dir, full_timing=True)
     refuse_unknown_metric(planned, spec.metric)
     run = driver.execute(planned, fresh_ranks=spec.fresh_ranks).stop_if_interrupted()
     return judge_run(run, spec.metric, threshold, spec.error_is_bad)

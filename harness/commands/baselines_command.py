@@ -46,7 +46,7 @@ def main(args) -> int:
     sel = CaseSelection.from_args(args)
     if args.repeats < 3:
         raise BadInput(f"--repeats must be >= 3 so the spread can set the tolerance, got {args.repeats}")
-    planned = plan(sel, baselines_dir=args.baselines_dir, recording=args.action == "record")
+    planned = plan(sel, baselines_dir=args.baselines_dir, full_timing=args.action == "record")
     if not isinstance(planned.suite, Baselined):
         raise BadInput(f"suite {args.suite!r} has no baselines")
     if args.action == "check":

@@ -42,7 +42,7 @@ class StepPerfParams:
     carries them (`Case.params`), and `overhead` is part of its id."""
 
     warmup_steps: int = field(default=WARMUP_STEPS, metadata=_RUN_LEVEL)
-    # None: TIMED_STEPS where a baseline of this machine judges the case's time (or while recording one), else
+    # None: TIMED_STEPS where a baseline of this machine judges the case's time (or with full_timing), else
     # UNJUDGED_TIMED_STEPS
     timed_steps: int | None = field(default=None, metadata=flag(
         "--timed-steps", f"step-perf: timed steps per case (default {TIMED_STEPS} where a baseline of this machine "
@@ -56,7 +56,8 @@ class StepPerfParams:
     # judge times scaled by the calibration workload's (baseline / now)
     normalise: bool = field(default=NORMALISE, metadata=_RUN_LEVEL)
     baselines_dir: str | None = field(default=None, metadata=_RUN_LEVEL)  # None: the repository's baselines/
-    recording: bool = field(default=False, metadata=_RUN_LEVEL)  # planned to record baselines: every step timed
+    # every step timed whatever this machine's baselines can judge: a recording, a bisect step, the nightly
+    full_timing: bool = field(default=False, metadata=_RUN_LEVEL)
     # --overhead: each timed step paired with an uninstrumented step of the same engine (no seam wrapped, no
     # counter), in random order per pair; judged: the harness's own cost of a step (judge.py)
     overhead: bool = field(default=False, metadata=flag(

@@ -83,7 +83,7 @@ class StepPerfSuite:
                                            use_distributed_optimizer=distopt, overlap_grad_reduce=overlap,
                                            bucket_size=bucket)
                 out.append(Case(self.name, model, lay, engine, opts, backend, params=p))
-        return out if p.timed_steps or p.recording else timed_for_a_judge(out, p)
+        return out if p.timed_steps or p.full_timing else timed_for_a_judge(out, p)
 
     def rank_work(self, case: Case, ctx: RankContext) -> StepPerfRankData:
         return rank.rank_work(case, ctx)
