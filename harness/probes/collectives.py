@@ -12,7 +12,6 @@ Each record names the op, the group (ranks and megatron role), dtype, elements, 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,7 +154,6 @@ class CollectiveRecorder:
     roles: GroupRoles = field(default_factory=GroupRoles)
     records: list[Collective] = field(default_factory=list)
     current_phase: str = "other"
-    overhead_s: float = 0.0  # time spent inside the recorder's own bookkeeping
     _stack: contextlib.ExitStack | None = None
 
     # -- phases -------------------------------------------------------------------------------
@@ -174,7 +172,6 @@ class CollectiveRecorder:
 
     # -- recording ----------------------------------------------------------------------------
     def _record(self, op: str, group, tensor_groups: list[list[torch.Tensor]], source: str) -> None:
-        t0 = time.perf_counter()
         if group is None:
             group = dist.group.WORLD
         try:
@@ -198,7 +195,6 @@ class CollectiveRecorder:
             numel=numel, bytes=nbytes, tensors=len(main),
             phase=self._phase_now(), source=source,
         ))
-        self.overhead_s += time.perf_counter() - t0
 
     def __enter__(self) -> CollectiveRecorder:
         self._stack = contextlib.ExitStack()

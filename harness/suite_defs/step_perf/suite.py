@@ -193,9 +193,11 @@ def timed_for_a_judge(cases: list[Case], params: StepPerfParams) -> list[Case]:
             out.append(case)
             continue
         platform = harness_platform.detect_platform(case.backend).key
-        book = books.setdefault(platform, baselines.Book(params.baselines_dir, platform, SUITE))
+        if platform not in books:  # each stack's baseline file read once per plan
+            books[platform] = baselines.Book(params.baselines_dir, platform, SUITE)
         machine = machine or platform_backend.machine_fingerprint(case.backend)
-        provenance = book.source(figures.key(case)).data.get("provenance", {}).get(figures.key(case), {})
+        key = figures.key(case)
+        provenance = books[platform].source(key).data.get("provenance", {}).get(key, {})
         if judge.time_unjudged(case, provenance, machine, now):
             case = dataclasses.replace(case, options=dataclasses.replace(case.options, steps=UNJUDGED_TIMED_STEPS))
         out.append(case)
