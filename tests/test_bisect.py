@@ -134,6 +134,7 @@ def test_bisect_names_the_commit_that_planted_the_regression(engine_repo, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.nightly  # the gate's refusal: test_gate_refuses_a_pair_that_does_not_reproduce; the real gates: above
 def test_bisect_refuses_a_pair_that_does_not_reproduce(engine_repo, tmp_path, capsys):
     repo, shas = engine_repo
     code = cli.main(["bisect", "--repo", str(repo), "--good", shas[0], "--bad", shas[1], "--cache", str(tmp_path), *CASE])

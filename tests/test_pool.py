@@ -33,7 +33,7 @@ def test_failed_case_retires_the_pool_and_the_next_gets_fresh_ranks():
         assert bad.status == "error" and "rank 1 failed in phase 'work'" in bad.error
         # the failed rank reported without a teardown (on NCCL one can wait forever on its failed peers)
         assert [("teardown" in r.timings) for r in sorted(bad.ranks, key=lambda r: r.rank)] == [True, False]
-        hung = pool.run(fake(fs.HANG_COLLECTIVE, timeout_s=15))  # includes the fresh ranks' start-up: forked
+        hung = pool.run(fake(fs.HANG_COLLECTIVE, timeout_s=8))  # includes the fresh ranks' start-up: forked
         assert hung.fresh_ranks and hung.status == "timeout" and "rank 1 in 'work'" in hung.error
         after = pool.run(fake(fs.OK))
         assert after.ok and after.fresh_ranks
@@ -151,7 +151,8 @@ def _values(run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("suite", ["equivalence", "grad-sync"])
+# grad-sync's twin runs nightly: equivalence's TP 2 case shows a warm rank's history moving a value
+@pytest.mark.parametrize("suite", ["equivalence", pytest.param("grad-sync", marks=pytest.mark.nightly)])
 def test_shuffled_warm_ranks_give_the_same_verdicts_and_values(suite):
     layouts = ["tp2-pp1-cp1-dp1"] if suite == "equivalence" else ["tp1-pp1-cp1-dp2"]
     fresh = run_suite(suite, "tiny", 2, layouts, backend="gloo", fresh_ranks=True)
