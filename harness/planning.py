@@ -7,9 +7,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from harness import baselines
+from harness import baselines, platform
 from harness.backends import Backend
+from harness.checks import training_memory
 from harness.engine_names import EngineName
+from harness.engines import resolve_factory
 from harness.engines.base import RefusesCases
 from harness.errors import BadInput, DoesNotApply, DoesNotFit
 from harness.layouts import validate
@@ -97,8 +99,6 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
                            "or a dense model here")
     factory = None
     if engine != EngineName.MCORE:
-        from harness.engines import resolve_factory
-
         factory = resolve_factory(engine)  # fail fast in the parent on a bad import path
     batch = dict(global_batch_size=options.global_batch_size, micro_batch_size=options.micro_batch_size)
     layouts = None
@@ -115,15 +115,13 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
         cases = [dataclasses.replace(c, timeout_s=timeout_s) for c in cases]
     refuse_what_does_not_fit(cases, backend, local_world_size or world_size)
     if isinstance(suite, Baselined) and cases:
-        from harness.platform import detect_platform
-
-        baselines.Book(baselines_dir_of(params), detect_platform(backend).key, suite.name)  # every stack's file
+        # every stack's file
+        baselines.Book(baselines_dir_of(params), platform.detect_platform(backend).key, suite.name)
     return Plan(suite, params, cases, model.name, world_size, backend, cases[0].engine if cases else engine)
 
 
 def refusal(factory: Any, model: ModelSpec, layout: Layout) -> str | None:
     """Why the engine factory cannot build the model at the layout (RefusesCases); None where it can."""
-
     return factory.refusal(model, layout) if isinstance(factory, RefusesCases) else None
 
 
@@ -148,12 +146,11 @@ def buildable(cases: list[Case], factory: Any, engine: str) -> list[Case]:
 def refuse_what_does_not_fit(cases: list[Case], backend: Backend, local_world_size: int) -> None:
     """DoesNotFit (exit 2, a skip in pytest) for the first case the training-memory model predicts will not fit
     the memory a rank has, before any rank starts; local_world_size: the ranks sharing this node."""
-    from harness.checks.training_memory import refusal
 
     if not cases:
         return
     available = platform_backend.memory_per_rank(backend, local_world_size)
     for case in cases:
-        why = "" if case.skip_reason else refusal(case, available)
+        why = "" if case.skip_reason else training_memory.refusal(case, available)
         if why:
             raise DoesNotFit(why)

@@ -178,6 +178,111 @@ def test_a_suite_importing_another_is_found():
              "harness.suite_defs.equivalence": {"harness.suite_defs.agreement"}}
     assert suites_importing_suites(graph) == ["harness.suite_defs.golden.suite -> harness.suite_defs.equivalence"]
 
+# Third-party packages imported in a function, never at a module's top: the parent process stays free of them.
+HEAVY = ("torch", "megatron", "mbridge", "transformer_engine", "transformers", "peft", "memray", "matplotlib", "scipy",
+         "ruptures", "numpy")
+# What `harness --help` and `harness report` never load (tests/test_cli.py, tests/test_toy_suite.py): the driver,
+# the ranks, recording, bisect, power, and every module of a suite but its parameters.
+MACHINERY = ("harness.driver", "harness.launch", "harness.recording", "harness.bisect", "harness.power")
+
+
+def module_imports(root: Path, package: str) -> tuple[dict[str, set[str]], set[str], list[tuple[str, str, int]]]:
+    """(module -> the package's modules it imports at its top; the modules that import a HEAVY package at their
+    top; (module, target, line) of each import of the package's modules inside a function). TYPE_CHECKING imports
+    count nowhere: they run for the type checker only."""
+    files = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    top: dict[str, set[str]] = {m: set() for m in files}
+    heavy: set[str] = set()
+    deferred: list[tuple[str, str, int]] = []
+
+    def targets(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in files]
+            return subs + ([node.module] if len(subs) < len(node.names) else [])
+        return []
+
+    def walk(module: str, node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                names = targets(child)
+                ours = [t for t in names if t in files]
+                if in_function:
+                    deferred.extend((module, t, child.lineno) for t in ours)
+                else:
+                    top[module].update(ours)
+                    if any(t.split(".")[0] in HEAVY for t in names):
+                        heavy.add(module)
+            walk(module, child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    for module, path in files.items():
+        walk(module, ast.parse(path.read_text(), str(path)), False)
+    for module in files:  # importing a package runs its __init__ first
+        parts = module.split(".")
+        top[module].update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in files)
+    return top, heavy, deferred
+
+
+def closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for t in graph.get(todo.pop(), ()):
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return seen
+
+
+def unjustified_deferrals(root: Path, package: str, entry: str, params: set[str]) -> list[str]:
+    """Imports of the package's modules inside a function that could be at the module's top: the target's top
+    imports no HEAVY package (itself or through the modules it imports at their tops), and either the importing
+    module is not loaded by `entry` (the CLI) and `params` (the suites' parameter modules, which it loads) or the
+    target loads no machinery (MACHINERY, a suite's code)."""
+    top, heavy, deferred = module_imports(root, package)
+    # the parser imports every suite's parameters by name (harness/suite_flags.py) to declare their flags
+    loaded_by_entry = closure(top, entry).union(*(closure(top, p) for p in params if p in top))
+
+    def machinery(m: str) -> bool:
+        suite_code = m.startswith("harness.suite_defs.") and m.count(".") >= 3 and m not in params
+        return suite_code or any(m == p or m.startswith(p + ".") for p in MACHINERY)
+
+    out = []
+    for module, target, line in deferred:
+        reach = closure(top, target)
+        if reach & heavy or (module in loaded_by_entry and any(machinery(m) for m in reach)):
+            continue
+        out.append(f"{module}:{line} imports {target} in a function")
+    return sorted(set(out))
+
+
+def test_harness_imports_its_own_modules_at_the_top_unless_that_would_load_torch_or_the_suites():
+    """A harness module imports the harness's modules at its top, so its header says what it depends on; the two
+    reasons to import one in a function: it imports torch (or another HEAVY package) at its top, or the parser
+    would load the driver, the ranks or a suite's code (`harness --help`, `harness report` stay light)."""
+    from harness.suite_registry import SUITES
+
+    params = {name for spec in SUITES.values() for t in spec.params
+              for module in [t.partition(":")[0]] for name in (module.rpartition(".")[0], module)}
+    found = unjustified_deferrals(ROOT, "harness", "harness.cli", params)
+    assert not found, "move these imports to the top of their module:\n" + "\n".join(found)
+
+
+def test_an_import_in_a_function_without_a_reason_is_found(tmp_path):
+    pkg = tmp_path / "harness"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cli.py").write_text("def main():\n    from harness import driver\n    from harness import light\n")
+    (pkg / "driver.py").write_text("")
+    (pkg / "light.py").write_text("")
+    (pkg / "ranks.py").write_text("import torch\n")
+    (pkg / "engine.py").write_text("def build():\n    from harness import ranks, light\n")
+    assert unjustified_deferrals(tmp_path, "harness", "harness.cli", set()) == [
+        "harness.cli:3 imports harness.light in a function", "harness.engine:2 imports harness.light in a function"]
+
+
 # where the megatron-core / bridge releases differ: every version probe of theirs lives there (harness/upstream.py)
 UPSTREAM = "harness/upstream.py"
 

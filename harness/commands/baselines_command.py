@@ -6,10 +6,11 @@ import sys
 import time
 from pathlib import Path
 
-from harness import baselines
+from harness import baselines, platform
 from harness.commands.case_args import add_case_args
 from harness.commands.common import existing_baselines_dir
 from harness.errors import BadInput, DoesNotFit, MissingDependency
+from harness.platform import resolve_backend
 from harness.report.terminal import format_run
 from harness.selection import CaseSelection
 from harness.suite_defs import Baselined, get_suite
@@ -65,11 +66,10 @@ def main(args) -> int:
 
 def diff(args) -> int:
     """The suite's baseline file against a git revision of it (--against) or another file (--old)."""
-    from harness.platform import detect_platform, resolve_backend
 
     suite = get_suite(args.suite)
-    platform = args.platform or detect_platform(resolve_backend(args.backend, args.world_size)).key
-    path = baselines.suite_path(args.baselines_dir, platform, suite.name)
+    key = args.platform or platform.detect_platform(resolve_backend(args.backend, args.world_size)).key
+    path = baselines.suite_path(args.baselines_dir, key, suite.name)
     if not path.exists():
         raise BadInput(f"no baseline file {path}; record one with `harness baselines record --suite {suite.name}`")
     new = baselines.load(path)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from harness.errors import BadInput
+from harness.report.directory import prepare_out_dir
 
 
 def say(msg: str) -> None:
@@ -17,7 +18,6 @@ def out_dir(path: str | None, flag: str = "--out") -> Path | None:
     """The output directory, created and shown writable before anything runs (BadInput otherwise)."""
     if not path:
         return None
-    from harness.report.directory import prepare_out_dir
 
     return prepare_out_dir(Path(path), flag)
 

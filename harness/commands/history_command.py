@@ -7,8 +7,10 @@ from pathlib import Path
 
 from harness.errors import BadInput
 from harness.history import show as history_show
+from harness.history import site as history_site
 from harness.history import store
 from harness.history.store import DEFAULT_DB
+from harness.report.directory import prepare_out_dir
 
 
 def add_parser(sub) -> None:
@@ -39,9 +41,6 @@ def _db(args) -> Path:
 
 
 def site(args) -> int:
-    from harness.history import site as history_site
-    from harness.report.directory import prepare_out_dir
-
     db = _db(args)
     con = store.open_db(db, create=False)  # a bad database is refused before the site's directory is made
     try:
@@ -70,7 +69,6 @@ def ingest(args) -> int:
 def show(args) -> int:
     from datetime import date
 
-    from harness.report.directory import prepare_out_dir
 
     if args.since:
         try:

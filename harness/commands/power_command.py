@@ -8,6 +8,7 @@ from harness.commands.common import say
 from harness.errors import BadInput
 from harness.layouts import validate
 from harness.models import load_model
+from harness.platform import resolve_backend
 from harness.selection import SHARED_FLAGS
 from harness.spec import Layout
 from harness.tables import table
@@ -35,7 +36,6 @@ def main(args) -> int:
                        f"{args.trials}, {args.rounds}, {args.timed_steps}, {args.world_size}")
     layout = Layout.parse(args.layout) if args.layout else Layout(dp=args.world_size)
     validate(layout, load_model(args.model), args.world_size)
-    from harness.platform import resolve_backend
     from harness.power import run_power
 
     backend = resolve_backend(args.backend, args.world_size)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.errors import BadInput
+from harness.history import nights, store
+from harness.report import directory
+from harness.report.directory import prepare_out_dir
 from harness.report.runs import load_runs
 
 
@@ -19,9 +22,6 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from harness.history import nights, store
-    from harness.report.directory import prepare_out_dir, write_report
-
     load_runs(Path(args.dir))  # a directory with readable results, before anything is written
     db = Path(args.history_db) if args.history_db else Path(args.dir) / "history.sqlite"
     if args.history_db and not db.exists():
@@ -31,7 +31,7 @@ def main(args) -> int:
     con = store.open_db(db, create=False) if db.exists() else None
     try:
         prepare_out_dir(Path(args.dir), "DIR")
-        written = write_report(Path(args.dir), (lambda runs: nights.compare(con, runs)) if con else None)
+        written = directory.write_report(Path(args.dir), (lambda runs: nights.compare(con, runs)) if con else None)
     finally:
         if con is not None:
             con.close()

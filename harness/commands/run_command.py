@@ -5,6 +5,7 @@ from __future__ import annotations
 from harness.commands.case_args import add_case_args
 from harness.commands.common import existing_baselines_dir, out_dir
 from harness.errors import BadInput
+from harness.report.directory import refuse_earlier_run
 from harness.report.terminal import format_run
 from harness.selection import CaseSelection
 from harness.suite_defs import Baselined
@@ -37,8 +38,6 @@ def main(args) -> int:
         existing_baselines_dir(args.baselines_dir, planned.suite.name)
     out = out_dir(args.out)
     if out:
-        from harness.report.directory import refuse_earlier_run
-
         refuse_earlier_run(out, args.force)
     run = execute(planned, fresh_ranks=args.fresh_ranks, shuffle_seed=args.shuffle, out_dir=out, label=args.label)
     print(format_run(run))

@@ -14,11 +14,18 @@ import traceback  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from harness import adjustments  # noqa: E402
 from harness.backends import Backend  # noqa: E402
+from harness.errors import MissingDependency  # noqa: E402
+from harness.launch import isolation  # noqa: E402
 from harness.launch.context import RankContext  # noqa: E402
+from harness.launch.rank_imports import MEGATRON, import_modules  # noqa: E402
 from harness.launch.results import RankMemory, RankResult, read, write_atomic  # noqa: E402
+from harness.platform import parallel, without_te  # noqa: E402
+from harness.platform.backend import CPU_RANK_THREADS  # noqa: E402
 from harness.probes import proc  # noqa: E402
 from harness.spec import Case  # noqa: E402
+from harness.suite_registry import load_suite  # noqa: E402
 
 
 def init_distributed(ctx: RankContext, timeout_s: float) -> None:
@@ -27,13 +34,10 @@ def init_distributed(ctx: RankContext, timeout_s: float) -> None:
     import torch.distributed as dist
 
     if ctx.backend == Backend.NCCL:
-        from harness.platform.without_te import define_router_gemm
-
         torch.cuda.set_device(ctx.local_rank)
-        define_router_gemm()
+        without_te.define_router_gemm()
     else:
         from harness.platform import cpu_layer
-        from harness.platform.backend import CPU_RANK_THREADS
 
         cpu_layer.activate()
         torch.set_num_threads(CPU_RANK_THREADS)  # why one: harness/platform/backend.py
@@ -65,10 +69,9 @@ def shutdown_distributed(ctx: RankContext) -> None:
     import torch.distributed as dist
 
     from harness.platform import cpu_layer
-    from harness.platform.parallel import teardown_parallel_state
 
     if "megatron.core.parallel_state" in sys.modules:
-        teardown_parallel_state()
+        parallel.teardown_parallel_state()
     if dist.is_initialized():
         dist.destroy_process_group()
     cpu_layer.deactivate()
@@ -86,8 +89,6 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
     ends_process (a rank of one case, exec'd or forked per case): the process ends after the case whatever its
     outcome, so nothing is torn down (0.4-0.5 s of groups destroyed and memory collected a case on 2 cores).
     """
-    from harness import adjustments
-    from harness.platform.parallel import teardown_parallel_state
 
     adjustments.take()  # nothing a previous case noted belongs to this one
     result = ctx.result
@@ -96,8 +97,6 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
         with ctx.phase("imports"):
             import torch  # noqa: F401
 
-            from harness.launch.rank_imports import import_modules
-            from harness.suite_registry import load_suite
 
             suite = load_suite(case.suite_ref or case.suite)
             import_modules(suite.imports, on_cpu=case.backend != Backend.NCCL)
@@ -110,7 +109,6 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
         result.memory = RankMemory(rss_before, _status_mib("VmHWM"), proc.thread_count())
     except BaseException as exc:  # noqa: BLE001 - a rank reports everything, including SystemExit
-        from harness.errors import MissingDependency
 
         result.ok = False
         result.error = traceback.format_exc()
@@ -124,7 +122,7 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
             if own_process_group:
                 shutdown_distributed(ctx)
             elif "megatron.core.parallel_state" in sys.modules:
-                teardown_parallel_state()
+                parallel.teardown_parallel_state()
     except BaseException:  # noqa: BLE001
         if result.ok:
             result.ok = False
@@ -155,9 +153,6 @@ def pool_main(pool_dir: Path) -> None:
     After each case it checks that nothing leaked (harness.launch.isolation); a failed or leaking
     case is the last one this rank runs (the pool then starts fresh ranks).
     """
-    from harness.launch import isolation
-    from harness.launch.rank_imports import MEGATRON, import_modules
-    from harness.platform.parallel import release_memory
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = Backend(os.environ["HARNESS_BACKEND"])
@@ -191,7 +186,7 @@ def pool_main(pool_dir: Path) -> None:
         # What the case left collected and its heap given back before the next: after a grad-sync case with the
         # distributed optimizer its DDP (a reference cycle through the gradient hooks) and with it 16 destroyed
         # gloo groups (48 threads) outlived the teardown's collection and ran through the whole next case.
-        release_memory()
+        parallel.release_memory()
         after = isolation.snapshot()
         if first_case and backend == Backend.NCCL:
             # CUDA and NCCL start threads of their own at first use, for the process's life (not verified on a

@@ -10,6 +10,7 @@ from importlib import metadata
 from pathlib import Path
 
 from harness.engine_names import EngineName
+from harness.engines import BUILTIN
 from harness.stack import components
 
 
@@ -37,7 +38,6 @@ def _versions() -> dict[str, str]:  # `git status`); what a run records is the c
 def engine_distribution(engine: str) -> dict[str, str | None]:
     """The installed distribution that provides an engine, and its version: for `pkg.mod:factory` the
     distribution of `pkg` (None when it is not installed as one, e.g. a module on PYTHONPATH)."""
-    from harness.engines import BUILTIN  # here: a report renders from results.json without the engines' modules
 
     if engine in BUILTIN:  # a built-in engine: what is judged is the package it builds with
         dists: dict[str, str] = {EngineName.MBRIDGE: "mbridge", EngineName.MEGATRON_BRIDGE: "megatron-bridge",
