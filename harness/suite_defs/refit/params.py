@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 
 from harness.engines.logprob_head import TEMPERATURE_HELP, check_temperature
 from harness.errors import BadInput
@@ -36,6 +37,18 @@ def size_text(n: int) -> str:
     return f"{n} B"
 
 
+class RefitVariant(StrEnum):
+    """The model a case exports: AS_IS (the empty string: no mark in its id), with untied embeddings, with 4 layers
+    (two virtual stages per PP stage), with aux-loss-free balancing (EXPERT_BIAS), or with one token fewer padded as
+    megatron pads a vocabulary (PADDED_VOCAB: to a multiple of 128 x TP; the export must cut the padding)."""
+
+    AS_IS = ""
+    UNTIED = "untied"
+    FOUR_LAYERS = "4-layers"
+    EXPERT_BIAS = "expert-bias"
+    PADDED_VOCAB = "padded-vocab"
+
+
 @dataclass(frozen=True)
 class RefitParams:
     """The suite's parameters: the bucket sizes every layout exports with, and how many refits are repeated."""
@@ -45,7 +58,7 @@ class RefitParams:
     refits: int = dataclasses.field(default=REFITS, metadata=flag(
         "--refits", f"refit: exports repeated per bucket size to judge what they leave allocated (default {REFITS})"))
 
-    variant: str = dataclasses.field(default="", metadata=flag(
+    variant: RefitVariant = dataclasses.field(default=RefitVariant.AS_IS, metadata=flag(
         "--refit-variant", "refit: run the model as this variant at every layout given: untied (embeddings), "
                            "4-layers (for virtual stages), expert-bias (aux-loss-free balancing), padded-vocab (one "
                            "token fewer, padded as megatron pads it: to a multiple of 128 x TP; the export must cut "
@@ -59,8 +72,10 @@ class RefitParams:
             raise BadInput("--bucket-size: give at least one size, e.g. --bucket-size 8KiB")
         for size in self.bucket_sizes:
             bucket_bytes(size)
-        if self.variant and self.variant not in ("untied", "4-layers", "expert-bias", "padded-vocab"):
-            raise BadInput(f"refit variant {self.variant!r}: expected untied, 4-layers, expert-bias or padded-vocab")
+        if self.variant not in tuple(RefitVariant):
+            raise BadInput(f"refit variant {str(self.variant)!r}: expected untied, 4-layers, expert-bias or "
+                           "padded-vocab")
+        object.__setattr__(self, "variant", RefitVariant(self.variant))
         check_temperature(self.temperature)
         if self.refits < 2:
             raise BadInput(f"--refits {self.refits}: at least 2 (what repeated exports keep is judged per refit)")

@@ -28,40 +28,41 @@ from harness.probes.weight_stream import digest, receive
 from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.refit import figures
 from harness.suite_defs.refit.judge import judge, table_figures
-from harness.suite_defs.refit.params import STEPS, SUITE, RefitParams, bucket_bytes
+from harness.suite_defs.refit.params import STEPS, SUITE, RefitParams, RefitVariant, bucket_bytes
 from harness.suite_defs.refit.payload import Export, HFSide, RefitRankData
 
 EVAL_STEP = 1_000_003  # the held-out batch: a step index no training step uses
 
 
-VARIANTS: dict[str, dict[str, Any]] = {"untied": dict(tie_embeddings=False), "4-layers": dict(num_layers=4),
-                                      "expert-bias": dict(moe_expert_bias=True)}
+VARIANTS: dict[RefitVariant, dict[str, Any]] = {RefitVariant.UNTIED: dict(tie_embeddings=False),
+                                               RefitVariant.FOUR_LAYERS: dict(num_layers=4),
+                                               RefitVariant.EXPERT_BIAS: dict(moe_expert_bias=True)}
 
 
-def variant(model: ModelSpec, what: str) -> ModelSpec:
-    """The model with untied embeddings ("untied"), with 4 layers for two virtual stages per PP stage ("4-layers"),
-    with aux-loss-free balancing ("expert-bias"), or with one token fewer padded as megatron pads a vocabulary
-    ("padded-vocab": to a multiple of 128 x TP), under its own name (the case's parameters name the variant:
-    `--refit-variant`)."""
-    if what == "padded-vocab":
+def variant(model: ModelSpec, what: RefitVariant) -> ModelSpec:
+    """The model as the variant (`RefitVariant`) builds it, under its own name (the case's parameters name the
+    variant: `--refit-variant`)."""
+    if what == RefitVariant.PADDED_VOCAB:
         return dataclasses.replace(model, vocab_size=model.vocab_size - 1, make_vocab_size_divisible_by=128)
     return dataclasses.replace(model, **VARIANTS[what])
 
 
-def matrix(model: ModelSpec, world_size: int) -> list[tuple[str, Layout]]:
+def matrix(model: ModelSpec, world_size: int) -> list[tuple[RefitVariant, Layout]]:
     """The default (model variant, layout) pairs: pure DP; TP 2; PP 2 with the model's embeddings and the other way;
     PP 2 with two virtual stages each; CP 2. An MoE model's: pure DP, EP 2, EP 2 with ETP 2, EP 2 with PP 2, and EP 2
     with aux-loss-free balancing. What the world size or the model cannot lay out is left out."""
     w, half = world_size, world_size // 2
     if half == 0 or w % 2:
-        return [("", Layout(dp=w))]
-    pairs: list[tuple[str, Layout]] = [("", Layout(dp=w)), ("", Layout(tp=2, dp=half)), ("", Layout(pp=2, dp=half))]
+        return [(RefitVariant.AS_IS, Layout(dp=w))]
+    as_is = RefitVariant.AS_IS
+    pairs = [(as_is, Layout(dp=w)), (as_is, Layout(tp=2, dp=half)), (as_is, Layout(pp=2, dp=half))]
     if model.tie_embeddings:
-        pairs.append(("untied", Layout(pp=2, dp=half)))
-    pairs += [("4-layers" if model.num_layers < 4 else "", Layout(pp=2, dp=half, vpp=2)), ("", Layout(cp=2, dp=half))]
+        pairs.append((RefitVariant.UNTIED, Layout(pp=2, dp=half)))
+    pairs += [(RefitVariant.FOUR_LAYERS if model.num_layers < 4 else as_is, Layout(pp=2, dp=half, vpp=2)),
+              (as_is, Layout(cp=2, dp=half))]
     if model.moe:  # the dense layouts are the dense model's matrix; here the expert grid's
-        pairs = pairs[:1] + [("", Layout(dp=w, ep=2)), ("", Layout(dp=w, ep=2, etp=2)),
-                             ("", Layout(pp=2, dp=half, ep=2)), ("expert-bias", Layout(dp=w, ep=2))]
+        pairs = pairs[:1] + [(as_is, Layout(dp=w, ep=2)), (as_is, Layout(dp=w, ep=2, etp=2)),
+                             (as_is, Layout(pp=2, dp=half, ep=2)), (RefitVariant.EXPERT_BIAS, Layout(dp=w, ep=2))]
     return [(v, lay) for v, lay in pairs
             if not violations(lay, variant(model, v) if v else model, world_size)]
 
@@ -87,12 +88,12 @@ class RefitSuite:
         if isinstance(factory, RefusesExports) and (why := factory.export_refusal(model, backend)):
             raise DoesNotApply(f"engine {engine!r}: {why}")
         check_head(engine, factory, params.temperature)
-        if params.variant == "padded-vocab" and not issubclass(factory, PadsVocabulary):
+        if params.variant == RefitVariant.PADDED_VOCAB and not issubclass(factory, PadsVocabulary):
             raise BadInput(f"--refit-variant padded-vocab: engine {engine} does not build the vocabulary padded as "
                            "megatron's training scripts do (a bridge builds it from its Hugging Face config); give "
                            "mcore or fsdp2")
         options = dataclasses.replace(options, steps=STEPS if options.steps == CaseOptions.steps else options.steps)
-        def of(what: str) -> ModelSpec:
+        def of(what: RefitVariant) -> ModelSpec:
             return variant(model, what) if what else model
 
         if layouts is not None:
@@ -107,7 +108,7 @@ class RefitSuite:
             kept = [(v, lay) for v, lay in pairs if not refusal(of(v), lay)]
             if not kept:
                 raise DoesNotApply(f"engine {engine!r}: {refusal(of(pairs[0][0]), pairs[0][1])}")
-            pairs = [(v, lay) for v, lay in pairs if v == "expert-bias" or (v, lay) in kept]
+            pairs = [(v, lay) for v, lay in pairs if v == RefitVariant.EXPERT_BIAS or (v, lay) in kept]
         out = []
         for what, lay in pairs:
             case = Case(self.name, of(what), lay, engine, options, backend,

@@ -23,7 +23,22 @@ MODE = "token-mean"
 # Each iteration's export to the rollout engine, in buckets of this many bytes: tiny's tensors over many buckets,
 # as refit's smallest size sends them.
 REFIT_BUCKET = 8 << 10
-VARIANTS = ("4-layers", "expert-bias", "replayed-bias", "frozen-router")
+
+
+class ModelVariant(StrEnum):
+    """The model a case builds: AS_IS (the empty string: no mark in its id), with 4 layers (two virtual stages per PP
+    stage), with aux-loss-free balancing (EXPERT_BIAS: its router trains, routing not replayed; REPLAYED_BIAS:
+    trained and replayed) or with it and the router frozen (FROZEN_ROUTER, routing replayed)."""
+
+    AS_IS = ""
+    FOUR_LAYERS = "4-layers"
+    EXPERT_BIAS = "expert-bias"
+    REPLAYED_BIAS = "replayed-bias"
+    FROZEN_ROUTER = "frozen-router"
+
+
+VARIANTS = tuple(v.value for v in ModelVariant if v)
+EXPERT_BIAS_VARIANTS = (ModelVariant.EXPERT_BIAS, ModelVariant.REPLAYED_BIAS, ModelVariant.FROZEN_ROUTER)
 
 
 class Weights(StrEnum):
@@ -34,9 +49,27 @@ class Weights(StrEnum):
     BUILT = ""
     LOADED = "loaded"
     AS_LOADED = "as-loaded"
+
+
+class Kind(StrEnum):
+    """A kind of case before its twin: AS_IS (the model as it is, its routing replayed where it is an MoE model),
+    DISTOPT (the same with the distributed optimizer: the matrix's only), built twice in the process, a model variant
+    (ModelVariant), a weights-only load, the export before any offload, LoRA in the loop."""
+
+    AS_IS = ""
+    DISTOPT = "distopt"
+    BUILT_TWICE = "built-twice"
+    FOUR_LAYERS = "4-layers"
+    EXPERT_BIAS = "expert-bias"
+    REPLAYED_BIAS = "replayed-bias"
+    FROZEN_ROUTER = "frozen-router"
+    WEIGHTS_ONLY_LOAD = "weights-only-load"
+    EXPORT_FIRST = "export-first"
+    LORA = "lora"
+
+
 # --rl-variant: a case of the default matrix's kinds at the layouts given
-RL_VARIANTS = ("built-twice", "4-layers", "expert-bias", "replayed-bias", "frozen-router", "weights-only-load",
-               "export-first", "lora")
+RL_VARIANTS = tuple(k.value for k in Kind if k not in (Kind.AS_IS, Kind.DISTOPT))
 # LoRA in the loop (megatron-bridge's LoRA on every linear): rank and alpha as peft-ckpt's, scaling alpha / r = 2
 LORA_DIM, LORA_ALPHA = 8, 16
 # What an export may leave allocated once it ended, at every iteration from the second on, before `refit` calls it a
@@ -58,7 +91,7 @@ class RLCycleParams:
         "--iterations", f"rl-cycle: RL iterations per case (log-probs, training, offload, reload; default "
                         f"{ITERATIONS}, the least)"))
 
-    rl_variant: str = dataclasses.field(default="", metadata=flag(
+    rl_variant: Kind = dataclasses.field(default=Kind.AS_IS, metadata=flag(
         "--rl-variant", "rl-cycle: run this kind of case at every layout given: built-twice (the model built twice "
                         "in the process), 4-layers (for virtual stages), expert-bias (the router training, not "
                         "replayed), replayed-bias (training, replayed), frozen-router (frozen and replayed), "
@@ -69,7 +102,8 @@ class RLCycleParams:
     def __post_init__(self) -> None:
         check_temperature(self.temperature)
         if self.rl_variant and self.rl_variant not in RL_VARIANTS:
-            raise BadInput(f"--rl-variant {self.rl_variant!r}: expected one of {', '.join(RL_VARIANTS)}")
+            raise BadInput(f"--rl-variant {str(self.rl_variant)!r}: expected one of {', '.join(RL_VARIANTS)}")
+        object.__setattr__(self, "rl_variant", Kind(self.rl_variant))
         if self.iterations < ITERATIONS:
             raise BadInput(f"--iterations {self.iterations}: at least {ITERATIONS} (what an offload leaves is judged "
                            "from the second iteration on: growth needs two more)")
@@ -77,16 +111,14 @@ class RLCycleParams:
 
 @dataclass(frozen=True)
 class RLCycleCaseParams:
-    """A case's own. variant: the model as it is (""), with 4 layers (two virtual stages per PP stage), with
-    aux-loss-free balancing ("expert-bias": its router trains, routing not replayed) or with it and the router frozen
-    ("frozen-router", routing replayed). offload: parameters, gradients and optimizer state offloaded and reloaded
-    after each iteration (False: the twin the trajectory is compared with). builds: the model built this many times
-    in the process, the policy last. weights: where the starting weights come from (`Weights`). export_first: the export
-    before any offload (default: a colocated framework's order, the optimizer's state offloaded before the export and
-    the parameters after it)."""
+    """A case's own. variant: the model it builds (`ModelVariant`). offload: parameters, gradients and optimizer state
+    offloaded and reloaded after each iteration (False: the twin the trajectory is compared with). builds: the model
+    built this many times in the process, the policy last. weights: where the starting weights come from (`Weights`).
+    export_first: the export before any offload (default: a colocated framework's order, the optimizer's state
+    offloaded before the export and the parameters after it)."""
 
     iterations: int = ITERATIONS
-    variant: str = ""
+    variant: ModelVariant = ModelVariant.AS_IS
     offload: bool = True
     builds: int = 1
     weights: Weights = Weights.BUILT
@@ -95,7 +127,8 @@ class RLCycleCaseParams:
 
     def __post_init__(self) -> None:
         if self.variant and self.variant not in VARIANTS:
-            raise BadInput(f"rl-cycle variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+            raise BadInput(f"rl-cycle variant {str(self.variant)!r}: expected one of {', '.join(VARIANTS)}")
+        object.__setattr__(self, "variant", ModelVariant(self.variant))
         if self.weights not in tuple(Weights):
             raise BadInput(f"rl-cycle weights {self.weights!r}: expected loaded or as-loaded")
 

@@ -21,53 +21,54 @@ from harness.spec import Case, CaseOptions, Layout, ModelSpec
 from harness.suite_defs.rl_cycle.cycle import export_refusal, residue_bound, run_cycle
 from harness.suite_defs.rl_cycle.judge import judge, residue_data, table_figures
 from harness.suite_defs.rl_cycle.params import (
+    EXPERT_BIAS_VARIANTS,
     GLOBAL_BATCH,
     LORA_ALPHA,
     LORA_DIM,
     LR,
     SUITE,
+    Kind,
+    ModelVariant,
     RLCycleCaseParams,
     RLCycleParams,
     Weights,
 )
 from harness.suite_defs.rl_cycle.payload import RLCycleRankData
 
-VARIANTS: dict[str, dict[str, Any]] = {"4-layers": dict(num_layers=4), "expert-bias": dict(moe_expert_bias=True),
-                                      "replayed-bias": dict(moe_expert_bias=True),
-                                      "frozen-router": dict(moe_expert_bias=True)}
+VARIANTS: dict[ModelVariant, dict[str, Any]] = {
+    ModelVariant.FOUR_LAYERS: dict(num_layers=4), **{v: dict(moe_expert_bias=True) for v in EXPERT_BIAS_VARIANTS}}
 
 
-def variant(model: ModelSpec, what: str) -> ModelSpec:
+def variant(model: ModelSpec, what: ModelVariant) -> ModelSpec:
     return dataclasses.replace(model, **VARIANTS[what]) if what else model
 
 
-def kind(model: ModelSpec, what: str) -> tuple[RLCycleCaseParams, dict[str, Any]]:
-    """A case of one kind before its twin: its parameters and options (--rl-variant; "": the model as it is, its
-    routing replayed where it is an MoE model)."""
+def kind(model: ModelSpec, what: Kind) -> tuple[RLCycleCaseParams, dict[str, Any]]:
+    """A case of one kind before its twin: its parameters and options (--rl-variant; `Kind`)."""
     replay: dict[str, Any] = dict(routing_replay=True) if model.moe else {}
     p = RLCycleCaseParams
-    if what == "built-twice":
+    if what == Kind.BUILT_TWICE:
         return p(builds=2), dict(replay, use_distributed_optimizer=True)
-    if what == "4-layers":
-        return p(variant="4-layers" if model.num_layers < 4 else ""), replay
+    if what == Kind.FOUR_LAYERS:
+        return p(variant=ModelVariant.FOUR_LAYERS if model.num_layers < 4 else ModelVariant.AS_IS), replay
     # the expert bias is judged without offload (no twin): the bias is a buffer, what an offload moves is judged
     # by the other kinds
-    if what == "expert-bias":
-        return p(variant="expert-bias", offload=False), {}
-    if what == "replayed-bias":
-        return p(variant="replayed-bias", offload=False), dict(routing_replay=True)
-    if what == "frozen-router":
-        return p(variant="frozen-router", offload=False), dict(routing_replay=True, freeze_router=True)
-    if what == "lora":  # in bf16, as frameworks refit: the merge cast once to the base weights' grid
+    if what == Kind.EXPERT_BIAS:
+        return p(variant=ModelVariant.EXPERT_BIAS, offload=False), {}
+    if what == Kind.REPLAYED_BIAS:
+        return p(variant=ModelVariant.REPLAYED_BIAS, offload=False), dict(routing_replay=True)
+    if what == Kind.FROZEN_ROUTER:
+        return p(variant=ModelVariant.FROZEN_ROUTER, offload=False), dict(routing_replay=True, freeze_router=True)
+    if what == Kind.LORA:  # in bf16, as frameworks refit: the merge cast once to the base weights' grid
         return p(), dict(replay, lora_dim=LORA_DIM, lora_alpha=LORA_ALPHA, dtype="bf16")
-    if what == "export-first":
+    if what == Kind.EXPORT_FIRST:
         return p(export_first=True), replay
-    if what == "weights-only-load":
+    if what == Kind.WEIGHTS_ONLY_LOAD:
         return p(weights=Weights.LOADED), dict(replay, use_distributed_optimizer=True, dtype="bf16")
     return p(), replay
 
 
-def matrix(model: ModelSpec, world_size: int, lora: bool = False) -> list[tuple[Layout, str]]:
+def matrix(model: ModelSpec, world_size: int, lora: bool = False) -> list[tuple[Layout, Kind]]:
     """The default cases before their twins: (layout, kind). A dense model at pure DP with and without the
     distributed optimizer, TP 2, PP 2, PP 2 with two virtual stages each, and a weights-only load (bf16 with the
     distributed optimizer: master copies to refresh), and with an engine that has LoRA adapters LoRA in the loop at
@@ -76,20 +77,20 @@ def matrix(model: ModelSpec, world_size: int, lora: bool = False) -> list[tuple[
     unreplayed, and frozen and replayed. What the world size or the model cannot lay out is left out."""
     w, half = world_size, world_size // 2
     if not model.moe:
-        out = [(Layout(dp=w), ""), (Layout(dp=w), "distopt")]
+        out = [(Layout(dp=w), Kind.AS_IS), (Layout(dp=w), Kind.DISTOPT)]
         if w % 2 == 0:
-            out += [(Layout(tp=2, dp=half), ""), (Layout(pp=2, dp=half), ""),
-                    (Layout(pp=2, dp=half, vpp=2), "4-layers")]
-        out.append((Layout(dp=w), "weights-only-load"))
+            out += [(Layout(tp=2, dp=half), Kind.AS_IS), (Layout(pp=2, dp=half), Kind.AS_IS),
+                    (Layout(pp=2, dp=half, vpp=2), Kind.FOUR_LAYERS)]
+        out.append((Layout(dp=w), Kind.WEIGHTS_ONLY_LOAD))
         if lora:  # an engine with LoRA adapters (megatron-bridge): LoRA in the loop at pure DP and TP 2
-            out += [(Layout(dp=w), "lora")] + ([(Layout(tp=2, dp=half), "lora")] if w % 2 == 0 else [])
+            out += [(Layout(dp=w), Kind.LORA)] + ([(Layout(tp=2, dp=half), Kind.LORA)] if w % 2 == 0 else [])
     else:
         ep = 2 if w % 2 == 0 and model.num_experts % 2 == 0 else 1
-        out = [(Layout(dp=w, ep=ep), ""), (Layout(dp=w, ep=ep), "built-twice")]
+        out = [(Layout(dp=w, ep=ep), Kind.AS_IS), (Layout(dp=w, ep=ep), Kind.BUILT_TWICE)]
         if w % 2 == 0:
-            out += [(Layout(pp=2, dp=half, ep=ep), ""), (Layout(pp=2, dp=half, ep=ep, vpp=2), "4-layers")]
-        out += [(Layout(dp=w, ep=ep), "expert-bias"), (Layout(dp=w, ep=ep), "replayed-bias"),
-                (Layout(dp=w, ep=ep), "frozen-router")]
+            out += [(Layout(pp=2, dp=half, ep=ep), Kind.AS_IS), (Layout(pp=2, dp=half, ep=ep, vpp=2), Kind.FOUR_LAYERS)]
+        out += [(Layout(dp=w, ep=ep), Kind.EXPERT_BIAS), (Layout(dp=w, ep=ep), Kind.REPLAYED_BIAS),
+                (Layout(dp=w, ep=ep), Kind.FROZEN_ROUTER)]
     return [(lay, what) for lay, what in out
             if not violations(lay, variant(model, kind(model, what)[0].variant), world_size,
                               global_batch_size=GLOBAL_BATCH)]
@@ -124,13 +125,13 @@ class RLCycleSuite:
             raise BadInput(f"rl-cycle replays each router's recorded routing once per micro-batch forward: "
                            f"--recompute {options.recompute} runs the routers again in backward; drop it")
         adapters = isinstance(factory, type) and issubclass(factory, PeftExporting)
-        if p.rl_variant == "lora" and not adapters:
+        if p.rl_variant == Kind.LORA and not adapters:
             raise BadInput(f"--rl-variant lora trains LoRA adapters and refits them: --engine {engine} has none "
                            "(harness.engines.base.PeftExporting); give --engine megatron-bridge")
-        if p.rl_variant == "lora" and model.moe:
+        if p.rl_variant == Kind.LORA and model.moe:
             raise BadInput(f"--rl-variant lora is judged on a dense model here: the merged refit of LoRA on experts "
                            f"is not mapped yet; give --model tiny, not {model.name}")
-        if p.rl_variant in ("expert-bias", "replayed-bias", "frozen-router") and not model.moe:
+        if p.rl_variant in EXPERT_BIAS_VARIANTS and not model.moe:
             raise BadInput(f"--rl-variant {p.rl_variant} needs an MoE model (its routers' expert bias): give --model "
                            "tiny-moe")
         if layouts is not None:
@@ -143,8 +144,8 @@ class RLCycleSuite:
             todo = matrix(model, world_size, lora=adapters)
         out = []
         for lay, what in todo:
-            cp, extra = kind(model, "" if what == "distopt" else what)
-            if what == "distopt":
+            cp, extra = kind(model, Kind.AS_IS if what == Kind.DISTOPT else what)
+            if what == Kind.DISTOPT:
                 extra = dict(extra, use_distributed_optimizer=True)
             cp = dataclasses.replace(cp, iterations=p.iterations, temperature=p.temperature)
             opts = dataclasses.replace(base, **extra)
