@@ -12,16 +12,16 @@ ran no other suite. What is checked:
 
 Under pytest-xdist (`nox -s tests` runs two workers) each worker has its own pools. No verdict a test asserts
 depends on how busy the machine is: a test that shows a timing verdict on real ranks plants an effect far beyond
-any load (tests/faulty_engines.py, BEYOND), or judges exact counters, or statistics on recorded or synthetic
+any load (tests/plants/faulty_engines.py, BEYOND), or judges exact counters, or statistics on recorded or synthetic
 samples; time limits (a case's, a subprocess's) are several times what a loaded 2-core machine took
-(tests/fake_suites.py, CASE_TIMEOUT_S); memray captures are private to a run (harness/probes/memory.py).
+(tests/plants/fake_suites.py, CASE_TIMEOUT_S); memray captures are private to a run (harness/probes/memory.py).
 """
 
 import os
 
 import pytest
 
-pytest_plugins = ["tests.phase_table"]  # --phase-table FILE: where the time goes, per module
+pytest_plugins = ["tests.support.phase_table"]  # --phase-table FILE: where the time goes, per module
 
 # Rank processes started by the tests inherit this; keep the machine responsive on 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,5 +1,5 @@
 """batch-split: correct megatron code passes every mode, cut and layout; each planted aggregation bug
-(tests/faulty_batch_split.py) fails it with a message naming the mode, the cut and the figure."""
+(tests/plants/faulty_batch_split.py) fails it with a message naming the mode, the cut and the figure."""
 
 from __future__ import annotations
 
@@ -99,11 +99,11 @@ def test_the_readings_of_a_loss_are_the_definitions_frameworks_give_the_modes():
 
 @pytest.mark.slow
 def test_a_frameworks_own_function_over_whole_sequences_passes_at_cp2_in_the_sequence_form():
-    """A framework's function (tests/framework_losses.py: the loss matrix, mask, mode and global normalisers; it
+    """A framework's function (tests/fakes/framework_losses.py: the loss matrix, mask, mode and global normalisers; it
     refuses modes it does not know, as releases refused "token-sum") plugged in through a thin adapter that declares
     the sequence form: whole sequences gathered over CP, the same losses, gradients and parameters as one micro-batch
     on one rank; the forward-only pass never calls it (it has no loss)."""
-    run = run_suite("batch-split", "tiny", 2, [CP], engine="tests.framework_losses:WholeSequenceLoss",
+    run = run_suite("batch-split", "tiny", 2, [CP], engine="tests.fakes.framework_losses:WholeSequenceLoss",
                     backend="gloo", suite_params={"modes": ("token-mean", "seq-mean-token-mean"), "cuts": ("mbs2",)})
     assert run.passed, [c.message for c in run.checks if c.failed] + [r.error for r in run.results if r.error]
     assert {c.check for c in run.checks} >= {f"batch-split.{k}" for k in ("loss", "grad_norm", "params", "aggregation")}
@@ -113,7 +113,7 @@ def test_a_frameworks_own_function_over_whole_sequences_passes_at_cp2_in_the_seq
 def test_whole_sequence_function_handed_cp_chunks_fails_naming_the_definition_it_computed():
     """The same function declared in the chunk form: at CP 2 each sample's token mean is taken over each CP rank's
     part (verl 0.9.1's CP 2 failure), and `aggregation` says so."""
-    run = run_suite("batch-split", "tiny", 2, [CP], engine="tests.framework_losses:WholeSequenceLossOnChunks",
+    run = run_suite("batch-split", "tiny", 2, [CP], engine="tests.fakes.framework_losses:WholeSequenceLossOnChunks",
                     backend="gloo", suite_params={"modes": ("seq-mean-token-mean",), "cuts": ("mbs2",)})
     msg = _failed(run)[(CP, "batch-split.aggregation")]
     assert re.fullmatch(r"seq-mean-token-mean, cut mbs2 at tp1-pp1-cp2-dp1 \(micro-batches of 2 samples\): step-0 "
@@ -126,7 +126,7 @@ def test_whole_sequence_function_handed_cp_chunks_fails_naming_the_definition_it
 def test_seq_mean_over_every_sample_fails_naming_that_definition():
     """verl >= 0.7's seq-mean-token-mean divides by the global batch size, fully masked samples counted; the
     harness's (and verl 0.6.1's) by the samples with a valid token: `aggregation` names which one the loss is."""
-    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.framework_losses:LossOverEverySample",
+    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.fakes.framework_losses:LossOverEverySample",
                     backend="gloo", suite_params={"modes": ("seq-mean-token-mean",), "cuts": ("mbs2",)})
     msg = _failed(run)[(DP, "batch-split.aggregation")]
     assert msg.endswith("): it is the seq-mean-token-mean over every sample, fully masked ones counted ("
@@ -143,7 +143,7 @@ def test_at_a_temperature_tp2_trains_as_one_rank_and_a_normaliser_reduced_outsid
     run = run_suite("batch-split", "tiny", 2, [TP], backend="gloo",
                     suite_params={"temperature": 0.7, "modes": ("token-mean",), "cuts": ("mbs2",)})
     assert run.passed, [c.message for c in run.checks if c.failed]
-    planted = run_suite("batch-split", "tiny", 2, [TP, DP], engine="tests.faulty_logprobs:VocabReduceOutsideAutograd",
+    planted = run_suite("batch-split", "tiny", 2, [TP, DP], engine="tests.plants.faulty_logprobs:VocabReduceOutsideAutograd",
                         backend="gloo", suite_params={"temperature": 0.7, "modes": ("token-mean",), "cuts": ("mbs2",)})
     failed = _failed(planted)
     assert not [k for k in failed if k[0] == DP], failed
@@ -166,7 +166,7 @@ def test_ppo_clip_at_tp2_has_ratio_exactly_1_and_old_log_probs_without_the_tempe
     ppo = {c.case_id: c.message for c in run.checks if c.check == "batch-split.ppo"}
     assert len(ppo) == 2 and all("the ratio is exactly 1" in m and "KL 0" in m for m in ppo.values()), ppo
     assert any("PPO-clip at TP 2:" in m for m in ppo.values()), ppo
-    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.faulty_logprobs:OldLogprobsAtTemperatureOne",
+    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.plants.faulty_logprobs:OldLogprobsAtTemperatureOne",
                         backend="gloo", suite_params=params)
     msg = _failed(planted)[(TP, "batch-split.ppo")]
     assert re.fullmatch(r"token-mean, cut mbs2 at tp2-pp1-cp1-dp1, temperature 0\.7, ppo-clip \(micro-batches of 2 "
@@ -185,7 +185,7 @@ def test_a_vocabulary_tp_does_not_divide_is_padded_and_masked_and_its_padding_le
     run = run_suite("batch-split", "tiny", 2, [TP], backend="gloo", suite_params=params)
     assert run.passed, _failed(run)
     assert {r.case.model.padded_vocab_size(r.case.layout.tp) for r in run.results} == {128, 256}
-    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.faulty_logprobs:PaddedVocabularyInTheSoftmax",
+    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.plants.faulty_logprobs:PaddedVocabularyInTheSoftmax",
                         backend="gloo", suite_params=params)
     failed = _failed(planted)
     assert {check for lay, check in failed if lay == TP} >= {"batch-split.logprobs", "batch-split.params"}, failed
@@ -204,7 +204,7 @@ def test_an_entropy_bonus_at_tp2_trains_as_one_rank_and_its_normaliser_outside_a
     run = run_suite("batch-split", "tiny", 2, [TP], backend="gloo", suite_params=params)
     assert run.passed, [c.message for c in run.checks if c.failed]
     assert all("entropy bonus 0.01" in c.message for c in run.checks if c.check == "batch-split.aggregation")
-    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.faulty_logprobs:EntropyReduceOutsideAutograd",
+    planted = run_suite("batch-split", "tiny", 2, [TP], engine="tests.plants.faulty_logprobs:EntropyReduceOutsideAutograd",
                         backend="gloo", suite_params=params)
     failed = _failed(planted)
     msg = failed[(TP, "batch-split.grad_norm")]
@@ -217,7 +217,7 @@ def test_an_entropy_bonus_at_tp2_trains_as_one_rank_and_its_normaliser_outside_a
 
 @pytest.mark.slow
 def test_per_micro_batch_token_mean_is_caught():
-    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.faulty_batch_split:PerMicroBatchTokenMean",
+    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.plants.faulty_batch_split:PerMicroBatchTokenMean",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("tokens96",)})
     failed = _failed(run)
     assert failed[(DP, "batch-split.loss")].startswith(
@@ -231,7 +231,7 @@ def test_per_micro_batch_token_mean_is_caught():
 
 @pytest.mark.slow
 def test_a_loss_divided_by_the_micro_batches_twice_shows_in_the_gradient_norm():
-    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.faulty_batch_split:LossDividedByMicroBatchesTwice",
+    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.plants.faulty_batch_split:LossDividedByMicroBatchesTwice",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs1",)})
     failed = _failed(run)
     msg = failed[(DP, "batch-split.grad_norm")]
@@ -242,7 +242,7 @@ def test_a_loss_divided_by_the_micro_batches_twice_shows_in_the_gradient_norm():
 
 @pytest.mark.slow
 def test_a_cp_token_count_not_summed_over_cp_is_caught_at_cp2_only():
-    run = run_suite("batch-split", "tiny", 2, [CP, DP], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
+    run = run_suite("batch-split", "tiny", 2, [CP, DP], engine="tests.plants.faulty_batch_split:CPTokensNotSummedOverCP",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
     failed = _failed(run)
     assert failed[(CP, "batch-split.loss")].startswith(f"token-mean, cut mbs2 at {CP} (micro-batches of 2 samples): "
@@ -250,7 +250,7 @@ def test_a_cp_token_count_not_summed_over_cp_is_caught_at_cp2_only():
     assert (CP, "batch-split.grad_norm") in failed
     assert not [k for k in failed if k[0] == DP]
     # equivalence runs megatron's own per-token loss, never this aggregation: it cannot see it
-    assert run_suite("equivalence", "tiny", 2, [CP], engine="tests.faulty_batch_split:CPTokensNotSummedOverCP",
+    assert run_suite("equivalence", "tiny", 2, [CP], engine="tests.plants.faulty_batch_split:CPTokensNotSummedOverCP",
                      backend="gloo").passed
 
 
@@ -273,7 +273,7 @@ def test_unmodified_megatron_passes_an_moe_model_at_ep2_and_cp2_dynamically():
 @pytest.mark.slow
 def test_the_load_balancing_coefficient_applied_per_micro_batch_is_caught():
     # at world size 4: at CP 2 and DP 1 the reference trains the same micro-batches on one rank, the plant with them
-    run = run_suite("batch-split", "tiny-moe", 4, [CP2], engine="tests.faulty_batch_split:AuxLossCoefficientPerMicroBatch",
+    run = run_suite("batch-split", "tiny-moe", 4, [CP2], engine="tests.plants.faulty_batch_split:AuxLossCoefficientPerMicroBatch",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
     failed = _failed(run)
     assert failed[(CP2, "batch-split.grad_norm")].startswith(
@@ -286,7 +286,7 @@ def test_the_load_balancing_coefficient_applied_per_micro_batch_is_caught():
 
 @pytest.mark.slow
 def test_an_fsdp2_path_normalising_by_its_local_token_count_is_caught():
-    run = run_suite("batch-split", "tiny", 4, engine="tests.faulty_batch_split:FSDP2LocalTokenCount", backend="gloo",
+    run = run_suite("batch-split", "tiny", 4, engine="tests.plants.faulty_batch_split:FSDP2LocalTokenCount", backend="gloo",
                     suite_params={"modes": ("token-mean", "token-sum")})
     losses = [c.message for c in run.checks if c.failed and c.check == "batch-split.loss"]
     assert any(m.startswith(f"token-mean, cut mbs2 at {DP4} "
@@ -303,7 +303,7 @@ def test_the_default_matrix_runs_the_second_backend_against_megatrons_reference(
 
 @pytest.mark.slow
 def test_a_forward_pass_that_mixes_up_samples_is_caught():
-    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.faulty_batch_split:ForwardPassMixesSamples",
+    run = run_suite("batch-split", "tiny", 2, [DP], engine="tests.plants.faulty_batch_split:ForwardPassMixesSamples",
                     backend="gloo", suite_params={"modes": ("token-mean",), "cuts": ("mbs2",)})
     failed = _failed(run)
     assert failed[(DP, "batch-split.logprobs")].startswith(
@@ -412,7 +412,7 @@ def test_mtp_heads_detached_leave_the_main_gradients_and_count_the_response_and_
              r"window \(positions whose target is prompt or padding counted: .*"),
             ("MTPMaskOnTheLabels", "batch-split.mtp_loss",
              r"megatron's MTP loss at depth 1 counted 354 tokens, the response holds 353 .*")):
-        failed = _failed(run_suite("batch-split", "tiny", 2, [TP], engine=f"tests.faulty_mtp:{engine}",
+        failed = _failed(run_suite("batch-split", "tiny", 2, [TP], engine=f"tests.plants.faulty_mtp:{engine}",
                                    backend="gloo", suite_params=params))
         assert set(failed) == {(TP, check)}, (engine, failed)
         assert re.fullmatch(at + said, failed[(TP, check)]), failed[(TP, check)]

@@ -68,7 +68,7 @@ def test_wrap_config_dict_is_valid_ddp_config():
 # -- missing packages -----------------------------------------------------------------------------
 @pytest.mark.parametrize("engine, module", [("mbridge", "mbridge"), ("mbridge", "transformers"),
                                             ("megatron-bridge", "megatron.bridge"), ("megatron-bridge", "omegaconf"),
-                                            ("tests.faulty_engines:MbridgeOverrideOnly", "mbridge")])
+                                            ("tests.plants.faulty_engines:MbridgeOverrideOnly", "mbridge")])
 def test_missing_package_exits_2_with_the_install_command(monkeypatch, capsys, engine, module):
     from harness.cli import main
 
@@ -139,7 +139,7 @@ def test_bridge_grad_sync_is_what_the_user_configured(engine):
 @pytest.mark.skipif(_missing("mbridge") is not None, reason=_missing("mbridge") or "")
 def test_r2_override_only_ddp_config_is_caught():
     run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
-                    engine="tests.faulty_engines:MbridgeOverrideOnly")
+                    engine="tests.plants.faulty_engines:MbridgeOverrideOnly")
     off = [r.case.id for r in run.results if not r.case.options.use_distributed_optimizer]
     assert off and not run.passed
     plan = {c.case_id: c.message for c in run.checks if c.check == "grad-sync.plan" and c.failed}
@@ -205,6 +205,6 @@ def test_the_bridges_reduce_gradients_in_the_cases_buckets(engine):
 @pytest.mark.skipif(_missing("mbridge") is not None, reason=_missing("mbridge") or "")
 def test_a_bridge_without_the_training_options_fails_golden():
     run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
-                    engine="tests.faulty_engines:MbridgeWithoutTrainingOptions")
+                    engine="tests.plants.faulty_engines:MbridgeWithoutTrainingOptions")
     trajectory = [c.message for c in run.checks if c.check == "golden.trajectory" and c.failed]
     assert trajectory and all("step 1: grad_norm" in m and "lr 0.001 vs golden 0" in m for m in trajectory), trajectory

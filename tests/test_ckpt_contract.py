@@ -1,5 +1,5 @@
 """The checkpoint contract of ckpt-memory: loads where the format promises, with the saved values;
-each planted load / save bug (tests/faulty_ckpt.py) fails with a readable message."""
+each planted load / save bug (tests/plants/faulty_ckpt.py) fails with a readable message."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_an_expert_optimizer_left_fresh_by_the_load_is_caught_at_the_saved_exper
     """At world size 2 (saved and loaded at DP 2 EP 2, EP 1 refused as allowed) at half world size 4's CPU; the
     reshards over the expert grid that show it too are the nightly test below."""
     run = run_suite(ContractOnly(("fully_reshardable",)), "tiny-moe", 2, backend="gloo",
-                    engine="tests.faulty_ckpt:LoadLeavesExpertOptimizerFresh")
+                    engine="tests.plants.faulty_ckpt:LoadLeavesExpertOptimizerFresh")
     failed = _failed(run)
     assert set(failed) == {"tp1-pp1-cp1-dp2-ep2"}, failed
     assert failed["tp1-pp1-cp1-dp2-ep2"].startswith(
@@ -93,7 +93,7 @@ def test_an_expert_optimizer_left_fresh_by_the_load_is_caught_at_the_saved_exper
 
 @pytest.mark.nightly  # over the expert grid at world size 4; the CI tier plants it at world size 2 (above)
 def test_an_expert_optimizer_left_fresh_by_the_load_is_caught():
-    failed = _failed(_moe_run("tests.faulty_ckpt:LoadLeavesExpertOptimizerFresh", ("fully_reshardable",)))
+    failed = _failed(_moe_run("tests.plants.faulty_ckpt:LoadLeavesExpertOptimizerFresh", ("fully_reshardable",)))
     assert set(failed) == {"tp1-pp1-cp1-dp4-ep2", "tp1-pp1-cp1-dp4-ep4", "tp2-pp1-cp1-dp2-ep2", "tp1-pp2-cp1-dp2-ep2",
                            "tp1-pp1-cp1-dp2-ep2"}, failed  # EP 1 refuses, as allowed, before the expert optimizer
     msg = failed["tp1-pp1-cp1-dp4-ep4"]
@@ -119,7 +119,7 @@ def test_unmodified_engine_keeps_the_contract():
 
 
 def test_optimizer_state_not_loaded_is_caught():
-    failed = _failed(_run("tests.faulty_ckpt:LoadSkipsOptimizer"))
+    failed = _failed(_run("tests.plants.faulty_ckpt:LoadSkipsOptimizer"))
     assert set(failed) == {"tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp1-dp1"}
     assert "optimizer state differs from the saved one: Adam step of " in failed["tp2-pp1-cp1-dp1"]
     assert "is 0 after the load, 1 saved" in failed["tp2-pp1-cp1-dp1"]
@@ -128,7 +128,7 @@ def test_optimizer_state_not_loaded_is_caught():
 def test_adam_step_reset_by_dp_reshardable_load_is_caught():
     """megatron-core 0.16.1's dp_reshardable load on CPU ranks reset torch Adam's step to 0 (fixed in
     McoreEngine.load_checkpoint); planted again here, it fails at both promised targets."""
-    failed = _failed(_run("tests.faulty_ckpt:LoadResetsAdamStep", ("dp_reshardable",)))
+    failed = _failed(_run("tests.plants.faulty_ckpt:LoadResetsAdamStep", ("dp_reshardable",)))
     assert set(failed) == {"tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp1"}  # the TP / PP targets refuse, as allowed
     msg = failed["tp1-pp1-cp1-dp1"]
     assert msg.startswith("dp_reshardable saved at tp1-pp1-cp1-dp2, loaded at tp1-pp1-cp1-dp1 (promised): "
@@ -138,7 +138,7 @@ def test_adam_step_reset_by_dp_reshardable_load_is_caught():
 
 def test_optimizer_state_shard_off_after_load_is_caught():
     """A 1e-4 error in one DP shard of exp_avg_sq: the next step alone would not show it."""
-    run = _run("tests.faulty_ckpt:LoadScalesOneDpShard", ("dp_reshardable",))
+    run = _run("tests.plants.faulty_ckpt:LoadScalesOneDpShard", ("dp_reshardable",))
     failed = _failed(run)
     assert set(failed) == {"tp1-pp1-cp1-dp2"}  # the only promised target with a DP rank 1
     assert all("optimizer state differs from the saved one: " in m and "#exp_avg_sq rel 1.0" in m
@@ -152,14 +152,14 @@ def test_in_bf16_a_load_at_another_layout_steps_within_bf16s_tolerance_and_a_los
     reshard = [c for c in run.checks if c.check == "ckpt-memory.reshard"]
     assert len(reshard) == 4 and all(c.passed for c in reshard), [c.message for c in reshard if not c.passed]
     assert max(c.value for c in reshard) > 1e-5  # what fp32's tolerance would have failed
-    failed = _failed(_run("tests.faulty_ckpt:LoadZeroesTheLearningRate", dtype="bf16"))
+    failed = _failed(_run("tests.plants.faulty_ckpt:LoadZeroesTheLearningRate", dtype="bf16"))
     assert set(failed) == {"tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp1-dp1"}
     assert all("the step after the load differs from the uninterrupted run (optimizer state not restored?): " in m
                and m.endswith("> 2e-02") for m in failed.values()), failed
 
 
 def test_corrupted_shard_after_load_is_caught():
-    failed = _failed(_run("tests.faulty_ckpt:LoadCorruptsOneShard"))
+    failed = _failed(_run("tests.plants.faulty_ckpt:LoadCorruptsOneShard"))
     assert set(failed) == {"tp2-pp1-cp1-dp1"}  # the only target with a TP rank 1
     assert failed["tp2-pp1-cp1-dp1"].startswith(
         "fully_reshardable saved at tp1-pp1-cp1-dp2, loaded at tp2-pp1-cp1-dp1 (promised): model parameters differ "
@@ -169,7 +169,7 @@ def test_corrupted_shard_after_load_is_caught():
 def test_format_that_does_not_reshard_is_caught():
     """Saved dp_reshardable when fully_reshardable was asked: the load asks for the per-parameter entries
     (optimizer.state.*) the checkpoint does not have - at every target, the saving layout included."""
-    failed = _failed(_run("tests.faulty_ckpt:SavesDpReshardableAlways"))
+    failed = _failed(_run("tests.plants.faulty_ckpt:SavesDpReshardableAlways"))
     assert set(failed) == {"tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp1-dp1"}
     # (megatron-core 0.16.1 validates the load on every rank, 0.19.2 on rank 0: 2 or 1 ranks report it)
     assert re.match(r"fully_reshardable saved at tp1-pp1-cp1-dp2, loaded at tp2-pp1-cp1-dp1 \(promised\): load failed on "
@@ -180,7 +180,7 @@ def test_format_that_does_not_reshard_is_caught():
 
 def test_an_engine_that_cannot_build_at_the_target_is_not_a_refusal():
     """dp_reshardable does not promise tp2; an engine whose build raises there has not been refused by a load."""
-    failed = _failed(_run("tests.faulty_ckpt:BuildFailsOffTp1", ("dp_reshardable",)))
+    failed = _failed(_run("tests.plants.faulty_ckpt:BuildFailsOffTp1", ("dp_reshardable",)))
     assert set(failed) == {"tp2-pp1-cp1-dp1"}  # pp2 is still refused by the load, as allowed
     assert failed["tp2-pp1-cp1-dp1"] == (
         "dp_reshardable saved at tp1-pp1-cp1-dp2, loaded at tp2-pp1-cp1-dp1 (not promised): failed on rank 0 in the "
@@ -189,14 +189,14 @@ def test_an_engine_that_cannot_build_at_the_target_is_not_a_refusal():
 
 
 def test_an_engine_without_optimizer_state_shards_fails_the_adam_comparison():
-    failed = _failed(_run("tests.faulty_ckpt:NoOptimizerStateShards"))
+    failed = _failed(_run("tests.plants.faulty_ckpt:NoOptimizerStateShards"))
     assert set(failed) == {"tp1-pp1-cp1-dp2", "tp2-pp1-cp1-dp1", "tp1-pp2-cp1-dp1", "tp1-pp1-cp1-dp1"}
     assert all(m.endswith("Adam state not compared: the engine has no optimizer_state_shards() (exp_avg, exp_avg_sq "
                           "and step after the load cannot be checked)") for m in failed.values()), failed
 
 
 def test_save_with_side_effects_is_caught():
-    failed = _failed(_run("tests.faulty_ckpt:SaveScalesOptimizerState"), "ckpt-memory.save-side-effects")
+    failed = _failed(_run("tests.plants.faulty_ckpt:SaveScalesOptimizerState"), "ckpt-memory.save-side-effects")
     msg = next(iter(failed.values()))
     assert msg.startswith("fully_reshardable: the step after the save differs from the uninterrupted run") \
         and msg.endswith("the save changed the training state")
@@ -217,7 +217,7 @@ def test_a_load_that_keeps_a_second_copy_of_the_optimizer_state_is_caught(tmp_pa
     loads = {c.target: c for c in run.checks if c.check == "ckpt-memory.load"}
     assert set(loads) == {"tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp1"}
     assert all(c.passed for c in loads.values()), [c.message for c in loads.values()]
-    planted = _small_run("tests.faulty_ckpt:LoadKeepsASecondCopyOfTheOptimizerState")
+    planted = _small_run("tests.plants.faulty_ckpt:LoadKeepsASecondCopyOfTheOptimizerState")
     assert not [c.message for c in planted.checks if c.check == "ckpt-memory.reshard" and c.failed]
     failed = _failed(planted, "ckpt-memory.load")
     assert set(failed) == {"tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp1"}, failed

@@ -153,13 +153,13 @@ def test_missing_baseline_fails_with_the_record_command(tmp_path):
 
 @pytest.mark.slow
 def test_r1_default_format_flip_fails_with_delta_and_flamegraph():
-    run = _run(engine="tests.faulty_engines:FullyReshardableDefault")
+    run = _run(engine="tests.plants.faulty_engines:FullyReshardableDefault")
     (base,) = _failed(run, "ckpt-memory.baseline")
     assert "MiB above baseline" in base.message and "flamegraph: " in base.message
     flame = base.message.split("flamegraph: ")[1]
     assert flame.endswith(".html")
     (contract,) = _failed(run, "ckpt-memory.contract")
-    assert contract.message.startswith("tests.faulty_engines:FullyReshardableDefault default format (expected "
+    assert contract.message.startswith("tests.plants.faulty_engines:FullyReshardableDefault default format (expected "
                                        "dp_reshardable): the checkpoint on disk is fully_reshardable, not "
                                        "dp_reshardable (")
     assert "per-parameter optimizer tensors with the parameters' global shapes" in contract.message
@@ -170,7 +170,7 @@ def test_r1_default_format_flip_fails_with_delta_and_flamegraph():
 
 @pytest.mark.slow
 def test_extra_copy_of_ten_percent_of_optimizer_state_is_detected():
-    run = _run(engine="tests.faulty_engines:ExtraStateCopyOnSave", formats=("dp_reshardable",))
+    run = _run(engine="tests.plants.faulty_engines:ExtraStateCopyOnSave", formats=("dp_reshardable",))
     fails = _failed(run, "ckpt-memory.baseline")
     assert fails and "MiB above baseline" in fails[0].message, [c.message for c in run.checks]
 
@@ -178,7 +178,7 @@ def test_extra_copy_of_ten_percent_of_optimizer_state_is_detected():
 @pytest.mark.slow
 def test_memory_every_save_leaves_behind_fails_naming_the_rank_the_bytes_per_save_and_where():
     """Kept after each save: the save's model band passes, the repeated saves and their baseline do not."""
-    run = _run(engine="tests.faulty_engines:KeepsAHostCopyOfEverySave", formats=("dp_reshardable",))
+    run = _run(engine="tests.plants.faulty_engines:KeepsAHostCopyOfEverySave", formats=("dp_reshardable",))
     (kept,) = _failed(run, "ckpt-memory.retained")
     # 10% of 12N of small (N = 6.03M) per save: 6.9 MiB, and megatron's own few KiB
     assert re.match(r"rank \d keeps (6\.9|7\.0) MiB per save: 2 saves of the same state left 1\d\.\d MiB allocated "
@@ -222,12 +222,12 @@ def test_what_saves_keep_is_judged_per_save_against_the_bound():
 
 @pytest.mark.slow
 def test_r5_fsdp2_full_state_dict_default_is_above_the_sharded_baseline():
-    run = _run(engine="tests.faulty_ckpt:FullStateDictDefault", formats=("fsdp2_default",))
+    run = _run(engine="tests.plants.faulty_ckpt:FullStateDictDefault", formats=("fsdp2_default",))
     (base,) = _failed(run, "ckpt-memory.baseline")
     assert base.message.startswith("rank0.save_heap_peak_mib ") and "MiB above baseline" in base.message
     assert base.message.split("flamegraph: ")[1].endswith(".html")
     (contract,) = _failed(run, "ckpt-memory.contract")
-    assert contract.message.startswith("tests.faulty_ckpt:FullStateDictDefault default format (expected "
+    assert contract.message.startswith("tests.plants.faulty_ckpt:FullStateDictDefault default format (expected "
                                        "fsdp2_sharded): the checkpoint on disk is fsdp2_full, not fsdp2_sharded "
                                        "(one torch.save file full_state_dict.pt")
 
@@ -235,13 +235,13 @@ def test_r5_fsdp2_full_state_dict_default_is_above_the_sharded_baseline():
 @pytest.mark.slow
 def test_right_label_on_the_wrong_format_fails_the_contract():
     """The engines label the checkpoint with the format asked for and save another: the files decide."""
-    run = _run(engine="tests.faulty_ckpt:SavesDpReshardableAlways", formats=("fully_reshardable",), model="tiny")
+    run = _run(engine="tests.plants.faulty_ckpt:SavesDpReshardableAlways", formats=("fully_reshardable",), model="tiny")
     (contract,) = _failed(run, "ckpt-memory.contract")
     assert contract.message.startswith("format fully_reshardable: the checkpoint on disk is dp_reshardable, not "
                                        "fully_reshardable (3 flat optimizer buffers of 1 DP group(s), e.g. "
                                        "optimizer.distributed.dp_group_idx_0.")
     assert "label written by the engine: fully_reshardable (agrees; secondary: the files decide)" in contract.details
-    run = _run(engine="tests.faulty_ckpt:SavesFullLabelsSharded", formats=("fsdp2_sharded",), model="tiny")
+    run = _run(engine="tests.plants.faulty_ckpt:SavesFullLabelsSharded", formats=("fsdp2_sharded",), model="tiny")
     (contract,) = _failed(run, "ckpt-memory.contract")
     assert contract.message.startswith("format fsdp2_sharded: the checkpoint on disk is fsdp2_full, not fsdp2_sharded "
                                        "(one torch.save file full_state_dict.pt")
@@ -249,7 +249,7 @@ def test_right_label_on_the_wrong_format_fails_the_contract():
 
 @pytest.mark.slow
 def test_a_save_whose_heap_peak_cannot_be_measured_errors_with_the_reason():
-    run = _run(engine="tests.faulty_ckpt:DeletesMemrayCapture", formats=("dp_reshardable",), model="tiny")
+    run = _run(engine="tests.plants.faulty_ckpt:DeletesMemrayCapture", formats=("dp_reshardable",), model="tiny")
     (res,) = run.results
     assert res.status == "error" and "MeasurementError: memray wrote no capture at " in res.error, res.error
     assert "the phase's heap peak was not measured" in res.error
@@ -264,7 +264,7 @@ def test_fsdp2_band_separates_full_from_sharded():
 @pytest.mark.nightly  # ckpt-memory.baseline's CI-tier plants: R1's format flip, a 10% extra copy
 def test_fully_parallel_save_wrapper_dropped_is_detected():
     """Without the wrapper DP rank 0 writes all replicated weights again: ~29 MiB against ~12 MiB."""
-    run = _run(engine="tests.faulty_ckpt:DropsFullyParallelWrapper", formats=("dp_reshardable",),
+    run = _run(engine="tests.plants.faulty_ckpt:DropsFullyParallelWrapper", formats=("dp_reshardable",),
                fully_parallel_save=True)
     (base,) = _failed(run, "ckpt-memory.baseline")
     assert base.case_id.endswith("fully_parallel_save=True]")
@@ -284,11 +284,11 @@ def test_fully_parallel_band_spreads_the_weights():
 @pytest.mark.slow
 @pytest.mark.nightly
 def test_a_one_time_cost_of_the_first_save_lands_in_no_case(tmp_path, monkeypatch, no_leftover_ranks):
-    """A first save that keeps 48 MiB for the process (tests/faulty_ckpt.py; a GPU save's pinned blocks are
+    """A first save that keeps 48 MiB for the process (tests/plants/faulty_ckpt.py; a GPU save's pinned blocks are
     such a cost) is paid in the case's priming save: no measured peak holds it, whichever case runs first
     on fresh ranks, and three runs in different orders give every case the same figures."""
     from harness.launch.pool import close_all
-    from tests.faulty_ckpt import ONE_TIME_MIB
+    from tests.plants.faulty_ckpt import ONE_TIME_MIB
 
     log = tmp_path / "paid"
     monkeypatch.setenv("HARNESS_ONE_TIME_LOG", str(log))
@@ -296,7 +296,7 @@ def test_a_one_time_cost_of_the_first_save_lands_in_no_case(tmp_path, monkeypatc
     for seed in (None, 1, 2):
         close_all()  # fresh rank processes: the first case of each run pays the one-time cost
         run = run_suite("ckpt-memory", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", shuffle_seed=seed,
-                        engine="tests.faulty_ckpt:OneTimeCostOnFirstSave",
+                        engine="tests.plants.faulty_ckpt:OneTimeCostOnFirstSave",
                         suite_params={"formats": ("dp_reshardable", "fully_reshardable")})
         assert all(r.ok for r in run.results), "\n".join(r.error for r in run.results if not r.ok)
         for r in run.results:

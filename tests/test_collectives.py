@@ -10,7 +10,7 @@ WORLD = 2
 
 
 def record(rank: int, world_size: int) -> dict | None:
-    """On each rank (tests.rank_call): the recorder around functional collectives and a classic one."""
+    """On each rank (tests.support.rank_call): the recorder around functional collectives and a classic one."""
     import torch.distributed._functional_collectives as funcol
 
     from harness.probes.collectives import CollectiveRecorder
@@ -29,7 +29,7 @@ def record(rank: int, world_size: int) -> dict | None:
 
 @pytest.fixture(scope="module")
 def recorded():
-    from tests.rank_call import on_ranks
+    from tests.support.rank_call import on_ranks
 
     return on_ranks("tests.test_collectives:record", WORLD)[0]
 

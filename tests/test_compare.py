@@ -34,7 +34,7 @@ def _compare(monkeypatch, capsys, b_mean: float, b_counters: dict[str, float], r
     a = _samples(100.0, {"rank0.flops": 1e9, "rank0.dp-cp/reduce_scatter.calls": 7.0}, seeds[0], round_sd, rounds)
     b = _samples(b_mean, b_counters, seeds[1], round_sd, rounds)
     monkeypatch.setattr(compare, "run_rounds", lambda *args, **kw: (a, b, ["A", "B"]))
-    args = argparse.Namespace(engine=["mcore", "tests.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
+    args = argparse.Namespace(engine=["mcore", "tests.plants.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
                               repo=None,
                               cache=None, rounds=rounds, steps_per_round=6, out=None)
     code = compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None, {})
@@ -192,7 +192,7 @@ def test_compare_says_what_other_processes_used_of_the_machine(monkeypatch, caps
     a = _with_load(_samples(100.0, SAME, 1), [0.01, 0.03, 0.02, 0.01, 0.02])
     b = _with_load(_samples(b_mean, SAME, 2), [0.02, b_load, 0.01, 0.02, 0.01])
     monkeypatch.setattr(compare, "run_rounds", lambda *args, **kw: (a, b, ["A", "B"]))
-    args = argparse.Namespace(engine=["mcore", "tests.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
+    args = argparse.Namespace(engine=["mcore", "tests.plants.faulty_engines:SmallBuckets"], megatron_core=None, package=None,
                               repo=None, cache=None, rounds=5, steps_per_round=6, out=None)
     compare.compare_main(args, CaseSelection("step-perf", "tiny", 2), lambda msg: None, {})
     out = capsys.readouterr().out

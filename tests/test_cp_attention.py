@@ -105,7 +105,7 @@ def _check_thd(cp: int, group, rank: int, static_group=None) -> dict[str, float]
 
 
 def compare(rank: int, world_size: int) -> dict[str, dict[str, float]]:
-    """On each rank (tests.rank_call): the errors of every layout at CP 1, 2 and 4."""
+    """On each rank (tests.support.rank_call): the errors of every layout at CP 1, 2 and 4."""
     results = {}
     singles = [dist.new_group([r]) for r in range(world_size)]
     for cp in (1, 2, 4):
@@ -119,7 +119,7 @@ def compare(rank: int, world_size: int) -> dict[str, dict[str, float]]:
 
 @pytest.fixture(scope="module")
 def cp_results():
-    from tests.rank_call import on_ranks
+    from tests.support.rank_call import on_ranks
 
     return on_ranks("tests.test_cp_attention:compare", WORLD)
 

@@ -469,7 +469,7 @@ def late_frees(rank: int, world_size: int) -> dict[str, int]:
 def test_a_coalesced_reduce_scatter_frees_gloos_clone_before_it_returns():
     """gloo's reduce-scatter clones its input; its worker thread, starved here, held the clone after the waiter went
     on (train-memory's one-rank step-1 excess). With one worker a group and the release, never; without, soon."""
-    from tests.rank_call import on_ranks
+    from tests.support.rank_call import on_ranks
 
     got = on_ranks("tests.test_cpu_layer:late_frees", 2)
     assert [g["late"] for g in got] == [0, 0], f"the clone outlived the reduce-scatter: {got}"

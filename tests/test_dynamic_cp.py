@@ -1,4 +1,4 @@
-"""dynamic-cp: unmodified runs pass; each planted dynamic-CP bug (tests/faulty_dynamic_cp.py) fails the
+"""dynamic-cp: unmodified runs pass; each planted dynamic-CP bug (tests/plants/faulty_dynamic_cp.py) fails the
 suite with a message naming the output, the sample and the error."""
 
 from __future__ import annotations
@@ -42,33 +42,33 @@ def test_unmodified_mixes_pass_with_local_cp_1_2_4_and_fewer_samples_than_dp():
 
 
 def test_wrong_zigzag_chunk_order_on_one_rank_is_caught():
-    failed = _failed(_run("tests.faulty_dynamic_cp:WrongZigzagOnOneRank"), "dynamic")
+    failed = _failed(_run("tests.plants.faulty_dynamic_cp:WrongZigzagOnOneRank"), "dynamic")
     assert failed["dynamic-cp.logprobs"].startswith("tp1-pp1-cp1-dp4 dynamic: log-probs of sample 1 differ from no CP: "
                                                     "sample 1: length 100, max abs")
     assert "dynamic-cp.loss" in failed and "dynamic-cp.grads" in failed
 
 
 def test_merge_dropping_a_sample_is_caught():
-    run = _run("tests.faulty_dynamic_cp:MergeDropsSample")
+    run = _run("tests.plants.faulty_dynamic_cp:MergeDropsSample")
     for mode in ("static", "dynamic"):
         assert "the merged output has 3 samples, the batch has 4 (lengths merged [20, 100, 60], batch [20, 100, 60, 12])" \
             in _failed(run, mode)["dynamic-cp.logprobs"]
 
 
 def test_merge_duplicating_a_sample_is_caught():
-    msg = _failed(_run("tests.faulty_dynamic_cp:MergeDuplicatesSample"), "dynamic")["dynamic-cp.logprobs"]
+    msg = _failed(_run("tests.plants.faulty_dynamic_cp:MergeDuplicatesSample"), "dynamic")["dynamic-cp.logprobs"]
     assert "log-probs of sample 1 differ from no CP: sample 1: 20 log-probs merged, length 100 expected" in msg
 
 
 def test_merge_keeping_the_scheduled_order_is_caught():
-    msg = _failed(_run("tests.faulty_dynamic_cp:MergeKeepsScheduledOrder"), "dynamic")["dynamic-cp.logprobs"]
+    msg = _failed(_run("tests.plants.faulty_dynamic_cp:MergeKeepsScheduledOrder"), "dynamic")["dynamic-cp.logprobs"]
     # the scheduler runs the longest sample first
     assert msg.startswith("tp1-pp1-cp1-dp4 dynamic: log-probs of sample 0 differ from no CP: "
                           "sample 0: 100 log-probs merged, length 20 expected")
 
 
 def test_r3_token_count_over_dp_scales_the_loss_and_is_caught():
-    run = _run("tests.faulty_dynamic_cp:TokenCountOverDP")
+    run = _run("tests.plants.faulty_dynamic_cp:TokenCountOverDP")
     failed = _failed(run, "dynamic")
     assert "(tokens 768 vs 192)" in failed["dynamic-cp.loss"]
     assert "norm ratio 0.2500" in failed["dynamic-cp.grads"]
@@ -79,7 +79,7 @@ def test_r3_token_count_over_dp_scales_the_loss_and_is_caught():
 
 
 def test_fewer_samples_early_return_without_local_cp_size_is_caught():
-    run = _run("tests.faulty_dynamic_cp:FewerSamplesEarlyReturn", mixes={"few": NAMED_MIXES["fewer-samples-than-dp"]})
+    run = _run("tests.plants.faulty_dynamic_cp:FewerSamplesEarlyReturn", mixes={"few": NAMED_MIXES["fewer-samples-than-dp"]})
     failed = _failed(run, "dynamic")
     assert failed["dynamic-cp.coverage"].startswith(
         "tp1-pp1-cp1-dp4 dynamic: sample 0 (length 100): 0 tokens never computed, 100 computed more than once")

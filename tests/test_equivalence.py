@@ -65,7 +65,7 @@ def test_world_size_2_layouts_match():
 @pytest.mark.slow
 def test_planted_tp_gradient_bug_fails_the_suite():
     run = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo",
-                    engine="tests.faulty_engines:SkipOneTpGradReduce")
+                    engine="tests.plants.faulty_engines:SkipOneTpGradReduce")
     assert all(r.ok for r in run.results), "\n".join(r.error for r in run.results if not r.ok)
     failed = {c.check: c for c in run.checks if c.failed}
     # what docs/suites.md promises: the losses, the first step's log-probs, the full parameters and the
@@ -107,7 +107,7 @@ def _cp_fault(engine: str):
 
 @pytest.mark.slow
 def test_wrong_zigzag_chunk_pair_fails_loss_logprobs_and_params_naming_the_tokens():
-    failed = _cp_fault("tests.faulty_engines:WrongZigzagChunks")
+    failed = _cp_fault("tests.plants.faulty_engines:WrongZigzagChunks")
     assert set(failed) == {"equivalence.loss", "equivalence.logprobs", "equivalence.params"}
     # chunks 2 and 3 of every sample (positions 32-63 at seq 64, cp 2) are computed in the wrong place
     assert failed["equivalence.logprobs"].message.startswith(
@@ -118,7 +118,7 @@ def test_wrong_zigzag_chunk_pair_fails_loss_logprobs_and_params_naming_the_token
 
 @pytest.mark.slow
 def test_contiguous_rope_slice_fails_the_first_step_log_probs():
-    failed = _cp_fault("tests.faulty_engines:ContiguousRopeSlice")
+    failed = _cp_fault("tests.plants.faulty_engines:ContiguousRopeSlice")
     # the loss moves by ~1e-5 only (at the tolerance); the log-probs of the rotated tokens by ~1e-3
     msg = failed["equivalence.logprobs"].message
     assert re.match(r"tp1-pp1-cp2-dp1: step-0 log-probs differ from tp1-pp1-cp1-dp2 at \d+/512 tokens "

@@ -225,7 +225,7 @@ def test_fsdp2_resumes_run_on_the_pure_dp_layout_beside_its_own_unbroken_traject
                      ("tp1-pp1-cp1-dp4", "resume", "fsdp2_full")]
     key = "tiny/fp32/steps=12/lr=warmup3-cosine12-min0.0001"  # golden's schedule, in the key of its trajectory
     assert {suite.key(c) for c in cases} == {key, f"{key}/fsdp2"}
-    own = suite.cases(load_model("tiny"), 2, None, engine="tests.faulty_engines:FSDP2OptimizerStateNotRestored")
+    own = suite.cases(load_model("tiny"), 2, None, engine="tests.plants.faulty_engines:FSDP2OptimizerStateNotRestored")
     assert {c.layout.id for c in own} == {"tp1-pp1-cp1-dp2"}  # an fsdp2 engine: fsdp2's formats only
     assert {c.params.ckpt_format for c in own} == {"", "fsdp2_sharded", "fsdp2_full"}
     assert {suite.key(c) for c in own} == {f"{key}/fsdp2"}
@@ -262,7 +262,7 @@ def _golden_options() -> CaseOptions:
 @pytest.fixture(scope="module")
 def golden_dir(tmp_path_factory):
     from harness.recording import record_suite
-    from tests.replayed_repeats import repeats_replayed
+    from tests.fakes.replayed_repeats import repeats_replayed
 
     directory = tmp_path_factory.mktemp("golden-baselines")
     with repeats_replayed():
@@ -291,7 +291,7 @@ def test_the_unchanged_engine_passes_on_another_layout(golden_dir):
 def test_a_change_that_moves_every_layout_alike_passes_equivalence_and_fails_golden(golden_dir, fault):
     from harness.driver import run_suite
 
-    engine = f"tests.faulty_engines:{fault}"
+    engine = f"tests.plants.faulty_engines:{fault}"
     same = run_suite("equivalence", "tiny", 2, ["tp1-pp2-cp1-dp1"], engine=engine, backend="gloo",
                      options=_golden_options())
     assert same.passed, [c.message for c in same.checks if c.failed]
@@ -314,7 +314,7 @@ def test_a_change_that_moves_every_layout_alike_passes_equivalence_and_fails_gol
 def test_a_resume_that_loses_optimizer_state_fails_at_the_first_step_after_the_load(golden_dir, fault, fmt):
     from harness.driver import run_suite
 
-    run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], engine=f"tests.faulty_engines:{fault}", backend="gloo",
+    run = run_suite("golden", "tiny", 2, ["tp1-pp1-cp1-dp2"], engine=f"tests.plants.faulty_engines:{fault}", backend="gloo",
                     baselines_dir=str(golden_dir), suite_params={"formats": (fmt,)})
     checks = {(c.check, c.case_id): c for c in run.checks}
     unbroken = [c for (name, _), c in checks.items() if name == "golden.trajectory" and "role=" not in c.case_id]
@@ -440,7 +440,7 @@ def test_a_resume_with_the_optimizer_offloaded_is_planned_on_nccl_ranks_and_skip
 
 
 def fsdp2_moe_first_grad_norm(rank: int, world_size: int) -> float:
-    """On each rank (tests.rank_call): tiny-moe's first gradient norm under the fsdp2 engine at pure DP, after an
+    """On each rank (tests.support.rank_call): tiny-moe's first gradient norm under the fsdp2 engine at pure DP, after an
     earlier case in this rank left megatron's MoE aux-loss scale at 7 (megatron's schedule sets it every step)."""
     import tempfile
     from pathlib import Path
@@ -469,7 +469,7 @@ def test_fsdp2_trains_an_moe_model_alike_at_every_dp_size_whatever_ran_before():
     """The MoE load-balancing loss's gradient is scaled by 1 / micro-batches, as megatron's schedule does: the
     fsdp2 engine left the scale wherever an earlier case had set it (1 in a new rank), so the aux loss's gradient
     summed over a rank's micro-batches and tiny-moe's first gradient norm was 2.51 at DP 1 and 0.85 at DP 4."""
-    from tests.rank_call import on_ranks
+    from tests.support.rank_call import on_ranks
 
     (dp1,) = on_ranks("tests.test_golden:fsdp2_moe_first_grad_norm", 1)
     dp2 = on_ranks("tests.test_golden:fsdp2_moe_first_grad_norm", 2)

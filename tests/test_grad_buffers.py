@@ -16,7 +16,7 @@ from harness.launch.pool import pool_for
 from harness.layouts import default_matrix
 from harness.models import known_models, load_model
 from harness.spec import Case, CaseOptions, Layout
-from tests.fake_world import MAX_WORLD, arithmetic_sizes, fake_process_group_missing
+from tests.fakes.fake_world import MAX_WORLD, arithmetic_sizes, fake_process_group_missing
 
 CPU_MODELS = ("tiny", "small", "tiny-moe", "small-moe", "tiny-qwen3-moe")
 
@@ -75,7 +75,7 @@ def test_a_plan_from_the_built_model_counts_a_weight_the_arithmetic_lacks():
 
 
 def _fake_world(names: list[str]) -> dict:
-    done = subprocess.run([sys.executable, "-m", "tests.fake_world", *names], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "tests.fakes.fake_world", *names], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
@@ -104,7 +104,7 @@ def test_the_plan_counts_what_megatron_builds_for_tiny_up_to_world_size_8():
 _PLANT = """
 import json, sys
 import harness.checks.expected_collectives as sp
-import tests.fake_world as fw
+import tests.fakes.fake_world as fw
 from harness.platform import cpu_layer
 
 spec_arithmetic = sp.chunk_params

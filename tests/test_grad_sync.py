@@ -63,7 +63,7 @@ def test_bf16_issues_one_gradient_reduction_as_megatron_does_and_norms_left_in_f
     run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", options=bf16)
     assert run.passed, [c.message for c in run.checks if c.failed]
     planted = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo", options=bf16,
-                        engine="tests.faulty_engines:NormsKeptInFp32")
+                        engine="tests.plants.faulty_engines:NormsKeptInFp32")
     failed = [c for c in planted.checks if c.check == "grad-sync.plan" and c.failed]
     assert len(failed) == 4 and all(" x fp32 x3 " in "\n".join(c.details) for c in failed), \
         [c.message for c in failed]  # the norms' own buffer
@@ -80,7 +80,7 @@ def _failures(run):
 def test_reduce_scatter_with_plain_optimizer_is_caught():
     """R2's outcome: DDP reduce-scatters while the user configured use_distributed_optimizer=False."""
     run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
-                    engine="tests.faulty_engines:DistDdpPlainOptimizer")
+                    engine="tests.plants.faulty_engines:DistDdpPlainOptimizer")
     configured_off = [r for r in run.results if not r.case.options.use_distributed_optimizer]
     failed = {c.case_id: c.message for c in run.checks if c.failed and c.check == "grad-sync.plan"}
     for res in configured_off:
@@ -94,7 +94,7 @@ def test_reduce_scatter_with_plain_optimizer_is_caught():
 @pytest.mark.slow
 def test_missing_parameter_all_gather_is_caught():
     run = run_suite("grad-sync", "tiny", 2, ["tp1-pp1-cp1-dp2"], backend="gloo",
-                    engine="tests.faulty_engines:SkipParamAllGather")
+                    engine="tests.plants.faulty_engines:SkipParamAllGather")
     on = [r.case.id for r in run.results if r.case.options.use_distributed_optimizer]
     plan_fail = {c.case_id: c.message for c in run.checks if c.check == "grad-sync.plan" and c.failed}
     for cid in on:
@@ -106,7 +106,7 @@ def test_missing_parameter_all_gather_is_caught():
 @pytest.mark.slow
 def test_gradient_reduction_on_the_wrong_group_is_caught():
     run = run_suite("grad-sync", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo",
-                    engine="tests.faulty_engines:GradReduceOnWorld")
+                    engine="tests.plants.faulty_engines:GradReduceOnWorld")
     off = next(r for r in run.results if not r.case.options.use_distributed_optimizer
                and not r.case.options.overlap_grad_reduce)
     msg = next(c.message for c in run.checks if c.case_id == off.case.id and c.check == "grad-sync.plan")

@@ -137,7 +137,7 @@ def _layout_of_megatron(model, te: bool, bucket_sizes) -> dict:
 
 
 def megatron_layout(rank: int, world_size: int) -> dict[tuple[str, bool], object]:
-    """On one rank (tests.rank_call): megatron's buffers of both specs, for tiny and a LayerNorm tiny."""
+    """On one rank (tests.support.rank_call): megatron's buffers of both specs, for tiny and a LayerNorm tiny."""
     tiny = load_model("tiny")
     results = {}
     for model in (tiny, dataclasses.replace(tiny, name="tiny-layernorm", normalization="LayerNorm")):
@@ -148,7 +148,7 @@ def megatron_layout(rank: int, world_size: int) -> dict[tuple[str, bool], object
 
 @pytest.fixture(scope="module")
 def megatron_layouts():
-    from tests.rank_call import on_ranks
+    from tests.support.rank_call import on_ranks
 
     return on_ranks("tests.test_grad_sync_te_spec:megatron_layout", 1)[0]
 

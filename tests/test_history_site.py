@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from harness import cli
-from tests import browser
+from tests.support import browser
 from tests.test_history import _noisy, _results
 
 pytest.importorskip("matplotlib")

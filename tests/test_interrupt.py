@@ -49,7 +49,7 @@ def _sigint_as_in_a_terminal() -> None:  # runs in the child between fork and ex
 
 def _start(out: Path, mark: str) -> subprocess.Popen:
     env = {**os.environ, "HARNESS_TEST_MARK": mark, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "--suite", "tests.fake_suites:Sleepy",
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", "run", "--suite", "tests.plants.fake_suites:Sleepy",
                              "--world-size", "2", "--out", str(out)], cwd=ROOT, env=env, start_new_session=True,
                             preexec_fn=_sigint_as_in_a_terminal, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)

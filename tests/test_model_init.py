@@ -71,7 +71,7 @@ def _differ(rank: int, world_size: int, builds, unset: str = "") -> dict[str, li
 
 
 def compare_builds(rank: int, world_size: int) -> dict[str, list[str]]:
-    """On each rank (tests.rank_call): _differ over BUILDS."""
+    """On each rank (tests.support.rank_call): _differ over BUILDS."""
     return _differ(rank, world_size, BUILDS)
 
 
@@ -85,7 +85,7 @@ def compare_with_one_unset(rank: int, world_size: int) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_every_parameter_starts_the_same_without_megatrons_draw():
-    from tests.rank_call import on_ranks
+    from tests.support.rank_call import on_ranks
 
     for rank, differ in enumerate(on_ranks("tests.test_model_init:compare_builds", 2)):
         assert differ.keys() == {f"{m} {lay}" for m, lay in BUILDS}
@@ -96,7 +96,7 @@ def test_every_parameter_starts_the_same_without_megatrons_draw():
 @pytest.mark.slow
 def test_a_parameter_the_engine_leaves_unset_is_found():
     """The plant: the engine's overwrite skips one weight, which megatron no longer draws either."""
-    from tests.rank_call import on_ranks
+    from tests.support.rank_call import on_ranks
 
     (differ,) = on_ranks("tests.test_model_init:compare_with_one_unset", 1)
     assert differ == {"tiny tp1-pp1-cp1-dp1": ["0." + UNSET]}

@@ -110,7 +110,7 @@ def test_expert_gradients_reduced_over_the_dense_dp_group_fail_equivalence():
     from harness.driver import run_suite
 
     run = run_suite("equivalence", "tiny-moe", 2, ["tp1-pp1-cp1-dp2-ep2"], backend="gloo",
-                    engine="tests.faulty_engines:ExpertGradsOverDenseDP")
+                    engine="tests.plants.faulty_engines:ExpertGradsOverDenseDP")
     failed = {c.check: c.message for c in run.checks if c.failed}
     assert re.match(r"\d+/\d+ params differ from tp1-pp1-cp1-dp2 after 2 steps; worst decoder\.layers\.\d\.mlp\.experts"
                     r"\.local_experts\.\d\.linear_fc\d\.weight: rel \S+ > 1e-05$", failed["equivalence.params"]), failed
@@ -143,9 +143,9 @@ def test_the_load_balancing_loss_is_judged_per_step_across_layouts():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine,failing,message", [
-    ("tests.faulty_engines:AuxLossScaledByEP", "equivalence.aux_loss",
+    ("tests.plants.faulty_engines:AuxLossScaledByEP", "equivalence.aux_loss",
      r"load-balancing loss step 0: tp1-pp1-cp1-dp2-ep2 \S+ vs tp1-pp1-cp1-dp2 \S+, rel diff 1\.00e\+00 > 1e-05"),
-    ("tests.faulty_engines:ExpertTokensOutOfOrder", "equivalence.logprobs",
+    ("tests.plants.faulty_engines:ExpertTokensOutOfOrder", "equivalence.logprobs",
      r"tp1-pp1-cp1-dp2-ep2: step-0 log-probs differ from tp1-pp1-cp1-dp2 at \d+/512 tokens"),
 ])
 def test_planted_moe_faults_fail_equivalence_naming_the_layout(engine, failing, message):
@@ -163,7 +163,7 @@ def test_planted_moe_faults_fail_equivalence_naming_the_layout(engine, failing, 
 def moe_golden(tmp_path_factory):
     """tiny-moe's golden trajectory recorded at world size 2 over pure DP and PP 2 (the unbroken run only)."""
     from harness.recording import record_suite
-    from tests.replayed_repeats import repeats_replayed
+    from tests.fakes.replayed_repeats import repeats_replayed
 
     directory = tmp_path_factory.mktemp("moe-golden")
     with repeats_replayed():
@@ -197,7 +197,7 @@ def test_the_moe_trajectory_holds_at_ep_2_and_records_the_load_balancing_loss(mo
 def test_a_gradient_norm_without_the_other_ep_ranks_experts_fails_golden(moe_golden):
     """Megatron-LM #5916's shape: the norm leaves out experts held by other EP ranks, so it depends on the layout
     (and clipping is too weak). Equivalence cannot see it while the clip does not bind; golden's norm does."""
-    _, checks = _golden(moe_golden, "tp1-pp1-cp1-dp2-ep2", "tests.faulty_engines:GradNormMissesOtherEPExperts")
+    _, checks = _golden(moe_golden, "tp1-pp1-cp1-dp2-ep2", "tests.plants.faulty_engines:GradNormMissesOtherEPExperts")
     trajectory = checks["golden.trajectory"]
     assert trajectory.failed
     assert re.match(r"step 1: grad_norm \S+ vs golden \S+ \(rel \S+ > 1e-05\)", trajectory.message), trajectory.message
@@ -292,7 +292,7 @@ def test_grad_sync_judges_an_moe_model_and_its_dispatcher():
 
 @pytest.mark.slow
 def test_expert_gradients_reduced_over_the_dense_dp_group_fail_grad_sync():
-    run = _grad_sync_at_ep2("tests.faulty_engines:ExpertGradsOverDenseDP")
+    run = _grad_sync_at_ep2("tests.plants.faulty_engines:ExpertGradsOverDenseDP")
     failed = [c for c in run.checks if c.failed]
     assert {c.check for c in failed} == {"grad-sync.plan"} and len(failed) == 4, [c.message for c in failed]
     plain = next(c.message for c in failed if "use_distributed_optimizer" not in c.case_id
@@ -304,7 +304,7 @@ def test_expert_gradients_reduced_over_the_dense_dp_group_fail_grad_sync():
 
 @pytest.mark.slow
 def test_a_redundant_token_all_to_all_fails_the_dispatch_check():
-    run = _grad_sync_at_ep2("tests.faulty_engines:TokenAllToAllTwice")
+    run = _grad_sync_at_ep2("tests.plants.faulty_engines:TokenAllToAllTwice")
     failed = [c for c in run.checks if c.failed]
     assert {c.check for c in failed} == {"grad-sync.dispatch"} and len(failed) == 4, [c.message for c in failed]
     assert failed[0].message == ("grad-sync: alltoall dispatcher: rank 0: all_to_all on ep group (0, 1) in forward: "
@@ -377,7 +377,7 @@ def test_step_perf_counts_an_moe_models_work_exactly_at_another_step():
 
 @pytest.mark.slow
 def test_a_redundant_token_all_to_all_fails_step_perfs_counters():
-    run = _step_perf_at_ep2("tests.faulty_engines:TokenAllToAllTwice")
+    run = _step_perf_at_ep2("tests.plants.faulty_engines:TokenAllToAllTwice")
     counted = next(c for c in run.checks if c.check == "step-perf.counters")
     assert counted.failed
     assert counted.message.startswith("tp1-pp1-cp1-dp4-ep2: 4 counters differ from the baseline; "
@@ -386,7 +386,7 @@ def test_a_redundant_token_all_to_all_fails_step_perfs_counters():
 
 
 def model_outlives_its_case(rank: int, world_size: int, engine_name: str = "mcore") -> dict[str, tuple[bool, int]]:
-    """On each rank (tests.rank_call): after a training step of tiny-moe (mcore: at EP 2; fsdp2: pure DP) and the
+    """On each rank (tests.support.rank_call): after a training step of tiny-moe (mcore: at EP 2; fsdp2: pure DP) and the
     case's teardown, whether its model is still alive and how many threads more the rank has than before the
     build - with the engine as it is, then with megatron's dispatchers keeping the last batch's routing graph (the
     plant)."""
@@ -437,7 +437,7 @@ def test_a_finished_moe_case_leaves_nothing_alive_in_a_warm_rank(engine_name):
     gradient-accumulator nodes hold DDP's hooks: a cycle through C++ that kept every MoE case's model and its
     gloo groups' threads alive in a warm rank (which the pool then retired); FSDP2's post-backward hooks close the
     same cycle. Both engines drop them after a step."""
-    from tests.rank_call import on_ranks
+    from tests.support.rank_call import on_ranks
 
     target = "tests.test_moe:" + ("fsdp2_" if engine_name == "fsdp2" else "") + "model_outlives_its_case"
     for rank, got in enumerate(on_ranks(target, 2)):

@@ -157,11 +157,11 @@ def test_planted_nan_parameter_fails_a_real_equivalence_run(tmp_path, capsys):
     from harness import cli
 
     code = cli.main(["run", "--suite", "equivalence", "--model", "tiny", "--world-size", "2", "--backend", "gloo",
-                     "--engine", "tests.faulty_engines:NaNParamAfterLastStep", "--out", str(tmp_path)])
+                     "--engine", "tests.plants.faulty_engines:NaNParamAfterLastStep", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1, out
     for lay in ("tp1-pp1-cp2-dp1", "tp1-pp2-cp1-dp1", "tp2-pp1-cp1-dp1"):
-        assert f"FAIL equivalence.finite equivalence/tests.faulty_engines:NaNParamAfterLastStep/tiny/{lay}" in out
-        assert f"FAIL equivalence.params equivalence/tests.faulty_engines:NaNParamAfterLastStep/tiny/{lay}" in out
+        assert f"FAIL equivalence.finite equivalence/tests.plants.faulty_engines:NaNParamAfterLastStep/tiny/{lay}" in out
+        assert f"FAIL equivalence.params equivalence/tests.plants.faulty_engines:NaNParamAfterLastStep/tiny/{lay}" in out
     assert "elements non-finite (1 NaN, 0 Inf)" in out
     assert "1 pass, 3 regression" in out  # the pure-DP reference is untouched and passes

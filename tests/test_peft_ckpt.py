@@ -95,7 +95,7 @@ def test_export_passes_every_check_at_tp2():
 @pytest.mark.slow
 @pytest.mark.nightly  # the export's CI-tier plant at TP 2: fc1 without the de-interleave
 def test_qkv_split_without_query_groups_is_named():
-    failed = _failed(_run("tests.faulty_peft:QkvSplitIgnoresGroups"))
+    failed = _failed(_run("tests.plants.faulty_peft:QkvSplitIgnoresGroups"))
     for lay in TP2:
         assert "self_attn.k_proj.lora_B.weight" in failed[("peft-ckpt.tensors", lay)] \
             or "self_attn.q_proj.lora_B.weight" in failed[("peft-ckpt.tensors", lay)]
@@ -104,7 +104,7 @@ def test_qkv_split_without_query_groups_is_named():
 
 @pytest.mark.slow
 def test_fc1_without_tp_deinterleave_fails_at_tp2_only():
-    run = _run("tests.faulty_peft:Fc1NoDeinterleave")
+    run = _run("tests.plants.faulty_peft:Fc1NoDeinterleave")
     failed = _failed(run)
     assert not any(lay == TP2[0] for _, lay in failed), failed  # at TP1 halves are [gate; up]
     msg = failed[("peft-ckpt.tensors", TP2[1])]
@@ -125,7 +125,7 @@ def test_alpha_written_as_rank_and_dropped_target_module_are_named():
     not judged as the engine's (a check of what the harness wrote would be circular), a wrong alpha shows in the
     log-probs PEFT computes with it. A bridge that writes the directory itself (save_hf_adapter, 0.6.2) has its
     config judged too. A dropped target module shows in the keys PEFT does not expect."""
-    run = _run("tests.faulty_peft:AlphaWrittenAsRank", layouts=["tp1-pp1-cp1-dp1"])
+    run = _run("tests.plants.faulty_peft:AlphaWrittenAsRank", layouts=["tp1-pp1-cp1-dp1"])
     failed = _failed(run)
     assert ("peft-ckpt.logprobs", "tp1-pp1-cp1-dp1") in failed
     valid = next(c for c in run.checks if c.check == "peft-ckpt.valid")
@@ -134,7 +134,7 @@ def test_alpha_written_as_rank_and_dropped_target_module_are_named():
     else:
         assert valid.passed and "adapter_config.json was written by the harness (the engine exports tensors only)" \
             in valid.message
-    failed = _failed(_run("tests.faulty_peft:TargetModuleDropped", layouts=["tp1-pp1-cp1-dp1"]))
+    failed = _failed(_run("tests.plants.faulty_peft:TargetModuleDropped", layouts=["tp1-pp1-cp1-dp1"]))
     msg = failed[("peft-ckpt.valid", "tp1-pp1-cp1-dp1")]
     assert "v_proj" in msg and "PEFT does not expect" in msg
 
@@ -159,7 +159,7 @@ def test_config_fields_are_judged_where_the_engine_wrote_them():
 
 @pytest.mark.slow
 def test_merged_export_fails_content_and_memory():
-    run = _run("tests.faulty_peft:MergedExport", model="small", layouts=["tp1-pp1-cp1-dp1"])
+    run = _run("tests.plants.faulty_peft:MergedExport", model="small", layouts=["tp1-pp1-cp1-dp1"])
     failed = _failed(run)
     lay = "tp1-pp1-cp1-dp1"
     assert "PEFT does not expect" in failed[("peft-ckpt.valid", lay)]
@@ -171,7 +171,7 @@ def test_merged_export_fails_content_and_memory():
 
 @pytest.mark.slow
 def test_old_adapter_checkpoint_that_no_longer_loads_is_named():
-    failed = _failed(_run("tests.faulty_peft:LegacyKeysRenamed", layouts=["tp1-pp1-cp1-dp1"]))
+    failed = _failed(_run("tests.plants.faulty_peft:LegacyKeysRenamed", layouts=["tp1-pp1-cp1-dp1"]))
     msg = failed[("peft-ckpt.legacy", "tp1-pp1-cp1-dp1")]
     assert msg.startswith("tp1-pp1-cp1-dp1 -> tp1-pp1-cp1-dp1: the adapter-only distributed checkpoint was refused on rank 0")
     assert "lora_adapter" in msg, msg
@@ -190,7 +190,7 @@ def test_missing_peft_is_named_with_its_install_command_before_any_rank(monkeypa
 
 @pytest.mark.slow
 def test_an_import_that_drops_an_adapter_fails_the_round_trip_only():
-    failed = _failed(_run("tests.faulty_peft:ImportDropsFc1", layouts=["tp1-pp1-cp1-dp1"]))
+    failed = _failed(_run("tests.plants.faulty_peft:ImportDropsFc1", layouts=["tp1-pp1-cp1-dp1"]))
     assert set(failed) == {("peft-ckpt.roundtrip", "tp1-pp1-cp1-dp1")}, failed
     assert "the exported HF PEFT adapter loaded, but the held-out log-probs differ from the model that saved it" \
         in failed[("peft-ckpt.roundtrip", "tp1-pp1-cp1-dp1")]
@@ -200,7 +200,7 @@ def test_an_import_that_drops_an_adapter_fails_the_round_trip_only():
 def test_in_bf16_the_log_prob_checks_cannot_tell_a_dropped_adapter_from_rounding_and_say_so():
     """bf16 log-probs of two implementations or layouts differ by ~1e-3, what the adapter itself moves them: the
     comparisons say they cannot tell (in fp32 the same dropped fc1 adapter fails the round trip), and fail nothing."""
-    run = _run("tests.faulty_peft:ImportDropsFc1", layouts=["tp1-pp1-cp1-dp1"], dtype="bf16")
+    run = _run("tests.plants.faulty_peft:ImportDropsFc1", layouts=["tp1-pp1-cp1-dp1"], dtype="bf16")
     assert not _failed(run), _failed(run)
     unjudged = {c.check: c.message for c in run.checks if c.inconclusive}
     assert {"peft-ckpt.logprobs", "peft-ckpt.roundtrip"} <= set(unjudged), unjudged
@@ -220,7 +220,7 @@ def test_a_bf16_log_prob_difference_beyond_bf16s_rounding_is_judged():
 
 @pytest.mark.slow
 def test_adapter_gradients_not_reduced_over_dp_fail_replicas_naming_tensor_and_ranks():
-    failed = _failed(_run("tests.faulty_peft:AdapterGradsNotReduced", layouts=["tp1-pp1-cp1-dp2"]))
+    failed = _failed(_run("tests.plants.faulty_peft:AdapterGradsNotReduced", layouts=["tp1-pp1-cp1-dp2"]))
     msg = failed[("peft-ckpt.replicas", "tp1-pp1-cp1-dp2")]
     assert msg.startswith("tp1-pp1-cp1-dp2: 16/16 adapter shards differ between the ranks that hold copies of them "
                           "after 2 steps, first decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight on ranks [0, 1]"), msg
@@ -230,7 +230,7 @@ def test_adapter_gradients_not_reduced_over_dp_fail_replicas_naming_tensor_and_r
 @pytest.mark.slow
 def test_an_adapter_that_never_trained_is_named_a_no_op():
     # the export and Megatron agree (both do nothing), so only the adapter's effect can tell
-    failed = _failed(_run("tests.faulty_peft:AdapterNeverTrained", layouts=["tp1-pp1-cp1-dp1"]))
+    failed = _failed(_run("tests.plants.faulty_peft:AdapterNeverTrained", layouts=["tp1-pp1-cp1-dp1"]))
     msg = failed[("peft-ckpt.logprobs", "tp1-pp1-cp1-dp1")]
     assert msg.startswith("tp1-pp1-cp1-dp1: the adapter is a no-op in PEFT: disabling it moves the log-probs by "), msg
     assert msg.endswith(" after 2 steps"), msg
@@ -358,12 +358,12 @@ def test_the_pinned_bridges_expert_adapters_are_judged_at_ep1_and_refused_beyond
     # a dense model, and a user engine that judges every layout, keep the expert layouts
     assert len(plan("peft-ckpt", "tiny", 4, None).cases) == 4
     assert "tp1-pp1-cp1-dp2-ep2" in [c.layout.id for c in plan(
-        "peft-ckpt", "tiny-qwen3-moe", 2, None, engine="tests.faulty_peft:JudgedAtEveryLayout").cases]
+        "peft-ckpt", "tiny-qwen3-moe", 2, None, engine="tests.plants.faulty_peft:JudgedAtEveryLayout").cases]
 
 
 @pytest.mark.slow
 def test_moe_experts_exported_in_another_order_fail_tensors_and_logprobs():
-    failed = _failed(_run("tests.faulty_peft:ExpertAdaptersSwapped", model="tiny-qwen3-moe",
+    failed = _failed(_run("tests.plants.faulty_peft:ExpertAdaptersSwapped", model="tiny-qwen3-moe",
                           layouts=["tp1-pp1-cp1-dp1"]))
     assert set(failed) == {("peft-ckpt.tensors", "tp1-pp1-cp1-dp1"), ("peft-ckpt.logprobs", "tp1-pp1-cp1-dp1"),
                            ("peft-ckpt.roundtrip", "tp1-pp1-cp1-dp1")}, failed
@@ -378,7 +378,7 @@ def test_moe_export_of_the_pinned_bridge_lacks_other_ep_ranks_experts():
     """megatron-bridge 0.3.1's export_adapter_weights gathers adapters over TP and PP, not EP: at EP 2 rank 0
     writes its own experts' adapters only (what its adapter_refusal names, so the suite judges the built-in path
     at EP 1 only). The pure-DP export passes the same checks."""
-    run = _run("tests.faulty_peft:JudgedAtEveryLayout", model="tiny-qwen3-moe",
+    run = _run("tests.plants.faulty_peft:JudgedAtEveryLayout", model="tiny-qwen3-moe",
                layouts=["tp1-pp1-cp1-dp2", "tp1-pp1-cp1-dp2-ep2"])
     failed = _failed(run)
     for check in ("valid", "tensors", "logprobs", "replicas"):

@@ -10,13 +10,13 @@ from harness.driver import run_suite
 from harness.launch.pool import RankPool
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from tests import fake_suites as fs
+from tests.plants import fake_suites as fs
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 
 def fake(mode: int, timeout_s: float = fs.CASE_TIMEOUT_S) -> Case:
-    return Case("tests.fake_suites:Misbehave", load_model("tiny"), Layout(dp=2), "mcore",
+    return Case("tests.plants.fake_suites:Misbehave", load_model("tiny"), Layout(dp=2), "mcore",
                 CaseOptions(seed=mode), "gloo", timeout_s)
 
 
@@ -49,7 +49,7 @@ def test_a_gloo_rank_runs_one_thread_starts_no_openmp_pool_and_stays_warm():
     thread (the plant) leaves that setting and the pool of its main thread, and retires the ranks."""
     pool = RankPool(1, "gloo")
     try:
-        runs = [pool.run(Case("tests.fake_suites:Misbehave", load_model("tiny"), Layout(), "mcore",
+        runs = [pool.run(Case("tests.plants.fake_suites:Misbehave", load_model("tiny"), Layout(), "mcore",
                               CaseOptions(seed=mode), "gloo", fs.CASE_TIMEOUT_S))
                 for mode in (fs.PARALLEL_OP, fs.LARGE_GATHERS, fs.TWO_THREADS, fs.OK)]
         assert all(r.ok for r in runs), [r.error for r in runs]
@@ -105,7 +105,7 @@ def test_leaking_case_is_detected_and_the_pool_recovers():
     tiny = load_model("tiny")
     opts = CaseOptions(steps=3, use_distributed_optimizer=True)
     try:
-        leaky = pool.run(Case("grad-sync", tiny, Layout(dp=2), "tests.faulty_engines:SkipParamAllGather", opts))
+        leaky = pool.run(Case("grad-sync", tiny, Layout(dp=2), "tests.plants.faulty_engines:SkipParamAllGather", opts))
         assert leaky.ok
         assert any("_ParamAndGradBucketGroup.start_param_sync was replaced and not restored" in n for n in leaky.notes)
         clean = pool.run(Case("grad-sync", tiny, Layout(dp=2), "mcore", opts))
@@ -132,7 +132,7 @@ def test_warm_ranks_keep_their_threads_and_a_kept_group_retires_the_pool():
         assert all(r.ok and not r.notes for r in runs), [r.notes for r in runs]
         threads = [[r.memory.threads for r in run.ranks if r.memory] for run in runs]
         assert threads[0] == threads[1] == threads[2], threads
-        kept = pool.run(Case("grad-sync", tiny, Layout(dp=2), "tests.faulty_engines:KeepsGroupAlive", opts))
+        kept = pool.run(Case("grad-sync", tiny, Layout(dp=2), "tests.plants.faulty_engines:KeepsGroupAlive", opts))
         assert kept.ok
         assert any(re.search(r"left threads: \d+ -> \d+ \(new: [^;]*pt_gloo_runloop[^;]*; a process group or pool "
                              r"the case made outlived it\)", n)
@@ -190,8 +190,8 @@ def test_a_suite_whose_figures_a_ranks_history_moves_gets_fresh_ranks_for_every_
     from harness.suite_defs import FreshRanksPerCase, get_suite
 
     assert isinstance(get_suite("ckpt-memory"), FreshRanksPerCase)
-    per_case = run_suite("tests.toy_suite:ToySuiteRanksPerCase", "tiny", 2, backend="gloo")
-    warm = run_suite("tests.toy_suite:ToySuite", "tiny", 2, backend="gloo")
+    per_case = run_suite("tests.fakes.toy_suite:ToySuiteRanksPerCase", "tiny", 2, backend="gloo")
+    warm = run_suite("tests.fakes.toy_suite:ToySuite", "tiny", 2, backend="gloo")
     assert per_case.passed and warm.passed
     assert [r.fresh_ranks for r in per_case.results] == [True, True]
     assert [r.fresh_ranks for r in warm.results][1:] == [False]

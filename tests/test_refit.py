@@ -1,4 +1,4 @@
-"""refit: correct exports pass on every layout and path; each planted export regression (tests/faulty_refit.py) fails
+"""refit: correct exports pass on every layout and path; each planted export regression (tests/plants/faulty_refit.py) fails
 it with a message naming the layout, the path, the bucket size and the tensor."""
 
 from __future__ import annotations
@@ -81,13 +81,13 @@ def test_a_vocabulary_tp_does_not_divide_is_exported_cut_and_an_export_of_the_pa
     run = run_suite("refit", "tiny", 2, [TP], backend="gloo", suite_params=params)
     assert not _failed(run)
     assert {c.check for c in run.checks if c.passed} >= {"refit.complete", "refit.values", "refit.policy"}
-    planted = _failed(run_suite("refit", "tiny", 2, [TP], engine="tests.faulty_refit:ExportKeepsThePaddedVocabulary",
+    planted = _failed(run_suite("refit", "tiny", 2, [TP], engine="tests.plants.faulty_refit:ExportKeepsThePaddedVocabulary",
                                 backend="gloo", suite_params=params))
     assert planted["refit.values"].endswith("rank 0, bucket 0: model.embed_tokens.weight of shape [256, 64], HF "
                                             "expects [127, 64]"), planted
     assert "the HF model does not load from the stream strictly" in planted["refit.policy"], planted
     # the padded column left in the head's softmax: one rank pads one row, and the 127-token HF model tells it apart
-    head = _failed(run_suite("refit", "tiny", 2, [DP], engine="tests.faulty_logprobs:PaddedVocabularyInTheSoftmax",
+    head = _failed(run_suite("refit", "tiny", 2, [DP], engine="tests.plants.faulty_logprobs:PaddedVocabularyInTheSoftmax",
                              backend="gloo", suite_params=params))
     assert re.search(r"temperature 0\.7: the HF model loaded from the stream differs from the Megatron model at "
                      r"512/512 held-out tokens", head["refit.policy"]), head
@@ -139,10 +139,10 @@ def test_megatron_bridges_sequential_mlp_expert_export_is_judged_where_the_bridg
 
 @pytest.mark.slow
 def test_an_expert_task_split_across_buckets_that_is_never_yielded_is_caught():
-    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.faulty_refit:ExpertBucketNeverYielded",
+    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.plants.faulty_refit:ExpertBucketNeverYielded",
                     backend="gloo", suite_params=QUICK)
     msg = _failed(run)["refit.complete"]
-    assert msg.startswith(f"tiny-moe at {EP} on tests.faulty_refit:ExpertBucketNeverYielded, buckets of 8 KiB: "
+    assert msg.startswith(f"tiny-moe at {EP} on tests.plants.faulty_refit:ExpertBucketNeverYielded, buckets of 8 KiB: "
                           "rank 0 sent ")
     assert "never sent model.layers.0.mlp.experts." in msg
 
@@ -150,25 +150,25 @@ def test_an_expert_task_split_across_buckets_that_is_never_yielded_is_caught():
 @pytest.mark.slow
 def test_the_local_etp_shard_sent_instead_of_the_gathered_expert_is_caught():
     etp = "tp1-pp1-cp1-dp2-ep1-etp2"
-    run = run_suite("refit", "tiny-moe", 2, [etp], engine="tests.faulty_refit:ETPLocalShard", backend="gloo",
+    run = run_suite("refit", "tiny-moe", 2, [etp], engine="tests.plants.faulty_refit:ETPLocalShard", backend="gloo",
                     suite_params=QUICK)
     msg = _failed(run)["refit.values"]
-    assert f"tiny-moe at {etp} on tests.faulty_refit:ETPLocalShard, buckets of 8 KiB: rank 0, bucket " in msg
+    assert f"tiny-moe at {etp} on tests.plants.faulty_refit:ETPLocalShard, buckets of 8 KiB: rank 0, bucket " in msg
     assert ".mlp.experts.0.gate_proj.weight of shape [32, 64], the harness's mapping expects [64, 64]" in msg
 
 
 @pytest.mark.slow
 def test_a_dropped_expert_bias_is_caught():
-    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.faulty_refit:DropsExpertBias", backend="gloo",
+    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.plants.faulty_refit:DropsExpertBias", backend="gloo",
                     suite_params={**QUICK, "variant": "expert-bias"})
     msg = _failed(run)["refit.complete"]
     assert "never sent model.layers.0.mlp.gate.e_score_correction_bias" in msg
-    assert msg.startswith(f"tiny-moe+expert-bias at {EP} on tests.faulty_refit:DropsExpertBias, buckets of 8 KiB")
+    assert msg.startswith(f"tiny-moe+expert-bias at {EP} on tests.plants.faulty_refit:DropsExpertBias, buckets of 8 KiB")
 
 
 @pytest.mark.slow
 def test_a_fused_expert_tensor_built_whole_is_caught():
-    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.faulty_refit:FusedExpertsBuiltWhole",
+    run = run_suite("refit", "tiny-moe", 2, [EP], engine="tests.plants.faulty_refit:FusedExpertsBuiltWhole",
                     backend="gloo", suite_params=QUICK)
     msg = _failed(run)["refit.memory"]
     assert "built 64.0 KiB at once, beyond the largest tensor the export must build (32.0 KiB), at " in msg
@@ -178,16 +178,16 @@ def test_a_fused_expert_tensor_built_whole_is_caught():
 
 @pytest.mark.slow
 def test_an_exporter_that_keeps_its_buckets_is_caught():
-    run = run_suite("refit", "tiny", 2, [TP], engine="tests.faulty_refit:KeepsBucketsAlive", backend="gloo",
+    run = run_suite("refit", "tiny", 2, [TP], engine="tests.plants.faulty_refit:KeepsBucketsAlive", backend="gloo",
                     suite_params=QUICK)
     msg = _failed(run)["refit.repeat"]
-    assert f"tiny at {TP} on tests.faulty_refit:KeepsBucketsAlive, buckets of 8 KiB: 10 exports of the same " in msg
+    assert f"tiny at {TP} on tests.plants.faulty_refit:KeepsBucketsAlive, buckets of 8 KiB: 10 exports of the same " in msg
     assert "KiB per export (bound 16 KiB" in msg
 
 
 @pytest.mark.slow
 def test_stale_weights_are_caught_by_value_and_by_the_policy():
-    run = run_suite("refit", "tiny", 2, [DP], engine="tests.faulty_refit:StaleWeights", backend="gloo",
+    run = run_suite("refit", "tiny", 2, [DP], engine="tests.plants.faulty_refit:StaleWeights", backend="gloo",
                     suite_params=QUICK)
     failed = _failed(run)
     assert "unlike the trained parameter" in failed["refit.values"]
@@ -206,7 +206,7 @@ def test_the_policy_is_scored_through_the_log_prob_head_at_the_temperature_and_a
     assert re.fullmatch(r"tiny at tp2-pp1-cp1-dp1 on mcore, temperature 0\.7: the HF model loaded from the stream "
                         r"computes the Megatron model's log-probs of 512 held-out tokens, worst rel \S+ <= 1e-05",
                         policy), policy
-    failed = _failed(run_suite("refit", "tiny", 2, [TP], engine="tests.faulty_logprobs:TemperatureTwice",
+    failed = _failed(run_suite("refit", "tiny", 2, [TP], engine="tests.plants.faulty_logprobs:TemperatureTwice",
                                backend="gloo", suite_params=quick))
     assert set(failed) == {"refit.policy"}, failed
     assert re.fullmatch(r"tiny at tp2-pp1-cp1-dp1 on tests\.faulty_logprobs:TemperatureTwice, temperature 0\.7: the "
@@ -242,11 +242,11 @@ def test_an_export_peak_above_its_baseline_fails_naming_the_rank_and_the_bucket(
 
 @pytest.mark.slow
 def test_an_exporter_that_ignores_the_bucket_size_is_caught_and_a_sent_tied_head_is_not():
-    run = run_suite("refit", "tiny", 2, [PP], engine="tests.faulty_refit:OneBucketWithTiedHead", backend="gloo",
+    run = run_suite("refit", "tiny", 2, [PP], engine="tests.plants.faulty_refit:OneBucketWithTiedHead", backend="gloo",
                     suite_params=QUICK)
     failed = _failed(run)
     assert failed["refit.memory"].startswith(
-        f"tiny at {PP} on tests.faulty_refit:OneBucketWithTiedHead, buckets of 8 KiB: rank 0, bucket 0 holds ")
+        f"tiny at {PP} on tests.plants.faulty_refit:OneBucketWithTiedHead, buckets of 8 KiB: rank 0, bucket 0 holds ")
     assert "beyond the bucket size 8 KiB" in failed["refit.memory"]
     assert "refit.complete" not in failed and "refit.values" not in failed  # lm_head sent, equal to the embedding
 

@@ -13,8 +13,8 @@ import pytest
 from harness.launch import run_case
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from tests import fake_suites as fs
-from tests.slow_init import SLOW_S
+from tests.plants import fake_suites as fs
+from tests.plants.slow_init import SLOW_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_ranks")]
 
@@ -23,7 +23,7 @@ class NoCollective:
     """A case whose ranks issue no collective of their own: each reports when its init returned and its work began."""
 
     name = "no-collective"
-    imports: tuple[str, ...] = ("tests.slow_init",)
+    imports: tuple[str, ...] = ("tests.plants.slow_init",)
 
     def rank_work(self, case, ctx):
         return {"init_done": float(os.environ["SLOW_INIT_DONE"]), "work_start": time.time()}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import browser
-from tests.night_pages import RECORD, history, night
+from tests.support import browser
+from tests.fakes.night_pages import RECORD, history, night
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("jinja2")
@@ -116,7 +116,7 @@ def test_harness_report_compares_with_the_history_beside_the_results_and_junit_n
     import xml.etree.ElementTree as ET
 
     from harness import cli
-    from tests.night_pages import refit_run
+    from tests.fakes.night_pages import refit_run
 
     refit_run(tmp_path / "night" / "refit")
     history(tmp_path / "night" / "history.sqlite", tmp_path / "earlier")
@@ -145,7 +145,7 @@ def test_the_rl_plots_draw_the_planted_figures_where_they_are(tmp_path, monkeypa
     import json
 
     from harness.report import check_plots, rl_plots
-    from tests.night_pages import batch_split_run, rl_cycle_run
+    from tests.fakes.night_pages import batch_split_run, rl_cycle_run
 
     fig = _drawn(monkeypatch, "rl_plots", rl_plots.rl_cycle_residue, rl_cycle_run(tmp_path / "rl"))
     flat, grows = fig.axes[0], fig.axes[1]
@@ -170,7 +170,7 @@ def test_the_rl_plots_draw_the_planted_figures_where_they_are(tmp_path, monkeypa
 
 def test_a_night_without_history_names_no_since_and_a_page_of_passing_runs_says_nothing_regressed(tmp_path):
     from harness.report.directory import write_report
-    from tests.night_pages import ckpt_run, refit_run
+    from tests.fakes.night_pages import ckpt_run, refit_run
 
     ckpt_run(tmp_path / "n")
     write_report(tmp_path / "n")

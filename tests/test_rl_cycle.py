@@ -1,4 +1,4 @@
-"""rl-cycle: correct RL iterations pass; each planted regression (tests/faulty_rl_cycle.py) fails it with a message
+"""rl-cycle: correct RL iterations pass; each planted regression (tests/plants/faulty_rl_cycle.py) fails it with a message
 naming the iteration, the layer or tensor, the rank and the figure."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _failed(run) -> dict[str, str]:
 
 
 def _faulty(name: str, model: str, layout: str, rl_variant: str = ""):
-    return run_suite("rl-cycle", model, 2, [layout], engine=f"tests.faulty_rl_cycle:{name}", backend="gloo",
+    return run_suite("rl-cycle", model, 2, [layout], engine=f"tests.plants.faulty_rl_cycle:{name}", backend="gloo",
                      suite_params={**QUICK, "rl_variant": rl_variant})
 
 
@@ -226,7 +226,7 @@ def test_an_export_that_resends_its_first_stream_fails_rl_cycle_and_passes_refit
     assert re.fullmatch(r"iteration 2 of 4: tiny at tp1-pp1-cp1-dp2: rank 0, bucket \d+: \S+ unlike the trained "
                         r"parameter \(largest difference [\d.e-]+\): the rollout gets other weights; its stream is "
                         r"iteration 1's, byte for byte: an export cached and sent again", msg), msg
-    run = run_suite("refit", "tiny", 2, [DP], engine="tests.faulty_rl_cycle:ResendsFirstStream", backend="gloo")
+    run = run_suite("refit", "tiny", 2, [DP], engine="tests.plants.faulty_rl_cycle:ResendsFirstStream", backend="gloo")
     failed = {c.check: c.message for c in run.checks if c.failed}
     assert set(failed) == {"refit.baseline"} and "no baseline for" in failed["refit.baseline"], failed  # a user engine's
     assert {c.check for c in run.checks if c.passed} == {"refit.complete", "refit.values", "refit.memory",
@@ -250,7 +250,7 @@ def test_an_export_that_keeps_what_it_sent_fails_naming_what_it_kept_per_iterati
 def _head(name: str, temperature: float, layout: str = TP):
     """A plant in the log-prob head; at TP 2 (the vocabulary sharded) where it is the one that needs it, else at DP 2:
     a TP 2 run of rl-cycle costs three times a DP 2 one on CPU ranks (TP's all-reduces over gloo)."""
-    return run_suite("rl-cycle", "tiny", 2, [layout], engine=f"tests.faulty_logprobs:{name}", backend="gloo",
+    return run_suite("rl-cycle", "tiny", 2, [layout], engine=f"tests.plants.faulty_logprobs:{name}", backend="gloo",
                      suite_params={**QUICK, "temperature": temperature})
 
 

@@ -19,11 +19,11 @@ from harness.launch import run_case, zygote
 from harness.launch.children import die_with_parent
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from tests import fake_suites as fs
+from tests.plants import fake_suites as fs
 from tests.conftest import live_worker_pids
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
-SUITE = "tests.fake_suites:Misbehave"
+SUITE = "tests.plants.fake_suites:Misbehave"
 
 
 def case(mode: int, timeout_s: float = fs.CASE_TIMEOUT_S, world: int = 2) -> Case:
@@ -80,7 +80,7 @@ def test_consecutive_cases_do_not_collide():
 
 def test_ranks_die_with_a_killed_parent():
     code = ("from tests.test_runner import case; from harness.launch import run_case; "
-            "from tests import fake_suites as fs; run_case(case(fs.SLEEP, timeout_s=600))")
+            "from tests.plants import fake_suites as fs; run_case(case(fs.SLEEP, timeout_s=600))")
     parent = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 300  # its fork server imports torch first
@@ -146,7 +146,7 @@ def test_torchrun_entry_stops_every_rank_when_the_environment_is_broken(tmp_path
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.run(
         [*torchrun, "-m", "harness.torchrun", "--suite", "grad-sync", "--model", "tiny", "--backend", "gloo",
-         "--engine", "tests.faulty_engines:NeedsMissingModule", "--out", str(tmp_path)],
+         "--engine", "tests.plants.faulty_engines:NeedsMissingModule", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
     )
     # torchrun itself exits 1 when a rank exits non-zero, and names the rank's own code
@@ -186,7 +186,7 @@ def test_torchrun_entry_gives_each_case_its_own_scratch_and_leaves_none(tmp_path
     env = {**os.environ, "HARNESS_ARTIFACTS": str(tmp_path / "artifacts"), "TMPDIR": str(tmp_path)}
     for _ in range(2):  # the second run finds nothing of the first
         proc = subprocess.run(
-            [*torchrun, "-m", "harness.torchrun", "--suite", "tests.fake_suites:Scratch", "--model", "tiny",
+            [*torchrun, "-m", "harness.torchrun", "--suite", "tests.plants.fake_suites:Scratch", "--model", "tiny",
              "--backend", "gloo", "--out", str(tmp_path / "out")],
             capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1], env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -223,7 +223,7 @@ def test_a_pool_rank_that_failed_reports_without_a_teardown(monkeypatch, tmp_pat
     monkeypatch.setattr(parallel, "teardown_parallel_state", lambda: torn.append("teardown"))
     monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", sys.modules.get("megatron.core.parallel_state")
                         or object())
-    failing = Case("tests.fake_suites:Mixed", load_model("tiny"), Layout(dp=2), "mcore",
+    failing = Case("tests.plants.fake_suites:Mixed", load_model("tiny"), Layout(dp=2), "mcore",
                    CaseOptions(seed=fs.ERROR), "gloo", fs.CASE_TIMEOUT_S)
     pool = run_rank(failing, RankContext(1, 2, 1, "gloo", tmp_path), own_process_group=False, exits_on_failure=True)
     assert not pool.ok and "planted failure on rank 1" in pool.error and torn == []

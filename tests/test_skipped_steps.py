@@ -43,7 +43,7 @@ def test_a_step_skipped_for_a_non_finite_gradient_is_reported_on_every_release()
     """In fp16: megatron's loss scaler finds the inf / NaN and the optimizer skips the step (in fp32 and bf16 it
     checks nothing and applies the NaN: equivalence.finite names that)."""
     run = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo", options=CaseOptions(dtype="fp16"),
-                    engine="tests.faulty_engines:NonFiniteGradientAtStep1")
+                    engine="tests.plants.faulty_engines:NonFiniteGradientAtStep1")
     failed = [c for c in run.checks if c.failed]
     assert failed and all(c.check == "equivalence.trained-steps" for c in failed), [c.message for c in failed]
     assert "(steps 1): its optimizer applied no update (a non-finite gradient norm at step 1)" in failed[0].message
@@ -59,7 +59,7 @@ def test_a_step_skipped_over_the_skip_threshold_is_reported_where_megatron_has_o
         pytest.skip("megatron-core here has no grad_norm_skip_threshold (0.19 and later): only a non-finite "
                     "gradient norm skips a step on it")
     run = run_suite("equivalence", "tiny", 2, ["tp2-pp1-cp1-dp1"], backend="gloo",
-                    engine="tests.faulty_engines:StepsOverSkipThreshold")
+                    engine="tests.plants.faulty_engines:StepsOverSkipThreshold")
     failed = [c for c in run.checks if c.check == "equivalence.trained-steps"]
     assert failed and failed[0].failed and "beyond the optimizer's grad_norm_skip_threshold" in failed[0].message
     assert not run.passed

@@ -131,7 +131,7 @@ OPTIONS = CaseOptions(bucket_size=12_000)
 LAYOUT = ["tp1-pp1-cp1-dp2"]
 
 
-# The planted slowdowns (tests/faulty_engines.py) make every timed step wait BEYOND x the recorded baseline's largest
+# The planted slowdowns (tests/plants/faulty_engines.py) make every timed step wait BEYOND x the recorded baseline's largest
 # step x its repeats' drift: judged at a 10% minimum effect, they fail whatever the machine's load, on 6 timed steps
 # (3 blocks of 2 against the baseline's 18: the smallest p-value is 7.5e-4, below the 1% level).
 DETECT, PLANTED_STEPS = 0.10, 6
@@ -221,7 +221,7 @@ def test_unchanged_engine_passes_its_counters_and_its_own_step_times(recorded):
 
 @pytest.fixture(scope="module")
 def straggler(recorded):
-    return _run("tests.faulty_engines:Straggler", recorded[0], timed_steps=PLANTED_STEPS)
+    return _run("tests.plants.faulty_engines:Straggler", recorded[0], timed_steps=PLANTED_STEPS)
 
 
 @pytest.mark.slow
@@ -264,7 +264,7 @@ def test_straggler_fails_on_step_time_naming_the_rank(straggler):
 
 @pytest.mark.slow
 def test_lost_overlap_fails_the_exact_counters(recorded):
-    _, checks = _run("tests.faulty_engines:OverlapLost", recorded[0])
+    _, checks = _run("tests.plants.faulty_engines:OverlapLost", recorded[0])
     msg = checks["step-perf.counters"].message
     # (without overlap megatron also drops the bucketing: one bucket, so the call counts differ too)
     assert re.match(r"tp1-pp1-cp1-dp2: \d+ counters differ from the baseline; overlap_grad_reduce=True but no DP "
@@ -276,7 +276,7 @@ def test_lost_overlap_fails_the_exact_counters(recorded):
 
 @pytest.mark.slow
 def test_smaller_buckets_fail_on_collective_calls(recorded):
-    _, checks = _run("tests.faulty_engines:SmallBuckets", recorded[0])
+    _, checks = _run("tests.plants.faulty_engines:SmallBuckets", recorded[0])
     c = checks["step-perf.counters"]
     assert not c.passed
     n = _planned_buckets()
@@ -286,7 +286,7 @@ def test_smaller_buckets_fail_on_collective_calls(recorded):
 
 @pytest.mark.slow
 def test_recompute_switched_on_fails_on_flops_exactly(recorded):
-    _, checks = _run("tests.faulty_engines:RecomputeOn", recorded[0])
+    _, checks = _run("tests.plants.faulty_engines:RecomputeOn", recorded[0])
     c = checks["step-perf.counters"]
     assert not c.passed
     assert re.search(r"rank0\.flops 1\.97132e\+08 vs baseline 1\.50995e\+08 \(\+30\.6%\)", c.message + " ".join(c.details)), \
@@ -574,13 +574,13 @@ def test_costly_instrumentation_fails_the_overhead_check_and_costs_more_than_the
     small costs are shown on synthetic pairs above."""
     from harness.driver import run_suite
     from harness.suite_defs.step_perf import StepPerfSuite
-    from tests.faulty_engines import CostlyInstrumentation
+    from tests.plants.faulty_engines import CostlyInstrumentation
 
     from harness.checks.timing import paired_ratio
     from harness.suite_defs.step_perf import figures
 
     checks, cost = {}, {}
-    for engine in ("mcore", "tests.faulty_engines:CostlyInstrumentation"):
+    for engine in ("mcore", "tests.plants.faulty_engines:CostlyInstrumentation"):
         run = run_suite("step-perf", "tiny", 1, ["tp1-pp1-cp1-dp1"], engine=engine, backend="gloo",
                         options=OPTIONS, timeout_s=TIMEOUT_S, suite_params=dict(_params(), timed_steps=12, overhead=True))
         assert all(r.ok for r in run.results), "\n".join(r.error for r in run.results if not r.ok)
@@ -590,9 +590,9 @@ def test_costly_instrumentation_fails_the_overhead_check_and_costs_more_than_the
         assert "n=12 pairs" in checks[engine].message, checks[engine].message
         res = run.results[0]
         cost[engine] = paired_ratio(figures.plain_ms(res), figures.step_ms(res)).ratio - 1
-    costly = checks["tests.faulty_engines:CostlyInstrumentation"]
+    costly = checks["tests.plants.faulty_engines:CostlyInstrumentation"]
     assert costly.failed and costly.message.startswith("the harness's instrumentation costs +"), costly.message
-    assert cost["tests.faulty_engines:CostlyInstrumentation"] - cost["mcore"] > CostlyInstrumentation.COST / 2, \
+    assert cost["tests.plants.faulty_engines:CostlyInstrumentation"] - cost["mcore"] > CostlyInstrumentation.COST / 2, \
         (costly.message, checks["mcore"].message)
 
 
@@ -664,7 +664,7 @@ def test_exposed_communication_grown_alone_fails_and_zero_is_judged(base_exposed
 def test_a_serialised_reduction_fails_naming_the_exposed_communication(recorded):
     """Every rank waits in the gradient sync: the step grew by what the exposed communication grew. Whether one
     rank also computed over 20% longer is the machine's doing, so either ending of the message is right."""
-    run, checks = _run("tests.faulty_engines:SerialisedReduction", recorded[0], timed_steps=PLANTED_STEPS)
+    run, checks = _run("tests.plants.faulty_engines:SerialisedReduction", recorded[0], timed_steps=PLANTED_STEPS)
     msg = checks["step-perf.time"].message
     assert checks["step-perf.time"].failed and checks["step-perf.counters"].passed, msg
     assert re.search(r"^tp1-pp1-cp1-dp2: step time regressed: .*; exposed communication grew by [\d.]+ ms of the "
@@ -676,7 +676,7 @@ def test_a_serialised_reduction_fails_naming_the_exposed_communication(recorded)
 def test_on_another_machine_time_is_not_judged_and_counters_are(recorded, monkeypatch):
     """A baseline's step times say nothing about the code on another machine: not a pass, not a failure."""
     monkeypatch.setattr("harness.platform.backend.machine_fingerprint", lambda backend: "Another CPU x64")
-    run, checks = _run("tests.faulty_engines:SmallBuckets", recorded[0])  # more calls: the counters must still fail
+    run, checks = _run("tests.plants.faulty_engines:SmallBuckets", recorded[0])  # more calls: the counters must still fail
     time = checks["step-perf.time"]
     assert time.inconclusive and "not judged: no baseline for this machine" in time.message
     assert "this is Another CPU x64" in time.message and "harness compare" in time.message

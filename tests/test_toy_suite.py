@@ -1,4 +1,4 @@
-"""Adding a suite touches only its own module and the registry: tests/toy_suite.py, registered here
+"""Adding a suite touches only its own module and the registry: tests/fakes/toy_suite.py, registered here
 in harness.suite_registry.SUITES, runs through `harness run`, the driver's parameters and judging, and
 `harness report`, which renders its results.json in a process where neither torch nor any suite
 module can be imported."""
@@ -21,7 +21,7 @@ from harness.errors import BadInput
 @pytest.fixture
 def toy_registered(monkeypatch):
     monkeypatch.setitem(suite_registry.SUITES, "toy", suite_registry.SuiteSpec(
-        "tests.toy_suite:ToySuite", params=("tests.toy_suite:ToyParams", "tests.toy_suite:ToyCaseParams")))
+        "tests.fakes.toy_suite:ToySuite", params=("tests.fakes.toy_suite:ToyParams", "tests.fakes.toy_suite:ToyCaseParams")))
 
 
 @pytest.mark.slow
@@ -61,7 +61,7 @@ _NO_TORCH = textwrap.dedent("""
     PARAM_MODULES = @PARAM_MODULES@
 
     class Refuse:
-        BLOCKED = ("torch", "megatron", "harness.suite_defs", "harness.driver", "harness.launch", "tests.toy_suite")
+        BLOCKED = ("torch", "megatron", "harness.suite_defs", "harness.driver", "harness.launch", "tests.fakes.toy_suite")
         PARAMS = ("harness.suite_defs", "harness.suite_flags") + PARAM_MODULES
 
         def find_spec(self, name, path=None, target=None):

@@ -225,9 +225,9 @@ def test_tiny_is_below_what_the_model_can_tell_and_says_so():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine,layout,params,phase", [
-    ("tests.faulty_engines:KeepsWeightCopy", "tp1-pp1-cp1-dp2", {"distributed_optimizer": (False,)}, "build"),
+    ("tests.plants.faulty_engines:KeepsWeightCopy", "tp1-pp1-cp1-dp2", {"distributed_optimizer": (False,)}, "build"),
     # R2's memory signature: DDP with the distributed optimizer's parameter buffer, the user asked for none
-    ("tests.faulty_engines:DistDdpPlainOptimizer", "tp1-pp1-cp1-dp2", {"distributed_optimizer": (False,)}, "build"),
+    ("tests.plants.faulty_engines:DistDdpPlainOptimizer", "tp1-pp1-cp1-dp2", {"distributed_optimizer": (False,)}, "build"),
 ])
 def test_a_planted_extra_copy_fails_the_model_in_its_phase(engine, layout, params, phase):
     run = _run(layouts=[layout], engine=engine, recompute=(), **params)
@@ -245,7 +245,7 @@ def test_a_planted_extra_copy_fails_the_model_in_its_phase(engine, layout, param
 
 @pytest.mark.slow
 def test_recompute_that_is_not_applied_fails_the_steps():
-    run = _run(layouts=["tp2-pp1-cp1-dp1"], engine="tests.faulty_engines:RecomputeIgnored",
+    run = _run(layouts=["tp2-pp1-cp1-dp1"], engine="tests.plants.faulty_engines:RecomputeIgnored",
                distributed_optimizer=(), recompute=("full",))
     (model,) = [c for c in run.checks if c.check == "train-memory.model"]
     assert model.failed and "rank 0 step" in model.message, model.message

@@ -10,18 +10,18 @@ import re
 import xml.etree.ElementTree as ET
 
 from harness import cli
-from tests.fake_suites import MIXED_PLAN
+from tests.plants.fake_suites import MIXED_PLAN
 
 
 @pytest.mark.slow
 def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys):
-    code = cli.main(["run", "--suite", "tests.fake_suites:Mixed", "--world-size", "2", "--out", str(tmp_path)])
+    code = cli.main(["run", "--suite", "tests.plants.fake_suites:Mixed", "--world-size", "2", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 1  # regressions, an improvement and an error: not a pass
     starts = re.findall(r"^\[(\d+)/20 (\d+:\d\d) elapsed(, ETA \d+:\d\d)?\] ", err, re.M)
     assert [int(s[0]) for s in starts] == list(range(1, 21))  # every case ran, failures did not stop the run
     assert not starts[0][2] and all(s[2] for s in starts[1:])  # an ETA once a case has finished
-    assert "[13/20] tests.fake_suites:Mixed/mcore/tiny/tp1-pp1-cp1-dp2[seed=1204] skipped in " in err
+    assert "[13/20] tests.plants.fake_suites:Mixed/mcore/tiny/tp1-pp1-cp1-dp2[seed=1204] skipped in " in err
     assert "case needs package 'frobnicate': pip install frobnicate" in err
 
     summary = out.split("summary:\n", 1)[1]
@@ -54,7 +54,7 @@ def test_twenty_case_run_shows_progress_and_a_correct_summary(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_path, capsys):
-    code = cli.main(["run", "--suite", "tests.fake_suites:AllSkipped", "--world-size", "2", "--out", str(tmp_path)])
+    code = cli.main(["run", "--suite", "tests.plants.fake_suites:AllSkipped", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 5, out  # its own exit code: neither a pass (0) nor a failed check (1)
     assert "all-skipped: 0 checks passed, 0 failed (3 cases" in out and "3 skipped" in out
@@ -72,7 +72,7 @@ def test_a_run_where_every_case_is_skipped_judged_nothing_and_does_not_pass(tmp_
 
 @pytest.mark.slow
 def test_a_case_that_no_check_judged_is_not_a_pass(tmp_path, capsys):
-    code = cli.main(["run", "--suite", "tests.fake_suites:ForgetsACase", "--world-size", "2", "--out", str(tmp_path)])
+    code = cli.main(["run", "--suite", "tests.plants.fake_suites:ForgetsACase", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1, out
     assert "forgets-a-case: 2 checks passed, 0 failed (3 cases" in out and "2 pass, 1 unjudged" in out
@@ -227,14 +227,14 @@ def test_nightly_reports_a_pair_that_does_not_apply_and_is_no_failure(tmp_path, 
 
 @pytest.mark.slow
 def test_checks_that_cannot_tell_are_neither_passes_nor_failures(tmp_path, capsys):
-    code = cli.main(["run", "--suite", "tests.fake_suites:Blind", "--world-size", "2", "--out", str(tmp_path)])
+    code = cli.main(["run", "--suite", "tests.plants.fake_suites:Blind", "--world-size", "2", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 0, out  # one case judged and passed; nothing failed
-    assert "[3/3] tests.fake_suites:Blind/mcore/tiny/tp1-pp1-cp1-dp2[seed=200] skipped in 0.0s: needs world size 4, " \
+    assert "[3/3] tests.plants.fake_suites:Blind/mcore/tiny/tp1-pp1-cp1-dp2[seed=200] skipped in 0.0s: needs world size 4, " \
            "the run has 2" in err
     assert re.search(r"^blind: 1 checks passed, 0 failed, 2 inconclusive \(3 cases, [0-9.]+s\): "
                      r"1 pass, 1 skipped, 1 inconclusive$", out, re.M), out
-    assert "CANNOT TELL blind.sees tests.fake_suites:Blind/mcore/tiny/tp1-pp1-cp1-dp2[seed=100]: cannot tell: both " \
+    assert "CANNOT TELL blind.sees tests.plants.fake_suites:Blind/mcore/tiny/tp1-pp1-cp1-dp2[seed=100]: cannot tell: both " \
            "answers look alike at this size: needs more ranks" in out
     results = json.loads((tmp_path / "results.json").read_text())
     assert [c["outcome"] for c in results["cases"]] == ["pass", "inconclusive", "skipped"]
@@ -252,7 +252,7 @@ def test_checks_that_cannot_tell_are_neither_passes_nor_failures(tmp_path, capsy
 
 @pytest.mark.slow
 def test_a_run_whose_every_check_cannot_tell_judged_nothing(tmp_path, capsys):
-    code = cli.main(["run", "--suite", "tests.fake_suites:AllBlind", "--world-size", "2", "--out", str(tmp_path)])
+    code = cli.main(["run", "--suite", "tests.plants.fake_suites:AllBlind", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 5, out
     assert "all-blind: 0 checks passed, 0 failed, 2 inconclusive" in out and "NOTHING JUDGED" in out
@@ -263,7 +263,7 @@ def test_a_run_whose_every_check_cannot_tell_judged_nothing(tmp_path, capsys):
 @pytest.mark.slow
 def test_cases_that_errored_without_a_failed_check_exit_3_not_1(tmp_path, capsys):
     """A broken environment (a case errored) and a regression are told apart: exit 3 and verdict 'errored'."""
-    code = cli.main(["run", "--suite", "tests.fake_suites:BrokenEnvironment", "--world-size", "2",
+    code = cli.main(["run", "--suite", "tests.plants.fake_suites:BrokenEnvironment", "--world-size", "2",
                      "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 3, out
@@ -274,7 +274,7 @@ def test_cases_that_errored_without_a_failed_check_exit_3_not_1(tmp_path, capsys
     suite = ET.parse(tmp_path / "junit.xml").getroot().find("testsuite")
     assert (suite.get("errors"), suite.get("failures")) == ("1", "0")
     # one regression beside the error: the code's failure decides
-    code = cli.main(["run", "--suite", "tests.fake_suites:Mixed", "--world-size", "2"])
+    code = cli.main(["run", "--suite", "tests.plants.fake_suites:Mixed", "--world-size", "2"])
     assert code == 1
 
 
@@ -283,7 +283,7 @@ def test_a_nightly_whose_runs_only_errored_exits_3(tmp_path, capsys, monkeypatch
     from harness import driver, nightly
 
     real = driver.plan
-    monkeypatch.setattr("harness.driver.plan", lambda suite, *a, **k: real("tests.fake_suites:BrokenEnvironment",
+    monkeypatch.setattr("harness.driver.plan", lambda suite, *a, **k: real("tests.plants.fake_suites:BrokenEnvironment",
                                                                            *a, **k))
     code = nightly.run_nightly(tmp_path, ["equivalence"], ["tiny"], 2, "gloo", None, lambda msg: None)
     out = capsys.readouterr().out
@@ -298,7 +298,7 @@ def test_a_broken_environment_stops_the_run_after_its_first_cases(tmp_path, caps
     from harness.broken_env import STOP_AFTER
 
     code = cli.main(["run", "--suite", "grad-sync", "--model", "tiny", "--world-size", "2",
-                     "--engine", "tests.faulty_engines:NeedsMissingModule", "--out", str(tmp_path)])
+                     "--engine", "tests.plants.faulty_engines:NeedsMissingModule", "--out", str(tmp_path)])
     captured = capsys.readouterr()
     out = captured.out + captured.err
     assert code == 3, out
@@ -317,7 +317,7 @@ def test_a_broken_environment_stops_the_run_after_its_first_cases(tmp_path, caps
 
 @pytest.mark.slow
 def test_cases_that_error_each_for_a_reason_of_their_own_do_not_stop_the_run(tmp_path, capsys):
-    code = cli.main(["run", "--suite", "tests.fake_suites:OwnErrors", "--world-size", "2", "--out", str(tmp_path)])
+    code = cli.main(["run", "--suite", "tests.plants.fake_suites:OwnErrors", "--world-size", "2", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 3, out
     results = json.loads((tmp_path / "results.json").read_text())

@@ -15,7 +15,7 @@ import pytest
 from harness.launch import run_case, zygote
 from harness.models import load_model
 from harness.spec import Case, CaseOptions, Layout
-from tests import fake_suites as fs
+from tests.plants import fake_suites as fs
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 

@@ -138,7 +138,7 @@ class MbridgeEngine(McoreEngine):
     def bridge_ddp_config(self) -> dict[str, Any]:
         """What this path hands to bridge.get_model(ddp_config=...): the merged wrap config.
 
-        R2 was this method returning only `self.overrides` (tests/faulty_engines.py:MbridgeOverrideOnly).
+        R2 was this method returning only `self.overrides` (tests/plants/faulty_engines.py:MbridgeOverrideOnly).
         """
         return ddp_config_dict(WrapConfig.from_options(self.case.options), self.overrides)
 

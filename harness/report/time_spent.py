@@ -1,7 +1,7 @@
 """Where a run's time went, from the harness's own phase timers (results.json data alone): per run, the seconds its
 cases spent starting ranks, importing, building, stepping and in the suite's other phases (saves, loads, exports,
 offloads, ...), the parent's judging, and the rest of the wall (the parent's planning and bookkeeping between cases).
-`harness report DIR` writes the table; tests/phase_table.py makes the same per test module."""
+`harness report DIR` writes the table; tests/support/phase_table.py makes the same per test module."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ torch's fake process group (collectives that move nothing), parameters on the me
 Only names and sizes are read, so a chunk is built once per (TP, PP, VPP, EP, ETP, pipeline rank): DP and CP
 shard no weight.
 
-python -m tests.fake_world MODEL [MODEL ...] prints, as JSON, per model the layouts and builds it judged and
+python -m tests.fakes.fake_world MODEL [MODEL ...] prints, as JSON, per model the layouts and builds it judged and
 every (layout, rank) whose built chunks hold other parameter sizes than the model spec's arithmetic
 (chunk_params), or whose gradient-sync plan from them differs from the arithmetic's (checks/expected_collectives.py).
 Run it as a subprocess: it activates the CPU layer and megatron's globals."""

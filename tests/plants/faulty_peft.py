@@ -1,4 +1,4 @@
-"""PEFT adapter exports with planted regressions (--engine tests.faulty_peft:...), for the peft-ckpt suite."""
+"""PEFT adapter exports with planted regressions (--engine tests.plants.faulty_peft:...), for the peft-ckpt suite."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ def on_ranks(target: str, world_size: int, timeout_s: float = 300.0) -> list[Any
     from harness.models import load_model
     from harness.spec import Case, CaseOptions, Layout
 
-    case = Case("tests.rank_call:RankCall", load_model("tiny"), Layout(dp=world_size), "mcore", CaseOptions(), "gloo",
+    case = Case("tests.support.rank_call:RankCall", load_model("tiny"), Layout(dp=world_size), "mcore", CaseOptions(), "gloo",
                 timeout_s, params=CallParams(target))
     result = run_case(case)
     assert result.ok, result.error

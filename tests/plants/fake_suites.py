@@ -80,7 +80,7 @@ class Mixed:
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
-        return [Case("tests.fake_suites:Mixed", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + mode),
+        return [Case("tests.plants.fake_suites:Mixed", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + mode),
                      backend, CASE_TIMEOUT_S) for i, mode in enumerate(MIXED_PLAN)]
 
     def metrics(self, result) -> dict[str, Any]:
@@ -120,7 +120,7 @@ class AllSkipped(Mixed):
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
-        return [Case("tests.fake_suites:AllSkipped", model, Layout(dp=world_size), engine,
+        return [Case("tests.plants.fake_suites:AllSkipped", model, Layout(dp=world_size), engine,
                      CaseOptions(seed=100 * i + SKIPPED), backend, CASE_TIMEOUT_S) for i in range(3)]
 
 
@@ -132,7 +132,7 @@ class ForgetsACase(Mixed):
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
-        return [Case("tests.fake_suites:ForgetsACase", model, Layout(dp=world_size), engine,
+        return [Case("tests.plants.fake_suites:ForgetsACase", model, Layout(dp=world_size), engine,
                      CaseOptions(seed=100 * i + PASS), backend, CASE_TIMEOUT_S) for i in range(3)]
 
     def check(self, results, params=None):
@@ -147,7 +147,7 @@ class Sleepy(Mixed):
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
-        return [Case("tests.fake_suites:Sleepy", model, Layout(dp=world_size), engine,
+        return [Case("tests.plants.fake_suites:Sleepy", model, Layout(dp=world_size), engine,
                      CaseOptions(seed=100 * i + PASS), backend, CASE_TIMEOUT_S) for i in range(8)]
 
     def rank_work(self, case, ctx) -> dict[str, Any]:
@@ -164,7 +164,7 @@ class Blind(Mixed):
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
-        cases = [Case("tests.fake_suites:Blind", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + PASS),
+        cases = [Case("tests.plants.fake_suites:Blind", model, Layout(dp=world_size), engine, CaseOptions(seed=100 * i + PASS),
                       backend, CASE_TIMEOUT_S) for i in range(3)]
         return cases[:2] + [cases[2].to_skip(f"needs world size {2 * world_size}, the run has {world_size}")]
 
@@ -196,7 +196,7 @@ class BrokenEnvironment(Mixed):
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
-        return [Case("tests.fake_suites:BrokenEnvironment", model, Layout(dp=world_size), engine,
+        return [Case("tests.plants.fake_suites:BrokenEnvironment", model, Layout(dp=world_size), engine,
                      CaseOptions(seed=100 * i + mode), backend, CASE_TIMEOUT_S) for i, mode in enumerate((PASS, ERROR, PASS))]
 
 
@@ -208,7 +208,7 @@ class OwnErrors(Mixed):
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
-        return [Case("tests.fake_suites:OwnErrors", model, Layout(dp=world_size), engine,
+        return [Case("tests.plants.fake_suites:OwnErrors", model, Layout(dp=world_size), engine,
                      CaseOptions(seed=100 * i + (ERROR if i < 3 else PASS)), backend, CASE_TIMEOUT_S) for i in range(5)]
 
     def rank_work(self, case, ctx) -> dict[str, Any]:
@@ -226,7 +226,7 @@ class Scratch(Mixed):
     def cases(self, model, world_size, layouts, *, engine, backend, options, params=None):
         from harness.spec import Case, CaseOptions, Layout
 
-        return [Case("tests.fake_suites:Scratch", model, Layout(dp=world_size), engine, CaseOptions(seed=i), backend,
+        return [Case("tests.plants.fake_suites:Scratch", model, Layout(dp=world_size), engine, CaseOptions(seed=i), backend,
                      CASE_TIMEOUT_S) for i in range(2)]
 
     def metrics(self, result) -> dict[str, Any]:

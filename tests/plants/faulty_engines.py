@@ -1,4 +1,4 @@
-"""Engines with planted regressions, given to suites by import path (--engine tests.faulty_engines:...)."""
+"""Engines with planted regressions, given to suites by import path (--engine tests.plants.faulty_engines:...)."""
 
 from __future__ import annotations
 

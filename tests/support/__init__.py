@@ -1,0 +1,1 @@
+"""The tests' own tools: ranks for a test function, a headless browser, the phase table."""
