@@ -209,7 +209,7 @@ def test_the_policy_is_scored_through_the_log_prob_head_at_the_temperature_and_a
     failed = _failed(run_suite("refit", "tiny", 2, [TP], engine="tests.plants.faulty_logprobs:TemperatureTwice",
                                backend="gloo", suite_params=quick))
     assert set(failed) == {"refit.policy"}, failed
-    assert re.fullmatch(r"tiny at tp2-pp1-cp1-dp1 on tests\.faulty_logprobs:TemperatureTwice, temperature 0\.7: the "
+    assert re.fullmatch(r"tiny at tp2-pp1-cp1-dp1 on tests\.plants\.faulty_logprobs:TemperatureTwice, temperature 0\.7: the "
                         r"HF model loaded from the stream differs from the Megatron model at \d+/512 held-out tokens "
                         r"\(worst rel \S+ > 1e-05\); first: sample \d+, positions .*", failed["refit.policy"]), failed
 
