@@ -26,6 +26,10 @@ from harness.selection import bisect_command, record_command
 from harness.suite_registry import spec_of
 
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / "baselines"
+# --baselines-dir, declared once: the commands that judge against or record baseline files (run, baselines, bisect,
+# torchrun) and the pytest options of suites/ (suites/conftest.py)
+BASELINES_DIR_FLAG: dict = dict(default=None, help="the directory of the baseline files, <platform>/<suite>.json "
+                                                   "(default: the repository's baselines/)")
 
 
 def baseline_path(baselines_dir: Path | str | None, platform: str, suite: str, stack_key: str | None = None) -> Path:

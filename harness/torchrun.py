@@ -17,6 +17,7 @@ from typing import Any
 
 from harness import driver
 from harness.backends import Backend
+from harness.baselines import BASELINES_DIR_FLAG
 from harness.driver import new_run_dir
 from harness.errors import BadInput
 from harness.launch.context import RankContext
@@ -40,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", **SHARED_FLAGS["--engine"])
     p.add_argument("--backend", **SHARED_FLAGS["--backend"])
     p.add_argument("--out")
-    p.add_argument("--baselines-dir", default=None,
-                   help="baseline files (<platform>/<suite>.json; default: baselines/)")
+    p.add_argument("--baselines-dir", **BASELINES_DIR_FLAG)
     declared = {pf.field: pf for pf in [*option_flags(), *param_flags()]}  # as CaseOptions and StepPerfParams say
     declared["steps"].add_to(p.add_argument)
     declared["timed_steps"].add_to(p.add_argument)

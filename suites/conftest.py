@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.baselines import BASELINES_DIR_FLAG
 from harness.selection import SHARED_FLAGS
 from harness.suite_flags import param_flags
 
@@ -15,7 +16,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for name, keywords in SHARED_FLAGS.items():  # declared once, for the CLI and here
         g.addoption(name, **keywords)
     g.addoption("--results-dir", default=None, help="write <suite>/results.json per suite here")
-    g.addoption("--baselines-dir", default="baselines", help="baseline files (<platform>/<suite>.json)")
+    g.addoption("--baselines-dir", **BASELINES_DIR_FLAG)
     g.addoption("--update-baselines", action="store_true", help="record baselines instead of comparing")
     g.addoption("--fresh-ranks", action="store_true", help="new rank processes per case (no warm pool)")
     g.addoption("--default-models-only", action="store_true",

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from harness import baselines, platform
+from harness.baselines import BASELINES_DIR_FLAG
 from harness.commands.case_args import add_case_args
 from harness.commands.common import existing_baselines_dir
 from harness.errors import BadInput, DoesNotFit, MissingDependency
@@ -27,7 +28,7 @@ def add_parser(sub) -> None:
                    help="record: every baseline the regression suites (pytest suites) look for on this platform, "
                         "world size and backend and lack, suite by suite (--suite: that suite's only)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--baselines-dir", default=None)
+    p.add_argument("--baselines-dir", **BASELINES_DIR_FLAG)
     p.add_argument("--platform", default=None, help="diff: platform key (default: this machine's, e.g. cpu-gloo)")
     p.add_argument("--against", default="HEAD", help="diff: git revision of the old file (default HEAD)")
     p.add_argument("--old", default=None, help="diff: compare with this file instead of a git revision")

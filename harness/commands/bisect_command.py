@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from harness.baselines import BASELINES_DIR_FLAG
 from harness.commands.case_args import add_case_args
 from harness.commands.common import say
 from harness.engine_names import EngineName
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
                             "selection counts), or 'fail': bad when any case does not pass")
         p.add_argument("--max", default=PASS_FAIL, help="bad above this: a number, baseline+P%% or baseline+X")
         p.add_argument("--error-is-bad", action="store_true", help="a case that errors is bad (default: cannot tell)")
-        p.add_argument("--baselines-dir", default=None)
+        p.add_argument("--baselines-dir", **BASELINES_DIR_FLAG)
         p.add_argument("--fresh-ranks", action="store_true")
         p.add_argument("--find-fix", action="store_true",
                        help="the candidates go from bad to good: find the first good one (when a fix landed)"

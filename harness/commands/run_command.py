@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from harness.baselines import BASELINES_DIR_FLAG
 from harness.commands.case_args import add_case_args
 from harness.commands.common import existing_baselines_dir, out_dir
 from harness.errors import BadInput
@@ -23,7 +24,7 @@ def add_parser(sub) -> None:
                    help="start new rank processes for every case instead of reusing warm ones")
     p.add_argument("--shuffle", type=int, metavar="SEED", default=None,
                    help="run the cases in a shuffled order (isolation check)")
-    p.add_argument("--baselines-dir", default=None, help="default: the repository's baselines/")
+    p.add_argument("--baselines-dir", **BASELINES_DIR_FLAG)
     p.set_defaults(func=main)
 
 
