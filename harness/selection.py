@@ -38,6 +38,11 @@ SHARED_FLAGS: dict[str, dict] = {
                       help="auto: nccl where every rank has a GPU of its own, else gloo (ranks on CPU)"),
 }
 
+# --timeout, declared once (the case-selecting commands, torchrun): how long a case may run. The local runner ends
+# its ranks then; under torchrun, whose processes outlive a case, a collective hung that long raises.
+TIMEOUT_FLAG: dict = dict(type=float, default=None, help="per-case timeout in seconds (default 300; under torchrun "
+                                                         "the process group's: a collective hung that long raises)")
+
 
 def variant_argv(variant: str) -> list[str]:
     """The flags that select a case's variant again (`Case.variant`, e.g. 'use_distributed_optimizer=True,

@@ -27,7 +27,7 @@ from harness.outcomes import EXIT_BAD_INPUT, CaseStatus
 from harness.platform.backend import CPU_RANK_ENV, GPU_RANK_ENV, gpus_from_device_files, resolve_backend
 from harness.platform.parallel import release_memory
 from harness.report.terminal import format_run
-from harness.selection import SHARED_FLAGS, option_flags
+from harness.selection import SHARED_FLAGS, TIMEOUT_FLAG, option_flags
 from harness.spec import Case, CaseOptions
 from harness.suite_flags import param_flags
 from harness.suite_registry import default_dtype
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     declared = {pf.field: pf for pf in [*option_flags(), *param_flags()]}  # as CaseOptions and StepPerfParams say
     declared["steps"].add_to(p.add_argument)
     declared["timed_steps"].add_to(p.add_argument)
-    p.add_argument("--timeout", type=float, default=None, help="process-group timeout per case (s)")
+    p.add_argument("--timeout", **TIMEOUT_FLAG)
     p.add_argument("--verbose", action="store_true", help="log every rank's phases to stderr")
     args = p.parse_args(argv)
     if not args.verbose:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.selection import SHARED_FLAGS, option_flags
+from harness.selection import SHARED_FLAGS, TIMEOUT_FLAG, option_flags
 from harness.suite_flags import param_flags
 from harness.suite_registry import SUITES
 
@@ -26,6 +26,6 @@ def add_case_args(p: argparse.ArgumentParser, compare: bool = False, suite_requi
     p.add_argument("--backend", **SHARED_FLAGS["--backend"])
     for pf in option_flags():  # the core training options, as CaseOptions' fields declare them
         pf.add_to(p.add_argument)
-    p.add_argument("--timeout", type=float, default=None, help="per-case timeout in seconds (default 300)")
+    p.add_argument("--timeout", **TIMEOUT_FLAG)
     for pf in param_flags():  # the suites' own parameters, as their types declare them
         pf.add_to(p.add_argument)
