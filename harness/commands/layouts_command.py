@@ -15,8 +15,8 @@ if TYPE_CHECKING:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("layouts", help="list the valid TP/PP/CP/DP (and EP/ETP) layouts of a world size for a model")
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--model", required=True)
+    p.add_argument("--world-size", type=int, required=True, help="the world size whose layouts are listed")
+    p.add_argument("--model", required=True, help="the model they lay out (its heads, layers, experts decide)")
     p.add_argument("--layout", action="append", help="check these layout ids instead of listing all")
     p.set_defaults(func=main)
 

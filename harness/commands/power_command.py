@@ -17,8 +17,10 @@ from harness.tables import table
 def add_parser(sub) -> None:
     p = sub.add_parser("power", help="plant step slowdowns of 0/3/5/10/25%% and print how often step-perf's time "
                                      "check (vs a baseline) and harness compare (interleaved) detect each")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--world-size", type=int, default=2)
+    # smaller than a run's defaults (the suite's model, world size 4): power runs every planted size and mode
+    # `--trials` times, each a run of its own
+    p.add_argument("--model", default="tiny", help="model of every planted run (default tiny)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks of every planted run (default 2)")
     p.add_argument("--layout", default=None, help="default: pure DP over the world size")
     p.add_argument("--trials", type=int, default=5, help="runs per planted size and mode (default 5)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved: rounds per side per comparison (default 3)")
