@@ -116,7 +116,6 @@ class CaseSelection:
         given = {name: getattr(args, dest) for _, name, dest in OPTION_FLAGS}
         given = {name: v for name, v in given.items() if v is not None}  # not given: the field's default
         if "dtype" not in given:  # the suite's for the backend (GPU ranks: step-perf in bf16)
-
             given["dtype"] = default_dtype(args.suite, resolve_backend(args.backend, args.world_size))
         options = CaseOptions(**given)
         return cls(suite=args.suite, model=args.model, world_size=args.world_size, layouts=tuple(args.layout or ()),

@@ -109,7 +109,6 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
         # Warm ranks: the peak is reset per case and the baseline RSS is kept beside it.
         result.memory = RankMemory(rss_before, _status_mib("VmHWM"), proc.thread_count())
     except BaseException as exc:  # noqa: BLE001 - a rank reports everything, including SystemExit
-
         result.ok = False
         result.error = traceback.format_exc()
         if isinstance(exc, MissingDependency):  # this installation cannot run the case: a skip, not a failure
