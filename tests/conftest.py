@@ -87,8 +87,9 @@ def no_leftover_ranks():
 
 @pytest.fixture(autouse=True)
 def unit_tests_start_no_ranks(request, monkeypatch):
-    """The tiers: a test that runs cases on ranks is marked `slow`; the rest - the unit tier, `nox -s unit`
-    (pytest -m "not slow") - starts none, which this holds them to at the one place ranks start or run."""
+    """The tiers: a test that runs cases on ranks is marked `slow` (as is one that starts an interpreter importing
+    torch and megatron); the rest - the unit tier, `nox -s unit` (pytest -m "not slow") - starts no rank, which this
+    holds them to at the one place ranks start or run."""
     if request.node.get_closest_marker("slow") is not None:
         return
 

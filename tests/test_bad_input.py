@@ -297,6 +297,7 @@ def test_a_default_matrix_holds_only_the_layouts_the_path_builds(model):
     assert own and all((c.layout.tp, c.layout.pp, c.layout.cp) == (1, 1, 1) for c in own)
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch and megatron (seconds each)
 def test_a_refusal_after_megatron_was_imported_is_one_line_in_a_fresh_process(tmp_path):
     """dynamic-cp probes megatron-core's API while planning; its import-time warnings (Transformer Engine and Apex
     missing) are not part of a refusal's one line."""

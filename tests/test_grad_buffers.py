@@ -93,6 +93,7 @@ def test_the_plan_counts_what_megatron_builds_for_every_shipped_model_up_to_worl
         assert not got["differ"], f"{name}: " + "\n".join(got["differ"][:10])
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch and megatron (seconds each)
 @pytest.mark.skipif(bool(fake_process_group_missing()), reason=fake_process_group_missing())
 def test_the_plan_counts_what_megatron_builds_for_tiny_up_to_world_size_8():
     """The fast tier's representative of the sweep above (every shipped model: nightly)."""
@@ -114,6 +115,7 @@ print(json.dumps(fw.judge("tiny")))
 """
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch and megatron (seconds each)
 @pytest.mark.skipif(bool(fake_process_group_missing()), reason=fake_process_group_missing())
 def test_an_arithmetic_that_forgets_a_weight_differs_from_the_fake_world_build():
     """The plant: the spec's arithmetic without the final layernorm (as it was without qk_layernorm once)."""

@@ -80,6 +80,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch and megatron (seconds each)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gloo_threads_start_openmp_pools_only_where_aten_has_more_than_one_thread(tmp_path, threads):
     """Why a gloo rank runs one thread: each gloo thread that copies an all-gather's output starts an OpenMP pool

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from harness.launch.rank_imports import deferred_compile
@@ -39,6 +40,7 @@ def test_a_function_compiled_while_importing_is_compiled_at_its_first_call(monke
     assert compiles[1:] == [(add_one, {"mode": "max-autotune"}), (add_one, {"dynamic": True})]  # once each
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch and megatron (seconds each)
 def test_a_cpu_rank_imports_megatron_without_inductor():
     script = """
 import sys, torch

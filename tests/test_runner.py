@@ -78,6 +78,7 @@ def test_consecutive_cases_do_not_collide():
     assert [r.status for r in results] == ["ok"] * 3, [r.error for r in results]
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch and megatron (seconds each)
 def test_ranks_die_with_a_killed_parent():
     code = ("from tests.test_runner import case; from harness.launch import run_case; "
             "from tests.plants import fake_suites as fs; run_case(case(fs.SLEEP, timeout_s=600))")

@@ -49,6 +49,7 @@ def test_every_megatron_core_name_the_harness_imports_is_on_the_installed_stack(
                          + "\n".join(missing))
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch and megatron (seconds each)
 def test_every_bridge_name_the_harness_imports_is_on_the_installed_stack():
     pytest.importorskip("transformers")
     from harness.engines.megatron_bridge_import import import_bridge

@@ -83,6 +83,7 @@ def test_peft_export_at_one_layout_cannot_tell_and_the_memory_check_on_tiny_neit
     assert alone.inconclusive and alone.message.endswith("needs world size 2 or more")
 
 
+@pytest.mark.slow  # starts an interpreter that imports torch and megatron (seconds each)
 def test_a_suites_session_in_which_nothing_was_judged_does_not_pass(tmp_path):
     """`pytest suites` where every selected suite needs more ranks: each test skips naming them, and the
     session exits 5 (pytest's "no tests"), not 0 - on a pytest-xdist worker, as `nox -s cpu-suite` runs them (on
