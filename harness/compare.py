@@ -159,7 +159,6 @@ def most_other_load(side: dict[str, CaseSamples]) -> float | None:
 def other_load_line(a: dict[str, CaseSamples], b: dict[str, CaseSamples], judged_busy: bool) -> str:
     """What other processes used of the machine while each side was timed ('' where nothing was measured); where
     it passed FOREIGN_LIMIT and some case is slower or cannot tell, the way out."""
-
     share_a, share_b = most_other_load(a), most_other_load(b)
     if share_a is None and share_b is None:
         return ""
@@ -232,7 +231,6 @@ def sides_from_args(args, cache: Path) -> tuple[Side, Side]:
 def compare_main(args, sel: CaseSelection, say: Callable[[str], None], plans: dict[str, Plan]) -> int:
     """`harness compare` after its input was checked: sel selects the cases, args the sides and rounds, plans holds
     the in-process sides' plans (plan_sides)."""
-
     cache = Path(args.cache or Path.home() / ".cache" / "harness-bisect")
     cache.mkdir(parents=True, exist_ok=True)
     a, b = sides_from_args(args, cache)

@@ -122,6 +122,7 @@ def plan(selection: CaseSelection | str | Suite, model_name: str | None = None, 
 
 def refusal(factory: Any, model: ModelSpec, layout: Layout) -> str | None:
     """Why the engine factory cannot build the model at the layout (RefusesCases); None where it can."""
+
     return factory.refusal(model, layout) if isinstance(factory, RefusesCases) else None
 
 
@@ -146,7 +147,6 @@ def buildable(cases: list[Case], factory: Any, engine: str) -> list[Case]:
 def refuse_what_does_not_fit(cases: list[Case], backend: Backend, local_world_size: int) -> None:
     """DoesNotFit (exit 2, a skip in pytest) for the first case the training-memory model predicts will not fit
     the memory a rank has, before any rank starts; local_world_size: the ranks sharing this node."""
-
     if not cases:
         return
     available = platform_backend.memory_per_rank(backend, local_world_size)

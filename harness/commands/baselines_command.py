@@ -67,7 +67,6 @@ def main(args) -> int:
 
 def diff(args) -> int:
     """The suite's baseline file against a git revision of it (--against) or another file (--old)."""
-
     suite = get_suite(args.suite)
     key = args.platform or platform.detect_platform(resolve_backend(args.backend, args.world_size)).key
     path = baselines.suite_path(args.baselines_dir, key, suite.name)

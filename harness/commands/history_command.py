@@ -69,7 +69,6 @@ def ingest(args) -> int:
 def show(args) -> int:
     from datetime import date
 
-
     if args.since:
         try:
             date.fromisoformat(args.since)

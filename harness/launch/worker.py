@@ -89,14 +89,12 @@ def run_rank(case: Case, ctx: RankContext, *, own_process_group: bool = True,
     ends_process (a rank of one case, exec'd or forked per case): the process ends after the case whatever its
     outcome, so nothing is torn down (0.4-0.5 s of groups destroyed and memory collected a case on 2 cores).
     """
-
     adjustments.take()  # nothing a previous case noted belongs to this one
     result = ctx.result
     try:
         rss_before = _reset_peak_rss()
         with ctx.phase("imports"):
             import torch  # noqa: F401
-
 
             suite = load_suite(case.suite_ref or case.suite)
             import_modules(suite.imports, on_cpu=case.backend != Backend.NCCL)
@@ -152,7 +150,6 @@ def pool_main(pool_dir: Path) -> None:
     After each case it checks that nothing leaked (harness.launch.isolation); a failed or leaking
     case is the last one this rank runs (the pool then starts fresh ranks).
     """
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = Backend(os.environ["HARNESS_BACKEND"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))

@@ -38,7 +38,6 @@ def _versions() -> dict[str, str]:  # `git status`); what a run records is the c
 def engine_distribution(engine: str) -> dict[str, str | None]:
     """The installed distribution that provides an engine, and its version: for `pkg.mod:factory` the
     distribution of `pkg` (None when it is not installed as one, e.g. a module on PYTHONPATH)."""
-
     if engine in BUILTIN:  # a built-in engine: what is judged is the package it builds with
         dists: dict[str, str] = {EngineName.MBRIDGE: "mbridge", EngineName.MEGATRON_BRIDGE: "megatron-bridge",
                                  EngineName.FSDP2: "torch"}

@@ -131,7 +131,7 @@ class RLCycleSuite:
         if p.rl_variant == Kind.LORA and model.moe:
             raise BadInput(f"--rl-variant lora is judged on a dense model here: the merged refit of LoRA on experts "
                            f"is not mapped yet; give --model tiny, not {model.name}")
-        if p.rl_variant in EXPERT_BIAS_VARIANTS and not model.moe:
+        if p.rl_variant in (Kind.EXPERT_BIAS, Kind.REPLAYED_BIAS, Kind.FROZEN_ROUTER) and not model.moe:
             raise BadInput(f"--rl-variant {p.rl_variant} needs an MoE model (its routers' expert bias): give --model "
                            "tiny-moe")
         if layouts is not None:
