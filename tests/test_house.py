@@ -45,26 +45,31 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def imported(node: ast.AST, module: str, is_pkg: bool, files: dict) -> list[str]:
+    """The modules an import statement in `module` names; `from pkg import sub` names the submodule, not the
+    package's __init__; a relative import resolved against `module`."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:  # relative
+        anchor = module.split(".") if is_pkg else module.split(".")[:-1]
+        anchor = anchor[:len(anchor) - node.level + 1]
+        base = ".".join(anchor + ([base] if base else []))
+    subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files]
+    return subs + ([base] if len(subs) < len(node.names) else [])
+
+
 def import_graph(root: Path, package: str) -> dict[str, set[str]]:
     """module -> the modules of `package` it imports (lazy and TYPE_CHECKING imports included: a reader
-    follows them all); `from pkg import sub` names the submodule, not the package's __init__."""
+    follows them all)."""
     files = {_module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for module, path in files.items():
         is_pkg = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative
-                    anchor = module.split(".") if is_pkg else module.split(".")[:-1]
-                    anchor = anchor[:len(anchor) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files]
-                targets = subs + ([base] if len(subs) < len(node.names) else [])
-            graph[module].update(t for t in targets if t in files and t != module)
+            graph[module].update(t for t in imported(node, module, is_pkg, files) if t in files and t != module)
     return graph
 
 
@@ -195,20 +200,12 @@ def module_imports(root: Path, package: str) -> tuple[dict[str, set[str]], set[s
     heavy: set[str] = set()
     deferred: list[tuple[str, str, int]] = []
 
-    def targets(node: ast.AST) -> list[str]:
-        if isinstance(node, ast.Import):
-            return [a.name for a in node.names]
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in files]
-            return subs + ([node.module] if len(subs) < len(node.names) else [])
-        return []
-
     def walk(module: str, node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
                 continue
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                names = targets(child)
+                names = imported(child, module, files[module].name == "__init__.py", files)
                 ours = [t for t in names if t in files]
                 if in_function:
                     deferred.extend((module, t, child.lineno) for t in ours)
